@@ -1,0 +1,126 @@
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from reference.formats import FORMATS, get_format
+
+NARROW = [n for n in FORMATS if n not in ("fp64",)]
+ML = [n for n, f in FORMATS.items() if f.ml_dtype is not None]
+
+
+def _random_fp32_values(n=50_000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mant = torch.randn(n, generator=g, dtype=torch.float64)
+    scale = torch.exp2(torch.randint(-30, 30, (n,), generator=g).double())
+    return (mant * scale).float().double()
+
+
+@pytest.mark.parametrize("name", ML)
+def test_nearest_matches_ml_dtypes_on_fp32_input(name):
+    # From fp32 input ml_dtypes rounds once, so it is a correct oracle there.
+    f = FORMATS[name]
+    x = _random_fp32_values()
+    ref = x.numpy().astype(np.float32).astype(f.ml_dtype).astype(np.float64)
+    got = f.round(x).numpy()
+    same = (got == ref) | (np.isnan(got) & np.isnan(ref))
+    assert same.all(), f"{(~same).sum()} of {x.numel()} differ; first x={x[~torch.from_numpy(same)][:3]}"
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp16", "bf16"])
+def test_nearest_matches_torch_cast_from_fp32(name):
+    f = FORMATS[name]
+    x = _random_fp32_values(seed=1)
+    ref = x.float().to(f.torch_dtype).double()
+    assert torch.equal(f.round(x), ref)
+
+
+def test_single_rounding_from_fp64_where_fp32_path_double_rounds():
+    # 1 + 2^-8 + 2^-40: above the bf16 midpoint 1 + 2^-8, so it rounds up to 1 + 2^-7.
+    # Through fp32 the 2^-40 is lost, leaving an exact tie that rounds to even (1.0).
+    x = torch.tensor([1 + 2**-8 + 2**-40, 1 + 2**-11 + 2**-40], dtype=torch.float64)
+    bf16, fp16 = FORMATS["bf16"], FORMATS["fp16"]
+    assert bf16.round(x[:1]).item() == 1 + 2**-7
+    assert x[:1].numpy().astype(ml_dtypes.bfloat16).astype(np.float64)[0] == 1.0  # double rounding
+    assert fp16.round(x[1:]).item() == 1 + 2**-10
+    assert x[1:].float().half().item() == 1.0
+
+
+@pytest.mark.parametrize("name,overflow", [("fp16", math.inf), ("bf16", math.inf),
+                                           ("fp8_e5m2", math.inf), ("fp8_e4m3fn", math.nan),
+                                           ("fp8_e4m3fnuz", math.nan), ("fp4_e2m1fn", 6.0)])
+def test_overflow_as_the_real_type_and_saturate_option(name, overflow):
+    f = FORMATS[name]
+    big = torch.tensor([f.max_finite * 4], dtype=torch.float64)
+    got = f.round(big).item()
+    assert (math.isnan(got) and math.isnan(overflow)) or got == overflow
+    assert f.round(big, saturate=True).item() == f.max_finite
+    assert f.round(-big, saturate=True).item() == -f.max_finite
+    # Just below the overflow threshold (max + ulp/2) stays at max.
+    edge = torch.tensor([f.max_finite + 0.49 * f.ulp(f.max_finite).item()], dtype=torch.float64)
+    assert f.round(edge).item() == f.max_finite
+
+
+def test_e4m3fn_inf_input_is_nan_unless_saturated():
+    f = FORMATS["fp8_e4m3fn"]
+    x = torch.tensor([math.inf, -math.inf], dtype=torch.float64)
+    assert f.round(x).isnan().all()
+    assert f.round(x, saturate=True).tolist() == [448.0, -448.0]
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16", "fp8_e4m3fn"])
+def test_stochastic_rounding_is_unbiased_and_seeded(name):
+    f = FORMATS[name]
+    x = torch.full((400_000,), 1.0 + 0.3 * f.eps, dtype=torch.float64)
+    r = f.round(x, "stochastic", seed=3)
+    assert set(r.unique().tolist()) == {1.0, 1.0 + f.eps}
+    frac_up = (r > 1).double().mean().item()
+    assert abs(frac_up - 0.3) < 5 * math.sqrt(0.3 * 0.7 / x.numel())
+    assert torch.equal(r, f.round(x, "stochastic", seed=3))
+    assert not torch.equal(r, f.round(x, "stochastic", seed=4))
+
+
+def test_toward_zero_truncates_both_signs():
+    f = FORMATS["bf16"]
+    x = torch.tensor([1 + 0.9 * f.eps, -(1 + 0.9 * f.eps)], dtype=torch.float64)
+    assert f.round(x, "toward_zero").tolist() == [1.0, -1.0]
+
+
+@pytest.mark.parametrize("name,expected", [("fp16", 2048.0), ("bf16", 256.0), ("fp8_e4m3fn", 16.0),
+                                           ("fp8_e5m2", 8.0), ("fp32", 2.0**24), ("tf32", 2048.0)])
+def test_stall_point_of_one(name, expected):
+    assert FORMATS[name].stall_point(1.0) == expected
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2"])
+@pytest.mark.parametrize("d", [1.0, 0.75, 1e-3, 3.0, 0.1])
+def test_stall_point_is_the_smallest_stuck_value(name, d):
+    f = FORMATS[name]
+    s = f.stall_point(d)
+    if math.isinf(s):
+        pytest.skip("overflows before it stalls")
+    # every representable value at or above s (within its binade) is stuck, the one below is not
+    vals = torch.tensor([s, s + f.ulp(s).item() * 2], dtype=torch.float64)
+    assert torch.equal(f.round(vals + d), vals)
+    if s > 0:
+        below = s - f.ulp(s / 2).item()
+        assert f.round(torch.tensor([below + d], dtype=torch.float64)).item() != below
+
+
+def test_ulp_and_fnuz_zero():
+    assert FORMATS["fp16"].ulp(1024.0).item() == 1.0
+    assert FORMATS["fp16"].ulp(2048.0).item() == 2.0
+    assert FORMATS["fp16"].ulp(0.0).item() == 2.0**-24
+    z = FORMATS["fp8_e4m3fnuz"].round(torch.tensor([-1e-9], dtype=torch.float64))
+    assert z.item() == 0 and not torch.signbit(z).item()
+
+
+def test_unknown_format_names_the_choices():
+    with pytest.raises(ValueError, match="fp16"):
+        get_format("fp17")
+    with pytest.raises(ValueError, match="stochastic"):
+        FORMATS["fp16"].round(torch.zeros(1), "up")
+    with pytest.raises(ValueError, match="seed"):
+        FORMATS["fp16"].round(torch.zeros(1), "stochastic")

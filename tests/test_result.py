@@ -1,0 +1,46 @@
+import json
+
+import pytest
+
+from probes.result import Result, SchemaError, load_results, save_results
+
+
+def _r(**kw):
+    base = dict(probe="numerics.bias", target="t", verdict="fail", metrics={"bias": -1e-3, "x": float("nan")},
+                evidence={"rows": [1, 2]}, seed=7, codes=["TP-B1"], message="m")
+    base.update(kw)
+    return Result(**base)
+
+
+def test_roundtrip_json():
+    r = _r()
+    back = Result.from_json(r.to_json())
+    assert back.to_dict() == r.to_dict()
+    assert back.metrics["x"] == "nan" and back.seed == 7
+
+
+def test_report_roundtrip_and_atomic(tmp_path):
+    p = save_results(tmp_path / "r.json", [_r(), _r(target="u", verdict="pass", codes=[])], suite="s")
+    results, meta = load_results(p)
+    assert [r.target for r in results] == ["t", "u"] and meta["suite"] == "s"
+    assert [f.name for f in tmp_path.iterdir()] == ["r.json"]  # no temp file left behind
+
+
+def test_truncated_and_newer_schema_refused(tmp_path):
+    p = save_results(tmp_path / "r.json", [_r()])
+    p.write_text(p.read_text()[:50])
+    with pytest.raises(SchemaError, match="not valid JSON"):
+        load_results(p)
+    doc = {"schema_version": 99, "results": []}
+    p.write_text(json.dumps(doc))
+    with pytest.raises(SchemaError, match="newer"):
+        load_results(p)
+    with pytest.raises(SchemaError, match="does not exist"):
+        load_results(tmp_path / "missing.json")
+
+
+def test_bad_verdict_and_code():
+    with pytest.raises(ValueError, match="verdict"):
+        _r(verdict="ok")
+    with pytest.raises(ValueError, match="TP-X9"):
+        _r(codes=["TP-X9"])
