@@ -1,0 +1,382 @@
+"""The pre-merge gate: compare a candidate report with a baseline and say what regressed.
+
+Exit codes (`GateReport.exit_code`): 0 no unwaived regression, 1 at least one, 2 the gate
+cannot judge (a report is missing, corrupt, or of another schema: it fails closed).
+
+Regressions, each with a code from probes.result.CODES so a reviewer can search and waive it:
+  TP-G1  a probe present in the baseline is missing from the candidate;
+  TP-C1  a target that was causal now leaks (metric `causal` True -> False);
+  TP-G2  a bias significantly larger: one-sided z-test on |bias| with both standard errors;
+  TP-G3  drift significantly worse (same test on `mean_log_ratio`), or a drift verdict that
+         went over its threshold;
+  TP-B3  lower revealed accumulator precision (`accumulator_mantissa_bits` decreased);
+  TP-E1  the probe errored in the candidate;
+  and any other result whose verdict went from pass/warn to fail keeps the candidate's codes.
+Waivers name a code, a target (exact, or an fnmatch pattern) and a reason, and expire.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from datetime import date, timedelta
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+from probes.result import CODES, Result, SchemaError, load_results
+
+# Metric names probes use for a bias estimate and its standard error. The gate reads the
+# first pair present in both Results; a CI (low, high) at 95% stands in for a missing SE.
+BIAS_KEYS = (
+    ("bias", "bias_se"),
+    ("mean_rel_error", "mean_rel_error_se"),
+    ("mean_signed_rel_error", "mean_signed_rel_error_se"),
+)
+DRIFT_KEYS = (("mean_log_ratio", "mean_log_ratio_se"),)
+Z95 = 1.959963984540054
+
+
+class CannotJudge(Exception):
+    """The gate cannot compare: exit 2, with the reason."""
+
+
+@dataclass(frozen=True)
+class Waiver:
+    code: str
+    target: str
+    reason: str
+    expires: date
+
+    def matches(self, code: str, result_key: str, target: str) -> bool:
+        return code == self.code and (fnmatchcase(target, self.target)
+                                      or fnmatchcase(result_key, self.target))
+
+
+@dataclass
+class Regression:
+    code: str
+    probe: str
+    target: str
+    what: str              # one sentence: what regressed and by how much
+    baseline: str = ""     # the baseline figure, formatted
+    candidate: str = ""    # the candidate figure, formatted
+    evidence: str = ""     # statistic or message that backs it
+    waived_by: Waiver | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.probe}::{self.target}"
+
+
+@dataclass
+class GateReport:
+    regressions: list[Regression] = field(default_factory=list)
+    expired_waivers: list[Waiver] = field(default_factory=list)
+    unused_waivers: list[Waiver] = field(default_factory=list)
+    compared: int = 0
+    cannot_judge: str | None = None
+
+    @property
+    def blocking(self) -> list[Regression]:
+        return [r for r in self.regressions if r.waived_by is None]
+
+    @property
+    def waived(self) -> list[Regression]:
+        return [r for r in self.regressions if r.waived_by is not None]
+
+    @property
+    def exit_code(self) -> int:
+        if self.cannot_judge is not None:
+            return 2
+        return 1 if self.blocking else 0
+
+    def to_dict(self) -> dict:
+        def reg(r):
+            d = {k: getattr(r, k) for k in ("code", "probe", "target", "what", "baseline",
+                                              "candidate", "evidence")}
+            d["waived_by"] = None if r.waived_by is None else _waiver_dict(r.waived_by)
+            return d
+        return {"exit_code": self.exit_code, "compared": self.compared,
+                "cannot_judge": self.cannot_judge,
+                "regressions": [reg(r) for r in self.regressions],
+                "expired_waivers": [_waiver_dict(w) for w in self.expired_waivers],
+                "unused_waivers": [_waiver_dict(w) for w in self.unused_waivers]}
+
+    def to_markdown(self) -> str:
+        return render_markdown(self)
+
+
+def _waiver_dict(w: Waiver) -> dict:
+    return {"code": w.code, "target": w.target, "reason": w.reason,
+            "expires": w.expires.isoformat()}
+
+
+# --- waivers -----------------------------------------------------------------------------
+
+def parse_waivers(doc, source: str = "waivers") -> list[Waiver]:
+    """Waivers from a parsed document: {"waiver": [{code, target, reason, expires}, ...]}.
+
+    A bare list of waiver objects is accepted too. Every field is required: a waiver
+    without an expiry is a permanent hole in the gate.
+    """
+    if isinstance(doc, dict):
+        items = doc.get("waiver", doc.get("waivers"))
+        if items is None:
+            raise ValueError(f"{source}: expected a [[waiver]] table list (TOML) or "
+                             f'{{"waivers": [...]}} (JSON), found keys {sorted(doc)!r}')
+    else:
+        items = doc
+    if not isinstance(items, list):
+        raise ValueError(f"{source}: waivers={items!r} must be a list of tables")
+    out = []
+    for i, w in enumerate(items):
+        where = f"{source}: waiver[{i}]"
+        if not isinstance(w, dict):
+            raise ValueError(f"{where}={w!r} must be a table with code, target, reason, expires")
+        missing = [k for k in ("code", "target", "reason", "expires") if not w.get(k)]
+        if missing:
+            raise ValueError(f"{where} is missing {missing!r}; every waiver needs code, "
+                             "target, reason and expires (YYYY-MM-DD)")
+        if w["code"] not in CODES:
+            raise ValueError(f"{where} code={w['code']!r} is not a known code; "
+                             f"known: {', '.join(sorted(CODES))}")
+        exp = w["expires"]
+        if isinstance(exp, str):
+            try:
+                exp = date.fromisoformat(exp)
+            except ValueError:
+                raise ValueError(f"{where} expires={w['expires']!r} is not a date; "
+                                 "write YYYY-MM-DD") from None
+        if not isinstance(exp, date):
+            raise ValueError(f"{where} expires={exp!r} is not a date; write YYYY-MM-DD")
+        if hasattr(exp, "date"):  # a TOML datetime: keep the day
+            exp = exp.date()
+        out.append(Waiver(str(w["code"]), str(w["target"]), str(w["reason"]), exp))
+    return out
+
+
+def load_waivers(path) -> list[Waiver]:
+    """Read waivers from a .toml or .json file. Raises CannotJudge when it cannot."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise CannotJudge(f"waivers file {str(path)!r} cannot be read: {e}") from e
+    try:
+        if path.suffix == ".json":
+            doc = json.loads(text)
+        else:
+            import tomllib
+            doc = tomllib.loads(text)
+    except Exception as e:  # json.JSONDecodeError, tomllib.TOMLDecodeError
+        raise CannotJudge(f"waivers file {str(path)!r} is not valid "
+                          f"{'JSON' if path.suffix == '.json' else 'TOML'}: {e}") from e
+    try:
+        return parse_waivers(doc, source=str(path))
+    except ValueError as e:
+        raise CannotJudge(str(e)) from e
+
+
+# --- statistics --------------------------------------------------------------------------
+
+def _num(v):
+    """A finite or infinite float from a metric value, or None."""
+    if isinstance(v, bool) or v is None:
+        return None
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str) and v in ("nan", "inf", "-inf"):
+        return float(v)
+    return None
+
+
+def estimate(metrics: dict, keys) -> tuple[str, float, float] | None:
+    """(name, value, standard error) for the first known estimate present in metrics."""
+    for name, se_name in keys:
+        value = _num(metrics.get(name))
+        if value is None or math.isnan(value):
+            continue
+        se = _num(metrics.get(se_name))
+        if se is None:
+            lo, hi = _num(metrics.get(f"{name}_ci_low")), _num(metrics.get(f"{name}_ci_high"))
+            if lo is not None and hi is not None:
+                se = (hi - lo) / (2 * Z95)
+        if se is not None and not math.isnan(se):
+            return name, value, abs(se)
+    return None
+
+
+def larger_magnitude(base: tuple[float, float], cand: tuple[float, float],
+                     alpha: float) -> tuple[bool, float, float]:
+    """One-sided z-test that |cand| > |base|: (significant, z, p).
+
+    z = (|b_c| - |b_b|) / sqrt(se_b^2 + se_c^2), the difference of two independent means.
+    Testing magnitudes makes a bias that flips sign and grows count too. With both standard
+    errors zero (deterministic probes) any increase is certain.
+    """
+    from statistics import NormalDist
+    (bb, sb), (bc, sc) = base, cand
+    diff = abs(bc) - abs(bb)
+    se = math.hypot(sb, sc)
+    if se == 0.0:
+        z = math.inf if diff > 0 else (0.0 if diff == 0 else -math.inf)
+    else:
+        z = diff / se
+    p = 1.0 - NormalDist().cdf(z) if math.isfinite(z) else (0.0 if z > 0 else 1.0)
+    return p < alpha, z, p
+
+
+# --- comparison --------------------------------------------------------------------------
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _compare_pair(b: Result, c: Result, alpha: float) -> list[Regression]:
+    regs: list[Regression] = []
+
+    def add(code, what, base="", cand="", ev=""):
+        regs.append(Regression(code, c.probe, c.target, what, base, cand, ev))
+
+    if c.verdict == "error":
+        add("TP-E1", "the probe errored in the candidate, so the change cannot be checked",
+            b.verdict, "error", c.message)
+        return regs
+    bm, cm = b.metrics, c.metrics
+    if bm.get("causal") is True and cm.get("causal") is False:
+        n = cm.get("n_leaks")
+        add("TP-C1", "was causal, now leaks future tokens into earlier decisions",
+            "causal", f"leaks ({n} leaks)" if n is not None else "leaks", c.message)
+    for code, keys, label in (("TP-G2", BIAS_KEYS, "bias"), ("TP-G3", DRIFT_KEYS, "drift")):
+        eb, ec = estimate(bm, keys), estimate(cm, keys)
+        if eb and ec and eb[0] == ec[0]:
+            sig, z, p = larger_magnitude(eb[1:], ec[1:], alpha)
+            if sig:
+                ratio = abs(ec[1]) / abs(eb[1]) if eb[1] else math.inf
+                add(code, f"{label} `{ec[0]}` significantly larger in magnitude "
+                    f"({'x' + _fmt(ratio) if math.isfinite(ratio) else 'from zero'})",
+                    f"{eb[1]:.4g} ± {eb[2]:.2g}", f"{ec[1]:.4g} ± {ec[2]:.2g}",
+                    f"one-sided z = {_fmt(z)}, p = {p:.2g} < alpha = {alpha}")
+    bb, cb = _num(bm.get("accumulator_mantissa_bits")), _num(cm.get("accumulator_mantissa_bits"))
+    if bb is not None and cb is not None and cb < bb:
+        add("TP-B3", f"revealed accumulator precision fell by {bb - cb:g} mantissa bits",
+            f"{bb:g} bits", f"{cb:g} bits", c.message)
+    if "TP-D3" in c.codes and "TP-D3" not in b.codes:
+        add("TP-G3", "drift went over its threshold", b.verdict, c.verdict, c.message)
+    if b.passed and c.verdict == "fail" and not regs:
+        # Any other probe whose verdict worsened keeps the probe's own codes.
+        for code in (c.codes or ["TP-E1"]):
+            add(code, f"verdict went from {b.verdict} to fail ({CODES.get(code, code)})",
+                b.verdict, c.verdict, c.message)
+    return regs
+
+
+def compare(baseline: list[Result], candidate: list[Result], *, waivers=(),
+            alpha: float = 0.01, today: date | None = None) -> GateReport:
+    """Compare two lists of Results matched by `Result.key`; apply unexpired waivers."""
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"alpha={alpha!r} must be in (0, 1), e.g. 0.01")
+    today = today or date.today()
+    base = {r.key: r for r in baseline}
+    cand = {r.key: r for r in candidate}
+    report = GateReport()
+    for key, b in base.items():
+        c = cand.get(key)
+        if c is None:
+            report.regressions.append(Regression(
+                "TP-G1", b.probe, b.target, "probe present in the baseline is missing from the "
+                "candidate, so it was not checked", b.verdict, "missing"))
+            continue
+        report.compared += 1
+        report.regressions.extend(_compare_pair(b, c, alpha))
+    for key, c in cand.items():
+        if key not in base and c.verdict in ("fail", "error"):
+            for code in (c.codes or ["TP-E1"]):
+                report.regressions.append(Regression(
+                    code, c.probe, c.target, f"new probe fails ({CODES.get(code, code)})",
+                    "absent", c.verdict, c.message))
+    live = [w for w in waivers if w.expires >= today]
+    report.expired_waivers = [w for w in waivers if w.expires < today]
+    used = set()
+    for r in report.regressions:
+        for w in live:
+            if w.matches(r.code, r.key, r.target):
+                r.waived_by = w
+                used.add(w)
+                break
+    report.unused_waivers = [w for w in live if w not in used]
+    return report
+
+
+def gate_files(baseline_path, candidate_path, waivers_path=None, *, alpha: float = 0.01,
+               today: date | None = None) -> GateReport:
+    """Load both reports (and waivers) and compare; any fault to read is `cannot_judge`."""
+    try:
+        waivers = load_waivers(waivers_path) if waivers_path else []
+        try:
+            baseline, _ = load_results(baseline_path)
+        except SchemaError as e:
+            raise CannotJudge(f"baseline: {e}") from e
+        try:
+            candidate, _ = load_results(candidate_path)
+        except SchemaError as e:
+            raise CannotJudge(f"candidate: {e}") from e
+        if not baseline:
+            raise CannotJudge(f"baseline {str(baseline_path)!r} holds no results: nothing to "
+                              "compare against; regenerate it with `trainprobes audit`")
+    except CannotJudge as e:
+        return GateReport(cannot_judge=str(e))
+    return compare(baseline, candidate, waivers=waivers, alpha=alpha, today=today)
+
+
+# --- Markdown verdict --------------------------------------------------------------------
+
+def _cell(s: str) -> str:
+    return str(s).replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(report: GateReport) -> str:
+    """The verdict a reviewer reads in a PR: what regressed, by how much, evidence, waiver."""
+    if report.cannot_judge is not None:
+        return ("## trainprobes gate: CANNOT JUDGE (exit 2)\n\n"
+                f"{report.cannot_judge}\n\nThe gate fails closed: fix the report and rerun.\n")
+    lines = []
+    blocking, waived = report.blocking, report.waived
+    head = "BLOCKED" if blocking else "PASSED"
+    lines.append(f"## trainprobes gate: {head} (exit {report.exit_code})\n")
+    lines.append(f"{report.compared} probe(s) compared; {len(blocking)} regression(s), "
+                 f"{len(waived)} waived.\n")
+    if blocking:
+        lines.append("### Regressions\n")
+        lines.append("| code | probe | target | what | baseline | candidate | evidence |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for r in blocking:
+            lines.append("| " + " | ".join(_cell(x) for x in (
+                f"`{r.code}`", r.probe, f"`{r.target}`", r.what, r.baseline, r.candidate,
+                r.evidence)) + " |")
+        lines.append("\nTo waive one, add to the waivers file (and say why):\n")
+        lines.append("```toml")
+        r = blocking[0]
+        lines += ["[[waiver]]", f'code = "{r.code}"', f'target = "{r.target}"',
+                  'reason = "<why this regression is accepted>"',
+                  f'expires = "{(date.today() + timedelta(days=30)).isoformat()}"', "```\n"]
+    if waived:
+        lines.append("### Waived\n")
+        for r in waived:
+            w = r.waived_by
+            lines.append(f"- `{r.code}` {r.probe} `{r.target}`: {r.what}. Waived until "
+                         f"{w.expires.isoformat()}: {w.reason}")
+        lines.append("")
+    if report.expired_waivers:
+        lines.append("### Expired waivers (not applied)\n")
+        for w in report.expired_waivers:
+            lines.append(f"- `{w.code}` `{w.target}` expired {w.expires.isoformat()}: {w.reason}")
+        lines.append("")
+    if report.unused_waivers:
+        lines.append("### Unused waivers (nothing matched; remove them)\n")
+        for w in report.unused_waivers:
+            lines.append(f"- `{w.code}` `{w.target}` (until {w.expires.isoformat()})")
+        lines.append("")
+    return "\n".join(lines)
