@@ -1,4 +1,21 @@
-"""pytest plugin for training CI (entry point pytest11). Kept light: no torch at import."""
+"""pytest plugin for training CI (entry point pytest11).
+
+Kept light: importing it imports neither torch nor any probe; a probe is imported when a
+fixture method calls it, torch when a `gpu`-marked test is about to run.
+
+  def test_router_is_causal(trainprobes):
+      trainprobes.assert_causal(my_router, tokens)           # fails with the leaks shown
+
+Every Result a test produces is recorded: shown in a terminal summary section, attached to
+the test's JUnit XML properties, written by `--trainprobes-report PATH` as one report, and
+compared by `--trainprobes-baseline PATH` with the gate (a regression fails the session).
+Under pytest-xdist the workers send their Results to the controller (`workeroutput`).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
 
 MARKERS = {
     "numerics": "low-precision numerics probes (bias, stall, accumulator)",
@@ -7,8 +24,204 @@ MARKERS = {
     "distributed": "runs real collectives on torch.distributed",
     "gpu": "needs CUDA; skipped with a reason where there is none",
 }
+OPTIONS = {
+    "report": "write every trainprobes Result of the session to PATH as one report.json",
+    "baseline": "fail the session when its Results regress against this report.json",
+    "waivers": "waivers (TOML or JSON) applied when comparing with the baseline",
+}
+WORKER_KEY = "trainprobes_results"
+
+
+class Recorder:
+    """The session's Results, in order; lives on config.stash (no module-level state)."""
+
+    def __init__(self):
+        self.results = []       # probes.result.Result, target suffixed with the test id
+        self.gate = None        # probes.gate.GateReport once compared
+
+    def add(self, result) -> None:
+        self.results.append(result)
+
+    def add_worker_output(self, text: str) -> None:
+        from probes.result import Result
+        self.results.extend(Result.from_dict(d) for d in json.loads(text))
+
+
+RECORDER = pytest.StashKey[Recorder]()
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("trainprobes", "trainprobes: numerics, causality and drift probes")
+    for name, doc in OPTIONS.items():
+        group.addoption(f"--trainprobes-{name}", metavar="PATH", default=None,
+                        help=f"{doc} (ini: trainprobes_{name})")
+        parser.addini(f"trainprobes_{name}", doc, default=None)
+
+
+def _option(config, name: str):
+    value = config.getoption(f"--trainprobes-{name}")
+    return value if value is not None else (config.getini(f"trainprobes_{name}") or None)
 
 
 def pytest_configure(config):
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
+    config.stash[RECORDER] = Recorder()
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_XdistController(config), "trainprobes-xdist")
+
+
+class _XdistController:
+    """Registered only where xdist is installed (its hook is unknown to pytest otherwise)."""
+
+    def __init__(self, config):
+        self.config = config
+
+    @pytest.hookimpl
+    def pytest_testnodedown(self, node, error):
+        text = getattr(node, "workeroutput", {}).get(WORKER_KEY)
+        if text:
+            self.config.stash[RECORDER].add_worker_output(text)
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpu") is not None:
+        import torch  # only now: a gpu-marked test is about to run
+        if not torch.cuda.is_available():
+            pytest.skip("marked gpu: needs CUDA, and torch.cuda.is_available() is False here")
+
+
+def _is_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    rec = config.stash.get(RECORDER, None)
+    if rec is None:
+        return
+    if _is_worker(config):
+        config.workeroutput[WORKER_KEY] = json.dumps([r.to_dict() for r in rec.results])
+        return
+    report = _option(config, "report")
+    if report:
+        from probes.result import save_results
+        save_results(report, rec.results, source="pytest", args=list(config.invocation_params.args))
+    baseline = _option(config, "baseline")
+    if baseline:
+        from probes.gate import CannotJudge, compare, load_waivers
+        from probes.result import SchemaError, load_results
+        from probes.gate import GateReport
+        try:
+            waivers = load_waivers(_option(config, "waivers")) if _option(config, "waivers") else []
+            base, _ = load_results(baseline)
+            rec.gate = compare(base, rec.results, waivers=waivers)
+        except (SchemaError, CannotJudge) as e:
+            rec.gate = GateReport(cannot_judge=f"baseline: {e}")
+        if rec.gate.exit_code != 0 and session.exitstatus == 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    rec = config.stash.get(RECORDER, None)
+    if rec is None or _is_worker(config) or not (rec.results or rec.gate):
+        return
+    tr = terminalreporter
+    tr.section("trainprobes")
+    from collections import Counter
+    counts = Counter(r.verdict for r in rec.results)
+    tr.write_line(", ".join(f"{n} {v}" for v, n in sorted(counts.items())) + " Result(s)")
+    for r in rec.results[:40]:
+        tr.write_line("  " + r.summary_line())
+    if len(rec.results) > 40:
+        tr.write_line(f"  ... and {len(rec.results) - 40} more (see the report)")
+    report = _option(config, "report")
+    if report:
+        tr.write_line(f"report: {report}")
+    if rec.gate is not None:
+        tr.write_line(rec.gate.to_markdown(), red=rec.gate.exit_code != 0,
+                      green=rec.gate.exit_code == 0)
+
+
+# --- the fixture -------------------------------------------------------------------------
+
+def _failure(result, what: str) -> str:
+    from probes.result import CODES
+    lines = [f"{what}: {result.probe} on {result.target!r} -> {result.verdict}",
+             f"  {result.message}" if result.message else ""]
+    for c in result.codes:
+        lines.append(f"  {c} {CODES.get(c, '')}")
+    shown = {k: v for k, v in result.metrics.items() if not isinstance(v, (list, dict))}
+    for k, v in list(shown.items())[:12]:
+        lines.append(f"  {k} = {v!r}")
+    if result.seed is not None:
+        lines.append(f"  seed = {result.seed} (rerun with it to reproduce)")
+    return "\n".join(x for x in lines if x)
+
+
+class TrainProbes:
+    """What the `trainprobes` fixture gives a test: probe-and-assert helpers that record."""
+
+    def __init__(self, request, recorder: Recorder):
+        self._request, self._recorder = request, recorder
+        self.results = []
+
+    def record(self, result):
+        """Record a Result (from any probe) for the report, the summary and JUnit XML."""
+        from probes.result import Result
+        if not isinstance(result, Result):
+            raise TypeError(f"record(result={result!r}) needs a probes.result.Result")
+        node = self._request.node
+        stored = Result.from_dict({**result.to_dict(),
+                                   "target": f"{result.target} @ {node.nodeid}"})
+        self.results.append(result)
+        self._recorder.add(stored)
+        node.user_properties.append((f"trainprobes:{result.probe}", json.dumps(
+            {"target": result.target, "verdict": result.verdict, "codes": result.codes,
+             "metrics": result.metrics, "seed": result.seed}, default=str)))
+        return result
+
+    def check(self, result, what: str = "probe failed"):
+        """Record the Result and fail the test unless its verdict is pass or warn."""
+        self.record(result)
+        if not result.passed:
+            pytest.fail(_failure(result, what), pytrace=False)
+        return result
+
+    def assert_causal(self, fn, inputs, **kwargs):
+        """probes.causality.check(fn, inputs, **kwargs) must find the target causal."""
+        from probes.causality import check
+        r = self.record(check(fn, inputs, **kwargs))
+        if r.verdict == "error" or r.metrics.get("causal") is not True:
+            pytest.fail(_failure(r, "not causal"), pytrace=False)
+        return r
+
+    def assert_unbiased(self, fn, reference, **kwargs):
+        """probes.numerics.bias(fn, reference, **kwargs) must find no significant bias."""
+        from probes.numerics import bias
+        r = self.record(bias(fn, reference, **kwargs))
+        if r.verdict == "error" or r.metrics.get("biased") is True or r.verdict == "fail":
+            pytest.fail(_failure(r, "biased"), pytrace=False)
+        return r
+
+    def assert_no_stall(self, fmt, increment: float, n: int, **kwargs):
+        """Summing n copies of increment in fmt must not stall (lose additions)."""
+        from probes.numerics.stall import stall
+        r = self.record(stall(formats=(fmt,), increments=(increment,), n=n, **kwargs))
+        if r.verdict == "error" or "TP-B2" in r.codes:
+            pytest.fail(_failure(r, "stalled"), pytrace=False)
+        return r
+
+    def assert_within(self, train_lp, infer_lp, **kwargs):
+        """probes.drift.compare(train_lp, infer_lp, **kwargs): not biased, within thresholds."""
+        from probes.drift import compare
+        r = self.record(compare(train_lp, infer_lp, **kwargs))
+        if not r.passed or r.metrics.get("biased") is True:
+            pytest.fail(_failure(r, "train/inference drift"), pytrace=False)
+        return r
+
+
+@pytest.fixture
+def trainprobes(request):
+    """Probe-and-assert helpers whose Results go to the session's trainprobes report."""
+    return TrainProbes(request, request.config.stash[RECORDER])

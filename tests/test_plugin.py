@@ -1,0 +1,187 @@
+"""The pytest plugin, driven by pytester: markers, options, report, baseline, xdist, JUnit."""
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from probes.result import Result, load_results, save_results
+
+pytest_plugins = ["pytester"]
+
+# A test module that records hand-made Results: the plugin's faces need no real probe.
+RECORDING_TESTS = '''
+import pytest
+from probes.result import Result
+
+@pytest.mark.parametrize("i", range({n}))
+@pytest.mark.causality
+def test_router(trainprobes, i):
+    trainprobes.record(Result("causality.check", f"router{{i}}", "{verdict}",
+                              metrics={{"causal": {causal}, "n_leaks": {leaks}}},
+                              codes={codes}, seed=i))
+'''
+
+
+def recording(n=2, causal=True):
+    return RECORDING_TESTS.format(n=n, causal=causal, leaks=0 if causal else 3,
+                                  verdict="pass" if causal else "fail",
+                                  codes=[] if causal else ["TP-C1"])
+
+
+def test_import_does_not_import_torch():
+    code = ("import sys, probes.pytest_plugin; "
+            "assert 'torch' not in sys.modules, 'plugin imported torch'; "
+            "assert not any(m.startswith(('probes.causality', 'probes.numerics', "
+            "'probes.drift')) for m in sys.modules), 'plugin imported a probe'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_session_without_probes_does_not_import_torch(pytester):
+    pytester.makepyfile("""
+        import sys
+        def test_light():
+            assert "torch" not in sys.modules
+    """)
+    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+
+
+def test_markers_registered_under_strict_markers(pytester):
+    pytester.makepyfile("""
+        import pytest
+        @pytest.mark.numerics
+        @pytest.mark.causality
+        @pytest.mark.drift
+        @pytest.mark.distributed
+        def test_marked():
+            pass
+    """)
+    pytester.runpytest("--strict-markers").assert_outcomes(passed=1)
+
+
+def test_gpu_marker_skips_with_reason_without_cuda(pytester):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the gpu marker runs the test here")
+    pytester.makepyfile("""
+        import pytest
+        @pytest.mark.gpu
+        def test_needs_gpu():
+            raise AssertionError("must not run without CUDA")
+    """)
+    result = pytester.runpytest("-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*needs CUDA*torch.cuda.is_available() is False*"])
+
+
+@pytest.mark.parametrize("via_ini", [False, True])
+def test_report_written_with_every_result(pytester, via_ini):
+    pytester.makepyfile(recording(n=3))
+    out = pytester.path / "tp.json"
+    if via_ini:
+        pytester.makeini(f"[pytest]\ntrainprobes_report = {out}\n")
+        result = pytester.runpytest()
+    else:
+        result = pytester.runpytest(f"--trainprobes-report={out}")
+    result.assert_outcomes(passed=3)
+    results, meta = load_results(out)
+    assert sorted(r.target.split(" @ ")[0] for r in results) == ["router0", "router1", "router2"]
+    assert all("test_router" in r.target for r in results)  # the test id keeps keys unique
+    assert meta["source"] == "pytest"
+    result.stdout.fnmatch_lines(["*trainprobes*", "*3 pass Result(s)*"])
+
+
+def test_junit_xml_carries_results(pytester):
+    pytester.makepyfile(recording(n=1))
+    xml = pytester.path / "junit.xml"
+    pytester.runpytest(f"--junitxml={xml}").assert_outcomes(passed=1)
+    props = ET.parse(xml).getroot().findall(".//property")
+    found = [p for p in props if p.get("name") == "trainprobes:causality.check"]
+    assert len(found) == 1
+    value = json.loads(found[0].get("value"))
+    assert value["verdict"] == "pass" and value["metrics"]["causal"] is True
+
+
+def _baseline(path, n=2):
+    save_results(path, [Result("causality.check", f"router{i} @ test_mod.py::test_router[{i}]",
+                               "pass", metrics={"causal": True, "n_leaks": 0}) for i in range(n)])
+
+
+def test_baseline_regression_fails_the_session(pytester):
+    pytester.makepyfile(test_mod=recording(n=2, causal=False))
+    base = pytester.path / "base.json"
+    _baseline(base)
+    result = pytester.runpytest(f"--trainprobes-baseline={base}")
+    result.assert_outcomes(passed=2)  # the tests pass; the comparison fails the session
+    assert result.ret == 1
+    result.stdout.fnmatch_lines(["*BLOCKED*", "*TP-C1*router0*"])
+
+
+def test_baseline_without_regression_passes(pytester):
+    pytester.makepyfile(test_mod=recording(n=2, causal=True))
+    base = pytester.path / "base.json"
+    _baseline(base)
+    result = pytester.runpytest(f"--trainprobes-baseline={base}")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["*PASSED (exit 0)*"])
+
+
+def test_missing_probe_against_baseline_is_a_regression(pytester):
+    pytester.makepyfile(test_mod=recording(n=1, causal=True))
+    base = pytester.path / "base.json"
+    _baseline(base, n=2)  # router1 is in the baseline, and no test produces it now
+    result = pytester.runpytest(f"--trainprobes-baseline={base}")
+    assert result.ret == 1
+    result.stdout.fnmatch_lines(["*TP-G1*router1*"])
+
+
+@pytest.mark.parametrize("content", ['{"schema_version": 1, "results": [', "not json at all",
+                                     '{"schema_version": 99, "results": []}'])
+def test_unreadable_baseline_fails_closed(pytester, content):
+    pytester.makepyfile(test_mod=recording(n=1))
+    base = pytester.path / "base.json"
+    base.write_text(content)
+    result = pytester.runpytest(f"--trainprobes-baseline={base}")
+    assert result.ret == 1
+    result.stdout.fnmatch_lines(["*CANNOT JUDGE*"])
+
+
+def test_check_fails_with_a_clear_message(pytester):
+    pytester.makepyfile("""
+        from probes.result import Result
+        def test_biased(trainprobes):
+            trainprobes.check(Result("numerics.bias", "all_reduce[bf16]", "fail",
+                                     metrics={"bias": -0.003}, codes=["TP-B1"], seed=7,
+                                     message="sum is 0.3% too small"), "biased")
+    """)
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*biased: numerics.bias on 'all_reduce[[]bf16[]]' -> fail*",
+                                 "*sum is 0.3% too small*", "*TP-B1 biased reduction*",
+                                 "*bias = -0.003*", "*seed = 7*"])
+
+
+def test_record_rejects_non_results(pytester):
+    pytester.makepyfile("""
+        import pytest
+        def test_bad(trainprobes):
+            with pytest.raises(TypeError, match="needs a probes.result.Result"):
+                trainprobes.record({"verdict": "pass"})
+    """)
+    pytester.runpytest().assert_outcomes(passed=1)
+
+
+def test_xdist_workers_results_reach_the_controller(pytester):
+    pytest.importorskip("xdist")
+    pytester.makepyfile(test_mod=recording(n=6, causal=False))
+    out = pytester.path / "tp.json"
+    base = pytester.path / "base.json"
+    _baseline(base, n=6)
+    result = pytester.runpytest_subprocess("-n", "2", "-p", "xdist", f"--trainprobes-report={out}",
+                                           f"--trainprobes-baseline={base}")
+    result.assert_outcomes(passed=6)
+    results, _ = load_results(out)
+    assert sorted(r.target.split(" @ ")[0] for r in results) == [f"router{i}" for i in range(6)]
+    assert result.ret == 1  # regressions found from the workers' Results, on the controller
+    result.stdout.fnmatch_lines(["*BLOCKED*"])
