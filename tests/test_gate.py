@@ -1,0 +1,241 @@
+"""The gate: regressions by rule, the z-test, waivers, fail-closed loading, the CLI."""
+import json
+import math
+from datetime import date
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from probes.cli import main
+from probes.gate import (CannotJudge, Waiver, compare, gate_files, larger_magnitude,
+                         load_waivers, parse_waivers)
+from probes.result import Result, save_results
+
+TODAY = date(2026, 11, 29)
+
+
+def R(probe="numerics.bias", target="t", verdict="pass", codes=(), **metrics):
+    return Result(probe, target, verdict, metrics=metrics, codes=list(codes))
+
+
+# (name, baseline, candidate, expected codes)
+CASES = [
+    ("causal now leaks", R("causality.check", causal=True),
+     R("causality.check", "t", "fail", ["TP-C1"], causal=False, n_leaks=4), ["TP-C1"]),
+    ("bias significantly larger", R(bias=1e-4, bias_se=1e-5),
+     R(verdict="fail", codes=["TP-B1"], bias=2e-3, bias_se=1e-4), ["TP-G2"]),
+    ("bias flips sign and grows", R(bias=1e-4, bias_se=1e-5),
+     R(bias=-2e-3, bias_se=1e-4), ["TP-G2"]),
+    ("bias from CI only", R(bias=0.0, bias_ci_low=-1e-5, bias_ci_high=1e-5),
+     R(bias=1e-3, bias_ci_low=9e-4, bias_ci_high=1.1e-3), ["TP-G2"]),
+    ("drift significantly worse", R("drift.compare", mean_log_ratio=-1e-3, mean_log_ratio_se=1e-4),
+     R("drift.compare", mean_log_ratio=-5e-2, mean_log_ratio_se=1e-3), ["TP-G3"]),
+    ("drift over threshold", R("drift.compare"),
+     R("drift.compare", "t", "fail", ["TP-D3"]), ["TP-G3"]),
+    ("accumulator precision lower", R("numerics.reveal", accumulator_mantissa_bits=23),
+     R("numerics.reveal", accumulator_mantissa_bits=10), ["TP-B3"]),
+    ("probe errored", R(), R(verdict="error", codes=["TP-E1"]), ["TP-E1"]),
+    ("other verdict went to fail", R("numerics.stall"),
+     R("numerics.stall", "t", "fail", ["TP-B2"]), ["TP-B2"]),
+]
+CLEAN = [
+    ("identical", R(bias=1e-3, bias_se=1e-4), R(bias=1e-3, bias_se=1e-4)),
+    ("bias larger but not significant", R(bias=1e-3, bias_se=1e-3), R(bias=1.5e-3, bias_se=1e-3)),
+    ("bias smaller", R(bias=1e-3, bias_se=1e-5), R(bias=1e-5, bias_se=1e-5)),
+    ("still causal", R("causality.check", causal=True), R("causality.check", causal=True)),
+    ("precision higher", R("numerics.reveal", accumulator_mantissa_bits=10),
+     R("numerics.reveal", accumulator_mantissa_bits=23)),
+    ("leaky in both (not a regression)", R("causality.check", "t", "fail", ["TP-C1"], causal=False),
+     R("causality.check", "t", "fail", ["TP-C1"], causal=False)),
+]
+
+
+@pytest.mark.parametrize("name,base,cand,codes", CASES, ids=[c[0] for c in CASES])
+def test_regression_rules(name, base, cand, codes):
+    rep = compare([base], [cand], today=TODAY)
+    assert [r.code for r in rep.regressions] == codes
+    assert rep.exit_code == 1
+    assert all(r.target == "t" for r in rep.regressions)
+
+
+@pytest.mark.parametrize("name,base,cand", CLEAN, ids=[c[0] for c in CLEAN])
+def test_no_regression(name, base, cand):
+    rep = compare([base], [cand], today=TODAY)
+    assert rep.regressions == [] and rep.exit_code == 0 and rep.compared == 1
+
+
+def test_missing_probe_is_tp_g1_and_new_failure_counts():
+    rep = compare([R(target="a"), R(target="b")],
+                  [R(target="a"), R("causality.check", "new", "fail", ["TP-C1"])], today=TODAY)
+    assert sorted((r.code, r.target) for r in rep.regressions) == [("TP-C1", "new"), ("TP-G1", "b")]
+
+
+finite = st.floats(-1.0, 1.0, allow_nan=False)
+se = st.floats(0.0, 1.0, allow_nan=False)
+
+
+@given(b=finite, sb=se, c=finite, sc=se)
+def test_z_test_never_flags_a_smaller_magnitude(b, sb, c, sc):
+    sig, z, p = larger_magnitude((b, sb), (c, sc), alpha=0.01)
+    if abs(c) <= abs(b):
+        assert not sig
+    assert 0.0 <= p <= 1.0
+
+
+@given(b=finite, sb=st.floats(1e-6, 1.0), c=finite, sc=st.floats(1e-6, 1.0))
+def test_z_test_matches_formula(b, sb, c, sc):
+    _, z, _ = larger_magnitude((b, sb), (c, sc), alpha=0.01)
+    assert z == pytest.approx((abs(c) - abs(b)) / math.hypot(sb, sc))
+
+
+def test_z_test_deterministic_estimates():
+    assert larger_magnitude((1.0, 0.0), (1.0 + 1e-12, 0.0), 0.01)[0]
+    assert not larger_magnitude((1.0, 0.0), (1.0, 0.0), 0.01)[0]
+
+
+@given(st.lists(st.tuples(st.sampled_from(["pass", "warn", "fail"]), finite, se,
+                          st.booleans(), st.integers(0, 52)), max_size=6))
+def test_comparing_a_report_with_itself_finds_nothing(rows):
+    results = [Result("p", f"t{i}", v, metrics={"bias": b, "bias_se": s, "causal": c,
+                                                   "accumulator_mantissa_bits": m})
+               for i, (v, b, s, c, m) in enumerate(rows)]
+    assert compare(results, results, today=TODAY).regressions == []
+
+
+def test_alpha_is_validated():
+    with pytest.raises(ValueError, match=r"alpha=1\.5 must be in \(0, 1\)"):
+        compare([], [], alpha=1.5)
+
+
+# --- waivers -----------------------------------------------------------------------------
+
+LEAK = (R("causality.check", "pkg.router:route", causal=True),
+        R("causality.check", "pkg.router:route", "fail", ["TP-C1"], causal=False))
+
+
+@pytest.mark.parametrize("target", ["pkg.router:route", "pkg.router:*",
+                                    "causality.check::pkg.router:route"])
+def test_live_waiver_applies(target):
+    w = Waiver("TP-C1", target, "expert choice accepted for this ablation", date(2026, 12, 31))
+    rep = compare([LEAK[0]], [LEAK[1]], waivers=[w], today=TODAY)
+    assert rep.exit_code == 0 and rep.regressions[0].waived_by == w
+    assert "Waived until 2026-12-31" in rep.to_markdown()
+
+
+@pytest.mark.parametrize("w", [Waiver("TP-G2", "pkg.router:route", "other code", date(2027, 1, 1)),
+                               Waiver("TP-C1", "pkg.other:*", "other target", date(2027, 1, 1))])
+def test_waiver_must_match_code_and_target(w):
+    rep = compare([LEAK[0]], [LEAK[1]], waivers=[w], today=TODAY)
+    assert rep.exit_code == 1 and rep.unused_waivers == [w]
+
+
+def test_expired_waiver_does_not_apply_and_is_reported():
+    w = Waiver("TP-C1", "pkg.router:route", "was temporary", date(2026, 11, 28))
+    rep = compare([LEAK[0]], [LEAK[1]], waivers=[w], today=TODAY)
+    assert rep.exit_code == 1 and rep.expired_waivers == [w]
+    md = rep.to_markdown()
+    assert "Expired waivers" in md and "expired 2026-11-28" in md
+
+
+def test_waiver_on_its_expiry_day_still_applies():
+    w = Waiver("TP-C1", "pkg.router:route", "last day", TODAY)
+    assert compare([LEAK[0]], [LEAK[1]], waivers=[w], today=TODAY).exit_code == 0
+
+
+@pytest.mark.parametrize("suffix,text", [
+    (".toml", '[[waiver]]\ncode = "TP-C1"\ntarget = "x"\nreason = "r"\nexpires = 2027-01-01\n'),
+    (".toml", '[[waiver]]\ncode = "TP-C1"\ntarget = "x"\nreason = "r"\nexpires = "2027-01-01"\n'),
+    (".json", '{"waivers": [{"code": "TP-C1", "target": "x", "reason": "r", '
+              '"expires": "2027-01-01"}]}'),
+])
+def test_load_waivers(tmp_path, suffix, text):
+    p = tmp_path / f"w{suffix}"
+    p.write_text(text)
+    assert load_waivers(p) == [Waiver("TP-C1", "x", "r", date(2027, 1, 1))]
+
+
+@pytest.mark.parametrize("doc,match", [
+    ({"waiver": [{"code": "TP-C1", "target": "x", "reason": "r"}]}, r"missing \['expires'\]"),
+    ({"waiver": [{"code": "TP-Z9", "target": "x", "reason": "r", "expires": "2027-01-01"}]},
+     r"code='TP-Z9' is not a known code"),
+    ({"waiver": [{"code": "TP-C1", "target": "x", "reason": "r", "expires": "next week"}]},
+     r"expires='next week' is not a date; write YYYY-MM-DD"),
+    ({"other": []}, r"expected a \[\[waiver\]\]"),
+])
+def test_bad_waivers_are_named(doc, match):
+    with pytest.raises(ValueError, match=match):
+        parse_waivers(doc)
+
+
+def test_unparseable_waivers_file_cannot_judge(tmp_path):
+    p = tmp_path / "w.toml"
+    p.write_text("[[waiver]\n")
+    with pytest.raises(CannotJudge, match="is not valid TOML"):
+        load_waivers(p)
+
+
+# --- files and the CLI -------------------------------------------------------------------
+
+@pytest.fixture
+def reports(tmp_path):
+    base, cand = tmp_path / "a.json", tmp_path / "b.json"
+    save_results(base, [LEAK[0], R(target="gone")])
+    save_results(cand, [LEAK[1]])
+    return base, cand
+
+
+def test_cli_blocks_and_prints_markdown(reports, capsys, tmp_path, monkeypatch):
+    summary = tmp_path / "step.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    md = tmp_path / "verdict.md"
+    assert main(["gate", "--baseline", str(reports[0]), "--candidate", str(reports[1]),
+                 "--markdown", str(md)]) == 1
+    out = capsys.readouterr().out
+    assert "BLOCKED (exit 1)" in out and "`TP-C1`" in out and "`TP-G1`" in out
+    assert '[[waiver]]\ncode = "TP-C1"\ntarget = "pkg.router:route"' in out
+    assert md.read_text() in summary.read_text()
+
+
+def test_cli_waivers_pass_and_json(reports, capsys, tmp_path):
+    w = tmp_path / "w.toml"
+    w.write_text('[[waiver]]\ncode = "TP-C1"\ntarget = "pkg.router:route"\nreason = "ok"\n'
+                 'expires = 2999-01-01\n[[waiver]]\ncode = "TP-G1"\ntarget = "gone"\n'
+                 'reason = "removed on purpose"\nexpires = 2999-01-01\n')
+    assert main(["gate", "--baseline", str(reports[0]), "--candidate", str(reports[1]),
+                 "--waivers", str(w), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["exit_code"] == 0 and len(doc["regressions"]) == 2
+    assert all(r["waived_by"] for r in doc["regressions"])
+
+
+@pytest.mark.parametrize("fault,match", [
+    ("truncated", "is not valid JSON"),
+    ("newer schema", "written by a newer trainprobes"),
+    ("older schema", "schema_version=0"),
+    ("missing", "does not exist"),
+    ("not a report", "has no 'results' list"),
+    ("empty baseline", "holds no results"),
+])
+def test_unreadable_reports_exit_2(reports, tmp_path, capsys, fault, match):
+    base, cand = reports
+    bad = tmp_path / "bad.json"
+    text = base.read_text()
+    bad.write_text({"truncated": text[: len(text) // 2],
+                    "newer schema": text.replace('"schema_version": 1', '"schema_version": 2', 1),
+                    "older schema": text.replace('"schema_version": 1', '"schema_version": 0', 1),
+                    "not a report": "[1, 2]",
+                    "empty baseline": '{"schema_version": 1, "results": []}'}.get(fault, ""))
+    if fault == "missing":
+        bad.unlink()
+    rep = gate_files(bad, cand)
+    assert rep.exit_code == 2 and match in rep.cannot_judge
+    assert main(["gate", "--baseline", str(bad), "--candidate", str(cand)]) == 2
+    assert "CANNOT JUDGE" in capsys.readouterr().out
+
+
+def test_unreadable_candidate_exit_2(reports, tmp_path):
+    bad = tmp_path / "c.json"
+    bad.write_text('{"schema_version": 1, "results": [{"probe": "p"}]}')
+    rep = gate_files(reports[0], bad)
+    assert rep.exit_code == 2 and rep.cannot_judge.startswith("candidate:")
