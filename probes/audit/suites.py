@@ -1,0 +1,72 @@
+"""The built-in default suite: what `trainprobes audit` runs with no configuration.
+
+Each family builder returns Checks that call the real probes (imported when the check runs)
+and add plot specs (probes.report.plots) to the evidence. A family whose probe module is
+not installed is skipped with a note in the report, never stubbed.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+from probes.audit.run import Check
+
+# Formats in the stall table: the ones training recipes use.
+STALL_FORMATS = ("fp32", "tf32", "fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2")
+
+
+def _available(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def stall_plot(rows: list[dict]) -> dict:
+    """Fraction of the true sum that n sequential adds of the increment reach, per format.
+
+    Drawn from each row's exact stall point: the sum climbs by the increment until it
+    reaches `stall_at` and stays there; the measured sum at the row's n is in the table.
+    """
+    grid = [2 ** k for k in range(0, 15)]
+    series = {}
+    for r in rows:
+        inc, stall_at = r["increment_stored"], r["stall_at"]
+        if not inc or r["increment"] != 1.0:
+            continue
+        series[r["format"]] = [min(n * inc, stall_at) / (n * r["increment"]) for n in grid]
+    return {"kind": "line", "title": "sequential sum of n ones / n (stalls at the stall point)",
+            "x": grid, "series": series, "xlabel": "additions n", "ylabel": "fraction of true sum",
+            "logx": True}
+
+
+def stall_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
+    def run():
+        from probes.numerics.stall import stall
+        r = stall(formats=STALL_FORMATS, increments=(1.0, 1e-3), n=2_000 if quick else 10_000)
+        r.evidence["plots"] = [stall_plot(r.evidence.get("rows", []))]
+        return r
+    return [Check("numerics", "stall table (sum of ones, 1e-3)", run)]
+
+
+FAMILIES = {
+    # family: (module that must exist, builder)
+    "stall": ("probes.numerics.stall", stall_checks),
+}
+
+
+def default_suite(*, seed: int = 0, quick: bool = False,
+                  families=None) -> tuple[list[Check], dict[str, str]]:
+    """(checks, skipped): skipped maps a family to why it is not in this run."""
+    names = list(FAMILIES) if families is None else list(families)
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown:
+        raise ValueError(f"families={unknown!r} are not default-suite families; "
+                         f"choose from {sorted(FAMILIES)}")
+    checks, skipped = [], {}
+    for name in names:
+        module, build = FAMILIES[name]
+        if not _available(module):
+            skipped[name] = f"{module} is not installed in this build"
+            continue
+        checks.extend(build(seed=seed, quick=quick))
+    return checks, skipped
