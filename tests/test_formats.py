@@ -124,3 +124,66 @@ def test_unknown_format_names_the_choices():
         FORMATS["fp16"].round(torch.zeros(1), "up")
     with pytest.raises(ValueError, match="seed"):
         FORMATS["fp16"].round(torch.zeros(1), "stochastic")
+
+
+# Property tests drawn from bit patterns (probes.strategies): every format, edges included.
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from probes.strategies import format_tensors, format_values, ties  # noqa: E402
+
+
+@pytest.mark.parametrize("name", NARROW)
+@given(data=st.data())
+def test_round_is_idempotent_on_format_values(name, data):
+    f = FORMATS[name]
+    x = data.draw(format_tensors(name, shape=(16,), allow_nan=True, allow_infinity=True))
+    for mode in ("nearest", "toward_zero"):
+        y = f.round(x, mode)
+        assert torch.equal(y.isnan(), x.isnan())
+        assert torch.equal(y[~x.isnan()], x[~x.isnan()])
+
+
+@pytest.mark.parametrize("name", NARROW)
+@given(a=format_values("fp64", allow_negative=True, max_magnitude=1e6),
+       b=format_values("fp64", allow_negative=True, max_magnitude=1e6))
+def test_round_is_monotone(name, a, b):
+    f = FORMATS[name]
+    lo, hi = sorted([a, b])
+    r = f.round(torch.tensor([lo, hi], dtype=torch.float64), saturate=True)
+    assert r[0] <= r[1]
+
+
+@pytest.mark.parametrize("name", NARROW)
+@given(data=st.data())
+def test_ties_go_to_even(name, data):
+    f = FORMATS[name]
+    t = data.draw(ties(name))
+    r = f.round(torch.tensor([t], dtype=torch.float64)).item()
+    lo = f.round(torch.tensor([t], dtype=torch.float64), "toward_zero").item()
+    assert r != t and abs(r - t) == abs(t - lo)  # a neighbour, the same distance away
+    # even: the last mantissa bit of the result is 0, i.e. r / ulp(r) is an even integer
+    # (in the subnormal range and at binade starts alike); zero counts as even.
+    q = f.ulp(r).item() if abs(r) >= f.smallest_normal else f.smallest_subnormal
+    assert r == 0 or (r / q) % 2 == 0 or (abs(r) == f.max_finite * 2 and f.overflow == "inf")
+
+
+@pytest.mark.parametrize("name", [n for n in ML if n not in ("fp64",)])
+@given(x=format_tensors("fp32", shape=(16,), max_magnitude=1e30))
+def test_round_agrees_with_ml_dtypes_cast_from_fp32(name, x):
+    f = FORMATS[name]
+    ref = x.numpy().astype(np.float32).astype(f.ml_dtype).astype(np.float64)
+    got = f.round(x).numpy()
+    assert ((got == ref) | (np.isnan(got) & np.isnan(ref))).all()
+
+
+# torch 2.13's CPU cast to float8_e4m3fn saturates (inf and overflow -> +-448, measured here),
+# where ml_dtypes and the OCP spec's plain conversion give NaN: it matches saturate=True.
+@pytest.mark.parametrize("name,saturate", [("fp16", False), ("bf16", False), ("fp8_e4m3fn", True),
+                                           ("fp8_e5m2", False)])
+@given(x=format_tensors("fp32", shape=(16,), allow_infinity=True))
+def test_round_agrees_with_torch_cast_from_fp32(name, saturate, x):
+    f = FORMATS[name]
+    ref = x.float().to(f.torch_dtype).double()
+    got = f.round(x, saturate=saturate)
+    assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got[~got.isnan()], ref[~ref.isnan()])
