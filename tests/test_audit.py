@@ -1,0 +1,164 @@
+"""The audit: running suites, progress, history, reports on disk, config, the CLI."""
+import io
+import json
+
+import pytest
+
+from probes.audit import Check, Progress, read_history, run_audit, run_suite, trend_plots
+from probes.audit.config import ConfigError, apply_thresholds, find_config, suite_from_config
+from probes.audit.families import leak_map
+from probes.cli import main
+from probes.result import Result, load_results
+
+
+def ok(target="t", **metrics):
+    return Check("numerics", target, lambda: Result("numerics.fake", target, "pass",
+                                                    metrics=metrics))
+
+
+def boom():
+    raise RuntimeError("router exploded")
+
+
+# --- running -----------------------------------------------------------------------------
+
+def test_a_raising_check_becomes_an_error_result_and_the_rest_run():
+    results, timings = run_suite([Check("causality", "bad", boom), ok("after")])
+    assert [r.verdict for r in results] == ["error", "pass"]
+    assert results[0].codes == ["TP-E1"] and "router exploded" in results[0].message
+    assert "RuntimeError" in results[0].evidence["traceback"]
+    assert [t["name"] for t in timings] == ["bad", "after"]
+
+
+def test_a_check_returning_a_non_result_is_an_error():
+    results, _ = run_suite([Check("drift", "odd", lambda: [42])])
+    assert results[0].verdict == "error" and "returned int, expected Result" in results[0].message
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_progress_bar_on_terminal_plain_lines_in_logs(tty):
+    stream = io.StringIO()
+    run_suite([ok("a"), ok("b")], progress=Progress(2, stream=stream, tty=tty))
+    out = stream.getvalue()
+    if tty:
+        assert "\r[" in out and "1/2" in out and "\n" not in out
+    else:
+        assert "\r" not in out
+        assert out.splitlines()[0].startswith("[1/2] numerics: a ... pass (")
+        assert out.splitlines()[1].startswith("[2/2] numerics: b ... pass (")
+
+
+def test_run_audit_writes_timestamped_reports_without_overwriting(tmp_path, monkeypatch):
+    monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
+    a = run_audit([ok()], tmp_path, stamp="20260101T000000Z")
+    b = run_audit([ok()], tmp_path, stamp="20260101T000000Z")
+    assert a.out_dir.name == "20260101T000000Z" and b.out_dir.name == "20260101T000000Z-1"
+    for o in (a, b):
+        assert sorted(p.name for p in o.out_dir.iterdir()) == ["report.html", "report.json",
+                                                               "summary.md"]
+    results, meta = load_results(a.paths["json"])
+    assert results[0].target == "t" and meta["timings"][0]["name"] == "t"
+
+
+def test_run_audit_appends_to_step_summary(tmp_path, monkeypatch):
+    summary = tmp_path / "gh.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    o = run_audit([ok()], tmp_path / "r")
+    assert summary.read_text().strip() == o.paths["markdown"].read_text().strip()
+
+
+def test_exit_code_2_when_a_probe_errored(tmp_path):
+    assert run_audit([Check("x", "bad", boom)], tmp_path, step_summary=False).exit_code == 2
+    assert run_audit([ok()], tmp_path, step_summary=False).exit_code == 0
+
+
+def test_history_appends_one_line_per_run_and_plots_trends(tmp_path):
+    hist = tmp_path / "hist"
+    for night, bias in enumerate([1e-4, 2e-4, 4e-4]):
+        o = run_audit([ok("ar", bias=bias)], tmp_path / "r", history=hist, step_summary=False)
+    runs = read_history(hist)
+    assert [r["metrics"]["numerics.fake::ar::bias"] for r in runs] == [1e-4, 2e-4, 4e-4]
+    plots = trend_plots(runs)
+    bias_plot = next(p for p in plots if p["title"] == "bias across runs")
+    assert bias_plot["series"]["numerics.fake::ar"] == [1e-4, 2e-4, 4e-4]
+    assert "trends across runs" in o.paths["html"].read_text()
+
+
+def test_history_skips_a_torn_line(tmp_path):
+    (tmp_path / "history.jsonl").write_text('{"metrics": {"a": 1}}\n{"metri')
+    run_audit([ok()], tmp_path / "r", history=tmp_path, step_summary=False)
+    assert len(read_history(tmp_path)) == 2
+
+
+# --- thresholds, leak maps ---------------------------------------------------------------
+
+@pytest.mark.parametrize("entry,verdict,broken", [
+    ({"fail_above": {"k3_kl": 0.01}}, "fail", "k3_kl = 0.02 > 0.01 (fail_above)"),
+    ({"fail_above": {"k3_kl": 0.05}}, "pass", None),
+    ({"fail_below": {"match": 1.0}}, "fail", "match = 0.5 < 1 (fail_below)"),
+    ({"fail_above": {"absent": 1.0}}, "fail", "absent missing from the Result (fail_above)"),
+])
+def test_thresholds(entry, verdict, broken):
+    r = apply_thresholds(Result("drift.compare", "e", "pass",
+                                metrics={"k3_kl": 0.02, "match": 0.5}), entry, "drift")
+    assert r.verdict == verdict
+    if broken:
+        assert r.codes == ["TP-D3"] and broken in r.message
+        assert r.evidence["thresholds"]["broken"] == [broken]
+
+
+def test_leak_map_counts_position_by_cut():
+    spec = leak_map([{"position": 3, "cut": 1}, {"position": 3, "cut": 1}, (0, 2)], seq_len=4)
+    assert spec["matrix"][3][1] == 2 and spec["matrix"][0][2] == 1
+    assert sum(map(sum, spec["matrix"])) == 3
+    binned = leak_map([(127, 0)], seq_len=128, bins=64)
+    assert len(binned["matrix"]) == 64 and binned["matrix"][63][0] == 1
+
+
+# --- config ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cfg,match", [
+    ({"colectives": []}, r"unknown keys \['colectives'\]"),
+    ({"causality": [{"seq_len": 8, "vocab": 10}]}, r"missing 'target'"),
+    ({"causality": ["x"]}, r"must be a table"),
+])
+def test_config_errors_name_the_key(cfg, match):
+    with pytest.raises(ConfigError, match=match):
+        suite_from_config(cfg)
+
+
+def test_find_config(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert find_config() == (None, None)
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n')
+    assert find_config() == (None, None)  # a pyproject without our table: default suite
+    (tmp_path / "pyproject.toml").write_text('[tool.trainprobes]\nseed = 3\n')
+    cfg, path = find_config()
+    assert cfg == {"seed": 3} and path.name == "pyproject.toml"
+    with pytest.raises(ConfigError, match="does not exist"):
+        find_config(tmp_path / "nope.toml")
+    (tmp_path / "bad.toml").write_text("[tool.trainprobes\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        find_config(tmp_path / "bad.toml")
+
+
+# --- the CLI -----------------------------------------------------------------------------
+
+def test_cli_audit_stall_family_json(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
+    code = main(["audit", "--default", "--quick", "--families", "stall", "--out", "out",
+                 "--json", "--no-progress"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert doc["results"][0]["probe"] == "numerics.stall"
+    results, _ = load_results(doc["report"])
+    assert results[0].evidence["plots"][0]["kind"] == "line"
+    assert 'src="data:image/png;base64,' in open(doc["html"]).read()
+
+
+def test_cli_audit_bad_config_exit_2(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[tool.trainprobes]\nbogus = 1\n")
+    assert main(["audit", "--config", str(cfg)]) == 2
+    assert "unknown keys ['bogus']" in capsys.readouterr().err
