@@ -14,25 +14,43 @@ def _pos_cut(leak):
     return None, None
 
 
-def leak_map(leaks, seq_len: int, bins: int = 64) -> dict | None:
-    """Heatmap spec: how many leaks at (decision position, cut), binned to at most bins^2."""
-    pairs = [_pos_cut(leak) for leak in leaks or []]
-    pairs = [(int(p), int(c)) for p, c in pairs if p is not None and c is not None]
+def leak_map(leaks, seq_len: int, bins: int = 64, counts=None) -> dict | None:
+    """Heatmap spec: how many leaks at (decision position, cut), binned to at most bins^2.
+
+    counts: the probe's complete [[cut, position, n], ...] (probes.causality evidence
+    "leak_map"); leaks: individual leak records, used when counts are absent.
+    """
+    if counts:
+        pairs = [(int(p), int(c), int(n)) for c, p, n in counts]
+    else:
+        pairs = [_pos_cut(leak) for leak in leaks or []]
+        pairs = [(int(p), int(c), 1) for p, c in pairs if p is not None and c is not None]
     if not pairs or seq_len < 1:
         return None
     width = max(1, -(-seq_len // bins))
     n = -(-seq_len // width)
     m = [[0] * n for _ in range(n)]
-    for p, c in pairs:
+    for p, c, k in pairs:
         if 0 <= p < seq_len and 0 <= c < seq_len:
-            m[p // width][c // width] += 1
+            m[p // width][c // width] += k
     unit = "" if width == 1 else f" (bins of {width})"
     return {"kind": "heatmap", "title": f"leaks: decision position x cut{unit}", "matrix": m,
             "xlabel": f"cut (future changed after it){unit}", "ylabel": f"decision position{unit}"}
 
 
 def causality_result(r, seq_len: int):
-    spec = leak_map(r.evidence.get("leaks"), seq_len)
+    """Leak map (position x cut) and flip rate by position, where the probe found flips."""
+    ev = r.evidence
+    plots = []
+    spec = leak_map(ev.get("leaks"), seq_len, counts=ev.get("leak_map"))
     if spec:
-        r.evidence.setdefault("plots", []).append(spec)
+        plots.append(spec)
+    rate = ev.get("flip_rate_by_position")
+    if spec and rate:
+        plots.append({"kind": "line", "title": "flip rate by decision position",
+                      "x": list(range(len(rate))),
+                      "series": {r.target: ["nan" if v is None else v for v in rate]},
+                      "xlabel": "position", "ylabel": "fraction of compared decisions flipped"})
+    if plots:
+        ev.setdefault("plots", []).extend(plots)
     return r

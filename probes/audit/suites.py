@@ -48,9 +48,44 @@ def stall_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
     return [Check("numerics", "stall table (sum of ones, 1e-3)", run)]
 
 
+def causality_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
+    """The reference routers (positive and negative controls) and the tiny MoE block with a
+    correct and an off-by-one attention mask, every cut certified, in both modes."""
+    T = 32 if quick else 64
+
+    def one(name, fn_path, known, mode, kwargs):
+        def run():
+            import torch
+            from probes.audit.families import causality_result
+            from probes.causality import check
+            from probes.targets import load_target
+            x = torch.randn(2, T, 16, generator=torch.Generator().manual_seed(seed))
+            r = check(load_target(fn_path), x, mode=mode, cuts="all", seed=seed, **kwargs)
+            r.target = f"{fn_path}[{mode}]"
+            r = causality_result(r, T)
+            if known is not None:
+                r.metrics["known_causal"] = known
+                r.metrics["matches_known_verdict"] = r.metrics.get("causal") is known
+                r.message = (f"control, known {'causal' if known else 'leaky'}: " + r.message)
+            return r
+        return Check("causality", f"{name} [{mode}]", run)
+
+    from reference.routing import KNOWN_VERDICTS
+    checks = []
+    for name, (perturb, truncate) in KNOWN_VERDICTS.items():
+        for mode, known in (("perturb", perturb), ("truncate", truncate)):
+            checks.append(one(name, f"reference.routing:{name}", known, mode,
+                              {"decision": 0, "scores": 1}))
+    for name, known in (("causal_block", True), ("off_by_one_block", False)):
+        checks.append(one(name, f"reference.models.moe:{name}", known, "perturb",
+                          {"decision": "expert_ids", "scores": "router_probs"}))
+    return checks
+
+
 FAMILIES = {
     # family: (module that must exist, builder)
     "stall": ("probes.numerics.stall", stall_checks),
+    "causality": ("probes.causality", causality_checks),
 }
 
 
