@@ -1,0 +1,387 @@
+"""Collectives over simulated ranks: the fp64 reference and the exact low-precision model.
+
+    all_reduce(inputs, *, op="sum", dtype="fp64", accum_dtype=None, algorithm="ring", ...)
+    reduce_scatter(...), all_gather(...), reduce(..., root=), broadcast(..., root=)
+
+`inputs` is a list with one tensor per rank (or one tensor whose first dim is the world).
+One code path for every format: at dtype="fp64" it IS the reference; at any other format it
+rounds where a real backend rounds:
+  1. each rank's input is rounded once to the wire format (one correct rounding from any
+     input dtype; saturating only if asked),
+  2. every add of the schedule (reference/schedules.py) is add(a, b) =
+     wire(accum(a + b)): the exact sum rounded to `accum_dtype` (round to nearest), then to
+     the wire format with `rounding`. NCCL's classic kernels keep the accumulator in the
+     element type, so accum defaults to the wire format; for fp8 NCCL adds in fp16 and casts
+     back with __NV_SATFINITE (src/device/reduce_kernel.h), so fp8 defaults to
+     accum_dtype="fp16" and saturating adds: the "nccl_fp8" arithmetic.
+  3. op="avg": avg="premul" (NCCL ncclAvg on floats = PreMulSum: every input times
+     T(1/n) rounded to the wire format, then the sum) or avg="divide" (gloo: the sum, then
+     / n rounded once to the wire format). avg=None picks "divide" for algorithm="gloo" and
+     "premul" otherwise.
+The exact sum of two values of a format up to fp32 is rounded by float64 innocuously
+(53 >= 2*24 + 2), and fp32 arithmetic then one rounding is a correctly rounded fp16/bf16 add
+(24 >= 2p + 2). So fp16/bf16/fp32 with rounding="nearest" run on torch's native dtypes (one
+exact rounding of the inputs, then native adds: fast); tf32, fp8, fp6, fp4, stochastic and
+toward-zero rounding run on float64 values with Format.round after every add.
+
+Returns: a list of per-rank tensors holding the wire-format values as float64. Ranks that
+receive identical bits (all_reduce, all_gather, broadcast) share ONE tensor object, so 16384
+ranks cost one tensor of memory; do not modify it in place. reduce() returns None for
+non-root ranks. NaN and Inf propagate as the wire type does (fp16 overflow -> inf, e4m3fn
+overflow -> NaN, saturating fp8 adds -> +-448); `return_info=True` returns (outputs, info)
+where `info` (CollectiveInfo) counts non-finite values in and out and records the seed.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from reference.formats import ROUNDING_MODES, Format, get_format
+from reference.schedules import BLOCK, SequentialSchedule, get_schedule
+
+OPS = ("sum", "avg", "max", "min")
+AVG_MODES = ("premul", "divide")
+_NATIVE = {"fp64": torch.float64, "fp32": torch.float32, "fp16": torch.float16,
+           "bf16": torch.bfloat16}
+_GLOO_ITEMSIZE = {"fp64": 8, "fp32": 4, "fp16": 2, "bf16": 2}  # the types gloo reduces
+
+
+@dataclass(frozen=True)
+class CollectiveInfo:
+    """What a collective did, for a probe to report: the arithmetic and non-finite counts.
+
+    nan_inputs / inf_inputs: counted in the inputs as given; overflow_inputs: finite inputs
+    that became inf/NaN when rounded to the wire format; nan_outputs / inf_outputs: in the
+    reduced result (counted once, not per rank).
+    """
+
+    collective: str
+    op: str
+    dtype: str
+    accum_dtype: str
+    algorithm: str
+    avg: str | None
+    rounding: str
+    saturate: bool
+    arithmetic: str
+    seed: int | None
+    world: int
+    numel: int
+    nan_inputs: int
+    inf_inputs: int
+    overflow_inputs: int
+    nan_outputs: int
+    inf_outputs: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------- input checking
+
+
+def _as_world(inputs) -> list[torch.Tensor]:
+    if isinstance(inputs, torch.Tensor):
+        if inputs.dim() == 0:
+            raise ValueError("inputs is a 0-d tensor; pass a list with one tensor per rank "
+                             "(or a tensor whose first dimension is the world)")
+        inputs = list(inputs.unbind(0))
+    elif not isinstance(inputs, (list, tuple)):
+        raise TypeError(f"inputs has type {type(inputs).__name__}; expected a list with one "
+                        f"tensor per rank")
+    if len(inputs) == 0:
+        raise ValueError("inputs is empty: a collective needs at least one rank's tensor")
+    out = []
+    for i, t in enumerate(inputs):
+        if not isinstance(t, torch.Tensor):
+            try:
+                t = torch.as_tensor(t)
+            except Exception as e:
+                raise TypeError(f"inputs[{i}] has type {type(t).__name__}, expected a "
+                                f"torch.Tensor") from e
+        if t.dtype == torch.bool or t.is_complex():
+            raise TypeError(f"inputs[{i}] has dtype {t.dtype}; expected a real floating-point "
+                            f"or integer tensor")
+        out.append(t)
+    first = out[0]
+    for i, t in enumerate(out[1:], 1):
+        if t.shape != first.shape:
+            raise ValueError(f"inputs[{i}] has shape {tuple(t.shape)}, expected "
+                             f"{tuple(first.shape)} like inputs[0]")
+        if t.dtype != first.dtype:
+            raise ValueError(f"inputs[{i}] has dtype {t.dtype}, expected {first.dtype} like "
+                             f"inputs[0]")
+        if t.device != first.device:
+            raise ValueError(f"inputs[{i}] is on {t.device}, expected {first.device} like "
+                             f"inputs[0]")
+    return out
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is unknown; expected one of {list(choices)}")
+
+
+def _check_root(root, world: int) -> int:
+    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < world:
+        raise ValueError(f"root={root!r} must be a rank in [0, {world})")
+    return root
+
+
+# ---------------------------------------------------------------- the arithmetic
+
+
+def _fp64_to_narrow(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 -> fp16/bf16 in ONE rounding (torch's direct cast goes through fp32 twice).
+
+    Round to fp32 with round-to-odd, then to the narrow type with round-to-nearest-even:
+    with 24 >= p + 2 bits the odd sticky bit keeps the second rounding correct (Boldo &
+    Melquiond, "Emulation of FMA and correctly rounded sums: proved algorithms using
+    rounding to odd", 2008). f = RNE(x); if inexact, the odd one of f's two neighbours
+    around x is (bits(f) - [|f| > |x|]) | 1 in sign-magnitude bits.
+    """
+    f = x.to(torch.float32)
+    back = f.to(torch.float64)
+    inexact = back != x  # also True for NaN: |1 keeps a NaN a NaN
+    past = (back.abs() > x.abs()).to(torch.int32)
+    bits = f.view(torch.int32)
+    odd = torch.where(inexact, (bits - past) | 1, bits)
+    return odd.view(torch.float32).to(dtype)
+
+
+class _Arithmetic:
+    """The wire format, accumulator and rounding of one collective call."""
+
+    def __init__(self, dtype, accum_dtype, rounding, saturate, seed):
+        self.wire: Format = get_format(dtype)
+        fp8 = self.wire.name.startswith("fp8")
+        self.accum: Format = get_format(accum_dtype if accum_dtype is not None
+                                        else ("fp16" if fp8 else self.wire))
+        _check_choice("rounding", rounding, ROUNDING_MODES)
+        if saturate is not None and not isinstance(saturate, bool):
+            raise ValueError(f"saturate={saturate!r} must be None, True or False")
+        self.rounding = rounding
+        # saturate=None: the backend's behaviour: NCCL's fp8 adds end in a satfinite cast;
+        # input casts follow the type (e4m3fn overflow -> NaN).
+        self.sat_inputs = bool(saturate)
+        self.sat_adds = fp8 if saturate is None else saturate
+        if rounding == "stochastic":
+            if seed is None or isinstance(seed, bool) or not isinstance(seed, int):
+                raise ValueError(f"rounding='stochastic' needs seed=<int>, got seed={seed!r}")
+            self.gen = torch.Generator().manual_seed(seed)
+        else:
+            self.gen = None
+        self.seed = seed
+        # Native torch arithmetic is exact where (a + b) in the native type is one correct
+        # rounding: fp16/bf16 (via fp32 opmath), fp32 and fp64; an accumulator of fp32 or
+        # wider for a 16-bit wire adds nothing (innocuous double rounding, 24 >= 2p + 2).
+        wider = {"fp16": ("fp16", "fp32", "fp64"), "bf16": ("bf16", "fp32", "fp64"),
+                 "fp32": ("fp32", "fp64"), "fp64": ("fp64",)}
+        self.native = (_NATIVE.get(self.wire.name)
+                       if rounding == "nearest" and not self.sat_inputs and not self.sat_adds
+                       and self.accum.name in wider.get(self.wire.name, ()) else None)
+        self.name = ("native_" + self.wire.name if self.native is not None
+                     else "nccl_fp8" if fp8 and self.accum.name == "fp16" and self.sat_adds
+                     else "emulated")
+
+    def cast(self, t: torch.Tensor) -> torch.Tensor:
+        """A flat input rounded once to the wire format, in the working dtype."""
+        if self.native is not None:
+            if t.dtype == self.native:
+                return t
+            if not t.is_floating_point():
+                t = t.to(torch.float64)
+            if t.dtype == torch.float64 and self.native in (torch.float16, torch.bfloat16):
+                return _fp64_to_narrow(t, self.native)
+            return t.to(self.native)  # single rounding: fp32 -> 16-bit, any -> wider
+        return self.wire.round(t.to(torch.float64), self.rounding, saturate=self.sat_inputs,
+                               generator=self.gen)
+
+    def stack(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """[world, numel] in the working dtype, each row rounded to the wire format.
+
+        Rounded in blocks of BLOCK elements (a loop over ranks and blocks; each block is
+        vectorised) so temporaries stay in cache.
+        """
+        work = self.native or torch.float64
+        n = tensors[0].numel()
+        x = torch.empty((len(tensors), n), dtype=work, device=tensors[0].device)
+        for r, t in enumerate(tensors):
+            t = t.reshape(-1)
+            if t.dtype == work:
+                x[r] = t
+                continue
+            for lo in range(0, n, BLOCK):
+                x[r, lo:lo + BLOCK] = self.cast(t[lo:lo + BLOCK])
+        return x
+
+    def _to_wire(self, s: torch.Tensor) -> torch.Tensor:
+        if self.accum is not self.wire:
+            s = self.accum.round(s, "nearest")
+        return self.wire.round(s, self.rounding, saturate=self.sat_adds, generator=self.gen)
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return a + b
+        return self._to_wire(a + b)
+
+    def scale(self, x: torch.Tensor, s: float) -> torch.Tensor:
+        """x * s with s already a wire-format value: one rounding of the exact product."""
+        if self.native is not None:
+            return x * torch.tensor(s, dtype=self.native)
+        return self.wire.round(x * s, self.rounding, saturate=self.sat_adds, generator=self.gen)
+
+    def divide(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        """x / n rounded once to the wire format (gloo's AVG divides after the sum)."""
+        q = x.to(torch.float64) / n
+        return self.wire.round(q, self.rounding, saturate=self.sat_adds, generator=self.gen)
+
+
+# ---------------------------------------------------------------- the collectives
+
+
+def _reduce_world(collective, inputs, *, op, dtype, accum_dtype, algorithm, rounding, seed,
+                  avg, ranks_per_node, saturate, order, schedule=None):
+    """Validate, round, reduce. Returns (flat float64 result, info-maker, tensors)."""
+    tensors = _as_world(inputs)
+    _check_choice("op", op, OPS)
+    if order is not None:
+        if algorithm not in ("ring", "order"):  # "ring" is the default: order= overrides it
+            raise ValueError(f"order= replays an explicit order; it cannot be combined with "
+                             f"algorithm={algorithm!r} (use algorithm='order' or leave it)")
+        algorithm = "order"
+    if avg is not None:
+        _check_choice("avg", avg, AVG_MODES)
+        if op != "avg":
+            raise ValueError(f"avg={avg!r} only applies to op='avg', not op={op!r}")
+    elif op == "avg":
+        avg = "divide" if algorithm == "gloo" else "premul"
+    arith = _Arithmetic(dtype, accum_dtype, rounding, saturate, seed)
+    itemsize = None
+    if algorithm == "gloo":
+        if arith.wire.name not in _GLOO_ITEMSIZE:
+            raise ValueError(f"dtype={dtype!r} with algorithm='gloo': gloo reduces only "
+                             f"{list(_GLOO_ITEMSIZE)} (float8 gives \"Invalid scalar type\"); "
+                             f"use an NCCL-modelled algorithm")
+        itemsize = _GLOO_ITEMSIZE[arith.wire.name]
+    world, numel = len(tensors), tensors[0].numel()
+    if schedule is None:
+        schedule = get_schedule(algorithm, world, numel, ranks_per_node=ranks_per_node,
+                                order=order, itemsize=itemsize)
+    x = arith.stack(tensors)
+    if op in ("max", "min"):
+        total = x.amax(0) if op == "max" else x.amin(0)  # exact; NaN propagates
+    else:
+        if op == "avg" and avg == "premul":
+            s = float(arith.wire.round(torch.tensor(1.0 / world, dtype=torch.float64)))
+            x = arith.scale(x, s)
+        total = schedule.reduce(x, arith.add)
+        if op == "avg" and avg == "divide":
+            total = arith.divide(total, world)
+    total = total.to(torch.float64)
+
+    def info() -> CollectiveInfo:
+        given = [t for t in tensors if t.is_floating_point()]
+        nan_in = sum(int(torch.isnan(t).sum()) for t in given)
+        inf_in = sum(int(torch.isinf(t).sum()) for t in given)
+        finite_in = torch.stack([torch.isfinite(t.reshape(-1)) if t.is_floating_point()
+                                 else torch.ones(numel, dtype=torch.bool) for t in tensors])
+        overflow = int((finite_in & ~torch.isfinite(arith.stack(tensors))).sum())
+        return CollectiveInfo(
+            collective=collective, op=op, dtype=arith.wire.name, accum_dtype=arith.accum.name,
+            algorithm=algorithm, avg=avg, rounding=rounding,
+            saturate=arith.sat_adds, arithmetic=arith.name, seed=arith.seed, world=world,
+            numel=numel, nan_inputs=nan_in, inf_inputs=inf_in, overflow_inputs=overflow,
+            nan_outputs=int(torch.isnan(total).sum()), inf_outputs=int(torch.isinf(total).sum()))
+
+    return total, info, tensors
+
+
+def all_reduce(inputs, *, op="sum", dtype="fp64", accum_dtype=None, algorithm="ring",
+               rounding="nearest", seed=None, avg=None, ranks_per_node=None, saturate=None,
+               order=None, return_info=False):
+    """Every rank gets the same reduction of all ranks' inputs (one shared tensor).
+
+    op: "sum" | "avg" | "max" | "min". dtype: the wire format (reference.formats names).
+    accum_dtype: precision of each add before the cast to the wire format (default: the
+    wire format; fp16 for fp8, as NCCL). algorithm: see reference.schedules.ALGORITHMS;
+    order=LongTensor[world, numel] replays an explicit order. rounding: "nearest" |
+    "stochastic" (needs seed) | "toward_zero", applied at every wire rounding (the inputs,
+    every add, the avg scaling). saturate: None = the backend's choice (NCCL fp8 adds
+    saturate), True/False = clamp or not everywhere. avg: see the module docstring.
+    ranks_per_node: for algorithm="hierarchical".
+    """
+    total, info, tensors = _reduce_world(
+        "all_reduce", inputs, op=op, dtype=dtype, accum_dtype=accum_dtype,
+        algorithm=algorithm, rounding=rounding, seed=seed, avg=avg,
+        ranks_per_node=ranks_per_node, saturate=saturate, order=order)
+    out = total.reshape(tensors[0].shape)
+    outs = [out] * len(tensors)
+    return (outs, info()) if return_info else outs
+
+
+def reduce_scatter(inputs, *, op="sum", dtype="fp64", accum_dtype=None, algorithm="ring",
+                   rounding="nearest", seed=None, avg=None, ranks_per_node=None,
+                   saturate=None, order=None, return_info=False):
+    """Rank r gets block r of the reduction (the first dim split into world equal blocks).
+
+    Like torch.distributed.reduce_scatter_tensor, the first dim must be divisible by the
+    world. With algorithm="ring" block r is NCCL's ring chunk r: ranks r+1, ..., r. Outputs
+    are views of one reduced tensor. Arguments as all_reduce.
+    """
+    tensors = _as_world(inputs)
+    world, shape = len(tensors), tuple(tensors[0].shape)
+    if len(shape) == 0 or shape[0] % world:
+        raise ValueError(f"inputs[0] has shape {shape}; reduce_scatter needs a first dim "
+                         f"divisible by the world ({world}), e.g. ({world * 4},)")
+    total, info, _ = _reduce_world(
+        "reduce_scatter", tensors, op=op, dtype=dtype, accum_dtype=accum_dtype,
+        algorithm=algorithm, rounding=rounding, seed=seed, avg=avg,
+        ranks_per_node=ranks_per_node, saturate=saturate, order=order)
+    outs = list(total.reshape(shape).chunk(world, 0))
+    return (outs, info()) if return_info else outs
+
+
+def reduce(inputs, *, root=0, op="sum", dtype="fp64", accum_dtype=None, algorithm="ring",
+           rounding="nearest", seed=None, avg=None, ranks_per_node=None, saturate=None,
+           order=None, return_info=False):
+    """The reduction at rank `root`; None for every other rank.
+
+    algorithm="ring" is NCCL's ring reduce: one chain root+1, root+2, ..., root for every
+    element (the chain ends at the root). Other algorithms use their all-reduce order.
+    """
+    tensors = _as_world(inputs)
+    world = len(tensors)
+    root = _check_root(root, world)
+    schedule = None
+    if algorithm == "ring" and order is None:
+        schedule = SequentialSchedule(world, tensors[0].numel(), start=(root + 1) % world)
+    total, info, _ = _reduce_world(
+        "reduce", tensors, op=op, dtype=dtype, accum_dtype=accum_dtype, algorithm=algorithm,
+        rounding=rounding, seed=seed, avg=avg, ranks_per_node=ranks_per_node,
+        saturate=saturate, order=order, schedule=schedule)
+    outs = [None] * world
+    outs[root] = total.reshape(tensors[0].shape)
+    return (outs, info()) if return_info else outs
+
+
+def all_gather(inputs, *, dtype="fp64", rounding="nearest", seed=None, saturate=None):
+    """Every rank gets all inputs, each rounded once to the wire format, concatenated on
+    dim 0 (0-d inputs are stacked). No arithmetic, so no order. One shared tensor."""
+    tensors = _as_world(inputs)
+    arith = _Arithmetic(dtype, None, rounding, saturate, seed)
+    rows = arith.stack(tensors).to(torch.float64)
+    shape = tensors[0].shape
+    out = rows.reshape((len(tensors),) + tuple(shape))
+    out = out if len(shape) == 0 else out.flatten(0, 1)
+    return [out] * len(tensors)
+
+
+def broadcast(inputs, *, root=0, dtype="fp64", rounding="nearest", seed=None, saturate=None):
+    """Every rank gets rank `root`'s input rounded once to the wire format (shared)."""
+    tensors = _as_world(inputs)
+    root = _check_root(root, len(tensors))
+    arith = _Arithmetic(dtype, None, rounding, saturate, seed)
+    out = arith.stack([tensors[root]])[0].to(torch.float64).reshape(tensors[root].shape)
+    return [out] * len(tensors)
