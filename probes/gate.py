@@ -6,9 +6,10 @@ cannot judge (a report is missing, corrupt, or of another schema: it fails close
 Regressions, each with a code from probes.result.CODES so a reviewer can search and waive it:
   TP-G1  a probe present in the baseline is missing from the candidate;
   TP-C1  a target that was causal now leaks (metric `causal` True -> False);
-  TP-G2  a bias significantly larger: one-sided z-test on |bias| with both standard errors;
-  TP-G3  drift significantly worse (same test on `mean_log_ratio`), or a drift verdict that
-         went over its threshold;
+  TP-G2  a bias significantly larger: one-sided z-test on |bias| with both standard errors
+         (probes.numerics.bias: `bias`, SE = std / sqrt(trials));
+  TP-G3  drift significantly worse (the same test on `mean_log_ratio` with `se_mean`, from
+         probes.drift.compare), or a drift Result newly over its threshold (TP-D3);
   TP-B3  lower revealed accumulator precision (`accumulator_mantissa_bits` decreased);
   TP-E1  the probe errored in the candidate;
   and any other result whose verdict went from pass/warn to fail keeps the candidate's codes.
@@ -25,15 +26,10 @@ from pathlib import Path
 
 from probes.result import CODES, Result, SchemaError, load_results
 
-# Metric names probes use for a bias estimate and its standard error. The gate reads the
-# first pair present in both Results; a CI (low, high) at 95% stands in for a missing SE.
-BIAS_KEYS = (
-    ("bias", "bias_se"),
-    ("mean_rel_error", "mean_rel_error_se"),
-    ("mean_signed_rel_error", "mean_signed_rel_error_se"),
-)
-DRIFT_KEYS = (("mean_log_ratio", "mean_log_ratio_se"),)
-Z95 = 1.959963984540054
+# The estimates the gate tests, as probes name them: (code, metric, label). Each Result also
+# carries the estimate's standard error, found by `standard_error` (probes.numerics.bias:
+# std and trials, and a (1 - alpha) CI; probes.drift.compare: se_mean).
+ESTIMATES = (("TP-G2", "bias", "bias"), ("TP-G3", "mean_log_ratio", "drift"))
 
 
 class CannotJudge(Exception):
@@ -190,20 +186,32 @@ def _num(v):
     return None
 
 
-def estimate(metrics: dict, keys) -> tuple[str, float, float] | None:
-    """(name, value, standard error) for the first known estimate present in metrics."""
-    for name, se_name in keys:
-        value = _num(metrics.get(name))
-        if value is None or math.isnan(value):
-            continue
-        se = _num(metrics.get(se_name))
-        if se is None:
-            lo, hi = _num(metrics.get(f"{name}_ci_low")), _num(metrics.get(f"{name}_ci_high"))
-            if lo is not None and hi is not None:
-                se = (hi - lo) / (2 * Z95)
-        if se is not None and not math.isnan(se):
-            return name, value, abs(se)
-    return None
+def standard_error(metrics: dict, name: str) -> float | None:
+    """The standard error of metrics[name], from the first of: `<name>_se`, `se_mean`,
+    std / sqrt(trials), or the CI (ci_low, ci_high) at `confidence` (normal approximation)."""
+    from statistics import NormalDist
+    se = _num(metrics.get(f"{name}_se"))
+    if se is None:
+        se = _num(metrics.get("se_mean"))
+    if se is None:
+        std, n = _num(metrics.get("std")), _num(metrics.get("trials"))
+        if std is not None and n is not None and n >= 2:
+            se = std / math.sqrt(n)
+    if se is None:
+        lo, hi = _num(metrics.get("ci_low")), _num(metrics.get("ci_high"))
+        conf = _num(metrics.get("confidence")) or 0.95
+        if lo is not None and hi is not None and 0 < conf < 1:
+            se = (hi - lo) / (2 * NormalDist().inv_cdf((1 + conf) / 2))
+    return None if se is None or math.isnan(se) else abs(se)
+
+
+def estimate(metrics: dict, name: str) -> tuple[float, float] | None:
+    """(value, standard error) of metrics[name], or None when either is missing."""
+    value = _num(metrics.get(name))
+    if value is None or math.isnan(value):
+        return None
+    se = standard_error(metrics, name)
+    return None if se is None else (value, se)
 
 
 def larger_magnitude(base: tuple[float, float], cand: tuple[float, float],
@@ -249,15 +257,15 @@ def _compare_pair(b: Result, c: Result, alpha: float) -> list[Regression]:
         n = cm.get("n_leaks")
         add("TP-C1", "was causal, now leaks future tokens into earlier decisions",
             "causal", f"leaks ({n} leaks)" if n is not None else "leaks", c.message)
-    for code, keys, label in (("TP-G2", BIAS_KEYS, "bias"), ("TP-G3", DRIFT_KEYS, "drift")):
-        eb, ec = estimate(bm, keys), estimate(cm, keys)
-        if eb and ec and eb[0] == ec[0]:
-            sig, z, p = larger_magnitude(eb[1:], ec[1:], alpha)
+    for code, name, label in ESTIMATES:
+        eb, ec = estimate(bm, name), estimate(cm, name)
+        if eb and ec:
+            sig, z, p = larger_magnitude(eb, ec, alpha)
             if sig:
-                ratio = abs(ec[1]) / abs(eb[1]) if eb[1] else math.inf
-                add(code, f"{label} `{ec[0]}` significantly larger in magnitude "
+                ratio = abs(ec[0]) / abs(eb[0]) if eb[0] else math.inf
+                add(code, f"{label} `{name}` significantly larger in magnitude "
                     f"({'x' + _fmt(ratio) if math.isfinite(ratio) else 'from zero'})",
-                    f"{eb[1]:.4g} ± {eb[2]:.2g}", f"{ec[1]:.4g} ± {ec[2]:.2g}",
+                    f"{eb[0]:.4g} ± {eb[1]:.2g} (SE)", f"{ec[0]:.4g} ± {ec[1]:.2g} (SE)",
                     f"one-sided z = {_fmt(z)}, p = {p:.2g} < alpha = {alpha}")
     bb, cb = _num(bm.get("accumulator_mantissa_bits")), _num(cm.get("accumulator_mantissa_bits"))
     if bb is not None and cb is not None and cb < bb:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from probes.cli import main
 from probes.gate import (CannotJudge, Waiver, compare, gate_files, larger_magnitude,
-                         load_waivers, parse_waivers)
+                         load_waivers, parse_waivers, standard_error)
 from probes.result import Result, save_results
 
 TODAY = date(2026, 11, 29)
@@ -23,14 +23,14 @@ def R(probe="numerics.bias", target="t", verdict="pass", codes=(), **metrics):
 CASES = [
     ("causal now leaks", R("causality.check", causal=True),
      R("causality.check", "t", "fail", ["TP-C1"], causal=False, n_leaks=4), ["TP-C1"]),
-    ("bias significantly larger", R(bias=1e-4, bias_se=1e-5),
-     R(verdict="fail", codes=["TP-B1"], bias=2e-3, bias_se=1e-4), ["TP-G2"]),
+    ("bias significantly larger", R(bias=1e-4, std=1e-4, trials=100),
+     R(verdict="fail", codes=["TP-B1"], bias=2e-3, std=1e-3, trials=100), ["TP-G2"]),
     ("bias flips sign and grows", R(bias=1e-4, bias_se=1e-5),
      R(bias=-2e-3, bias_se=1e-4), ["TP-G2"]),
-    ("bias from CI only", R(bias=0.0, bias_ci_low=-1e-5, bias_ci_high=1e-5),
-     R(bias=1e-3, bias_ci_low=9e-4, bias_ci_high=1.1e-3), ["TP-G2"]),
-    ("drift significantly worse", R("drift.compare", mean_log_ratio=-1e-3, mean_log_ratio_se=1e-4),
-     R("drift.compare", mean_log_ratio=-5e-2, mean_log_ratio_se=1e-3), ["TP-G3"]),
+    ("bias from CI only", R(bias=0.0, ci_low=-1e-5, ci_high=1e-5, confidence=0.99),
+     R(bias=1e-3, ci_low=9e-4, ci_high=1.1e-3, confidence=0.99), ["TP-G2"]),
+    ("drift significantly worse", R("drift.compare", mean_log_ratio=-1e-3, se_mean=1e-4),
+     R("drift.compare", mean_log_ratio=-5e-2, se_mean=1e-3), ["TP-G3"]),
     ("drift over threshold", R("drift.compare"),
      R("drift.compare", "t", "fail", ["TP-D3"]), ["TP-G3"]),
     ("accumulator precision lower", R("numerics.reveal", accumulator_mantissa_bits=23),
@@ -42,6 +42,7 @@ CASES = [
 CLEAN = [
     ("identical", R(bias=1e-3, bias_se=1e-4), R(bias=1e-3, bias_se=1e-4)),
     ("bias larger but not significant", R(bias=1e-3, bias_se=1e-3), R(bias=1.5e-3, bias_se=1e-3)),
+    ("no standard error: not judged", R(bias=1e-3), R(bias=1e-1)),
     ("bias smaller", R(bias=1e-3, bias_se=1e-5), R(bias=1e-5, bias_se=1e-5)),
     ("still causal", R("causality.check", causal=True), R("causality.check", causal=True)),
     ("precision higher", R("numerics.reveal", accumulator_mantissa_bits=10),
@@ -87,6 +88,19 @@ def test_z_test_never_flags_a_smaller_magnitude(b, sb, c, sc):
 def test_z_test_matches_formula(b, sb, c, sc):
     _, z, _ = larger_magnitude((b, sb), (c, sc), alpha=0.01)
     assert z == pytest.approx((abs(c) - abs(b)) / math.hypot(sb, sc))
+
+
+@pytest.mark.parametrize("metrics,se", [
+    ({"bias_se": 0.5, "se_mean": 9.0}, 0.5),
+    ({"se_mean": 0.25}, 0.25),
+    ({"std": 2.0, "trials": 16}, 0.5),
+    ({"ci_low": -1.959963984540054, "ci_high": 1.959963984540054, "confidence": 0.95}, 1.0),
+    ({"ci_low": -1.0, "ci_high": 1.0}, 1.0 / 1.959963984540054),  # no confidence: 95%
+    ({}, None),
+])
+def test_standard_error_sources(metrics, se):
+    got = standard_error({"bias": 0.1, **metrics}, "bias")
+    assert got == (None if se is None else pytest.approx(se))
 
 
 def test_z_test_deterministic_estimates():
