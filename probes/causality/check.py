@@ -1,0 +1,506 @@
+"""Future-perturbation and truncation probes for per-token decisions.
+
+`check(fn, inputs)` asks: does the decision for token t depend on tokens after t?
+
+Algorithm (perturb mode):
+  1. Run the target twice on the inputs. Different decisions: nondeterministic (TP-C2); stop,
+     since no flip could then be told from a leak.
+  2. Batch isolation (B >= 2): replace the odd rows, compare the even rows (TP-C3 if they move).
+  3. For each cut c, x_c = x with every position > c replaced by other values (same length, same
+     batch shape). Decisions at positions <= c must not change. If the target is
+     batch-isolated, many x_c are packed into one call, chunked to max_batch_tokens, with an
+     unperturbed copy of x as a control; otherwise one call per cut, at the inputs' shape.
+  4. Classify every flip (b, t, c):
+     - a flip from a packed call is re-run alone at the inputs' shape; if it vanishes, it was
+       batch-shape noise (and packing is abandoned for this target: it is batch-variant);
+     - at the same shape, a deterministic target can change a decision at t <= c only if data
+       flows from the future. The flip is structural unless the routing margin (runner-up gap
+       of `scores`, or the size of a float change) is within rounding noise; then the fp64 twin
+       decides (structural if the future still moves it in fp64), or it stays "unverified".
+Truncate mode runs the prefix x[:, :c+1] (the inference view) and classifies the same way;
+the share of earlier decisions that differ is the train/inference decision mismatch.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+
+from probes.causality.target import Picker, Target, differs, margins
+from probes.result import Result
+from probes.targets import TargetError
+
+__all__ = ["check", "resolve_cuts", "MODES"]
+
+MODES = ("perturb", "truncate")
+NOISE_ULPS = 32  # a score gap within 32 ulps of its magnitude is "near a tie"
+
+
+def resolve_cuts(cuts, T: int, mode: str, generator: torch.Generator) -> list[int]:
+    """None: a few evenly spaced cuts (8 in perturb mode, packed in one call; 4 in truncate
+    mode, one call each), enough to catch global leaks. "all": 0..T-2 (full certification).
+    An int n: n cuts sampled without replacement. A list: those positions."""
+    last = T - 2  # a cut at T-1 has no future to perturb
+    if cuts is None:
+        n = min(8 if mode == "perturb" else 4, last + 1)
+        return sorted({round((i + 1) * (last + 1) / (n + 1)) for i in range(n)} - {last + 1}) or [0]
+    if isinstance(cuts, str):
+        if cuts != "all":
+            raise ValueError(f"cuts={cuts!r} must be 'all', an int, a list of positions or None")
+        return list(range(last + 1))
+    if isinstance(cuts, bool):
+        raise ValueError(f"cuts={cuts!r} must be 'all', an int, a list of positions or None")
+    if isinstance(cuts, int):
+        if cuts < 1:
+            raise ValueError(f"cuts={cuts!r} must be >= 1 (the number of sampled cuts)")
+        n = min(cuts, last + 1)
+        return sorted(torch.randperm(last + 1, generator=generator)[:n].tolist())
+    out = sorted({int(c) for c in cuts})
+    bad = [c for c in out if not 0 <= c <= last]
+    if not out or bad:
+        raise ValueError(f"cuts={list(cuts)!r}: positions must be in [0, {last}] for T={T} "
+                         f"(a cut c perturbs positions c+1..T-1)")
+    return out
+
+
+def _replacements(x: torch.Tensor, trials: int, vocab: int | None, g: torch.Generator) -> torch.Tensor:
+    """[trials, *x.shape] values that differ from x everywhere: other token ids, or fresh
+    Gaussian values with x's per-feature mean and std (never a permutation of x's own
+    values, which would leave a sequence-wide sum unchanged)."""
+    if not x.is_floating_point():
+        V = vocab if vocab is not None else max(2, int(x.max()) + 1)
+        shift = torch.randint(1, V, (trials, *x.shape), generator=g)
+        return (x[None] + shift) % V
+    flat = x.double().reshape(-1, x.shape[-1]) if x.dim() > 2 else x.double().reshape(-1, 1)
+    mean, std = flat.mean(0), flat.std(0).nan_to_num(1.0)
+    std = torch.where(std > 0, std, torch.ones_like(std))
+    z = torch.randn((trials, *x.shape), generator=g, dtype=torch.float64)
+    z = z * (std if x.dim() > 2 else std[0]) + (mean if x.dim() > 2 else mean[0])
+    return z.to(x.dtype)
+
+
+def _noise_tol(values: torch.Tensor) -> torch.Tensor:
+    eps = torch.finfo(values.dtype).eps if values.is_floating_point() else 0.0
+    return NOISE_ULPS * eps * values.double().abs().clamp_min(1.0)
+
+
+def check(fn: Callable, inputs: torch.Tensor, *, mode: str = "perturb", cuts=None, trials: int = 1,
+          seed: int = 0, atol: float = 0.0, decision: Picker = None, scores: Picker = None,
+          layout: str = "batched", vocab: int | None = None, fp64=None,
+          margin_tol: float | None = None, pack: bool = True, max_batch_tokens: int = 65536,
+          max_verify: int | None = None, max_leaks: int = 200, target: str | None = None,
+          progress: Callable[[int, int], None] | None = None) -> Result:
+    """Probe fn for decisions that depend on future tokens. Returns a Result (probe
+    "causality.check") with metrics causal, n_leaks, flip_rate, mismatch_rate (truncate),
+    n_evaluations, tokens_evaluated, ... and evidence leaks, flip_rate_by_position,
+    leak_distances, leak_map, cuts, seed.
+
+    inputs: token ids [B, T] (long) or floats [B, T, D]; layout="flat" for [T] / [T, D]
+      with fn taking one sequence without a batch axis.
+    decision / scores: how to pick the decision (and optionally routing scores [B, T, E],
+      used for margins) out of fn's output: None (the output), an index, a name, or a
+      callable. Integer decisions are compared exactly, float decisions with atol.
+    fp64: None (auto twin), False, or a callable computing the same thing in float64.
+    margin_tol: absolute score gap below which a flip may be rounding noise; default
+      32 ulps of the score's magnitude.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} must be one of {MODES}")
+    if not isinstance(trials, int) or isinstance(trials, bool) or trials < 1:
+        raise ValueError(f"trials={trials!r} must be an int >= 1 (perturbations per cut)")
+    if not (isinstance(atol, (int, float)) and atol >= 0):
+        raise ValueError(f"atol={atol!r} must be a float >= 0")
+    if not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
+        raise ValueError(f"max_batch_tokens={max_batch_tokens!r} must be an int >= 1")
+    name = target or getattr(fn, "__qualname__", None) or type(fn).__name__
+    tgt = Target(fn, name, decision=decision, scores=scores, layout=layout)
+    x = _as_batched(inputs, layout)
+    B, T = x.shape[:2]
+    g = torch.Generator().manual_seed(seed)
+    cut_list = resolve_cuts(cuts, T, mode, g)
+    trials = trials if mode == "perturb" else 1
+    R = _replacements(x, trials, vocab, g)
+    run = _Run(tgt, x, atol, margin_tol, fp64, max_verify)
+
+    common = dict(probe="causality.check", target=name, seed=seed)
+    try:
+        # 1. determinism: decisions and scores, bit for bit
+        y0, s0 = run.base
+        y1, s1 = tgt(x)
+        nondet = differs(y0, y1, atol)
+        if s0 is not None:
+            nondet |= differs(s0, s1, 0.0)
+        if nondet.any():
+            raise _Nondeterministic(nondet.nonzero()[:10].tolist(), int(nondet.sum()))
+        # 2. batch isolation: replace the odd rows, the even rows must not move
+        isolated, iso_where = None, []
+        if B >= 2 and layout == "batched":
+            xi = x.clone()
+            xi[1::2] = R[0, 1::2]
+            yi, si = tgt(xi)
+            moved = differs(y0[0::2], yi[0::2], atol)
+            if moved.any():
+                run.reproduce(xi, yi, si)
+            isolated = not bool(moved.any())
+            iso_where = [[2 * b, t] for b, t in moved.nonzero()[:10].tolist()]
+        # 3. cuts
+        flips, packed_used = _cuts(run, tgt, x, R, mode, cut_list, trials, pack, isolated,
+                                   max_batch_tokens, atol, progress)
+    except _Nondeterministic as e:
+        return Result(**common, verdict="fail", codes=["TP-C2"],
+                      metrics={"causal": None, "deterministic": False,
+                               "n_nondeterministic": e.count,
+                               "n_evaluations": tgt.n_evaluations,
+                               "tokens_evaluated": tgt.tokens_evaluated},
+                      evidence={"nondeterministic_positions": e.where, "mode": mode,
+                                "shape": list(x.shape)},
+                      message=f"{name} gave different outputs on the same input at {e.count} "
+                              f"tokens (first (batch, position): {e.where[:3]}); nondeterminism "
+                              f"is not a causality verdict: make the target deterministic "
+                              f"(fixed seeds, torch.use_deterministic_algorithms) and probe again")
+    return _result(common, run, tgt, mode, x, cut_list, trials, flips, isolated, iso_where,
+                   packing_used=packed_used, max_leaks=max_leaks, atol=atol, layout=layout)
+
+
+def _cuts(run, tgt, x, R, mode, cut_list, trials, pack, isolated, max_batch_tokens, atol,
+          progress):
+    """Evaluate every (cut, trial): packed with a control copy when the target is
+    batch-isolated, alone at the inputs' shape otherwise. Returns (flips, packed)."""
+    B, T = x.shape[:2]
+    y0, s0 = run.base
+    pos = torch.arange(T)
+    tasks = [(c, i) for c in cut_list for i in range(trials)]
+    packing = bool(pack and isolated and mode == "perturb")
+    packed_used = False
+    chunk = max(1, max_batch_tokens // (B * T) - 1)
+    flips = []  # (cut, trial, batch idx, position idx, decisions after, kind)
+
+    def perturbed(c, i):
+        m = (pos > c).view(1, T, *([1] * (x.dim() - 2)))
+        return torch.where(m, R[i], x)
+
+    j = 0
+    while j < len(tasks):
+        if packing and len(tasks) - j > 1:
+            part = tasks[j:j + chunk]
+            try:
+                out, sc = tgt(torch.cat([x] + [perturbed(c, i) for c, i in part]))
+            except TargetError as e:
+                if "out of memory" in str(e).lower() and chunk > 1:
+                    chunk //= 2  # memory budget too generous for this target: halve and retry
+                    continue
+                raise
+            if differs(out[:B], y0, atol).any():  # control moved: batch-variant, stop packing
+                run.batch_invariant = False
+                packing = False
+                continue
+            packed_used = True
+            # The control reproduced the baseline bit for bit (scores too, or float decisions):
+            # this packed call computes as the inputs' shape does, so its flips need no re-run.
+            if torch.equal(out[:B], y0) and (torch.equal(sc[:B], s0) if sc is not None
+                                             else out.is_floating_point()):
+                run.trusted = True
+            outs = out[B:].view(len(part), B, T, *out.shape[2:])
+            scs = sc[B:].view(len(part), *s0.shape) if sc is not None else [None] * len(part)
+            for n, ((c, i), yc, sc_c) in enumerate(zip(part, outs, scs)):
+                d = differs(y0, yc, atol) & (pos <= c)
+                if not d.any():
+                    continue
+                run.note_flip()
+                if run.trusted:
+                    flips.append((c, i, *run.flips(yc, sc_c, c, perturbed(c, i))))
+                    continue
+                kept, vanished = run.confirm(perturbed(c, i), c, d, yc)
+                flips.append((c, i, *kept))
+                if vanished:  # the packed flips were noise: the target is batch-variant
+                    packing = False
+                    run.batch_invariant = False
+                    for c2, i2 in part[n + 1:]:  # the rest of this chunk, alone
+                        flips.append((c2, i2, *run.same_shape(perturbed(c2, i2), c2)))
+                    break
+                run.trusted = bool((kept[3] == 0).any())
+            j += len(part)
+        else:
+            c, i = tasks[j]
+            got = (run.same_shape(perturbed(c, i), c) if mode == "perturb" else run.truncated(c))
+            if len(got[0]):
+                run.note_flip()
+            flips.append((c, i, *got))
+            j += 1
+        if progress is not None:
+            progress(j, len(tasks))
+    return flips, packed_used
+
+
+def _as_batched(inputs, layout: str) -> torch.Tensor:
+    if not isinstance(inputs, torch.Tensor):
+        raise ValueError(f"inputs is a {type(inputs).__name__}, expected a Tensor: token ids "
+                         f"[B, T] (long) or floats [B, T, D]")
+    want = (1, 2) if layout == "flat" else (2, 3)
+    ok_dim = inputs.dim() == (want[1] if inputs.is_floating_point() else want[0])
+    if not ok_dim or inputs.is_complex():
+        shapes = "[T] (long) or [T, D] (float)" if layout == "flat" else "[B, T] (long) or [B, T, D] (float)"
+        raise ValueError(f"inputs has dtype {inputs.dtype} and shape {tuple(inputs.shape)!r}, "
+                         f"expected {shapes}" + ("; for one sequence without a batch axis pass "
+                                                 "layout='flat'" if layout == "batched" else ""))
+    x = inputs[None] if layout == "flat" else inputs
+    if x.shape[1] < 2 or x.shape[0] < 1:
+        raise ValueError(f"inputs has shape {tuple(inputs.shape)!r}: need at least 1 sequence "
+                         f"of at least 2 positions")
+    return x.detach()
+
+
+class _Nondeterministic(Exception):
+    """The same input gave different outputs: stop, this is TP-C2, not a leak."""
+
+    def __init__(self, where, count=None):
+        self.where, self.count = where, count if count is not None else len(where)
+
+
+class _Run:
+    """Shared state of one check: baseline, fp64 twin (lazy), verification budget."""
+
+    def __init__(self, tgt: Target, x, atol, margin_tol, fp64_spec, max_verify):
+        self.tgt, self.x, self.atol, self.margin_tol = tgt, x, atol, margin_tol
+        self.base = tgt(x)
+        self._fp64_fn = tgt.fp64(fp64_spec)
+        self._fp64_base = None
+        self.fp64_status = "not needed" if fp64_spec is not False else "disabled"
+        self.verify_left = max_verify if max_verify is not None else float("inf")
+        self.batch_invariant = True
+        self.trusted = False      # packed calls shown to compute as the inputs' shape does
+        self.reproduced = False   # a flip has been seen again on a second call
+        self.first_flip_eval = None  # evaluations spent when the first flip was seen
+
+    def note_flip(self):
+        if self.first_flip_eval is None:
+            self.first_flip_eval = self.tgt.n_evaluations
+
+    def reproduce(self, xc, y, sc):
+        """Re-run xc once and demand identical output: a leak reproduces, nondeterminism
+        (atomics, unseeded sampling) rarely does. Done once per check, at the first leak."""
+        if self.reproduced:
+            return
+        y2, s2 = self.tgt(xc)
+        moved = differs(y, y2, 0.0)
+        if sc is not None and s2 is not None:
+            moved |= differs(sc, s2, 0.0)
+        if moved.any():
+            raise _Nondeterministic(moved.nonzero()[:10].tolist())
+        self.reproduced = True
+
+    # -- classification -------------------------------------------------------------
+    def _tiny(self, b, t, before, after) -> torch.Tensor:
+        """Whether each flip sits within rounding noise of a tie: the routing margin of the
+        baseline scores, or the size of a float decision's change, within 32 ulps."""
+        y0, s0 = self.base
+        if s0 is not None:
+            m = margins(s0, y0)[b, t]
+            tol = (torch.full_like(m, self.margin_tol) if self.margin_tol is not None else
+                   _noise_tol(s0.reshape(*s0.shape[:2], -1).amax(-1))[b, t])
+            return m <= tol
+        if before.is_floating_point():
+            return _delta(before, after) <= _noise_tol(before.reshape(len(b), -1)).amax(-1)
+        return torch.zeros(len(b), dtype=torch.bool)
+
+    def _fp64(self, xc):
+        """Decision and scores of the fp64 twin on xc, or None if there is no usable twin."""
+        if self._fp64_fn is None:
+            return None
+        if self._fp64_base is None:
+            try:
+                base = self.tgt(self.x, self._fp64_fn)
+            except TargetError as e:
+                self._fp64_fn, self.fp64_status = None, f"unavailable: {e}"
+                return None
+            floats = [v for v in base if v is not None and v.is_floating_point()]
+            if floats and any(v.dtype != torch.float64 for v in floats):
+                self._fp64_fn = None
+                self.fp64_status = (f"unavailable: the fp64 twin returned {floats[0].dtype}, not "
+                                    f"float64 (pass fp64= a callable that computes in float64)")
+                return None
+            # integer decisions alone cannot show the twin computed in fp64; a twin that did not
+            # repeats the fp32 flips and leaves them structural, so trusting it is conservative
+            self._fp64_base = base
+            self.fp64_status = "used" if floats else "used (integer output: dtype not confirmed)"
+        return self.tgt(xc, self._fp64_fn)
+
+    def classify(self, xc, b, t, y, sc, shape_changed: bool) -> torch.Tensor:
+        """Kind per flip: 0 structural, 1 numerical, 2 unverified.
+
+        Same shape (perturb): a flip is structural unless it sits at a near-tie. Shape changed
+        (truncate): rounding noise of any size is possible, so every flip goes to the fp64 twin
+        when there is one. The fp64 test is a precision-scaling test: noise shrinks by ~2^-29
+        from fp32 to fp64, a real dependence does not. Structural if in fp64 the decision still
+        changes, or the scores (float decision) still move by more than 1e-3 of their fp32 move.
+        """
+        kind = torch.zeros(len(b), dtype=torch.long)
+        if not len(b):
+            return kind
+        y0, s0 = self.base
+        n = y.shape[1]
+        ask = torch.ones(len(b), dtype=torch.bool) if shape_changed else self._tiny(b, t, y0[b, t], y[b, t])
+        if not ask.any():
+            return kind
+        tiny = self._tiny(b, t, y0[b, t], y[b, t])
+        kind[ask & tiny] = 2
+        got = self._fp64(xc) if self.verify_left > 0 else None
+        if got is None:
+            return kind
+        self.verify_left -= 1
+        (d0, f0), (d1, f1) = self._fp64_base, got
+        bi, ti = b[ask], t[ask]
+        # integer decisions: does the choice still change in fp64? float ones: scaling test below
+        moved = (torch.zeros(len(bi), dtype=torch.bool) if d1.is_floating_point() else
+                 differs(d0[:, :n], d1, self.atol)[bi, ti])
+        for v0, v1, w0, w1 in ((f0, f1, s0, sc), (d0, d1, y0, y)):
+            if v0 is None or not v0.is_floating_point() or w1 is None:
+                continue
+            d64 = _delta(v0[:, :n][bi, ti], v1[bi, ti])
+            d32 = _delta(w0[:, :n][bi, ti], w1[bi, ti])
+            tol64 = _noise_tol(v0[:, :n][bi, ti].reshape(len(bi), -1)).amax(-1)
+            moved |= d64 > torch.maximum(1e-3 * d32, tol64)
+        kind[ask] = torch.where(moved, 0, 1)
+        return kind
+
+    # -- the ways a cut is evaluated ---------------------------------------------------
+    def flips(self, y, sc, c, xc, shape_changed=False):
+        """Flips of output (y, sc) against the baseline at positions <= c, classified."""
+        y0 = self.base[0][:, :y.shape[1]]
+        d = differs(y0, y, self.atol)
+        d[:, c + 1:] = False
+        b, t = d.nonzero(as_tuple=True)
+        kind = self.classify(xc, b, t, y, sc, shape_changed)
+        if (kind == 0).any():
+            self.reproduce(xc, y, sc)
+        return b, t, y[b, t], kind
+
+    def same_shape(self, xc, c):
+        """Perturbed inputs run alone at the inputs' shape."""
+        y, sc = self.tgt(xc)
+        return self.flips(y, sc, c, xc)
+
+    def confirm(self, xc, c, packed_mask, packed_y):
+        """Re-run a packed cut alone at the inputs' shape: (flips there, whether every packed
+        flip vanished, i.e. was batch-shape noise). Past the verification budget the packed
+        flips are kept as 'unconfirmed'."""
+        if self.verify_left <= 0:
+            b, t = packed_mask.nonzero(as_tuple=True)
+            return (b, t, packed_y[b, t], torch.full((len(b),), 3, dtype=torch.long)), False
+        self.verify_left -= 1
+        y, sc = self.tgt(xc)
+        b, t = packed_mask.nonzero(as_tuple=True)
+        vanished = not differs(self.base[0], y, self.atol)[b, t].any()
+        return self.flips(y, sc, c, xc), vanished
+
+    def truncated(self, c):
+        """The inference view: the prefix x[:, :c+1] alone."""
+        xc = self.x[:, :c + 1]
+        y, sc = self.tgt(xc)
+        return self.flips(y, sc, c, xc, shape_changed=True)
+
+
+def _delta(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per flip: the largest absolute change over the trailing axes."""
+    return (a.double() - b.double()).abs().reshape(len(a), -1).nan_to_num(float("inf")).amax(-1) \
+        if len(a) else torch.zeros(0, dtype=torch.float64)
+
+
+KINDS = ("structural", "numerical", "unverified", "unconfirmed")
+
+
+def _result(common, run, tgt, mode, x, cut_list, trials, flips, isolated, iso_where, *,
+            packing_used, max_leaks, atol, layout) -> Result:
+    B, T = x.shape[:2]
+    y0, s0 = run.base
+    cuts_t = torch.tensor(cut_list)
+    # comparisons per position: every (cut >= t, trial, row)
+    compared = B * trials * (cuts_t[None, :] >= torch.arange(T)[:, None]).sum(1)
+    n_compared = int(compared.sum())
+    counts = torch.zeros(4, dtype=torch.long)
+    by_pos = torch.zeros(T, dtype=torch.long)
+    dist = {}
+    leak_map = {}
+    leaks, numerical = [], []
+    n_inference = 0
+    for c, i, b, t, after, kind in flips:
+        counts += torch.bincount(kind, minlength=4)
+        n_inference += int((t == c).sum())
+        real = kind != 1
+        by_pos += torch.bincount(t[real], minlength=T)
+        for d, n in zip(*torch.unique(c + 1 - t[real], return_counts=True)):
+            dist[int(d)] = dist.get(int(d), 0) + int(n)
+        for p, n in zip(*torch.unique(t[real], return_counts=True)):
+            leak_map[(c, int(p))] = leak_map.get((c, int(p)), 0) + int(n)
+        mg = margins(s0, y0)[b, t] if s0 is not None else None
+        for k in range(len(b)):
+            rec = {"batch": int(b[k]), "position": int(t[k]), "cut": c, "trial": i,
+                   "distance": c + 1 - int(t[k]), "before": y0[b[k], t[k]].tolist(),
+                   "after": after[k].tolist(), "kind": KINDS[int(kind[k])],
+                   "margin": float(mg[k]) if mg is not None else None}
+            dest = numerical if kind[k] == 1 else leaks
+            if len(dest) < max_leaks:
+                dest.append(rec)
+    leaks.sort(key=lambda r: (r["cut"], r["trial"], r["batch"], r["position"]))
+    n_struct, n_num, n_unver, n_unconf = (int(v) for v in counts)
+    # unconfirmed: a packed flip past the verification budget, after earlier packed flips
+    # of this target were confirmed: counted as a leak. unverified: a same-shape flip at a
+    # near-tie that no fp64 twin could settle: neither a leak nor excused (verdict warn).
+    n_leaks = n_struct + n_unconf
+    n_flips = n_leaks + n_num + n_unver
+    causal = n_leaks == 0
+    codes = []
+    if n_leaks:
+        codes.append("TP-C1")
+    if isolated is False:
+        codes.append("TP-C3")
+    verdict = "fail" if codes else ("warn" if n_unver else "pass")
+    if n_unver and "TP-C1" not in codes:
+        codes.append("TP-C1")
+    metrics = {
+        "causal": causal, "n_leaks": n_leaks, "n_structural": n_struct,
+        "n_numerical": n_num, "n_unverified": n_unver, "n_unconfirmed": n_unconf,
+        "n_flips": n_flips,
+        "flip_rate": n_leaks / n_compared if n_compared else 0.0,
+        "n_compared": n_compared, "n_cuts": len(cut_list), "trials": trials,
+        "deterministic": True, "batch_isolated": isolated, "batch_invariant": run.batch_invariant,
+        "packed": packing_used and run.batch_invariant,
+        "n_evaluations": tgt.n_evaluations, "tokens_evaluated": tgt.tokens_evaluated,
+        "evaluations_to_first_flip": run.first_flip_eval,
+        "first_leak_position": min((r["position"] for r in leaks), default=None),
+        "min_leak_distance": min(dist, default=None), "max_leak_distance": max(dist, default=None),
+        "fp64": run.fp64_status,
+    }
+    if mode == "truncate":
+        metrics["mismatch_rate"] = n_flips / n_compared if n_compared else 0.0
+        metrics["inference_mismatch_rate"] = n_inference / (B * len(cut_list))
+    rate = (by_pos.double() / compared.clamp_min(1)).where(compared > 0, torch.nan)
+    evidence = {
+        "mode": mode, "layout": layout, "atol": atol, "shape": list(x.shape),
+        "input_dtype": str(x.dtype), "decision_shape": list(y0.shape),
+        "cuts": cut_list, "leaks": leaks, "numerical_flips": numerical,
+        "flip_rate_by_position": [None if math.isnan(v) else v for v in rate.tolist()],
+        "leak_distances": {str(k): v for k, v in sorted(dist.items())},
+        "leak_map": [[c, p, n] for (c, p), n in sorted(leak_map.items())],
+        "batch_isolation_moved": iso_where,
+    }
+    what = ("future-dependent decisions" if mode == "perturb" else
+            "decisions that differ in the inference view (prefix only)")
+    first = leaks[0] if leaks else None
+    if not causal:
+        msg = (f"{n_leaks} {what} of {n_compared} compared"
+               + (f"; first at position {first['position']} (cut {first['cut']}, batch "
+                  f"{first['batch']}): {first['before']} -> {first['after']}" if first else "")
+               + (f"; {n_unconf} from packed calls not re-confirmed" if n_unconf else ""))
+    else:
+        msg = (f"no {what} in {n_compared} compared over {len(cut_list)} cuts"
+               + (f" ({n_num} flips within rounding noise of a tie, excused by re-runs)"
+                  if n_num else ""))
+        if n_unver:
+            msg += (f"; {n_unver} flips at near-ties could not be settled (no fp64 twin: pass "
+                    f"fp64= or scores=)")
+    if isolated is False:
+        msg += f"; decisions of one sequence change with another in the batch (at {iso_where[:3]})"
+    return Result(**common, verdict=verdict, codes=codes, metrics=metrics, evidence=evidence,
+                  message=msg)

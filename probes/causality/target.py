@@ -1,0 +1,143 @@
+"""Calling a user's router or model: pick its decision (and scores) out of whatever it
+returns, check the shape, count the work, and compare decisions.
+
+Errors name the target and say what was expected, in the manner of hypothesis.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+
+from probes.targets import TargetError
+
+Picker = int | str | Callable[[Any], Any] | None
+
+
+def pick(output: Any, picker: Picker, what: str, name: str) -> torch.Tensor | None:
+    """The part of a target's output named by picker: None (the output itself), an index
+    into a tuple/list, a key or attribute name, or a callable applied to the output."""
+    try:
+        if picker is None:
+            part = output
+        elif callable(picker):
+            part = picker(output)
+        elif isinstance(picker, int):
+            part = output[picker]
+        elif isinstance(output, dict):
+            part = output[picker]
+        else:
+            part = getattr(output, picker)
+    except (IndexError, KeyError, AttributeError, TypeError) as e:
+        raise TargetError(f"target {name!r}: {what}={picker!r} cannot be taken from its output "
+                          f"({type(output).__name__}): {e}") from None
+    if not isinstance(part, torch.Tensor):
+        hint = (f"; it returned a {type(output).__name__}: pass {what}=0 (an index), a name, "
+                f"or a callable that picks the tensor" if picker is None else "")
+        raise TargetError(f"target {name!r}: {what} is a {type(part).__name__}, expected a "
+                          f"Tensor[B, T, ...]{hint}")
+    return part
+
+
+class Target:
+    """A callable under probe. `__call__(x)` returns (decision, scores or None) with batch and
+    position checked, and counts evaluations and tokens.
+
+    layout="flat": fn takes [T, ...] (one sequence, no batch axis) and returns [T, ...]; the
+    probe still works with a [1, T, ...] view.
+    """
+
+    def __init__(self, fn: Callable, name: str, *, decision: Picker = None, scores: Picker = None,
+                 layout: str = "batched"):
+        if not callable(fn):
+            raise TargetError(f"target {name!r} is a {type(fn).__name__}, expected a callable")
+        if layout not in ("batched", "flat"):
+            raise ValueError(f"layout={layout!r} must be 'batched' ([B, T, ...]) or 'flat' ([T, ...])")
+        self.fn, self.name, self.decision, self.scores, self.layout = fn, name, decision, scores, layout
+        self.n_evaluations = 0
+        self.tokens_evaluated = 0
+
+    def __call__(self, x: torch.Tensor, fn: Callable | None = None):
+        B, T = x.shape[:2]
+        arg = x[0] if self.layout == "flat" else x
+        try:
+            with torch.no_grad():
+                out = (fn or self.fn)(arg)
+        except Exception as e:
+            raise TargetError(f"target {self.name!r} raised {type(e).__name__}: {e} "
+                              f"(called on {_describe(arg)})") from e
+        self.n_evaluations += 1
+        self.tokens_evaluated += B * T
+        dec = self._shaped(pick(out, self.decision, "decision", self.name), arg, "decision")
+        sc = None
+        if self.scores is not None:
+            sc = self._shaped(pick(out, self.scores, "scores", self.name), arg, "scores")
+            if not sc.is_floating_point():
+                raise TargetError(f"target {self.name!r}: scores have dtype {sc.dtype}, expected "
+                                  f"floating router scores [B, T, E]")
+        return dec.detach(), (sc.detach() if sc is not None else None)
+
+    def _shaped(self, t: torch.Tensor, arg: torch.Tensor, what: str) -> torch.Tensor:
+        lead = tuple(arg.shape[:1 if self.layout == "flat" else 2])
+        if tuple(t.shape[:len(lead)]) != lead:
+            axes = "[T, ...]" if self.layout == "flat" else "[B, T, ...]"
+            extra = ""
+            if self.layout == "batched" and t.dim() >= 1 and t.shape[0] != arg.shape[0]:
+                extra = f" (the batch size changed from {arg.shape[0]} to {t.shape[0]})"
+            raise TargetError(f"target {self.name!r} returned {what} of shape {tuple(t.shape)!r} "
+                              f"for input of shape {tuple(arg.shape)!r}{extra}; expected "
+                              f"{axes} starting with {lead!r}: one decision per input token")
+        return t[None] if self.layout == "flat" else t
+
+    def fp64(self, spec) -> Callable | None:
+        """The fp64 twin of the target: spec is a callable (used as given), False (none), or
+        None (auto: an nn.Module is copied and cast to float64; a plain function is called on
+        float64 inputs). Whether it really ran in fp64 is checked on first use (check.py)."""
+        if spec is False:
+            return None
+        if callable(spec) and spec is not True:
+            return spec
+        if isinstance(self.fn, torch.nn.Module):
+            twin = copy.deepcopy(self.fn).double()
+            return lambda x: twin(x.double() if x.is_floating_point() else x)
+        return lambda x: self.fn(x.double() if x.is_floating_point() else x)
+
+
+def _describe(x: torch.Tensor) -> str:
+    return f"{x.dtype} tensor of shape {tuple(x.shape)!r}"
+
+
+def differs(a: torch.Tensor, b: torch.Tensor, atol: float) -> torch.Tensor:
+    """[B, T] bool: where two decision tensors [B, T, ...] differ. Integers and bools exactly,
+    floats beyond atol (NaN equals NaN: a NaN that stays a NaN is not a flip)."""
+    if a.shape != b.shape:
+        raise TargetError(f"decisions changed shape from {tuple(a.shape)!r} to {tuple(b.shape)!r} "
+                          f"between calls with the same batch and length")
+    if a.is_floating_point() or b.is_floating_point():
+        a64, b64 = a.double(), b.double()
+        d = ((a64 - b64).abs() > atol) | (a64.isnan() != b64.isnan())
+        d &= ~(a64.isnan() & b64.isnan())
+    else:
+        d = a != b
+    return d.reshape(*d.shape[:2], -1).any(-1) if d.dim() > 2 else d
+
+
+def margins(scores: torch.Tensor, decision: torch.Tensor) -> torch.Tensor:
+    """[B, T] routing margin: the gap between the k-th and (k+1)-th best score, where k is
+    the number of experts the decision picks per token ([B, T] ids: 1; [B, T, k] ids: k;
+    a [B, T, E] mask: its count of picks). A flip at a large margin cannot be rounding noise
+    in the scores."""
+    s = scores.reshape(*scores.shape[:2], -1).double()
+    E = s.shape[-1]
+    if E < 2:
+        return torch.full(s.shape[:2], float("inf"), dtype=torch.float64)
+    if decision.dim() == 2:
+        k = torch.ones(s.shape[:2], dtype=torch.long)
+    elif not decision.is_floating_point() and decision.shape[-1] != E or decision.dim() > 3:
+        k = torch.full(s.shape[:2], min(decision.shape[-1], E - 1), dtype=torch.long)
+    else:  # a mask or weights over experts: k = number of non-zero entries
+        k = (decision.reshape(*decision.shape[:2], -1) != 0).sum(-1)
+    k = k.clamp(1, E - 1)
+    top = s.sort(dim=-1, descending=True).values
+    return (top.gather(-1, (k - 1)[..., None]) - top.gather(-1, k[..., None]))[..., 0].abs()
