@@ -1,0 +1,142 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from probes.numerics.bias import bias_probe, error_stats, gradient_like, signed_relative_error
+from reference.formats import get_format
+
+
+def _sequential(fmt, mode="nearest"):
+    """acc <- round(acc + x_r), rank by rank: the stall's home ground."""
+    f = get_format(fmt)
+
+    def fn(inputs):
+        x, s = inputs
+        if mode == "nearest":  # torch's own fp16/bf16 add: fp32 add + one rounding, correctly rounded
+            acc = torch.zeros_like(x[0], dtype=f.torch_dtype)
+            for r in x:
+                acc = acc + r.to(f.torch_dtype)
+            return acc.double()
+        g = torch.Generator().manual_seed(s) if mode == "stochastic" else None
+        acc = torch.zeros_like(x[0])
+        for r in x:
+            acc = f.round(acc + r, mode, generator=g)
+        return acc
+    return fn
+
+
+def _make(world, numel, fmt, noise=1.0):
+    def make(g):
+        x = gradient_like(world, numel, generator=g, fmt=fmt, noise=noise)
+        return x, int(torch.randint(0, 2**62, (1,), generator=g))
+    return make
+
+
+def _ref(inputs):
+    return torch.stack(inputs[0]).sum(0)
+
+
+@pytest.mark.parametrize("fmt,world", [("bf16", 1024), ("fp16", 4096)])
+def test_round_to_nearest_sum_over_many_ranks_is_biased_low(fmt, world):
+    # Increments s stall once s < q/2 ~ (W s) 2^-(p+1) at the partial sum W s, i.e. W > 2^p:
+    # bf16 (p = 8) stalls well before 1024 ranks, fp16 (p = 11) only past 2048.
+    r = bias_probe(_sequential(fmt), _ref, _make(world, 16, fmt), trials=8, seed=1)
+    assert r.verdict == "fail" and r.codes == ["TP-B1"]
+    assert r.metrics["bias"] < 0 and r.metrics["ci_high"] < 0
+    assert "too small" in r.message
+
+
+def test_stochastic_rounding_is_unbiased_with_larger_spread_than_fp32_accumulation():
+    make = _make(256, 64, "bf16")
+    sr = bias_probe(_sequential("bf16", "stochastic"), _ref, make, trials=16, seed=2)
+    f32 = bias_probe(lambda i: get_format("bf16").round(get_format("fp32").round(_ref(i))),
+                     _ref, make, trials=16, seed=2)
+    assert sr.verdict == "pass" and sr.metrics["ci_low"] < 0 < sr.metrics["ci_high"]
+    assert f32.verdict == "pass"
+    assert sr.metrics["std"] > 3 * f32.metrics["std"]
+
+
+def test_same_seed_same_bits_and_seed_recorded():
+    make = _make(64, 16, "bf16")
+    a = bias_probe(_sequential("bf16", "stochastic"), _ref, make, trials=5, seed=7)
+    b = bias_probe(_sequential("bf16", "stochastic"), _ref, make, trials=5, seed=7)
+    c = bias_probe(_sequential("bf16", "stochastic"), _ref, make, trials=5, seed=8)
+    assert a.evidence["errors"] == b.evidence["errors"] != c.evidence["errors"]
+    assert a.seed == 7 and len(a.evidence["trial_seeds"]) == 5
+
+
+@settings(max_examples=25)
+@given(st.lists(st.floats(-1, 1, allow_nan=False), min_size=3, max_size=50), st.floats(0.001, 0.2))
+def test_ci_contains_the_mean_and_matches_the_t_test(errs, alpha):
+    s = error_stats(errs, alpha=alpha)
+    assert s["ci_low"] <= s["bias"] <= s["ci_high"]
+    # the CI excludes 0 exactly when the t-test rejects at alpha (same t distribution)
+    if s["std"] > 1e-12 * max(1.0, abs(s["bias"])):
+        excludes = s["ci_low"] > 0 or s["ci_high"] < 0
+        if abs(s["p_value"] - alpha) > 1e-9:
+            assert excludes == (s["p_value"] < alpha)
+    assert s["positive_trials"] + s["negative_trials"] + s["zero_trials"] == len(errs)
+
+
+@pytest.mark.parametrize("value,verdict", [(0.0, "unbiased"), (-1e-3, "biased")])
+def test_constant_errors_have_no_spread_to_test_against(value, verdict):
+    s = error_stats([value] * 10)
+    assert s["verdict"] == verdict and s["std"] == 0
+
+
+def test_heavy_tailed_errors_the_sign_test_disagrees_and_it_is_said():
+    # 40 trials: most slightly negative, one huge positive outlier; the mean is not
+    # significantly non-zero, but nearly every trial is below zero.
+    errs = [-1e-4] * 39 + [0.5]
+    s = error_stats(errs)
+    assert s["p_sign"] < 0.01 and s["verdict"] == "unbiased"
+    make = iter(range(40))
+    r = bias_probe(lambda i: torch.tensor([1.0 + errs[i]]), lambda i: torch.tensor([1.0]),
+                   lambda g: next(make), trials=40)
+    assert r.verdict == "pass" and "sign test disagrees" in r.message
+
+
+def test_min_effect_keeps_tiny_significant_bias_from_failing():
+    errs = [-1e-9 + 1e-11 * (i % 3) for i in range(30)]
+    assert error_stats(errs)["verdict"] == "biased"
+    assert error_stats(errs, min_effect=1e-6)["verdict"] == "unbiased"
+
+
+def test_signed_relative_error_direction_and_shape_check():
+    ref = torch.tensor([2.0, -2.0])
+    assert signed_relative_error(torch.tensor([1.0, -1.0]), ref) == -0.5  # both too small
+    assert signed_relative_error(torch.tensor([3.0, -3.0]), ref) == 0.5
+    assert math.isnan(signed_relative_error(torch.tensor([math.inf, 1.0]), ref))
+    with pytest.raises(ValueError, match="same shape"):
+        signed_relative_error(torch.ones(3), ref)
+
+
+def test_nonfinite_trials_are_reported_not_hidden():
+    make = iter(range(10))
+    r = bias_probe(lambda i: torch.tensor([math.inf if i < 3 else 1.0]), lambda i: torch.tensor([1.0]),
+                   lambda g: next(make), trials=10)
+    assert r.metrics["nonfinite_trials"] == 3 and r.verdict == "warn" and "inf/NaN" in r.message
+    make = iter(range(5))
+    r = bias_probe(lambda i: torch.tensor([math.nan]), lambda i: torch.tensor([1.0]),
+                   lambda g: next(make), trials=5)
+    assert r.verdict == "fail" and r.metrics["nonfinite_trials"] == 5
+
+
+@pytest.mark.parametrize("kwargs,match", [({"trials": 2}, "trials=2"), ({"alpha": 1.5}, "alpha=1.5")])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        bias_probe(lambda i: torch.ones(1), lambda i: torch.ones(1), lambda g: None, **kwargs)
+
+
+def test_gradient_like_shares_a_signal_and_rounds_to_the_format():
+    x = gradient_like(8, 1000, generator=torch.Generator().manual_seed(0), noise=0.5, fmt="bf16")
+    assert len(x) == 8 and all(t.shape == (1000,) for t in x)
+    assert all(torch.equal(get_format("bf16").round(t), t) for t in x)
+    # ranks correlate through the shared signal: corr = 1 / (1 + noise^2) = 0.8
+    c = torch.corrcoef(torch.stack(x[:2]))[0, 1].item()
+    assert 0.7 < c < 0.9
+    with pytest.raises(ValueError, match="world=0"):
+        gradient_like(0, 4, generator=torch.Generator())
