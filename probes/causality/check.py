@@ -401,6 +401,14 @@ class _Run:
         return self.flips(y, sc, c, xc, shape_changed=True)
 
 
+def _brief(v) -> str:
+    """A decision for a message: short lists whole, long ones (hidden states) abridged."""
+    if isinstance(v, list) and len(v) > 4:
+        return "[" + ", ".join(f"{u:.4g}" if isinstance(u, float) else str(u) for u in v[:3]) + \
+            f", ...] ({len(v)} values)"
+    return str(v)
+
+
 def _delta(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per flip: the largest absolute change over the trailing axes."""
     return (a.double() - b.double()).abs().reshape(len(a), -1).nan_to_num(float("inf")).amax(-1) \
@@ -491,7 +499,8 @@ def _result(common, run, tgt, mode, x, cut_list, trials, flips, isolated, iso_wh
     if not causal:
         msg = (f"{n_leaks} {what} of {n_compared} compared"
                + (f"; first at position {first['position']} (cut {first['cut']}, batch "
-                  f"{first['batch']}): {first['before']} -> {first['after']}" if first else "")
+                  f"{first['batch']}): {_brief(first['before'])} -> {_brief(first['after'])}"
+                  if first else "")
                + (f"; {n_unconf} from packed calls not re-confirmed" if n_unconf else ""))
     else:
         msg = (f"no {what} in {n_compared} compared over {len(cut_list)} cuts"
