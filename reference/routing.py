@@ -178,6 +178,7 @@ def sequence_normalized(logits: torch.Tensor, k: int = 1):
     layer applied on the wrong axis, cf. dm-haiku#700). Leaky: the mean and std include
     future tokens."""
     _check_logits(logits, k)
-    z = (logits - logits.mean(dim=1, keepdim=True)) / (logits.std(dim=1, keepdim=True) + 1e-6)
+    mean = logits.mean(dim=1, keepdim=True)
+    z = (logits - mean) / (logits.std(dim=1, keepdim=True, correction=0) + 1e-6)
     probs = z.softmax(dim=-1)
     return probs.topk(k, dim=-1).indices, probs
