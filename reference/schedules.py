@@ -200,8 +200,11 @@ class OrderSchedule:
             raise ValueError(f"order has shape {tuple(order.shape)}, expected ({world}, {numel}) "
                              f"(order[k, i] = k-th rank added into element i) or ({world},)")
         if numel:
-            expect = torch.arange(world)[:, None]
-            bad = (order.sort(0).values != expect).any(0)
+            # a permutation of 0..world-1 in every column: in range, and every rank seen
+            inside = (order >= 0) & (order < world)
+            seen = torch.zeros(world, numel, dtype=torch.bool)
+            seen.scatter_(0, torch.where(inside, order, torch.zeros_like(order)), inside)
+            bad = ~seen.all(0) | ~inside.all(0)
             if bool(bad.any()):
                 i = int(bad.nonzero()[0, 0])
                 raise ValueError(f"order[:, {i}] = {order[:, i].tolist()[:16]!r} is not a "
