@@ -5,3 +5,12 @@ from probes.drift.compare import DRIFT_VERDICTS, classify, compare
 from probes.drift.stats import METRICS, QUANTILES
 
 __all__ = ["compare", "classify", "DRIFT_VERDICTS", "METRICS", "QUANTILES"]
+from probes.drift.monitor import HISTORY_KEYS, DriftAlarm, DriftMonitor  # noqa: E402
+
+__all__ += ["DriftMonitor", "DriftAlarm", "HISTORY_KEYS"]
+from probes.drift.corrections import Correction, masked_is, truncated_is  # noqa: E402
+
+__all__ += ["Correction", "truncated_is", "masked_is"]
+from probes.drift.io import DriftFileError, Rollouts, load_logprobs, load_rollouts  # noqa: E402
+
+__all__ += ["DriftFileError", "Rollouts", "load_logprobs", "load_rollouts"]
