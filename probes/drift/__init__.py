@@ -14,3 +14,6 @@ __all__ += ["Correction", "truncated_is", "masked_is"]
 from probes.drift.io import DriftFileError, Rollouts, load_logprobs, load_rollouts  # noqa: E402
 
 __all__ += ["DriftFileError", "Rollouts", "load_logprobs", "load_rollouts"]
+from probes.drift.adapters import hf_token_logprobs, recompute_with_hf, vllm_logprobs  # noqa: E402
+
+__all__ += ["hf_token_logprobs", "recompute_with_hf", "vllm_logprobs"]
