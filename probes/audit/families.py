@@ -54,3 +54,28 @@ def causality_result(r, seq_len: int):
     if plots:
         ev.setdefault("plots", []).extend(plots)
     return r
+
+
+def histogram_spec(values, title: str, xlabel: str, bins: int = 24) -> dict | None:
+    """Histogram spec of finite values (torch.histogram: no Python loop over elements)."""
+    import torch
+    v = torch.tensor([float(x) for x in values if isinstance(x, (int, float))],
+                     dtype=torch.float64)
+    v = v[torch.isfinite(v)]
+    if v.numel() < 2:
+        return None
+    lo, hi = v.min().item(), v.max().item()
+    if lo == hi:
+        lo, hi = lo - 0.5 * (abs(lo) or 1.0), hi + 0.5 * (abs(hi) or 1.0)
+    counts, edges = torch.histogram(v, bins=bins, range=(lo, hi))
+    return {"kind": "hist", "title": title, "edges": edges.tolist(), "counts": counts.tolist(),
+            "xlabel": xlabel, "ylabel": "trials"}
+
+
+def bias_result(r):
+    """Histogram of the per-trial signed relative errors (probes.numerics.bias evidence)."""
+    spec = histogram_spec(r.evidence.get("errors", []), f"signed relative error per trial",
+                          "signed relative error (< 0: too small)")
+    if spec:
+        r.evidence.setdefault("plots", []).append(spec)
+    return r

@@ -82,9 +82,40 @@ def causality_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
     return checks
 
 
+# (dtype, world, op, algorithm, extra): NCCL-style ring and tree at realistic world sizes,
+# the ncclAvg pre-multiply at a world that is not a power of two, stochastic rounding and
+# fp8 (adds in fp16, saturating cast back, as NCCL does).
+COLLECTIVES = (
+    ("bf16", 1024, "sum", "ring", {}),
+    ("bf16", 64, "sum", "tree", {}),
+    ("bf16", 256, "sum", "ring", {"rounding": "stochastic"}),
+    ("bf16", 6, "avg", "ring", {}),
+    ("fp16", 8, "avg", "ring", {}),
+    ("fp32", 256, "sum", "ring", {}),
+    ("fp8_e4m3fn", 64, "sum", "ring", {}),
+)
+
+
+def collectives_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
+    """Bias of emulated all-reduces against the fp64 reference on gradient-like data."""
+    def one(dtype, world, op, algorithm, extra):
+        def run():
+            from probes.audit.families import bias_result
+            from probes.numerics.bias import collective_bias
+            w = min(world, 64) if quick else world
+            return bias_result(collective_bias(dtype=dtype, world=w, numel=1024, op=op,
+                                               algorithm=algorithm, trials=16, seed=seed,
+                                               **extra))
+        label = f"all_reduce {dtype} {algorithm} {op} w={world}" + "".join(
+            f" {v}" for v in extra.values())
+        return Check("collectives", label, run)
+    return [one(*c) for c in COLLECTIVES]
+
+
 FAMILIES = {
     # family: (module that must exist, builder)
     "stall": ("probes.numerics.stall", stall_checks),
+    "collectives": ("probes.numerics.bias", collectives_checks),
     "causality": ("probes.causality", causality_checks),
 }
 

@@ -57,6 +57,33 @@ def _card(r: Result, draw: bool) -> str:
             f"<details><summary>evidence</summary><pre>{_e(evidence)}</pre></details></div>")
 
 
+# Estimates drawn side by side per family, with their confidence intervals.
+CI_METRICS = ("bias", "mean_log_ratio")
+
+
+def family_plots(results: list[Result]) -> list[dict]:
+    """One CI plot per estimate that several Results of a family carry (ci_low, ci_high)."""
+    plots = []
+    for name in CI_METRICS:
+        rows = [r for r in results if all(isinstance(r.metrics.get(k), (int, float))
+                                          for k in (name, "ci_low", "ci_high"))]
+        if len(rows) >= 2:
+            plots.append({"kind": "ci", "title": f"{name} with its confidence interval",
+                          "labels": [r.target for r in rows],
+                          "estimate": [r.metrics[name] for r in rows],
+                          "low": [r.metrics["ci_low"] for r in rows],
+                          "high": [r.metrics["ci_high"] for r in rows], "ylabel": name})
+    return plots
+
+
+def _family_plots_html(results: list[Result], draw: bool) -> str:
+    if not draw:
+        return ""
+    imgs = "".join(f'<img alt="{_e(s["title"])}" src="{png_data_uri(s)}">'
+                   for s in family_plots(results))
+    return f'<div class="plots">{imgs}</div>' if imgs else ""
+
+
 def render_html(results: list[Result], meta: dict | None = None) -> str:
     meta = meta or {}
     draw = have_matplotlib()
@@ -71,7 +98,7 @@ def render_html(results: list[Result], meta: dict | None = None) -> str:
     meta_rows = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in meta.items()
                         if k not in ("title", "history_plots") and not isinstance(v, (dict, list)))
     sections = "".join(
-        f"<h2>{_e(fam)}</h2>" + "".join(_card(r, draw) for r in rs)
+        f"<h2>{_e(fam)}</h2>" + _family_plots_html(rs, draw) + "".join(_card(r, draw) for r in rs)
         for fam, rs in families.items())
     history = ""
     if meta.get("history_plots") and draw:

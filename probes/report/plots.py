@@ -46,14 +46,27 @@ def _draw(ax, spec: dict) -> None:
         if spec.get("logy"):
             ax.set_yscale("log")
     elif kind == "ci":
+        # Horizontal: long target names read on the y axis. Estimates spanning orders of
+        # magnitude (a 0.2 stall bias beside a 1e-9 fp32 one) get a symlog axis.
         est, lo, hi = _floats(spec["estimate"]), _floats(spec["low"]), _floats(spec["high"])
-        pos = list(range(len(est)))
-        err = [[e - l for e, l in zip(est, lo)], [h - e for e, h in zip(est, hi)]]
-        ax.errorbar(pos, est, yerr=err, fmt="o", capsize=3)
-        ax.axhline(0.0, color="grey", lw=0.8)
-        ax.set_xticks(pos)
-        ax.set_xticklabels([str(s) for s in spec.get("labels", pos)], rotation=45,
-                           ha="right", fontsize=7)
+        pos = list(range(len(est)))[::-1]
+        err = [[max(e - l, 0.0) for e, l in zip(est, lo)], [max(h - e, 0.0) for e, h in zip(est, hi)]]
+        ax.errorbar(est, pos, xerr=err, fmt="o", capsize=3)
+        ax.axvline(0.0, color="grey", lw=0.8)
+        ax.set_yticks(pos)
+        ax.set_yticklabels([str(s) for s in spec.get("labels", pos)], fontsize=7)
+        nz = [abs(v) for v in est + lo + hi if v != 0.0 and v == v]
+        if nz and max(nz) / min(nz) > 100:
+            import math
+            lt = min(nz)
+            ax.set_xscale("symlog", linthresh=lt)
+            d0, d1 = math.floor(math.log10(lt)), math.ceil(math.log10(max(nz)))
+            step = max(1, (d1 - d0) // 3)
+            dec = [10.0 ** d for d in range(d1, d0 - 1, -step)]
+            ticks = [-v for v in dec if any(x < 0 for x in est + lo)] + [0.0] + dec[::-1]
+            ax.set_xticks(ticks)
+            ax.set_xticklabels([f"{t:.0e}" if t else "0" for t in ticks], fontsize=7)
+        spec = {**spec, "xlabel": spec.get("ylabel", ""), "ylabel": ""}
     elif kind == "heatmap":
         m = [_floats(row) for row in spec["matrix"]]
         im = ax.imshow(m, aspect="auto", origin="lower", interpolation="nearest", cmap="magma")
@@ -71,7 +84,10 @@ def render_png(spec: dict) -> bytes:
     matplotlib.use("Agg", force=False)
     from matplotlib.figure import Figure  # no pyplot: no global figure registry
 
-    fig = Figure(figsize=(5.0, 3.2), dpi=80, layout="constrained")
+    size = (5.0, 3.2)
+    if spec.get("kind") == "ci":
+        size = (7.5, 1.2 + 0.3 * len(spec.get("estimate", ())))
+    fig = Figure(figsize=size, dpi=80, layout="constrained")
     _draw(fig.add_subplot(), spec)
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
