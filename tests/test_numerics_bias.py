@@ -140,3 +140,24 @@ def test_gradient_like_shares_a_signal_and_rounds_to_the_format():
     assert 0.7 < c < 0.9
     with pytest.raises(ValueError, match="world=0"):
         gradient_like(0, 4, generator=torch.Generator())
+
+
+def test_collective_side_by_side_nearest_biased_stochastic_and_fp32_not():
+    from probes.numerics.bias import rounding_side_by_side
+
+    near, sr, f32 = rounding_side_by_side(dtype="bf16", world=1024, numel=32, trials=8, seed=3)
+    assert [r.evidence["label"] for r in (near, sr, f32)] == ["round to nearest", "stochastic rounding",
+                                                              "fp32 accumulation"]
+    assert near.verdict == "fail" and near.metrics["ci_high"] < -0.1  # ~ -24% at 1024 ranks
+    assert sr.verdict == "pass" and f32.verdict == "pass"
+    assert sr.metrics["std"] > 3 * f32.metrics["std"]
+    assert "reduce_in=fp32" in f32.target and "stochastic" in sr.target
+
+
+def test_collective_bias_accum_fp32_with_per_hop_rounding_does_not_help():
+    # fp32 add then one rounding per hop IS a correctly rounded bf16 add: identical errors.
+    from probes.numerics.bias import collective_bias
+
+    a = collective_bias(dtype="bf16", world=512, numel=16, trials=4, seed=5)
+    b = collective_bias(dtype="bf16", world=512, numel=16, trials=4, seed=5, accum_dtype="fp32")
+    assert a.evidence["errors"] == b.evidence["errors"]

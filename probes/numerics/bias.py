@@ -136,15 +136,30 @@ def gradient_like(world: int, numel: int, *, generator: torch.Generator, scale: 
     return list(x.unbind(0))
 
 
-def collective_bias(*, dtype="bf16", world: int = 1024, numel: int = 1024, algorithm: str = "ring",
-                    op: str = "sum", rounding: str = "nearest", accum_dtype=None, trials: int = 32,
-                    seed: int = 0, alpha: float = 0.01, min_effect: float = 0.0, scale: float = 1e-3,
-                    noise: float = 1.0, progress: Callable | None = None, **collective_kwargs) -> Result:
-    """Bias of the emulated all_reduce in `dtype` against the same algorithm in fp64, on
-    gradient-like data (rank 0's output is compared; all ranks hold the same bits)."""
-    from reference.collectives import all_reduce
+def collective_bias(*, dtype="bf16", world: int = 1024, numel: int = 256, algorithm: str = "ring",
+                    op: str = "sum", rounding: str = "nearest", accum_dtype=None, reduce_dtype=None,
+                    trials: int = 32, seed: int = 0, alpha: float = 0.01, min_effect: float = 0.0,
+                    scale: float = 1e-3, noise: float = 1.0, progress: Callable | None = None,
+                    **collective_kwargs) -> Result:
+    """Bias of the emulated all_reduce of `dtype` gradients against the fp64 reduction of the
+    same inputs (same algorithm), on gradient-like data (see gradient_like).
 
+    accum_dtype: the precision of each add before the per-hop rounding to the wire format
+    (reference.collectives); fp32 here does NOT help, since fp32 add + rounding is exactly
+    a correctly rounded bf16/fp16 add. reduce_dtype: run the whole reduction in this wire
+    format (e.g. "fp32", as Megatron's grad_reduce_in_fp32 or NCCL NVLS .acc::f32 do) and
+    round the result once to `dtype`.
+    """
+    from reference.collectives import OPS, all_reduce
+    from reference.schedules import ALGORITHMS
+
+    # checked here so a typo fails before any data is made
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r} is unknown; expected one of {list(ALGORITHMS)}")
+    if op not in OPS:
+        raise ValueError(f"op={op!r} is unknown; expected one of {list(OPS)}")
     fmt = get_format(dtype)
+    wire = get_format(reduce_dtype) if reduce_dtype is not None else fmt
 
     def make(g):
         # the rounding seed comes from the trial's generator too: one seed replays a trial
@@ -153,18 +168,38 @@ def collective_bias(*, dtype="bf16", world: int = 1024, numel: int = 1024, algor
 
     def low(inputs):
         x, rs = inputs
-        return all_reduce(x, op=op, dtype=fmt.name, accum_dtype=accum_dtype, algorithm=algorithm,
-                          rounding=rounding, seed=rs if rounding == "stochastic" else None,
-                          **collective_kwargs)[0]
+        out = all_reduce(x, op=op, dtype=wire.name, accum_dtype=accum_dtype, algorithm=algorithm,
+                         rounding=rounding, seed=rs if rounding == "stochastic" else None,
+                         **collective_kwargs)[0]
+        return fmt.round(out) if wire is not fmt else out
 
     def ref(inputs):
         return all_reduce(inputs[0], op=op, dtype="fp64", algorithm=algorithm, **collective_kwargs)[0]
 
-    acc = f",accum={get_format(accum_dtype).name}" if accum_dtype is not None else ""
-    target = f"all_reduce[{fmt.name}{acc},{algorithm},{op},{rounding},w={world},n={numel}]"
+    how = fmt.name + (f",accum={get_format(accum_dtype).name}" if accum_dtype is not None else "") \
+        + (f",reduce_in={wire.name}" if wire is not fmt else "")
+    target = f"all_reduce[{how},{algorithm},{op},{rounding},w={world},n={numel}]"
     res = bias_probe(low, ref, make, trials=trials, seed=seed, alpha=alpha, min_effect=min_effect,
                      target=target, progress=progress)
-    res.evidence.update({"dtype": fmt.name, "accum_dtype": accum_dtype, "world": world, "numel": numel,
-                         "algorithm": algorithm, "op": op, "rounding": rounding, "scale": scale,
-                         "noise": noise})
+    res.evidence.update({"dtype": fmt.name, "accum_dtype": accum_dtype, "reduce_dtype": wire.name,
+                         "world": world, "numel": numel, "algorithm": algorithm, "op": op,
+                         "rounding": rounding, "scale": scale, "noise": noise})
     return res
+
+
+SIDE_BY_SIDE = (("round to nearest", {}), ("stochastic rounding", {"rounding": "stochastic"}),
+                ("fp32 accumulation", {"reduce_dtype": "fp32"}))
+
+
+def rounding_side_by_side(*, progress: Callable | None = None, **kwargs) -> list[Result]:
+    """collective_bias three ways on the same seeded data: round to nearest in the wire
+    format, stochastic rounding, and the reduction in fp32 rounded once at the end.
+    Each Result's evidence["label"] names the row."""
+    out = []
+    for label, extra in SIDE_BY_SIDE:
+        r = collective_bias(**{**kwargs, **extra},
+                            progress=None if progress is None else
+                            (lambda d, t, label=label: progress(label, d, t)))
+        r.evidence["label"] = label
+        out.append(r)
+    return out

@@ -1,0 +1,101 @@
+"""`trainprobes bias`: is a low-precision all-reduce wrong in one direction (bias) or only noisy?"""
+from __future__ import annotations
+
+import json
+import sys
+
+HELP = ("bias vs variance of an emulated low-precision all-reduce against fp64, "
+        "on seeded gradient-like data (exit status 1 when biased)")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--dtype", default="bf16", help="wire format of the gradients (default: %(default)s)")
+    parser.add_argument("--world", type=int, default=1024, help="number of ranks (default: %(default)s)")
+    parser.add_argument("--numel", type=int, default=256, help="elements per rank (default: %(default)s)")
+    parser.add_argument("--algorithm", default="ring",
+                        help="ring, tree, halving_doubling, hierarchical, sequential, gloo (default: %(default)s)")
+    parser.add_argument("--op", default="sum", choices=("sum", "avg"))
+    parser.add_argument("--rounding", default="nearest", choices=("nearest", "stochastic", "toward_zero"))
+    parser.add_argument("--accum-dtype", default=None, help="precision of each add before the per-hop rounding")
+    parser.add_argument("--reduce-dtype", default=None,
+                        help="reduce in this format and round once to --dtype at the end (e.g. fp32)")
+    parser.add_argument("--ranks-per-node", type=int, default=None, help="for --algorithm hierarchical")
+    parser.add_argument("--trials", type=int, default=32, help="seeded trials (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--alpha", type=float, default=0.01, help="significance level (default: %(default)s)")
+    parser.add_argument("--scale", type=float, default=1e-3,
+                        help="gradient scale: shared signal ~ N(0, scale^2) (default: %(default)s)")
+    parser.add_argument("--noise", type=float, default=1.0,
+                        help="per-rank noise std as a multiple of scale (default: %(default)s)")
+    parser.add_argument("--compare", action="store_true",
+                        help="round to nearest, stochastic rounding and fp32 accumulation side by side")
+    parser.add_argument("--json", action="store_true", help="print JSON (an object; a list with --compare)")
+
+
+def _row(r) -> dict:
+    m = r.metrics
+    return {"target": r.target, "label": r.evidence.get("label"), "verdict": m.get("verdict", "error"),
+            "result": r.verdict, "codes": r.codes, "bias": m.get("bias"), "ci_low": m.get("ci_low"),
+            "ci_high": m.get("ci_high"), "std": m.get("std"), "p_value": m.get("p_value"),
+            "p_sign": m.get("p_sign"), "p_wilcoxon": m.get("p_wilcoxon"), "trials": m.get("trials"),
+            "nonfinite_trials": m.get("nonfinite_trials"), "alpha": m.get("alpha"), "seed": r.seed,
+            **{k: r.evidence.get(k) for k in ("dtype", "reduce_dtype", "accum_dtype", "world", "numel",
+                                              "algorithm", "op", "rounding")},
+            "message": r.message}
+
+
+def _progress(stream):
+    if not stream.isatty():
+        return None
+
+    def show(*a):
+        label, done, total = a if len(a) == 3 else ("trials", *a)
+        stream.write(f"\r{label}: {done}/{total}" + (" " * 10 if done < total else "\n"))
+        stream.flush()
+    return show
+
+
+def run(args) -> int:
+    from probes.numerics.bias import collective_bias, rounding_side_by_side
+    from probes.result import to_jsonable
+
+    kwargs = dict(dtype=args.dtype, world=args.world, numel=args.numel, algorithm=args.algorithm, op=args.op,
+                  accum_dtype=args.accum_dtype, trials=args.trials, seed=args.seed, alpha=args.alpha,
+                  scale=args.scale, noise=args.noise, progress=_progress(sys.stderr))
+    if args.ranks_per_node is not None:
+        kwargs["ranks_per_node"] = args.ranks_per_node
+    try:
+        if args.compare:
+            results = rounding_side_by_side(**kwargs)
+        else:
+            results = [collective_bias(rounding=args.rounding, reduce_dtype=args.reduce_dtype, **kwargs)]
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rows = [_row(r) for r in results]
+    if args.json:
+        print(json.dumps(to_jsonable(rows if args.compare else rows[0]), indent=2))
+        return 1 if any(r.verdict == "fail" for r in results) else 0
+    conf = f"{1 - args.alpha:.0%} CI"
+    head = ("how", "bias", conf, "spread", "p (t)", "p (sign)", "verdict")
+    table = [head] + [(r["label"] or r["rounding"], f"{r['bias']:+.3e}" if r["bias"] is not None else "-",
+                       f"[{r['ci_low']:+.2e}, {r['ci_high']:+.2e}]" if r["ci_low"] is not None else "-",
+                       f"{r['std']:.2e}" if r["std"] is not None else "-",
+                       f"{r['p_value']:.2g}" if r["p_value"] is not None else "-",
+                       f"{r['p_sign']:.2g}" if r["p_sign"] is not None else "-", r["verdict"]) for r in rows]
+    w = [max(len(t[i]) for t in table) for i in range(len(head))]
+    r0 = rows[0]
+    print(f"all_reduce {r0['op']} of {r0['world']} ranks x {r0['numel']} {r0['dtype']} gradient-like "
+          f"values ({r0['algorithm']}), vs the same algorithm in fp64; {r0['trials']} seeded trials "
+          f"(seed {args.seed})")
+    print("bias = mean signed relative error in the direction of the true value (< 0: too small)\n")
+    for k, t in enumerate(table):
+        print("  ".join(c.ljust(x) if i in (0, 6) else c.rjust(x) for i, (c, x) in enumerate(zip(t, w))))
+        if k == 0:
+            print("  ".join("-" * x for x in w))
+    print()
+    for r in results:
+        print(r.summary_line())
+    if not args.compare:
+        print("\n(--compare shows round to nearest, stochastic rounding and fp32 accumulation side by side)")
+    return 1 if any(r.verdict == "fail" for r in results) else 0

@@ -1,0 +1,45 @@
+import json
+
+import pytest
+
+from probes.cli import main
+
+
+def test_stall_json_rows(capsys):
+    assert main(["stall", "--formats", "fp16,bf16,fp8_e4m3fn,fp8_e5m2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    got = {r["format"]: r["sequential_sum"] for r in rows}
+    assert got == {"fp16": 2048, "bf16": 256, "fp8_e4m3fn": 16, "fp8_e5m2": 8}
+    for r in rows:
+        assert {"format", "increment", "n", "stall_at", "sequential_sum", "true_sum"} <= set(r)
+        assert r["n"] == 10_000 and r["true_sum"] == 10_000
+
+
+def test_stall_human_table_explains_2048(capsys):
+    assert main(["stall", "--formats", "fp16,fp6_e2m3fn", "-n", "3000"]) == 0
+    out = capsys.readouterr().out
+    assert "2048" in out and "2049 is a tie" in out and "past max" in out and "saturates at 7.5" in out
+
+
+@pytest.mark.parametrize("argv,match", [(["stall", "--formats", "fp17"], "fp17"),
+                                        (["stall", "--increments", "one"], "--increments"),
+                                        (["bias", "--algorithm", "rung", "--trials", "3"], "rung"),
+                                        (["bias", "--trials", "2"], "trials=2")])
+def test_bad_input_exits_2_with_a_clear_error(argv, match, capsys):
+    assert main(argv) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_bias_json_has_the_promised_keys_and_exit_status(capsys):
+    rc = main(["bias", "--dtype", "bf16", "--world", "1024", "--numel", "16", "--trials", "5", "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert {"bias", "ci_low", "ci_high", "p_value", "verdict"} <= set(d)
+    assert d["verdict"] == "biased" and d["bias"] < 0 and rc == 1
+    assert d["world"] == 1024 and d["dtype"] == "bf16" and d["seed"] == 0
+
+
+def test_bias_unbiased_case_exits_0_and_reads_well(capsys):
+    rc = main(["bias", "--dtype", "bf16", "--world", "64", "--numel", "16", "--trials", "5",
+               "--rounding", "stochastic"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "unbiased" in out and "99% CI" in out and "PASS" in out
