@@ -79,3 +79,27 @@ def bias_result(r):
     if spec:
         r.evidence.setdefault("plots", []).append(spec)
     return r
+
+
+def drift_result(r):
+    """Log-ratio histogram and bias by token probability (probes.drift.compare evidence)."""
+    import math
+    ev, plots = r.evidence, []
+    h = ev.get("log_ratio_histogram")
+    if isinstance(h, dict) and h.get("edges") and h.get("counts"):
+        plots.append({"kind": "hist", "title": "log-ratio x = log p_infer - log p_train per token",
+                      "edges": h["edges"], "counts": h["counts"], "xlabel": "x (nats)",
+                      "ylabel": "tokens", "logy": True})
+    rows = [b for b in ev.get("by_probability", []) if b.get("n", 0) >= 2]
+    if rows:
+        half = [2.576 * b["std_log_ratio"] / math.sqrt(b["n"]) for b in rows]  # 99% normal
+        plots.append({"kind": "ci", "title": "bias by inference probability of the token (99% CI)",
+                      "labels": [f"p in ({b['p_low']:.2g}, {b['p_high']:.2g}], n={b['n']}"
+                                 for b in rows],
+                      "estimate": [b["mean_log_ratio"] for b in rows],
+                      "low": [b["mean_log_ratio"] - d for b, d in zip(rows, half)],
+                      "high": [b["mean_log_ratio"] + d for b, d in zip(rows, half)],
+                      "ylabel": "mean log-ratio (nats)"})
+    if plots:
+        ev.setdefault("plots", []).extend(plots)
+    return r

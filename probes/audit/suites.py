@@ -112,11 +112,32 @@ def collectives_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
     return [one(*c) for c in COLLECTIVES]
 
 
+def drift_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
+    """The tiny LM engine pair (probes.drift.demo): each precision / sampling combination
+    sampled by the KV-cache inference engine and rescored by the training engine."""
+    from probes.drift.demo import SCENARIOS
+
+    def one(scenario):
+        def run():
+            from probes.audit.families import drift_result
+            from probes.drift.demo import run_scenario
+            n = 16 if quick else 32
+            r = run_scenario(scenario, n_prompts=n, max_new_tokens=n, seed=seed)
+            if scenario.expect:
+                r.metrics["expected_verdict"] = scenario.expect
+                r.metrics["matches_expected"] = r.metrics.get("drift_verdict") == scenario.expect
+                r.message = f"control, expected {scenario.expect}: {r.message}"
+            return drift_result(r)
+        return Check("drift", scenario.name, run)
+    return [one(s) for s in SCENARIOS]
+
+
 FAMILIES = {
     # family: (module that must exist, builder)
     "stall": ("probes.numerics.stall", stall_checks),
     "collectives": ("probes.numerics.bias", collectives_checks),
     "causality": ("probes.causality", causality_checks),
+    "drift": ("probes.drift.demo", drift_checks),
 }
 
 
