@@ -1,0 +1,321 @@
+"""Collectives: fp64 reference, exact low-precision emulation, avg modes, NaN/Inf, bad input."""
+import math
+
+import pytest
+import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from probes.strategies import rank_inputs
+from reference.collectives import _fp64_to_narrow, all_gather, all_reduce, broadcast, reduce, \
+    reduce_scatter
+from reference.formats import get_format
+from reference.schedules import RingSchedule
+
+ALGOS = ["ring", "tree", "halving_doubling", "sequential", "hierarchical"]
+
+
+def layout(algorithm, world):
+    """ranks_per_node for hierarchical: the largest divisor <= 4."""
+    if algorithm != "hierarchical":
+        return None
+    return max(d for d in range(1, 5) if world % d == 0)
+
+
+def exact_sums(inputs):
+    """math.fsum per element: the exact sum rounded once to float64."""
+    x = torch.stack(inputs).to(torch.float64)
+    return torch.tensor([math.fsum(col) for col in x.T.tolist()], dtype=torch.float64)
+
+
+# ---------------------------------------------------------------- properties
+
+
+@given(inputs=rank_inputs(world=st.integers(1, 12), numel=st.integers(1, 6), fmt="fp32"),
+       algorithm=st.sampled_from(ALGOS))
+def test_fp64_agrees_with_exact_sum_within_its_own_rounding(inputs, algorithm):
+    world = len(inputs)
+    got = all_reduce(inputs, algorithm=algorithm, ranks_per_node=layout(algorithm, world))[0]
+    u = 2.0 ** -53
+    gamma = (world - 1) * u / (1 - (world - 1) * u)
+    bound = gamma * torch.stack(inputs).abs().sum(0) + u * exact_sums(inputs).abs()
+    assert bool(((got - exact_sums(inputs)).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16"])
+@given(data=st.data(), algorithm=st.sampled_from(ALGOS))
+def test_error_within_classical_bound(fmt, data, algorithm):
+    # Higham (2002) Thm 4.4 / eq. (4.4): any order of n-1 rounded adds errs by at most
+    # gamma_{n-1} * sum|x_i|, gamma_k = k u / (1 - k u). Subnormal adds are exact.
+    inputs = data.draw(rank_inputs(world=st.integers(1, 12), numel=st.integers(1, 6), fmt=fmt))
+    world = len(inputs)
+    got = all_reduce(inputs, dtype=fmt, algorithm=algorithm,
+                     ranks_per_node=layout(algorithm, world))[0]
+    assume(bool(torch.isfinite(got).all()))
+    u = get_format(fmt).unit_roundoff
+    gamma = (world - 1) * u / (1 - (world - 1) * u)
+    exact = exact_sums(inputs)
+    bound = gamma * torch.stack(inputs).abs().sum(0) * (1 + 1e-12) + 2.0 ** -52 * exact.abs()
+    assert bool(((got - exact).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+@given(data=st.data(), algorithm=st.sampled_from(["ring", "tree", "halving_doubling"]))
+def test_native_path_is_bitwise_the_format_round_path(fmt, data, algorithm):
+    # saturate=True forces the generic float64 + Format.round path; without overflow it must
+    # give the same bits as torch's native fp16/bf16 adds.
+    inputs = data.draw(rank_inputs(world=st.integers(1, 9), numel=st.integers(1, 8), fmt=fmt))
+    native, info_n = all_reduce(inputs, dtype=fmt, algorithm=algorithm, return_info=True)
+    generic, info_g = all_reduce(inputs, dtype=fmt, algorithm=algorithm, saturate=True,
+                                 return_info=True)
+    assert info_n.arithmetic == f"native_{fmt}" and info_g.arithmetic == "emulated"
+    assume(bool(torch.isfinite(native[0]).all()))
+    assert torch.equal(native[0], generic[0])
+
+
+@pytest.mark.parametrize("dtype,fmt", [(torch.float16, "fp16"), (torch.bfloat16, "bf16")])
+def test_native_add_is_correctly_rounded_on_random_bit_patterns(dtype, fmt):
+    # The fast path rests on this: torch's CPU fp16/bf16 add == round(exact a + b).
+    g = torch.Generator().manual_seed(7)
+    a = torch.randint(-2**15, 2**15, (200_000,), generator=g, dtype=torch.int16).view(dtype)
+    b = torch.randint(-2**15, 2**15, (200_000,), generator=g, dtype=torch.int16).view(dtype)
+    got = (a + b).double()
+    want = get_format(fmt).round(a.double() + b.double())
+    same = (got == want) | (torch.isnan(got) & torch.isnan(want))
+    assert bool(same.all()), f"{int((~same).sum())} of {len(a)} adds differ"
+
+
+@pytest.mark.parametrize("dtype,fmt", [(torch.float16, "fp16"), (torch.bfloat16, "bf16")])
+def test_fp64_inputs_are_rounded_once(dtype, fmt):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(100_000, generator=g, dtype=torch.float64)
+    x = x * torch.exp2(torch.randint(-140, 140, x.shape, generator=g).double())
+    # ties of the narrow format nudged by far less than an fp32 ulp: double rounding bait
+    ties = get_format(fmt).round(x[:1000]) + get_format(fmt).ulp(x[:1000]) / 2
+    x = torch.cat([x, ties * (1 + 2.0 ** -40), ties * (1 - 2.0 ** -40),
+                   torch.tensor([1 + 2.0 ** -8 + 2.0 ** -40, math.inf, -math.inf, math.nan,
+                                 1e300, -1e-300, 0.0, -0.0], dtype=torch.float64)])
+    got = _fp64_to_narrow(x, dtype).double()
+    want = get_format(fmt).round(x)
+    same = (got == want) | (torch.isnan(got) & torch.isnan(want))
+    assert bool(same.all()), x[~same][:5]
+    if fmt == "bf16":  # ml_dtypes PR #401
+        assert float(got[-8]) == 1.0078125
+
+
+# ---------------------------------------------------------------- exact results by hand
+
+
+def test_fp16_ring_order_exact_bits():
+    # 3 ranks, 3 elements: element e is chunk e, which NCCL accumulates as
+    # ((x[e+1] + x[e+2]) + x[e]). Put 2048 on rank e (added last) and 1 on the others:
+    #   ring: (1 + 1) + 2048 = 2050, exact (fp16 spacing at 2048 is 2).
+    #   any other rotation adds 2048 first or second: 2048 + 1 = 2049 is a tie -> even 2048,
+    #   and again: 2048. Sequential (x0 + x1) + x2 adds 2048 last only on element 2.
+    x = torch.ones(3, 3, dtype=torch.float64)
+    for e in range(3):
+        x[e, e] = 2048.0
+    inputs = list(x)
+    assert all_reduce(inputs, dtype="fp16")[0].tolist() == [2050.0, 2050.0, 2050.0]
+    assert all_reduce(inputs, dtype="fp16", algorithm="sequential")[0].tolist() == \
+        [2048.0, 2048.0, 2050.0]
+    assert all_reduce(inputs, dtype="fp64")[0].tolist() == [2050.0, 2050.0, 2050.0]
+
+
+def test_bf16_ring_order_exact_bits_uneven_chunks():
+    # 4 ranks, 6 elements: tensor_split chunks [0,1], [2,3], [4], [5]; chunk c ends with
+    # rank c. Put 256 on rank c and 0.5 elsewhere. 256 added last: 1.5 + 256 = 257.5 -> 258
+    # (bf16 spacing 2 at 256). Added earlier: 256 + 0.5 (or 257 = 1 + 256, a tie) -> 256,
+    # every time. So the ring gives 258 everywhere and only there; a chunking or rotation
+    # off by one gives 256 somewhere.
+    x = torch.full((4, 6), 0.5, dtype=torch.float64)
+    for e, c in enumerate([0, 0, 1, 1, 2, 3]):
+        x[c, e] = 256.0
+    assert all_reduce(list(x), dtype="bf16")[0].tolist() == [258.0] * 6
+    assert all_reduce(list(x), dtype="bf16", algorithm="sequential")[0].tolist() == \
+        [256.0] * 5 + [258.0]
+
+
+@pytest.mark.parametrize("fmt,world,want", [("fp16", 1024, 1024.0), ("fp16", 4096, 2048.0),
+                                            ("bf16", 1024, 256.0), ("fp8_e4m3fn", 64, 16.0),
+                                            ("fp8_e5m2", 64, 8.0)])
+def test_stall_of_ones_in_sequential_order(fmt, world, want):
+    # The sum of ones stalls where the spacing is 2: fp16 at 2048 (1024 ranks still sum
+    # exactly to 1024), bf16 256, e4m3fn 16, e5m2 8.
+    got = all_reduce(torch.ones(world, 3), dtype=fmt, algorithm="sequential")[0]
+    assert got.tolist() == [want] * 3
+    assert all_reduce(torch.ones(world, 3), algorithm="sequential")[0].tolist() == [world] * 3
+
+
+def test_order_map_replays_ring_exactly():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 50, generator=g, dtype=torch.float64) * 100
+    ring = all_reduce(list(x), dtype="bf16")[0]
+    replay = all_reduce(list(x), dtype="bf16", order=RingSchedule(6, 50).order_map())[0]
+    reverse = all_reduce(list(x), dtype="bf16", order=torch.arange(6).flip(0))[0]
+    assert torch.equal(ring, replay)
+    assert not torch.equal(ring, reverse)  # the data are order-sensitive
+
+
+# ---------------------------------------------------------------- avg
+
+
+@pytest.mark.parametrize("fmt,world", [("bf16", 3), ("bf16", 5), ("bf16", 7), ("fp16", 3),
+                                       ("bf16", 4)])
+def test_avg_premul_bias_is_the_rounded_reciprocal(fmt, world):
+    # NCCL ncclAvg = PreMulSum by T(1/n): mean relative error = T(1/n) * n - 1 (bf16 1/3:
+    # +0.195% = u/2, 1/5 +0.098%, 1/7 -0.195%, fp16 1/3 -0.024%, powers of two 0); gloo's
+    # divide-after is unbiased. Positive, log-uniform data over [1/4, 4); the rounding of
+    # the products and sums adds a data-dependent offset measured below 0.1 u.
+    f = get_format(fmt)
+    g = torch.Generator().manual_seed(world)
+    x = f.round(torch.exp2(torch.rand(world, 20_000, generator=g, dtype=torch.float64) * 4 - 2))
+    true_mean = x.mean(0)
+    rel = {}
+    for avg in ("premul", "divide"):
+        out = all_reduce(list(x), op="avg", dtype=fmt, avg=avg)[0]
+        rel[avg] = float(((out - true_mean) / true_mean).mean())
+    scale_err = float(f.round(torch.tensor(1.0 / world, dtype=torch.float64))) * world - 1
+    tol = 0.15 * f.unit_roundoff
+    assert abs(rel["premul"] - scale_err) < tol, rel
+    assert abs(rel["divide"]) < tol, rel
+
+
+def test_avg_default_follows_the_backend():
+    x = list(torch.ones(3, 4))
+    assert all_reduce(x, op="avg", dtype="bf16", return_info=True)[1].avg == "premul"
+    with pytest.raises(ValueError, match="avg='divide' only applies to op='avg'"):
+        all_reduce(x, op="sum", avg="divide")
+
+
+# ---------------------------------------------------------------- ops and collectives
+
+
+def test_max_min_are_exact_and_propagate_nan():
+    x = torch.tensor([[1.0, -2.0, 3.0], [5.0, float("nan"), -1.0]], dtype=torch.float64)
+    assert all_reduce(list(x), op="max")[0].tolist()[0::2] == [5.0, 3.0]
+    assert all_reduce(list(x), op="min", dtype="bf16")[0].tolist()[0::2] == [1.0, -1.0]
+    assert math.isnan(all_reduce(list(x), op="max")[0][1])
+
+
+def test_all_reduce_ranks_share_one_result():
+    out = all_reduce(list(torch.randn(5, 7)), dtype="bf16")
+    assert all(o is out[0] for o in out) and out[0].dtype == torch.float64
+    assert out[0].shape == (7,)
+
+
+def test_multidim_inputs_keep_their_shape():
+    x = torch.randn(4, 3, 5, dtype=torch.float64)
+    assert torch.allclose(all_reduce(list(x))[0], x.sum(0))
+
+
+def test_reduce_scatter_blocks_are_ring_chunks():
+    g = torch.Generator().manual_seed(2)
+    x = list(torch.randn(4, 12, generator=g, dtype=torch.float64) * 1000)
+    full = all_reduce(x, dtype="fp16")[0]
+    blocks = reduce_scatter(x, dtype="fp16")
+    assert [b.tolist() for b in blocks] == [c.tolist() for c in full.chunk(4)]
+    with pytest.raises(ValueError, match=r"first dim divisible by the world \(4\)"):
+        reduce_scatter(list(torch.ones(4, 10)))
+
+
+def test_reduce_is_the_chain_ending_at_root():
+    # NCCL ring reduce to root 2 of 3 ranks: root+1 = 0, then 1, then 2: rank order.
+    x = torch.ones(3, 3, dtype=torch.float64)
+    x[2] = 2048.0  # (1 + 1) + 2048 = 2050 in rank order; a chain starting at 2 gives 2048
+    out = reduce(list(x), root=2, dtype="fp16")
+    assert out[0] is None and out[1] is None and out[2].tolist() == [2050.0] * 3
+    assert reduce(list(x), root=1, dtype="fp16")[1].tolist() == [2048.0] * 3  # 2, 0, 1
+    with pytest.raises(ValueError, match=r"root=3 must be a rank in \[0, 3\)"):
+        reduce(list(x), root=3)
+
+
+def test_all_gather_and_broadcast_round_once_and_share():
+    x = [torch.tensor([1 + 2.0 ** -8 + 2.0 ** -40], dtype=torch.float64), torch.tensor([3.0])
+         .double()]
+    gathered = all_gather(x, dtype="bf16")
+    assert gathered[0].tolist() == [1.0078125, 3.0] and gathered[1] is gathered[0]
+    b = broadcast(x, root=1, dtype="bf16")
+    assert b[0].tolist() == [3.0] and b[0] is b[1]
+
+
+# ---------------------------------------------------------------- fp8, NaN and Inf
+
+
+def test_fp8_defaults_to_nccl_fp16_add_and_satfinite():
+    x = list(torch.full((2, 1), 448.0, dtype=torch.float64))
+    out, info = all_reduce(x, dtype="fp8_e4m3fn", return_info=True)
+    assert out[0].tolist() == [448.0]  # 896 in fp16, then __NV_SATFINITE -> 448
+    assert (info.accum_dtype, info.saturate, info.arithmetic) == ("fp16", True, "nccl_fp8")
+    plain = all_reduce(x, dtype="fp8_e4m3fn", saturate=False)[0]
+    assert math.isnan(plain[0])  # a plain e4m3fn cast of 896 is NaN
+
+
+def test_fp16_overflow_is_inf_and_reported():
+    x = [torch.tensor([60000.0, 1.0, float("nan")]), torch.tensor([60000.0, 1e6, 1.0])]
+    out, info = all_reduce(x, dtype="fp16", return_info=True)
+    assert out[0][0] == math.inf and out[0][1] == math.inf and math.isnan(out[0][2])
+    assert (info.nan_inputs, info.inf_inputs, info.overflow_inputs) == (1, 0, 1)
+    assert (info.nan_outputs, info.inf_outputs) == (1, 2)
+
+
+def test_e4m3fn_input_overflow_is_nan_unless_saturated():
+    x = [torch.tensor([500.0]), torch.tensor([1.0])]
+    assert math.isnan(all_reduce(x, dtype="fp8_e4m3fn")[0][0])
+    assert all_reduce(x, dtype="fp8_e4m3fn", saturate=True)[0].tolist() == [448.0]
+
+
+# ---------------------------------------------------------------- stochastic rounding
+
+
+def test_stochastic_rounding_is_seeded():
+    x = list(torch.randn(8, 1000, generator=torch.Generator().manual_seed(0)))
+    a, info = all_reduce(x, dtype="bf16", rounding="stochastic", seed=5, return_info=True)
+    b = all_reduce(x, dtype="bf16", rounding="stochastic", seed=5)
+    c = all_reduce(x, dtype="bf16", rounding="stochastic", seed=6)
+    assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
+    assert info.seed == 5 and info.rounding == "stochastic"
+
+
+def test_stochastic_rounding_removes_the_stall():
+    # 4096 ranks of 1 in fp16: nearest stalls at 2048; stochastic rounding is unbiased.
+    out = all_reduce(torch.ones(4096, 200), dtype="fp16", algorithm="sequential",
+                     rounding="stochastic", seed=0)[0]
+    assert abs(float(out.mean()) - 4096) < 4096 * 0.02
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("inputs,kw,exc,msg", [
+    ([torch.ones(8)] * 3 + [torch.ones(7)], {}, ValueError,
+     r"inputs\[3\] has shape \(7,\), expected \(8,\) like inputs\[0\]"),
+    ([torch.ones(4), torch.ones(4, dtype=torch.float16)], {}, ValueError,
+     r"inputs\[1\] has dtype torch.float16, expected torch.float32 like inputs\[0\]"),
+    ([], {}, ValueError, "inputs is empty"),
+    ("abc", {}, TypeError, "expected a list with one tensor per rank"),
+    ([torch.ones(2, dtype=torch.bool)] * 2, {}, TypeError, r"inputs\[0\] has dtype torch.bool"),
+    ([torch.ones(4)] * 2, {"dtype": "fp12"}, ValueError, "format 'fp12' is unknown"),
+    ([torch.ones(4)] * 2, {"algorithm": "rign"}, ValueError, "algorithm='rign' is unknown"),
+    ([torch.ones(4)] * 2, {"op": "prod"}, ValueError, "op='prod' is unknown"),
+    ([torch.ones(4)] * 2, {"rounding": "up"}, ValueError, "rounding='up' is unknown"),
+    ([torch.ones(4)] * 2, {"rounding": "stochastic"}, ValueError, "needs seed=<int>"),
+    ([torch.ones(4)] * 6, {"algorithm": "hierarchical", "ranks_per_node": 4}, ValueError,
+     "ranks_per_node=4 does not divide world=6"),
+    ([torch.ones(4)] * 2, {"order": torch.zeros(2, 4, dtype=torch.long)}, ValueError,
+     "is not a permutation"),
+    ([torch.ones(4)] * 2, {"order": torch.arange(2), "algorithm": "tree"}, ValueError,
+     "cannot be combined with algorithm='tree'"),
+    ([torch.ones(4)] * 2, {"dtype": "fp8_e4m3fn", "algorithm": "gloo"}, ValueError,
+     "gloo reduces only"),
+    ([torch.ones(4)] * 2, {"ranks_per_node": 2}, ValueError, "does not apply to algorithm='ring'"),
+])
+def test_bad_input_is_a_clear_error(inputs, kw, exc, msg):
+    with pytest.raises(exc, match=msg):
+        all_reduce(inputs, **kw)
+
+
+def test_large_world_ring_sums_exactly_at_fp64():
+    world = 16384
+    x = torch.randint(-8, 8, (world, 40)).double()  # integers: every order is exact
+    assert torch.equal(all_reduce(x)[0], x.sum(0))
