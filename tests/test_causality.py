@@ -1,0 +1,344 @@
+"""probes.causality.check: verdicts on known mechanisms, exact leak positions, noise vs leak,
+nondeterminism, batch isolation, efficiency in evaluations, and errors that name the target."""
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from probes.causality import check, resolve_cuts
+from probes.causality.check import _replacements
+from probes.causality.suite import controls
+from probes.result import Result
+from probes.targets import TargetError
+from reference import routing as r
+from reference.models.moe import causal_block, off_by_one_block
+
+GLOBAL_LEAKS = ["expert_choice", "drop_by_probability", "sequence_normalized"]
+
+
+def logits(B=4, T=48, E=8, seed=0):
+    return torch.randn(B, T, E, generator=torch.Generator().manual_seed(seed))
+
+
+def hidden(B=2, T=24, D=64, seed=0):
+    return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed))
+
+
+# -- known verdicts ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["perturb", "truncate"])
+@pytest.mark.parametrize("name", list(r.KNOWN_VERDICTS))
+def test_reference_router_verdicts(name, mode):
+    res = check(getattr(r, name), logits(), mode=mode, decision=0, scores=1)
+    want = r.KNOWN_VERDICTS[name][0 if mode == "perturb" else 1]
+    assert res.metrics["causal"] is want
+    assert res.verdict == ("pass" if want else "fail")
+    assert ("TP-C1" in res.codes) is (not want)
+    assert res.metrics["n_leaks"] == 0 if want else res.metrics["n_structural"] > 0
+    if mode == "truncate":
+        assert (res.metrics["mismatch_rate"] > 0) is (not want)
+
+
+@pytest.mark.parametrize("ctl", controls(), ids=lambda c: c.name.split(":")[1])
+def test_verdicts_hold_without_scores_and_on_another_seed(ctl):
+    """Decisions alone (no margins) and fresh inputs give the same verdict in perturb mode."""
+    x = logits(seed=7) if ctl.kind == "router" else hidden(seed=7)
+    res = check(ctl.fn, x, decision=ctl.decision, seed=7)
+    assert res.metrics["causal"] is ctl.causal_perturb
+
+
+@pytest.mark.parametrize("mode", ["perturb", "truncate"])
+def test_off_by_one_leaks_exactly_at_the_cut(mode):
+    T = 24
+    res = check(off_by_one_block, hidden(T=T), mode=mode, cuts="all", decision="hidden")
+    leaks = res.evidence["leaks"]
+    assert {(lk["position"], lk["cut"]) for lk in leaks} == {(c, c) for c in range(T - 1)}
+    assert res.evidence["leak_distances"] == {"1": 2 * (T - 1)}
+    assert all(lk["kind"] == "structural" for lk in leaks)
+    assert res.metrics["first_leak_position"] == 0
+
+
+def test_causal_block_is_causal_in_both_views_with_its_noise_excused():
+    res = check(causal_block, hidden(T=24), mode="truncate", cuts="all", decision="hidden")
+    assert res.metrics["causal"] is True and res.verdict == "pass"
+    # truncation changes shapes, hence rounding: the flips exist and are all judged numerical
+    assert res.metrics["mismatch_rate"] > 0 and res.metrics["n_numerical"] == res.metrics["n_flips"]
+    assert res.metrics["fp64"] == "used"
+
+
+# -- noise is not a leak, a small leak is not noise ---------------------------------------
+
+W = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
+W[:, 1] = W[:, 0] * (1 + 1e-7)  # experts 0 and 1 within rounding noise of a tie
+
+
+def near_tie(x):
+    """Causal, with rounding that depends on the call's shape, like a kernel chosen by shape:
+    the 0/1 near-tie flips whenever the batch or length changes."""
+    l = x @ W.to(x.dtype)
+    l = _wobble(l, 1 if (x.shape[0] <= 4) ^ (x.shape[1] % 2 == 1) else -1)
+    return l.topk(1, -1).indices, l
+
+
+def near_tie_by_row(x):
+    """Causal; rows past the 4th round the other way (a remainder tile in a GEMM): packed
+    copies flip against the baseline while the control rows at the top do not."""
+    l = x @ W.to(x.dtype)
+    sign = torch.where(torch.arange(x.shape[0]) < 4, 1.0, -1.0).to(x.dtype).view(-1, 1, 1)
+    l = _wobble(l, sign)
+    return l.topk(1, -1).indices, l
+
+
+def _wobble(l, sign):
+    eps = torch.finfo(l.dtype).eps
+    return l + sign * 4 * eps * l.abs() * torch.tensor([1., -1, 0, 0], dtype=l.dtype)
+
+
+def small_leak(x):
+    """Leaky: expert 1's logit carries 1e-5 of the sequence mean, enough to break only the
+    near-ties; it survives fp64, rounding noise would not."""
+    l = x @ W.to(x.dtype)
+    l[..., 1] += 1e-5 * x[..., 0].mean(1)[:, None]
+    return l.topk(1, -1).indices, l
+
+
+X16 = torch.randn(4, 40, 16, generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("fn", [near_tie, near_tie_by_row])
+@pytest.mark.parametrize("mode", ["perturb", "truncate"])
+@pytest.mark.parametrize("scores", [1, None])
+def test_causal_router_with_near_ties_is_not_flagged(fn, mode, scores):
+    res = check(fn, X16, mode=mode, cuts="all", decision=0, scores=scores)
+    assert res.metrics["causal"] is True and res.verdict == "pass", res.message
+    assert "TP-C1" not in res.codes
+    if mode == "perturb":  # packing met the noise: caught by the control, a re-run or fp64
+        assert res.metrics["batch_invariant"] is False or res.metrics["n_numerical"] > 0
+    elif fn is near_tie:  # truncation changes the shape: the noise was there, excused by fp64
+        assert res.metrics["n_numerical"] > 0
+
+
+def test_near_tie_flips_without_fp64_are_unverified_not_leaks():
+    res = check(near_tie, X16, mode="truncate", cuts=6, decision=0, scores=1, fp64=False)
+    assert res.metrics["causal"] is True and res.metrics["n_unverified"] > 0
+    assert res.verdict == "warn" and res.metrics["n_leaks"] == 0
+
+
+@pytest.mark.parametrize("mode", ["perturb", "truncate"])
+def test_small_leak_at_near_ties_is_not_excused(mode):
+    res = check(small_leak, X16, mode=mode, cuts="all", decision=0, scores=1)
+    assert res.metrics["causal"] is False and res.verdict == "fail"
+    assert res.metrics["n_structural"] > 0 and res.metrics["fp64"] == "used"
+    # without an fp64 twin it cannot be settled either way: a warning, never a pass
+    res = check(small_leak, X16, mode=mode, cuts="all", decision=0, scores=1, fp64=False)
+    assert res.verdict in ("warn", "fail") and res.metrics["n_unverified"] + res.metrics["n_leaks"] > 0
+
+
+# -- nondeterminism -----------------------------------------------------------------------
+
+def noisy_scores(x):
+    l = x @ W.to(x.dtype) + 1e-6 * torch.randn(*x.shape[:2], 4)
+    return l.argmax(-1), l
+
+
+def rare_flips(x):
+    """Nondeterministic only at rare near-ties: the first runs often agree (with torch seeds
+    2 and 10 the first two calls agree, and only a re-run of a flipped cut exposes it)."""
+    return (x + 3e-3 * torch.randn(x.shape)).argmax(-1)
+
+
+@pytest.mark.parametrize("fn, scores, torch_seed", [(noisy_scores, 1, 0), (rare_flips, None, 2),
+                                                    (rare_flips, None, 10)])
+@pytest.mark.parametrize("mode", ["perturb", "truncate"])
+def test_nondeterministic_target_is_reported_as_such(fn, scores, torch_seed, mode):
+    torch.manual_seed(torch_seed)
+    res = check(fn, X16, mode=mode, cuts="all", decision=0 if scores else None, scores=scores)
+    assert res.codes == ["TP-C2"] and res.verdict == "fail"
+    assert res.metrics["deterministic"] is False and res.metrics["causal"] is None
+    assert "nondeterminism is not a causality verdict" in res.message
+
+
+# -- batch isolation and packing --------------------------------------------------------------
+
+def test_batch_prioritized_is_not_isolated_and_is_not_packed():
+    cuts = [5, 20, 40]
+    res = check(r.batch_prioritized, logits(), cuts=cuts, decision=0, scores=1)
+    assert res.metrics["batch_isolated"] is False and "TP-C3" in res.codes
+    assert res.metrics["packed"] is False
+    assert res.evidence["batch_isolation_moved"]
+    assert res.metrics["n_evaluations"] >= 2 + len(cuts)  # one call per cut
+
+
+@pytest.mark.parametrize("name", ["topk_softmax", "expert_choice", "capacity_by_position"])
+def test_per_sequence_routers_are_isolated(name):
+    res = check(getattr(r, name), logits(), decision=0, scores=1)
+    assert res.metrics["batch_isolated"] is True and "TP-C3" not in res.codes
+
+
+def test_single_sequence_has_no_isolation_verdict():
+    res = check(r.topk_softmax, logits(B=1), decision=0)
+    assert res.metrics["batch_isolated"] is None and res.metrics["packed"] is False
+
+
+@pytest.mark.parametrize("name", ["expert_choice", "sequence_normalized"])
+def test_packing_finds_exactly_the_leaks_of_separate_calls(name):
+    x = logits(B=2, T=32)
+    kw = dict(cuts="all", decision=0, scores=1, max_leaks=10_000)
+    packed = check(getattr(r, name), x, max_batch_tokens=5 * 64, **kw)
+    alone = check(getattr(r, name), x, pack=False, **kw)
+    assert packed.metrics["packed"] is True and alone.metrics["packed"] is False
+    key = lambda res: sorted((lk["cut"], lk["batch"], lk["position"], str(lk["after"]))
+                             for lk in res.evidence["leaks"])
+    assert key(packed) == key(alone) and packed.metrics["n_leaks"] > 0
+
+
+# -- efficiency ----------------------------------------------------------------------------
+
+def test_full_certification_adds_nothing_on_top_of_one_evaluation_per_cut():
+    x = logits(B=2, T=64)
+    budget = 17 * 2 * 64  # 16 perturbed copies + the control per packed call
+    res = check(r.topk_softmax, x, cuts="all", decision=0, max_batch_tokens=budget)
+    n_cuts, chunks = 63, -(-63 // 16)
+    assert res.metrics["n_evaluations"] == 3 + chunks  # baseline, repeat, isolation, chunks
+    loop_tokens = (1 + n_cuts) * 2 * 64  # a plain loop: baseline + one call per cut
+    assert res.metrics["tokens_evaluated"] == loop_tokens + (2 + chunks) * 2 * 64
+    alone = check(r.topk_softmax, x, cuts="all", decision=0, pack=False)
+    assert alone.metrics["n_evaluations"] == 3 + n_cuts
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("name", GLOBAL_LEAKS)
+def test_global_leaks_are_found_within_four_evaluations(name, seed):
+    x = torch.randn(4, 256, 8, generator=torch.Generator().manual_seed(seed))
+    res = check(getattr(r, name), x, decision=0, seed=seed)
+    assert res.metrics["causal"] is False
+    assert res.metrics["evaluations_to_first_flip"] <= 4
+
+
+def test_default_causal_check_costs_four_evaluations():
+    res = check(r.topk_softmax, logits(), decision=0, scores=1)
+    assert res.metrics["n_evaluations"] == 4 and res.metrics["n_cuts"] == 8
+
+
+# -- evidence --------------------------------------------------------------------------------
+
+def test_evidence_is_consistent_and_round_trips():
+    res = check(r.expert_choice, logits(), cuts=[10, 30], decision=0, scores=1, seed=3)
+    ev, m = res.evidence, res.metrics
+    assert ev["cuts"] == [10, 30] and res.seed == 3
+    assert sum(n for _, _, n in ev["leak_map"]) == m["n_leaks"] == len(ev["leaks"])
+    assert sum(ev["leak_distances"].values()) == m["n_leaks"]
+    rate = ev["flip_rate_by_position"]
+    assert len(rate) == 48 and all(v is None for v in rate[31:]) and rate[0] is not None
+    for lk in ev["leaks"]:
+        assert lk["position"] <= lk["cut"] and lk["distance"] == lk["cut"] + 1 - lk["position"]
+        assert lk["before"] != lk["after"]
+    back = Result.from_json(json.dumps(res.to_dict()))
+    assert back.metrics == json.loads(json.dumps(res.to_dict()))["metrics"]
+
+
+def test_same_seed_same_result_other_seed_other_cuts():
+    a = check(r.drop_by_probability, logits(), cuts=5, decision=0, seed=11)
+    b = check(r.drop_by_probability, logits(), cuts=5, decision=0, seed=11)
+    c = check(r.drop_by_probability, logits(), cuts=5, decision=0, seed=12)
+    assert a.evidence["leaks"] == b.evidence["leaks"] and a.evidence["cuts"] == b.evidence["cuts"]
+    assert a.evidence["cuts"] != c.evidence["cuts"]
+
+
+def test_progress_reports_every_cut():
+    seen = []
+    check(r.topk_softmax, logits(), cuts=[3, 9, 27], decision=0, pack=False,
+          progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(1, 3), (2, 3), (3, 3)]
+
+
+# -- decisions of every form ---------------------------------------------------------------
+
+def test_float_decisions_use_atol():
+    probs = lambda x: r.sequence_normalized(x)[1]
+    assert check(probs, logits(), cuts=[20]).metrics["causal"] is False
+    # probabilities cannot move by more than 1: atol=1 accepts any change
+    assert check(probs, logits(), cuts=[20], atol=1.0).metrics["causal"] is True
+
+
+def test_flat_layout_for_single_sequence_routers():
+    flat = lambda x: r.expert_choice(x[None])[0][0]  # [T, E] -> [T, E]
+    res = check(flat, logits(B=1)[0], layout="flat")
+    assert res.metrics["causal"] is False and res.evidence["layout"] == "flat"
+    causal = lambda x: r.topk_softmax(x[None])[0][0]
+    assert check(causal, logits(B=1)[0], layout="flat").verdict == "pass"
+
+
+@pytest.mark.parametrize("decision", [0, "ids", lambda out: out[0]])
+def test_decision_pickers(decision):
+    named = lambda x: {"ids": r.expert_choice(x)[0], "probs": r.expert_choice(x)[1]}
+    fn = named if decision == "ids" else r.expert_choice
+    assert check(fn, logits(), decision=decision).metrics["causal"] is False
+
+
+def test_token_id_inputs():
+    ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
+    assert check(off_by_one_block, ids, decision="hidden").metrics["causal"] is False
+    assert check(causal_block, ids, decision="hidden", vocab=1000).metrics["causal"] is True
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 50), st.integers(1, 3), st.integers(0, 1000))
+def test_replacement_tokens_differ_everywhere_and_stay_in_vocab(V, trials, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, V, (3, 7), generator=g)
+    R = _replacements(x, trials, V, g)
+    assert R.shape == (trials, 3, 7) and (R != x).all() and R.min() >= 0 and R.max() < V
+
+
+# -- cuts and errors -------------------------------------------------------------------------
+
+def test_resolve_cuts():
+    g = torch.Generator().manual_seed(0)
+    assert resolve_cuts("all", 6, "perturb", g) == [0, 1, 2, 3, 4]
+    assert len(resolve_cuts(None, 256, "perturb", g)) == 8
+    assert len(resolve_cuts(None, 256, "truncate", g)) == 4
+    assert resolve_cuts(None, 2, "perturb", g) == [0]
+    assert resolve_cuts([3, 1, 3], 6, "perturb", g) == [1, 3]
+    s = resolve_cuts(3, 100, "perturb", g)
+    assert len(s) == 3 and s == sorted(s) and all(0 <= c <= 98 for c in s)
+    for bad, match in [([5], r"positions must be in \[0, 4\]"), ("some", "must be 'all'"),
+                       (0, "must be >= 1"), (True, "must be 'all'")]:
+        with pytest.raises(ValueError, match=match):
+            resolve_cuts(bad, 6, "perturb", g)
+
+
+def returns(shape):
+    return lambda x: torch.zeros(shape, dtype=torch.long)
+
+
+@pytest.mark.parametrize("fn, match", [
+    (returns((4,)), r"returned decision of shape \(4,\).*expected \[B, T, \.\.\.\] starting with \(4, 48\)"),
+    (lambda x: x[:2].argmax(-1), r"the batch size changed from 4 to 2"),
+    (lambda x: 1 / 0, r"raised ZeroDivisionError: division by zero \(called on torch.float32 tensor"),
+    (r.topk_softmax, r"decision is a tuple, expected a Tensor.*pass decision=0"),
+    (lambda x: (x.argmax(-1), "s"), r"scores is a str"),
+])
+def test_bad_targets_are_named(fn, match):
+    with pytest.raises(TargetError, match=match) as e:
+        check(fn, logits(), scores=1 if match.startswith("scores") else None,
+              decision=0 if match.startswith("scores") else None, target="my.mod:router")
+    assert "'my.mod:router'" in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(inputs=torch.randn(4, 8)), r"expected \[B, T\] \(long\) or \[B, T, D\] \(float\); for one "
+                                      r"sequence without a batch axis pass layout='flat'"),
+    (dict(inputs=torch.randn(4, 1, 8)), "at least 2 positions"),
+    (dict(mode="future"), "mode='future' must be one of"),
+    (dict(trials=0), "trials=0 must be an int >= 1"),
+    (dict(atol=-1.0), "atol=-1.0 must be a float >= 0"),
+    (dict(layout="bt"), "layout='bt' must be 'batched'"),
+    (dict(max_batch_tokens=0), "max_batch_tokens=0"),
+])
+def test_bad_arguments_are_named(kwargs, match):
+    args = dict(inputs=logits())
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        check(r.expert_choice, args.pop("inputs"), decision=0, **args)
