@@ -148,7 +148,7 @@ def token_metrics(train: torch.Tensor, infer: torch.Tensor, x: torch.Tensor, cli
         "k1_kl": mean,
         "k2_kl": (m2 + mean * mean) / 2,
         "k3_kl": max(k3_sum / n, 0.0),
-        "k3_kl_reverse": rev_sum / n,
+        "k3_kl_reverse": rev_sum / n + 0.0,  # + 0.0: no "-0" in reports
         "chi2_token": (2 * se_ + see) / n,
         "excess_kurtosis": m4 / (m2 * m2) - 3 if m2 > 0 else 0.0,
         "skewness": m3 / m2 ** 1.5 if m2 > 0 else 0.0,
