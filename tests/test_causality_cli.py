@@ -1,0 +1,95 @@
+"""`trainprobes causality`: the reference table, a target by import path, JSON, and errors."""
+import json
+
+import pytest
+
+from probes.cli import main
+from probes.result import load_results
+
+
+def run(capsys, *argv):
+    code = main(["causality", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_reference_table_prints_every_known_verdict(capsys):
+    code, out, _ = run(capsys, "--seq-len", "48", "--batch", "2")
+    assert code == 0
+    assert "20/20 verdicts as known from the mechanism" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("reference.")]
+    assert len(rows) == 20 and all(row[-1] == "yes" for row in rows)
+    by = {(row[0], row[1]): row for row in rows}
+    assert by[("reference.routing:expert_choice", "perturb")][3] == "fail"
+    assert by[("reference.routing:capacity_by_position", "perturb")][3] == "pass"
+    assert by[("reference.routing:capacity_by_position", "truncate")][3] == "fail"
+
+
+def test_reference_table_json_and_report(capsys, tmp_path):
+    report = tmp_path / "causality.json"
+    code, out, _ = run(capsys, "--seq-len", "32", "--batch", "2", "--json", "--output", str(report))
+    assert code == 0
+    docs = json.loads(out)
+    assert len(docs) == 20 and {d["probe"] for d in docs} == {"causality.check"}
+    results, meta = load_results(report)
+    assert len(results) == 20 and meta["command"] == "causality"
+
+
+def test_target_by_import_path_human_output(capsys):
+    code, out, _ = run(capsys, "--target", "reference.models.moe:off_by_one_block", "--seq-len", "64",
+                       "--vocab", "1000", "--decision", "hidden", "--show", "3")
+    assert code == 1
+    assert out.startswith("FAIL  causality.check reference.models.moe:off_by_one_block [TP-C1]")
+    for field in ("causal             False", "n_leaks", "flip_rate", "mismatch_rate",
+                  "first leaks", "leak distances     1:"):
+        assert field in out
+    leak_rows = [line.split() for line in out.splitlines()[-3:]]
+    assert all(row[1] == row[2] and row[3] == "1" for row in leak_rows)  # position == cut
+
+
+def test_target_json_truncate_float_inputs(capsys):
+    code, out, _ = run(capsys, "--target", "reference.models.moe:causal_block", "--hidden", "64",
+                       "--seq-len", "32", "--mode", "truncate", "--decision", "expert_ids",
+                       "--scores", "router_probs", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["verdict"] == "pass"
+    assert {"causal", "n_leaks", "flip_rate", "mismatch_rate"} <= set(doc["metrics"])
+    assert doc["evidence"]["shape"] == [4, 32, 64]
+
+
+def test_flat_target_and_explicit_cuts(capsys):
+    code, out, _ = run(capsys, "--target", "tests.test_causality_cli:flat_expert_choice",
+                       "--hidden", "8", "--flat", "--seq-len", "64", "--cuts", "10,40", "--json")
+    doc = json.loads(out)
+    assert code == 1 and doc["evidence"]["cuts"] == [10, 40] and doc["evidence"]["layout"] == "flat"
+
+
+def flat_expert_choice(x):
+    from reference.routing import expert_choice
+    return expert_choice(x[None])[0][0]
+
+
+def changes_batch(x):
+    return x[:1].argmax(-1)
+
+
+@pytest.mark.parametrize("target, match", [
+    ("no.such.module:fn", "module 'no.such.module' cannot be imported"),
+    ("reference.routing:nothing", "has no attribute 'nothing'"),
+    ("reference.routing:topk_softmax", "decision is a tuple, expected a Tensor"),
+    ("tests.test_causality_cli:changes_batch", "the batch size changed from 4 to 1"),
+])
+def test_bad_targets_exit_2_with_a_message_naming_them(capsys, target, match):
+    code, out, err = run(capsys, "--target", target, "--hidden", "8", "--seq-len", "16")
+    assert code == 2 and out == ""
+    assert err.startswith("trainprobes causality: error: ") and match in err and target in err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--cuts", "a,b"], "--cuts 'a,b' must be 'all', a count, or positions"),
+    (["--seq-len", "1"], "--seq-len 1 is too small"),
+    (["--target", "reference.routing:topk_softmax", "--vocab", "1"], "--vocab 1 must be >= 2"),
+])
+def test_bad_options_exit_2(capsys, argv, match):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and match in err
