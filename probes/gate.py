@@ -215,12 +215,14 @@ def estimate(metrics: dict, name: str) -> tuple[float, float] | None:
 
 
 def larger_magnitude(base: tuple[float, float], cand: tuple[float, float],
-                     alpha: float) -> tuple[bool, float, float]:
-    """One-sided z-test that |cand| > |base|: (significant, z, p).
+                     alpha: float, rel_tol: float = 0.0) -> tuple[bool, float, float]:
+    """One-sided z-test that |cand| > |base|: (regressed, z, p).
 
     z = (|b_c| - |b_b|) / sqrt(se_b^2 + se_c^2), the difference of two independent means.
     Testing magnitudes makes a bias that flips sign and grows count too. With both standard
-    errors zero (deterministic probes) any increase is certain.
+    errors zero (deterministic probes) any increase is certain. A significant increase of
+    less than rel_tol * |b_b| is not a regression: with thousands of trials a 1% change in a
+    1e-8 bias is significant and irrelevant.
     """
     from statistics import NormalDist
     (bb, sb), (bc, sc) = base, cand
@@ -231,7 +233,7 @@ def larger_magnitude(base: tuple[float, float], cand: tuple[float, float],
     else:
         z = diff / se
     p = 1.0 - NormalDist().cdf(z) if math.isfinite(z) else (0.0 if z > 0 else 1.0)
-    return p < alpha, z, p
+    return p < alpha and diff > rel_tol * abs(bb), z, p
 
 
 # --- comparison --------------------------------------------------------------------------
@@ -242,7 +244,7 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def _compare_pair(b: Result, c: Result, alpha: float) -> list[Regression]:
+def _compare_pair(b: Result, c: Result, alpha: float, rel_tol: float) -> list[Regression]:
     regs: list[Regression] = []
 
     def add(code, what, base="", cand="", ev=""):
@@ -260,7 +262,7 @@ def _compare_pair(b: Result, c: Result, alpha: float) -> list[Regression]:
     for code, name, label in ESTIMATES:
         eb, ec = estimate(bm, name), estimate(cm, name)
         if eb and ec:
-            sig, z, p = larger_magnitude(eb, ec, alpha)
+            sig, z, p = larger_magnitude(eb, ec, alpha, rel_tol)
             if sig:
                 ratio = abs(ec[0]) / abs(eb[0]) if eb[0] else math.inf
                 add(code, f"{label} `{name}` significantly larger in magnitude "
@@ -282,10 +284,16 @@ def _compare_pair(b: Result, c: Result, alpha: float) -> list[Regression]:
 
 
 def compare(baseline: list[Result], candidate: list[Result], *, waivers=(),
-            alpha: float = 0.01, today: date | None = None) -> GateReport:
-    """Compare two lists of Results matched by `Result.key`; apply unexpired waivers."""
+            alpha: float = 0.01, rel_tol: float = 0.1, today: date | None = None) -> GateReport:
+    """Compare two lists of Results matched by `Result.key`; apply unexpired waivers.
+
+    alpha: level of the one-sided tests; rel_tol: smallest relative growth of a bias or
+    drift estimate that counts (default 10%), on top of significance.
+    """
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"alpha={alpha!r} must be in (0, 1), e.g. 0.01")
+    if not (isinstance(rel_tol, (int, float)) and rel_tol >= 0):
+        raise ValueError(f"rel_tol={rel_tol!r} must be a number >= 0, e.g. 0.1 (10%)")
     today = today or date.today()
     base = {r.key: r for r in baseline}
     cand = {r.key: r for r in candidate}
@@ -298,7 +306,7 @@ def compare(baseline: list[Result], candidate: list[Result], *, waivers=(),
                 "candidate, so it was not checked", b.verdict, "missing"))
             continue
         report.compared += 1
-        report.regressions.extend(_compare_pair(b, c, alpha))
+        report.regressions.extend(_compare_pair(b, c, alpha, rel_tol))
     for key, c in cand.items():
         if key not in base and c.verdict in ("fail", "error"):
             for code in (c.codes or ["TP-E1"]):
@@ -319,7 +327,7 @@ def compare(baseline: list[Result], candidate: list[Result], *, waivers=(),
 
 
 def gate_files(baseline_path, candidate_path, waivers_path=None, *, alpha: float = 0.01,
-               today: date | None = None) -> GateReport:
+               rel_tol: float = 0.1, today: date | None = None) -> GateReport:
     """Load both reports (and waivers) and compare; any fault to read is `cannot_judge`."""
     try:
         waivers = load_waivers(waivers_path) if waivers_path else []
@@ -336,7 +344,8 @@ def gate_files(baseline_path, candidate_path, waivers_path=None, *, alpha: float
                               "compare against; regenerate it with `trainprobes audit`")
     except CannotJudge as e:
         return GateReport(cannot_judge=str(e))
-    return compare(baseline, candidate, waivers=waivers, alpha=alpha, today=today)
+    return compare(baseline, candidate, waivers=waivers, alpha=alpha, rel_tol=rel_tol,
+                   today=today)
 
 
 # --- Markdown verdict --------------------------------------------------------------------

@@ -44,6 +44,8 @@ CLEAN = [
     ("bias larger but not significant", R(bias=1e-3, bias_se=1e-3), R(bias=1.5e-3, bias_se=1e-3)),
     ("no standard error: not judged", R(bias=1e-3), R(bias=1e-1)),
     ("bias smaller", R(bias=1e-3, bias_se=1e-5), R(bias=1e-5, bias_se=1e-5)),
+    ("significant but under rel_tol", R(bias=3.04e-8, bias_se=1e-12),
+     R(bias=3.1e-8, bias_se=1e-12)),
     ("still causal", R("causality.check", causal=True), R("causality.check", causal=True)),
     ("precision higher", R("numerics.reveal", accumulator_mantissa_bits=10),
      R("numerics.reveal", accumulator_mantissa_bits=23)),
@@ -101,6 +103,13 @@ def test_z_test_matches_formula(b, sb, c, sc):
 def test_standard_error_sources(metrics, se):
     got = standard_error({"bias": 0.1, **metrics}, "bias")
     assert got == (None if se is None else pytest.approx(se))
+
+
+def test_rel_tol_is_validated_and_zero_restores_pure_significance():
+    base, cand = R(bias=3.04e-8, bias_se=1e-12), R(bias=3.1e-8, bias_se=1e-12)
+    assert compare([base], [cand], rel_tol=0.0, today=TODAY).exit_code == 1
+    with pytest.raises(ValueError, match=r"rel_tol=-1 must be a number >= 0"):
+        compare([], [], rel_tol=-1)
 
 
 def test_z_test_deterministic_estimates():

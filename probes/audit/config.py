@@ -25,9 +25,8 @@ COMMON = {"name", "seed", "fail_above", "fail_below"}
 HARNESS_KEYS = {
     "causality": COMMON | {"target", "batch", "seq_len", "vocab", "hidden", "inputs"},
     "bias": COMMON | {"target", "reference", "inputs"},
-    "drift": COMMON | {"engine", "train", "infer", "rollouts"},
-    "collectives": COMMON | {"world", "dtype", "algorithm", "backend", "op", "numel",
-                             "distribution"},
+    "drift": COMMON | {"engine", "train", "infer", "rollouts", "_base_dir"},
+    "collectives": COMMON | {"world", "dtype", "algorithm", "backend", "op", "numel"},
 }
 # The code a threshold failure carries, per section.
 THRESHOLD_CODE = {"causality": "TP-C1", "bias": "TP-B1", "drift": "TP-D3",
@@ -163,7 +162,98 @@ def causality_check(entry: dict, seed: int, where: str) -> Check:
     return Check("causality", name, run)
 
 
-SECTIONS = {"causality": causality_check}
+def bias_check(entry: dict, seed: int, where: str) -> Check:
+    """[[bias]]: target(inputs) in low precision vs reference(inputs) in fp64, over seeded
+    trials; inputs = "pkg:make" with make(generator) -> inputs (probes.numerics.bias)."""
+    from probes.numerics.bias import bias_probe
+
+    spec = _need(entry, "target", where, '"package.module:bf16_sum"')
+    ref_spec = _need(entry, "reference", where, '"package.module:fp64_sum"')
+    make_spec = _need(entry, "inputs", where, '"package.module:make_inputs"')
+    kwargs = probe_kwargs(entry, "bias", where, bias_probe)
+    name = entry.get("name", spec)
+
+    def run():
+        from probes.audit.families import bias_result
+        fn, ref = _load(spec, where, "target"), _load(ref_spec, where, "reference")
+        make = _load(make_spec, where, "inputs")
+        r = bias_result(bias_probe(fn, ref, make, **{"seed": seed, **kwargs}, target=name))
+        r.evidence.update({"target_spec": spec, "reference_spec": ref_spec})
+        return apply_thresholds(r, entry, "bias")
+    return Check("numerics", name, run)
+
+
+def drift_check(entry: dict, seed: int, where: str) -> Check:
+    """[[drift]]: engine = "pkg:fn" with fn(seed) -> (train_lp, infer_lp[, mask]); or files:
+    train = "a.npz" and infer = "b.npz", or rollouts = "r.jsonl" holding both sides."""
+    from probes.drift import compare
+
+    sources = [k for k in ("engine", "rollouts", "train") if k in entry]
+    if len(sources) != 1 or (("train" in entry) != ("infer" in entry)):
+        raise ConfigError(f"{where} needs exactly one source: engine = 'pkg:fn', "
+                          f"rollouts = 'file.jsonl', or train = 'a.npz' with infer = 'b.npz'")
+    kwargs = probe_kwargs(entry, "drift", where, compare)
+    name = entry.get("name", entry.get("engine") or entry.get("rollouts") or entry["train"])
+    base = entry.get("_base_dir", ".")
+
+    def run():
+        from probes.audit.families import drift_result
+        from probes.drift import load_logprobs, load_rollouts
+        mask = None
+        if "engine" in entry:
+            out = _load(entry["engine"], where, "engine")(seed)
+            train, infer, mask = (tuple(out) + (None,))[:3]
+        elif "rollouts" in entry:
+            ro = load_rollouts(Path(base) / entry["rollouts"])
+            if ro.train_logprobs is None:
+                raise ConfigError(f"{where} rollouts {entry['rollouts']!r} hold no "
+                                  f"train_logprobs; recompute them first (docs/drift.md)")
+            train, infer, mask = ro.train_logprobs, ro.infer_logprobs, ro.mask
+        else:
+            train, mask = load_logprobs(Path(base) / entry["train"])
+            infer, infer_mask = load_logprobs(Path(base) / entry["infer"])
+            mask = infer_mask if mask is None else mask
+        r = compare(train, infer, mask=mask, **kwargs, target=name)
+        r.seed = seed
+        return apply_thresholds(drift_result(r), entry, "drift")
+    return Check("drift", name, run)
+
+
+def _listed(entry, key, default):
+    v = entry.get(key, default)
+    return list(v) if isinstance(v, (list, tuple)) else [v]
+
+
+def collective_checks(entry: dict, seed: int, where: str) -> list[Check]:
+    """[[collectives]]: every combination of world x dtype x algorithm, emulated (backend
+    "emulated", the default) against the fp64 reference on gradient-like data."""
+    from probes.numerics.bias import collective_bias
+
+    backend = entry.get("backend", "emulated")
+    if backend != "emulated":
+        raise ConfigError(f"{where} backend={backend!r}: the audit runs 'emulated' collectives; "
+                          f"real gloo/NCCL runs: `trainprobes collectives --backend gloo`")
+    kwargs = probe_kwargs(entry, "collectives", where, collective_bias)
+    checks = []
+    for world in _listed(entry, "world", 8):
+        for dtype in _listed(entry, "dtype", "bf16"):
+            for algorithm in _listed(entry, "algorithm", "ring"):
+                def run(world=world, dtype=dtype, algorithm=algorithm):
+                    from probes.audit.families import bias_result
+                    r = collective_bias(dtype=dtype, world=int(world), algorithm=algorithm,
+                                        op=entry.get("op", "sum"),
+                                        numel=int(entry.get("numel", 1024)),
+                                        **{"seed": seed, **kwargs})
+                    if "name" in entry:
+                        r.target = f"{entry['name']}[{dtype},{algorithm},w={world}]"
+                    return apply_thresholds(bias_result(r), entry, "collectives")
+                checks.append(Check("collectives", f"all_reduce {dtype} {algorithm} w={world}",
+                                    run))
+    return checks
+
+
+SECTIONS = {"causality": causality_check, "bias": bias_check, "drift": drift_check,
+            "collectives": collective_checks}
 
 
 def suite_from_config(cfg: dict, *, seed: int = 0, base_dir=Path("."), quick: bool = False):
@@ -191,8 +281,10 @@ def suite_from_config(cfg: dict, *, seed: int = 0, base_dir=Path("."), quick: bo
             where = f"[[tool.trainprobes.{section}]] #{i}"
             if not isinstance(entry, dict):
                 raise ConfigError(f"{where} = {entry!r} must be a table")
+            entry = {**entry, "_base_dir": str(base_dir)} if section == "drift" else entry
             try:
-                checks.append(build(entry, int(entry.get("seed", seed)), where))
+                built = build(entry, int(entry.get("seed", seed)), where)
+                checks.extend(built if isinstance(built, list) else [built])
             except ModuleNotFoundError as e:
                 skipped[f"{section} #{i}"] = f"probe module {e.name!r} is not installed"
     return checks, skipped

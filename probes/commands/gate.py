@@ -18,6 +18,9 @@ def add_arguments(p):
                    help="TOML ([[waiver]] code, target, reason, expires) or JSON waivers")
     p.add_argument("--alpha", type=float, default=0.01,
                    help="significance level of the bias/drift tests (default 0.01)")
+    p.add_argument("--rel-tol", type=float, default=0.1,
+                   help="smallest relative growth of a bias/drift estimate that counts, on top "
+                        "of significance (default 0.1 = 10%%)")
     p.add_argument("--json", action="store_true", help="print the verdict as JSON")
     p.add_argument("--markdown", metavar="FILE",
                    help="also write the Markdown verdict to FILE (e.g. a PR comment)")
@@ -30,7 +33,11 @@ def run(args) -> int:
     if not 0.0 < args.alpha < 1.0:
         print(f"error: --alpha={args.alpha!r} must be in (0, 1), e.g. 0.01", file=sys.stderr)
         return 2
-    report = gate_files(args.baseline, args.candidate, args.waivers, alpha=args.alpha)
+    if args.rel_tol < 0:
+        print(f"error: --rel-tol={args.rel_tol!r} must be >= 0, e.g. 0.1", file=sys.stderr)
+        return 2
+    report = gate_files(args.baseline, args.candidate, args.waivers, alpha=args.alpha,
+                        rel_tol=args.rel_tol)
     md = report.to_markdown()
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
