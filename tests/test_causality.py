@@ -336,6 +336,8 @@ def test_bad_targets_are_named(fn, match):
     (dict(atol=-1.0), "atol=-1.0 must be a float >= 0"),
     (dict(layout="bt"), "layout='bt' must be 'batched'"),
     (dict(max_batch_tokens=0), "max_batch_tokens=0"),
+    (dict(inputs=torch.arange(16).view(2, 8), vocab=5),
+     r"vocab=5 but inputs hold token ids in \[0, 15\]"),
 ])
 def test_bad_arguments_are_named(kwargs, match):
     args = dict(inputs=logits())

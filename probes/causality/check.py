@@ -69,8 +69,12 @@ def _replacements(x: torch.Tensor, trials: int, vocab: int | None, g: torch.Gene
     """[trials, *x.shape] values that differ from x everywhere: other token ids, or fresh
     Gaussian values with x's per-feature mean and std (never a permutation of x's own
     values, which would leave a sequence-wide sum unchanged)."""
+    x = x.cpu()  # drawn on the CPU from the seeded generator: same seed, same values anywhere
     if not x.is_floating_point():
         V = vocab if vocab is not None else max(2, int(x.max()) + 1)
+        if x.numel() and (int(x.min()) < 0 or int(x.max()) >= V):
+            raise ValueError(f"vocab={V!r} but inputs hold token ids in [{int(x.min())}, "
+                             f"{int(x.max())}]: pass the vocabulary size the ids come from")
         shift = torch.randint(1, V, (trials, *x.shape), generator=g)
         return (x[None] + shift) % V
     flat = x.double().reshape(-1, x.shape[-1]) if x.dim() > 2 else x.double().reshape(-1, 1)
@@ -138,7 +142,7 @@ def check(fn: Callable, inputs: torch.Tensor, *, mode: str = "perturb", cuts=Non
         isolated, iso_where = None, []
         if B >= 2 and layout == "batched":
             xi = x.clone()
-            xi[1::2] = R[0, 1::2]
+            xi[1::2] = R[0, 1::2].to(x.device)
             yi, si = tgt(xi)
             moved = differs(y0[0::2], yi[0::2], atol)
             if moved.any():
@@ -170,7 +174,8 @@ def _cuts(run, tgt, x, R, mode, cut_list, trials, pack, isolated, max_batch_toke
     batch-isolated, alone at the inputs' shape otherwise. Returns (flips, packed)."""
     B, T = x.shape[:2]
     y0, s0 = run.base
-    pos = torch.arange(T)
+    pos = torch.arange(T)  # decisions come back on the CPU; inputs stay on their device
+    pos_dev, R = pos.to(x.device), R.to(x.device)
     tasks = [(c, i) for c in cut_list for i in range(trials)]
     packing = bool(pack and isolated and mode == "perturb")
     packed_used = False
@@ -178,7 +183,7 @@ def _cuts(run, tgt, x, R, mode, cut_list, trials, pack, isolated, max_batch_toke
     flips = []  # (cut, trial, batch idx, position idx, decisions after, kind)
 
     def perturbed(c, i):
-        m = (pos > c).view(1, T, *([1] * (x.dim() - 2)))
+        m = (pos_dev > c).view(1, T, *([1] * (x.dim() - 2)))
         return torch.where(m, R[i], x)
 
     j = 0

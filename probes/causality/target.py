@@ -76,7 +76,8 @@ class Target:
             if not sc.is_floating_point():
                 raise TargetError(f"target {self.name!r}: scores have dtype {sc.dtype}, expected "
                                   f"floating router scores [B, T, E]")
-        return dec.detach(), (sc.detach() if sc is not None else None)
+        # decisions are compared on the CPU: small next to the call, and one place for indexing
+        return dec.detach().cpu(), (sc.detach().cpu() if sc is not None else None)
 
     def _shaped(self, t: torch.Tensor, arg: torch.Tensor, what: str) -> torch.Tensor:
         lead = tuple(arg.shape[:1 if self.layout == "flat" else 2])
