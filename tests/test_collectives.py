@@ -7,8 +7,8 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from probes.strategies import rank_inputs
-from reference.collectives import _fp64_to_narrow, all_gather, all_reduce, broadcast, reduce, \
-    reduce_scatter
+from reference.collectives import _Arithmetic, _fp64_to_narrow, all_gather, all_reduce, \
+    broadcast, reduce, reduce_scatter
 from reference.formats import get_format
 from reference.schedules import RingSchedule
 
@@ -42,12 +42,15 @@ def test_fp64_agrees_with_exact_sum_within_its_own_rounding(inputs, algorithm):
     assert bool(((got - exact_sums(inputs)).abs() <= bound).all())
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("fmt", ["fp32", "tf32", "fp16", "bf16", "fp8_e4m3fn"])
 @given(data=st.data(), algorithm=st.sampled_from(ALGOS))
 def test_error_within_classical_bound(fmt, data, algorithm):
     # Higham (2002) Thm 4.4 / eq. (4.4): any order of n-1 rounded adds errs by at most
-    # gamma_{n-1} * sum|x_i|, gamma_k = k u / (1 - k u). Subnormal adds are exact.
-    inputs = data.draw(rank_inputs(world=st.integers(1, 12), numel=st.integers(1, 6), fmt=fmt))
+    # gamma_{n-1} * sum|x_i|, gamma_k = k u / (1 - k u). Subnormal adds are exact. fp8 adds
+    # (fp16 add, cast) are correctly rounded too; inputs kept small so nothing saturates.
+    kw = {"max_magnitude": 32.0} if fmt.startswith("fp8") else {}
+    inputs = data.draw(rank_inputs(world=st.integers(1, 12), numel=st.integers(1, 6), fmt=fmt,
+                                   **kw))
     world = len(inputs)
     got = all_reduce(inputs, dtype=fmt, algorithm=algorithm,
                      ranks_per_node=layout(algorithm, world))[0]
@@ -249,6 +252,29 @@ def test_fp8_defaults_to_nccl_fp16_add_and_satfinite():
     assert (info.accum_dtype, info.saturate, info.arithmetic) == ("fp16", True, "nccl_fp8")
     plain = all_reduce(x, dtype="fp8_e4m3fn", saturate=False)[0]
     assert math.isnan(plain[0])  # a plain e4m3fn cast of 896 is NaN
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3fn", "fp8_e5m2"])
+def test_native_nccl_fp8_add_on_all_pairs(fmt):
+    # Every pair of fp8 values: the native path (fp16 add, clamp, torch cast) must equal
+    # Format.round(fp16 round of the exact sum, saturate=True), NaN for NaN.
+    arith = _Arithmetic(fmt, None, "nearest", None, None)
+    assert arith.fp8_dtype is not None and arith.work == torch.float16
+    v = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(get_format(fmt).torch_dtype)
+    a, b = torch.meshgrid(v.to(torch.float16), v.to(torch.float16), indexing="ij")
+    got = arith.add(a, b).double()
+    want = get_format(fmt).round(get_format("fp16").round(a.double() + b.double()),
+                                 saturate=True)
+    same = (got == want) | (torch.isnan(got) & torch.isnan(want))
+    assert bool(same.all()), f"{int((~same).sum())} pairs differ"
+
+
+@pytest.mark.parametrize("fmt,value,want", [("fp8_e4m3fn", 1.1, 2.25), ("fp8_e5m2", 1.1, 2.0),
+                                            ("tf32", 1 + 2.0 ** -11, 2.0)])
+def test_fp64_inputs_are_rounded_to_narrow_wire_formats(fmt, value, want):
+    # e4m3fn: 1.1 -> 1.125, 2 * 1.125 = 2.25; e5m2: 1.1 -> 1.0; tf32: 1 + 2^-11 is a tie -> 1
+    x = [torch.tensor([value], dtype=torch.float64)] * 2
+    assert all_reduce(x, dtype=fmt)[0].tolist() == [want]
 
 
 def test_fp16_overflow_is_inf_and_reported():

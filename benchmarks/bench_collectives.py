@@ -1,0 +1,124 @@
+"""Speed of the emulated collectives against the fp64 reference, measured side by side.
+
+    python benchmarks/bench_collectives.py            # 8 ranks x 16M, worlds 8..4096 at 16M total
+    python benchmarks/bench_collectives.py --quick    # 8 ranks x 1M, worlds 8..512 at 1M total
+
+Each case runs reference and emulation alternately (`--repeat` rounds) and reports the
+median of each, so both see the same machine load; the ratio emulation / reference is the
+figure (target: <= 2). Threads default to 1 so the ratio does not depend on what else the
+(shared) machine is doing. A full run writes reports/collectives-benchmark.md.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from reference.collectives import all_reduce  # noqa: E402
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def side_by_side(cases: dict, repeat: int) -> dict:
+    """Median seconds of each callable, run in interleaved rounds."""
+    times = {k: [] for k in cases}
+    for _ in range(repeat):
+        for name, fn in cases.items():
+            times[name].append(timed(fn))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small sizes, for iterating")
+    p.add_argument("--repeat", type=int, default=3, help="interleaved rounds (median taken)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None,
+                   help="Markdown report path (default: reports/collectives-benchmark.md for a "
+                        "full run, none for --quick)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    numel = (1 << 20) if args.quick else (1 << 24)
+    worlds = [8, 64, 512] if args.quick else [8, 64, 512, 4096]
+    g = torch.Generator().manual_seed(args.seed)
+    lines = []
+
+    def log(msg=""):
+        print(msg, flush=True)
+        lines.append(msg)
+
+    log(f"# Collectives benchmark{' (quick)' if args.quick else ''}")
+    log()
+    log(f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} thread(s), "
+        f"median of {args.repeat} interleaved rounds, seed {args.seed}. Command: "
+        f"`python benchmarks/bench_collectives.py{' --quick' if args.quick else ''}`.")
+    log()
+
+    # 1. the headline: bf16 ring over 8 ranks x numel against the fp64 reference.
+    print(f"[1/2] 8 ranks x {numel:,} elements ...", file=sys.stderr, flush=True)
+    x32 = [torch.randn(numel, generator=g) for _ in range(8)]
+    x64 = [t.double() for t in x32]
+    cases = {
+        ("fp32 inputs", "fp64 reference"): lambda: all_reduce(x32, dtype="fp64"),
+        ("fp32 inputs", "bf16 ring"): lambda: all_reduce(x32, dtype="bf16"),
+        ("fp64 inputs", "fp64 reference"): lambda: all_reduce(x64, dtype="fp64"),
+        ("fp64 inputs", "bf16 ring"): lambda: all_reduce(x64, dtype="bf16"),
+    }
+    t = side_by_side(cases, args.repeat)
+    small = [t_[: numel // 8] for t_ in x64]
+    fp8 = side_by_side({
+        "ref": lambda: all_reduce(small, dtype="fp64"),
+        "fp8": lambda: all_reduce(small, dtype="fp8_e4m3fn"),
+    }, args.repeat)
+    del x64
+    log(f"## bf16 ring all-reduce, 8 ranks x {numel:,} elements")
+    log()
+    log("| inputs | fp64 reference (s) | bf16 ring emulation (s) | emulation / reference |")
+    log("|---|---:|---:|---:|")
+    for src in ("fp32 inputs", "fp64 inputs"):
+        ref, emu = t[(src, "fp64 reference")], t[(src, "bf16 ring")]
+        log(f"| {src} | {ref:.3f} | {emu:.3f} | {emu / ref:.2f} |")
+    log(f"| fp64 inputs, fp8_e4m3fn (generic Format.round path), 8 x {numel // 8:,} | "
+        f"{fp8['ref']:.3f} | {fp8['fp8']:.3f} | {fp8['fp8'] / fp8['ref']:.2f} |")
+    log()
+    log("fp16/bf16/fp32 with round-to-nearest run on torch's native dtypes after one exact "
+        "rounding of the inputs (fp64 inputs: round-to-odd to fp32, then RNE); fp8 and "
+        "stochastic rounding run on float64 with Format.round after every add.")
+    log()
+
+    # 2. growth with the world size at a fixed total number of elements.
+    print(f"[2/2] worlds {worlds} at {numel:,} elements in all ...", file=sys.stderr, flush=True)
+    log(f"## World size at {numel:,} elements in all (ring, fp32 inputs)")
+    log()
+    log("| world | elements per rank | fp64 reference (s) | bf16 emulation (s) | ratio | "
+        "ns per element (bf16) |")
+    log("|---:|---:|---:|---:|---:|---:|")
+    for w in worlds:
+        print(f"  world {w} ...", file=sys.stderr, flush=True)
+        xw = torch.randn(w, numel // w, generator=g)
+        tw = side_by_side({"ref": lambda: all_reduce(xw, dtype="fp64"),
+                           "bf16": lambda: all_reduce(xw, dtype="bf16")}, args.repeat)
+        log(f"| {w} | {numel // w:,} | {tw['ref']:.3f} | {tw['bf16']:.3f} | "
+            f"{tw['bf16'] / tw['ref']:.2f} | {tw['bf16'] / numel * 1e9:.1f} |")
+    log()
+    out = args.out or (None if args.quick else Path("reports/collectives-benchmark.md"))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("\n".join(lines) + "\n")
+        print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
