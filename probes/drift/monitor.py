@@ -81,8 +81,7 @@ class DriftMonitor:
         s1, s2 = x.sum().item(), torch.dot(x, x).item()
         e = torch.expm1(-x)
         se_, see = e.sum().item(), torch.dot(e, e).item()
-        k3 = (e + x).sum().item()
-        rev = -k3 - torch.dot(e, x).item()
+        k3, rev = stats.kl_sums(x, e, max(-lo, hi))
         outside = x.abs() > math.log(self.clip)
         n_out = int(outside.sum())
         tail_sq = (x[outside] ** 2).sum().item() if n_out else 0.0
