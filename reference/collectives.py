@@ -365,7 +365,8 @@ def reduce(inputs, *, root=0, op="sum", dtype="fp64", accum_dtype=None, algorith
     """The reduction at rank `root`; None for every other rank.
 
     algorithm="ring" is NCCL's ring reduce: one chain root+1, root+2, ..., root for every
-    element (the chain ends at the root). Other algorithms use their all-reduce order.
+    element (the chain ends at the root); algorithm="gloo" is gloo's reduce (its own
+    segment layout, reference/gloo.py). Other algorithms use their all-reduce order.
     """
     tensors = _as_world(inputs)
     world = len(tensors)
@@ -373,6 +374,11 @@ def reduce(inputs, *, root=0, op="sum", dtype="fp64", accum_dtype=None, algorith
     schedule = None
     if algorithm == "ring" and order is None:
         schedule = SequentialSchedule(world, tensors[0].numel(), start=(root + 1) % world)
+    elif algorithm == "gloo" and order is None:  # gloo/reduce.cc segments differently
+        fmt = get_format(dtype)
+        if fmt.name in _GLOO_ITEMSIZE:
+            schedule = get_schedule("gloo", world, tensors[0].numel(),
+                                    itemsize=_GLOO_ITEMSIZE[fmt.name], collective="reduce")
     total, info, _ = _reduce_world(
         "reduce", tensors, op=op, dtype=dtype, accum_dtype=accum_dtype, algorithm=algorithm,
         rounding=rounding, seed=seed, avg=avg, ranks_per_node=ranks_per_node,

@@ -412,7 +412,7 @@ _CLASSES = {
 }
 
 
-def _gloo(world: int, numel: int, itemsize: int | None = None):
+def _gloo(world: int, numel: int, itemsize: int | None = None, collective: str | None = None):
     try:
         from reference.gloo import gloo_schedule
     except ImportError as e:
@@ -422,19 +422,22 @@ def _gloo(world: int, numel: int, itemsize: int | None = None):
     if itemsize is None:
         raise ValueError("algorithm='gloo' needs itemsize=<bytes per element> (gloo's "
                          "segments are at most 1 MiB, so its order depends on it)")
-    return gloo_schedule(world, numel, itemsize=itemsize)
+    if collective is None:
+        return gloo_schedule(world, numel, itemsize=itemsize)
+    return gloo_schedule(world, numel, itemsize=itemsize, collective=collective)
 
 
 def get_schedule(name: str, world: int, numel: int, **kw):
     """The schedule `name` for `world` ranks of `numel` elements each.
 
     Keyword options, by algorithm: tree: mirror; hierarchical: ranks_per_node (required);
-    sequential: start; order: order (required); gloo: itemsize (required). An option set
+    sequential: start; order: order (required); gloo: itemsize (required) and collective
+    ("all_reduce" or "reduce": gloo segments a reduce differently). An option set
     (not None) for an algorithm that does not take it is an error, so nothing is silently
     ignored.
     """
     if name == "gloo":
-        allowed = ("itemsize",)
+        allowed = ("itemsize", "collective")
     elif name in _CLASSES:
         allowed = _CLASSES[name][1]
     else:

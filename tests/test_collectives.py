@@ -345,3 +345,17 @@ def test_large_world_ring_sums_exactly_at_fp64():
     world = 16384
     x = torch.randint(-8, 8, (world, 40)).double()  # integers: every order is exact
     assert torch.equal(all_reduce(x)[0], x.sum(0))
+
+
+def test_gloo_algorithm_replays_gloos_order_and_divides_for_avg():
+    gloo = pytest.importorskip("reference.gloo")
+    g = torch.Generator().manual_seed(4)
+    x = list(torch.randn(6, 300, generator=g, dtype=torch.float64) * 100)
+    out, info = all_reduce(x, dtype="bf16", algorithm="gloo", op="avg", return_info=True)
+    assert info.avg == "divide"
+    want = all_reduce(x, dtype="bf16", order=gloo.gloo_order(6, 300, itemsize=2))[0]
+    assert torch.equal(all_reduce(x, dtype="bf16", algorithm="gloo")[0], want)
+    red = reduce(x, root=0, dtype="bf16", algorithm="gloo")[0]
+    want_red = all_reduce(x, dtype="bf16",
+                          order=gloo.gloo_order(6, 300, itemsize=2, collective="reduce"))[0]
+    assert torch.equal(red, want_red)
