@@ -191,16 +191,20 @@ class TrainProbes:
     def assert_causal(self, fn, inputs, **kwargs):
         """probes.causality.check(fn, inputs, **kwargs) must find the target causal."""
         from probes.causality import check
+        kwargs.setdefault("target", getattr(fn, "__qualname__", None))
         r = self.record(check(fn, inputs, **kwargs))
         if r.verdict == "error" or r.metrics.get("causal") is not True:
             pytest.fail(_failure(r, "not causal"), pytrace=False)
         return r
 
-    def assert_unbiased(self, fn, reference, **kwargs):
-        """probes.numerics.bias(fn, reference, **kwargs) must find no significant bias."""
-        from probes.numerics import bias
-        r = self.record(bias(fn, reference, **kwargs))
-        if r.verdict == "error" or r.metrics.get("biased") is True or r.verdict == "fail":
+    def assert_unbiased(self, fn, reference, make_inputs, **kwargs):
+        """probes.numerics.bias.bias_probe(fn, reference, make_inputs, **kwargs) must find
+        no significant bias (make_inputs(generator) -> inputs; trials, seed, alpha,
+        min_effect as the probe takes them)."""
+        from probes.numerics.bias import bias_probe
+        kwargs.setdefault("target", getattr(fn, "__qualname__", "callable"))
+        r = self.record(bias_probe(fn, reference, make_inputs, **kwargs))
+        if r.verdict in ("fail", "error") or r.metrics.get("verdict") == "biased":
             pytest.fail(_failure(r, "biased"), pytrace=False)
         return r
 

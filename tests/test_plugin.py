@@ -70,7 +70,9 @@ def test_gpu_marker_skips_with_reason_without_cuda(pytester):
         def test_needs_gpu():
             raise AssertionError("must not run without CUDA")
     """)
-    result = pytester.runpytest("-rs")
+    # torch-importing runs go to a subprocess: pytester's in-process runs drop the modules
+    # they imported afterwards, and torch's C extensions do not survive a re-import.
+    result = pytester.runpytest_subprocess("-rs")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*needs CUDA*torch.cuda.is_available() is False*"])
 
@@ -185,3 +187,82 @@ def test_xdist_workers_results_reach_the_controller(pytester):
     assert sorted(r.target.split(" @ ")[0] for r in results) == [f"router{i}" for i in range(6)]
     assert result.ret == 1  # regressions found from the workers' Results, on the controller
     result.stdout.fnmatch_lines(["*BLOCKED*"])
+
+
+# --- the helpers, on the real probes -----------------------------------------------------
+
+REAL_PROBES = '''
+import pytest, torch
+from reference.routing import expert_choice, topk_softmax
+from reference.collectives import all_reduce
+
+x = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(0))
+
+@pytest.mark.causality
+def test_causal_router(trainprobes):
+    r = trainprobes.assert_causal(topk_softmax, x, decision=0, cuts="all")
+    assert r.metrics["causal"] is True
+
+@pytest.mark.causality
+def test_leaky_router(trainprobes):
+    trainprobes.assert_causal(expert_choice, x, decision=0, cuts="all")
+
+def grads(g):
+    return list(torch.randn(6, 512, generator=g, dtype=torch.float64) * 1e-3 + 1e-3)
+
+def fp64(xs):
+    return all_reduce(xs, op="avg", dtype="fp64")[0]
+
+def fp32(xs):
+    return all_reduce(xs, op="avg", dtype="fp32")[0]
+
+def bf16(xs):
+    return all_reduce(xs, op="avg", dtype="bf16")[0]
+
+@pytest.mark.numerics
+def test_fp32_avg_unbiased(trainprobes):
+    trainprobes.assert_unbiased(fp32, fp64, grads, trials=16, min_effect=1e-6)
+
+@pytest.mark.numerics
+def test_bf16_avg_biased(trainprobes):
+    trainprobes.assert_unbiased(bf16, fp64, grads, trials=16, min_effect=1e-6)
+
+@pytest.mark.numerics
+def test_fp32_no_stall(trainprobes):
+    trainprobes.assert_no_stall("fp32", 1.0, 4096)
+
+@pytest.mark.numerics
+def test_fp16_stalls(trainprobes):
+    trainprobes.assert_no_stall("fp16", 1.0, 4096)
+
+lp = -torch.rand(32, 24, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 3
+
+@pytest.mark.drift
+def test_same_logprobs_within(trainprobes):
+    trainprobes.assert_within(lp, lp.clone())
+
+@pytest.mark.drift
+def test_offset_logprobs_not_within(trainprobes):
+    trainprobes.assert_within(lp, lp - 0.05)
+'''
+
+
+def test_helpers_on_real_probes(pytester):
+    pytester.makepyfile(test_real=REAL_PROBES)
+    out = pytester.path / "tp.json"
+    result = pytester.runpytest_subprocess("--strict-markers", "-v", f"--trainprobes-report={out}")
+    result.assert_outcomes(passed=4, failed=4)
+    result.stdout.fnmatch_lines([
+        "*::test_causal_router PASSED*", "*::test_leaky_router FAILED*",
+        "*::test_fp32_avg_unbiased PASSED*", "*::test_bf16_avg_biased FAILED*",
+        "*::test_fp32_no_stall PASSED*", "*::test_fp16_stalls FAILED*",
+        "*::test_same_logprobs_within PASSED*", "*::test_offset_logprobs_not_within FAILED*"])
+    result.stdout.fnmatch_lines([
+        "*not causal: causality.check on 'expert_choice' -> fail*", "*TP-C1 causality leak*",
+        "*biased: numerics.bias on 'bf16' -> fail*", "*TP-B1 biased reduction*",
+        "*stalled: numerics.stall*", "*TP-B2 accumulation stall*",
+        "*train/inference drift: drift.compare*", "*TP-D1*"], consecutive=False)
+    results, _ = load_results(out)
+    assert len(results) == 8  # every helper recorded its Result, passing or not
+    assert {r.probe for r in results} == {"causality.check", "numerics.bias", "numerics.stall",
+                                          "drift.compare"}
