@@ -154,7 +154,7 @@ def _fp64_to_narrow(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class _Arithmetic:
     """The wire format, accumulator and rounding of one collective call."""
 
-    def __init__(self, dtype, accum_dtype, rounding, saturate, seed):
+    def __init__(self, dtype, accum_dtype, rounding, saturate, seed, device="cpu"):
         self.wire: Format = get_format(dtype)
         fp8 = self.wire.name.startswith("fp8")
         self.accum: Format = get_format(accum_dtype if accum_dtype is not None
@@ -170,7 +170,7 @@ class _Arithmetic:
         if rounding == "stochastic":
             if seed is None or isinstance(seed, bool) or not isinstance(seed, int):
                 raise ValueError(f"rounding='stochastic' needs seed=<int>, got seed={seed!r}")
-            self.gen = torch.Generator().manual_seed(seed)
+            self.gen = torch.Generator(device=device).manual_seed(seed)
         else:
             self.gen = None
         self.seed = seed
@@ -273,7 +273,7 @@ def _reduce_world(collective, inputs, *, op, dtype, accum_dtype, algorithm, roun
             raise ValueError(f"avg={avg!r} only applies to op='avg', not op={op!r}")
     elif op == "avg":
         avg = "divide" if algorithm == "gloo" else "premul"
-    arith = _Arithmetic(dtype, accum_dtype, rounding, saturate, seed)
+    arith = _Arithmetic(dtype, accum_dtype, rounding, saturate, seed, tensors[0].device)
     itemsize = None
     if algorithm == "gloo":
         if arith.wire.name not in _GLOO_ITEMSIZE:
@@ -302,7 +302,8 @@ def _reduce_world(collective, inputs, *, op, dtype, accum_dtype, algorithm, roun
         nan_in = sum(int(torch.isnan(t).sum()) for t in given)
         inf_in = sum(int(torch.isinf(t).sum()) for t in given)
         finite_in = torch.stack([torch.isfinite(t.reshape(-1)) if t.is_floating_point()
-                                 else torch.ones(numel, dtype=torch.bool) for t in tensors])
+                                 else torch.ones(numel, dtype=torch.bool, device=t.device)
+                                 for t in tensors])
         overflow = int((finite_in & ~torch.isfinite(arith.stack(tensors))).sum())
         return CollectiveInfo(
             collective=collective, op=op, dtype=arith.wire.name, accum_dtype=arith.accum.name,
@@ -392,7 +393,7 @@ def all_gather(inputs, *, dtype="fp64", rounding="nearest", seed=None, saturate=
     """Every rank gets all inputs, each rounded once to the wire format, concatenated on
     dim 0 (0-d inputs are stacked). No arithmetic, so no order. One shared tensor."""
     tensors = _as_world(inputs)
-    arith = _Arithmetic(dtype, None, rounding, saturate, seed)
+    arith = _Arithmetic(dtype, None, rounding, saturate, seed, tensors[0].device)
     rows = arith.stack(tensors).to(torch.float64)
     shape = tensors[0].shape
     out = rows.reshape((len(tensors),) + tuple(shape))
@@ -404,6 +405,6 @@ def broadcast(inputs, *, root=0, dtype="fp64", rounding="nearest", seed=None, sa
     """Every rank gets rank `root`'s input rounded once to the wire format (shared)."""
     tensors = _as_world(inputs)
     root = _check_root(root, len(tensors))
-    arith = _Arithmetic(dtype, None, rounding, saturate, seed)
+    arith = _Arithmetic(dtype, None, rounding, saturate, seed, tensors[0].device)
     out = arith.stack([tensors[root]])[0].to(torch.float64).reshape(tensors[root].shape)
     return [out] * len(tensors)

@@ -216,9 +216,10 @@ class OrderSchedule:
         _check_x(self, x)
         if x.dim() != 2:
             raise ValueError(f"x has shape {tuple(x.shape)}; OrderSchedule takes (world, numel)")
-        acc = x.gather(0, self._order[0:1])[0]
+        order = self._order.to(x.device)
+        acc = x.gather(0, order[0:1])[0]
         for k in range(1, self.world):
-            acc = add(acc, x.gather(0, self._order[k:k + 1])[0])
+            acc = add(acc, x.gather(0, order[k:k + 1])[0])
         return acc
 
     def order_map(self) -> torch.Tensor:
@@ -312,6 +313,7 @@ class TreeSchedule:
     def _up(x: torch.Tensor, add, steps, root: int) -> torch.Tensor:
         acc = x.clone()
         for n, c in steps:
+            n, c = n.to(x.device), c.to(x.device)
             acc[..., n, :] = add(acc[..., n, :], acc[..., c, :])
         return acc[..., root, :]
 
