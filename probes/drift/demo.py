@@ -38,7 +38,7 @@ SCENARIOS = (
 
 
 def run_scenario(scenario: Scenario, *, n_prompts: int = 32, max_new_tokens: int = 32,
-                 seed: int = 0, model=None, alpha: float = 0.01) -> Result:
+                 seed: int = 0, model=None, alpha: float = 0.01, infer_batch_size: int = 8) -> Result:
     """Sample with the inference engine, rescore with the training engine, compare."""
     from reference.models.lm import TinyLM, generate, random_prompts, train_logprobs
 
@@ -46,7 +46,7 @@ def run_scenario(scenario: Scenario, *, n_prompts: int = 32, max_new_tokens: int
     prompts = random_prompts(n_prompts, seed=seed + 1)
     ro = generate(model, prompts, max_new_tokens=max_new_tokens, temperature=scenario.temperature,
                   top_p=scenario.top_p, dtype=scenario.infer_dtype, logprobs=scenario.logprobs,
-                  seed=seed + 2)
+                  batch_size=infer_batch_size, seed=seed + 2)
     tl = train_logprobs(model, ro.prompts, ro.completions, ro.mask, dtype=scenario.train_dtype,
                         temperature=scenario.train_temperature)
     r = compare(tl, ro.logprobs, mask=ro.mask, alpha=alpha, target=f"tinylm: {scenario.name}")
