@@ -1,0 +1,73 @@
+"""`trainprobes drift`: files in, verdict first, JSON for machines, plots, exit codes."""
+import json
+
+import numpy as np
+import pytest
+
+from probes.cli import main
+
+
+@pytest.fixture
+def files(tmp_path):
+    rng = np.random.default_rng(0)
+    train = -rng.random((32, 20)).astype(np.float32) * 3
+    np.savez(tmp_path / "a.npz", logprobs=train)
+    np.savez(tmp_path / "clean.npz", logprobs=(train + rng.normal(0, 1e-7, train.shape)).clip(max=0).astype(np.float32))
+    np.savez(tmp_path / "biased.npz", logprobs=(train + 0.05 + rng.normal(0, 0.01, train.shape)).clip(max=0).astype(np.float32))
+    return tmp_path
+
+
+def test_json_report(files, capsys):
+    rc = main(["drift", "--train", str(files / "a.npz"), "--infer", str(files / "biased.npz"), "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    r = doc["results"][0]
+    assert rc == 1 and r["metrics"]["biased"] is True and r["codes"] == ["TP-D1"]
+    for key in ("mean_log_ratio", "p_value", "k3_kl", "max_abs_prob_diff", "frac_ratio_outside"):
+        assert key in r["metrics"]
+
+
+def test_human_output_verdict_first_and_plot(files, capsys):
+    png = files / "out.png"
+    rc = main(["drift", "--train", str(files / "a.npz"), "--infer", str(files / "clean.npz"),
+               "--plot", str(png), "--output", str(files / "rep.json")])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.startswith("CLEAN  PASS")
+    assert "mean_log_ratio" in out and png.stat().st_size > 1000
+    from probes.result import load_results
+    results, meta = load_results(files / "rep.json")
+    assert results[0].metrics["drift_verdict"] == "clean" and meta["command"] == "drift"
+
+
+def test_threshold_option(files, capsys):
+    rc = main(["drift", "--train", str(files / "a.npz"), "--infer", str(files / "clean.npz"),
+               "--threshold", "max_abs_log_ratio=1e-9", "--json"])
+    r = json.loads(capsys.readouterr().out)["results"][0]
+    assert rc == 1 and "TP-D3" in r["codes"]
+
+
+def test_rollouts_jsonl(tmp_path, capsys):
+    p = tmp_path / "r.jsonl"
+    p.write_text("\n".join(json.dumps({"token_ids": [1, 2, 3], "infer_logprobs": [-1.0, -0.5, -2.0],
+                                       "train_logprobs": [-1.0, -0.5, -2.0]}) for _ in range(4)))
+    rc = main(["drift", "--rollouts", str(p), "--json"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["results"][0]["metrics"]["n_tokens"] == 12
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["drift"], "give --train FILE and --infer FILE"),
+    (["drift", "--train", "nope.npz", "--infer", "nope.npz"], "does not exist"),
+    (["drift", "--train", "A", "--infer", "B", "--threshold", "bogus=1"], "METRIC=MAX"),
+])
+def test_errors_exit_2_with_a_message(files, capsys, argv, match):
+    argv = [a.replace("A", str(files / "a.npz")).replace("B", str(files / "clean.npz")) for a in argv]
+    assert main(argv) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_demo_runs_the_engine_pair(monkeypatch, capsys):
+    from probes.drift import demo
+    monkeypatch.setattr(demo, "SCENARIOS", demo.SCENARIOS[:1])  # one scenario keeps CI short
+    rc = main(["drift", "--demo", "--demo-prompts", "8", "--demo-tokens", "8"])
+    cap = capsys.readouterr()
+    assert rc == 0 and cap.out.startswith("CLEAN") and "expected clean: yes" in cap.out
+    assert "[1/1] fp32 infer / fp32 train" in cap.err
