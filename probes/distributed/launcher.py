@@ -1,0 +1,239 @@
+"""Start N local ranks on torch.distributed, collect what they return, leave nothing behind.
+
+    launch(task, world, backend="gloo", timeout=120.0, args=()) -> [task's return, per rank]
+
+`task(rank, world, *args)` must be a module-level function (spawned processes import it).
+Each rank:
+  1. starts in its own process group (os.setpgrp), so killing the group also kills anything
+     the task started;
+  2. sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT and joins the process
+     group with the run's timeout (nccl: one GPU per rank, cuda:rank);
+  3. runs the task and torch.save()s its return value to a private temp folder (tensors
+     sent through a multiprocessing queue live in the sender's shared memory, which dies
+     with it), then reports ("ok", rank) or ("error", rank, traceback) on a queue.
+The launcher waits until every rank reported or the deadline passed. A rank that raises,
+dies without a word, or outlives the deadline stops the run: every rank's process group is
+killed (SIGKILL), joined, and WorkerFailed / WorkerTimeout names the rank(s), with the
+traceback. A free port is picked automatically (and picked again if the rendezvous finds
+it taken); an explicit port that is taken is refused before any process starts.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import queue as queue_mod
+import shutil
+import signal
+import socket
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+BACKENDS = ("gloo", "nccl")
+_ADDR_IN_USE = ("address already in use", "eaddrinuse", "errno 98")
+
+
+class LaunchError(RuntimeError):
+    """A distributed run that did not complete; .pids: the rank processes (all stopped)."""
+
+    pids: list = []
+
+
+class WorkerFailed(LaunchError):
+    """A rank raised (or died); .rank and .traceback say which and why."""
+
+    def __init__(self, rank: int, tb: str, world: int):
+        self.rank, self.traceback, self.world = rank, tb, world
+        last = tb.strip().splitlines()[-1] if tb.strip() else "no traceback"
+        super().__init__(f"rank {rank} of {world} failed: {last}\n--- rank {rank} traceback "
+                         f"---\n{tb.rstrip()}\nall {world} ranks were stopped")
+
+
+class WorkerTimeout(LaunchError):
+    """Some ranks did not finish in time; .ranks lists them."""
+
+    def __init__(self, ranks: list[int], timeout: float, world: int):
+        self.ranks, self.timeout, self.world = ranks, timeout, world
+        super().__init__(f"ranks {ranks} of {world} did not finish within timeout={timeout!r}s "
+                         f"(a hang, or a run too large for the timeout: raise --timeout); all "
+                         f"ranks were stopped")
+
+
+class PortInUse(LaunchError):
+    """The rendezvous port is taken."""
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    """A port the OS says is free now (bind to 0). Another process may take it before the
+    rendezvous binds it: launch() retries with a new one when that happens."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int, addr: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr, port))
+        except OSError as e:
+            if e.errno in (errno.EADDRINUSE, errno.EACCES):
+                return False
+            raise
+    return True
+
+
+def _check_launch(world, backend, timeout, port, addr) -> None:
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"world={world!r} must be an int >= 1 (the number of ranks)")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is unknown; expected one of {list(BACKENDS)}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int)
+                             or not 0 < port < 65536):
+        raise ValueError(f"port={port!r} must be None (pick a free one) or an int in 1..65535")
+    if backend == "nccl":
+        import torch
+        if not torch.cuda.is_available():
+            raise ValueError("backend='nccl' needs CUDA, and torch.cuda.is_available() is "
+                             "False here; use backend='gloo' (CPU)")
+        if torch.cuda.device_count() < world:
+            raise ValueError(f"world={world!r} with backend='nccl' needs one GPU per rank; "
+                             f"{torch.cuda.device_count()} visible")
+    if port is not None and not port_is_free(port, addr):
+        raise PortInUse(f"port={port!r} on {addr} is already in use; pass port=None to pick "
+                        f"a free one")
+
+
+def _rank_main(task, rank, world, backend, addr, port, timeout, args, outdir, q):
+    """Body of one spawned rank (module docstring, steps 1-3)."""
+    try:
+        os.setpgrp()
+    except OSError:
+        pass
+    try:
+        import torch
+        import torch.distributed as dist
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                          MASTER_ADDR=addr, MASTER_PORT=str(port))
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout))
+        try:
+            out = task(rank, world, *args)
+            torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
+        finally:
+            dist.destroy_process_group()
+        q.put(("ok", rank, ""))
+    except BaseException:  # noqa: BLE001 - report everything, including SystemExit
+        q.put(("error", rank, traceback.format_exc()))
+
+
+def _kill(procs) -> None:
+    """SIGKILL every rank's process group, then join; nothing survives."""
+    for p in procs:
+        if p.pid is None:
+            continue
+        if p.is_alive():
+            for kill in (lambda: os.killpg(p.pid, signal.SIGKILL), p.kill):
+                try:
+                    kill()
+                except (ProcessLookupError, PermissionError, OSError):
+                    pass
+    for p in procs:
+        if p.pid is not None:
+            p.join(timeout=10)
+
+
+def _context():
+    """forkserver with torch preloaded: the server imports torch once (seconds), and each
+    rank is a fork of it (milliseconds), never a fork of the caller with its threads and
+    CUDA state. spawn where there is no forkserver (macOS, Windows)."""
+    import multiprocessing
+    import torch.multiprocessing as mp
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "probes.distributed.worker"])
+    return ctx
+
+
+def _run_once(task, world, backend, timeout, args, addr, port, progress):
+    import torch
+    ctx = _context()
+    q = ctx.Queue()
+    outdir = tempfile.mkdtemp(prefix="trainprobes-dist-")
+    procs = []
+    try:
+        for r in range(world):
+            p = ctx.Process(target=_rank_main, name=f"trainprobes-rank{r}",
+                            args=(task, r, world, backend, addr, port, timeout, args, outdir, q))
+            p.start()
+            procs.append(p)
+        if progress:
+            progress(f"started {world} {backend} ranks on {addr}:{port} (timeout {timeout}s)")
+        deadline = time.monotonic() + timeout
+        done: set[int] = set()
+        while len(done) < world:
+            try:
+                status, rank, tb = q.get(timeout=0.1)
+            except queue_mod.Empty:
+                for r, p in enumerate(procs):  # died without reporting (segfault, os._exit)
+                    if r not in done and not p.is_alive():
+                        try:  # its report may still be in the pipe
+                            status, rank, tb = q.get(timeout=0.5)
+                            break
+                        except queue_mod.Empty:
+                            raise WorkerFailed(r, f"rank {r} exited with code {p.exitcode} "
+                                                  f"without reporting", world) from None
+                else:
+                    if time.monotonic() > deadline:
+                        raise WorkerTimeout(sorted(set(range(world)) - done), timeout, world)
+                    continue
+            if status == "error":
+                raise WorkerFailed(rank, tb, world)
+            done.add(rank)
+            if progress:
+                progress(f"rank {rank} done ({len(done)}/{world})")
+        return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
+                for r in range(world)]
+    except LaunchError as e:
+        e.pids = [p.pid for p in procs]  # so a caller (a test) can check none survived
+        raise
+    finally:
+        _kill(procs)
+        q.close()
+        q.join_thread()
+        shutil.rmtree(outdir, ignore_errors=True)
+
+
+def launch(task, world: int, *, backend: str = "gloo", timeout: float = 120.0, args=(),
+           port: int | None = None, addr: str = "127.0.0.1", retries: int = 3,
+           progress=None) -> list:
+    """Run task(rank, world, *args) on `world` local ranks; return the per-rank results.
+
+    Raises WorkerFailed (a rank raised or died), WorkerTimeout (deadline passed),
+    PortInUse (an explicit port is taken) or ValueError (bad arguments, checked before any
+    process starts). progress: optional callable(str) for human progress lines.
+    """
+    _check_launch(world, backend, timeout, port, addr)
+    if not callable(task) or getattr(task, "__name__", "<lambda>") == "<lambda>":
+        raise ValueError(f"task={task!r} must be a module-level function (spawned ranks "
+                         f"import it by name)")
+    for attempt in range(retries):
+        chosen = port if port is not None else free_port(addr)
+        try:
+            return _run_once(task, world, backend, timeout, args, addr, chosen, progress)
+        except WorkerFailed as e:
+            taken = any(s in e.traceback.lower() for s in _ADDR_IN_USE)
+            if not taken:
+                raise
+            if port is not None or attempt == retries - 1:
+                raise PortInUse(f"port {chosen} on {addr} was taken when the ranks tried to "
+                                f"bind it ({retries if port is None else 1} attempt(s)); pass "
+                                f"port=None or another free port") from e
+            if progress:
+                progress(f"port {chosen} was taken; retrying with another")
+    raise AssertionError("unreachable")
