@@ -176,9 +176,12 @@ def test_per_sequence_routers_are_isolated(name):
     assert res.metrics["batch_isolated"] is True and "TP-C3" not in res.codes
 
 
-def test_single_sequence_has_no_isolation_verdict():
+def test_single_sequence_is_packed_only_when_a_second_row_leaves_it_alone():
     res = check(r.topk_softmax, logits(B=1), decision=0)
+    assert res.metrics["batch_isolated"] is True and res.metrics["packed"] is True
+    res = check(r.batch_prioritized, logits(B=1), decision=0)
     assert res.metrics["batch_isolated"] is None and res.metrics["packed"] is False
+    assert "TP-C3" not in res.codes and res.metrics["causal"] is False
 
 
 @pytest.mark.parametrize("name", ["expert_choice", "sequence_normalized"])

@@ -149,6 +149,11 @@ def check(fn: Callable, inputs: torch.Tensor, *, mode: str = "perturb", cuts=Non
                 run.reproduce(xi, yi, si)
             isolated = not bool(moved.any())
             iso_where = [[2 * b, t] for b, t in moved.nonzero()[:10].tolist()]
+        elif layout == "batched":
+            # one sequence: add a second row. If row 0 moves, the cause (another row, or the
+            # batch shape) cannot be told apart: isolation stays unknown and nothing is packed.
+            yi, _ = tgt(torch.cat([x, R[0].to(x.device)]))
+            isolated = True if not differs(y0, yi[:1], atol).any() else None
         # 3. cuts
         flips, packed_used = _cuts(run, tgt, x, R, mode, cut_list, trials, pack, isolated,
                                    max_batch_tokens, atol, progress)
