@@ -207,11 +207,6 @@ def _cuts(run, tgt, x, R, mode, cut_list, trials, pack, isolated, max_batch_toke
                 packing = False
                 continue
             packed_used = True
-            # The control reproduced the baseline bit for bit (scores too, or float decisions):
-            # this packed call computes as the inputs' shape does, so its flips need no re-run.
-            if torch.equal(out[:B], y0) and (torch.equal(sc[:B], s0) if sc is not None
-                                             else out.is_floating_point()):
-                run.trusted = True
             outs = out[B:].view(len(part), B, T, *out.shape[2:])
             scs = sc[B:].view(len(part), *s0.shape) if sc is not None else [None] * len(part)
             for n, ((c, i), yc, sc_c) in enumerate(zip(part, outs, scs)):
@@ -219,20 +214,19 @@ def _cuts(run, tgt, x, R, mode, cut_list, trials, pack, isolated, max_batch_toke
                 if not d.any():
                     continue
                 run.note_flip()
-                # a trusted packed flip is classified as it stands once the target has shown it
-                # repeats itself; before that it goes through a re-run alone like any other
-                if run.trusted and run.reproduced >= REPRODUCTIONS:
+                # Packed flips are taken as they stand only after the first REPRODUCTIONS
+                # flipped cuts were re-run alone and gave exactly the same flips.
+                if run.reproduced >= REPRODUCTIONS:
                     flips.append((c, i, *run.flips(yc, sc_c, c, perturbed(c, i))))
                     continue
-                kept, vanished = run.confirm(perturbed(c, i), c, d, yc)
+                kept, faithful = run.confirm(perturbed(c, i), c, d, yc)
                 flips.append((c, i, *kept))
-                if vanished:  # the packed flips were noise: the target is batch-variant
+                if not faithful:  # packing changed the answer: batch-variant, stop packing
                     packing = False
                     run.batch_invariant = False
                     for c2, i2 in part[n + 1:]:  # the rest of this chunk, alone
                         flips.append((c2, i2, *run.same_shape(perturbed(c2, i2), c2)))
                     break
-                run.trusted = run.trusted or bool((kept[3] == 0).any())
             j += len(part)
         else:
             c, i = tasks[j]
@@ -282,7 +276,6 @@ class _Run:
         self.fp64_status = "not needed" if fp64_spec is not False else "disabled"
         self.verify_left = max_verify if max_verify is not None else float("inf")
         self.batch_invariant = True
-        self.trusted = False      # packed calls shown to compute as the inputs' shape does
         self.reproduced = 0       # flipped cuts seen again on a second call
         self.first_flip_eval = None  # evaluations spent when the first flip was seen
 
@@ -396,17 +389,18 @@ class _Run:
         return self.flips(y, sc, c, xc)
 
     def confirm(self, xc, c, packed_mask, packed_y):
-        """Re-run a packed cut alone at the inputs' shape: (flips there, whether every packed
-        flip vanished, i.e. was batch-shape noise). Past the verification budget the packed
+        """Re-run a packed cut alone at the inputs' shape: (its flips, classified; whether the
+        packed call gave exactly the same flips). Past the verification budget the packed
         flips are kept as 'unconfirmed'."""
         if self.verify_left <= 0:
             b, t = packed_mask.nonzero(as_tuple=True)
-            return (b, t, packed_y[b, t], torch.full((len(b),), 3, dtype=torch.long)), False
+            return (b, t, packed_y[b, t], torch.full((len(b),), 3, dtype=torch.long)), True
         self.verify_left -= 1
         y, sc = self.tgt(xc)
-        b, t = packed_mask.nonzero(as_tuple=True)
-        vanished = not differs(self.base[0], y, self.atol)[b, t].any()
-        return self.flips(y, sc, c, xc), vanished
+        alone = differs(self.base[0], y, self.atol)
+        alone[:, c + 1:] = False
+        faithful = torch.equal(alone, packed_mask) and not differs(y, packed_y, self.atol)[alone].any()
+        return self.flips(y, sc, c, xc), faithful
 
     def truncated(self, c):
         """The inference view: the prefix x[:, :c+1] alone."""
