@@ -1,0 +1,111 @@
+"""Impact: "bias compounds", shown on a small data-parallel training run.
+
+Least squares y = X w* + noise, split over `world` simulated ranks. Every step each rank
+computes its gradient in fp64, holds it in the wire format (as a bf16/fp16/fp8 gradient
+buffer would), the gradients are all-reduced with reference.collectives (op "avg", the
+chosen algorithm and rounding), and w takes an fp64 SGD step with the result. The same
+seeded data and initial w run once per variant; the loss curves and the gap to the fp64
+run are the evidence. FP8 gradients are scaled by a power of two per step (amax scaling,
+as FP8 recipes do) so that the largest rank gradient times world fits below max_finite/2;
+the scale is exact and undone after the reduction.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from probes.result import Result
+from reference.formats import get_format
+
+DEFAULT_VARIANTS = (("fp64", {"dtype": "fp64"}), ("fp16", {"dtype": "fp16"}), ("bf16", {"dtype": "bf16"}),
+                    ("bf16 stochastic", {"dtype": "bf16", "rounding": "stochastic"}),
+                    ("fp8_e4m3fn", {"dtype": "fp8_e4m3fn"}))
+
+
+def _problem(world, per_rank, features, noise, generator):
+    w_star = torch.randn(features, generator=generator, dtype=torch.float64)
+    X = torch.randn(world, per_rank, features, generator=generator, dtype=torch.float64)
+    y = X @ w_star + noise * torch.randn(world, per_rank, generator=generator, dtype=torch.float64)
+    return X, y
+
+
+def _run(X, y, *, steps, lr, dtype, rounding, algorithm, seed, progress=None, **kw):
+    from reference.collectives import all_reduce
+
+    fmt = get_format(dtype)
+    world, _, features = X.shape
+    w = torch.zeros(features, dtype=torch.float64)
+    losses = []
+    g_seed = torch.Generator().manual_seed(int(seed))
+    for step in range(steps):
+        r = X @ w - y                                   # (world, per_rank) residuals
+        losses.append(0.5 * (r ** 2).mean().item())
+        grads = torch.einsum("wbf,wb->wf", X, r) / X.shape[1]
+        scale = 1.0
+        if fmt.mantissa_bits <= 3 and fmt.name != "fp64":   # fp8/fp6/fp4: amax scaling
+            amax = grads.abs().max().item()
+            if amax > 0:
+                scale = 2.0 ** math.floor(math.log2(fmt.max_finite / 2 / (world * amax)))
+        rs = int(torch.randint(0, 2**62, (1,), generator=g_seed)) if rounding == "stochastic" else None
+        avg = all_reduce(list((grads * scale).unbind(0)), op="avg", dtype=fmt.name, algorithm=algorithm,
+                         rounding=rounding, seed=rs, **kw)[0] / scale
+        w = w - lr * avg
+        if progress is not None:
+            progress(step + 1, steps)
+    r = X @ w - y
+    losses.append(0.5 * (r ** 2).mean().item())
+    return losses
+
+
+def impact(*, variants=DEFAULT_VARIANTS, world: int = 512, per_rank: int = 8, features: int = 16,
+           steps: int = 40, lr: float = 0.05, noise: float = 0.1, algorithm: str = "ring", seed: int = 0,
+           tol: float = 0.05, progress: Callable | None = None, **all_reduce_kwargs) -> Result:
+    """Train the same least-squares model once per variant; compare the loss curves.
+
+    variants: (label, {"dtype": ..., "rounding": ...}) pairs; the first is the reference
+    (fp64). Fails (TP-B1) when a nearest-rounding variant's final loss exceeds the
+    reference's by more than tol (relative). progress(label, step, steps) after each step.
+    """
+    variants = list(variants)
+    if not variants:
+        raise ValueError(f"variants={variants!r} is empty; pass (label, {{'dtype': 'bf16'}}) pairs")
+    for label, v in variants:
+        get_format(v.get("dtype", "fp64"))
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps={steps!r} must be an int >= 1")
+    g = torch.Generator().manual_seed(int(seed))
+    X, y = _problem(world, per_rank, features, noise, g)
+    curves = {}
+    for label, v in variants:
+        curves[label] = _run(X, y, steps=steps, lr=lr, dtype=v.get("dtype", "fp64"),
+                             rounding=v.get("rounding", "nearest"), algorithm=algorithm, seed=seed,
+                             progress=None if progress is None else
+                             (lambda s, t, label=label: progress(label, s, t)), **all_reduce_kwargs)
+    ref_label = variants[0][0]
+    ref = curves[ref_label]
+    metrics = {"steps": steps, "world": world, "reference": ref_label, "tol": tol}
+    worst, worst_label = 0.0, None
+    for label, v in variants:
+        c = curves[label]
+        gap = c[-1] / ref[-1] - 1 if ref[-1] > 0 else math.nan
+        metrics[f"final_loss[{label}]"] = c[-1]
+        metrics[f"loss_gap[{label}]"] = gap
+        gaps = [a / b - 1 for a, b in zip(c, ref) if b > 0]
+        metrics[f"max_gap[{label}]"] = max(gaps) if gaps else math.nan
+        if v.get("rounding", "nearest") == "nearest" and label != ref_label and not (gap <= worst):
+            worst, worst_label = gap, label
+    bad = worst_label is not None and not (worst <= tol)
+    msg = (f"final loss after {steps} steps on {world} ranks ({algorithm}) vs {ref_label}: "
+           + ", ".join(f"{lab} {metrics[f'loss_gap[{lab}]']:+.1%}" for lab, _ in variants[1:]))
+    if bad:
+        msg += f"; {worst_label} is past tol={tol:g}: a biased reduction slows every step"
+    return Result(probe="numerics.impact", target=f"least_squares[w={world},{algorithm}]",
+                  verdict="fail" if bad else "pass", codes=["TP-B1"] if bad else [], seed=seed,
+                  message=msg, metrics=metrics,
+                  evidence={"curves": curves, "variants": [[lab, v] for lab, v in variants],
+                            "plots": [{"kind": "line", "title": "training loss by gradient all-reduce format",
+                                       "x": list(range(steps + 1)), "series": curves,
+                                       "xlabel": "step", "ylabel": "loss", "logy": True}],
+                            "lr": lr, "noise": noise, "per_rank": per_rank, "features": features})
