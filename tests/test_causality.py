@@ -280,6 +280,29 @@ def test_decision_pickers(decision):
     assert check(fn, logits(), decision=decision).metrics["causal"] is False
 
 
+class FlatLogitsMoE(torch.nn.Module):
+    """HF-style block: returns (hidden [B, T, D], router_logits [B*T, E])."""
+
+    def __init__(self, seq_norm=False):
+        super().__init__()
+        self.gate = torch.nn.Linear(16, 8, bias=False)
+        torch.nn.init.normal_(self.gate.weight, generator=torch.Generator().manual_seed(0))
+        self.seq_norm = seq_norm
+
+    def forward(self, h):
+        logits = self.gate(h)
+        if self.seq_norm:
+            logits = logits - logits.mean(1, keepdim=True)
+        return h, logits.reshape(-1, logits.shape[-1])
+
+
+@pytest.mark.parametrize("seq_norm", [False, True])
+def test_token_flattened_router_logits_are_viewed_as_batch_by_position(seq_norm):
+    res = check(FlatLogitsMoE(seq_norm), X16, decision=lambda out: out[1].argmax(-1), scores=1)
+    assert res.metrics["causal"] is (not seq_norm)
+    assert res.evidence["decision_shape"] == [4, 40]
+
+
 def test_token_id_inputs():
     ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
     assert check(off_by_one_block, ids, decision="hidden").metrics["causal"] is False

@@ -81,6 +81,11 @@ class Target:
 
     def _shaped(self, t: torch.Tensor, arg: torch.Tensor, what: str) -> torch.Tensor:
         lead = tuple(arg.shape[:1 if self.layout == "flat" else 2])
+        if (self.layout == "batched" and t.dim() >= 1 and tuple(t.shape[:2]) != lead
+                and t.shape[0] == lead[0] * lead[1]):
+            # token-flattened [B*T, ...], as HF Mixtral/DeepSeek MoE blocks return router
+            # logits and top-k ids: rows are tokens in (batch, position) order
+            t = t.reshape(*lead, *t.shape[1:])
         if tuple(t.shape[:len(lead)]) != lead:
             axes = "[T, ...]" if self.layout == "flat" else "[B, T, ...]"
             extra = ""
