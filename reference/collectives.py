@@ -34,6 +34,7 @@ where `info` (CollectiveInfo) counts non-finite values in and out and records th
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -133,22 +134,49 @@ def _check_root(root, world: int) -> int:
 # ---------------------------------------------------------------- the arithmetic
 
 
-def _fp64_to_narrow(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float64 -> fp16/bf16 in ONE rounding (torch's direct cast goes through fp32 twice).
+def _round_to_odd_fp32(x: torch.Tensor) -> torch.Tensor:
+    """float64 -> float32 with round-to-odd: an inexact result gets an odd last bit.
 
-    Round to fp32 with round-to-odd, then to the narrow type with round-to-nearest-even:
-    with 24 >= p + 2 bits the odd sticky bit keeps the second rounding correct (Boldo &
-    Melquiond, "Emulation of FMA and correctly rounded sums: proved algorithms using
-    rounding to odd", 2008). f = RNE(x); if inexact, the odd one of f's two neighbours
-    around x is (bits(f) - [|f| > |x|]) | 1 in sign-magnitude bits.
+    A later round-to-nearest-even to any format with p <= 22 bits is then ONE correct
+    rounding of x (Boldo & Melquiond, "Emulation of FMA and correctly rounded sums: proved
+    algorithms using rounding to odd", 2008), whereas fp64 -> fp32 -> narrow rounds twice.
+    f = RNE(x); if inexact, the odd one of f's two neighbours around x is
+    (bits(f) - [|f| > |x|]) | 1 in sign-magnitude bits.
     """
     f = x.to(torch.float32)
     back = f.to(torch.float64)
     inexact = back != x  # also True for NaN: |1 keeps a NaN a NaN
     past = (back.abs() > x.abs()).to(torch.int32)
     bits = f.view(torch.int32)
-    odd = torch.where(inexact, (bits - past) | 1, bits)
-    return odd.view(torch.float32).to(dtype)
+    return torch.where(inexact, (bits - past) | 1, bits).view(torch.float32)
+
+
+def _fp64_to_narrow(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 -> fp16/bf16 in ONE rounding (torch's direct cast goes through fp32 twice)."""
+    return _round_to_odd_fp32(x).to(dtype)
+
+
+def _to_fp8_in_fp16(x: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor:
+    """Any float -> e4m3fn/e5m2 values held in fp16, one round-to-nearest-even step.
+
+    torch's fp32 -> fp8 cast is RNE in range (checked against Format.round in the tests);
+    overflow is made explicit, not left to the cast (torch 2.13 saturates e4m3fn, ml_dtypes
+    and the OCP spec give NaN): what rounds past max is NaN (e4m3fn) or inf (e5m2) for a
+    plain cast, +-max for a saturating one.
+    """
+    y = x if x.dtype == torch.float32 else (
+        _round_to_odd_fp32(x) if x.dtype == torch.float64 else x.to(torch.float32))
+    m = fmt.max_finite
+    out = y.clamp(-m, m).to(fmt.torch_dtype).to(torch.float16)
+    if not saturate:
+        # the tie max + ulp/2 rounds to even: down to 448 for e4m3fn (significand 1.110),
+        # up (to overflow) for e5m2 (57344 = 1.11 * 2^15, so 61440 -> inf)
+        q = fmt.ulp(m).item()
+        tie, up = m + q / 2, int(m / q) % 2 == 1
+        over = (y.abs() > tie) | ((y.abs() == tie) & up)
+        out = torch.where(over, torch.full_like(out, math.nan if fmt.overflow == "nan"
+                                                else math.inf).copysign(y.to(out.dtype)), out)
+    return out
 
 
 class _Arithmetic:
@@ -206,9 +234,11 @@ class _Arithmetic:
             if t.dtype == torch.float64 and self.native in (torch.float16, torch.bfloat16):
                 return _fp64_to_narrow(t, self.native)
             return t.to(self.native)  # single rounding: fp32 -> 16-bit, any -> wider
-        out = self.wire.round(t.to(torch.float64), self.rounding, saturate=self.sat_inputs,
-                              generator=self.gen)
-        return out.to(self.work)  # exact: fp8 values embed in fp16
+        if self.fp8_dtype is not None:
+            return _to_fp8_in_fp16(t if t.is_floating_point() else t.to(torch.float64),
+                                   self.wire, self.sat_inputs)
+        return self.wire.round(t.to(torch.float64), self.rounding, saturate=self.sat_inputs,
+                               generator=self.gen)
 
     def stack(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """[world, numel] in the working dtype, each row rounded to the wire format.

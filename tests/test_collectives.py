@@ -269,6 +269,29 @@ def test_native_nccl_fp8_add_on_all_pairs(fmt):
     assert bool(same.all()), f"{int((~same).sum())} pairs differ"
 
 
+@pytest.mark.parametrize("saturate", [None, True])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3fn", "fp8_e5m2"])
+@pytest.mark.parametrize("source", [torch.float64, torch.float32])
+def test_fp8_inputs_are_rounded_once_with_named_overflow(fmt, saturate, source):
+    # The native fp8 path rounds inputs with round-to-odd fp32 + torch's cast and handles
+    # overflow itself; it must equal Format.round, ties at max + ulp/2 included (e4m3fn:
+    # 464 -> 448; e5m2: 61440 -> inf, or 57344 saturated).
+    f = get_format(fmt)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(100_000, generator=g, dtype=torch.float64)
+    x = x * torch.exp2(torch.randint(-22, 20, x.shape, generator=g).double())
+    ties = f.round(x[:2000]) + f.ulp(x[:2000]) / 2
+    x = torch.cat([x, ties, ties * (1 + 2.0 ** -40), ties * (1 - 2.0 ** -40),
+                   torch.tensor([464.0, -464.0, 61440.0, -61440.0, math.inf, -math.inf,
+                                 math.nan, -0.0], dtype=torch.float64)]).to(source)
+    arith = _Arithmetic(fmt, None, "nearest", saturate, None)
+    assert arith.fp8_dtype is not None
+    got = arith.cast(x).double()
+    want = f.round(x.double(), saturate=bool(saturate))
+    same = (got == want) | (torch.isnan(got) & torch.isnan(want))
+    assert bool(same.all()), x[~same][:5]
+
+
 @pytest.mark.parametrize("fmt,value,want", [("fp8_e4m3fn", 1.1, 2.25), ("fp8_e5m2", 1.1, 2.0),
                                             ("tf32", 1 + 2.0 ** -11, 2.0)])
 def test_fp64_inputs_are_rounded_to_narrow_wire_formats(fmt, value, want):
