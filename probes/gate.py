@@ -188,11 +188,16 @@ def _num(v):
 
 def standard_error(metrics: dict, name: str) -> float | None:
     """The standard error of metrics[name], from the first of: `<name>_se`, `se_mean`,
-    std / sqrt(trials), or the CI (ci_low, ci_high) at `confidence` (normal approximation)."""
+    |value / <name>_z|, std / sqrt(trials), or the CI (ci_low, ci_high) at `confidence`
+    (normal approximation)."""
     from statistics import NormalDist
     se = _num(metrics.get(f"{name}_se"))
     if se is None:
         se = _num(metrics.get("se_mean"))
+    if se is None:  # probes.distributed: bias with its z statistic
+        value, z = _num(metrics.get(name)), _num(metrics.get(f"{name}_z"))
+        if value is not None and z:
+            se = abs(value / z)
     if se is None:
         std, n = _num(metrics.get("std")), _num(metrics.get("trials"))
         if std is not None and n is not None and n >= 2:

@@ -95,6 +95,7 @@ def test_z_test_matches_formula(b, sb, c, sc):
 @pytest.mark.parametrize("metrics,se", [
     ({"bias_se": 0.5, "se_mean": 9.0}, 0.5),
     ({"se_mean": 0.25}, 0.25),
+    ({"bias_z": -0.2}, 0.5),
     ({"std": 2.0, "trials": 16}, 0.5),
     ({"ci_low": -1.959963984540054, "ci_high": 1.959963984540054, "confidence": 0.95}, 1.0),
     ({"ci_low": -1.0, "ci_high": 1.0}, 1.0 / 1.959963984540054),  # no confidence: 95%
