@@ -27,16 +27,16 @@ _ITEMSIZE = {"fp64": 8, "fp32": 4, "fp16": 2, "bf16": 2}
 
 
 def _inputs(case: Case, world: int) -> list:
-    """Every rank's wire-cast input, as float64 (exact): what the emulator replays."""
-    import torch
+    """Every rank's wire-cast input: what the emulator replays."""
     try:
         torch_dtype(case.dtype)
     except ValueError:  # a format torch cannot hold (tf32, fp6, ...): emulation only
         from reference.formats import get_format
         fmt = get_format(case.dtype)
         return [fmt.round(make_input(case.data, r, case.numel, case.seed)) for r in range(world)]
-    return [wire_input(case.data, r, case.numel, case.seed, case.dtype).to(torch.float64)
-            for r in range(world)]
+    # In the wire dtype itself: reference.collectives then takes the values as they are
+    # (no rounding pass, which costs more than the reduction).
+    return [wire_input(case.data, r, case.numel, case.seed, case.dtype) for r in range(world)]
 
 
 def emulate(case: Case, world: int, algorithm: str, dtype: str | None = None) -> list:
@@ -116,16 +116,18 @@ def result_from_outputs(case: Case, outputs: list, *, backend: str, world: int,
 
 
 def run_collectives(cases, *, backend: str = "gloo", world: int = 4, timeout: float = 120.0,
-                    port: int | None = None, progress=None) -> list[Result]:
+                    port: int | None = None, algorithm: str | None = None,
+                    progress=None) -> list[Result]:
     """Run every case on one set of `world` real ranks; one Result per case.
 
-    Every case is validated before any process starts.
+    Every case is validated before any process starts. algorithm: the emulator's order
+    (default "gloo" for gloo, "ring" for nccl).
     """
     cases = [c.check(world, backend) for c in cases]
     outs = launch(cases_task, world, backend=backend, timeout=timeout, port=port,
                   args=(cases, backend), progress=progress)
     return [result_from_outputs(c, [outs[r][k] for r in range(world)], backend=backend,
-                                world=world) for k, c in enumerate(cases)]
+                                world=world, algorithm=algorithm) for k, c in enumerate(cases)]
 
 
 def emulate_collective(*, world: int = 4, collective: str = "all_reduce", dtype: str = "bf16",
@@ -185,4 +187,4 @@ def run_collective(*, backend: str = "gloo", world: int = 4, collective: str = "
         return r
     case = Case(collective, dtype, op, numel, data, seed, root)
     return run_collectives([case], backend=backend, world=world, timeout=timeout, port=port,
-                           progress=progress)[0]
+                           algorithm=algorithm, progress=progress)[0]

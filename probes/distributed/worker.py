@@ -37,6 +37,8 @@ class Case:
     root: int = 0
 
     def check(self, world: int, backend: str) -> "Case":
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+            raise ValueError(f"world={world!r} must be an int >= 1 (the number of ranks)")
         if self.collective not in COLLECTIVES:
             raise ValueError(f"collective={self.collective!r} is unknown; expected one of "
                              f"{list(COLLECTIVES)}")
