@@ -148,9 +148,36 @@ def gloo_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
     return [Check("distributed", f"gloo all_reduce on {world} local ranks", run)]
 
 
+def sites_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
+    """The stall where it happens in training: a 1024-rank bf16 all-reduce of same-signed
+    gradients, micro-batch accumulation into a bf16 .grad, and bf16 SGD updates."""
+    def run():
+        from probes.numerics.sites import all_sites
+        return all_sites(dtype="bf16", seed=seed)
+    return [Check("numerics", "accumulation sites (bf16)", run)]
+
+
+def reveal_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
+    """Accumulator precision and order of this machine's kernels and of the emulated ring,
+    revealed from crafted inputs: `accumulator_mantissa_bits` is what the gate compares."""
+    def one(label, dtype, make_fn, output_dtype=None):
+        def run():
+            from probes.numerics import reveal as rv
+            kw = {"output_dtype": output_dtype} if output_dtype else {}
+            return rv.reveal(make_fn(rv), dtype=dtype, target=label, **kw)
+        return Check("numerics", f"reveal {label}", run)
+    return [one("torch.sum[fp16]", "fp16", lambda rv: (lambda x: x.sum())),
+            one("torch.sum[bf16]", "bf16", lambda rv: (lambda x: x.sum())),
+            one("torch.matmul[bf16]", "bf16", lambda rv: rv.matmul_reduction()),
+            one("all_reduce[bf16,ring]", "bf16", lambda rv: rv.collective_reduction("bf16"),
+                output_dtype="bf16")]
+
+
 FAMILIES = {
     # family: (module that must exist, builder)
     "stall": ("probes.numerics.stall", stall_checks),
+    "sites": ("probes.numerics.sites", sites_checks),
+    "reveal": ("probes.numerics.reveal", reveal_checks),
     "collectives": ("probes.numerics.bias", collectives_checks),
     "causality": ("probes.causality", causality_checks),
     "drift": ("probes.drift.demo", drift_checks),
