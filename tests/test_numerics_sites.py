@@ -17,16 +17,16 @@ def test_collective_of_many_same_signed_gradients(dtype, verdict):
 
 @pytest.mark.parametrize("dtype,verdict", [("bf16", "fail"), ("fp32", "pass")])
 def test_grad_accumulation_into_a_low_precision_grad(dtype, verdict):
-    r = grad_accumulation_site(dtype=dtype, micro_batches=640, features=8, batch=16, seed=2)
+    r = grad_accumulation_site(dtype=dtype, micro_batches=512, features=4, batch=8, seed=2)
     assert r.verdict == verdict
     if dtype == "bf16":
-        assert r.metrics["relative_error"] < -0.05
+        assert r.metrics["relative_error"] < -0.03
     else:
         assert abs(r.metrics["relative_error"]) < 1e-5
 
 
 def test_weight_updates_below_half_an_ulp_are_lost_as_predicted():
-    r = weight_update_site(dtype="bf16", lr=1e-4, steps=10, numel=1024, seed=3)
+    r = weight_update_site(dtype="bf16", lr=1e-4, steps=5, numel=1024, seed=3)
     m = r.metrics
     assert r.verdict == "fail" and m["fraction_updates_lost"] > 0.9
     assert abs(m["fraction_updates_lost"] - m["fraction_predicted_lost"]) < 0.05

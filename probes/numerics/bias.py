@@ -108,7 +108,10 @@ def bias_probe(fn: Callable, reference: Callable, make_inputs: Callable, *, tria
            f"spread {s['std']:.3g}, p={s['p_value']:.2g}: ")
     msg += (f"biased, results {direction} on average; this compounds over steps" if biased
             else "no bias detected at alpha=" + f"{alpha:g}")
-    if (s["p_sign"] < alpha) != (s["p_value"] < alpha):
+    signed = s["positive_trials"] + s["negative_trials"]
+    if s["p_value"] < alpha and s["p_sign"] >= alpha and 2 * 0.5 ** signed >= alpha:
+        msg += f"; too few non-zero trials ({signed}) for the sign test to confirm at alpha={alpha:g}"
+    elif (s["p_sign"] < alpha) != (s["p_value"] < alpha):
         msg += ("; the sign test disagrees (" + ("the median is off but the mean is not"
                 if s["p_sign"] < alpha else "a few large errors move the mean, most trials do not")
                 + ")")
