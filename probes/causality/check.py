@@ -202,7 +202,9 @@ def _cuts(run, tgt, x, R, mode, cut_list, trials, pack, isolated, max_batch_toke
                     chunk //= 2  # memory budget too generous for this target: halve and retry
                     continue
                 raise
-            if differs(out[:B], y0, atol).any():  # control moved: batch-variant, stop packing
+            # the control must reproduce the baseline (scores bit for bit): else the packed
+            # call computes differently from the inputs' shape, and packing stops
+            if differs(out[:B], y0, atol).any() or (sc is not None and not torch.equal(sc[:B], s0)):
                 run.batch_invariant = False
                 packing = False
                 continue
@@ -211,26 +213,28 @@ def _cuts(run, tgt, x, R, mode, cut_list, trials, pack, isolated, max_batch_toke
             scs = sc[B:].view(len(part), *s0.shape) if sc is not None else [None] * len(part)
             for n, ((c, i), yc, sc_c) in enumerate(zip(part, outs, scs)):
                 d = differs(y0, yc, atol) & (pos <= c)
-                if not d.any():
+                moved_scores = sc_c is not None and bool((differs(s0, sc_c, 0.0) & (pos <= c)).any())
+                if not d.any() and not moved_scores:
                     continue
-                run.note_flip()
+                if d.any():
+                    run.note_flip()
                 # Packed flips are taken as they stand only after the first REPRODUCTIONS
                 # flipped cuts were re-run alone and gave exactly the same flips.
                 if run.reproduced >= REPRODUCTIONS:
-                    flips.append((c, i, *run.flips(yc, sc_c, c, perturbed(c, i))))
+                    flips.append((c, i, *run.flips(yc, sc_c, c, perturbed(c, i), trial=i)))
                     continue
-                kept, faithful = run.confirm(perturbed(c, i), c, d, yc)
+                kept, faithful = run.confirm(perturbed(c, i), c, d, yc, sc_c, i)
                 flips.append((c, i, *kept))
                 if not faithful:  # packing changed the answer: batch-variant, stop packing
                     packing = False
                     run.batch_invariant = False
                     for c2, i2 in part[n + 1:]:  # the rest of this chunk, alone
-                        flips.append((c2, i2, *run.same_shape(perturbed(c2, i2), c2)))
+                        flips.append((c2, i2, *run.same_shape(perturbed(c2, i2), c2, i2)))
                     break
             j += len(part)
         else:
             c, i = tasks[j]
-            got = (run.same_shape(perturbed(c, i), c) if mode == "perturb" else run.truncated(c))
+            got = (run.same_shape(perturbed(c, i), c, i) if mode == "perturb" else run.truncated(c))
             if len(got[0]):
                 run.note_flip()
             flips.append((c, i, *got))
@@ -273,6 +277,8 @@ class _Run:
         self.base = tgt(x)
         self._fp64_fn = tgt.fp64(fp64_spec)
         self._fp64_base = None
+        self._fp64_last = None
+        self.score_flips = []  # (cut, trial, batch idx, position idx, |change|, kind)
         self.fp64_status = "not needed" if fp64_spec is not False else "disabled"
         self.verify_left = max_verify if max_verify is not None else float("inf")
         self.batch_invariant = True
@@ -312,8 +318,11 @@ class _Run:
         return torch.zeros(len(b), dtype=torch.bool)
 
     def _fp64(self, xc):
-        """Decision and scores of the fp64 twin on xc, or None if there is no usable twin."""
-        if self._fp64_fn is None:
+        """Decision and scores of the fp64 twin on xc, or None if there is no usable twin.
+        The last answer is kept: decision flips and score changes of one cut share it."""
+        if self._fp64_last is not None and self._fp64_last[0] is xc:
+            return self._fp64_last[1]
+        if self._fp64_fn is None or self.verify_left <= 0:
             return None
         if self._fp64_base is None:
             try:
@@ -331,7 +340,9 @@ class _Run:
             # repeats the fp32 flips and leaves them structural, so trusting it is conservative
             self._fp64_base = base
             self.fp64_status = "used" if floats else "used (integer output: dtype not confirmed)"
-        return self.tgt(xc, self._fp64_fn)
+        self.verify_left -= 1
+        self._fp64_last = (xc, self.tgt(xc, self._fp64_fn))
+        return self._fp64_last[1]
 
     def classify(self, xc, b, t, y, sc, shape_changed: bool) -> torch.Tensor:
         """Kind per flip: 0 structural, 1 numerical, 2 unverified.
@@ -352,10 +363,9 @@ class _Run:
             return kind
         tiny = self._tiny(b, t, y0[b, t], y[b, t])
         kind[ask & tiny] = 2
-        got = self._fp64(xc) if self.verify_left > 0 else None
+        got = self._fp64(xc)
         if got is None:
             return kind
-        self.verify_left -= 1
         (d0, f0), (d1, f1) = self._fp64_base, got
         bi, ti = b[ask], t[ask]
         # integer decisions: does the choice still change in fp64? float ones: scaling test below
@@ -372,35 +382,63 @@ class _Run:
         return kind
 
     # -- the ways a cut is evaluated ---------------------------------------------------
-    def flips(self, y, sc, c, xc, shape_changed=False):
+    def flips(self, y, sc, c, xc, shape_changed=False, trial=0):
         """Flips of output (y, sc) against the baseline at positions <= c, classified."""
         y0 = self.base[0][:, :y.shape[1]]
         d = differs(y0, y, self.atol)
         d[:, c + 1:] = False
         b, t = d.nonzero(as_tuple=True)
         kind = self.classify(xc, b, t, y, sc, shape_changed)
-        if len(b):  # the first flip of any kind: make sure the target repeats itself
+        moved = sc is not None and self._score_changes(sc, c, xc, d, shape_changed, trial)
+        if len(b) or moved:  # the first flip of any kind: make sure the target repeats itself
             self.reproduce(xc, y, sc)
         return b, t, y[b, t], kind
 
-    def same_shape(self, xc, c):
+    def _score_changes(self, sc, c, xc, flipped, shape_changed, trial):
+        """Scores at positions <= c that moved while the decision did not: the future reaches
+        the router even where this sample crossed no tie (an off-by-one mask shows up here
+        at every cut). Same shape: a change beyond 32 ulps is structural, a smaller one goes
+        to the fp64 scaling test. Shape changed (truncate): only the fp64 test can tell, so
+        without a twin score changes are not judged."""
+        s0 = self.base[1][:, :sc.shape[1]]
+        ds = differs(s0, sc, 0.0) & ~flipped
+        ds[:, c + 1:] = False
+        if not ds.any():
+            return False
+        b, t = ds.nonzero(as_tuple=True)
+        delta = _delta(s0[b, t], sc[b, t])
+        tiny = delta <= _noise_tol(s0[b, t].reshape(len(b), -1)).amax(-1)
+        ask = torch.ones_like(tiny) if shape_changed else tiny
+        kind = torch.where(ask, 2, 0)
+        got = self._fp64(xc) if ask.any() else None
+        if got is not None and got[1] is not None:
+            f0, f1 = self._fp64_base[1][:, :sc.shape[1]], got[1]
+            d64 = _delta(f0[b, t], f1[b, t])
+            tol64 = _noise_tol(f0[b, t].reshape(len(b), -1)).amax(-1)
+            kind = torch.where(ask, torch.where(d64 > torch.maximum(1e-3 * delta, tol64), 0, 1), kind)
+        elif shape_changed:
+            return False
+        self.score_flips.append((c, trial, b, t, delta, kind))
+        return True
+
+    def same_shape(self, xc, c, trial=0):
         """Perturbed inputs run alone at the inputs' shape."""
         y, sc = self.tgt(xc)
-        return self.flips(y, sc, c, xc)
+        return self.flips(y, sc, c, xc, trial=trial)
 
-    def confirm(self, xc, c, packed_mask, packed_y):
+    def confirm(self, xc, c, packed_mask, packed_y, packed_sc, trial=0):
         """Re-run a packed cut alone at the inputs' shape: (its flips, classified; whether the
-        packed call gave exactly the same flips). Past the verification budget the packed
+        packed call gave exactly the same output). Past the verification budget the packed
         flips are kept as 'unconfirmed'."""
         if self.verify_left <= 0:
             b, t = packed_mask.nonzero(as_tuple=True)
             return (b, t, packed_y[b, t], torch.full((len(b),), 3, dtype=torch.long)), True
         self.verify_left -= 1
         y, sc = self.tgt(xc)
-        alone = differs(self.base[0], y, self.atol)
-        alone[:, c + 1:] = False
-        faithful = torch.equal(alone, packed_mask) and not differs(y, packed_y, self.atol)[alone].any()
-        return self.flips(y, sc, c, xc), faithful
+        # faithful: the packed copy computed what the call alone computes, everywhere
+        faithful = not differs(y, packed_y, self.atol).any() and (
+            sc is None or torch.equal(sc, packed_sc))
+        return self.flips(y, sc, c, xc, trial=trial), faithful
 
     def truncated(self, c):
         """The inference view: the prefix x[:, :c+1] alone."""
@@ -465,9 +503,22 @@ def _result(common, run, tgt, mode, x, cut_list, trials, flips, isolated, iso_wh
     # near-tie that no fp64 twin could settle: neither a leak nor excused (verdict warn).
     n_leaks = n_struct + n_unconf
     n_flips = n_leaks + n_num + n_unver
-    causal = n_leaks == 0
+    score_counts = torch.zeros(3, dtype=torch.long)
+    score_leaks, score_map = [], {}
+    for c, i, b, t, delta, kind in run.score_flips:
+        score_counts += torch.bincount(kind, minlength=3)
+        for k in range(len(b)):
+            if kind[k] == 0:
+                score_map[(c, int(t[k]))] = score_map.get((c, int(t[k])), 0) + 1
+            if kind[k] != 1 and len(score_leaks) < max_leaks:
+                score_leaks.append({"batch": int(b[k]), "position": int(t[k]), "cut": c, "trial": i,
+                                    "distance": c + 1 - int(t[k]), "change": float(delta[k]),
+                                    "kind": KINDS[int(kind[k])]})
+    n_score_leaks, n_score_num, n_score_unver = (int(v) for v in score_counts)
+    n_unver += n_score_unver
+    causal = n_leaks == 0 and n_score_leaks == 0
     codes = []
-    if n_leaks:
+    if not causal:
         codes.append("TP-C1")
     if isolated is False:
         codes.append("TP-C3")
@@ -477,7 +528,7 @@ def _result(common, run, tgt, mode, x, cut_list, trials, flips, isolated, iso_wh
     metrics = {
         "causal": causal, "n_leaks": n_leaks, "n_structural": n_struct,
         "n_numerical": n_num, "n_unverified": n_unver, "n_unconfirmed": n_unconf,
-        "n_flips": n_flips,
+        "n_flips": n_flips, "n_score_leaks": n_score_leaks, "n_score_numerical": n_score_num,
         "flip_rate": n_leaks / n_compared if n_compared else 0.0,
         "n_compared": n_compared, "n_cuts": len(cut_list), "trials": trials,
         "deterministic": True, "batch_isolated": isolated, "batch_invariant": run.batch_invariant,
@@ -500,11 +551,19 @@ def _result(common, run, tgt, mode, x, cut_list, trials, flips, isolated, iso_wh
         "leak_distances": {str(k): v for k, v in sorted(dist.items())},
         "leak_map": [[c, p, n] for (c, p), n in sorted(leak_map.items())],
         "batch_isolation_moved": iso_where,
+        "score_leaks": score_leaks,
+        "score_leak_map": [[c, p, n] for (c, p), n in sorted(score_map.items())],
     }
     what = ("future-dependent decisions" if mode == "perturb" else
             "decisions that differ in the inference view (prefix only)")
     first = leaks[0] if leaks else None
-    if not causal:
+    if not causal and not n_leaks:
+        sl = score_leaks[0]
+        msg = (f"routing scores at {n_score_leaks} (batch, position, cut) depend on later tokens "
+               f"though no decision flipped in this sample (it will at a near-tie); first at "
+               f"position {sl['position']} (cut {sl['cut']}, batch {sl['batch']}), change "
+               f"{sl['change']:.3g}")
+    elif not causal:
         msg = (f"{n_leaks} {what} of {n_compared} compared"
                + (f"; first at position {first['position']} (cut {first['cut']}, batch "
                   f"{first['batch']}): {_brief(first['before'])} -> {_brief(first['after'])}"
