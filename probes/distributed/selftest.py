@@ -1,0 +1,44 @@
+"""Tasks that misbehave on purpose, to check that a launcher stops and reaps every rank.
+
+Used by the tests, and handy on a new machine: `launch(raise_task, 2, args=(1,))` must
+raise WorkerFailed naming rank 1 and leave no process behind.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+
+def echo_task(rank: int, world: int) -> dict:
+    """Report who ran: rank, world, pid and the rendezvous environment."""
+    return {"rank": rank, "world": world, "pid": os.getpid(),
+            "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                   "MASTER_ADDR", "MASTER_PORT")}}
+
+
+def raise_task(rank: int, world: int, bad_rank: int) -> int:
+    if rank == bad_rank:
+        raise RuntimeError(f"deliberate failure on rank {rank}")
+    time.sleep(60)  # the others wait, as ranks blocked in a collective would
+    return rank
+
+
+def exit_task(rank: int, world: int, bad_rank: int, code: int = 3) -> int:
+    """Rank bad_rank dies without a word (like a segfault); the others hang."""
+    if rank == bad_rank:
+        os._exit(code)
+    time.sleep(60)
+    return rank
+
+
+def hang_task(rank: int, world: int, pid_dir: str | None = None) -> int:
+    """Every rank hangs; with pid_dir, each first starts a grandchild process (a `sleep`)
+    and writes its pid there, so a test can check that the whole tree was killed."""
+    if pid_dir is not None:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        with open(os.path.join(pid_dir, f"grandchild{rank}"), "w") as f:
+            f.write(str(child.pid))
+    while True:
+        time.sleep(1)

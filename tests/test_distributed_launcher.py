@@ -1,0 +1,150 @@
+"""probes/distributed/launcher.py: real local ranks; failures stop everything, nothing survives."""
+import os
+import socket
+
+import pytest
+
+import probes.distributed.launcher as L
+from probes.distributed.selftest import echo_task, exit_task, hang_task, raise_task
+
+
+def alive(pid: int) -> bool:
+    """True if pid is a live process (a zombie waiting to be reaped counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_dead(pids, seconds=10.0) -> list:
+    """pids still alive after waiting for the OS to reap them (not a speed assertion)."""
+    import time
+    end = time.monotonic() + seconds
+    left = [p for p in pids if alive(p)]
+    while left and time.monotonic() < end:
+        time.sleep(0.1)
+        left = [p for p in left if alive(p)]
+    return left
+
+
+@pytest.fixture
+def reaper():
+    """Collects pids a test started; kills any survivor even when the test fails."""
+    pids = []
+    yield pids
+    for p in pids:
+        if alive(p):
+            try:
+                os.kill(p, 9)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_every_rank_runs_with_the_rendezvous_environment(world, reaper):
+    out = L.launch(echo_task, world, timeout=120)
+    reaper += [o["pid"] for o in out]
+    assert [o["rank"] for o in out] == list(range(world))
+    port = out[0]["env"]["MASTER_PORT"]
+    for o in out:
+        assert o["env"] == {"RANK": str(o["rank"]), "WORLD_SIZE": str(world),
+                            "LOCAL_RANK": str(o["rank"]), "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": port}
+    assert len({o["pid"] for o in out}) == world
+    assert wait_dead(reaper) == []
+
+
+def test_a_rank_that_raises_stops_all_and_names_itself(reaper):
+    with pytest.raises(L.WorkerFailed) as info:
+        L.launch(raise_task, 3, timeout=120, args=(2,))
+    e = info.value
+    reaper += e.pids
+    assert e.rank == 2
+    assert "deliberate failure on rank 2" in e.traceback and "Traceback" in e.traceback
+    assert "rank 2 of 3 failed" in str(e)
+    assert len(e.pids) == 3 and wait_dead(e.pids) == []
+
+
+def test_a_rank_that_dies_silently_is_reported(reaper):
+    with pytest.raises(L.WorkerFailed, match="rank 1 exited with code 7") as info:
+        L.launch(exit_task, 2, timeout=120, args=(1, 7))
+    reaper += info.value.pids
+    assert info.value.rank == 1 and wait_dead(info.value.pids) == []
+
+
+def test_hanging_ranks_time_out_and_their_children_die_too(tmp_path, reaper):
+    reaper += [o["pid"] for o in L.launch(echo_task, 1)]  # warm start: ranks get going in time
+    with pytest.raises(L.WorkerTimeout) as info:
+        L.launch(hang_task, 2, timeout=8, args=(str(tmp_path),))
+    e = info.value
+    grandchildren = [int(p.read_text()) for p in tmp_path.glob("grandchild*")]
+    reaper += e.pids + grandchildren
+    assert len(grandchildren) == 2, "the ranks did not start their children before the timeout"
+    assert e.ranks == [0, 1] and "timeout=8" in str(e)
+    assert wait_dead(e.pids + grandchildren) == []
+
+
+def test_an_explicit_port_that_is_taken_is_refused_before_starting():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(L.PortInUse, match=f"port={port} on 127.0.0.1 is already in use"):
+            L.launch(echo_task, 2, port=port)
+
+
+def test_a_port_taken_at_rendezvous_is_retried(monkeypatch, reaper):
+    lines = []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        real = L.free_port
+        calls = []
+
+        def first_taken(addr="127.0.0.1"):
+            calls.append(addr)
+            return taken if len(calls) == 1 else real(addr)
+        monkeypatch.setattr(L, "free_port", first_taken)
+        out = L.launch(echo_task, 2, timeout=120, progress=lines.append)
+    reaper += [o["pid"] for o in out]
+    assert len(calls) == 2
+    assert any(f"port {taken} was taken" in x for x in lines)
+    assert out[0]["env"]["MASTER_PORT"] != str(taken)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(world=0), "world=0"),
+    (dict(world=2, backend="mpi"), "backend='mpi'"),
+    (dict(world=2, timeout=0), "timeout=0"),
+    (dict(world=2, port=70000), "port=70000"),
+])
+def test_bad_arguments_fail_before_any_process_starts(kw, match, monkeypatch):
+    monkeypatch.setattr(L, "_run_once", lambda *a, **k: pytest.fail("a process was started"))
+    with pytest.raises(ValueError, match=match):
+        L.launch(echo_task, **kw)
+
+
+def test_a_lambda_task_is_refused():
+    with pytest.raises(ValueError, match="module-level function"):
+        L.launch(lambda r, w: r, 2)
+
+
+def test_nccl_without_cuda_is_refused_clearly():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(ValueError, match="backend='nccl' needs CUDA"):
+        L.launch(echo_task, 1, backend="nccl")
+
+
+def test_free_port_is_bindable():
+    p = L.free_port()
+    assert 0 < p < 65536 and L.port_is_free(p)
