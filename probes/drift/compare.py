@@ -71,9 +71,11 @@ def compare(train_logprobs, infer_logprobs, *, mask=None, lengths=None, alpha: f
     train, infer, m, unit = inputs.pair(train_logprobs, infer_logprobs, mask, lengths)
     x2d = infer - train
     xz = torch.where(m, x2d, 0.0)
-    everything = bool(m.all())
-    flat = (lambda t: t.reshape(-1)) if everything else (lambda t: t[m])
-    x, tr, inf = flat(x2d), flat(train), flat(infer)
+    if bool(m.all()):
+        x, tr, inf = x2d.reshape(-1), train.reshape(-1), infer.reshape(-1)
+    else:  # one nonzero, three gathers
+        keep = m.reshape(-1).nonzero().squeeze(1)
+        x, tr, inf = (t.reshape(-1).index_select(0, keep) for t in (x2d, train, infer))
 
     metrics, evidence = stats.token_metrics(tr, inf, x, clip)
     # the bias test over units: sums of x and of u = x - x^2/2 per row

@@ -34,6 +34,9 @@ def as_tensor(name: str, value) -> torch.Tensor:
 def check_logprobs(name: str, lp: torch.Tensor, mask: torch.Tensor | None) -> None:
     """Raise naming the first masked-in entry that is not a log-probability (finite, <= 0).
     Two cheap reductions when all is well; the search runs only on failure."""
+    lo, hi = torch.aminmax(lp)  # fast path: padding usually holds valid values too
+    if math.isfinite(lo.item()) and math.isfinite(hi.item()) and hi.item() <= POSITIVE_TOLERANCE:
+        return
     view = lp if mask is None else torch.where(mask, lp, -1.0)
     lo, hi = torch.aminmax(view)
     if math.isfinite(lo.item()) and math.isfinite(hi.item()) and hi.item() <= POSITIVE_TOLERANCE:

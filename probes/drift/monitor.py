@@ -68,35 +68,67 @@ class DriftMonitor:
         self.x_min, self.x_max, self.max_adp = math.inf, -math.inf, 0.0
         self.fine = torch.zeros(FINE[2], dtype=torch.float64)
         self.coarse = torch.zeros(COARSE[2], dtype=torch.float64)
+        zero = torch.zeros(1)  # where histc puts an exact 0 (the masked-out tokens)
+        self._zero_bin = tuple(int(torch.histc(zero, nb, -hi, -lo).flip(0).argmax())
+                               for lo, hi, nb in (FINE, COARSE))
 
     def update(self, train_logprobs, infer_logprobs, mask=None) -> dict:
         """Add one step ([N] or [B, T], rows = sequences). Returns the step's row of history."""
         train, infer, m, unit = inputs.pair(train_logprobs, infer_logprobs, mask)
-        x2d = infer - train
-        everything = bool(m.all())
-        flat = (lambda t: t.reshape(-1)) if everything else (lambda t: t[m])
-        x, tr, inf = flat(x2d), flat(train), flat(infer)
-        n = x.numel()
-        lo, hi = (v.item() for v in torch.aminmax(x))
-        s1, s2 = x.sum().item(), torch.dot(x, x).item()
-        e = torch.expm1(-x)
+        # masked-out tokens become a = 0 (and |p diff| = 0): they add nothing to any sum, and
+        # the zeros they put in the histograms are taken out again below. Work in a = log rho
+        # = train - infer = -x, in place where possible: this runs every training step.
+        a = train - infer
+        n_pad = 0
+        if not bool(m.all()):
+            pad = ~m
+            a.masked_fill_(pad, 0.0)
+            n_pad = int(pad.sum())
+        az = a
+        a = a.reshape(-1)
+        n = a.numel() - n_pad
+        lo, hi = (-v.item() for v in reversed(torch.aminmax(a)))  # extremes of x = -a
+        if n_pad and (lo == 0.0 or hi == 0.0):  # the padding zeros may be posing as extremes
+            lo, hi = (-v.item() for v in reversed(torch.aminmax(a[m.reshape(-1)])))
+        e = torch.expm1(a)
+        row_s = -az.sum(1).double()  # row sums of x
+        row_q = torch.bmm(az.unsqueeze(1), az.unsqueeze(2)).reshape(-1).double()  # row sums of x^2
+        s1, s2 = row_s.sum().item(), row_q.sum().item()
         se_, see = e.sum().item(), torch.dot(e, e).item()
-        k3, rev = stats.kl_sums(x, e, max(-lo, hi))
-        outside = x.abs() > math.log(self.clip)
-        n_out = int(outside.sum())
-        tail_sq = (x[outside] ** 2).sum().item() if n_out else 0.0
-        adp = (inf.exp() - tr.exp()).abs_()
+        k3, rev = stats.kl_sums(a, e, max(-lo, hi))
+        del e
+        log_c = math.log(self.clip)
+        if max(-lo, hi) > log_c:
+            outside = a.abs() > log_c
+            n_out = int(outside.sum())
+            tail_sq = (a[outside] ** 2).sum().item()
+        else:
+            n_out, tail_sq = 0, 0.0
+        adp = infer.exp().sub_(train.exp()).abs_()
+        if n_pad:
+            adp.masked_fill_(pad, 0.0)
         adp_sum, adp_max = adp.sum().item(), adp.max().item()
-        self.fine += torch.histc(x, FINE[2], FINE[0], FINE[1]).double()
-        self.coarse += torch.histc(x, COARSE[2], COARSE[0], COARSE[1]).double()
-        n_low = int((x < COARSE[0]).sum()) if lo < COARSE[0] else 0  # histc drops out-of-range
+        del adp
+        # histograms of x = -a: histc of a over the mirrored range, flipped
+        fine = torch.histc(a, FINE[2], -FINE[1], -FINE[0]).flip(0).double()
+        if n_pad:
+            fine[self._zero_bin[0]] -= n_pad
+        if max(-lo, hi) < FINE[1]:  # all inside the fine range: coarse bins are sums of fine ones
+            coarse = torch.zeros(COARSE[2], dtype=torch.float64)
+            start = round((FINE[0] - COARSE[0]) / ((COARSE[1] - COARSE[0]) / COARSE[2]))
+            per = int(round(FINE[2] / ((FINE[1] - FINE[0]) / ((COARSE[1] - COARSE[0]) / COARSE[2]))))
+            coarse[start:start + FINE[2] // per] = fine.view(-1, per).sum(1)
+        else:
+            coarse = torch.histc(a, COARSE[2], -COARSE[1], -COARSE[0]).flip(0).double()
+            if n_pad:
+                coarse[self._zero_bin[1]] -= n_pad
+        self.fine += fine
+        self.coarse += coarse
+        n_low = int((a > -COARSE[0]).sum()) if lo < COARSE[0] else 0  # histc drops out-of-range
         # per-unit sums for the cluster-robust tests
-        xz = torch.where(m, x2d, 0.0) if not everything else x2d
-        S = xz.sum(1).double()
-        U = S - (xz * xz).sum(1).double() / 2
         k = m.sum(1).double()
         used = k > 0
-        S, U, k = S[used], U[used], k[used]
+        S, U, k = row_s[used], (row_s - row_q / 2)[used], k[used]
         upd = dict(n=n, n_low=n_low, s1=s1, s2=s2, se=se_, see=see, k3=k3, rev=rev, n_out=n_out, tail_sq=tail_sq,
                    adp=adp_sum, units=int(used.sum()), u_s=S.sum().item(), u_s2=(S * S).sum().item(),
                    u_sn=(S * k).sum().item(), u_n2=(k * k).sum().item(), v_s=U.sum().item(),

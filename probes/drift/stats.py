@@ -94,9 +94,9 @@ def order_statistics(x: torch.Tensor, ranks: list, lo: float, hi: float, bins: i
     if n <= 1 << 16 or not hi > lo:
         s = x.sort().values
         return [s[k - 1].item() for k in ranks]
-    idx = ((x - lo) * (bins / (hi - lo))).floor_().clamp_(-1, bins).add_(1).long()
+    idx = ((x - lo) * (bins / (hi - lo))).floor_().clamp_(-1, bins).add_(1).int()
     cum = torch.bincount(idx, minlength=bins + 2).cumsum(0)
-    want = torch.searchsorted(cum, torch.tensor(ranks, dtype=cum.dtype))
+    want = torch.searchsorted(cum, torch.tensor(ranks, dtype=cum.dtype)).clamp_(max=bins + 1)
     table = torch.zeros(bins + 2, dtype=torch.bool)
     table[want] = True
     sel = table[idx]
@@ -108,19 +108,20 @@ def order_statistics(x: torch.Tensor, ranks: list, lo: float, hi: float, bins: i
     return out
 
 
-def kl_sums(x: torch.Tensor, e: torch.Tensor, max_abs: float) -> tuple:
-    """(sum k3, sum reverse k3) over tokens, e = expm1(-x).
+def kl_sums(a: torch.Tensor, e: torch.Tensor, max_abs: float) -> tuple:
+    """(sum k3, sum reverse k3) over tokens from a = log rho = -x and e = expm1(a) = rho - 1.
 
-    Near rho = 1 the elementwise forms cancel in float32 (expm1(-x) + x loses all digits for
-    |x| ~ 1e-7), so for max |x| < 1e-3 use their series from raw power sums instead:
-      k3 = x^2/2 - x^3/6 + x^4/24 + O(x^5),  1 - rho + rho log rho = x^2/2 - x^3/3 + x^4/8 + O(x^5).
+    k3 = e - a elementwise, reverse = 1 - rho + rho log rho = -(e - a) + e a. Near rho = 1 these
+    cancel in float32 (expm1(a) - a loses every digit for |a| ~ 1e-7), so for max |a| < 1e-3
+    use their series from raw power sums instead:
+      k3 = a^2/2 + a^3/6 + a^4/24 + O(a^5),  reverse = a^2/2 + a^3/3 + a^4/8 + O(a^5).
     """
     if max_abs < 1e-3:
-        x2 = x * x
-        s2, s3, s4 = x2.sum().item(), torch.dot(x2, x).item(), torch.dot(x2, x2).item()
-        return s2 / 2 - s3 / 6 + s4 / 24, s2 / 2 - s3 / 3 + s4 / 8
-    k3 = (e + x).sum().item()  # elementwise, so rounding errors are random, not cancelling
-    return k3, -k3 - torch.dot(e, x).item()
+        a2 = a * a
+        s2, s3, s4 = a2.sum().item(), torch.dot(a2, a).item(), torch.dot(a2, a2).item()
+        return s2 / 2 + s3 / 6 + s4 / 24, s2 / 2 + s3 / 3 + s4 / 8
+    k3 = (e - a).sum().item()  # elementwise, so rounding errors are random, not cancelling
+    return k3, -k3 + torch.dot(e, a).item()
 
 
 def _nearest_rank(q: float, n: int) -> int:
@@ -143,10 +144,12 @@ def token_metrics(train: torch.Tensor, infer: torch.Tensor, x: torch.Tensor, cli
     n_out = int(outside.sum())
     sq_total = (m2 + mean * mean) * n
     tail_sq = (x[outside] ** 2).sum().item() if n_out else 0.0
-    e = torch.expm1(-x)  # rho - 1, accurate near rho = 1
+    a = x.neg()  # log rho
+    e = torch.expm1(a)  # rho - 1, accurate near rho = 1
     se_ = e.sum().item()
     see = torch.dot(e, e).item()
-    k3_sum, rev_sum = kl_sums(x, e, max(-xmin, xmax))
+    k3_sum, rev_sum = kl_sums(a, e, max(-xmin, xmax))
+    del a
     pt, pi = train.exp(), infer.exp()
     adp = (pi - pt).abs_()
     st, si = pt.sum().item(), pi.sum().item()
@@ -200,10 +203,12 @@ def _qname(q: float) -> str:
 def by_probability(infer: torch.Tensor, x: torch.Tensor, buckets: int = 10) -> list:
     """Bias and spread of x by the inference probability of the token, in half-decades:
     bucket b holds p in (10^-(b+1)/2, 10^-b/2], the last one everything smaller."""
-    idx = (infer * (-2.0 / LN10)).floor_().clamp_(0, buckets - 1).long()
+    idx = (infer * (-2.0 / LN10)).floor_().clamp_(0, buckets - 1).int()
     n = torch.bincount(idx, minlength=buckets).double()
-    s1 = torch.bincount(idx, weights=x, minlength=buckets).double()
-    s2 = torch.bincount(idx, weights=x * x, minlength=buckets).double()
+    # float32 accumulators (index_add_ is one pass; bincount with weights copies to float64):
+    # this table is evidence, not a gated metric
+    s1 = torch.zeros(buckets).index_add_(0, idx, x).double()
+    s2 = torch.zeros(buckets).index_add_(0, idx, x * x).double()
     rows = []
     for b in range(buckets):
         k = int(n[b])
