@@ -101,8 +101,9 @@ def main(argv=None) -> int:
     log()
     log("fp16/bf16/fp32 with round-to-nearest run on torch's native dtypes after one exact "
         "rounding of the inputs (fp64 inputs: round-to-odd to fp32, then RNE); NCCL's fp8 "
-        "add runs natively in fp16 after Format.round of the inputs; stochastic rounding "
-        "runs on float64 with Format.round after every add.")
+        "add runs natively on fp8 values held in fp16 (inputs: round-to-odd fp32, torch's "
+        "fp8 cast, explicit overflow); stochastic rounding runs on float64 with "
+        "Format.round after every add.")
     log()
 
     # 2. growth with the world size at a fixed total number of elements.

@@ -67,7 +67,7 @@ def test_error_within_classical_bound(fmt, data, algorithm):
 def test_native_path_is_bitwise_the_format_round_path(fmt, data, algorithm):
     # saturate=True forces the generic float64 + Format.round path; without overflow it must
     # give the same bits as torch's native fp16/bf16 adds.
-    inputs = data.draw(rank_inputs(world=st.integers(1, 9), numel=st.integers(1, 8), fmt=fmt))
+    inputs = data.draw(rank_inputs(world=st.integers(1, 7), numel=st.integers(1, 8), fmt=fmt))
     native, info_n = all_reduce(inputs, dtype=fmt, algorithm=algorithm, return_info=True)
     generic, info_g = all_reduce(inputs, dtype=fmt, algorithm=algorithm, saturate=True,
                                  return_info=True)
@@ -278,7 +278,7 @@ def test_fp8_inputs_are_rounded_once_with_named_overflow(fmt, saturate, source):
     # 464 -> 448; e5m2: 61440 -> inf, or 57344 saturated).
     f = get_format(fmt)
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(100_000, generator=g, dtype=torch.float64)
+    x = torch.randn(30_000, generator=g, dtype=torch.float64)
     x = x * torch.exp2(torch.randint(-22, 20, x.shape, generator=g).double())
     ties = f.round(x[:2000]) + f.ulp(x[:2000]) / 2
     x = torch.cat([x, ties, ties * (1 + 2.0 ** -40), ties * (1 - 2.0 ** -40),
