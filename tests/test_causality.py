@@ -59,6 +59,18 @@ def test_off_by_one_leaks_exactly_at_the_cut(mode):
     assert res.metrics["first_leak_position"] == 0
 
 
+def test_off_by_one_is_found_through_the_scores_where_no_expert_flips():
+    ids = torch.randint(0, 1000, (2, 64), generator=torch.Generator().manual_seed(0))
+    res = check(off_by_one_block, ids, cuts=[10, 30, 50], decision="expert_ids",
+                scores="router_probs")
+    assert res.metrics["causal"] is False and "TP-C1" in res.codes
+    places = {(lk["position"], lk["cut"]) for lk in res.evidence["leaks"] + res.evidence["score_leaks"]}
+    assert places == {(10, 10), (30, 30), (50, 50)}
+    assert res.metrics["n_score_leaks"] + res.metrics["n_leaks"] == 6  # 3 cuts x 2 rows
+    clean = check(causal_block, ids, cuts=[10, 30, 50], decision="expert_ids", scores="router_probs")
+    assert clean.verdict == "pass" and clean.metrics["n_score_leaks"] == 0
+
+
 def test_causal_block_is_causal_in_both_views_with_its_noise_excused():
     res = check(causal_block, hidden(T=24), mode="truncate", cuts="all", decision="hidden")
     assert res.metrics["causal"] is True and res.verdict == "pass"
