@@ -58,7 +58,9 @@ def test_record_mode_collects_alarms_and_summary_counts_them():
     for noise in (0.01, 1.0, 0.01, 1.0):
         mon.update(*_step(g, noise=noise))
     assert [a.step for a in mon.alarms] == [1, 3]
-    assert mon.summary().metrics["alarms"] == 2
+    summary = mon.summary()
+    assert summary.metrics["alarms"] == 2
+    assert "TP-D3" in summary.codes and summary.verdict in ("warn", "fail") and "step 1" in summary.message
 
 
 def test_trend_sees_growing_mismatch_and_not_a_flat_one():

@@ -248,5 +248,14 @@ class DriftMonitor:
                     "alarms": [{"name": a.name, "value": a.value, "threshold": a.threshold, "step": a.step}
                                for a in self.alarms],
                     "log_ratio_histogram": {"edges": [FINE[0], FINE[1]], "counts": self.fine.long().tolist()}}
-        return _verdict(metrics, evidence, thresholds=None, probe="drift.monitor", target=self.target,
-                        **self.options)
+        result = _verdict(metrics, evidence, thresholds=None, probe="drift.monitor", target=self.target,
+                          **self.options)
+        if self.alarms:  # per-step alarms stay visible in the summary even when the total is calm
+            first = self.alarms[0]
+            if "TP-D3" not in result.codes:
+                result.codes.append("TP-D3")
+            if result.verdict == "pass":
+                result.verdict = "warn"
+            result.message += (f"; {len(self.alarms)} step alarm(s), first at step {first.step}: "
+                               f"{first.name} = {first.value:.3g} > {first.threshold:g}")
+        return result
