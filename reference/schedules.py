@@ -281,19 +281,18 @@ class TreeSchedule:
 
     def heights(self) -> torch.Tensor:
         """Height of every rank's subtree (leaves 0); children finish before parents."""
+        parent = self.parent.tolist()
+        depth = [0] * self.world
+        for r in range(self.world):
+            p, d = parent[r], 0
+            while p >= 0:
+                p, d = parent[p], d + 1
+            depth[r] = d
         h = [0] * self.world
-        order = sorted(range(self.world), key=lambda r: -self._depth(r))
-        for r in order:
-            p = int(self.parent[r])
-            if p >= 0:
-                h[p] = max(h[p], h[r] + 1)
+        for r in sorted(range(self.world), key=lambda r: -depth[r]):  # deepest first
+            if parent[r] >= 0:
+                h[parent[r]] = max(h[parent[r]], h[r] + 1)
         return torch.tensor(h, dtype=torch.int64)
-
-    def _depth(self, r: int) -> int:
-        d = 0
-        while int(self.parent[r]) >= 0:
-            r, d = int(self.parent[r]), d + 1
-        return d
 
     def reduce(self, x: torch.Tensor, add) -> torch.Tensor:
         _check_x(self, x)
