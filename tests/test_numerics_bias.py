@@ -123,7 +123,7 @@ def test_nonfinite_trials_are_reported_not_hidden():
     make = iter(range(5))
     r = bias_probe(lambda i: torch.tensor([math.nan]), lambda i: torch.tensor([1.0]),
                    lambda g: next(make), trials=5)
-    assert r.verdict == "fail" and r.metrics["nonfinite_trials"] == 5
+    assert r.verdict == "fail" and r.metrics["nonfinite_trials"] == 5 and r.metrics["verdict"] == "nonfinite"
 
 
 @pytest.mark.parametrize("kwargs,match", [({"trials": 2}, "trials=2"), ({"alpha": 1.5}, "alpha=1.5")])

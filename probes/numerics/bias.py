@@ -97,7 +97,8 @@ def bias_probe(fn: Callable, reference: Callable, make_inputs: Callable, *, tria
     evidence = {"errors": errors, "trial_seeds": seeds}
     if len(finite) < 3:
         return Result(probe="numerics.bias", target=target, verdict="fail", seed=seed,
-                      metrics={"trials": trials, "nonfinite_trials": nonfinite}, evidence=evidence,
+                      metrics={"trials": trials, "nonfinite_trials": nonfinite, "verdict": "nonfinite"},
+                      evidence=evidence,
                       codes=["TP-B1"], message=f"{nonfinite} of {trials} trials gave inf/NaN "
                       "(overflow, or NaN in the inputs): no bias can be measured")
     s = error_stats(finite, alpha=alpha, min_effect=min_effect)
