@@ -65,9 +65,13 @@ def test_errors_exit_2_with_a_message(files, capsys, argv, match):
 
 
 def test_demo_runs_the_engine_pair(monkeypatch, capsys):
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny GEMMs: one thread is far faster on a shared machine
     from probes.drift import demo
     monkeypatch.setattr(demo, "SCENARIOS", demo.SCENARIOS[:1])  # one scenario keeps CI short
     rc = main(["drift", "--demo", "--demo-prompts", "8", "--demo-tokens", "8"])
     cap = capsys.readouterr()
     assert rc == 0 and cap.out.startswith("CLEAN") and "expected clean: yes" in cap.out
+    torch.set_num_threads(threads)
     assert "[1/1] fp32 infer / fp32 train" in cap.err
