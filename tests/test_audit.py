@@ -162,3 +162,36 @@ def test_cli_audit_bad_config_exit_2(tmp_path, capsys):
     cfg.write_text("[tool.trainprobes]\nbogus = 1\n")
     assert main(["audit", "--config", str(cfg)]) == 2
     assert "unknown keys ['bogus']" in capsys.readouterr().err
+
+
+# --- the default suite, once, in full ----------------------------------------------------
+
+def test_default_suite_end_to_end(tmp_path, monkeypatch):
+    """The README's main command: every family present, controls right, report complete."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
+    assert main(["audit", "--no-progress", "--out", "out", "--history", "hist"]) == 0
+    (report,) = (tmp_path / "out").glob("*/report.json")
+    results, meta = load_results(report)
+    assert meta["suite"] == "default" and meta["skipped"] == {}
+    families = {t["family"] for t in meta["timings"]}
+    assert families == {"numerics", "collectives", "causality", "drift", "distributed"}
+    assert not [r for r in results if r.verdict == "error"]
+    by = {r.target: r for r in results}
+    # causality controls: every reference router gets its known verdict
+    controls = [r for r in results if "known_causal" in r.metrics]
+    assert len(controls) == 18 and all(r.metrics["matches_known_verdict"] for r in controls)
+    # drift engine pair: every scenario gets its expected verdict
+    drift = [r for r in results if r.probe == "drift.compare"]
+    assert len(drift) == 7 and all(r.metrics["matches_expected"] for r in drift)
+    # collectives: the 1024-rank bf16 ring stalls (biased low); stochastic rounding and fp32 do not
+    assert by["all_reduce[bf16,ring,sum,nearest,w=1024,n=1024]"].metrics["bias"] < -0.1
+    assert by["all_reduce[bf16,ring,sum,stochastic,w=128,n=1024]"].metrics["verdict"] == "unbiased"
+    assert by["all_reduce[fp32,ring,sum,nearest,w=128,n=1024]"].metrics["verdict"] == "unbiased"
+    # gloo: the emulator predicts every bit of the real runs
+    gloo = [r for r in results if r.probe == "distributed.collective"]
+    assert gloo and all(r.metrics["bitwise_match_fraction"] == 1.0 for r in gloo)
+    assert by["all_reduce[bf16,ring]"].metrics["accumulator_mantissa_bits"] == 7
+    html = report.with_name("report.html").read_text()
+    assert html.count('src="data:image/png;base64,') >= 20
+    assert len((tmp_path / "hist" / "history.jsonl").read_text().splitlines()) == 1
