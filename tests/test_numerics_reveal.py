@@ -76,6 +76,7 @@ def test_fused_multi_term_add_shows_as_fan_in():
 
     order = reveal_order(fn, 8, dtype="fp16")
     assert order["fan_in"] == 4 and order["tree"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert order["shape"] == "fused(4-term adds)"
 
 
 @pytest.mark.parametrize("algorithm,shape", [("ring", "sequential from 1"), ("sequential", "sequential"),

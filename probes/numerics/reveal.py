@@ -206,6 +206,10 @@ def _shape(tree, n: int) -> str:
                 if set(want[:2]) == bottom and want[2:] == rest:
                     return name if k == (0 if step == 1 else n - 1) else f"{name} from {k}"
 
+    widest = max((len(t) for t in _subtrees(tree) if isinstance(t, list)), default=2)
+    if widest > 2:  # a fused multi-term add (or a value-dependent order: see the docs)
+        return f"fused({widest}-term adds)"
+
     def balanced(t):
         if isinstance(t, int):
             return True
