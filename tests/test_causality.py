@@ -50,7 +50,7 @@ def test_verdicts_hold_without_scores_and_on_another_seed(ctl):
 
 @pytest.mark.parametrize("mode", ["perturb", "truncate"])
 def test_off_by_one_leaks_exactly_at_the_cut(mode):
-    T = 24
+    T = 12
     res = check(off_by_one_block, hidden(T=T), mode=mode, cuts="all", decision="hidden")
     leaks = res.evidence["leaks"]
     assert {(lk["position"], lk["cut"]) for lk in leaks} == {(c, c) for c in range(T - 1)}
@@ -60,19 +60,19 @@ def test_off_by_one_leaks_exactly_at_the_cut(mode):
 
 
 def test_off_by_one_is_found_through_the_scores_where_no_expert_flips():
-    ids = torch.randint(0, 1000, (2, 64), generator=torch.Generator().manual_seed(0))
-    res = check(off_by_one_block, ids, cuts=[10, 30, 50], decision="expert_ids",
+    ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
+    res = check(off_by_one_block, ids, cuts=[10, 20, 30], decision="expert_ids",
                 scores="router_probs")
     assert res.metrics["causal"] is False and "TP-C1" in res.codes
     places = {(lk["position"], lk["cut"]) for lk in res.evidence["leaks"] + res.evidence["score_leaks"]}
-    assert places == {(10, 10), (30, 30), (50, 50)}
+    assert places == {(10, 10), (20, 20), (30, 30)}
     assert res.metrics["n_score_leaks"] + res.metrics["n_leaks"] == 6  # 3 cuts x 2 rows
-    clean = check(causal_block, ids, cuts=[10, 30, 50], decision="expert_ids", scores="router_probs")
+    clean = check(causal_block, ids, cuts=[10, 20, 30], decision="expert_ids", scores="router_probs")
     assert clean.verdict == "pass" and clean.metrics["n_score_leaks"] == 0
 
 
 def test_causal_block_is_causal_in_both_views_with_its_noise_excused():
-    res = check(causal_block, hidden(T=24), mode="truncate", cuts="all", decision="hidden")
+    res = check(causal_block, hidden(T=12), mode="truncate", cuts="all", decision="hidden")
     assert res.metrics["causal"] is True and res.verdict == "pass"
     # truncation changes shapes, hence rounding: the flips exist and are all judged numerical
     assert res.metrics["mismatch_rate"] > 0 and res.metrics["n_numerical"] == res.metrics["n_flips"]
@@ -316,7 +316,7 @@ def test_token_flattened_router_logits_are_viewed_as_batch_by_position(seq_norm)
 
 
 def test_token_id_inputs():
-    ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
     assert check(off_by_one_block, ids, decision="hidden").metrics["causal"] is False
     assert check(causal_block, ids, decision="hidden", vocab=1000).metrics["causal"] is True
 

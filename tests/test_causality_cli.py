@@ -14,7 +14,7 @@ def run(capsys, *argv):
 
 
 def test_reference_table_prints_every_known_verdict(capsys):
-    code, out, _ = run(capsys, "--seq-len", "48", "--batch", "2")
+    code, out, _ = run(capsys, "--seq-len", "24", "--batch", "2")
     assert code == 0
     assert "20/20 verdicts as known from the mechanism" in out
     rows = [line.split() for line in out.splitlines() if line.startswith("reference.")]
@@ -27,7 +27,7 @@ def test_reference_table_prints_every_known_verdict(capsys):
 
 def test_reference_table_json_and_report(capsys, tmp_path):
     report = tmp_path / "causality.json"
-    code, out, _ = run(capsys, "--seq-len", "32", "--batch", "2", "--json", "--output", str(report))
+    code, out, _ = run(capsys, "--seq-len", "12", "--batch", "2", "--json", "--output", str(report))
     assert code == 0
     docs = json.loads(out)
     assert len(docs) == 20 and {d["probe"] for d in docs} == {"causality.check"}
@@ -36,7 +36,7 @@ def test_reference_table_json_and_report(capsys, tmp_path):
 
 
 def test_target_by_import_path_human_output(capsys):
-    code, out, _ = run(capsys, "--target", "reference.models.moe:off_by_one_block", "--seq-len", "64",
+    code, out, _ = run(capsys, "--target", "reference.models.moe:off_by_one_block", "--seq-len", "32",
                        "--vocab", "1000", "--decision", "hidden", "--show", "3")
     assert code == 1
     assert out.startswith("FAIL  causality.check reference.models.moe:off_by_one_block [TP-C1]")

@@ -3,27 +3,31 @@
 `check(fn, inputs)` asks: does the decision for token t depend on tokens after t?
 
 Algorithm (perturb mode):
-  1. Run the target twice on the inputs. Different decisions: nondeterministic (TP-C2); stop,
-     since no flip could then be told from a leak.
-  2. Batch isolation (B >= 2): replace the odd rows, compare the even rows (TP-C3 if they move).
+  1. Run the target twice on the inputs. Different decisions (or scores, bit for bit):
+     nondeterministic (TP-C2); stop, since no flip could then be told from a leak.
+  2. Batch isolation: replace the odd rows, compare the even rows (TP-C3 if they move).
   3. For each cut c, x_c = x with every position > c replaced by other values (same length, same
      batch shape). Decisions at positions <= c must not change. If the target is
      batch-isolated, many x_c are packed into one call, chunked to max_batch_tokens, with an
      unperturbed copy of x as a control; otherwise one call per cut, at the inputs' shape.
-  4. Classify every flip (b, t, c):
-     - a flip from a packed call is re-run alone at the inputs' shape; if it vanishes, it was
-       batch-shape noise (and packing is abandoned for this target: it is batch-variant);
-     - at the same shape, a deterministic target can change a decision at t <= c only if data
-       flows from the future. The flip is structural unless the routing margin (runner-up gap
-       of `scores`, or the size of a float change) is within rounding noise; then the fp64 twin
-       decides (structural if the future still moves it in fp64), or it stays "unverified".
-Truncate mode runs the prefix x[:, :c+1] (the inference view) and classifies the same way;
-the share of earlier decisions that differ is the train/inference decision mismatch.
+  4. Packing must compute what a call alone computes: the control must reproduce the baseline,
+     and the first flipped packed cuts are re-run alone and must match exactly; else packing
+     stops (the target is batch-variant) and every later cut runs alone.
+  5. Classify every flip (b, t, c). At the inputs' shape a deterministic target can change a
+     decision at t <= c only if data flows from the future: structural, unless the routing
+     margin (runner-up gap of `scores`, or the size of a float change) is within rounding
+     noise; then the fp64 twin decides (a precision-scaling test), or it stays "unverified".
+     The first flipped cuts are re-run once more: a flip that does not repeat is
+     nondeterminism (TP-C2), not a leak.
+  6. With `scores`, score changes at t <= c where the decision held are judged the same way.
+Truncate mode runs the prefix x[:, :c+1] (the inference view); shapes differ, so every flip
+goes to the fp64 twin. The share of earlier decisions that differ is the train/inference
+decision mismatch.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
@@ -296,7 +300,8 @@ class _Run:
         if self.reproduced >= REPRODUCTIONS:
             return
         y2, s2 = self.tgt(xc)
-        moved = differs(y, y2, 0.0)
+        moved = differs(y, y2, self.atol)  # as the first determinism check: decisions within
+                                            # atol, scores bit for bit
         if sc is not None and s2 is not None:
             moved |= differs(sc, s2, 0.0)
         if moved.any():
