@@ -39,27 +39,29 @@ def _inputs(case: Case, world: int) -> list:
     return [wire_input(case.data, r, case.numel, case.seed, case.dtype) for r in range(world)]
 
 
-def emulate(case: Case, world: int, algorithm: str, dtype: str | None = None) -> list:
+def emulate(case: Case, world: int, algorithm: str, reference: bool = False,
+            inputs: list | None = None) -> list:
     """Per-rank outputs of `case` under reference.collectives (float64; None: no output).
 
     algorithm="gloo" also replays gloo's reduce (its own segmenting) and AVG (sum, then
-    divide); dtype overrides the wire format (dtype="fp64" gives the reference).
+    divide). reference=True: the fp64 reduction of the same wire-cast inputs instead.
+    inputs: the case's per-rank inputs if already built (they are rebuilt otherwise).
     """
     from reference import collectives as C
-    xs = _inputs(case, world)
-    dt = dtype or case.dtype
+    xs = inputs if inputs is not None else _inputs(case, world)
+    dt = "fp64" if reference else case.dtype
     if case.collective == "all_gather":
         return C.all_gather(xs, dtype=dt)
     kw = dict(op=case.op, dtype=dt)
-    if dt == "fp64":
+    if reference:
         algorithm = "ring"
+        if case.op == "avg":
+            kw["avg"] = "divide"
     if algorithm == "gloo" and case.collective == "reduce":
         from reference.gloo import gloo_order
         order = gloo_order(world, case.numel, _ITEMSIZE[dt], "reduce")
         return C.reduce(xs, root=case.root, order=order,
                         avg="divide" if case.op == "avg" else None, **kw)
-    if case.op == "avg" and dtype == "fp64":
-        kw["avg"] = "divide"
     if case.collective == "reduce":
         return C.reduce(xs, root=case.root, algorithm=algorithm, **kw)
     if case.collective == "reduce_scatter":
@@ -83,8 +85,9 @@ def result_from_outputs(case: Case, outputs: list, *, backend: str, world: int,
                         algorithm: str | None = None) -> Result:
     """Result for real per-rank outputs of `case` (backend "gloo" or "nccl")."""
     algorithm = algorithm or ("gloo" if backend == "gloo" else "ring")
-    predicted = emulate(case, world, algorithm)
-    reference = emulate(case, world, "ring", dtype="fp64")
+    xs = _inputs(case, world)
+    predicted = emulate(case, world, algorithm, inputs=xs)
+    reference = emulate(case, world, "ring", reference=True, inputs=xs)
     agree = bitwise_agreement(outputs, predicted, case.dtype)
     err = error_vs_reference([t for t in outputs if t is not None],
                              _ref_rows(reference, outputs), case.dtype)
@@ -140,8 +143,9 @@ def emulate_collective(*, world: int = 4, collective: str = "all_reduce", dtype:
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"world={world!r} must be an int >= 1")
     case = Case(collective, dtype, op, numel, data, seed, root).check(world, "emulated")
-    out = emulate(case, world, algorithm)
-    reference = emulate(case, world, "ring", dtype="fp64")
+    xs = _inputs(case, world)
+    out = emulate(case, world, algorithm, inputs=xs)
+    reference = emulate(case, world, "ring", reference=True, inputs=xs)
     # Ranks holding identical bits share one tensor: compare each distinct output once.
     ranks = [r for r, t in enumerate(out) if t is not None]
     distinct = sorted({id(out[r]): r for r in ranks}.values())
