@@ -10,6 +10,7 @@ checks determinism and batch isolation and packs the cuts into batched calls (ch
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import time
 from pathlib import Path
@@ -86,8 +87,11 @@ def main(argv=None):
     dev_name = (torch.cuda.get_device_name(dev) if dev.type == "cuda" else
                 f"CPU ({platform.processor() or platform.machine()}, "
                 f"{torch.get_num_threads()} threads)")
+    load = f"; load average {os.getloadavg()[0]:.1f} at the end" if hasattr(os, "getloadavg") else ""
     lines = [f"## {dev_name}, torch {torch.__version__}, T={T}, full certification "
              f"({T - 1} cuts), best of {args.repeats}", "",
+             f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}{load} (a shared "
+             f"machine: absolute seconds move with the load, the ratio is taken side by side).", "",
              "| target | input | probe s | loop s | probe/loop | probe evals | loop evals | "
              "probe tokens | loop tokens | packed | verdict |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

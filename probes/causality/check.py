@@ -483,24 +483,24 @@ def _result(common, run, tgt, mode, x, cut_list, trials, flips, isolated, iso_wh
     leak_map = {}
     leaks, numerical = [], []
     n_inference = 0
+    mg_all = margins(s0, y0) if s0 is not None else None
     for c, i, b, t, after, kind in flips:
         counts += torch.bincount(kind, minlength=4)
         n_inference += int((t == c).sum())
-        real = kind != 1
-        by_pos += torch.bincount(t[real], minlength=T)
-        for d, n in zip(*torch.unique(c + 1 - t[real], return_counts=True)):
+        real = kind != 1                   # recorded in "leaks" (unverified ones too)
+        leak = (kind == 0) | (kind == 3)   # counted as leaks: map, distances, flip rate
+        by_pos += torch.bincount(t[leak], minlength=T)
+        for d, n in zip(*torch.unique(c + 1 - t[leak], return_counts=True)):
             dist[int(d)] = dist.get(int(d), 0) + int(n)
-        for p, n in zip(*torch.unique(t[real], return_counts=True)):
+        for p, n in zip(*torch.unique(t[leak], return_counts=True)):
             leak_map[(c, int(p))] = leak_map.get((c, int(p)), 0) + int(n)
-        mg = margins(s0, y0)[b, t] if s0 is not None else None
-        for k in range(len(b)):
-            rec = {"batch": int(b[k]), "position": int(t[k]), "cut": c, "trial": i,
-                   "distance": c + 1 - int(t[k]), "before": y0[b[k], t[k]].tolist(),
-                   "after": after[k].tolist(), "kind": KINDS[int(kind[k])],
-                   "margin": float(mg[k]) if mg is not None else None}
-            dest = numerical if kind[k] == 1 else leaks
-            if len(dest) < max_leaks:
-                dest.append(rec)
+        # records for the first max_leaks of each list only (a loop over cuts, not elements)
+        for dest, sel in ((leaks, real), (numerical, ~real)):
+            for k in sel.nonzero().flatten()[:max_leaks - len(dest)].tolist():
+                dest.append({"batch": int(b[k]), "position": int(t[k]), "cut": c, "trial": i,
+                             "distance": c + 1 - int(t[k]), "before": y0[b[k], t[k]].tolist(),
+                             "after": after[k].tolist(), "kind": KINDS[int(kind[k])],
+                             "margin": float(mg_all[b[k], t[k]]) if mg_all is not None else None})
     leaks.sort(key=lambda r: (r["cut"], r["trial"], r["batch"], r["position"]))
     n_struct, n_num, n_unver, n_unconf = (int(v) for v in counts)
     # unconfirmed: a packed flip past the verification budget, after earlier packed flips
@@ -512,13 +512,12 @@ def _result(common, run, tgt, mode, x, cut_list, trials, flips, isolated, iso_wh
     score_leaks, score_map = [], {}
     for c, i, b, t, delta, kind in run.score_flips:
         score_counts += torch.bincount(kind, minlength=3)
-        for k in range(len(b)):
-            if kind[k] == 0:
-                score_map[(c, int(t[k]))] = score_map.get((c, int(t[k])), 0) + 1
-            if kind[k] != 1 and len(score_leaks) < max_leaks:
-                score_leaks.append({"batch": int(b[k]), "position": int(t[k]), "cut": c, "trial": i,
-                                    "distance": c + 1 - int(t[k]), "change": float(delta[k]),
-                                    "kind": KINDS[int(kind[k])]})
+        for p, n in zip(*torch.unique(t[kind == 0], return_counts=True)):
+            score_map[(c, int(p))] = score_map.get((c, int(p)), 0) + int(n)
+        for k in (kind != 1).nonzero().flatten()[:max_leaks - len(score_leaks)].tolist():
+            score_leaks.append({"batch": int(b[k]), "position": int(t[k]), "cut": c, "trial": i,
+                                "distance": c + 1 - int(t[k]), "change": float(delta[k]),
+                                "kind": KINDS[int(kind[k])]})
     n_score_leaks, n_score_num, n_score_unver = (int(v) for v in score_counts)
     n_unver += n_score_unver
     causal = n_leaks == 0 and n_score_leaks == 0
