@@ -1,6 +1,8 @@
 """The audit: running suites, progress, history, reports on disk, config, the CLI."""
 import io
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -195,3 +197,100 @@ def test_default_suite_end_to_end(tmp_path, monkeypatch):
     html = report.with_name("report.html").read_text()
     assert html.count('src="data:image/png;base64,') >= 20
     assert len((tmp_path / "hist" / "history.jsonl").read_text().splitlines()) == 1
+
+
+# --- config sections ---------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def docs_schema_example() -> dict:
+    import tomllib
+    text = (REPO / "docs" / "audit.md").read_text()
+    block = text.split("<!-- schema-example -->", 1)[1].split("```toml", 1)[1].split("```", 1)[0]
+    return tomllib.loads(block)["tool"]["trainprobes"]
+
+
+def test_docs_schema_example(monkeypatch):
+    """The documented schema builds, and each of its sections runs to a real Result."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    cfg = docs_schema_example()
+    checks, skipped = suite_from_config(cfg, base_dir=REPO)
+    assert skipped == {}
+    names = [c.name for c in checks]
+    assert names == ["moe.router", "moe.block", "grad_allreduce", "rl.engine_pair",
+                     "all_reduce bf16 ring w=8", "all_reduce fp16 ring w=8",
+                     "all_reduce bf16 ring w=64", "all_reduce fp16 ring w=64"]
+    results, _ = run_suite([checks[i] for i in (0, 2, 3, 4)])
+    by = {r.target: r for r in results}
+    assert by["moe.router"].metrics["causal"] is True and by["moe.router"].verdict == "pass"
+    assert by["grad_allreduce"].metrics["verdict"] == "biased"  # bf16(1/6): +0.195%
+    assert "dp_allreduce[bf16,ring,w=8]" in by
+    drift = by["rl.engine_pair"]
+    assert drift.probe == "drift.compare" and drift.evidence["thresholds"]["k3_kl"] == 0.01
+    assert any(p["kind"] == "hist" for p in drift.evidence["plots"])
+
+
+def write_module(tmp_path, name, text):
+    (tmp_path / f"{name}.py").write_text(text)
+    return tmp_path
+
+
+ROUTERS = '''
+import torch
+def causal(x):
+    return x.argmax(-1, keepdim=True)
+def leaky(x):
+    return (x - x.mean(dim=1, keepdim=True)).argmax(-1, keepdim=True)
+'''
+
+
+@pytest.mark.parametrize("target,causal", [("routers_mod:causal", True),
+                                           ("routers_mod:leaky", False)])
+def test_config_causality_section(tmp_path, monkeypatch, target, causal):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    write_module(tmp_path, "routers_mod", ROUTERS)
+    cfg = {"pythonpath": ["."], "causality": [{"name": "r", "target": target, "hidden": 8,
+                                               "seq_len": 16, "cuts": "all",
+                                               "fail_above": {"n_leaks": 0}}]}
+    checks, _ = suite_from_config(cfg, base_dir=tmp_path, seed=3)
+    (r,) = run_suite(checks)[0]
+    assert r.target == "r" and r.seed == 3 and r.metrics["causal"] is causal
+    assert r.verdict == ("pass" if causal else "fail")
+    if not causal:
+        assert "TP-C1" in r.codes and "n_leaks" in r.message
+        assert any(p["kind"] == "heatmap" for p in r.evidence["plots"])
+
+
+@pytest.mark.parametrize("section,entry,match", [
+    ("causality", {"target": "x:y", "hidden": 8, "vocab": 10}, "exactly one of vocab"),
+    ("causality", {"target": "x:y", "hidden": 8, "cutz": "all"},
+     r"unknown keys \['cutz'\]; known for \[\[causality\]\]"),
+    ("causality", {"target": "x:y", "hidden": 8, "seq_len": 0}, r"seq_len=0 must be a positive"),
+    ("bias", {"target": "x:y", "inputs": "x:z"}, r"missing 'reference'"),
+    ("drift", {"train": "a.npz"}, "needs exactly one source"),
+    ("drift", {"engine": "x:y", "rollouts": "r.jsonl"}, "needs exactly one source"),
+    ("drift", {"engine": "x:y", "alhpa": 0.1}, r"unknown keys \['alhpa'\]"),
+    ("collectives", {"backend": "gloo"}, r"backend='gloo'.*trainprobes collectives --backend gloo"),
+])
+def test_config_section_errors(section, entry, match):
+    with pytest.raises(ConfigError, match=match):
+        suite_from_config({section: [entry]})
+
+
+def test_config_unimportable_target_is_an_error_result_naming_it(tmp_path):
+    checks, _ = suite_from_config({"causality": [{"target": "no_such_mod:fn", "hidden": 4}]})
+    (r,) = run_suite(checks)[0]
+    assert r.verdict == "error" and "no_such_mod" in r.message and "target" in r.message
+
+
+def test_config_drift_from_npz_files(tmp_path):
+    import numpy as np
+    g = np.random.default_rng(0)
+    train = -g.uniform(0.1, 3.0, size=(32, 16))
+    np.savez(tmp_path / "train.npz", logprobs=train)
+    np.savez(tmp_path / "infer.npz", logprobs=train - 0.2)  # a constant offset: biased
+    cfg = {"drift": [{"name": "files", "train": "train.npz", "infer": "infer.npz"}]}
+    checks, _ = suite_from_config(cfg, base_dir=tmp_path)
+    (r,) = run_suite(checks)[0]
+    assert r.target == "files" and r.metrics["biased"] is True and "TP-D1" in r.codes
