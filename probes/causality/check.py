@@ -453,8 +453,8 @@ class _Run:
 
 
 def _brief(v) -> str:
-    """A decision for a message: short lists whole, long ones (hidden states) abridged."""
-    if isinstance(v, list) and len(v) > 4:
+    """A decision for a message: ids and masks (up to 16) whole, float vectors abridged."""
+    if isinstance(v, list) and (len(v) > 16 or len(v) > 4 and any(isinstance(u, float) for u in v)):
         return "[" + ", ".join(f"{u:.4g}" if isinstance(u, float) else str(u) for u in v[:3]) + \
             f", ...] ({len(v)} values)"
     return str(v)

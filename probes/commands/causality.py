@@ -141,7 +141,8 @@ def _controls(args, cuts) -> int:
 
 
 def _short(v) -> str:
-    if isinstance(v, list) and len(v) > 4:
+    """ids and masks (up to 16 values) whole, float vectors (hidden states) abridged."""
+    if isinstance(v, list) and (len(v) > 16 or len(v) > 4 and any(isinstance(u, float) for u in v)):
         return "[" + ", ".join(f"{u:.4g}" if isinstance(u, float) else str(u) for u in v[:3]) + \
             f", ...] ({len(v)} values)"
     if isinstance(v, list):
