@@ -153,7 +153,9 @@ def _failure(result, what: str) -> str:
         lines.append(f"  {c} {CODES.get(c, '')}")
     shown = {k: v for k, v in result.metrics.items() if not isinstance(v, (list, dict))}
     for k, v in list(shown.items())[:12]:
-        lines.append(f"  {k} = {v!r}")
+        if not isinstance(v, bool) and hasattr(v, "__float__"):
+            v = f"{float(v):.6g}"  # numpy scalars print as np.float64(...) otherwise
+        lines.append(f"  {k} = {v}")
     if result.seed is not None:
         lines.append(f"  seed = {result.seed} (rerun with it to reproduce)")
     return "\n".join(x for x in lines if x)
