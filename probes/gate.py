@@ -44,7 +44,9 @@ class Waiver:
     expires: date
 
     def matches(self, code: str, result_key: str, target: str) -> bool:
-        return code == self.code and (fnmatchcase(target, self.target)
+        # Equality first: targets like "all_reduce[bf16,ring]" hold fnmatch's [...] classes.
+        return code == self.code and (self.target in (target, result_key)
+                                      or fnmatchcase(target, self.target)
                                       or fnmatchcase(result_key, self.target))
 
 

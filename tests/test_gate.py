@@ -154,6 +154,13 @@ def test_waiver_must_match_code_and_target(w):
     assert rep.exit_code == 1 and rep.unused_waivers == [w]
 
 
+def test_waiver_matches_a_target_with_brackets_exactly():
+    base = R(target="all_reduce[bf16,ring,w=1024]", bias=0.0, bias_se=1e-6)
+    cand = R(target="all_reduce[bf16,ring,w=1024]", bias=-0.2, bias_se=1e-3)
+    w = Waiver("TP-G2", "all_reduce[bf16,ring,w=1024]", "known stall", date(2027, 1, 1))
+    assert compare([base], [cand], waivers=[w], today=TODAY).exit_code == 0
+
+
 def test_expired_waiver_does_not_apply_and_is_reported():
     w = Waiver("TP-C1", "pkg.router:route", "was temporary", date(2026, 11, 28))
     rep = compare([LEAK[0]], [LEAK[1]], waivers=[w], today=TODAY)
