@@ -211,3 +211,11 @@ def test_kl_estimates_are_nonnegative_and_k3_close_to_k2_for_small_mismatch(seed
     assert m["k3_kl"] >= 0 and m["k2_kl"] >= 0
     if scale <= 1e-3:
         assert m["k3_kl"] == pytest.approx(m["k2_kl"], rel=0.05, abs=1e-15)
+
+
+def test_one_sequence_cannot_be_tested_and_says_so():
+    train, infer = _pair(16, B=1, T=50, offset=0.05)
+    r = compare(train, infer)
+    assert math.isnan(r.metrics["p_value"]) and r.metrics["biased"] is False
+    assert "untestable with one sequence" in r.message
+    assert compare(train.reshape(-1), infer.reshape(-1)).metrics["biased"] is True  # blocks: testable

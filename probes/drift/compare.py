@@ -71,7 +71,7 @@ def compare(train_logprobs, infer_logprobs, *, mask=None, lengths=None, alpha: f
     train, infer, m, unit = inputs.pair(train_logprobs, infer_logprobs, mask, lengths)
     x2d = infer - train
     xz = torch.where(m, x2d, 0.0)
-    if bool(m.all()):
+    if int(torch.count_nonzero(m)) == m.numel():
         x, tr, inf = x2d.reshape(-1), train.reshape(-1), infer.reshape(-1)
     else:  # one nonzero, three gathers
         keep = m.reshape(-1).nonzero().squeeze(1)
@@ -79,9 +79,10 @@ def compare(train_logprobs, infer_logprobs, *, mask=None, lengths=None, alpha: f
 
     metrics, evidence = stats.token_metrics(tr, inf, x, clip)
     # the bias test over units: sums of x and of u = x - x^2/2 per row
-    seq_n = m.sum(1)
+    seq_n = inputs.row_counts(m)
     seq_sum = xz.sum(1)
-    seq_u = seq_sum - (xz * xz).sum(1) / 2
+    xz2 = xz * xz
+    seq_u = seq_sum - xz2.sum(1) / 2
     mean, se, t, p_mean, half, G = (v.item() for v in stats.cluster_t(seq_sum, seq_n, alpha))
     _, _, t_u, p_excess, _, _ = (v.item() for v in stats.cluster_t(seq_u, seq_n, alpha))
     small_noise = metrics["k2_kl"] <= noise_kl_max
@@ -95,7 +96,7 @@ def compare(train_logprobs, infer_logprobs, *, mask=None, lengths=None, alpha: f
         metrics.update(stats.sequence_metrics(seq_sum, seq_n, clip))
     evidence["by_probability"] = stats.by_probability(inf, x)
     if unit == "sequence":
-        evidence["by_position"] = stats.by_position(xz, m)
+        evidence["by_position"] = stats.by_position(xz, xz2, m)
     evidence["test_unit"] = unit
     return _verdict(metrics, evidence, alpha=alpha, clean_tol=clean_tol, tail_frac=tail_frac,
                     tail_share_min=tail_share_min, kl_warn=kl_warn, thresholds=thresholds,
@@ -128,7 +129,8 @@ def classify(metrics: dict, *, alpha: float, clean_tol: float, tail_frac: float,
                   f"ratio outside the band")
         label = "clean"
     else:
-        why = "no significant bias" if not math.isfinite(p) or p >= alpha else "mean explained by noise"
+        why = ("bias untestable with one sequence (pass more rows, or lengths=)" if not math.isfinite(p)
+               else "no significant bias" if p >= alpha else "mean explained by noise")
         reason = (f"zero-mean mismatch, {why} (p = {p:.2g}); std {metrics['std_log_ratio']:.3g} nats, "
                   f"k3 KL(infer||train) {metrics['k3_kl']:.3g}")
         label = "noisy"

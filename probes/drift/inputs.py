@@ -50,6 +50,11 @@ def check_logprobs(name: str, lp: torch.Tensor, mask: torch.Tensor | None) -> No
                      f"out padding with mask=")
 
 
+def row_counts(mask: torch.Tensor) -> torch.Tensor:
+    """True entries per row of a bool [G, T] (as int32: a bool .sum() widens to int64, slowly)."""
+    return mask.view(torch.uint8).sum(1, dtype=torch.int32)
+
+
 def pair(train, infer, mask=None, lengths=None, blocks: int = DEFAULT_BLOCKS):
     """Validate and lay out a train/infer pair.
 

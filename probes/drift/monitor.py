@@ -79,11 +79,10 @@ class DriftMonitor:
         # the zeros they put in the histograms are taken out again below. Work in a = log rho
         # = train - infer = -x, in place where possible: this runs every training step.
         a = train - infer
-        n_pad = 0
-        if not bool(m.all()):
+        n_pad = m.numel() - int(torch.count_nonzero(m))  # bool .sum() is ~10x slower
+        if n_pad:
             pad = ~m
             a.masked_fill_(pad, 0.0)
-            n_pad = int(pad.sum())
         az = a
         a = a.reshape(-1)
         n = a.numel() - n_pad
@@ -126,7 +125,7 @@ class DriftMonitor:
         self.coarse += coarse
         n_low = int((a > -COARSE[0]).sum()) if lo < COARSE[0] else 0  # histc drops out-of-range
         # per-unit sums for the cluster-robust tests
-        k = m.sum(1).double()
+        k = inputs.row_counts(m).double()
         used = k > 0
         S, U, k = row_s[used], (row_s - row_q / 2)[used], k[used]
         upd = dict(n=n, n_low=n_low, s1=s1, s2=s2, se=se_, see=see, k3=k3, rev=rev, n_out=n_out, tail_sq=tail_sq,

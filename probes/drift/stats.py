@@ -221,12 +221,13 @@ def by_probability(infer: torch.Tensor, x: torch.Tensor, buckets: int = 10) -> l
     return rows
 
 
-def by_position(xz: torch.Tensor, mask: torch.Tensor, groups: int = 16) -> list:
-    """Bias and spread of x by position in the sequence, in up to `groups` equal spans."""
+def by_position(xz: torch.Tensor, xz2: torch.Tensor, mask: torch.Tensor, groups: int = 16) -> list:
+    """Bias and spread of x by position in the sequence, in up to `groups` equal spans
+    (xz: x with padding zeroed, xz2 = xz * xz)."""
     T = xz.shape[1]
-    n = mask.sum(0).double()
+    n = mask.view(torch.uint8).sum(0, dtype=torch.int32).double()
     s1 = xz.sum(0).double()
-    s2 = (xz * xz).sum(0).double()
+    s2 = xz2.sum(0).double()
     edges = torch.linspace(0, T, min(groups, T) + 1).round().long().tolist()
     rows = []
     for a, b in zip(edges[:-1], edges[1:]):
