@@ -159,6 +159,11 @@ def test_cli_audit_stall_family_json(tmp_path, capsys, monkeypatch):
     assert 'src="data:image/png;base64,' in open(doc["html"]).read()
 
 
+def test_cli_audit_unknown_family_exit_2(capsys):
+    assert main(["audit", "--families", "stall,nope"]) == 2
+    assert "families=['nope'] are not default-suite families" in capsys.readouterr().err
+
+
 def test_cli_audit_bad_config_exit_2(tmp_path, capsys):
     cfg = tmp_path / "c.toml"
     cfg.write_text("[tool.trainprobes]\nbogus = 1\n")

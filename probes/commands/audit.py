@@ -20,7 +20,8 @@ def add_arguments(p):
     p.add_argument("--history", metavar="DIR", default=None,
                    help="append a summary line per run to DIR/history.jsonl and plot trends")
     p.add_argument("--families", metavar="A,B", default=None,
-                   help="only these default-suite families (see docs/audit.md)")
+                   help="only these default-suite families (implies --default): stall, sites, "
+                        "reveal, collectives, causality, drift, gloo")
     p.add_argument("--quick", action="store_true", help="a smaller default suite (smoke test)")
     p.add_argument("--seed", type=int, default=None, help="seed for every random choice (default 0)")
     p.add_argument("--strict", action="store_true",
@@ -37,7 +38,8 @@ def run(args) -> int:
     from probes.report.markdown import counts_line
 
     try:
-        cfg, cfg_path = (None, None) if args.default else find_config(args.config)
+        use_default = args.default or bool(args.families)
+        cfg, cfg_path = (None, None) if use_default else find_config(args.config)
         seed = args.seed if args.seed is not None else (cfg or {}).get("seed", 0)
         families = args.families.split(",") if args.families else None
         if cfg is None:
