@@ -108,3 +108,24 @@ def test_bad_input_names_the_argument(kwargs, match):
 
 def test_explain_rejects_nothing_silently():
     assert "inexactly" in explain("fp32", 1e-3, 10_000, 10.000411033630371, stalled=False)
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from probes.strategies import format_values  # noqa: E402
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.sampled_from(["bf16", "fp8_e4m3fn", "fp8_e5m2", "fp6_e3m2fn"]).flatmap(
+    lambda name: st.tuples(st.just(name), format_values(name, allow_negative=True))))
+def test_any_increment_ends_stuck_in_the_binade_of_its_stall_point(case):
+    name, d = case
+    f = FORMATS[name]
+    if d == 0 or math.isinf(f.stall_point(d)):
+        return
+    (row,) = stall_table([name], [d], 4 * 2 ** (f.mantissa_bits + 2))
+    s, total = row["stall_at"], row["sequential_sum"]
+    assert row["stalled"]
+    assert abs(s) <= abs(total) < 2 * abs(s) or s == 0
+    assert f.round(torch.tensor([total + d])).item() == total
