@@ -13,8 +13,9 @@ def run(capsys, *argv):
     return code, out.out, out.err
 
 
-def test_reference_table_prints_every_known_verdict(capsys):
-    code, out, _ = run(capsys, "--seq-len", "24", "--batch", "2")
+def test_reference_table_prints_every_known_verdict(capsys, tmp_path):
+    report = tmp_path / "causality.json"
+    code, out, _ = run(capsys, "--seq-len", "24", "--batch", "2", "--output", str(report))
     assert code == 0
     assert "20/20 verdicts as known from the mechanism" in out
     rows = [line.split() for line in out.splitlines() if line.startswith("reference.")]
@@ -23,16 +24,28 @@ def test_reference_table_prints_every_known_verdict(capsys):
     assert by[("reference.routing:expert_choice", "perturb")][3] == "fail"
     assert by[("reference.routing:capacity_by_position", "perturb")][3] == "pass"
     assert by[("reference.routing:capacity_by_position", "truncate")][3] == "fail"
-
-
-def test_reference_table_json_and_report(capsys, tmp_path):
-    report = tmp_path / "causality.json"
-    code, out, _ = run(capsys, "--seq-len", "12", "--batch", "2", "--json", "--output", str(report))
-    assert code == 0
-    docs = json.loads(out)
-    assert len(docs) == 20 and {d["probe"] for d in docs} == {"causality.check"}
     results, meta = load_results(report)
     assert len(results) == 20 and meta["command"] == "causality"
+    assert {r.probe for r in results} == {"causality.check"}
+
+
+def test_reference_table_json(capsys, monkeypatch):
+    from probes.causality import suite
+    some = [c for c in suite.controls() if c.name.endswith(("topk_softmax", "expert_choice"))]
+    monkeypatch.setattr(suite, "controls", lambda: some)
+    code, out, _ = run(capsys, "--seq-len", "16", "--batch", "2", "--json")
+    docs = json.loads(out)
+    assert code == 0 and [d["target"] for d in docs] == [some[0].name] * 2 + [some[1].name] * 2
+    assert [d["metrics"]["causal"] for d in docs] == [True, True, False, False]
+
+
+def test_a_wrong_known_verdict_makes_the_table_fail(capsys, monkeypatch):
+    from probes.causality import suite
+    wrong = suite.Control("reference.routing:expert_choice", suite.routing.expert_choice, True,
+                          True, "router")
+    monkeypatch.setattr(suite, "controls", lambda: [wrong])
+    code, out, _ = run(capsys, "--seq-len", "16", "--batch", "2")
+    assert code == 1 and "0/2 verdicts as known" in out and " NO" in out
 
 
 def test_target_by_import_path_human_output(capsys):
