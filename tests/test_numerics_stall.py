@@ -129,3 +129,12 @@ def test_any_increment_ends_stuck_in_the_binade_of_its_stall_point(case):
     assert row["stalled"]
     assert abs(s) <= abs(total) < 2 * abs(s) or s == 0
     assert f.round(torch.tensor([total + d])).item() == total
+
+
+@pytest.mark.parametrize("name,n,text", [("fp16", 100, "would overflow to inf if it ran long enough"),
+                                         ("fp16", 10_000, "it overflows to inf"),
+                                         ("fp6_e2m3fn", 5, "would saturate at 7.5")])
+def test_overflow_wording_depends_on_whether_the_sum_got_there(name, n, text):
+    d = 64.0 if name == "fp16" else 1.0
+    (row,) = stall_table([name], [d], n)
+    assert text in row["reason"]

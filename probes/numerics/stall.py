@@ -78,15 +78,17 @@ def explain(fmt, increment: float, n: int, sequential_sum: float, *, stalled: bo
     if math.isinf(s):
         point = 2.0 ** (math.ceil(math.log2(abs(d))) + f.mantissa_bits + 1)
         if saturate or f.overflow == "saturate":
-            what = (f"saturates at {_num(math.copysign(f.max_finite, d))} ("
-                    + ("saturate=True" if saturate else f"{f.name} has neither inf nor NaN")
-                    + ") and stays there")
+            verb = f"saturate{{s}} at {_num(math.copysign(f.max_finite, d))}"
+            why = "saturate=True" if saturate else f"{f.name} has neither inf nor NaN"
         elif f.overflow == "nan":
-            what = f"overflows to NaN ({f.name} has no infinity)"
+            verb, why = "overflow{s} to NaN", f"{f.name} has no infinity"
         else:
-            what = "overflows to inf"
-        if abs(true) <= f.max_finite and sequential_sum == sequential_sum and abs(sequential_sum) <= f.max_finite:
-            what = f"would {what.split(' (')[0]} if it ran long enough"
+            verb, why = "overflow{s} to inf", ""
+        reached = not (abs(true) <= f.max_finite and math.isfinite(sequential_sum)
+                       and abs(sequential_sum) < f.max_finite)
+        what = (verb.format(s="s") + (f" ({why})" if why else "") + (" and stays there" if
+                "saturate" in verb else "")) if reached else \
+            f"would {verb.format(s='')} if it ran long enough"
         return (f"{note}the stall point {_num(point)} lies past the largest finite {f.name} value "
                 f"{_num(f.max_finite)}: the sum never stalls, it {what}")
     if not stalled:
