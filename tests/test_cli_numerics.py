@@ -43,3 +43,11 @@ def test_bias_unbiased_case_exits_0_and_reads_well(capsys):
                "--rounding", "stochastic"])
     out = capsys.readouterr().out
     assert rc == 0 and "unbiased" in out and "99% CI" in out and "PASS" in out
+
+
+def test_bias_avg_premul_with_a_non_power_of_two_world_is_biased(capsys):
+    # NCCL ncclAvg: every input times bf16(1/3) = 1/3 * (1 + 2^-9): +0.195% on every result
+    rc = main(["bias", "--world", "3", "--numel", "64", "--op", "avg", "--avg", "premul",
+               "--trials", "8", "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert rc == 1 and d["verdict"] == "biased" and d["bias"] > 0

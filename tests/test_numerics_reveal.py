@@ -110,6 +110,16 @@ def test_accumulator_narrower_in_range_than_the_input():
         reveal(fn, n=8, dtype="bf16", max_exponent=-200)
 
 
+def test_an_order_that_changes_between_calls_is_not_passed_off_as_a_tree():
+    g = torch.Generator().manual_seed(0)
+
+    def shuffled(x):  # a different sequential order on every call
+        return _ordered(torch.randperm(x.numel(), generator=g).tolist())(x)
+
+    order = reveal_order(shuffled, 8, dtype="fp16")
+    assert not order["consistent"] and order["shape"] == "inconsistent"
+
+
 def test_expected_bits_gate_fails_with_code():
     r = reveal(_ordered(list(range(8))), n=8, dtype="fp16", expected_mantissa_bits=23)
     assert r.verdict == "fail" and r.codes == ["TP-B3"] and "expected at least 23" in r.message

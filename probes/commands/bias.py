@@ -15,6 +15,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--algorithm", default="ring",
                         help="ring, tree, halving_doubling, hierarchical, sequential, gloo (default: %(default)s)")
     parser.add_argument("--op", default="sum", choices=("sum", "avg"))
+    parser.add_argument("--avg", default=None, choices=("premul", "divide"),
+                        help="for --op avg: premul (NCCL: inputs times the rounded 1/n) or divide "
+                             "(gloo: sum, then / n); default: the algorithm's own")
     parser.add_argument("--rounding", default="nearest", choices=("nearest", "stochastic", "toward_zero"))
     parser.add_argument("--accum-dtype", default=None, help="precision of each add before the per-hop rounding")
     parser.add_argument("--reduce-dtype", default=None,
@@ -64,6 +67,8 @@ def run(args) -> int:
                   scale=args.scale, noise=args.noise, progress=_progress(sys.stderr))
     if args.ranks_per_node is not None:
         kwargs["ranks_per_node"] = args.ranks_per_node
+    if args.avg is not None:
+        kwargs["avg"] = args.avg
     try:
         if args.compare:
             results = rounding_side_by_side(**kwargs)
