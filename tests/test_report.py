@@ -57,6 +57,7 @@ def test_write_report_writes_three_files_that_round_trip(tmp_path):
     assert meta["suite"] == "test"
     assert json.loads(paths["json"].read_text())["schema_version"] == SCHEMA_VERSION
     assert not list((tmp_path / "r").glob(".*.tmp"))  # no temp file left behind
+    assert all(p.stat().st_mode & 0o777 == 0o644 for p in paths.values())
 
 
 def test_markdown_summary_lists_findings_first():

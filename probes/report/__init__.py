@@ -31,6 +31,9 @@ def write_report(out_dir, results: list[Result], meta: dict | None = None) -> di
     meta = dict(meta or {})
     json_meta = {k: v for k, v in meta.items() if k != "history_plots"}
     md = summary_markdown(results, meta)
-    return {"json": save_results(out_dir / "report.json", results, **json_meta),
-            "markdown": write_atomic(out_dir / "summary.md", md),
-            "html": write_atomic(out_dir / "report.html", render_html(results, meta))}
+    paths = {"json": save_results(out_dir / "report.json", results, **json_meta),
+             "markdown": write_atomic(out_dir / "summary.md", md),
+             "html": write_atomic(out_dir / "report.html", render_html(results, meta))}
+    for p in paths.values():
+        p.chmod(0o644)  # write_atomic's temp file is 0600; reports are meant to be shared
+    return paths
