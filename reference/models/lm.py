@@ -16,6 +16,7 @@ a mismatch in what is reported. No probing here; probes.drift measures the drift
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -247,9 +248,9 @@ def train_logprobs(model: TinyLM, prompts, completions, mask=None, *, dtype=torc
 
 
 def _cast(model: TinyLM, dtype) -> TinyLM:
+    """The engine's copy of the weights in its dtype (the caller's model is left as it is)."""
     if model.tok.dtype == dtype:
         return model
-    import copy
     return copy.deepcopy(model).to(dtype)
 
 
