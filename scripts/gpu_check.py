@@ -1,0 +1,143 @@
+"""Every GPU check of trainprobes in one short run; writes a JSON report. Called by
+scripts/gpu-check.sh.
+
+1. NCCL: the distributed runner with backend nccl on world 1 (and on every visible GPU
+   when there are more): all_reduce / reduce_scatter / all_gather / reduce in fp32, fp16,
+   bf16, sum and avg, compared bit for bit with the emulator (NCCL ring model) and with
+   fp64; fp8 all_reduce where NCCL takes it; the order revealed from crafted inputs when
+   there are 3 or more GPUs.
+2. Accumulator reveal on GPU kernels (probes.numerics.reveal, device="cuda"): torch.matmul
+   in fp16 and bf16 with allow_fp16/bf16_reduced_precision_reduction off and on, and fp8
+   torch._scaled_mm where the GPU has it (sm89+).
+Without CUDA it exits 2 and says so: nothing is checked, nothing passes. --allow-cpu runs
+the same code paths on the CPU (gloo, device="cpu") to check the script itself; that
+report says "cpu_dry_run": it is not a GPU check.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _check(report: dict, name: str, fn) -> None:
+    """Run one check; record its figures, or its error (which fails the run)."""
+    t = time.perf_counter()
+    try:
+        report["checks"][name] = {"status": "ok", **fn()}
+    except Exception as e:  # noqa: BLE001 - a failed check is recorded and fails the run
+        report["checks"][name] = {"status": "error", "error": f"{type(e).__name__}: {e}",
+                                  "traceback": traceback.format_exc()}
+    report["checks"][name]["seconds"] = round(time.perf_counter() - t, 2)
+    print(f"[{report['checks'][name]['status']:5}] {name} "
+          f"({report['checks'][name]['seconds']}s)", flush=True)
+
+
+def nccl_checks(report: dict, backend: str, worlds: list[int]) -> None:
+    from probes.distributed import Case, run_collectives
+    from probes.distributed.reveal import reveal_result
+
+    for world in worlds:
+        def collectives(world=world):
+            cases = [Case(c, dt, op, n, "normal", seed=1)
+                     for c in ("all_reduce", "reduce_scatter", "all_gather", "reduce")
+                     for dt in ("fp32", "fp16", "bf16") for op in ("sum", "avg")
+                     for n in (world * 1024, world * 65536)]
+            res = run_collectives(cases, backend=backend, world=world, timeout=120)
+            rows = [{"case": r.target, **{k: r.metrics[k] for k in (
+                "bitwise_match_fraction", "max_ulp_error", "bias", "bias_p")},
+                "verdict": r.verdict, "codes": r.codes} for r in res]
+            return {"world": world, "cases": rows,
+                    "all_bitwise": all(x["bitwise_match_fraction"] == 1.0 for x in rows)}
+        _check(report, f"{backend}_collectives_world{world}", collectives)
+
+        def fp8(world=world):
+            if backend != "nccl":
+                return {"skipped": "gloo has no float8 reduction"}
+            case = Case("all_reduce", "fp8_e4m3fn", "sum", world * 1024, "normal", seed=2)
+            r = run_collectives([case], backend=backend, world=world, timeout=120)[0]
+            return {"case": r.target, **{k: r.metrics[k] for k in (
+                "bitwise_match_fraction", "max_ulp_error", "bias")}}
+        _check(report, f"{backend}_fp8_world{world}", fp8)
+
+        if world >= 3:
+            _check(report, f"{backend}_order_reveal_world{world}", lambda world=world: reveal_result(
+                backend=backend, world=world, numel=4096, dtype="fp32", timeout=120).to_dict())
+
+
+def matmul_checks(report: dict, device: str) -> None:
+    import torch
+
+    from probes.numerics.reveal import matmul_reduction, reveal, scaled_mm_reduction
+
+    knobs = {"fp16": "allow_fp16_reduced_precision_reduction",
+             "bf16": "allow_bf16_reduced_precision_reduction"}
+    for dtype, knob in knobs.items():
+        for allow in (False, True):
+            def one(dtype=dtype, knob=knob, allow=allow):
+                old = getattr(torch.backends.cuda.matmul, knob)
+                setattr(torch.backends.cuda.matmul, knob, allow)
+                try:
+                    r = reveal(matmul_reduction(), n=32, dtype=dtype, device=device,
+                               target=f"torch.matmul[{dtype},{knob}={allow}]")
+                finally:
+                    setattr(torch.backends.cuda.matmul, knob, old)
+                return {"knob": knob, "allowed": allow, "metrics": r.metrics,
+                        "message": r.message}
+            _check(report, f"matmul_{dtype}_{'reduced' if allow else 'default'}", one)
+
+    def fp8():
+        if device != "cuda":
+            return {"skipped": "torch._scaled_mm needs CUDA"}
+        cap = torch.cuda.get_device_capability()
+        if cap < (8, 9) or not hasattr(torch, "_scaled_mm"):
+            return {"skipped": f"no fp8 GEMM on compute capability {cap}"}
+        r = reveal(scaled_mm_reduction(), n=32, dtype="fp8_e4m3fn", device=device,
+                   target="torch._scaled_mm[fp8_e4m3fn->bf16]")
+        return {"capability": list(cap), "metrics": r.metrics, "message": r.message}
+    _check(report, "scaled_mm_fp8", fp8)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="reports/gpu-check.json")
+    ap.add_argument("--allow-cpu", action="store_true",
+                    help="run the code paths on the CPU (gloo) to test this script; NOT a GPU check")
+    args = ap.parse_args(argv)
+    import torch
+
+    from probes.result import environment, write_atomic
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.allow_cpu:
+        print("gpu-check: FAILED: torch.cuda.is_available() is False: no GPU check was run "
+              "(nothing passes without a GPU; --allow-cpu only tests this script)",
+              file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    report = {"environment": environment(), "cpu_dry_run": not cuda, "checks": {}}
+    if cuda:
+        n = torch.cuda.device_count()
+        report["gpus"] = [torch.cuda.get_device_name(i) for i in range(n)]
+        nccl_checks(report, "nccl", sorted({1, min(n, 8)}))
+        matmul_checks(report, "cuda")
+    else:
+        nccl_checks(report, "gloo", [3])
+        matmul_checks(report, "cpu")
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    failed = [k for k, v in report["checks"].items() if v["status"] != "ok"]
+    report["failed"] = failed
+    write_atomic(args.out, json.dumps(report, indent=2, default=str))
+    print(f"gpu-check: {len(report['checks']) - len(failed)}/{len(report['checks'])} checks ran "
+          f"in {report['seconds']}s{' (CPU DRY RUN, not a GPU check)' if not cuda else ''}; "
+          f"report: {args.out}" + (f"; FAILED: {failed}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
