@@ -97,6 +97,12 @@ def test_html_is_self_contained_with_embedded_plots():
     assert "&lt;script&gt;" in page  # messages are escaped
 
 
+def test_skipped_families_are_named_in_both_summaries():
+    meta = {"skipped": {"gloo": "probes.distributed is not installed in this build"}}
+    assert "Skipped **gloo**: probes.distributed is not installed" in summary_markdown([], meta)
+    assert "skipped gloo</b>: probes.distributed is not installed" in render_html([], meta)
+
+
 def test_html_survives_a_bad_plot_spec():
     r = Result("numerics.stall", "t", "pass", evidence={"plots": [{"kind": "pie", "title": "x"}]})
     page = render_html([r])

@@ -106,6 +106,8 @@ def render_html(results: list[Result], meta: dict | None = None) -> str:
             f'<img alt="{_e(s.get("title", ""))}" src="{png_data_uri(s)}">'
             for s in meta["history_plots"]) + "</div>"
     note = "" if draw else "<p><b>matplotlib is not installed: no plots.</b></p>"
+    for fam, why in (meta.get("skipped") or {}).items():
+        note += f"<p><b>skipped {_e(fam)}</b>: {_e(why)}</p>"
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{_e(title)}</title>"
             f"<style>{CSS}</style></head><body><h1>{_e(title)}</h1>"
             f"<p>{_e(counts_line(results) or 'no results')}</p>{note}"

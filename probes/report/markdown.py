@@ -47,6 +47,8 @@ def summary_markdown(results: list[Result], meta: dict | None = None) -> str:
     if "suite" in meta:
         bits.append(f"suite: {meta['suite']}")
     lines += [" · ".join(bits), ""]
+    for fam, why in (meta.get("skipped") or {}).items():
+        lines += [f"Skipped **{fam}**: {why}", ""]
     bad = [r for r in results if r.verdict in ("fail", "error")]
     if bad:
         lines.append("**Findings**")
