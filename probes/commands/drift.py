@@ -22,6 +22,10 @@ def add_arguments(p) -> None:
     opt = p.add_argument_group("options")
     opt.add_argument("--alpha", type=float, default=0.01, help="level of the bias test (default 0.01)")
     opt.add_argument("--clip", type=float, default=2.0, help="C of the ratio band [1/C, C] (default 2)")
+    opt.add_argument("--noise-kl-max", type=float, default=1e-3,
+                     help="largest k2 KL (nats/token) that sampling noise may explain (default 1e-3)")
+    opt.add_argument("--clean-tol", type=float, default=1e-3,
+                     help="largest log-ratio std (nats) called clean (default 1e-3)")
     opt.add_argument("--threshold", action="append", default=[], metavar="METRIC=MAX",
                      help="fail (TP-D3) when |METRIC| > MAX, e.g. k3_kl=0.001; repeatable")
     opt.add_argument("--seed", type=int, default=0, help="demo seed (model, prompts, sampling)")
@@ -51,7 +55,8 @@ def _thresholds(items) -> dict:
 def _results(args) -> list:
     from probes import drift
 
-    kw = dict(alpha=args.alpha, clip=args.clip, thresholds=_thresholds(args.threshold) or None)
+    kw = dict(alpha=args.alpha, clip=args.clip, noise_kl_max=args.noise_kl_max,
+              clean_tol=args.clean_tol, thresholds=_thresholds(args.threshold) or None)
     if args.demo:
         from probes.drift.demo import run_demo
 
