@@ -23,7 +23,6 @@ from probes.result import Result
 
 PROBE = "distributed.collective"
 BIAS_P = 1e-3  # significance for TP-B1: one run of >= thousands of elements; rare by chance
-_ITEMSIZE = {"fp64": 8, "fp32": 4, "fp16": 2, "bf16": 2}
 
 
 def _inputs(case: Case, world: int) -> list:
@@ -57,11 +56,6 @@ def emulate(case: Case, world: int, algorithm: str, reference: bool = False,
         algorithm = "ring"
         if case.op == "avg":
             kw["avg"] = "divide"
-    if algorithm == "gloo" and case.collective == "reduce":
-        from reference.gloo import gloo_order
-        order = gloo_order(world, case.numel, _ITEMSIZE[dt], "reduce")
-        return C.reduce(xs, root=case.root, order=order,
-                        avg="divide" if case.op == "avg" else None, **kw)
     if case.collective == "reduce":
         return C.reduce(xs, root=case.root, algorithm=algorithm, **kw)
     if case.collective == "reduce_scatter":
