@@ -28,7 +28,7 @@ def test_small_constant_offset_is_biased(offset):
     r = compare(*_pair(1, offset=offset))
     assert r.metrics["biased"] is True and r.metrics["drift_verdict"] == "biased"
     assert r.verdict == "fail" and "TP-D1" in r.codes
-    assert r.metrics["ci_low"] <= offset <= r.metrics["ci_high"] or abs(r.metrics["mean_log_ratio"] - offset) < 3e-3
+    assert r.metrics["mean_log_ratio"] == pytest.approx(offset, abs=2e-3)  # clamping at 0 shifts a few tokens
 
 
 def test_rare_large_outliers_are_heavy_tailed():

@@ -1,5 +1,4 @@
 """reference.models.lm: the two engines compute the same math; their settings change what is reported."""
-import math
 
 import pytest
 import torch
