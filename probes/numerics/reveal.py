@@ -45,9 +45,14 @@ def _call(fn, x: torch.Tensor) -> float:
     return out.reshape(-1)[0].double().item()
 
 
-def _vector(fmt: Format, n: int, device, fill: float = 0.0) -> torch.Tensor:
-    dtype = fmt.torch_dtype or torch.float64
-    return torch.full((n,), fill, dtype=torch.float64).to(device=device, dtype=dtype)
+def _vector(fmt: Format, n: int, device, fill: float = 0.0, at: dict | None = None) -> torch.Tensor:
+    """n values (`fill`, and at[i] at index i), built in float64 on the CPU and converted once:
+    every crafted value is exact in fmt, so the conversion is exact on any device, and no
+    element-wise write touches a device tensor of a type (fp8) that may lack one."""
+    x = torch.full((n,), fill, dtype=torch.float64)
+    for i, v in (at or {}).items():
+        x[i] = v
+    return x.to(device=device, dtype=fmt.torch_dtype or torch.float64)
 
 
 def _span(fn, fmt: Format, out_fmt: Format, n: int, device, max_exponent=None) -> tuple[int, int]:
@@ -60,15 +65,11 @@ def _span(fn, fmt: Format, out_fmt: Format, n: int, device, max_exponent=None) -
     if max_exponent is not None:
         top = min(top, int(max_exponent))
     while t < top:
-        x = _vector(fmt, n, device)
-        x[0] = 2.0 ** t
-        if _call(fn, x) == 2.0 ** t:
+        if _call(fn, _vector(fmt, n, device, at={0: 2.0 ** t})) == 2.0 ** t:
             break
         t += 1
     while top > t:
-        x = _vector(fmt, n, device)
-        x[0], x[n - 1] = 2.0 ** top, -(2.0 ** top)
-        if _call(fn, x) == 0.0:
+        if _call(fn, _vector(fmt, n, device, at={0: 2.0 ** top, n - 1: -(2.0 ** top)})) == 0.0:
             break
         top -= 1
     if top - t < 2:
@@ -99,9 +100,7 @@ def reveal_order(fn: Callable, n: int, *, dtype="fp16", device="cpu", output_dty
     sizes = torch.zeros(n, n, dtype=torch.int64)
     for i in range(n):
         for j in range(i + 1, n):
-            x = _vector(fmt, n, device, d)
-            x[i], x[j] = M, -M
-            out = _call(fn, x)
+            out = _call(fn, _vector(fmt, n, device, d, at={i: M, j: -M}))
             if not math.isfinite(out):
                 raise ValueError(f"fn returned {out!r} for x[{i}]=2^{t + s}, x[{j}]=-2^{t + s}: its "
                                  f"accumulator overflowed (narrower range than {fmt.name}); pass "
@@ -265,9 +264,7 @@ def reveal_precision(fn: Callable, n: int, *, dtype="fp16", device="cpu", positi
     d = 2.0 ** t
     trace, m_acc = {}, None
     for s in range(1, s_max + 1):
-        x = _vector(fmt, n, device)
-        x[i], x[j], x[l] = 2.0 ** (t + s), d, -(2.0 ** (t + s))
-        r = _call(fn, x) / d
+        r = _call(fn, _vector(fmt, n, device, at={i: 2.0 ** (t + s), j: d, l: -(2.0 ** (t + s))})) / d
         trace[s] = r
         if not math.isfinite(r):  # the accumulator's range ends here: a lower bound
             s_max = s - 1
@@ -284,9 +281,7 @@ def reveal_precision(fn: Callable, n: int, *, dtype="fp16", device="cpu", positi
         tp = t
         E = tp + m_acc + 2
         if E <= math.floor(math.log2(fmt.max_finite)):
-            x = _vector(fmt, n, device)
-            x[i], x[j], x[l] = 2.0 ** E, 3 * 2.0 ** tp, -(2.0 ** E)
-            r = _call(fn, x)
+            r = _call(fn, _vector(fmt, n, device, at={i: 2.0 ** E, j: 3 * 2.0 ** tp, l: -(2.0 ** E)}))
             spacing = 2.0 ** (E - m_acc)
             rounding = "nearest" if r == spacing else "toward_zero" if r == 0 else f"other({r!r})"
     return {"mantissa_bits": m_acc, "lower_bound": lower, "rounding": rounding,
@@ -359,9 +354,12 @@ def scaled_mm_reduction(out_dtype=torch.bfloat16, width: int = 16):
     a 16 x n matrix against fp8 ones, unit scales. Untested on CPU (needs a GPU)."""
     def fn(x):
         n = x.numel()
-        a = torch.zeros(16, n, dtype=x.dtype, device=x.device)
-        a[0] = x
-        b = torch.ones(width, n, dtype=torch.float32, device=x.device).to(x.dtype).t()
+        if n % 16:
+            raise ValueError(f"n={n!r}: torch._scaled_mm needs a multiple of 16")
+        a = torch.zeros(16, n, dtype=torch.float32, device=x.device)
+        a[0] = x.float()  # exact: x holds fp8 values; build in fp32, convert once
+        a = a.to(x.dtype)
+        b = torch.ones(width, n, dtype=torch.float32, device=x.device).to(x.dtype).t()  # column-major
         one = torch.ones((), dtype=torch.float32, device=x.device)
         return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=out_dtype)[0]
     return fn
