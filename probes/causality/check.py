@@ -447,7 +447,7 @@ class _Run:
 
     def truncated(self, c):
         """The inference view: the prefix x[:, :c+1] alone."""
-        xc = self.x[:, :c + 1]
+        xc = self.x[:, :c + 1].contiguous()  # real blocks .view() their input
         y, sc = self.tgt(xc)
         return self.flips(y, sc, c, xc, shape_changed=True)
 
