@@ -4,6 +4,8 @@ import json
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from probes.drift import DriftFileError, compare, load_logprobs, load_rollouts
 
@@ -120,3 +122,30 @@ def test_rollouts_missing_infer_field(tmp_path):
     np.savez(p, train_logprobs=-np.ones((2, 2)))
     with pytest.raises(DriftFileError, match="missing field 'infer_logprobs'"):
         load_rollouts(p)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 6), st.booleans()), min_size=1, max_size=5), st.integers(0, 2 ** 16))
+def test_jsonl_round_trip_property(tmp_path_factory, rows, seed):
+    rng = np.random.default_rng(seed)
+    with_train = rng.random() < 0.5
+    recs = []
+    for n, masked in rows:
+        rec = {"token_ids": rng.integers(0, 100, n).tolist(),
+               "infer_logprobs": (-rng.random(n) * 5).tolist()}
+        if with_train:
+            rec["train_logprobs"] = (-rng.random(n) * 5).tolist()
+        if masked:
+            rec["mask"] = [int(v) for v in rng.random(n) < 0.7]
+        recs.append(rec)
+    p = tmp_path_factory.mktemp("j") / "r.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in recs))
+    ro = load_rollouts(p)
+    T = max(n for n, _ in rows)
+    assert ro.infer_logprobs.shape == (len(rows), T)
+    assert (ro.train_logprobs is not None) == with_train
+    for b, rec in enumerate(recs):
+        n = len(rec["token_ids"])
+        assert ro.token_ids[b, :n].tolist() == rec["token_ids"]
+        assert np.allclose(ro.infer_logprobs[b, :n].numpy(), rec["infer_logprobs"], atol=1e-6)
+        assert ro.mask[b].tolist() == [bool(v) for v in rec.get("mask", [1] * n)] + [False] * (T - n)
