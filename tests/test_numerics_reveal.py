@@ -149,6 +149,23 @@ def test_empty_output_is_a_clear_error():
         reveal(lambda x: x[:0], n=4, dtype="fp16")
 
 
+def test_fp8_scaled_mm_adapter_runs_where_torch_has_it():
+    from probes.numerics.reveal import scaled_mm_reduction
+
+    fn = scaled_mm_reduction()
+    try:
+        fn(torch.zeros(16, dtype=torch.float8_e4m3fn))
+    except (RuntimeError, NotImplementedError) as e:
+        pytest.skip(f"torch._scaled_mm unavailable here: {e}")
+    r = reveal(fn, n=16, dtype="fp8_e4m3fn")
+    # fp8 inputs span 2^-9 .. 2^8: 17 bits is all a sum of fp8 values can show; a wider
+    # accumulator is a lower bound, a narrower one (e.g. ~14 bits on Hopper) an exact figure
+    assert r.metrics["output_format"] == "bf16"
+    assert r.metrics["accumulator_mantissa_bits"] <= 17
+    with pytest.raises(ValueError, match="multiple of 16"):
+        fn(torch.zeros(8, dtype=torch.float8_e4m3fn))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_device_argument_runs_on_gpu():
     r = reveal(torch.sum, n=16, dtype="fp16", device="cuda")
