@@ -208,6 +208,20 @@ def test_packing_finds_exactly_the_leaks_of_separate_calls(name):
     assert key(packed) == key(alone) and packed.metrics["n_leaks"] > 0
 
 
+def fixed_batch(x):
+    """A target compiled for its own batch size only."""
+    if x.shape[0] != 4:
+        raise RuntimeError(f"static shape: batch {x.shape[0]} != 4")
+    return r.expert_choice(x)[0]
+
+
+def test_a_target_that_takes_only_its_own_batch_size_is_probed_call_by_call():
+    res = check(fixed_batch, logits(), cuts=[10, 20, 30])
+    assert res.metrics["causal"] is False and res.metrics["packed"] is False
+    assert "static shape" in res.evidence["packing_error"]
+    assert res.metrics["batch_isolated"] is True
+
+
 # -- efficiency ----------------------------------------------------------------------------
 
 def test_full_certification_adds_nothing_on_top_of_one_evaluation_per_cut():

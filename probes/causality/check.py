@@ -156,8 +156,11 @@ def check(fn: Callable, inputs: torch.Tensor, *, mode: str = "perturb", cuts=Non
         elif layout == "batched":
             # one sequence: add a second row. If row 0 moves, the cause (another row, or the
             # batch shape) cannot be told apart: isolation stays unknown and nothing is packed.
-            yi, _ = tgt(torch.cat([x, R[0].to(x.device)]))
-            isolated = True if not differs(y0, yi[:1], atol).any() else None
+            try:
+                yi, _ = tgt(torch.cat([x, R[0].to(x.device)]))
+                isolated = True if not differs(y0, yi[:1], atol).any() else None
+            except TargetError as e:  # takes one sequence only: probe one call per cut
+                run.pack_error = str(e)
         # 3. cuts
         flips, packed_used = _cuts(run, tgt, x, R, mode, cut_list, trials, pack, isolated,
                                    max_batch_tokens, atol, progress)
@@ -172,7 +175,8 @@ def check(fn: Callable, inputs: torch.Tensor, *, mode: str = "perturb", cuts=Non
                       message=f"{name} gave different outputs on the same input at {e.count} "
                               f"tokens (first (batch, position): {e.where[:3]}); nondeterminism "
                               f"is not a causality verdict: make the target deterministic "
-                              f"(fixed seeds, torch.use_deterministic_algorithms) and probe again")
+                              f"(.eval() for dropout and router jitter, fixed seeds, "
+                              f"torch.use_deterministic_algorithms) and probe again")
     return _result(common, run, tgt, mode, x, cut_list, trials, flips, isolated, iso_where,
                    packing_used=packed_used, max_leaks=max_leaks, atol=atol, layout=layout)
 
@@ -205,7 +209,11 @@ def _cuts(run, tgt, x, R, mode, cut_list, trials, pack, isolated, max_batch_toke
                 if "out of memory" in str(e).lower() and chunk > 1:
                     chunk //= 2  # memory budget too generous for this target: halve and retry
                     continue
-                raise
+                # a target that takes only its own batch size (static shapes, compiled graphs)
+                # is probed one call per cut instead
+                run.pack_error = str(e)
+                packing = False
+                continue
             # the control must reproduce the baseline (scores bit for bit): else the packed
             # call computes differently from the inputs' shape, and packing stops
             if differs(out[:B], y0, atol).any() or (sc is not None and not torch.equal(sc[:B], s0)):
@@ -288,6 +296,7 @@ class _Run:
         self.batch_invariant = True
         self.reproduced = 0       # flipped cuts seen again on a second call
         self.first_flip_eval = None  # evaluations spent when the first flip was seen
+        self.pack_error = None  # why a bigger batch could not be evaluated, if it could not
 
     def note_flip(self):
         if self.first_flip_eval is None:
@@ -555,6 +564,7 @@ def _result(common, run, tgt, mode, x, cut_list, trials, flips, isolated, iso_wh
         "leak_distances": {str(k): v for k, v in sorted(dist.items())},
         "leak_map": [[c, p, n] for (c, p), n in sorted(leak_map.items())],
         "batch_isolation_moved": iso_where,
+        "packing_error": run.pack_error,
         "score_leaks": score_leaks,
         "score_leak_map": [[c, p, n] for (c, p), n in sorted(score_map.items())],
     }
