@@ -228,8 +228,7 @@ def _cuts(run, tgt, x, R, mode, cut_list, trials, pack, isolated, max_batch_toke
                 moved_scores = sc_c is not None and bool((differs(s0, sc_c, 0.0) & (pos <= c)).any())
                 if not d.any() and not moved_scores:
                     continue
-                if d.any():
-                    run.note_flip()
+                run.note_flip()
                 # Packed flips are taken as they stand only after the first REPRODUCTIONS
                 # flipped cuts were re-run alone and gave exactly the same flips.
                 if run.reproduced >= REPRODUCTIONS:
@@ -247,8 +246,6 @@ def _cuts(run, tgt, x, R, mode, cut_list, trials, pack, isolated, max_batch_toke
         else:
             c, i = tasks[j]
             got = (run.same_shape(perturbed(c, i), c, i) if mode == "perturb" else run.truncated(c))
-            if len(got[0]):
-                run.note_flip()
             flips.append((c, i, *got))
             j += 1
         if progress is not None:
@@ -295,7 +292,7 @@ class _Run:
         self.verify_left = max_verify if max_verify is not None else float("inf")
         self.batch_invariant = True
         self.reproduced = 0       # flipped cuts seen again on a second call
-        self.first_flip_eval = None  # evaluations spent when the first flip was seen
+        self.first_flip_eval = None  # evaluations spent when a decision or score first moved
         self.pack_error = None  # why a bigger batch could not be evaluated, if it could not
 
     def note_flip(self):
@@ -401,6 +398,8 @@ class _Run:
         y0 = self.base[0][:, :y.shape[1]]
         d = differs(y0, y, self.atol)
         d[:, c + 1:] = False
+        if d.any():
+            self.note_flip()
         b, t = d.nonzero(as_tuple=True)
         kind = self.classify(xc, b, t, y, sc, shape_changed)
         moved = sc is not None and self._score_changes(sc, c, xc, d, shape_changed, trial)
@@ -432,6 +431,7 @@ class _Run:
             kind = torch.where(ask, torch.where(d64 > torch.maximum(1e-3 * delta, tol64), 0, 1), kind)
         elif shape_changed:
             return False
+        self.note_flip()
         self.score_flips.append((c, trial, b, t, delta, kind))
         return True
 
