@@ -200,7 +200,7 @@ def test_single_sequence_is_packed_only_when_a_second_row_leaves_it_alone():
 def test_packing_finds_exactly_the_leaks_of_separate_calls(name):
     x = logits(B=2, T=32)
     kw = dict(cuts="all", decision=0, scores=1, max_leaks=10_000)
-    packed = check(getattr(r, name), x, max_batch_tokens=5 * 64, **kw)
+    packed = check(getattr(r, name), x, max_batch_tokens=9 * 64, **kw)  # 4 chunks of 8
     alone = check(getattr(r, name), x, pack=False, **kw)
     assert packed.metrics["packed"] is True and alone.metrics["packed"] is False
     key = lambda res: sorted((lk["cut"], lk["batch"], lk["position"], str(lk["after"]))
@@ -234,6 +234,13 @@ def test_full_certification_adds_nothing_on_top_of_one_evaluation_per_cut():
     assert res.metrics["tokens_evaluated"] == loop_tokens + (2 + chunks) * 2 * 64
     alone = check(r.topk_softmax, x, cuts="all", decision=0, pack=False)
     assert alone.metrics["n_evaluations"] == 3 + n_cuts
+
+
+def test_a_budget_too_small_to_pack_well_runs_one_call_per_cut():
+    res = check(r.topk_softmax, logits(B=2, T=64), cuts="all", decision=0,
+                max_batch_tokens=4 * 2 * 64)  # 3 copies + control: the control would cost 1/3
+    assert res.metrics["packed"] is False and res.metrics["n_evaluations"] == 3 + 63
+    assert "fewer than 8" in res.evidence["packing_error"]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -40,6 +40,7 @@ __all__ = ["check", "resolve_cuts", "MODES"]
 MODES = ("perturb", "truncate")
 NOISE_ULPS = 32  # a score gap within 32 ulps of its magnitude is "near a tie"
 REPRODUCTIONS = 3  # flipped cuts re-run to tell nondeterminism from a leak
+MIN_CHUNK = 8  # pack only if a call holds >= 8 copies: the control then adds <= 1/8
 
 
 def resolve_cuts(cuts, T: int, mode: str, generator: torch.Generator) -> list[int]:
@@ -193,6 +194,11 @@ def _cuts(run, tgt, x, R, mode, cut_list, trials, pack, isolated, max_batch_toke
     packing = bool(pack and isolated and mode == "perturb")
     packed_used = False
     chunk = max(1, max_batch_tokens // (B * T) - 1)
+    if packing and chunk < MIN_CHUNK and len(tasks) > 1:
+        # the control copy would cost more than 1/MIN_CHUNK on top: calls alone are cheaper
+        run.pack_error = (f"max_batch_tokens={max_batch_tokens} fits {chunk} perturbed copies "
+                          f"of {B}x{T} per call, fewer than {MIN_CHUNK}: one call per cut")
+        packing = False
     flips = []  # (cut, trial, batch idx, position idx, decisions after, kind)
 
     def perturbed(c, i):
@@ -221,8 +227,8 @@ def _cuts(run, tgt, x, R, mode, cut_list, trials, pack, isolated, max_batch_toke
                 packing = False
                 continue
             packed_used = True
-            outs = out[B:].view(len(part), B, T, *out.shape[2:])
-            scs = sc[B:].view(len(part), *s0.shape) if sc is not None else [None] * len(part)
+            outs = out[B:].reshape(len(part), B, T, *out.shape[2:])
+            scs = sc[B:].reshape(len(part), *s0.shape) if sc is not None else [None] * len(part)
             for n, ((c, i), yc, sc_c) in enumerate(zip(part, outs, scs)):
                 d = differs(y0, yc, atol) & (pos <= c)
                 moved_scores = sc_c is not None and bool((differs(s0, sc_c, 0.0) & (pos <= c)).any())
