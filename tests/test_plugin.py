@@ -8,6 +8,14 @@ import pytest
 
 from probes.result import Result, load_results, save_results
 
+# pytester's in-process runs drop every module first imported during the run. numpy, torch
+# and matplotlib cannot be imported twice in one process (an ImportError or a segfault
+# later), so they are imported here, before any inner run; runs that need torch themselves
+# go to a subprocess.
+import matplotlib  # noqa: E402,F401
+import numpy  # noqa: E402,F401
+import torch  # noqa: E402,F401
+
 pytest_plugins = ["pytester"]
 
 # A test module that records hand-made Results: the plugin's faces need no real probe.
