@@ -299,3 +299,19 @@ def test_config_drift_from_npz_files(tmp_path):
     checks, _ = suite_from_config(cfg, base_dir=tmp_path)
     (r,) = run_suite(checks)[0]
     assert r.target == "files" and r.metrics["biased"] is True and "TP-D1" in r.codes
+
+
+@pytest.mark.parametrize("with_train", [True, False])
+def test_config_drift_from_rollouts(tmp_path, with_train):
+    import numpy as np
+    infer = -np.random.default_rng(1).uniform(0.1, 3.0, size=(16, 8))
+    arrays = {"infer_logprobs": infer}
+    if with_train:
+        arrays["train_logprobs"] = infer  # identical sides: clean
+    np.savez(tmp_path / "ro.npz", **arrays)
+    checks, _ = suite_from_config({"drift": [{"rollouts": "ro.npz"}]}, base_dir=tmp_path)
+    (r,) = run_suite(checks)[0]
+    if with_train:
+        assert r.target == "ro.npz" and r.metrics["drift_verdict"] == "clean"
+    else:
+        assert r.verdict == "error" and "hold no train_logprobs" in r.message
