@@ -15,6 +15,8 @@ Known verdicts (perturb = future tokens change; truncate = the inference view, p
   group_limited_topk     causal   causal    DeepSeek-V3: per-token groups, static bias
   capacity_by_position   causal   leaky     slots granted in position order (ties by position),
                                             but capacity C = ceil(f*T*k/E) depends on T
+  capacity_gshard_order  leaky    leaky     all first choices before any second choice: a later
+                                            token's first choice outranks an earlier second one
   drop_by_probability    leaky    leaky     a token keeps its slot only if later tokens bid lower
   expert_choice          leaky    leaky     each expert picks its top-C tokens of the sequence
                                             (flaxformer ExpertsChooseMaskedRouter: not for decoders)
@@ -30,7 +32,7 @@ import torch
 
 __all__ = [
     "topk_softmax", "topk_sigmoid", "group_limited_topk", "capacity_by_position",
-    "drop_by_probability", "expert_choice", "batch_prioritized", "sequence_normalized",
+    "capacity_gshard_order", "drop_by_probability", "expert_choice", "batch_prioritized", "sequence_normalized",
     "capacity", "KNOWN_VERDICTS",
 ]
 
@@ -40,6 +42,7 @@ KNOWN_VERDICTS = {
     "topk_sigmoid": (True, True),
     "group_limited_topk": (True, True),
     "capacity_by_position": (True, False),
+    "capacity_gshard_order": (False, False),
     "drop_by_probability": (False, False),
     "expert_choice": (False, False),
     "batch_prioritized": (False, False),
@@ -144,6 +147,19 @@ def capacity_by_position(logits: torch.Tensor, k: int = 1, capacity_factor: floa
         B, T, k_ = top_values.shape
         return -torch.arange(T * k_, dtype=torch.float64).expand(B, T * k_).reshape(B, T, k_)
     return _drop(logits, k, capacity_factor, by_position)
+
+
+def capacity_gshard_order(logits: torch.Tensor, k: int = 2, capacity_factor: float = 1.0):
+    """Token choice top-k with capacity, slots granted in GShard's order: every token's first
+    choice in position order, then every token's second choice, ... (the top-2 dispatch of
+    GShard / Switch-style cumsum per choice). Leaky for k >= 2: a later token's first choice
+    takes the slot an earlier token's second choice would have had."""
+    def k_major(top_values, probs):
+        B, T, k_ = top_values.shape
+        j = torch.arange(k_, dtype=torch.float64)[None, :]
+        t = torch.arange(T, dtype=torch.float64)[:, None]
+        return -(j * T + t).expand(B, T, k_)
+    return _drop(logits, k, capacity_factor, k_major)
 
 
 def drop_by_probability(logits: torch.Tensor, k: int = 1, capacity_factor: float = 1.0):

@@ -17,15 +17,15 @@ def test_reference_table_prints_every_known_verdict(capsys, tmp_path):
     report = tmp_path / "causality.json"
     code, out, _ = run(capsys, "--seq-len", "24", "--batch", "2", "--output", str(report))
     assert code == 0
-    assert "20/20 verdicts as known from the mechanism" in out
+    assert "22/22 verdicts as known from the mechanism" in out
     rows = [line.split() for line in out.splitlines() if line.startswith("reference.")]
-    assert len(rows) == 20 and all(row[-1] == "yes" for row in rows)
+    assert len(rows) == 22 and all(row[-1] == "yes" for row in rows)
     by = {(row[0], row[1]): row for row in rows}
     assert by[("reference.routing:expert_choice", "perturb")][3] == "fail"
     assert by[("reference.routing:capacity_by_position", "perturb")][3] == "pass"
     assert by[("reference.routing:capacity_by_position", "truncate")][3] == "fail"
     results, meta = load_results(report)
-    assert len(results) == 20 and meta["command"] == "causality"
+    assert len(results) == 22 and meta["command"] == "causality"
     assert {r.probe for r in results} == {"causality.check"}
 
 

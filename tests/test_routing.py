@@ -70,6 +70,20 @@ def test_position_priority_drops_only_later_tokens():
             assert kept.tolist() == sorted(kept.tolist(), reverse=True)
 
 
+def test_gshard_order_serves_every_first_choice_before_any_second_choice():
+    x = logits(B=2, T=24, E=4)
+    ids, probs = r.capacity_gshard_order(x, k=2, capacity_factor=0.5)
+    top = probs.topk(2, dim=-1).indices
+    C = r.capacity(24, 4, 2, 0.5)
+    for b in range(2):
+        slots = [(j, t) for j in range(2) for t in range(24)]  # k-major, then position
+        used = {e: 0 for e in range(4)}
+        for j, t in slots:
+            e = int(top[b, t, j])
+            assert int(ids[b, t, j]) == (e if used[e] < C else -1)
+            used[e] += 1
+
+
 def test_probability_priority_keeps_the_most_confident():
     x = logits(T=64)
     ids, probs = r.drop_by_probability(x, capacity_factor=0.5)
