@@ -22,11 +22,16 @@ ROOT = Path(__file__).resolve().parent.parent
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads, as `trainprobes audit --threads` (default 1)")
     ap.add_argument("--out", default=str(ROOT / "reports" / "audit-benchmark.md"))
     args = ap.parse_args()
     from probes.audit import Progress, run_audit
     from probes.audit.suites import default_suite
 
+    import torch
+    if args.threads:
+        torch.set_num_threads(args.threads)
     load0 = os.getloadavg()
     t0 = time.perf_counter()
     checks, skipped = default_suite(quick=args.quick)
@@ -47,7 +52,8 @@ def main() -> int:
              f"`python benchmarks/bench_audit.py{' --quick' if args.quick else ''}` on "
              f"{platform.machine()}, {os.cpu_count()} CPUs, Python {sys.version.split()[0]}; "
              f"load average {load0[0]:.1f} at start, {load1[0]:.1f} at end (other jobs shared "
-             f"the machine: wall time is inflated by roughly load / cores).", "",
+             f"the machine: wall time is inflated by roughly load / cores); torch intra-op "
+             f"threads: {torch.get_num_threads()}.", "",
              "| family | checks | wall s | CPU s (this process) |", "|---|---|---|---|"]
     for name, (wall, cpu, n) in fam.items():
         lines.append(f"| {name} | {n} | {wall:.1f} | {cpu:.1f} |")

@@ -26,6 +26,10 @@ def add_arguments(p):
     p.add_argument("--seed", type=int, default=None, help="seed for every random choice (default 0)")
     p.add_argument("--strict", action="store_true",
                    help="exit 1 when any probe fails (default: exit 0 once the report is written)")
+    p.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="torch intra-op threads while the audit runs (default 1: the suite's "
+                        "tensors are small, and on a busy 2-core machine extra threads made "
+                        "the tiny-LM scenarios ~50x slower); 0 keeps torch's default")
     p.add_argument("--json", action="store_true",
                    help="print {report, counts, results} as JSON on stdout")
     p.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
@@ -61,8 +65,20 @@ def run(args) -> int:
     progress = None if args.no_progress else Progress(len(checks))
     if not args.no_progress:
         print(f"trainprobes audit: {len(checks)} checks, suite {suite}", file=sys.stderr)
-    outcome = run_audit(checks, out, history=history, progress=progress,
-                        meta={"suite": suite, "seed": seed, "skipped": skipped})
+    if args.threads < 0:
+        print(f"error: --threads={args.threads!r} must be >= 0 (0: torch's default)",
+              file=sys.stderr)
+        return 2
+    import torch
+    before = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        outcome = run_audit(checks, out, history=history, progress=progress,
+                            meta={"suite": suite, "seed": seed, "skipped": skipped,
+                                  "torch_threads": torch.get_num_threads()})
+    finally:
+        torch.set_num_threads(before)  # the command may run inside a longer process
     if args.json:
         print(json.dumps({"report": str(outcome.paths["json"]), "html": str(outcome.paths["html"]),
                           "counts": {v: sum(r.verdict == v for r in outcome.results)
