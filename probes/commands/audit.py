@@ -28,8 +28,9 @@ def add_arguments(p):
                    help="exit 1 when any probe fails (default: exit 0 once the report is written)")
     p.add_argument("--threads", type=int, default=1, metavar="N",
                    help="torch intra-op threads while the audit runs (default 1: the suite's "
-                        "tensors are small, and on a busy 2-core machine extra threads made "
-                        "the tiny-LM scenarios ~50x slower); 0 keeps torch's default")
+                        "tensors are small; on a busy 2-core machine 2 threads made the tiny-LM "
+                        "scenarios up to ~50x slower, on an idle one it makes no difference); "
+                        "0 keeps torch's default")
     p.add_argument("--json", action="store_true",
                    help="print {report, counts, results} as JSON on stdout")
     p.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
