@@ -59,8 +59,16 @@ def pytest_addoption(parser):
 
 
 def _option(config, name: str):
+    """The command-line value, else the ini value (relative to the ini file, as pytest's
+    own path options are)."""
     value = config.getoption(f"--trainprobes-{name}")
-    return value if value is not None else (config.getini(f"trainprobes_{name}") or None)
+    if value is not None:
+        return value
+    value = config.getini(f"trainprobes_{name}") or None
+    if value and config.inipath is not None:
+        from pathlib import Path
+        value = str(Path(config.inipath).parent / value)
+    return value
 
 
 def pytest_configure(config):

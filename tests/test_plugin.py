@@ -86,12 +86,15 @@ def test_gpu_marker_skips_with_reason_without_cuda(pytester):
 
 
 @pytest.mark.parametrize("via_ini", [False, True])
-def test_report_written_with_every_result(pytester, via_ini):
-    pytester.makepyfile(recording(n=3))
+def test_report_written_with_every_result(pytester, via_ini, monkeypatch):
+    test_file = pytester.makepyfile(recording(n=3))
     out = pytester.path / "tp.json"
-    if via_ini:
-        pytester.makeini(f"[pytest]\ntrainprobes_report = {out}\n")
-        result = pytester.runpytest()
+    if via_ini:  # a relative ini path is taken relative to the ini file, not the cwd
+        ini = pytester.makeini("[pytest]\ntrainprobes_report = tp.json\n")
+        (pytester.path / "sub").mkdir()
+        monkeypatch.chdir(pytester.path / "sub")
+        result = pytester.runpytest("-c", str(ini), str(test_file))
+        assert not (pytester.path / "sub" / "tp.json").exists()
     else:
         result = pytester.runpytest(f"--trainprobes-report={out}")
     result.assert_outcomes(passed=3)
