@@ -272,8 +272,9 @@ def _compare_pair(b: Result, c: Result, alpha: float, rel_tol: float) -> list[Re
             sig, z, p = larger_magnitude(eb, ec, alpha, rel_tol)
             if sig:
                 ratio = abs(ec[0]) / abs(eb[0]) if eb[0] else math.inf
-                add(code, f"{label} `{name}` significantly larger in magnitude "
-                    f"({'x' + _fmt(ratio) if math.isfinite(ratio) else 'from zero'})",
+                times = (f"{ratio:,.0f}x" if ratio >= 100 else f"{ratio:.3g}x") \
+                    if math.isfinite(ratio) else "from zero"
+                add(code, f"{label} `{name}` significantly larger in magnitude ({times})",
                     f"{eb[0]:.4g} ± {eb[1]:.2g} (SE)", f"{ec[0]:.4g} ± {ec[1]:.2g} (SE)",
                     f"one-sided z = {_fmt(z)}, p = {p:.2g} < alpha = {alpha}")
     bb, cb = _num(bm.get("accumulator_mantissa_bits")), _num(cm.get("accumulator_mantissa_bits"))
