@@ -89,3 +89,14 @@ def test_nonfinite_outputs_are_counted_not_averaged():
     real = torch.tensor([1.0, math.inf, math.nan, 1.0], dtype=torch.float64)
     e = error_vs_reference([real], ref, "fp16")
     assert e["nonfinite"] == 2 and e["n"] == 2 and e["max_ulp_error"] == 0.0
+
+
+def test_cancellation_is_measured_at_the_scale_before_it():
+    # ranks cancel to 0 but rounded partial sums near 1: ulp(0) would make 2^-8 ~ 1e38 ulps
+    ref = torch.zeros(3, dtype=torch.float64)
+    real = torch.tensor([2.0 ** -8, 0.0, -(2.0 ** -7)], dtype=torch.float64)
+    e = error_vs_reference([real], ref, "bf16", scale=torch.ones(3, dtype=torch.float64))
+    assert e["max_ulp_error"] == 1.0 and e["mean_ulp_error"] == pytest.approx(0.5)
+    assert error_vs_reference([real], ref, "bf16")["max_ulp_error"] > 1e30
+    with pytest.raises(ValueError, match="scale has shape"):
+        error_vs_reference([real], ref, "bf16", scale=torch.ones(4))

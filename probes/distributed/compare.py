@@ -83,22 +83,33 @@ def mismatch_report(agreement: dict) -> str:
     return "\n".join(lines)
 
 
-def error_vs_reference(real, reference: torch.Tensor, dtype: str) -> dict:
+def _like(t: torch.Tensor, r: torch.Tensor, name: str) -> torch.Tensor:
+    """t as float64 rows like r: one row (broadcast to every rank) or one per rank."""
+    t = t.to(torch.float64)
+    if (t.dim() == 1 or t.shape[0] == 1) and t.numel() == r.shape[1]:
+        t = t.reshape(1, -1).expand_as(r)
+    if t.shape != r.shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(r.shape)} "
+                         f"or ({r.shape[1]},) like the outputs")
+    return t
+
+
+def error_vs_reference(real, reference: torch.Tensor, dtype: str, scale=None) -> dict:
     """Error of the real (or emulated) result against the fp64 reference, in wire ulps.
 
-    ulp is taken at the reference value: error e = (real - ref) / ulp_dtype(ref). bias =
-    mean(e) with z = bias / (std(e) / sqrt(n)) and a two-sided p-value; bias_relative =
-    sum(real - ref) / sum|ref|. Non-finite outputs are counted and left out.
+    e = (real - ref) / ulp_dtype(max(|ref|, scale)). scale is the element's magnitude
+    before cancellation (probe.py passes max over ranks of |input|, / world for avg): a
+    sum that cancels to ~0 still rounded partial sums of that size, and ulp(0) is the
+    smallest subnormal, which would turn one rounding into 10^37 "ulps". Default: |ref|.
+    bias = mean(e) with z = bias / (std(e) / sqrt(n)) and a two-sided p-value;
+    bias_relative = sum(real - ref) / sum|ref|. Non-finite outputs are counted, left out.
     """
     r, _ = _rows(real) if not isinstance(real, torch.Tensor) else (real.reshape(1, -1), [0])
-    ref = reference.to(torch.float64)
-    ref = ref.reshape(1, -1).expand_as(r) if ref.dim() == 1 or ref.shape[0] == 1 else ref
-    if ref.shape != r.shape:
-        raise ValueError(f"reference has shape {tuple(ref.shape)}, expected {tuple(r.shape)} "
-                         f"or ({r.shape[1]},) like the outputs")
+    ref = _like(reference, r, "reference")
+    size = ref.abs() if scale is None else torch.maximum(ref.abs(), _like(scale, r, "scale").abs())
     fmt = get_format(dtype)
     finite = torch.isfinite(r) & torch.isfinite(ref)
-    err = ((r - ref) / fmt.ulp(ref))[finite]
+    err = ((r - ref) / fmt.ulp(size))[finite]
     n = err.numel()
     out = {"nonfinite": int((~finite).sum()), "n": n}
     if n == 0:

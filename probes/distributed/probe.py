@@ -63,6 +63,20 @@ def emulate(case: Case, world: int, algorithm: str, reference: bool = False,
     return C.all_reduce(xs, algorithm=algorithm, **kw)
 
 
+def _scales(case: Case, xs: list, world: int) -> list | None:
+    """Per-rank magnitude before cancellation, to measure errors in ulps of (see
+    compare.error_vs_reference): max over ranks of |input|, / world for avg."""
+    import torch
+    if case.collective == "all_gather":
+        return None  # no arithmetic: |ref| is the scale
+    m = torch.stack([x.reshape(-1).to(torch.float32).to(torch.float64).abs() for x in xs]).amax(0)
+    if case.op == "avg":
+        m = m / world
+    if case.collective == "reduce_scatter":
+        return list(m.chunk(world))
+    return [m] * world
+
+
 def _target(case: Case, backend: str, world: int, algorithm: str) -> str:
     return (f"{case.collective}[{case.dtype},{case.op},{backend},alg={algorithm},w={world},"
             f"n={case.numel},{case.data},seed={case.seed}]")
@@ -83,8 +97,10 @@ def result_from_outputs(case: Case, outputs: list, *, backend: str, world: int,
     predicted = emulate(case, world, algorithm, inputs=xs)
     reference = emulate(case, world, "ring", reference=True, inputs=xs)
     agree = bitwise_agreement(outputs, predicted, case.dtype)
+    scales = _scales(case, xs, world)
     err = error_vs_reference([t for t in outputs if t is not None],
-                             _ref_rows(reference, outputs), case.dtype)
+                             _ref_rows(reference, outputs), case.dtype,
+                             scale=None if scales is None else _ref_rows(scales, outputs))
     metrics = {"bitwise_match_fraction": agree["bitwise_match_fraction"],
                "mismatched": agree["mismatched"], "compared": agree["compared"],
                **{k: err[k] for k in ("max_ulp_error", "mean_ulp_error", "bias", "bias_z",
@@ -143,8 +159,10 @@ def emulate_collective(*, world: int = 4, collective: str = "all_reduce", dtype:
     # Ranks holding identical bits share one tensor: compare each distinct output once.
     ranks = [r for r, t in enumerate(out) if t is not None]
     distinct = sorted({id(out[r]): r for r in ranks}.values())
-    err = error_vs_reference([out[r] for r in distinct], _ref_rows(
-        reference, [out[r] if r in distinct else None for r in range(world)]), dtype)
+    held = [out[r] if r in distinct else None for r in range(world)]
+    scales = _scales(case, xs, world)
+    err = error_vs_reference([out[r] for r in distinct], _ref_rows(reference, held), dtype,
+                             scale=None if scales is None else _ref_rows(scales, held))
     metrics = {**{k: err[k] for k in ("max_ulp_error", "mean_ulp_error", "bias", "bias_z",
                                       "bias_p", "bias_relative", "nonfinite")},
                "world": world, "numel": numel, "dtype": dtype, "op": op,
