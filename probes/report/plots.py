@@ -62,7 +62,9 @@ def _draw(ax, spec: dict) -> None:
             ax.set_xscale("symlog", linthresh=lt)
             d0, d1 = math.floor(math.log10(lt)), math.ceil(math.log10(max(nz)))
             step = max(1, (d1 - d0) // 3)
-            dec = [10.0 ** d for d in range(d1, d0 - 1, -step)]
+            # decades from the largest down, leaving out the ones inside the linear band
+            # around 0 (their labels would sit on top of "0")
+            dec = [10.0 ** d for d in range(d1, d0 - 1, -step) if 10.0 ** d > 2 * lt] or [10.0 ** d1]
             ticks = [-v for v in dec if any(x < 0 for x in est + lo)] + [0.0] + dec[::-1]
             ax.set_xticks(ticks)
             ax.set_xticklabels([f"{t:.0e}" if t else "0" for t in ticks], fontsize=7)
