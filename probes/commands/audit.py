@@ -89,7 +89,18 @@ def run(args) -> int:
                                        "codes": r.codes, "message": r.message}
                                       for r in outcome.results]}, indent=2))
     else:
+        family = None
         for r in outcome.results:
+            fam = r.probe.split(".")[0]
+            if fam != family:  # a header per probe family, with its counts
+                family = fam
+                members = [x for x in outcome.results if x.probe.split(".")[0] == fam]
+                controls = [x.metrics.get("matches_known_verdict", x.metrics.get(
+                    "matches_expected")) for x in members]
+                controls = [c for c in controls if c is not None]
+                print(f"\n== {fam}: {counts_line(members)}" + (
+                    f" (controls with their known verdict: {sum(controls)} of "
+                    f"{len(controls)})" if controls else ""))
             print(r.summary_line())
         for fam, why in skipped.items():
             print(f"SKIP  {fam}: {why}")
