@@ -82,12 +82,12 @@ def test_a_rank_that_dies_silently_is_reported(reaper):
 def test_hanging_ranks_time_out_and_their_children_die_too(tmp_path, reaper):
     reaper += [o["pid"] for o in L.launch(echo_task, 1)]  # warm start: ranks get going in time
     with pytest.raises(L.WorkerTimeout) as info:
-        L.launch(hang_task, 2, timeout=8, args=(str(tmp_path),))
+        L.launch(hang_task, 2, timeout=10, args=(str(tmp_path),))
     e = info.value
     grandchildren = [int(p.read_text()) for p in tmp_path.glob("grandchild*")]
     reaper += e.pids + grandchildren
     assert len(grandchildren) == 2, "the ranks did not start their children before the timeout"
-    assert e.ranks == [0, 1] and "timeout=8" in str(e)
+    assert e.ranks == [0, 1] and "timeout=10" in str(e)
     assert wait_dead(e.pids + grandchildren) == []
 
 
