@@ -218,6 +218,14 @@ def test_causal_router(trainprobes):
 def test_leaky_router(trainprobes):
     trainprobes.assert_causal(expert_choice, x, decision=0, cuts="all")
 
+def batch_normalised_router(h):
+    # causal along the sequence, but each decision depends on the other sequences
+    return (h - h.mean(dim=0, keepdim=True)).argmax(-1)
+
+@pytest.mark.causality
+def test_batch_leaky_router(trainprobes):
+    trainprobes.assert_causal(batch_normalised_router, x)
+
 def grads(g):
     return list(torch.randn(6, 512, generator=g, dtype=torch.float64) * 1e-3 + 1e-3)
 
@@ -262,9 +270,10 @@ def test_helpers_on_real_probes(pytester):
     pytester.makepyfile(test_real=REAL_PROBES)
     out = pytester.path / "tp.json"
     result = pytester.runpytest_subprocess("--strict-markers", "-v", f"--trainprobes-report={out}")
-    result.assert_outcomes(passed=4, failed=4)
+    result.assert_outcomes(passed=4, failed=5)
     result.stdout.fnmatch_lines([
         "*::test_causal_router PASSED*", "*::test_leaky_router FAILED*",
+        "*::test_batch_leaky_router FAILED*",
         "*::test_fp32_avg_unbiased PASSED*", "*::test_bf16_avg_biased FAILED*",
         "*::test_fp32_no_stall PASSED*", "*::test_fp16_stalls FAILED*",
         "*::test_same_logprobs_within PASSED*", "*::test_offset_logprobs_not_within FAILED*"])
@@ -274,6 +283,6 @@ def test_helpers_on_real_probes(pytester):
         "*stalled: numerics.stall*", "*TP-B2 accumulation stall*",
         "*train/inference drift: drift.compare*", "*TP-D1*"], consecutive=False)
     results, _ = load_results(out)
-    assert len(results) == 8  # every helper recorded its Result, passing or not
+    assert len(results) == 9  # every helper recorded its Result, passing or not
     assert {r.probe for r in results} == {"causality.check", "numerics.bias", "numerics.stall",
                                           "drift.compare"}

@@ -44,3 +44,13 @@ def test_bad_verdict_and_code():
         _r(verdict="ok")
     with pytest.raises(ValueError, match="TP-X9"):
         _r(codes=["TP-X9"])
+
+
+def test_written_report_has_ordinary_file_mode(tmp_path):
+    import os
+    umask = os.umask(0o022)
+    try:
+        p = save_results(tmp_path / "r.json", [_r()])
+    finally:
+        os.umask(umask)
+    assert p.stat().st_mode & 0o777 == 0o644

@@ -34,6 +34,4 @@ def write_report(out_dir, results: list[Result], meta: dict | None = None) -> di
     paths = {"json": save_results(out_dir / "report.json", results, **json_meta),
              "markdown": write_atomic(out_dir / "summary.md", md),
              "html": write_atomic(out_dir / "report.html", render_html(results, meta))}
-    for p in paths.values():
-        p.chmod(0o644)  # write_atomic's temp file is 0600; reports are meant to be shared
     return paths
