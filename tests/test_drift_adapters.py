@@ -11,13 +11,7 @@ from probes.drift import compare, hf_token_logprobs, recompute_with_hf, vllm_log
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny GEMMs: one intra-op thread is far faster than two on a shared, loaded machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,7 @@ from probes.drift.demo import SCENARIOS, run_scenario
 from reference.models.lm import TinyLM
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny GEMMs: one intra-op thread is far faster than two on a shared, loaded machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,7 @@ import torch
 from reference.models.lm import LMConfig, TinyLM, generate, random_prompts, train_logprobs
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny GEMMs: one intra-op thread is far faster than two on a shared, loaded machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
