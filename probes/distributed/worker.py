@@ -91,7 +91,8 @@ def run_collective(case: Case, rank: int, world: int, device: str) -> torch.Tens
         fn(out, x, op=_reduce_op(case.op))
     elif case.collective == "all_gather":
         out = torch.empty(case.numel * world, dtype=x.dtype, device=device)
-        dist.all_gather_into_tensor(out, x)
+        # torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor to *_single
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x)
     else:
         dist.reduce(x, dst=case.root, op=_reduce_op(case.op))
         out = x if rank == case.root else None
