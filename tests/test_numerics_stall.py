@@ -17,10 +17,10 @@ def test_ten_thousand_ones_stall_at_the_exact_figure(name, expected):
     assert row["adds_that_moved"] == int(expected) and row["stalled"]
 
 
-def test_fp16_reason_names_the_tie_and_the_usual_story():
+def test_fp16_reason_names_the_tie_and_the_usual_guess():
     (row,) = stall_table(["fp16"], [1.0], 10_000)
     r = row["reason"]
-    assert "1024" in r and "2049 is a tie" in r and "even 2048" in r and "spacing is 2" in r
+    assert "not 1024, the usual guess" in r and "2049 is a tie" in r and "even 2048" in r and "spacing is 2" in r
 
 
 def test_fp32_does_not_stall_within_n():

@@ -106,7 +106,9 @@ def explain(fmt, increment: float, n: int, sequential_sum: float, *, stalled: bo
         at = (f"at {_num(s)} the spacing is {_num(q)}, so {_num(s)} + {_num(d)} = "
               f"{_num(s + d)} is a tie and ties go to the even {_num(s)}")
         if ad % qb == 0:
-            story = (f"the story usually told says {_num(below)}; at {_num(below)} the spacing is "
+            # The usual guess is where the spacing first equals the increment (fp16 + 1:
+            # "1024"); one binade later is where ties to even start to hold the sum.
+            story = (f"not {_num(below)}, the usual guess: at {_num(below)} the spacing is "
                      f"{_num(qb)} and {_num(below)} + {_num(d)} is exact; ")
         else:
             story = ""
