@@ -151,6 +151,29 @@ def test_flat_input_with_lengths_tests_over_sequences():
     assert blocks.evidence["test_unit"] == "block"
 
 
+@pytest.mark.parametrize("B,T", [(32, 48), (16, 512)])
+def test_flat_stream_without_lengths_holds_its_level_under_per_sequence_offsets(B, T):
+    """A flat [N] stream of whole sequences (verl-style packed tokens) with zero-mean noise
+    and a per-sequence offset: blocks shorter than a sequence are not independent, so 256 of
+    them over-rejected (29% and 50% "biased" at alpha=0.01). Merged until their means are
+    uncorrelated, the blocks hold the level; a real offset is still found."""
+    rejections = sum(compare(*(v.reshape(-1) for v in _pair(s, B=B, T=T, noise=3e-3,
+                                                            seq_offset=3e-3)),
+                             clean_tol=0.0).metrics["biased"] for s in range(60))
+    assert rejections <= 3  # alpha = 0.01: 0.6 expected, 3 is p < 0.003 under the level
+    flat = compare(*(v.reshape(-1) for v in _pair(0, B=B, T=T, noise=3e-3, seq_offset=3e-3)))
+    assert flat.evidence["test_unit"] == "block" and flat.metrics["n_units"] < 256
+    shifted = compare(*(v.reshape(-1) for v in _pair(1, B=B, T=T, noise=3e-3, seq_offset=3e-3,
+                                                       offset=5e-3)))
+    assert shifted.metrics["biased"] is True
+
+
+def test_flat_stream_of_independent_tokens_keeps_256_blocks():
+    train, infer = _pair(3, B=64, T=64)
+    r = compare(train.reshape(-1), infer.reshape(-1))
+    assert r.metrics["n_units"] == 256
+
+
 def test_threshold_over_fails_with_tp_d3():
     r = compare(*_pair(12), thresholds={"k3_kl": 1e-6})
     assert r.verdict == "fail" and "TP-D3" in r.codes and "k3_kl" in r.message

@@ -56,7 +56,8 @@ def compare(train_logprobs, infer_logprobs, *, mask=None, lengths=None, alpha: f
 
     train_logprobs, infer_logprobs: [N] or [B, T] log-probs (rows of [B, T] are sequences).
     mask: bool like them, True on real tokens. lengths: for a flat [N] stream, the sequence
-    lengths (summing to N); without it a flat stream is cut into 256 contiguous blocks.
+    lengths (summing to N); without it a flat stream is cut into 256 contiguous blocks
+      (fewer while neighbouring blocks correlate).
     alpha: level of the bias test. clip: C of the ratio band [1/C, C].
     clean_tol: largest std of the log-ratio called clean (nats).
     noise_kl_max: largest k2 KL that sampling noise may use to explain a positive mean.
