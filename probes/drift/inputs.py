@@ -126,14 +126,15 @@ def pair(train, infer, mask=None, lengths=None, blocks: int = DEFAULT_BLOCKS):
         G, T = lengths.numel(), int(lengths.max())
     else:  # contiguous blocks: pad to G * T and view, no index scatter over every token
         G = min(blocks, n)
-        T = -(-n // G)
-        G = -(-n // T)
-        pad = G * T - n
-        grid = tuple(torch.cat([v, torch.full((pad,), fill, dtype=v.dtype)]).view(G, T)
-                     for v, fill in ((train, 0.0), (infer, 0.0), (m, False)))
-        if G // 2 >= MIN_BLOCKS and _lag1_correlated(*grid):
-            return pair(train, infer, m, None, blocks=G // 2)
-        return grid + ("block",)
+        while True:
+            T = -(-n // G)
+            G = -(-n // T)
+            pad = G * T - n
+            grid = tuple(torch.cat([v, torch.full((pad,), fill, dtype=v.dtype)]).view(G, T)
+                         for v, fill in ((train, 0.0), (infer, 0.0), (m, False)))
+            if G // 2 < MIN_BLOCKS or not _lag1_correlated(*grid):
+                return grid + ("block",)
+            G //= 2
     out = []
     for v, fill in ((train, 0.0), (infer, 0.0), (m, False)):
         grid = torch.full((G, T), fill, dtype=v.dtype)
