@@ -414,6 +414,23 @@ def test_bad_targets_are_named(fn, match):
     assert "'my.mod:router'" in str(e.value)
 
 
+def _cumsum_in_place(x):
+    x[:, 1:] += x[:, :-1].clone()  # causal, but it writes into the caller's tensor
+    return x.argmax(-1)
+
+
+def test_a_target_that_modifies_its_input_in_place_is_named():
+    """Regression: such a target was reported as nondeterministic (TP-C2, 'use .eval()'), since
+    each call ran on the inputs the previous call had changed; the caller's tensor was changed
+    too. It is now a TargetError that says so, and a cloning wrapper is causal."""
+    x = logits()
+    before = x.clone()
+    with pytest.raises(TargetError, match=r"'my.mod:router' modified its input in place"):
+        check(_cumsum_in_place, x, target="my.mod:router")
+    res = check(lambda v: _cumsum_in_place(v.clone()), before, cuts="all")
+    assert res.verdict == "pass" and res.metrics["deterministic"] is True
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(inputs=torch.randn(4, 8)), r"expected \[B, T\] \(long\) or \[B, T, D\] \(float\); for one "
                                       r"sequence without a batch axis pass layout='flat'"),

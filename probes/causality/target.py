@@ -61,12 +61,21 @@ class Target:
     def __call__(self, x: torch.Tensor, fn: Callable | None = None):
         B, T = x.shape[:2]
         arg = x[0] if self.layout == "flat" else x
+        version = arg._version  # bumped by every in-place op on arg or a view of it
         try:
             with torch.no_grad():
                 out = (fn or self.fn)(arg)
         except Exception as e:
             raise TargetError(f"target {self.name!r} raised {type(e).__name__}: {e} "
                               f"(called on {_describe(arg)})") from e
+        if arg._version != version:
+            # every later comparison would run on changed inputs: a causal target then looks
+            # nondeterministic (TP-C2) or leaky, and the caller's tensor is corrupted
+            raise TargetError(f"target {self.name!r} modified its input in place (called on "
+                              f"{_describe(arg)}); the probe compares calls on the same "
+                              f"inputs: clone inside the target, or pass lambda x: fn(x.clone()) (HF MoE "
+                              f"blocks scale their input in place for router jitter in training "
+                              f"mode: .eval())")
         self.n_evaluations += 1
         self.tokens_evaluated += B * T
         dec = self._shaped(pick(out, self.decision, "decision", self.name), arg, "decision")
