@@ -188,6 +188,26 @@ def test_per_sequence_routers_are_isolated(name):
     assert res.metrics["batch_isolated"] is True and "TP-C3" not in res.codes
 
 
+def _capacity_in_batch_order(x, capacity=1):
+    """Causal along the sequence, but at each position an expert serves at most `capacity`
+    rows, granted in batch order (row 0 first, as capacity over a batch-major flattening
+    does): row 0 never depends on the other rows, every later row does."""
+    choice = x.argmax(-1)                                   # [B, T]
+    onehot = torch.nn.functional.one_hot(choice, x.shape[-1])  # [B, T, E]
+    rank = onehot.cumsum(0)                                 # rows before, same expert, same t
+    kept = (rank * onehot).sum(-1) <= capacity
+    return torch.where(kept, choice, torch.full_like(choice, -1))
+
+
+@pytest.mark.parametrize("batch", [2, 3, 4])
+def test_batch_order_priority_is_a_batch_leak_even_with_two_rows(batch):
+    x = torch.randn(batch, 32, 2, generator=torch.Generator().manual_seed(5))
+    res = check(_capacity_in_batch_order, x, cuts="all")
+    assert res.metrics["causal"] is True  # nothing from the future of a row's own sequence
+    assert res.metrics["batch_isolated"] is False and "TP-C3" in res.codes
+    assert res.verdict == "fail"
+
+
 def _batch_rounded(x):
     """Causal and per-sequence in exact arithmetic, but rounded by a factor taken from the
     whole batch (as a grouped expert matmul tiled by tokens per expert): other rows move

@@ -5,7 +5,7 @@
 Algorithm (perturb mode):
   1. Run the target twice on the inputs. Different decisions (or scores, bit for bit):
      nondeterministic (TP-C2); stop, since no flip could then be told from a leak.
-  2. Batch isolation: replace the odd rows, compare the even rows (TP-C3 if they move).
+  2. Batch isolation: replace the even rows, compare the odd rows (TP-C3 if they move).
   3. For each cut c, x_c = x with every position > c replaced by other values (same length, same
      batch shape). Decisions at positions <= c must not change. If the target is
      batch-isolated, many x_c are packed into one call, chunked to max_batch_tokens, with an
@@ -143,18 +143,21 @@ def check(fn: Callable, inputs: torch.Tensor, *, mode: str = "perturb", cuts=Non
             nondet |= differs(s0, s1, 0.0)
         if nondet.any():
             raise _Nondeterministic(nondet.nonzero()[:10].tolist(), int(nondet.sum()))
-        # 2. batch isolation: replace the odd rows, the even rows must not move
+        # 2. batch isolation: replace the even rows, the odd rows must not move. Watching
+        # the odd rows means every watched row has a replaced row before it (and, past
+        # B=2, after it): batch-major priority (capacity granted in flattened order, row 0
+        # first) makes a row depend on the rows before it, which row 0 has none of.
         isolated, iso_where = None, []
         if B >= 2 and layout == "batched":
             xi = x.clone()
-            xi[1::2] = R[0, 1::2].to(x.device)
+            xi[0::2] = R[0, 0::2].to(x.device)
             yi, si = tgt(xi)
-            moved = differs(y0[0::2], yi[0::2], atol)
+            moved = differs(y0[1::2], yi[1::2], atol)
             if moved.any():
                 run.reproduce(xi, yi, si)
                 moved = run.isolation_moves(xi, yi, si, moved)
             isolated = not bool(moved.any()) if run.iso_unverified == 0 else None
-            iso_where = [[2 * b, t] for b, t in moved.nonzero()[:10].tolist()]
+            iso_where = [[2 * b + 1, t] for b, t in moved.nonzero()[:10].tolist()]
         elif layout == "batched":
             # one sequence: add a second row. If row 0 moves, the cause (another row, or the
             # batch shape) cannot be told apart: isolation stays unknown and nothing is packed.
@@ -324,14 +327,14 @@ class _Run:
         self.reproduced += 1
 
     def isolation_moves(self, xi, yi, si, moved):
-        """Judge the even-row moves of the isolation call like flips at the inputs' shape.
+        """Judge the odd-row moves of the isolation call like flips at the inputs' shape.
         A kernel whose tiling depends on the data of the whole batch (grouped expert matmuls
         sized by tokens per expert, as HF MoE models run them) moves other rows by an ulp or
         so: that is batch-variant arithmetic, not a sequence reading another. Returns the moves
         that are structural; those within rounding noise that the fp64 twin cannot settle are
         counted in iso_unverified (isolation unknown, verdict warn)."""
         b, t = moved.nonzero(as_tuple=True)
-        b = 2 * b
+        b = 2 * b + 1
         kind = self.classify(xi, b, t, yi, si, shape_changed=False)
         self.iso_numerical = int((kind == 1).sum())
         self.iso_unverified = int((kind == 2).sum())
