@@ -29,7 +29,9 @@ from probes.result import CODES, Result, SchemaError, load_results
 # The estimates the gate tests, as probes name them: (code, metric, label). Each Result also
 # carries the estimate's standard error, found by `standard_error` (probes.numerics.bias:
 # std and trials, and a (1 - alpha) CI; probes.drift.compare: se_mean).
-ESTIMATES = (("TP-G2", "bias", "bias"), ("TP-G3", "mean_log_ratio", "drift"))
+# (code, estimate, label, the metric holding the probe's own floor for a bias that matters)
+ESTIMATES = (("TP-G2", "bias", "bias", "min_effect"),
+             ("TP-G3", "mean_log_ratio", "drift", "min_bias"))
 
 
 class CannotJudge(Exception):
@@ -266,9 +268,11 @@ def _compare_pair(b: Result, c: Result, alpha: float, rel_tol: float) -> list[Re
         n = cm.get("n_leaks")
         add("TP-C1", "was causal, now leaks future tokens into earlier decisions",
             "causal", f"leaks ({n} leaks)" if n is not None else "leaks", c.message)
-    for code, name, label in ESTIMATES:
+    for code, name, label, floor in ESTIMATES:
         eb, ec = estimate(bm, name), estimate(cm, name)
-        if eb and ec:
+        # Growth that stays below the probe's own floor (drift min_bias, bias min_effect)
+        # is significant and harmless: the candidate's probe would not fail it either.
+        if eb and ec and abs(ec[0]) >= (_num(cm.get(floor)) or 0.0):
             sig, z, p = larger_magnitude(eb, ec, alpha, rel_tol)
             if sig:
                 ratio = abs(ec[0]) / abs(eb[0]) if eb[0] else math.inf

@@ -242,3 +242,38 @@ def test_one_sequence_cannot_be_tested_and_says_so():
     assert math.isnan(r.metrics["p_value"]) and r.metrics["biased"] is False
     assert "untestable with one sequence" in r.message
     assert compare(train.reshape(-1), infer.reshape(-1)).metrics["biased"] is True  # blocks: testable
+
+
+def _fp32_vs_fp64_engines(seed=0, B=32, T=64, V=32000):
+    """The trainer's fp32 log_softmax against an engine that computes in fp64 and reports
+    fp32: a real bias of ~5e-7 nats/token (fp32's sum of exponentials runs low)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=g) * 3
+    tok = torch.randint(0, V, (B, T, 1), generator=g)
+    train = torch.log_softmax(logits, -1).gather(-1, tok).squeeze(-1)
+    infer = torch.log_softmax(logits.double(), -1).float().gather(-1, tok).squeeze(-1)
+    return train.double(), infer.double()
+
+
+def test_significant_bias_below_min_bias_is_reported_not_failed():
+    train, infer = _fp32_vs_fp64_engines()
+    r = compare(train, infer)
+    assert r.metrics["p_mean"] < 0.01 and abs(r.metrics["mean_log_ratio"]) < 1e-5
+    assert r.metrics["biased"] is False and r.verdict == "pass"
+    assert "below min_bias" in r.message
+    strict = compare(train, infer, min_bias=0.0)
+    assert strict.metrics["biased"] is True and "TP-D1" in strict.codes
+
+
+def test_min_bias_does_not_excuse_a_real_offset():
+    g = torch.Generator().manual_seed(3)
+    train = -torch.rand(64, 32, generator=g, dtype=torch.float64) * 3
+    infer = train + 2e-4 + 1e-3 * torch.randn(64, 32, generator=g, dtype=torch.float64)
+    r = compare(train, infer)
+    assert r.metrics["biased"] is True and "TP-D1" in r.codes
+
+
+def test_min_bias_must_be_non_negative():
+    lp = -torch.rand(4, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="min_bias"):
+        compare(lp, lp, min_bias=-1.0)

@@ -24,6 +24,9 @@ def add_arguments(p) -> None:
     opt.add_argument("--clip", type=float, default=2.0, help="C of the ratio band [1/C, C] (default 2)")
     opt.add_argument("--noise-kl-max", type=float, default=1e-3,
                      help="largest k2 KL (nats/token) that sampling noise may explain (default 1e-3)")
+    opt.add_argument("--min-bias", type=float, default=1e-5,
+                     help="smallest |mean log-ratio| (nats/token) that fails as biased; a significant "
+                          "bias below it is reported only (default 1e-5; 0 fails any significant bias)")
     opt.add_argument("--clean-tol", type=float, default=1e-3,
                      help="largest log-ratio std (nats) called clean (default 1e-3)")
     opt.add_argument("--threshold", action="append", default=[], metavar="METRIC=MAX",
@@ -55,7 +58,7 @@ def _thresholds(items) -> dict:
 def _results(args) -> list:
     from probes import drift
 
-    kw = dict(alpha=args.alpha, clip=args.clip, noise_kl_max=args.noise_kl_max,
+    kw = dict(alpha=args.alpha, clip=args.clip, noise_kl_max=args.noise_kl_max, min_bias=args.min_bias,
               clean_tol=args.clean_tol, thresholds=_thresholds(args.threshold) or None)
     if args.demo:
         from probes.drift.demo import run_demo

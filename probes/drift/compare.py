@@ -12,6 +12,9 @@ The verdict, from the mechanism (notation in probes.drift.stats):
                test, false-positive rate at most alpha under either kind of small noise).
                Each is a t-test over independent units (sequences) with a cluster-robust
                standard error: tokens of one sequence share a prompt, a batch and a KV cache.
+               A significant mean below min_bias nats/token (default 1e-5: 0.01 nats over
+               a 1000-token sequence, a sequence ratio within 1%) is reported, not failed:
+               fp32 log_softmax against an fp64 one is biased by ~5e-7, real and harmless.
   heavy-tailed a few tokens carry most of the mismatch: 0 < fraction with rho outside [1/C, C]
                <= tail_frac, and those tokens hold >= tail_share_min of sum x^2.
   clean        neither, std(x) <= clean_tol and no ratio outside [1/C, C].
@@ -29,12 +32,14 @@ from probes.result import Result
 DRIFT_VERDICTS = ("clean", "noisy", "biased", "heavy-tailed")
 
 
-def _check_options(alpha, clip, clean_tol, noise_kl_max, tail_frac, tail_share_min, kl_warn, thresholds):
+def _check_options(alpha, clip, clean_tol, noise_kl_max, tail_frac, tail_share_min, kl_warn, thresholds,
+                   min_bias=0.0):
     if not (isinstance(alpha, (int, float)) and 0 < alpha < 1):
         raise ValueError(f"alpha={alpha!r} must be in (0, 1), e.g. 0.01")
     if not (isinstance(clip, (int, float)) and clip > 1 and math.isfinite(clip)):
         raise ValueError(f"clip={clip!r} must be a finite ratio > 1 (the band is [1/clip, clip]), e.g. 2.0")
-    for name, v in (("clean_tol", clean_tol), ("noise_kl_max", noise_kl_max), ("kl_warn", kl_warn)):
+    for name, v in (("clean_tol", clean_tol), ("noise_kl_max", noise_kl_max), ("kl_warn", kl_warn),
+                    ("min_bias", min_bias)):
         if not (isinstance(v, (int, float)) and v >= 0):
             raise ValueError(f"{name}={v!r} must be a number >= 0")
     for name, v in (("tail_frac", tail_frac), ("tail_share_min", tail_share_min)):
@@ -51,7 +56,7 @@ def _check_options(alpha, clip, clean_tol, noise_kl_max, tail_frac, tail_share_m
 def compare(train_logprobs, infer_logprobs, *, mask=None, lengths=None, alpha: float = 0.01,
             clip: float = 2.0, clean_tol: float = 1e-3, noise_kl_max: float = 1e-3, tail_frac: float = 0.01,
             tail_share_min: float = 0.5, kl_warn: float = 0.01, thresholds: dict | None = None,
-            target: str = "train vs infer") -> Result:
+            min_bias: float = 1e-5, target: str = "train vs infer") -> Result:
     """Compare the trainer's and the inference engine's log-probs of the same sampled tokens.
 
     train_logprobs, infer_logprobs: [N] or [B, T] log-probs (rows of [B, T] are sequences).
@@ -64,11 +69,14 @@ def compare(train_logprobs, infer_logprobs, *, mask=None, lengths=None, alpha: f
     tail_frac, tail_share_min: the heavy-tail rule (see module doc).
     kl_warn: k3_kl above this turns a noisy pass into a warn (TP-D3).
     thresholds: {metric: max allowed |value|}; any exceeded fails with TP-D3.
+    min_bias: smallest |mean log-ratio| (nats/token) called biased; a significant mean
+    below it is named in the reason but does not fail (0 fails every significant mean).
 
     Returns a Result (probe "drift.compare"); metrics["biased"] is the bias verdict and
     metrics["drift_verdict"] one of clean / noisy / biased / heavy-tailed. See stats.METRICS.
     """
-    _check_options(alpha, clip, clean_tol, noise_kl_max, tail_frac, tail_share_min, kl_warn, thresholds)
+    _check_options(alpha, clip, clean_tol, noise_kl_max, tail_frac, tail_share_min, kl_warn, thresholds,
+                   min_bias)
     train, infer, m, unit = inputs.pair(train_logprobs, infer_logprobs, mask, lengths)
     x2d = infer - train
     xz = torch.where(m, x2d, 0.0)
@@ -92,6 +100,7 @@ def compare(train_logprobs, infer_logprobs, *, mask=None, lengths=None, alpha: f
         "mean_log_ratio": mean, "ci_low": mean - half, "ci_high": mean + half, "se_mean": se,
         "t_stat": t, "p_mean": p_mean, "p_excess": p_excess, "p_value": p_value,
         "n_units": int(G), "alpha": alpha, "clip": clip, "noise_kl_max": noise_kl_max,
+        "min_bias": min_bias,
     })
     if unit == "sequence":
         metrics.update(stats.sequence_metrics(seq_sum, seq_n, clip))
@@ -108,7 +117,9 @@ def classify(metrics: dict, *, alpha: float, clean_tol: float, tail_frac: float,
              tail_share_min: float) -> tuple:
     """(drift_verdict, biased, heavy_tailed, reason) from the metrics; shared with the monitor."""
     p = metrics["p_value"]
-    biased = bool(math.isfinite(p) and p < alpha)
+    significant = bool(math.isfinite(p) and p < alpha)
+    tiny = abs(metrics["mean_log_ratio"]) < metrics.get("min_bias", 0.0)
+    biased = significant and not tiny
     frac, share = metrics["frac_ratio_outside"], metrics["tail_share"]
     heavy = bool(0 < frac <= tail_frac and share >= tail_share_min)
     mean, lo, hi = metrics["mean_log_ratio"], metrics.get("ci_low"), metrics.get("ci_high")
@@ -128,10 +139,15 @@ def classify(metrics: dict, *, alpha: float, clean_tol: float, tail_frac: float,
     elif metrics["std_log_ratio"] <= clean_tol and frac == 0:
         reason = (f"log-ratios have std {metrics['std_log_ratio']:.2g} <= {clean_tol:g} nats and no "
                   f"ratio outside the band")
+        if significant:
+            reason += (f"; a significant bias {mean:.2g} nats/token lies below min_bias "
+                       f"{metrics['min_bias']:g} (p = {p:.2g})")
         label = "clean"
     else:
         why = ("bias untestable with one sequence (pass more rows, or lengths=)" if not math.isfinite(p)
-               else "no significant bias" if p >= alpha else "mean explained by noise")
+               else "no significant bias" if p >= alpha
+               else f"a significant bias below min_bias {metrics['min_bias']:g} nats/token" if tiny
+               else "mean explained by noise")
         reason = (f"zero-mean mismatch, {why} (p = {p:.2g}); std {metrics['std_log_ratio']:.3g} nats, "
                   f"k3 KL(infer||train) {metrics['k3_kl']:.3g}")
         label = "noisy"

@@ -49,8 +49,10 @@ class DriftMonitor:
     def __init__(self, *, thresholds: dict | None = None, on_alarm: str = "raise",
                  history: int | None = 100_000, alpha: float = 0.01, clip: float = 2.0,
                  clean_tol: float = 1e-3, noise_kl_max: float = 1e-3, tail_frac: float = 0.01,
-                 tail_share_min: float = 0.5, kl_warn: float = 0.01, target: str = "train vs infer"):
-        _check_options(alpha, clip, clean_tol, noise_kl_max, tail_frac, tail_share_min, kl_warn, None)
+                 tail_share_min: float = 0.5, kl_warn: float = 0.01, min_bias: float = 1e-5,
+                 target: str = "train vs infer"):
+        _check_options(alpha, clip, clean_tol, noise_kl_max, tail_frac, tail_share_min, kl_warn, None,
+                       min_bias)
         thresholds = dict(thresholds or {})
         unknown = [k for k in thresholds if k not in HISTORY_KEYS]
         if unknown:
@@ -60,7 +62,7 @@ class DriftMonitor:
         self.thresholds, self.on_alarm, self.target = thresholds, on_alarm, target
         self.options = dict(alpha=alpha, clean_tol=clean_tol, tail_frac=tail_frac,
                             tail_share_min=tail_share_min, kl_warn=kl_warn)
-        self.clip, self.noise_kl_max = clip, noise_kl_max
+        self.clip, self.noise_kl_max, self.min_bias = clip, noise_kl_max, min_bias
         self.history = deque(maxlen=history)
         self.alarms: list = []
         self.steps = 0
@@ -237,6 +239,7 @@ class DriftMonitor:
             "tail_share": s["tail_sq"] / s["s2"] if s["s2"] > 0 else 0.0,
             "mean_abs_prob_diff": s["adp"] / n, "max_abs_prob_diff": self.max_adp,
             "alpha": self.options["alpha"], "clip": self.clip, "noise_kl_max": self.noise_kl_max,
+            "min_bias": self.min_bias,
             "alarms": len(self.alarms),
         }
         metrics.update(self.quantiles())
