@@ -162,3 +162,15 @@ def test_collective_bias_accum_fp32_with_per_hop_rounding_does_not_help():
     a = collective_bias(dtype="bf16", world=512, numel=16, trials=4, seed=5)
     b = collective_bias(dtype="bf16", world=512, numel=16, trials=4, seed=5, accum_dtype="fp32")
     assert a.evidence["errors"] == b.evidence["errors"]
+
+
+def test_zero_reference_is_unmeasurable_not_overflow():
+    from probes.numerics.bias import bias_probe
+
+    def make(g):
+        return torch.zeros(8, dtype=torch.float64)
+
+    r = bias_probe(lambda x: x.sum(), lambda x: x.sum(), make, trials=4)
+    assert r.verdict == "error" and r.codes == ["TP-E1"]
+    assert r.metrics["zero_reference_trials"] == 4 and "exactly 0" in r.message
+    assert "inf/NaN" not in r.message

@@ -84,17 +84,29 @@ def bias_probe(fn: Callable, reference: Callable, make_inputs: Callable, *, tria
     if not isinstance(trials, int) or trials < 3:
         raise ValueError(f"trials={trials!r} must be an int >= 3 (32 or more for a useful test)")
     seeds = torch.randint(0, 2**62, (trials,), generator=torch.Generator().manual_seed(int(seed))).tolist()
-    errors, nonfinite = [], 0
+    errors, nonfinite, zero_ref = [], 0, 0
     for t, s in enumerate(seeds):
         inputs = make_inputs(torch.Generator().manual_seed(s))
         low, ref = fn(inputs), reference(inputs)
         err = signed_relative_error(low, ref)
-        nonfinite += math.isnan(err)
+        if math.isnan(err):
+            # a relative error needs a non-zero reference; tell that apart from inf/NaN output
+            if torch.as_tensor(ref).abs().sum().item() == 0:
+                zero_ref += 1
+            else:
+                nonfinite += 1
         errors.append(err)
         if progress is not None:
             progress(t + 1, trials)
     finite = [e for e in errors if not math.isnan(e)]
     evidence = {"errors": errors, "trial_seeds": seeds}
+    if len(finite) < 3 and zero_ref >= nonfinite:
+        return Result(probe="numerics.bias", target=target, verdict="error", seed=seed,
+                      metrics={"trials": trials, "zero_reference_trials": zero_ref,
+                               "nonfinite_trials": nonfinite, "verdict": "unmeasurable"},
+                      evidence=evidence, codes=["TP-E1"],
+                      message=f"{zero_ref} of {trials} trials have a reference that is exactly 0, so "
+                      "no relative error exists: make_inputs must give a non-zero reference sum")
     if len(finite) < 3:
         return Result(probe="numerics.bias", target=target, verdict="fail", seed=seed,
                       metrics={"trials": trials, "nonfinite_trials": nonfinite, "verdict": "nonfinite"},
@@ -103,6 +115,7 @@ def bias_probe(fn: Callable, reference: Callable, make_inputs: Callable, *, tria
                       "(overflow, or NaN in the inputs): no bias can be measured")
     s = error_stats(finite, alpha=alpha, min_effect=min_effect)
     s["nonfinite_trials"] = nonfinite
+    s["zero_reference_trials"] = zero_ref
     biased = s["verdict"] == "biased"
     direction = "too small" if s["bias"] < 0 else "too large"
     msg = (f"bias {s['bias']:+.3g} ({s['confidence']:.0%} CI [{s['ci_low']:+.3g}, {s['ci_high']:+.3g}]), "
@@ -118,7 +131,9 @@ def bias_probe(fn: Callable, reference: Callable, make_inputs: Callable, *, tria
                 + ")")
     if nonfinite:
         msg += f"; {nonfinite} of {trials} trials gave inf/NaN and were left out"
-    verdict = "fail" if biased else ("warn" if nonfinite else "pass")
+    if zero_ref:
+        msg += f"; {zero_ref} of {trials} trials had a zero reference and were left out"
+    verdict = "fail" if biased else ("warn" if nonfinite or zero_ref else "pass")
     codes = ["TP-B1"] if biased else []
     return Result(probe="numerics.bias", target=target, verdict=verdict, metrics=s,
                   evidence=evidence, seed=seed, codes=codes, message=msg)
