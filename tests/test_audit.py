@@ -281,7 +281,8 @@ def test_config_causality_section(tmp_path, monkeypatch, target, causal):
     ("drift", {"train": "a.npz"}, "needs exactly one source"),
     ("drift", {"engine": "x:y", "rollouts": "r.jsonl"}, "needs exactly one source"),
     ("drift", {"engine": "x:y", "alhpa": 0.1}, r"unknown keys \['alhpa'\]"),
-    ("collectives", {"backend": "gloo"}, r"backend='gloo'.*trainprobes collectives --backend gloo"),
+    ("collectives", {"backend": "mpi"}, r"backend='mpi' must be 'emulated', 'gloo' or 'nccl'"),
+    ("collectives", {"backend": "gloo", "trials": 4}, r"unknown keys \['trials'\]"),
 ])
 def test_config_section_errors(section, entry, match):
     with pytest.raises(ConfigError, match=match):
@@ -320,3 +321,15 @@ def test_config_drift_from_rollouts(tmp_path, with_train):
         assert r.target == "ro.npz" and r.metrics["drift_verdict"] == "clean"
     else:
         assert r.verdict == "error" and "hold no train_logprobs" in r.message
+
+
+def test_config_real_gloo_collectives_run_and_are_predicted():
+    checks, _ = suite_from_config({"collectives": [{
+        "name": "grads", "backend": "gloo", "world": 2, "dtype": ["bf16", "fp16"], "op": "avg",
+        "numel": 513, "fail_below": {"bitwise_match_fraction": 1.0}}]})
+    assert [c.family for c in checks] == ["distributed", "distributed"]
+    results, _ = run_suite(checks)
+    assert [r.target for r in results] == ["grads[gloo,bf16,w=2]", "grads[gloo,fp16,w=2]"]
+    for r in results:
+        assert r.probe == "distributed.collective" and r.metrics["bitwise_match_fraction"] == 1.0
+        assert r.verdict in ("pass", "warn")

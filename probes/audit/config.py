@@ -224,15 +224,39 @@ def _listed(entry, key, default):
     return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
+def real_collective_checks(entry: dict, backend: str, seed: int, where: str) -> list[Check]:
+    """[[collectives]] with backend "gloo" or "nccl": real collectives on local ranks, one
+    launch per world x dtype, against the fp64 reference and the emulator bit for bit."""
+    from probes.distributed import run_collective
+
+    kwargs = probe_kwargs(entry, "collectives", where, run_collective)
+    checks = []
+    for world in _listed(entry, "world", 4):
+        for dtype in _listed(entry, "dtype", "bf16"):
+            for algorithm in _listed(entry, "algorithm", None):
+                def run(world=world, dtype=dtype, algorithm=algorithm):
+                    r = run_collective(backend=backend, world=int(world), dtype=dtype,
+                                       op=entry.get("op", "sum"), algorithm=algorithm,
+                                       numel=int(entry.get("numel", 4096)),
+                                       **{"seed": seed, "data": "gradient", **kwargs})
+                    if "name" in entry:
+                        r.target = f"{entry['name']}[{backend},{dtype},w={world}]"
+                    return apply_thresholds(r, entry, "collectives")
+                checks.append(Check("distributed", f"{backend} all_reduce {dtype} w={world}", run))
+    return checks
+
+
 def collective_checks(entry: dict, seed: int, where: str) -> list[Check]:
     """[[collectives]]: every combination of world x dtype x algorithm, emulated (backend
-    "emulated", the default) against the fp64 reference on gradient-like data."""
+    "emulated", the default) against the fp64 reference on gradient-like data; backend
+    "gloo" or "nccl" runs the real collective on local ranks instead."""
     from probes.numerics.bias import collective_bias
 
     backend = entry.get("backend", "emulated")
+    if backend in ("gloo", "nccl"):
+        return real_collective_checks(entry, backend, seed, where)
     if backend != "emulated":
-        raise ConfigError(f"{where} backend={backend!r}: the audit runs 'emulated' collectives; "
-                          f"real gloo/NCCL runs: `trainprobes collectives --backend gloo`")
+        raise ConfigError(f"{where} backend={backend!r} must be 'emulated', 'gloo' or 'nccl'")
     kwargs = probe_kwargs(entry, "collectives", where, collective_bias)
     checks = []
     for world in _listed(entry, "world", 8):
