@@ -51,3 +51,27 @@ def test_bias_avg_premul_with_a_non_power_of_two_world_is_biased(capsys):
                "--trials", "8", "--json"])
     d = json.loads(capsys.readouterr().out)
     assert rc == 1 and d["verdict"] == "biased" and d["bias"] > 0
+
+
+@pytest.mark.parametrize("argv,match", [(["bias", "--scale", "nan", "--trials", "3"], "scale=nan"),
+                                        (["bias", "--scale", "0", "--trials", "3"], "scale=0.0"),
+                                        (["bias", "--scale", "inf", "--trials", "3"], "scale=inf"),
+                                        (["bias", "--noise", "-1", "--trials", "3"], "noise=-1.0")])
+def test_bias_bad_scale_or_noise_is_a_usage_error_not_a_finding(argv, match, capsys):
+    # was: --scale nan reported "FAIL TP-B1" (exit 1) and --scale 0 an error Result with exit 0
+    assert main(argv) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_bias_errored_probe_exits_2_not_0(monkeypatch, capsys):
+    import probes.numerics.bias as bias
+    from probes.result import Result
+
+    def errored(**kwargs):
+        return Result(probe="numerics.bias", target="x", verdict="error", codes=["TP-E1"],
+                      message="boom", metrics={"trials": 3}, seed=0,
+                      evidence={"rounding": "nearest", "dtype": "bf16", "world": 2, "numel": 1,
+                                "algorithm": "ring", "op": "sum"})
+    monkeypatch.setattr(bias, "collective_bias", errored)
+    assert main(["bias", "--trials", "3"]) == 2
+    assert main(["bias", "--trials", "3", "--json"]) == 2

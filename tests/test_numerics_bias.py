@@ -174,3 +174,13 @@ def test_zero_reference_is_unmeasurable_not_overflow():
     assert r.verdict == "error" and r.codes == ["TP-E1"]
     assert r.metrics["zero_reference_trials"] == 4 and "exactly 0" in r.message
     assert "inf/NaN" not in r.message
+
+
+@pytest.mark.parametrize("kw,match", [({"scale": float("nan")}, "scale=nan"), ({"scale": 0.0}, "scale=0.0"),
+                                      ({"scale": -1e-3}, "scale=-0.001"), ({"noise": float("inf")}, "noise=inf")])
+def test_collective_bias_rejects_a_scale_or_noise_that_measures_nothing(kw, match):
+    from probes.numerics.bias import collective_bias
+    with pytest.raises(ValueError, match=match):
+        collective_bias(world=4, numel=8, trials=3, **kw)
+    with pytest.raises(ValueError, match=match):
+        gradient_like(4, 8, generator=torch.Generator(), **kw)

@@ -80,7 +80,7 @@ def run(args) -> int:
     rows = [_row(r) for r in results]
     if args.json:
         print(json.dumps(to_jsonable(rows if args.compare else rows[0]), indent=2))
-        return 1 if any(r.verdict == "fail" for r in results) else 0
+        return _exit_status(results)
     conf = f"{1 - args.alpha:.0%} CI"
     head = ("how", "bias", conf, "spread", "p (t)", "p (sign)", "verdict")
     table = [head] + [(r["label"] or r["rounding"], f"{r['bias']:+.3e}" if r["bias"] is not None else "-",
@@ -103,4 +103,11 @@ def run(args) -> int:
         print(r.summary_line())
     if not args.compare:
         print("\n(--compare shows round to nearest, stochastic rounding and fp32 accumulation side by side)")
+    return _exit_status(results)
+
+
+def _exit_status(results) -> int:
+    # an errored probe (TP-E1) measured nothing: exit 2 like `trainprobes audit`, never 0
+    if any(r.verdict == "error" for r in results):
+        return 2
     return 1 if any(r.verdict == "fail" for r in results) else 0

@@ -139,6 +139,15 @@ def bias_probe(fn: Callable, reference: Callable, make_inputs: Callable, *, tria
                   evidence=evidence, seed=seed, codes=codes, message=msg)
 
 
+def _check_scale_noise(scale, noise) -> None:
+    # scale 0 makes every reference sum 0 (no relative error exists); NaN/inf make every
+    # trial non-finite, which would read as a biased reduction (TP-B1) instead of bad input
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale={scale!r} must be a finite number > 0, e.g. 1e-3")
+    if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not math.isfinite(noise) or noise < 0:
+        raise ValueError(f"noise={noise!r} must be a finite number >= 0 (a multiple of scale), e.g. 1.0")
+
+
 def gradient_like(world: int, numel: int, *, generator: torch.Generator, scale: float = 1e-3,
                   noise: float = 1.0, fmt=None) -> list[torch.Tensor]:
     """Per-rank tensors shaped like data-parallel gradients: one signal shared by all ranks
@@ -148,6 +157,7 @@ def gradient_like(world: int, numel: int, *, generator: torch.Generator, scale: 
         raise ValueError(f"world={world!r} must be an int >= 1")
     if not isinstance(numel, int) or numel < 1:
         raise ValueError(f"numel={numel!r} must be an int >= 1")
+    _check_scale_noise(scale, noise)
     signal = torch.randn(numel, generator=generator, dtype=torch.float64) * scale
     x = signal + torch.randn(world, numel, generator=generator, dtype=torch.float64) * (noise * scale)
     if fmt is not None:
@@ -177,6 +187,7 @@ def collective_bias(*, dtype="bf16", world: int = 1024, numel: int = 256, algori
         raise ValueError(f"algorithm={algorithm!r} is unknown; expected one of {list(ALGORITHMS)}")
     if op not in OPS:
         raise ValueError(f"op={op!r} is unknown; expected one of {list(OPS)}")
+    _check_scale_noise(scale, noise)
     fmt = get_format(dtype)
     wire = get_format(reduce_dtype) if reduce_dtype is not None else fmt
 
