@@ -270,6 +270,13 @@ def _compare_pair(b: Result, c: Result, alpha: float, rel_tol: float) -> list[Re
             "causal", f"leaks ({n} leaks)" if n is not None else "leaks", c.message)
     for code, name, label, floor in ESTIMATES:
         eb, ec = estimate(bm, name), estimate(cm, name)
+        if eb and not ec and name in cm:
+            # present but NaN (or without a usable standard error): skipping the test would
+            # pass a candidate whose estimate cannot be shown not to have grown
+            add(code, f"{label} `{name}` cannot be tested in the candidate: the value or its "
+                "standard error is NaN or missing", f"{eb[0]:.4g} ± {eb[1]:.2g} (SE)",
+                f"{_fmt(cm.get(name))} ± {_fmt(standard_error(cm, name))} (SE)", c.message)
+            continue
         # Growth that stays below the probe's own floor (drift min_bias, bias min_effect)
         # is significant and harmless: the candidate's probe would not fail it either.
         if eb and ec and abs(ec[0]) >= (_num(cm.get(floor)) or 0.0):
@@ -307,6 +314,19 @@ def compare(baseline: list[Result], candidate: list[Result], *, waivers=(),
     if not (isinstance(rel_tol, (int, float)) and rel_tol >= 0):
         raise ValueError(f"rel_tol={rel_tol!r} must be a number >= 0, e.g. 0.1 (10%)")
     today = today or date.today()
+    for side, results in (("baseline", baseline), ("candidate", candidate)):
+        # Two Results under one key cannot both be compared: keeping either one would let
+        # a failing duplicate pass unseen. Fail closed and name the key.
+        seen, dups = set(), []
+        for r in results:
+            if r.key in seen and r.key not in dups:
+                dups.append(r.key)
+            seen.add(r.key)
+        if dups:
+            return GateReport(cannot_judge=(
+                f"{side} holds more than one Result for {len(dups)} key(s), e.g. {dups[0]!r}: "
+                "Results are matched by probe::target, so each needs its own target (give "
+                "each audit entry its own `name`)"))
     base = {r.key: r for r in baseline}
     cand = {r.key: r for r in candidate}
     report = GateReport()

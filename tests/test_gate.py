@@ -38,6 +38,12 @@ CASES = [
     ("accumulator precision lower", R("numerics.reveal", accumulator_mantissa_bits=23),
      R("numerics.reveal", accumulator_mantissa_bits=10), ["TP-B3"]),
     ("probe errored", R(), R(verdict="error", codes=["TP-E1"]), ["TP-E1"]),
+    # a hand-edited or broken candidate: a NaN estimate cannot be shown not to have grown
+    ("bias became 'nan'", R(bias=1e-4, bias_se=1e-5), R(bias="nan", bias_se="nan"), ["TP-G2"]),
+    ("bias became NaN", R(bias=1e-4, std=1e-4, trials=100),
+     R(bias=math.nan, std=1e-4, trials=100), ["TP-G2"]),
+    ("drift SE became NaN", R("drift.compare", mean_log_ratio=-1e-3, se_mean=1e-4),
+     R("drift.compare", mean_log_ratio=-5e-2, se_mean="nan"), ["TP-G3"]),
     ("other verdict went to fail", R("numerics.stall"),
      R("numerics.stall", "t", "fail", ["TP-B2"]), ["TP-B2"]),
 ]
@@ -277,3 +283,17 @@ def test_unreadable_candidate_exit_2(reports, tmp_path):
     bad.write_text('{"schema_version": 1, "results": [{"probe": "p"}]}')
     rep = gate_files(reports[0], bad)
     assert rep.exit_code == 2 and rep.cannot_judge.startswith("candidate:")
+
+
+@pytest.mark.parametrize("side", ["baseline", "candidate"])
+@pytest.mark.parametrize("first_fails", [False, True])
+def test_duplicated_keys_in_a_report_cannot_judge(side, first_fails):
+    # was: the last Result with a key won, so a failing duplicate before (or after) a
+    # passing one went unseen and the gate passed
+    good, bad = R(target="t"), R(target="t", verdict="fail", codes=["TP-B1"], bias=0.5, bias_se=1e-3)
+    dup = [bad, good] if first_fails else [good, bad]
+    base, cand = (dup, [good]) if side == "baseline" else ([good], dup)
+    rep = compare(base, cand, today=TODAY)
+    assert rep.exit_code == 2
+    assert rep.cannot_judge.startswith(side) and "'numerics.bias::t'" in rep.cannot_judge
+    assert "CANNOT JUDGE" in rep.to_markdown()

@@ -286,3 +286,22 @@ def test_helpers_on_real_probes(pytester):
     assert len(results) == 9  # every helper recorded its Result, passing or not
     assert {r.probe for r in results} == {"causality.check", "numerics.bias", "numerics.stall",
                                           "drift.compare"}
+
+
+def test_two_results_on_one_target_in_one_test_keep_unique_keys(pytester):
+    # was: both were stored as "sequential_sum @ <node>", and the gate compared only one
+    pytester.makepyfile("""
+        from probes.result import Result
+
+        def test_two(trainprobes):
+            trainprobes.record(Result("numerics.stall", "sequential_sum", "pass", seed=0))
+            trainprobes.record(Result("numerics.stall", "sequential_sum", "fail", codes=["TP-B2"]))
+            trainprobes.record(Result("numerics.stall", "other", "pass"))
+    """)
+    out = pytester.path / "tp.json"
+    pytester.runpytest(f"--trainprobes-report={out}").assert_outcomes(passed=1)
+    results, _ = load_results(out)
+    assert [r.target for r in results] == ["sequential_sum @ test_two_results_on_one_target_in_one_test_keep_unique_keys.py::test_two",
+                                           "sequential_sum @ test_two_results_on_one_target_in_one_test_keep_unique_keys.py::test_two #2",
+                                           "other @ test_two_results_on_one_target_in_one_test_keep_unique_keys.py::test_two"]
+    assert len({r.key for r in results}) == 3
