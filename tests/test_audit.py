@@ -32,6 +32,14 @@ def test_a_raising_check_becomes_an_error_result_and_the_rest_run():
     assert [t["name"] for t in timings] == ["bad", "after"]
 
 
+def test_two_checks_with_one_target_keep_unique_keys_for_the_gate():
+    # was: two entries with one name (or one import path in two modes) gave two Results
+    # one probe::target key, and the gate compared only one of them
+    results, _ = run_suite([ok("r"), ok("other"), ok("r"), ok("r")])
+    assert [r.target for r in results] == ["r", "other", "r #2", "r #3"]
+    assert len({r.key for r in results}) == 4
+
+
 def test_a_check_returning_a_non_result_is_an_error():
     results, _ = run_suite([Check("drift", "odd", lambda: [42])])
     assert results[0].verdict == "error" and "returned int, expected Result" in results[0].message
