@@ -172,6 +172,18 @@ def test_cli_audit_unknown_family_exit_2(capsys):
     assert "families=['nope'] are not default-suite families" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--out", "--history"])
+def test_cli_audit_uncreatable_out_dir_exit_2_before_running(tmp_path, capsys, flag):
+    # was: every check ran, then a FileNotFoundError traceback and exit 1
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    argv = ["audit", "--families", "stall", "--quick", "--no-progress", "--out", str(tmp_path / "o")]
+    assert main(argv + [flag, str(blocker / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be created" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+
+
 def test_cli_audit_bad_config_exit_2(tmp_path, capsys):
     cfg = tmp_path / "c.toml"
     cfg.write_text("[tool.trainprobes]\nbogus = 1\n")

@@ -297,3 +297,11 @@ def test_duplicated_keys_in_a_report_cannot_judge(side, first_fails):
     assert rep.exit_code == 2
     assert rep.cannot_judge.startswith(side) and "'numerics.bias::t'" in rep.cannot_judge
     assert "CANNOT JUDGE" in rep.to_markdown()
+
+
+@pytest.mark.parametrize("rel_tol", ["nan", "-1"])
+def test_cli_bad_rel_tol_exit_2_not_a_traceback(reports, capsys, rel_tol):
+    # was: --rel-tol nan passed the CLI check and raised ValueError (a traceback, exit 1)
+    assert main(["gate", "--baseline", str(reports[0]), "--candidate", str(reports[1]),
+                 "--rel-tol", rel_tol]) == 2
+    assert "--rel-tol" in capsys.readouterr().err

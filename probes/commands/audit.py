@@ -70,6 +70,13 @@ def run(args) -> int:
         print(f"error: --threads={args.threads!r} must be >= 0 (0: torch's default)",
               file=sys.stderr)
         return 2
+    try:  # before minutes of checks, not after them
+        for d in (out, history):
+            if d:
+                Path(d).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"error: --out/--history directory cannot be created: {e}", file=sys.stderr)
+        return 2
     import torch
     before = torch.get_num_threads()
     if args.threads:
@@ -78,6 +85,9 @@ def run(args) -> int:
         outcome = run_audit(checks, out, history=history, progress=progress,
                             meta={"suite": suite, "seed": seed, "skipped": skipped,
                                   "torch_threads": torch.get_num_threads()})
+    except OSError as e:  # the checks catch their own errors: this is writing the report
+        print(f"error: the report cannot be written: {e}", file=sys.stderr)
+        return 2
     finally:
         torch.set_num_threads(before)  # the command may run inside a longer process
     if args.json:

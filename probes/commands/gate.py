@@ -33,7 +33,7 @@ def run(args) -> int:
     if not 0.0 < args.alpha < 1.0:
         print(f"error: --alpha={args.alpha!r} must be in (0, 1), e.g. 0.01", file=sys.stderr)
         return 2
-    if args.rel_tol < 0:
+    if not args.rel_tol >= 0:  # also NaN
         print(f"error: --rel-tol={args.rel_tol!r} must be >= 0, e.g. 0.1", file=sys.stderr)
         return 2
     report = gate_files(args.baseline, args.candidate, args.waivers, alpha=args.alpha,
