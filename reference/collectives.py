@@ -105,6 +105,9 @@ def _as_world(inputs) -> list[torch.Tensor]:
         if t.dtype == torch.bool or t.is_complex():
             raise TypeError(f"inputs[{i}] has dtype {t.dtype}; expected a real floating-point "
                             f"or integer tensor")
+        if t.device.type == "meta":
+            raise ValueError(f"inputs[{i}] is on the meta device: it holds no values to reduce; "
+                             "pass tensors on cpu or cuda")
         out.append(t)
     first = out[0]
     for i, t in enumerate(out[1:], 1):
@@ -198,6 +201,9 @@ class _Arithmetic:
         if rounding == "stochastic":
             if seed is None or isinstance(seed, bool) or not isinstance(seed, int):
                 raise ValueError(f"rounding='stochastic' needs seed=<int>, got seed={seed!r}")
+            if not -2**63 <= seed < 2**64:  # torch.Generator.manual_seed's range
+                raise ValueError(f"seed={seed!r} is out of range: a torch.Generator seed is an "
+                                 "int in [-2**63, 2**64)")
             self.gen = torch.Generator(device=device).manual_seed(seed)
         else:
             self.gen = None

@@ -353,6 +353,11 @@ def test_stochastic_rounding_removes_the_stall():
     ([torch.ones(4)] * 2, {"op": "prod"}, ValueError, "op='prod' is unknown"),
     ([torch.ones(4)] * 2, {"rounding": "up"}, ValueError, "rounding='up' is unknown"),
     ([torch.ones(4)] * 2, {"rounding": "stochastic"}, ValueError, "needs seed=<int>"),
+    # were: "Overflow when unpacking long long" and "Cannot copy out of meta tensor", deep inside
+    ([torch.ones(4)] * 2, {"rounding": "stochastic", "seed": 2**64}, ValueError,
+     r"seed=18446744073709551616 is out of range"),
+    ([torch.ones(4, device="meta")] * 2, {"dtype": "bf16"}, ValueError,
+     r"inputs\[0\] is on the meta device"),
     ([torch.ones(4)] * 6, {"algorithm": "hierarchical", "ranks_per_node": 4}, ValueError,
      "ranks_per_node=4 does not divide world=6"),
     ([torch.ones(4)] * 2, {"order": torch.zeros(2, 4, dtype=torch.long)}, ValueError,
