@@ -67,3 +67,11 @@ def test_reveal(capsys):
 def test_bad_input_exits_2_with_a_reason(capsys, argv, match):
     code, out, err = run(capsys, *argv)
     assert code == 2 and match in err and out == ""
+
+
+@pytest.mark.parametrize("algorithm", ["hierarchical", "order"])
+def test_algorithms_that_need_options_the_cli_lacks_are_not_offered(capsys, algorithm):
+    # was: accepted, then every rank ran and the emulator failed for want of ranks_per_node/order
+    with pytest.raises(SystemExit) as e:
+        main(["collectives", "--backend", "emulated", "--algorithm", algorithm])
+    assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
