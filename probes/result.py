@@ -107,6 +107,16 @@ class Result:
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self):
+        # a hand-edited report must fail at load (the gate cannot judge), not deep in a probe
+        # comparison: a None target matched nothing, a list of metrics was a traceback
+        for name in ("probe", "target"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a string")
+        for name in ("metrics", "evidence"):
+            if not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a dict (a JSON object)")
+        if isinstance(self.codes, str):
+            raise ValueError(f"codes={self.codes!r} must be a list of codes, e.g. [{self.codes!r}]")
         if self.verdict not in VERDICTS:
             raise ValueError(f"verdict={self.verdict!r} is not one of {VERDICTS}")
         unknown = [c for c in self.codes if c not in CODES]

@@ -54,3 +54,22 @@ def test_written_report_has_ordinary_file_mode(tmp_path):
     finally:
         os.umask(umask)
     assert p.stat().st_mode & 0o777 == 0o644
+
+
+@pytest.mark.parametrize("field,value,match", [("metrics", [1], r"metrics=\[1\] must be a dict"),
+                                               ("evidence", None, "evidence=None must be a dict"),
+                                               ("target", None, "target=None must be a string"),
+                                               ("probe", 3, "probe=3 must be a string"),
+                                               ("codes", "TP-B1", r"codes='TP-B1' must be a list")])
+def test_hand_edited_report_with_wrong_field_types_is_refused_at_load(tmp_path, field, value, match):
+    # was: metrics=[1] crashed the gate with AttributeError (exit 1, read as "blocked"), and
+    # target=None loaded and matched nothing
+    with pytest.raises(ValueError, match=match):
+        _r(**{field: value})
+    path = tmp_path / "r.json"
+    save_results(path, [_r()])
+    doc = json.loads(path.read_text())
+    doc["results"][0][field] = value
+    path.write_text(json.dumps(doc))
+    with pytest.raises(SchemaError, match=match):
+        load_results(path)
