@@ -5,7 +5,8 @@ import socket
 import pytest
 
 import probes.distributed.launcher as L
-from probes.distributed.selftest import echo_task, exit_task, hang_task, raise_task
+from probes.distributed.selftest import (echo_task, exit_task, exit_then_peers_raise_task, hang_task,
+                                        raise_task)
 
 
 def alive(pid: int) -> bool:
@@ -75,6 +76,13 @@ def test_a_rank_that_raises_stops_all_and_names_itself(reaper):
 def test_a_rank_that_dies_silently_is_reported(reaper):
     with pytest.raises(L.WorkerFailed, match="rank 1 exited with code 7") as info:
         L.launch(exit_task, 2, timeout=120, args=(1, 7))
+    reaper += info.value.pids
+    assert info.value.rank == 1 and wait_dead(info.value.pids) == []
+
+
+def test_a_silent_death_is_named_as_the_cause_when_peers_raise_after_it(reaper):
+    with pytest.raises(L.WorkerFailed, match="rank 1 exited with code 5") as info:
+        L.launch(exit_then_peers_raise_task, 3, timeout=120, args=(1, 5))
     reaper += info.value.pids
     assert info.value.rank == 1 and wait_dead(info.value.pids) == []
 

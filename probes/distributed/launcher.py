@@ -160,6 +160,25 @@ def _context():
     return ctx
 
 
+def _first_cause(procs, q, done, rank, tb, world) -> "WorkerFailed":
+    """The failure to report when `rank` raised: a rank that died silently (segfault,
+    os._exit) makes its peers raise in the collective, and often their traceback arrives
+    first; the dead rank is the cause, so name it, with the peer's error as context."""
+    reported = {rank}
+    time.sleep(0.2)  # a rank that died first has exited by now; peers' reports are queued
+    while True:
+        try:
+            reported.add(q.get_nowait()[1])
+        except queue_mod.Empty:
+            break
+    for r, p in enumerate(procs):
+        if r not in done and r not in reported and not p.is_alive() and p.exitcode not in (0, None):
+            last = tb.strip().splitlines()[-1] if tb and tb.strip() else ""
+            return WorkerFailed(r, f"rank {r} exited with code {p.exitcode} without reporting; "
+                                   f"rank {rank} then failed: {last}", world)
+    return WorkerFailed(rank, tb, world)
+
+
 def _run_once(task, world, backend, timeout, args, addr, port, progress):
     import torch
     ctx = _context()
@@ -193,7 +212,7 @@ def _run_once(task, world, backend, timeout, args, addr, port, progress):
                         raise WorkerTimeout(sorted(set(range(world)) - done), timeout, world)
                     continue
             if status == "error":
-                raise WorkerFailed(rank, tb, world)
+                raise _first_cause(procs, q, done, rank, tb, world)
             done.add(rank)
             if progress:
                 progress(f"rank {rank} done ({len(done)}/{world})")

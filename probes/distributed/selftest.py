@@ -33,6 +33,15 @@ def exit_task(rank: int, world: int, bad_rank: int, code: int = 3) -> int:
     return rank
 
 
+def exit_then_peers_raise_task(rank: int, world: int, bad_rank: int, code: int = 3) -> int:
+    """Rank bad_rank dies without a word; the others notice and raise, as ranks whose peer
+    vanished mid-collective do ("Connection closed by peer"): the dead rank is the cause."""
+    if rank == bad_rank:
+        os._exit(code)
+    time.sleep(0.3)
+    raise RuntimeError(f"rank {rank}: peer {bad_rank} closed the connection")
+
+
 def hang_task(rank: int, world: int, pid_dir: str | None = None) -> int:
     """Every rank hangs; with pid_dir, each first starts a grandchild process (a `sleep`)
     and writes its pid there, so a test can check that the whole tree was killed."""
