@@ -75,3 +75,14 @@ def test_demo_runs_the_engine_pair(monkeypatch, capsys):
     assert rc == 0 and cap.out.startswith("CLEAN") and "expected clean: yes" in cap.out
     torch.set_num_threads(threads)
     assert "[1/1] fp32 infer / fp32 train" in cap.err
+
+
+def test_demo_passes_the_compare_options_and_validates_them(monkeypatch, capsys):
+    from probes.drift import demo
+    monkeypatch.setattr(demo, "SCENARIOS", demo.SCENARIOS[:1])
+    assert main(["drift", "--demo", "--demo-prompts", "4", "--demo-tokens", "4", "--alpha", "3"]) == 2
+    assert "alpha=3.0" in capsys.readouterr().err
+    rc = main(["drift", "--demo", "--demo-prompts", "4", "--demo-tokens", "4", "--json",
+               "--min-bias", "0.5", "--alpha", "0.05"])
+    out = capsys.readouterr().out
+    assert rc == 0 and '"min_bias": 0.5' in out and '"alpha": 0.05' in out

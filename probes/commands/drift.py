@@ -69,8 +69,9 @@ def _results(args) -> list:
         def progress(i, n, name):
             print(f"[{i + 1}/{n}] {name}", file=sys.stderr, flush=True)
 
+        options = {k: v for k, v in kw.items() if k != "thresholds"}
         return run_demo(n_prompts=args.demo_prompts, max_new_tokens=args.demo_tokens, seed=args.seed,
-                        progress=progress)
+                        progress=progress, **options)
     if args.rollouts:
         ro = drift.load_rollouts(args.rollouts)
         train = ro.train_logprobs

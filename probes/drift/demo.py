@@ -38,8 +38,10 @@ SCENARIOS = (
 
 
 def run_scenario(scenario: Scenario, *, n_prompts: int = 32, max_new_tokens: int = 32,
-                 seed: int = 0, model=None, alpha: float = 0.01, infer_batch_size: int = 8) -> Result:
-    """Sample with the inference engine, rescore with the training engine, compare."""
+                 seed: int = 0, model=None, alpha: float = 0.01, infer_batch_size: int = 8,
+                 **compare_options) -> Result:
+    """Sample with the inference engine, rescore with the training engine, compare
+    (compare_options: clip, noise_kl_max, min_bias, clean_tol, ... of probes.drift.compare)."""
     from reference.models.lm import TinyLM, generate, random_prompts, train_logprobs
 
     model = TinyLM(seed=seed) if model is None else model
@@ -49,7 +51,8 @@ def run_scenario(scenario: Scenario, *, n_prompts: int = 32, max_new_tokens: int
                   batch_size=infer_batch_size, seed=seed + 2)
     tl = train_logprobs(model, ro.prompts, ro.completions, ro.mask, dtype=scenario.train_dtype,
                         temperature=scenario.train_temperature)
-    r = compare(tl, ro.logprobs, mask=ro.mask, alpha=alpha, target=f"tinylm: {scenario.name}")
+    r = compare(tl, ro.logprobs, mask=ro.mask, alpha=alpha, target=f"tinylm: {scenario.name}",
+                **compare_options)
     r.seed = seed
     r.evidence["scenario"] = {"name": scenario.name, "infer_dtype": str(scenario.infer_dtype),
                               "train_dtype": str(scenario.train_dtype),
@@ -60,8 +63,10 @@ def run_scenario(scenario: Scenario, *, n_prompts: int = 32, max_new_tokens: int
     return r
 
 
-def run_demo(*, n_prompts: int = 32, max_new_tokens: int = 32, seed: int = 0, progress=None) -> list:
-    """Every scenario, one Result each; progress(i, n, name) is called before each."""
+def run_demo(*, n_prompts: int = 32, max_new_tokens: int = 32, seed: int = 0, progress=None,
+             **compare_options) -> list:
+    """Every scenario, one Result each; progress(i, n, name) is called before each.
+    compare_options go to probes.drift.compare (alpha, clip, min_bias, ...)."""
     from reference.models.lm import TinyLM
 
     model = TinyLM(seed=seed)
@@ -70,5 +75,5 @@ def run_demo(*, n_prompts: int = 32, max_new_tokens: int = 32, seed: int = 0, pr
         if progress is not None:
             progress(i, len(SCENARIOS), sc.name)
         out.append(run_scenario(sc, n_prompts=n_prompts, max_new_tokens=max_new_tokens, seed=seed,
-                                model=model))
+                                model=model, **compare_options))
     return out
