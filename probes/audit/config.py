@@ -224,55 +224,44 @@ def _listed(entry, key, default):
     return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
-def real_collective_checks(entry: dict, backend: str, seed: int, where: str) -> list[Check]:
-    """[[collectives]] with backend "gloo" or "nccl": real collectives on local ranks, one
-    launch per world x dtype, against the fp64 reference and the emulator bit for bit."""
-    from probes.distributed import run_collective
-
-    kwargs = probe_kwargs(entry, "collectives", where, run_collective)
-    checks = []
-    for world in _listed(entry, "world", 4):
-        for dtype in _listed(entry, "dtype", "bf16"):
-            for algorithm in _listed(entry, "algorithm", None):
-                def run(world=world, dtype=dtype, algorithm=algorithm):
-                    r = run_collective(backend=backend, world=int(world), dtype=dtype,
-                                       op=entry.get("op", "sum"), algorithm=algorithm,
-                                       numel=int(entry.get("numel", 4096)),
-                                       **{"seed": seed, "data": "gradient", **kwargs})
-                    if "name" in entry:
-                        r.target = f"{entry['name']}[{backend},{dtype},w={world}]"
-                    return apply_thresholds(r, entry, "collectives")
-                checks.append(Check("distributed", f"{backend} all_reduce {dtype} w={world}", run))
-    return checks
-
-
 def collective_checks(entry: dict, seed: int, where: str) -> list[Check]:
-    """[[collectives]]: every combination of world x dtype x algorithm, emulated (backend
-    "emulated", the default) against the fp64 reference on gradient-like data; backend
-    "gloo" or "nccl" runs the real collective on local ranks instead."""
-    from probes.numerics.bias import collective_bias
-
+    """[[collectives]]: every combination of world x dtype x algorithm. backend "emulated"
+    (the default): the emulated all_reduce against the fp64 reference on gradient-like data;
+    "gloo" or "nccl": the real collective on local ranks (one launch each), against fp64 and
+    the emulator bit for bit."""
     backend = entry.get("backend", "emulated")
-    if backend in ("gloo", "nccl"):
-        return real_collective_checks(entry, backend, seed, where)
-    if backend != "emulated":
+    if backend == "emulated":
+        from probes.numerics.bias import collective_bias as probe
+        family, default_world, default_algorithm, default_numel = "collectives", 8, "ring", 1024
+    elif backend in ("gloo", "nccl"):
+        from probes.distributed import run_collective as probe
+        family, default_world, default_algorithm, default_numel = "distributed", 4, None, 4096
+    else:
         raise ConfigError(f"{where} backend={backend!r} must be 'emulated', 'gloo' or 'nccl'")
-    kwargs = probe_kwargs(entry, "collectives", where, collective_bias)
+    kwargs = probe_kwargs(entry, "collectives", where, probe)
+
+    def measure(world, dtype, algorithm):
+        args = dict(world=int(world), dtype=dtype, algorithm=algorithm, op=entry.get("op", "sum"),
+                    numel=int(entry.get("numel", default_numel)))
+        if backend == "emulated":
+            from probes.audit.families import bias_result
+            return bias_result(probe(**args, **{"seed": seed, **kwargs}))
+        return probe(backend=backend, **args, **{"seed": seed, "data": "gradient", **kwargs})
+
     checks = []
-    for world in _listed(entry, "world", 8):
+    for world in _listed(entry, "world", default_world):
         for dtype in _listed(entry, "dtype", "bf16"):
-            for algorithm in _listed(entry, "algorithm", "ring"):
-                def run(world=world, dtype=dtype, algorithm=algorithm):
-                    from probes.audit.families import bias_result
-                    r = collective_bias(dtype=dtype, world=int(world), algorithm=algorithm,
-                                        op=entry.get("op", "sum"),
-                                        numel=int(entry.get("numel", 1024)),
-                                        **{"seed": seed, **kwargs})
+            for algorithm in _listed(entry, "algorithm", default_algorithm):
+                # ["bf16", "ring"] emulated; ["gloo", "bf16"] real, in the backend's own order
+                parts = ([backend] if backend != "emulated" else []) + [dtype] \
+                    + ([algorithm] if algorithm is not None else [])
+
+                def run(world=world, dtype=dtype, algorithm=algorithm, tag=",".join(parts)):
+                    r = measure(world, dtype, algorithm)
                     if "name" in entry:
-                        r.target = f"{entry['name']}[{dtype},{algorithm},w={world}]"
-                    return apply_thresholds(bias_result(r), entry, "collectives")
-                checks.append(Check("collectives", f"all_reduce {dtype} {algorithm} w={world}",
-                                    run))
+                        r.target = f"{entry['name']}[{tag},w={world}]"
+                    return apply_thresholds(r, entry, "collectives")
+                checks.append(Check(family, f"all_reduce {' '.join(parts)} w={world}", run))
     return checks
 
 
