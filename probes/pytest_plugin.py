@@ -178,16 +178,14 @@ class TrainProbes:
 
     def record(self, result):
         """Record a Result (from any probe) for the report, the summary and JUnit XML."""
-        from probes.result import Result
+        from probes.result import Result, repeat_suffix
         if not isinstance(result, Result):
             raise TypeError(f"record(result={result!r}) needs a probes.result.Result")
         node = self._request.node
-        # A test that calls a probe twice on one target (two stall sums, two formats) would
-        # store two Results under one key, and the gate would compare only one of them: the
-        # second and later get " #2", " #3", ... (call order is stable across runs).
-        seen = sum(r.probe == result.probe and r.target == result.target for r in self.results)
-        stored = Result.from_dict({**result.to_dict(), "target": f"{result.target} @ {node.nodeid}"
-                                   + (f" #{seen + 1}" if seen else "")})
+        # a test that calls a probe twice on one target (two stall sums, two formats)
+        suffix = repeat_suffix(result.key, [r.key for r in self.results])
+        stored = Result.from_dict({**result.to_dict(),
+                                   "target": f"{result.target} @ {node.nodeid}{suffix}"})
         self.results.append(result)
         self._recorder.add(stored)
         node.user_properties.append((f"trainprobes:{result.probe}", json.dumps(

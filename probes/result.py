@@ -169,6 +169,17 @@ class Result:
         return f"{self.verdict.upper():5} {self.probe} {self.target}{codes}: {self.message}"
 
 
+def repeat_suffix(key: str, earlier_keys) -> str:
+    """" #n" for the n-th Result under one probe::target key (n >= 2), "" for the first.
+
+    The gate matches Results by key, so a report must hold each key once; two Results of
+    one probe on one target (a router in two modes, two stall sums in one test) are told
+    apart by their order, which is stable across runs.
+    """
+    n = sum(k == key or k.rsplit(" #", 1)[0] == key for k in earlier_keys)
+    return f" #{n + 1}" if n else ""
+
+
 def write_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write text to path via a temp file in the same folder and a rename.
 

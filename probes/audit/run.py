@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from probes.result import Result, to_jsonable, write_atomic
+from probes.result import Result, repeat_suffix, to_jsonable, write_atomic
 
 
 @dataclass
@@ -86,13 +86,8 @@ def run_suite(checks: list[Check], *, progress: Progress | None = None,
         if progress:
             progress.finish(check, got, dt)
         for r in got:
-            # Two entries with one name (or one import path without a name, e.g. a router
-            # in perturb and truncate mode) would give two Results one probe::target key,
-            # which the gate cannot judge: the second and later get " #2", " #3", ... in
-            # suite order, which is stable across runs.
-            n = sum(x.key == r.key or x.key.rsplit(" #", 1)[0] == r.key for x in results)
-            if n:
-                r.target = f"{r.target} #{n + 1}"
+            # two entries with one name, or a router in perturb and truncate mode
+            r.target += repeat_suffix(r.key, [x.key for x in results])
             results.append(r)
         # cpu_seconds: this process only (gloo ranks run in their own); wall >> cpu means
         # the machine was busy with something else
