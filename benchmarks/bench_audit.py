@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_once(threads: int, quick: bool):
     import torch
-    from probes.audit import Progress, run_audit
-    from probes.audit.suites import default_suite
+    from trainprobes.audit import Progress, run_audit
+    from trainprobes.audit.suites import default_suite
 
     before = torch.get_num_threads()
     if threads:

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from probes.causality import check
-from probes.causality.target import differs
-from reference.models.moe import TinyMoEBlock
-from reference.routing import topk_softmax
+from trainprobes.causality import check
+from trainprobes.causality.target import differs
+from trainprobes.reference.models.moe import TinyMoEBlock
+from trainprobes.reference.routing import topk_softmax
 
 
 def plain_loop(fn, x, R, pick):

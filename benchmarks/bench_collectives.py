@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from reference.collectives import all_reduce  # noqa: E402
+from trainprobes.reference.collectives import all_reduce  # noqa: E402
 
 
 def timed(fn) -> float:

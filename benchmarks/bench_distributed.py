@@ -7,7 +7,7 @@ reports/distributed-benchmark.md.
    all_reduce in fp32/fp16/bf16, sum and avg, on random data (normal and gradient-like) at
    sizes from 1 element to past gloo's 2*world-segment minimum (several MiB), plus reduce
    and reduce_scatter; each is compared bit for bit, on every rank, with
-   reference.collectives(algorithm="gloo"), and with the NCCL ring model for contrast.
+   trainprobes.reference.collectives(algorithm="gloo"), and with the NCCL ring model for contrast.
 2. Cost: wall time of the real all_reduce (one call inside the ranks) vs the emulator
    predicting all ranks in one process, measured in the same run; a ratio, not a time.
 """
@@ -20,10 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from probes.distributed.probe import emulate, result_from_outputs  # noqa: E402
-from probes.distributed.launcher import launch  # noqa: E402
-from probes.distributed.worker import Case, cases_task  # noqa: E402
-from probes.distributed.compare import bitwise_agreement  # noqa: E402
+from trainprobes.distributed.probe import emulate, result_from_outputs  # noqa: E402
+from trainprobes.distributed.launcher import launch  # noqa: E402
+from trainprobes.distributed.worker import Case, cases_task  # noqa: E402
+from trainprobes.distributed.compare import bitwise_agreement  # noqa: E402
 
 MiB = 1 << 20
 ITEM = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -37,7 +37,7 @@ def sizes_for(world: int, dtype: str, quick: bool) -> list[int]:
 
 def timed_task(rank, world, cases, backend):
     import torch.distributed as dist
-    from probes.distributed.worker import run_collective
+    from trainprobes.distributed.worker import run_collective
     out = []
     for c in cases:
         dist.barrier()
@@ -105,7 +105,7 @@ def write_report(args, rows, timing) -> None:
              f"{' --quick' if args.quick else ''}` (torch gloo, 127.0.0.1, shared 2-core machine).",
              f"World sizes completed: {sorted({r[0] for r in rows})}.", "",
              f"**Bitwise: {exact}/{total} cases predicted bit for bit on every rank by "
-             f"`reference.collectives(..., algorithm=\"gloo\")`.**", "",
+             f"`trainprobes.reference.collectives(..., algorithm=\"gloo\")`.**", "",
              "| world | collective | dtype | op | numel | data | gloo model match | NCCL ring model match | max ulp vs fp64 | bias (ulp) |",
              "|---:|---|---|---|---:|---|---:|---:|---:|---:|"]
     for r in rows:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from probes.drift import DriftMonitor, compare
+from trainprobes.drift import DriftMonitor, compare
 
 
 def timed(fn, repeats):

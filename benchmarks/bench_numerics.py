@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from probes.numerics.bias import collective_bias, gradient_like  # noqa: E402
-from probes.numerics.reveal import reveal  # noqa: E402
-from probes.numerics.stall import stall_table  # noqa: E402
-from reference.collectives import all_reduce  # noqa: E402
+from trainprobes.numerics.bias import collective_bias, gradient_like  # noqa: E402
+from trainprobes.numerics.reveal import reveal  # noqa: E402
+from trainprobes.numerics.stall import stall_table  # noqa: E402
+from trainprobes.reference.collectives import all_reduce  # noqa: E402
 
 
 def timed(fn) -> float:

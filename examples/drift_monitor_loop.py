@@ -15,8 +15,8 @@ import argparse
 
 import torch
 
-from probes.drift import DriftAlarm, DriftMonitor, truncated_is
-from reference.models.lm import TinyLM, generate, random_prompts
+from trainprobes.drift import DriftAlarm, DriftMonitor, truncated_is
+from trainprobes.reference.models.lm import TinyLM, generate, random_prompts
 
 
 def trainer_logprobs(model, prompts, completions, mask):

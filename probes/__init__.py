@@ -1,5 +1,30 @@
-"""Detectors: each takes a target, measures, and returns a probes.result.Result.
+"""trainprobes: find the numerics and causality bugs that make large training runs fail.
 
-Importing this package must stay cheap (no torch): the pytest plugin lives under it.
+    from trainprobes import causality, drift, numerics
+    from trainprobes.reference import formats, collectives
+
+The repository folder probes/ is this package and reference/ is `trainprobes.reference`
+(pyproject's package-dir). Importing it stays cheap (no torch): the pytest plugin lives here,
+so subpackages load only when first used.
 """
-__version__ = "0.1.0"
+import importlib
+
+if __name__ != "trainprobes":
+    # Imported as 'probes' from a checkout's root: a second copy of every module (and of
+    # every class, so isinstance checks between the two fail). Refuse instead.
+    raise ImportError(f"this folder is the package 'trainprobes'; import trainprobes, not {__name__!r} "
+                      f"(pip install -e . in the checkout makes it importable)")
+
+__version__ = "0.2.0"
+
+_SUBPACKAGES = ("audit", "causality", "distributed", "drift", "numerics", "reference", "report")
+__all__ = ["Result", "__version__", *_SUBPACKAGES]
+
+
+def __getattr__(name):
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name == "Result":
+        from trainprobes.result import Result
+        return Result
+    raise AttributeError(f"module 'trainprobes' has no attribute {name!r}")

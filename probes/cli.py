@@ -19,9 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         try:
-            mod = importlib.import_module(f"probes.commands.{name}")
+            mod = importlib.import_module(f"trainprobes.commands.{name}")
         except ModuleNotFoundError as e:
-            if e.name != f"probes.commands.{name}":
+            if e.name != f"trainprobes.commands.{name}":
                 raise
             continue  # not built yet
         p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)

@@ -3,13 +3,13 @@
 Exit codes (`GateReport.exit_code`): 0 no unwaived regression, 1 at least one, 2 the gate
 cannot judge (a report is missing, corrupt, or of another schema: it fails closed).
 
-Regressions, each with a code from probes.result.CODES so a reviewer can search and waive it:
+Regressions, each with a code from trainprobes.result.CODES so a reviewer can search and waive it:
   TP-G1  a probe present in the baseline is missing from the candidate;
   TP-C1  a target that was causal now leaks (metric `causal` True -> False);
   TP-G2  a bias significantly larger: one-sided z-test on |bias| with both standard errors
-         (probes.numerics.bias: `bias`, SE = std / sqrt(trials));
+         (trainprobes.numerics.bias: `bias`, SE = std / sqrt(trials));
   TP-G3  drift significantly worse (the same test on `mean_log_ratio` with `se_mean`, from
-         probes.drift.compare), or a drift Result newly over its threshold (TP-D3);
+         trainprobes.drift.compare), or a drift Result newly over its threshold (TP-D3);
   TP-B3  lower revealed accumulator precision (`accumulator_mantissa_bits` decreased);
   TP-E1  the probe errored in the candidate;
   and any other result whose verdict went from pass/warn to fail keeps the candidate's codes.
@@ -24,11 +24,11 @@ from datetime import date, timedelta
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-from probes.result import CODES, Result, SchemaError, load_results
+from trainprobes.result import CODES, Result, SchemaError, load_results
 
 # The estimates the gate tests, as probes name them: (code, metric, label). Each Result also
-# carries the estimate's standard error, found by `standard_error` (probes.numerics.bias:
-# std and trials, and a (1 - alpha) CI; probes.drift.compare: se_mean).
+# carries the estimate's standard error, found by `standard_error` (trainprobes.numerics.bias:
+# std and trials, and a (1 - alpha) CI; trainprobes.drift.compare: se_mean).
 # (code, estimate, label, the metric holding the probe's own floor for a bias that matters)
 ESTIMATES = (("TP-G2", "bias", "bias", "min_effect"),
              ("TP-G3", "mean_log_ratio", "drift", "min_bias"))
@@ -166,9 +166,9 @@ def load_waivers(path) -> list[Waiver]:
         if path.suffix == ".json":
             doc = json.loads(text)
         else:
-            import tomllib
-            doc = tomllib.loads(text)
-    except Exception as e:  # json.JSONDecodeError, tomllib.TOMLDecodeError
+            from trainprobes import _toml
+            doc = _toml.loads(text)
+    except Exception as e:  # json.JSONDecodeError, TOMLDecodeError
         raise CannotJudge(f"waivers file {str(path)!r} is not valid "
                           f"{'JSON' if path.suffix == '.json' else 'TOML'}: {e}") from e
     try:
@@ -198,7 +198,7 @@ def standard_error(metrics: dict, name: str) -> float | None:
     se = _num(metrics.get(f"{name}_se"))
     if se is None:
         se = _num(metrics.get("se_mean"))
-    if se is None:  # probes.distributed: bias with its z statistic
+    if se is None:  # trainprobes.distributed: bias with its z statistic
         value, z = _num(metrics.get(name)), _num(metrics.get(f"{name}_z"))
         if value is not None and z:
             se = abs(value / z)

@@ -36,14 +36,14 @@ class Recorder:
     """The session's Results, in order; lives on config.stash (no module-level state)."""
 
     def __init__(self):
-        self.results = []       # probes.result.Result, target suffixed with the test id
-        self.gate = None        # probes.gate.GateReport once compared
+        self.results = []       # trainprobes.result.Result, target suffixed with the test id
+        self.gate = None        # trainprobes.gate.GateReport once compared
 
     def add(self, result) -> None:
         self.results.append(result)
 
     def add_worker_output(self, text: str) -> None:
-        from probes.result import Result
+        from trainprobes.result import Result
         self.results.extend(Result.from_dict(d) for d in json.loads(text))
 
 
@@ -113,13 +113,13 @@ def pytest_sessionfinish(session, exitstatus):
         return
     report = _option(config, "report")
     if report:
-        from probes.result import save_results
+        from trainprobes.result import save_results
         save_results(report, rec.results, source="pytest", args=list(config.invocation_params.args))
     baseline = _option(config, "baseline")
     if baseline:
-        from probes.gate import CannotJudge, compare, load_waivers
-        from probes.result import SchemaError, load_results
-        from probes.gate import GateReport
+        from trainprobes.gate import CannotJudge, compare, load_waivers
+        from trainprobes.result import SchemaError, load_results
+        from trainprobes.gate import GateReport
         try:
             waivers = load_waivers(_option(config, "waivers")) if _option(config, "waivers") else []
             base, _ = load_results(baseline)
@@ -154,7 +154,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 # --- the fixture -------------------------------------------------------------------------
 
 def _failure(result, what: str) -> str:
-    from probes.result import CODES
+    from trainprobes.result import CODES
     lines = [f"{what}: {result.probe} on {result.target!r} -> {result.verdict}",
              f"  {result.message}" if result.message else ""]
     for c in result.codes:
@@ -178,9 +178,9 @@ class TrainProbes:
 
     def record(self, result):
         """Record a Result (from any probe) for the report, the summary and JUnit XML."""
-        from probes.result import Result, repeat_suffix
+        from trainprobes.result import Result, repeat_suffix
         if not isinstance(result, Result):
-            raise TypeError(f"record(result={result!r}) needs a probes.result.Result")
+            raise TypeError(f"record(result={result!r}) needs a trainprobes.result.Result")
         node = self._request.node
         # a test that calls a probe twice on one target (two stall sums, two formats)
         suffix = repeat_suffix(result.key, [r.key for r in self.results])
@@ -201,9 +201,9 @@ class TrainProbes:
         return result
 
     def assert_causal(self, fn, inputs, **kwargs):
-        """probes.causality.check(fn, inputs, **kwargs) must find the target causal and
+        """trainprobes.causality.check(fn, inputs, **kwargs) must find the target causal and
         batch-isolated."""
-        from probes.causality import check
+        from trainprobes.causality import check
         kwargs.setdefault("target", getattr(fn, "__qualname__", None))
         r = self.record(check(fn, inputs, **kwargs))
         # A batch-isolation leak (TP-C3) fails too: the decision then depends on other
@@ -213,10 +213,10 @@ class TrainProbes:
         return r
 
     def assert_unbiased(self, fn, reference, make_inputs, **kwargs):
-        """probes.numerics.bias.bias_probe(fn, reference, make_inputs, **kwargs) must find
+        """trainprobes.numerics.bias.bias_probe(fn, reference, make_inputs, **kwargs) must find
         no significant bias (make_inputs(generator) -> inputs; trials, seed, alpha,
         min_effect as the probe takes them)."""
-        from probes.numerics.bias import bias_probe
+        from trainprobes.numerics.bias import bias_probe
         kwargs.setdefault("target", getattr(fn, "__qualname__", "callable"))
         r = self.record(bias_probe(fn, reference, make_inputs, **kwargs))
         if r.verdict in ("fail", "error") or r.metrics.get("verdict") == "biased":
@@ -225,15 +225,15 @@ class TrainProbes:
 
     def assert_no_stall(self, fmt, increment: float, n: int, **kwargs):
         """Summing n copies of increment in fmt must not stall (lose additions)."""
-        from probes.numerics.stall import stall
+        from trainprobes.numerics.stall import stall
         r = self.record(stall(formats=(fmt,), increments=(increment,), n=n, **kwargs))
         if r.verdict == "error" or "TP-B2" in r.codes:
             pytest.fail(_failure(r, "stalled"), pytrace=False)
         return r
 
     def assert_within(self, train_lp, infer_lp, **kwargs):
-        """probes.drift.compare(train_lp, infer_lp, **kwargs): not biased, within thresholds."""
-        from probes.drift import compare
+        """trainprobes.drift.compare(train_lp, infer_lp, **kwargs): not biased, within thresholds."""
+        from trainprobes.drift import compare
         r = self.record(compare(train_lp, infer_lp, **kwargs))
         if not r.passed or r.metrics.get("biased") is True:
             pytest.fail(_failure(r, "train/inference drift"), pytrace=False)

@@ -121,7 +121,7 @@ class Result:
             raise ValueError(f"verdict={self.verdict!r} is not one of {VERDICTS}")
         unknown = [c for c in self.codes if c not in CODES]
         if unknown:
-            raise ValueError(f"codes={unknown!r} are not known codes; see probes.result.CODES")
+            raise ValueError(f"codes={unknown!r} are not known codes; see trainprobes.result.CODES")
 
     @property
     def passed(self) -> bool:

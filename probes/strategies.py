@@ -25,7 +25,7 @@ import re
 import torch
 from hypothesis import strategies as st
 
-from reference.formats import FORMATS, Format, get_format
+from trainprobes.reference.formats import FORMATS, Format, get_format
 
 _EXPONENT_BITS = {"fp64": 11, "fp32": 8, "tf32": 8, "fp16": 5, "bf16": 8}
 

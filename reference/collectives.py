@@ -39,8 +39,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from reference.formats import ROUNDING_MODES, Format, get_format
-from reference.schedules import BLOCK, SequentialSchedule, get_schedule
+from trainprobes.reference.formats import ROUNDING_MODES, Format, get_format
+from trainprobes.reference.schedules import BLOCK, SequentialSchedule, get_schedule
 
 OPS = ("sum", "avg", "max", "min")
 AVG_MODES = ("premul", "divide")
@@ -356,9 +356,9 @@ def all_reduce(inputs, *, op="sum", dtype="fp64", accum_dtype=None, algorithm="r
                order=None, return_info=False):
     """Every rank gets the same reduction of all ranks' inputs (one shared tensor).
 
-    op: "sum" | "avg" | "max" | "min". dtype: the wire format (reference.formats names).
+    op: "sum" | "avg" | "max" | "min". dtype: the wire format (trainprobes.reference.formats names).
     accum_dtype: precision of each add before the cast to the wire format (default: the
-    wire format; fp16 for fp8, as NCCL). algorithm: see reference.schedules.ALGORITHMS;
+    wire format; fp16 for fp8, as NCCL). algorithm: see trainprobes.reference.schedules.ALGORITHMS;
     order=LongTensor[world, numel] replays an explicit order. rounding: "nearest" |
     "stochastic" (needs seed) | "toward_zero", applied at every wire rounding (the inputs,
     every add, the avg scaling). saturate: None = the backend's choice (NCCL fp8 adds

@@ -6,7 +6,7 @@ The contract with reference/collectives.py and reference/schedules.py:
 
 `x` is Tensor[world, numel] (one row per rank), `add(a, b)` the rounded add collectives.py
 supplies; the schedule fixes only the association order. algorithm="gloo" in
-reference.collectives imports this lazily; gloo's AVG is the sum, then a division by the
+trainprobes.reference.collectives imports this lazily; gloo's AVG is the sum, then a division by the
 world (avg="divide"). Revealed from torch 2.13's ProcessGroupGloo with crafted inputs
 (probes/distributed/reveal.py) and matching gloo's public source:
 
@@ -136,7 +136,7 @@ class GlooRingSchedule:
 
 def gloo_schedule(world: int, numel: int, itemsize: int,
                   collective: str = "all_reduce") -> GlooRingSchedule:
-    """The schedule reference.collectives uses for algorithm="gloo" (module docstring)."""
+    """The schedule trainprobes.reference.collectives uses for algorithm="gloo" (module docstring)."""
     return GlooRingSchedule(world, numel, itemsize, collective)
 
 

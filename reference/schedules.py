@@ -415,9 +415,9 @@ _CLASSES = {
 
 def _gloo(world: int, numel: int, itemsize: int | None = None, collective: str | None = None):
     try:
-        from reference.gloo import gloo_schedule
+        from trainprobes.reference.gloo import gloo_schedule
     except ImportError as e:
-        raise ValueError(f"algorithm='gloo' is not available: reference.gloo could not be "
+        raise ValueError(f"algorithm='gloo' is not available: trainprobes.reference.gloo could not be "
                          f"imported ({e}); use one of {[a for a in ALGORITHMS if a != 'gloo']}"
                          ) from e
     if itemsize is None:

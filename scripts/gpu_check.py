@@ -6,7 +6,7 @@ scripts/gpu-check.sh.
    bf16, sum and avg, compared bit for bit with the emulator (NCCL ring model) and with
    fp64; fp8 all_reduce where NCCL takes it; the order revealed from crafted inputs when
    there are 3 or more GPUs.
-2. Accumulator reveal on GPU kernels (probes.numerics.reveal, device="cuda"): torch.matmul
+2. Accumulator reveal on GPU kernels (trainprobes.numerics.reveal, device="cuda"): torch.matmul
    in fp16 and bf16 with allow_fp16/bf16_reduced_precision_reduction off and on, and fp8
    torch._scaled_mm where the GPU has it (sm89+).
 Without CUDA it exits 2 and says so: nothing is checked, nothing passes. --allow-cpu runs
@@ -39,8 +39,8 @@ def _check(report: dict, name: str, fn) -> None:
 
 
 def nccl_checks(report: dict, backend: str, worlds: list[int]) -> None:
-    from probes.distributed import Case, run_collectives
-    from probes.distributed.reveal import reveal_result
+    from trainprobes.distributed import Case, run_collectives
+    from trainprobes.distributed.reveal import reveal_result
 
     for world in worlds:
         def collectives(world=world):
@@ -59,7 +59,7 @@ def nccl_checks(report: dict, backend: str, worlds: list[int]) -> None:
         def fp8(world=world):
             if backend != "nccl":
                 return {"skipped": "gloo has no float8 reduction"}
-            from probes.distributed import WorkerFailed
+            from trainprobes.distributed import WorkerFailed
             case = Case("all_reduce", "fp8_e4m3fn", "sum", world * 1024, "normal", seed=2)
             try:
                 r = run_collectives([case], backend=backend, world=world, timeout=120)[0]
@@ -79,7 +79,7 @@ def nccl_checks(report: dict, backend: str, worlds: list[int]) -> None:
 def matmul_checks(report: dict, device: str) -> None:
     import torch
 
-    from probes.numerics.reveal import matmul_reduction, reveal, scaled_mm_reduction
+    from trainprobes.numerics.reveal import matmul_reduction, reveal, scaled_mm_reduction
 
     knobs = {"fp16": "allow_fp16_reduced_precision_reduction",
              "bf16": "allow_bf16_reduced_precision_reduction"}
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from probes.result import environment, write_atomic
+    from trainprobes.result import environment, write_atomic
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.allow_cpu:

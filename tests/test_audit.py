@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from probes.audit import Check, Progress, read_history, run_audit, run_suite, trend_plots
-from probes.audit.config import ConfigError, apply_thresholds, find_config, suite_from_config
-from probes.audit.families import leak_map
-from probes.cli import main
-from probes.result import Result, load_results
+from trainprobes.audit import Check, Progress, read_history, run_audit, run_suite, trend_plots
+from trainprobes.audit.config import ConfigError, apply_thresholds, find_config, suite_from_config
+from trainprobes.audit.families import leak_map
+from trainprobes.cli import main
+from trainprobes.result import Result, load_results
 
 
 def ok(target="t", **metrics):
@@ -209,7 +209,7 @@ def test_default_suite_end_to_end(tmp_path, monkeypatch):
     assert not [r for r in results if r.verdict == "error"]
     by = {r.target: r for r in results}
     # causality controls: every reference router gets its known verdict
-    from reference.routing import KNOWN_VERDICTS
+    from trainprobes.reference.routing import KNOWN_VERDICTS
     controls = [r for r in results if "known_causal" in r.metrics]
     assert len(controls) == 2 * len(KNOWN_VERDICTS) + 2  # both modes, plus the two MoE blocks
     assert all(r.metrics["matches_known_verdict"] for r in controls)
@@ -235,10 +235,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def docs_schema_example() -> dict:
-    import tomllib
+    from trainprobes import _toml
     text = (REPO / "docs" / "audit.md").read_text()
     block = text.split("<!-- schema-example -->", 1)[1].split("```toml", 1)[1].split("```", 1)[0]
-    return tomllib.loads(block)["tool"]["trainprobes"]
+    return _toml.loads(block)["tool"]["trainprobes"]
 
 
 def test_docs_schema_example(monkeypatch):

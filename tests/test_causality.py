@@ -1,4 +1,4 @@
-"""probes.causality.check: verdicts on known mechanisms, exact leak positions, noise vs leak,
+"""trainprobes.causality.check: verdicts on known mechanisms, exact leak positions, noise vs leak,
 nondeterminism, batch isolation, efficiency in evaluations, and errors that name the target."""
 import json
 
@@ -6,13 +6,13 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from probes.causality import check, resolve_cuts
-from probes.causality.check import _replacements
-from probes.causality.suite import controls
-from probes.result import Result
-from probes.targets import TargetError
-from reference import routing as r
-from reference.models.moe import causal_block, off_by_one_block
+from trainprobes.causality import check, resolve_cuts
+from trainprobes.causality.check import _replacements
+from trainprobes.causality.suite import controls
+from trainprobes.result import Result
+from trainprobes.targets import TargetError
+from trainprobes.reference import routing as r
+from trainprobes.reference.models.moe import causal_block, off_by_one_block
 
 GLOBAL_LEAKS = ["expert_choice", "drop_by_probability", "sequence_normalized"]
 

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from probes.cli import main
-from probes.result import load_results
+from trainprobes.cli import main
+from trainprobes.result import load_results
 
 
 def run(capsys, *argv):
@@ -18,19 +18,19 @@ def test_reference_table_prints_every_known_verdict(capsys, tmp_path):
     code, out, _ = run(capsys, "--seq-len", "24", "--batch", "2", "--output", str(report))
     assert code == 0
     assert "22/22 verdicts as known from the mechanism" in out
-    rows = [line.split() for line in out.splitlines() if line.startswith("reference.")]
+    rows = [line.split() for line in out.splitlines() if line.startswith("trainprobes.reference.")]
     assert len(rows) == 22 and all(row[-1] == "yes" for row in rows)
     by = {(row[0], row[1]): row for row in rows}
-    assert by[("reference.routing:expert_choice", "perturb")][3] == "fail"
-    assert by[("reference.routing:capacity_by_position", "perturb")][3] == "pass"
-    assert by[("reference.routing:capacity_by_position", "truncate")][3] == "fail"
+    assert by[("trainprobes.reference.routing:expert_choice", "perturb")][3] == "fail"
+    assert by[("trainprobes.reference.routing:capacity_by_position", "perturb")][3] == "pass"
+    assert by[("trainprobes.reference.routing:capacity_by_position", "truncate")][3] == "fail"
     results, meta = load_results(report)
     assert len(results) == 22 and meta["command"] == "causality"
     assert {r.probe for r in results} == {"causality.check"}
 
 
 def test_reference_table_json(capsys, monkeypatch):
-    from probes.causality import suite
+    from trainprobes.causality import suite
     some = [c for c in suite.controls() if c.name.endswith(("topk_softmax", "expert_choice"))]
     monkeypatch.setattr(suite, "controls", lambda: some)
     code, out, _ = run(capsys, "--seq-len", "16", "--batch", "2", "--json")
@@ -40,8 +40,8 @@ def test_reference_table_json(capsys, monkeypatch):
 
 
 def test_a_wrong_known_verdict_makes_the_table_fail(capsys, monkeypatch):
-    from probes.causality import suite
-    wrong = suite.Control("reference.routing:expert_choice", suite.routing.expert_choice, True,
+    from trainprobes.causality import suite
+    wrong = suite.Control("trainprobes.reference.routing:expert_choice", suite.routing.expert_choice, True,
                           True, "router")
     monkeypatch.setattr(suite, "controls", lambda: [wrong])
     code, out, _ = run(capsys, "--seq-len", "16", "--batch", "2")
@@ -49,10 +49,10 @@ def test_a_wrong_known_verdict_makes_the_table_fail(capsys, monkeypatch):
 
 
 def test_target_by_import_path_human_output(capsys):
-    code, out, _ = run(capsys, "--target", "reference.models.moe:off_by_one_block", "--seq-len", "32",
+    code, out, _ = run(capsys, "--target", "trainprobes.reference.models.moe:off_by_one_block", "--seq-len", "32",
                        "--vocab", "1000", "--decision", "hidden", "--show", "3")
     assert code == 1
-    assert out.startswith("FAIL  causality.check reference.models.moe:off_by_one_block [TP-C1]")
+    assert out.startswith("FAIL  causality.check trainprobes.reference.models.moe:off_by_one_block [TP-C1]")
     for field in ("causal             False", "n_leaks", "flip_rate", "mismatch_rate",
                   "first leaks", "leak distances     1:"):
         assert field in out
@@ -61,7 +61,7 @@ def test_target_by_import_path_human_output(capsys):
 
 
 def test_target_json_truncate_float_inputs(capsys):
-    code, out, _ = run(capsys, "--target", "reference.models.moe:causal_block", "--hidden", "64",
+    code, out, _ = run(capsys, "--target", "trainprobes.reference.models.moe:causal_block", "--hidden", "64",
                        "--seq-len", "32", "--mode", "truncate", "--decision", "expert_ids",
                        "--scores", "router_probs", "--json")
     doc = json.loads(out)
@@ -78,7 +78,7 @@ def test_flat_target_and_explicit_cuts(capsys):
 
 
 def flat_expert_choice(x):
-    from reference.routing import expert_choice
+    from trainprobes.reference.routing import expert_choice
     return expert_choice(x[None])[0][0]
 
 
@@ -88,8 +88,8 @@ def changes_batch(x):
 
 @pytest.mark.parametrize("target, match", [
     ("no.such.module:fn", "module 'no.such.module' cannot be imported"),
-    ("reference.routing:nothing", "has no attribute 'nothing'"),
-    ("reference.routing:topk_softmax", "decision is a tuple, expected a Tensor"),
+    ("trainprobes.reference.routing:nothing", "has no attribute 'nothing'"),
+    ("trainprobes.reference.routing:topk_softmax", "decision is a tuple, expected a Tensor"),
     ("tests.test_causality_cli:changes_batch", "the batch size changed from 4 to 1"),
 ])
 def test_bad_targets_exit_2_with_a_message_naming_them(capsys, target, match):
@@ -101,7 +101,7 @@ def test_bad_targets_exit_2_with_a_message_naming_them(capsys, target, match):
 @pytest.mark.parametrize("argv, match", [
     (["--cuts", "a,b"], "--cuts 'a,b' must be 'all', a count, or positions"),
     (["--seq-len", "1"], "--seq-len 1 is too small"),
-    (["--target", "reference.routing:topk_softmax", "--vocab", "1"], "--vocab 1 must be >= 2"),
+    (["--target", "trainprobes.reference.routing:topk_softmax", "--vocab", "1"], "--vocab 1 must be >= 2"),
 ])
 def test_bad_options_exit_2(capsys, argv, match):
     code, _, err = run(capsys, *argv)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from probes.causality import check
+from trainprobes.causality import check
 
 switch = pytest.importorskip("transformers.models.switch_transformers.modeling_switch_transformers")
 mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from probes.cli import main
+from trainprobes.cli import main
 
 KEYS = ("backend", "world", "dtype", "op", "numel", "bitwise_match_fraction", "max_ulp_error",
         "bias")
@@ -37,7 +37,7 @@ def test_human_output_and_failing_emulator_exit_code(capsys):
 
 @pytest.mark.parametrize("world", [4, 2048])
 def test_emulated_needs_no_process_group(capsys, world, monkeypatch):
-    import probes.distributed.probe as P
+    import trainprobes.distributed.probe as P
     monkeypatch.setattr(P, "launch", lambda *a, **k: pytest.fail("a process was started"))
     code, out, _ = run(capsys, "--backend", "emulated", "--world", str(world), "--dtype", "bf16",
                        "--numel", "64", "--algorithm", "tree", "--json")

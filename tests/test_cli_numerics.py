@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from probes.cli import main
+from trainprobes.cli import main
 
 
 def test_stall_json_rows(capsys):
@@ -64,8 +64,8 @@ def test_bias_bad_scale_or_noise_is_a_usage_error_not_a_finding(argv, match, cap
 
 
 def test_bias_errored_probe_exits_2_not_0(monkeypatch, capsys):
-    import probes.numerics.bias as bias
-    from probes.result import Result
+    import trainprobes.numerics.bias as bias
+    from trainprobes.result import Result
 
     def errored(**kwargs):
         return Result(probe="numerics.bias", target="x", verdict="error", codes=["TP-E1"],

@@ -6,11 +6,11 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from probes.strategies import rank_inputs
-from reference.collectives import _Arithmetic, _fp64_to_narrow, all_gather, all_reduce, \
+from trainprobes.strategies import rank_inputs
+from trainprobes.reference.collectives import _Arithmetic, _fp64_to_narrow, all_gather, all_reduce, \
     broadcast, reduce, reduce_scatter
-from reference.formats import get_format
-from reference.schedules import RingSchedule
+from trainprobes.reference.formats import get_format
+from trainprobes.reference.schedules import RingSchedule
 
 ALGOS = ["ring", "tree", "halving_doubling", "sequential", "hierarchical"]
 
@@ -380,7 +380,7 @@ def test_large_world_ring_sums_exactly_at_fp64():
 
 
 def test_gloo_algorithm_replays_gloos_order_and_divides_for_avg():
-    gloo = pytest.importorskip("reference.gloo")
+    gloo = pytest.importorskip("trainprobes.reference.gloo")
     g = torch.Generator().manual_seed(4)
     x = list(torch.randn(6, 300, generator=g, dtype=torch.float64) * 100)
     out, info = all_reduce(x, dtype="bf16", algorithm="gloo", op="avg", return_info=True)

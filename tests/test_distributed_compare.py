@@ -6,8 +6,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from probes.distributed.compare import bitwise_agreement, error_vs_reference, mismatch_report
-from reference.formats import get_format
+from trainprobes.distributed.compare import bitwise_agreement, error_vs_reference, mismatch_report
+from trainprobes.reference.formats import get_format
 
 
 @given(st.integers(1, 5), st.integers(1, 200), st.integers(0, 2**31))

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from probes.distributed.inputs import DATA, make_input, reveal_input, torch_dtype, wire_input
+from trainprobes.distributed.inputs import DATA, make_input, reveal_input, torch_dtype, wire_input
 
 
 @pytest.mark.parametrize("data", list(DATA))

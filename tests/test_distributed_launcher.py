@@ -4,8 +4,8 @@ import socket
 
 import pytest
 
-import probes.distributed.launcher as L
-from probes.distributed.selftest import (echo_task, exit_task, exit_then_peers_raise_task, hang_task,
+import trainprobes.distributed.launcher as L
+from trainprobes.distributed.selftest import (echo_task, exit_task, exit_then_peers_raise_task, hang_task,
                                         raise_task)
 
 

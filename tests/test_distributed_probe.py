@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-import probes.distributed.probe as P
-from probes.distributed import Case, emulate_collective, run_collective, run_collectives
-from probes.result import Result
+import trainprobes.distributed.probe as P
+from trainprobes.distributed import Case, emulate_collective, run_collective, run_collectives
+from trainprobes.result import Result
 
 MiB = 1 << 20
 

@@ -4,10 +4,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from probes.distributed.reveal import (canonical, crafted_values, order_from_counts,
+from trainprobes.distributed.reveal import (canonical, crafted_values, order_from_counts,
                                        reveal_order, reveal_result)
-from reference.gloo import gloo_order
-from reference.schedules import RingSchedule
+from trainprobes.reference.gloo import gloo_order
+from trainprobes.reference.schedules import RingSchedule
 
 MiB = 1 << 20
 
@@ -40,7 +40,7 @@ def test_counts_no_chain_explains_are_flagged():
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("world", [2, 8, 64])
 def test_crafted_values_absorb_the_tinies_and_keep_their_sums_exact(dtype, world):
-    from probes.distributed.inputs import torch_dtype
+    from trainprobes.distributed.inputs import torch_dtype
     big, tiny = crafted_values(world, dtype)
     t = torch_dtype(dtype)
     acc = torch.tensor(big, dtype=t)

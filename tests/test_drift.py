@@ -1,4 +1,4 @@
-"""probes.drift.compare and probes.drift.stats: known answers, calibration, formulas, errors."""
+"""trainprobes.drift.compare and trainprobes.drift.stats: known answers, calibration, formulas, errors."""
 import math
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from probes.drift import compare, stats
+from trainprobes.drift import compare, stats
 
 
 def _pair(seed, B=64, T=32, noise=0.02, offset=0.0, seq_offset=0.0):
@@ -180,7 +180,7 @@ def test_threshold_over_fails_with_tp_d3():
 
 
 def test_result_round_trips_json():
-    from probes.result import Result
+    from trainprobes.result import Result
     r = compare(*_pair(13))
     back = Result.from_json(r.to_json())
     assert back.metrics["biased"] == r.metrics["biased"]

@@ -1,4 +1,4 @@
-"""probes.drift.adapters: HF transformers recompute (tiny random GPT-2, nothing downloaded) and
+"""trainprobes.drift.adapters: HF transformers recompute (tiny random GPT-2, nothing downloaded) and
 vLLM outputs read from stand-in objects of vLLM's shape (vLLM itself is not installed here)."""
 import sys
 from types import SimpleNamespace as NS
@@ -6,7 +6,7 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from probes.drift import compare, hf_token_logprobs, recompute_with_hf, vllm_logprobs
+from trainprobes.drift import compare, hf_token_logprobs, recompute_with_hf, vllm_logprobs
 
 transformers = pytest.importorskip("transformers")
 

@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from probes.cli import main
+from trainprobes.cli import main
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def test_human_output_verdict_first_and_plot(files, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and out.startswith("CLEAN  PASS")
     assert "mean_log_ratio" in out and png.stat().st_size > 1000
-    from probes.result import load_results
+    from trainprobes.result import load_results
     results, meta = load_results(files / "rep.json")
     assert results[0].metrics["drift_verdict"] == "clean" and meta["command"] == "drift"
 
@@ -68,7 +68,7 @@ def test_demo_runs_the_engine_pair(monkeypatch, capsys):
     import torch
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny GEMMs: one thread is far faster on a shared machine
-    from probes.drift import demo
+    from trainprobes.drift import demo
     monkeypatch.setattr(demo, "SCENARIOS", demo.SCENARIOS[:1])  # one scenario keeps CI short
     rc = main(["drift", "--demo", "--demo-prompts", "8", "--demo-tokens", "8"])
     cap = capsys.readouterr()
@@ -78,7 +78,7 @@ def test_demo_runs_the_engine_pair(monkeypatch, capsys):
 
 
 def test_demo_passes_the_compare_options_and_validates_them(monkeypatch, capsys):
-    from probes.drift import demo
+    from trainprobes.drift import demo
     monkeypatch.setattr(demo, "SCENARIOS", demo.SCENARIOS[:1])
     assert main(["drift", "--demo", "--demo-prompts", "4", "--demo-tokens", "4", "--alpha", "3"]) == 2
     assert "alpha=3.0" in capsys.readouterr().err

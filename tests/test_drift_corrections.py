@@ -1,4 +1,4 @@
-"""probes.drift.corrections: truncated and masked IS at token, sequence and geometric level."""
+"""trainprobes.drift.corrections: truncated and masked IS at token, sequence and geometric level."""
 import math
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from probes.drift import masked_is, truncated_is
+from trainprobes.drift import masked_is, truncated_is
 
 
 def _pair(seed, B=6, T=40, noise=0.4):

@@ -1,4 +1,4 @@
-"""probes.drift.io: .npz / .safetensors / .jsonl readers, and errors that name file, record, field."""
+"""trainprobes.drift.io: .npz / .safetensors / .jsonl readers, and errors that name file, record, field."""
 import json
 
 import numpy as np
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from probes.drift import DriftFileError, compare, load_logprobs, load_rollouts
+from trainprobes.drift import DriftFileError, compare, load_logprobs, load_rollouts
 
 
 def _arrays(B=3, T=5, seed=0):

@@ -1,4 +1,4 @@
-"""probes.drift.monitor: streaming equals batch, alarms, trend, bounded state."""
+"""trainprobes.drift.monitor: streaming equals batch, alarms, trend, bounded state."""
 import math
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from probes.drift import DriftAlarm, DriftMonitor, compare
+from trainprobes.drift import DriftAlarm, DriftMonitor, compare
 
 
 def _step(g, B=8, T=32, noise=0.02, offset=0.0):

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from probes.cli import main
-from probes.result import load_results
+from trainprobes.cli import main
+from trainprobes.result import load_results
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "compute_multiplier"
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from reference.formats import FORMATS, get_format
+from trainprobes.reference.formats import FORMATS, get_format
 
 NARROW = [n for n in FORMATS if n not in ("fp64",)]
 ML = [n for n, f in FORMATS.items() if f.ml_dtype is not None]
@@ -126,11 +126,11 @@ def test_unknown_format_names_the_choices():
         FORMATS["fp16"].round(torch.zeros(1), "stochastic")
 
 
-# Property tests drawn from bit patterns (probes.strategies): every format, edges included.
+# Property tests drawn from bit patterns (trainprobes.strategies): every format, edges included.
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from probes.strategies import format_tensors, format_values, ties  # noqa: E402
+from trainprobes.strategies import format_tensors, format_values, ties  # noqa: E402
 
 
 @pytest.mark.parametrize("name", NARROW)

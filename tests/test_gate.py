@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from probes.cli import main
-from probes.gate import (CannotJudge, Waiver, compare, gate_files, larger_magnitude,
+from trainprobes.cli import main
+from trainprobes.gate import (CannotJudge, Waiver, compare, gate_files, larger_magnitude,
                          load_waivers, parse_waivers, standard_error)
-from probes.result import Result, save_results
+from trainprobes.result import Result, save_results
 
 TODAY = date(2026, 11, 29)
 

@@ -5,10 +5,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference.collectives import all_reduce, reduce
-from reference.gloo import (MAX_SEGMENT_BYTES, GlooRingSchedule, gloo_layout, gloo_order,
+from trainprobes.reference.collectives import all_reduce, reduce
+from trainprobes.reference.gloo import (MAX_SEGMENT_BYTES, GlooRingSchedule, gloo_layout, gloo_order,
                             gloo_schedule)
-from reference.schedules import OrderSchedule, RingSchedule, get_schedule
+from trainprobes.reference.schedules import OrderSchedule, RingSchedule, get_schedule
 
 MiB = 1 << 20
 worlds = st.integers(1, 12)

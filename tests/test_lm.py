@@ -1,9 +1,9 @@
-"""reference.models.lm: the two engines compute the same math; their settings change what is reported."""
+"""trainprobes.reference.models.lm: the two engines compute the same math; their settings change what is reported."""
 
 import pytest
 import torch
 
-from reference.models.lm import LMConfig, TinyLM, generate, random_prompts, train_logprobs
+from trainprobes.reference.models.lm import LMConfig, TinyLM, generate, random_prompts, train_logprobs
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from reference.models.moe import MoEOutput, TinyMoEBlock, causal_block, off_by_one_block
+from trainprobes.reference.models.moe import MoEOutput, TinyMoEBlock, causal_block, off_by_one_block
 
 
 def hidden(B=2, T=12, D=64, seed=0):

@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from probes.numerics.bias import bias_probe, error_stats, gradient_like, signed_relative_error
-from reference.formats import get_format
+from trainprobes.numerics.bias import bias_probe, error_stats, gradient_like, signed_relative_error
+from trainprobes.reference.formats import get_format
 
 
 def _sequential(fmt, mode="nearest"):
@@ -144,7 +144,7 @@ def test_gradient_like_shares_a_signal_and_rounds_to_the_format():
 
 
 def test_collective_side_by_side_nearest_biased_stochastic_and_fp32_not():
-    from probes.numerics.bias import rounding_side_by_side
+    from trainprobes.numerics.bias import rounding_side_by_side
 
     near, sr, f32 = rounding_side_by_side(dtype="bf16", world=1024, numel=16, trials=6, seed=3)
     assert [r.evidence["label"] for r in (near, sr, f32)] == ["round to nearest", "stochastic rounding",
@@ -157,7 +157,7 @@ def test_collective_side_by_side_nearest_biased_stochastic_and_fp32_not():
 
 def test_collective_bias_accum_fp32_with_per_hop_rounding_does_not_help():
     # fp32 add then one rounding per hop IS a correctly rounded bf16 add: identical errors.
-    from probes.numerics.bias import collective_bias
+    from trainprobes.numerics.bias import collective_bias
 
     a = collective_bias(dtype="bf16", world=512, numel=16, trials=4, seed=5)
     b = collective_bias(dtype="bf16", world=512, numel=16, trials=4, seed=5, accum_dtype="fp32")
@@ -165,7 +165,7 @@ def test_collective_bias_accum_fp32_with_per_hop_rounding_does_not_help():
 
 
 def test_zero_reference_is_unmeasurable_not_overflow():
-    from probes.numerics.bias import bias_probe
+    from trainprobes.numerics.bias import bias_probe
 
     def make(g):
         return torch.zeros(8, dtype=torch.float64)
@@ -179,7 +179,7 @@ def test_zero_reference_is_unmeasurable_not_overflow():
 @pytest.mark.parametrize("kw,match", [({"scale": float("nan")}, "scale=nan"), ({"scale": 0.0}, "scale=0.0"),
                                       ({"scale": -1e-3}, "scale=-0.001"), ({"noise": float("inf")}, "noise=inf")])
 def test_collective_bias_rejects_a_scale_or_noise_that_measures_nothing(kw, match):
-    from probes.numerics.bias import collective_bias
+    from trainprobes.numerics.bias import collective_bias
     with pytest.raises(ValueError, match=match):
         collective_bias(world=4, numel=8, trials=3, **kw)
     with pytest.raises(ValueError, match=match):

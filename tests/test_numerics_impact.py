@@ -1,6 +1,6 @@
 import pytest
 
-from probes.numerics.impact import impact
+from trainprobes.numerics.impact import impact
 
 VARIANTS = (("fp64", {"dtype": "fp64"}), ("fp16", {"dtype": "fp16"}), ("bf16", {"dtype": "bf16"}))
 

@@ -3,9 +3,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from probes.numerics.reveal import (collective_reduction, matmul_reduction, reveal, reveal_order,
+from trainprobes.numerics.reveal import (collective_reduction, matmul_reduction, reveal, reveal_order,
                                     reveal_precision)
-from reference.formats import get_format
+from trainprobes.reference.formats import get_format
 
 
 def _ordered(order, fmt="fp16", acc="fp16", mode="nearest"):
@@ -150,7 +150,7 @@ def test_empty_output_is_a_clear_error():
 
 
 def test_fp8_scaled_mm_adapter_runs_where_torch_has_it():
-    from probes.numerics.reveal import scaled_mm_reduction
+    from trainprobes.numerics.reveal import scaled_mm_reduction
 
     fn = scaled_mm_reduction()
     try:

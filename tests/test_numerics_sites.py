@@ -1,6 +1,6 @@
 import pytest
 
-from probes.numerics.sites import collective_site, grad_accumulation_site, weight_update_site
+from trainprobes.numerics.sites import collective_site, grad_accumulation_site, weight_update_site
 
 
 @pytest.mark.parametrize("dtype,verdict", [("bf16", "fail"), ("fp32", "pass")])

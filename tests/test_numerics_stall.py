@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from probes.numerics.stall import explain, sequential_sums, stall, stall_table
-from reference.formats import FORMATS
+from trainprobes.numerics.stall import explain, sequential_sums, stall, stall_table
+from trainprobes.reference.formats import FORMATS
 
 
 @pytest.mark.parametrize("name,expected", [("fp16", 2048.0), ("bf16", 256.0), ("fp8_e4m3fn", 16.0),
@@ -113,7 +113,7 @@ def test_explain_rejects_nothing_silently():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from probes.strategies import format_values  # noqa: E402
+from trainprobes.strategies import format_values  # noqa: E402
 
 
 @settings(max_examples=15, deadline=None)

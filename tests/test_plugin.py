@@ -6,7 +6,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from probes.result import Result, load_results, save_results
+from trainprobes.result import Result, load_results, save_results
 
 # pytester's in-process runs drop every module first imported during the run. numpy, torch
 # and matplotlib cannot be imported twice in one process (an ImportError or a segfault
@@ -21,7 +21,7 @@ pytest_plugins = ["pytester"]
 # A test module that records hand-made Results: the plugin's faces need no real probe.
 RECORDING_TESTS = '''
 import pytest
-from probes.result import Result
+from trainprobes.result import Result
 
 @pytest.mark.parametrize("i", range({n}))
 @pytest.mark.causality
@@ -39,10 +39,10 @@ def recording(n=2, causal=True):
 
 
 def test_import_does_not_import_torch():
-    code = ("import sys, probes.pytest_plugin; "
+    code = ("import sys, trainprobes.pytest_plugin; "
             "assert 'torch' not in sys.modules, 'plugin imported torch'; "
-            "assert not any(m.startswith(('probes.causality', 'probes.numerics', "
-            "'probes.drift')) for m in sys.modules), 'plugin imported a probe'")
+            "assert not any(m.startswith(('trainprobes.causality', 'trainprobes.numerics', "
+            "'trainprobes.drift')) for m in sys.modules), 'plugin imported a probe'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -162,7 +162,7 @@ def test_unreadable_baseline_fails_closed(pytester, content):
 
 def test_check_fails_with_a_clear_message(pytester):
     pytester.makepyfile("""
-        from probes.result import Result
+        from trainprobes.result import Result
         def test_biased(trainprobes):
             trainprobes.check(Result("numerics.bias", "all_reduce[bf16]", "fail",
                                      metrics={"bias": -0.003}, codes=["TP-B1"], seed=7,
@@ -179,7 +179,7 @@ def test_record_rejects_non_results(pytester):
     pytester.makepyfile("""
         import pytest
         def test_bad(trainprobes):
-            with pytest.raises(TypeError, match="needs a probes.result.Result"):
+            with pytest.raises(TypeError, match="needs a trainprobes.result.Result"):
                 trainprobes.record({"verdict": "pass"})
     """)
     pytester.runpytest().assert_outcomes(passed=1)
@@ -204,8 +204,8 @@ def test_xdist_workers_results_reach_the_controller(pytester):
 
 REAL_PROBES = '''
 import pytest, torch
-from reference.routing import expert_choice, topk_softmax
-from reference.collectives import all_reduce
+from trainprobes.reference.routing import expert_choice, topk_softmax
+from trainprobes.reference.collectives import all_reduce
 
 x = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(0))
 
@@ -291,7 +291,7 @@ def test_helpers_on_real_probes(pytester):
 def test_two_results_on_one_target_in_one_test_keep_unique_keys(pytester):
     # was: both were stored as "sequential_sum @ <node>", and the gate compared only one
     pytester.makepyfile("""
-        from probes.result import Result
+        from trainprobes.result import Result
 
         def test_two(trainprobes):
             trainprobes.record(Result("numerics.stall", "sequential_sum", "pass", seed=0))

@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from probes.report import append_step_summary, render_html, summary_markdown, write_report
-from probes.report.plots import KINDS, render_png
-from probes.result import SCHEMA_VERSION, Result, load_results
+from trainprobes.report import append_step_summary, render_html, summary_markdown, write_report
+from trainprobes.report.plots import KINDS, render_png
+from trainprobes.result import SCHEMA_VERSION, Result, load_results
 
 SPECS = {
     "line": {"kind": "line", "title": "stall", "x": [1, 2, 4], "series": {"fp16": [1, 1, 0.5]},
@@ -25,7 +25,7 @@ def results():
     return [
         Result("numerics.stall", "sequential_sum[nearest]", "warn", metrics={"stall_point": 2048.0},
                codes=["TP-B2"], message="fp16 stalls at 2048", evidence={"plots": list(SPECS.values())}),
-        Result("causality.check", "reference.routing:expert_choice", "fail",
+        Result("causality.check", "trainprobes.reference.routing:expert_choice", "fail",
                metrics={"causal": False, "n_leaks": 12}, codes=["TP-C1"], seed=3,
                message="decisions at 12 positions change with the future <script>"),
         Result("drift.compare", "engine pair", "pass", metrics={"mean_log_ratio": 1e-5}),
@@ -98,9 +98,9 @@ def test_html_is_self_contained_with_embedded_plots():
 
 
 def test_skipped_families_are_named_in_both_summaries():
-    meta = {"skipped": {"gloo": "probes.distributed is not installed in this build"}}
-    assert "Skipped **gloo**: probes.distributed is not installed" in summary_markdown([], meta)
-    assert "skipped gloo</b>: probes.distributed is not installed" in render_html([], meta)
+    meta = {"skipped": {"gloo": "trainprobes.distributed is not installed in this build"}}
+    assert "Skipped **gloo**: trainprobes.distributed is not installed" in summary_markdown([], meta)
+    assert "skipped gloo</b>: trainprobes.distributed is not installed" in render_html([], meta)
 
 
 def test_html_survives_a_bad_plot_spec():

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from probes.result import Result, SchemaError, load_results, save_results
+from trainprobes.result import Result, SchemaError, load_results, save_results
 
 
 def _r(**kw):

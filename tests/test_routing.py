@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from reference import routing as r
+from trainprobes.reference import routing as r
 
 ROUTERS = list(r.KNOWN_VERDICTS)
 

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference.formats import get_format
-from reference.schedules import (ALGORITHMS, HalvingDoublingSchedule, HierarchicalSchedule,
+from trainprobes.reference.formats import get_format
+from trainprobes.reference.schedules import (ALGORITHMS, HalvingDoublingSchedule, HierarchicalSchedule,
                                  OrderSchedule, RingSchedule, SequentialSchedule, TreeSchedule,
                                  btree, get_schedule)
 
@@ -80,7 +80,7 @@ def test_ring_at_4096_ranks_matches_order_map():
 
 
 def test_ring_blocks_give_the_same_bits_as_one_block(monkeypatch):
-    import reference.schedules as sched
+    import trainprobes.reference.schedules as sched
     x = fp16_data(8, 70_001).half()  # chunks of 8750 > BLOCK // 8: two blocks per chunk
     blocked = RingSchedule(8, 70_001).reduce(x, torch.add)
     monkeypatch.setattr(sched, "BLOCK", 1 << 30)
@@ -255,7 +255,7 @@ def test_wrong_x_shape_is_named():
 
 
 def test_gloo_is_lazy_and_clear():
-    if importlib.util.find_spec("reference.gloo") is None:
+    if importlib.util.find_spec("trainprobes.reference.gloo") is None:
         with pytest.raises(ValueError, match="algorithm='gloo' is not available"):
             get_schedule("gloo", 4, 8, itemsize=2)
     else:

@@ -1,6 +1,6 @@
 import pytest
 
-from probes.targets import TargetError, load_target
+from trainprobes.targets import TargetError, load_target
 
 
 def test_loads_colon_and_dot_forms():

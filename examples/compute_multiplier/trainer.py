@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from reference.collectives import all_reduce
+from trainprobes.reference.collectives import all_reduce
 
 HIDDEN, EXPERTS, WORLD = 16, 4, 6
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import inspect
 import sys
-import tomllib
+from trainprobes import _toml
 from pathlib import Path
 
-from probes.audit.run import Check
+from trainprobes.audit.run import Check
 
 TOP_KEYS = {"seed", "out", "history", "defaults", "families", "pythonpath", "causality",
             "bias", "drift", "collectives"}
@@ -41,10 +41,10 @@ def read_config(path) -> dict | None:
     """The [tool.trainprobes] table of a TOML file (or its top level when it has no tool table)."""
     path = Path(path)
     try:
-        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+        doc = _toml.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"--config {str(path)!r} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
+    except _toml.TOMLDecodeError as e:
         raise ConfigError(f"config {str(path)!r} is not valid TOML: {e}") from e
     if "tool" in doc or path.name == "pyproject.toml":
         return doc.get("tool", {}).get("trainprobes")
@@ -123,7 +123,7 @@ def _int(entry, key, where, default):
 
 
 def _load(spec, where, key):
-    from probes.targets import TargetError, load_target
+    from trainprobes.targets import TargetError, load_target
     try:
         return load_target(spec)
     except TargetError as e:
@@ -135,14 +135,14 @@ def _load(spec, where, key):
 def causality_check(entry: dict, seed: int, where: str) -> Check:
     """[[causality]]: target(x) -> decisions; x is token ids [batch, seq_len] (vocab=) or
     hidden states [batch, seq_len, hidden] (hidden=), or inputs = "pkg:fn" (fn(seed) -> x)."""
-    from probes.audit.families import causality_result
+    from trainprobes.audit.families import causality_result
 
     spec = _need(entry, "target", where, '"package.module:router"')
     batch, T = _int(entry, "batch", where, 2), _int(entry, "seq_len", where, 64)
     if "inputs" not in entry and ("vocab" in entry) == ("hidden" in entry):
         raise ConfigError(f"{where} needs exactly one of vocab = <int> (token ids) or "
                           f"hidden = <int> (float hidden states), or inputs = 'pkg:fn'")
-    from probes.causality import check
+    from trainprobes.causality import check
     kwargs = probe_kwargs(entry, "causality", where, check)
     name = entry.get("name", spec)
 
@@ -164,8 +164,8 @@ def causality_check(entry: dict, seed: int, where: str) -> Check:
 
 def bias_check(entry: dict, seed: int, where: str) -> Check:
     """[[bias]]: target(inputs) in low precision vs reference(inputs) in fp64, over seeded
-    trials; inputs = "pkg:make" with make(generator) -> inputs (probes.numerics.bias)."""
-    from probes.numerics.bias import bias_probe
+    trials; inputs = "pkg:make" with make(generator) -> inputs (trainprobes.numerics.bias)."""
+    from trainprobes.numerics.bias import bias_probe
 
     spec = _need(entry, "target", where, '"package.module:bf16_sum"')
     ref_spec = _need(entry, "reference", where, '"package.module:fp64_sum"')
@@ -174,7 +174,7 @@ def bias_check(entry: dict, seed: int, where: str) -> Check:
     name = entry.get("name", spec)
 
     def run():
-        from probes.audit.families import bias_result
+        from trainprobes.audit.families import bias_result
         fn, ref = _load(spec, where, "target"), _load(ref_spec, where, "reference")
         make = _load(make_spec, where, "inputs")
         r = bias_result(bias_probe(fn, ref, make, **{"seed": seed, **kwargs}, target=name))
@@ -186,7 +186,7 @@ def bias_check(entry: dict, seed: int, where: str) -> Check:
 def drift_check(entry: dict, seed: int, where: str) -> Check:
     """[[drift]]: engine = "pkg:fn" with fn(seed) -> (train_lp, infer_lp[, mask]); or files:
     train = "a.npz" and infer = "b.npz", or rollouts = "r.jsonl" holding both sides."""
-    from probes.drift import compare
+    from trainprobes.drift import compare
 
     sources = [k for k in ("engine", "rollouts", "train") if k in entry]
     if len(sources) != 1 or (("train" in entry) != ("infer" in entry)):
@@ -197,8 +197,8 @@ def drift_check(entry: dict, seed: int, where: str) -> Check:
     base = entry.get("_base_dir", ".")
 
     def run():
-        from probes.audit.families import drift_result
-        from probes.drift import load_logprobs, load_rollouts
+        from trainprobes.audit.families import drift_result
+        from trainprobes.drift import load_logprobs, load_rollouts
         mask = None
         if "engine" in entry:
             out = _load(entry["engine"], where, "engine")(seed)
@@ -231,10 +231,10 @@ def collective_checks(entry: dict, seed: int, where: str) -> list[Check]:
     the emulator bit for bit."""
     backend = entry.get("backend", "emulated")
     if backend == "emulated":
-        from probes.numerics.bias import collective_bias as probe
+        from trainprobes.numerics.bias import collective_bias as probe
         family, default_world, default_algorithm, default_numel = "collectives", 8, "ring", 1024
     elif backend in ("gloo", "nccl"):
-        from probes.distributed import run_collective as probe
+        from trainprobes.distributed import run_collective as probe
         family, default_world, default_algorithm, default_numel = "distributed", 4, None, 4096
     else:
         raise ConfigError(f"{where} backend={backend!r} must be 'emulated', 'gloo' or 'nccl'")
@@ -244,7 +244,7 @@ def collective_checks(entry: dict, seed: int, where: str) -> list[Check]:
         args = dict(world=int(world), dtype=dtype, algorithm=algorithm, op=entry.get("op", "sum"),
                     numel=int(entry.get("numel", default_numel)))
         if backend == "emulated":
-            from probes.audit.families import bias_result
+            from trainprobes.audit.families import bias_result
             return bias_result(probe(**args, **{"seed": seed, **kwargs}))
         return probe(backend=backend, **args, **{"seed": seed, "data": "gradient", **kwargs})
 
@@ -271,7 +271,7 @@ SECTIONS = {"causality": causality_check, "bias": bias_check, "drift": drift_che
 
 def suite_from_config(cfg: dict, *, seed: int = 0, base_dir=Path("."), quick: bool = False):
     """(checks, skipped) for a [tool.trainprobes] table."""
-    from probes.audit.suites import default_suite
+    from trainprobes.audit.suites import default_suite
 
     if not isinstance(cfg, dict):
         raise ConfigError(f"[tool.trainprobes] must be a table, got {cfg!r}")

@@ -1,7 +1,7 @@
 """Per-family finishing of probe Results for reports: plot specs drawn from the evidence.
 
 The probes keep their evidence plain; these functions only read it and append
-`evidence["plots"]` (see probes.report.plots), tolerating a probe that left a field out.
+`evidence["plots"]` (see trainprobes.report.plots), tolerating a probe that left a field out.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def _pos_cut(leak):
 def leak_map(leaks, seq_len: int, bins: int = 64, counts=None) -> dict | None:
     """Heatmap spec: how many leaks at (decision position, cut), binned to at most bins^2.
 
-    counts: the probe's complete [[cut, position, n], ...] (probes.causality evidence
+    counts: the probe's complete [[cut, position, n], ...] (trainprobes.causality evidence
     "leak_map"); leaks: individual leak records, used when counts are absent.
     """
     if counts:
@@ -73,7 +73,7 @@ def histogram_spec(values, title: str, xlabel: str, bins: int = 24) -> dict | No
 
 
 def bias_result(r):
-    """Histogram of the per-trial signed relative errors (probes.numerics.bias evidence)."""
+    """Histogram of the per-trial signed relative errors (trainprobes.numerics.bias evidence)."""
     spec = histogram_spec(r.evidence.get("errors", []), f"signed relative error per trial",
                           "signed relative error (< 0: too small)")
     if spec:
@@ -82,7 +82,7 @@ def bias_result(r):
 
 
 def drift_result(r):
-    """Log-ratio histogram and bias by token probability (probes.drift.compare evidence)."""
+    """Log-ratio histogram and bias by token probability (trainprobes.drift.compare evidence)."""
     import math
     ev, plots = r.evidence, []
     h = ev.get("log_ratio_histogram")

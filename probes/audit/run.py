@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from probes.result import Result, repeat_suffix, to_jsonable, write_atomic
+from trainprobes.result import Result, repeat_suffix, to_jsonable, write_atomic
 
 
 @dataclass
@@ -181,7 +181,7 @@ def run_audit(checks: list[Check], out_root="reports", *, history=None, meta=Non
               progress: Progress | None = None, step_summary: bool = True,
               stamp: str | None = None) -> AuditOutcome:
     """Run the suite and write out_root/<UTC timestamp>/ {report.json, summary.md, report.html}."""
-    from probes.report import append_step_summary, write_report
+    from trainprobes.report import append_step_summary, write_report
 
     now = datetime.now(timezone.utc)
     stamp = stamp or now.strftime("%Y%m%dT%H%M%SZ")

@@ -1,14 +1,14 @@
 """The built-in default suite: what `trainprobes audit` runs with no configuration.
 
 Each family builder returns Checks that call the real probes (imported when the check runs)
-and add plot specs (probes.report.plots) to the evidence. A family whose probe module is
+and add plot specs (trainprobes.report.plots) to the evidence. A family whose probe module is
 not installed is skipped with a note in the report, never stubbed.
 """
 from __future__ import annotations
 
 import importlib.util
 
-from probes.audit.run import Check
+from trainprobes.audit.run import Check
 
 # Formats in the stall table: the ones training recipes use.
 STALL_FORMATS = ("fp32", "tf32", "fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2")
@@ -41,7 +41,7 @@ def stall_plot(rows: list[dict]) -> dict:
 
 def stall_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
     def run():
-        from probes.numerics.stall import stall
+        from trainprobes.numerics.stall import stall
         r = stall(formats=STALL_FORMATS, increments=(1.0, 1e-3), n=2_000 if quick else 10_000)
         r.evidence["plots"] = [stall_plot(r.evidence.get("rows", []))]
         return r
@@ -56,9 +56,9 @@ def causality_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
     def one(name, fn_path, known, mode, kwargs):
         def run():
             import torch
-            from probes.audit.families import causality_result
-            from probes.causality import check
-            from probes.targets import load_target
+            from trainprobes.audit.families import causality_result
+            from trainprobes.causality import check
+            from trainprobes.targets import load_target
             x = torch.randn(2, T, 16, generator=torch.Generator().manual_seed(seed))
             r = check(load_target(fn_path), x, mode=mode, cuts="all", seed=seed, **kwargs)
             r.target = f"{fn_path}[{mode}]"
@@ -70,14 +70,14 @@ def causality_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
             return r
         return Check("causality", f"{name} [{mode}]", run)
 
-    from reference.routing import KNOWN_VERDICTS
+    from trainprobes.reference.routing import KNOWN_VERDICTS
     checks = []
     for name, (perturb, truncate) in KNOWN_VERDICTS.items():
         for mode, known in (("perturb", perturb), ("truncate", truncate)):
-            checks.append(one(name, f"reference.routing:{name}", known, mode,
+            checks.append(one(name, f"trainprobes.reference.routing:{name}", known, mode,
                               {"decision": 0, "scores": 1}))
     for name, known in (("causal_block", True), ("off_by_one_block", False)):
-        checks.append(one(name, f"reference.models.moe:{name}", known, "perturb",
+        checks.append(one(name, f"trainprobes.reference.models.moe:{name}", known, "perturb",
                           {"decision": "expert_ids", "scores": "router_probs"}))
     return checks
 
@@ -100,8 +100,8 @@ def collectives_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
     """Bias of emulated all-reduces against the fp64 reference on gradient-like data."""
     def one(dtype, world, op, algorithm, extra):
         def run():
-            from probes.audit.families import bias_result
-            from probes.numerics.bias import collective_bias
+            from trainprobes.audit.families import bias_result
+            from trainprobes.numerics.bias import collective_bias
             w = min(world, 64) if quick else world
             return bias_result(collective_bias(dtype=dtype, world=w, numel=1024, op=op,
                                                algorithm=algorithm, trials=16, seed=seed,
@@ -113,14 +113,14 @@ def collectives_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
 
 
 def drift_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
-    """The tiny LM engine pair (probes.drift.demo): each precision / sampling combination
+    """The tiny LM engine pair (trainprobes.drift.demo): each precision / sampling combination
     sampled by the KV-cache inference engine and rescored by the training engine."""
-    from probes.drift.demo import SCENARIOS
+    from trainprobes.drift.demo import SCENARIOS
 
     def one(scenario):
         def run():
-            from probes.audit.families import drift_result
-            from probes.drift.demo import run_scenario
+            from trainprobes.audit.families import drift_result
+            from trainprobes.drift.demo import run_scenario
             # 16 x 24 tokens per scenario keeps the whole suite under 2 minutes on a laptop
             # and still gives every scenario its expected verdict at seed 0
             n, t = (12, 16) if quick else (16, 24)
@@ -140,7 +140,7 @@ def gloo_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
     world = 2 if quick else 4
 
     def run():
-        from probes.distributed import Case, run_collectives
+        from trainprobes.distributed import Case, run_collectives
         cases = [Case("all_reduce", dtype, op, 4096, data, seed)
                  for dtype in ("fp32", "fp16", "bf16") for op in ("sum", "avg")
                  for data in ("gradient", "positive")]
@@ -152,7 +152,7 @@ def sites_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
     """The stall where it happens in training: a 1024-rank bf16 all-reduce of same-signed
     gradients, micro-batch accumulation into a bf16 .grad, and bf16 SGD updates."""
     def run():
-        from probes.numerics.sites import all_sites
+        from trainprobes.numerics.sites import all_sites
         return all_sites(dtype="bf16", seed=seed)
     return [Check("numerics", "accumulation sites (bf16)", run)]
 
@@ -162,7 +162,7 @@ def reveal_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
     revealed from crafted inputs: `accumulator_mantissa_bits` is what the gate compares."""
     def one(label, dtype, make_fn, output_dtype=None):
         def run():
-            from probes.numerics import reveal as rv
+            from trainprobes.numerics import reveal as rv
             kw = {"output_dtype": output_dtype} if output_dtype else {}
             return rv.reveal(make_fn(rv), dtype=dtype, target=label, **kw)
         return Check("numerics", f"reveal {label}", run)
@@ -175,13 +175,13 @@ def reveal_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
 
 FAMILIES = {
     # family: (module that must exist, builder)
-    "stall": ("probes.numerics.stall", stall_checks),
-    "sites": ("probes.numerics.sites", sites_checks),
-    "reveal": ("probes.numerics.reveal", reveal_checks),
-    "collectives": ("probes.numerics.bias", collectives_checks),
-    "causality": ("probes.causality", causality_checks),
-    "drift": ("probes.drift.demo", drift_checks),
-    "gloo": ("probes.distributed", gloo_checks),
+    "stall": ("trainprobes.numerics.stall", stall_checks),
+    "sites": ("trainprobes.numerics.sites", sites_checks),
+    "reveal": ("trainprobes.numerics.reveal", reveal_checks),
+    "collectives": ("trainprobes.numerics.bias", collectives_checks),
+    "causality": ("trainprobes.causality", causality_checks),
+    "drift": ("trainprobes.drift.demo", drift_checks),
+    "gloo": ("trainprobes.distributed", gloo_checks),
 }
 
 

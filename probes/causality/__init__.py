@@ -1,6 +1,6 @@
 """Causality probes: find per-token decisions (routing, token dropping, masks) that depend on
 future tokens, tell structural leaks from rounding noise, and measure the train/inference
 decision mismatch. See docs/causality.md."""
-from probes.causality.check import MODES, check, resolve_cuts
+from trainprobes.causality.check import MODES, check, resolve_cuts
 
 __all__ = ["check", "resolve_cuts", "MODES"]

@@ -31,9 +31,9 @@ from typing import Callable
 
 import torch
 
-from probes.causality.target import Picker, Target, differs, margins
-from probes.result import Result
-from probes.targets import TargetError
+from trainprobes.causality.target import Picker, Target, differs, margins
+from trainprobes.result import Result
+from trainprobes.targets import TargetError
 
 __all__ = ["check", "resolve_cuts", "MODES"]
 

@@ -7,10 +7,10 @@ from typing import Callable
 
 import torch
 
-from probes.causality.check import check
-from probes.result import Result
-from reference import routing
-from reference.models import moe
+from trainprobes.causality.check import check
+from trainprobes.result import Result
+from trainprobes.reference import routing
+from trainprobes.reference.models import moe
 
 
 @dataclass(frozen=True)
@@ -25,13 +25,13 @@ class Control:
 
 
 def controls() -> list[Control]:
-    out = [Control(f"reference.routing:{name}", getattr(routing, name), p, t, "router")
+    out = [Control(f"trainprobes.reference.routing:{name}", getattr(routing, name), p, t, "router")
            for name, (p, t) in routing.KNOWN_VERDICTS.items()]
     # the block's output hidden state is the decision: exact leak positions, noise under
     # truncation settled by the block's fp64 twin
-    out += [Control("reference.models.moe:causal_block", moe.causal_block, True, True, "block",
+    out += [Control("trainprobes.reference.models.moe:causal_block", moe.causal_block, True, True, "block",
                     decision="hidden", scores=None),
-            Control("reference.models.moe:off_by_one_block", moe.off_by_one_block, False, False,
+            Control("trainprobes.reference.models.moe:off_by_one_block", moe.off_by_one_block, False, False,
                     "block", decision="hidden", scores=None)]
     return out
 

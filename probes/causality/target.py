@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from probes.targets import TargetError
+from trainprobes.targets import TargetError
 
 Picker = int | str | Callable[[Any], Any] | None
 

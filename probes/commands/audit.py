@@ -37,10 +37,10 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from probes.audit import Progress, run_audit
-    from probes.audit.config import ConfigError, find_config, suite_from_config
-    from probes.audit.suites import default_suite
-    from probes.report.markdown import counts_line
+    from trainprobes.audit import Progress, run_audit
+    from trainprobes.audit.config import ConfigError, find_config, suite_from_config
+    from trainprobes.audit.suites import default_suite
+    from trainprobes.report.markdown import counts_line
 
     try:
         use_default = args.default or bool(args.families)

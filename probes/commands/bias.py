@@ -59,8 +59,8 @@ def _progress(stream):
 
 
 def run(args) -> int:
-    from probes.numerics.bias import collective_bias, rounding_side_by_side
-    from probes.result import to_jsonable
+    from trainprobes.numerics.bias import collective_bias, rounding_side_by_side
+    from trainprobes.result import to_jsonable
 
     kwargs = dict(dtype=args.dtype, world=args.world, numel=args.numel, algorithm=args.algorithm, op=args.op,
                   accum_dtype=args.accum_dtype, trials=args.trials, seed=args.seed, alpha=args.alpha,

@@ -69,9 +69,9 @@ def _progress():
 def run(args) -> int:
     import torch
 
-    from probes.causality import check
-    from probes.result import save_results
-    from probes.targets import TargetError, load_target
+    from trainprobes.causality import check
+    from trainprobes.result import save_results
+    from trainprobes.targets import TargetError, load_target
 
     try:
         cuts = _cuts(args.cuts)
@@ -110,8 +110,8 @@ def run(args) -> int:
 
 
 def _controls(args, cuts) -> int:
-    from probes.causality.suite import expected, run_controls
-    from probes.result import save_results
+    from trainprobes.causality.suite import expected, run_controls
+    from trainprobes.result import save_results
 
     say = (lambda s: print(f"  {s}", file=sys.stderr, flush=True)) if sys.stderr.isatty() else None
     rows = run_controls(seq_len=args.seq_len, batch=args.batch, seed=args.seed, cuts=cuts,
@@ -122,7 +122,8 @@ def _controls(args, cuts) -> int:
     if args.json:
         print(json.dumps([r.to_dict() for _, _, r in rows], indent=2))
         return 0 if ok else 1
-    head = (f"{'target':40} {'mode':8} {'expected':9} {'verdict':8} {'causal':6} {'n_leaks':>7} "
+    w = max(len("target"), *(len(ctl.name) for ctl, _, _ in rows))
+    head = (f"{'target':{w}} {'mode':8} {'expected':9} {'verdict':8} {'causal':6} {'n_leaks':>7} "
             f"{'flip_rate':>9} {'mismatch':>8} {'evals':>5}  ok")
     print(f"reference routers and blocks: B={args.batch} T={args.seq_len} seed={args.seed}")
     print(head)
@@ -132,7 +133,7 @@ def _controls(args, cuts) -> int:
         exp = "causal" if expected(ctl, mode) else "leaky"
         mm = f"{m['mismatch_rate']:.4f}" if "mismatch_rate" in m else "-"
         good = "yes" if m.get("causal") is expected(ctl, mode) else "NO"
-        print(f"{ctl.name:40} {mode:8} {exp:9} {res.verdict:8} {str(m.get('causal')):6} "
+        print(f"{ctl.name:{w}} {mode:8} {exp:9} {res.verdict:8} {str(m.get('causal')):6} "
               f"{m.get('n_leaks', 0):7d} {m.get('flip_rate', 0):9.4f} {mm:>8} "
               f"{m.get('n_evaluations', 0):5d}  {good}")
     print(f"\n{sum(1 for c, md, r in rows if r.metrics.get('causal') is expected(c, md))}"

@@ -10,9 +10,9 @@ _NA = "not applicable: --backend emulated runs no real collective to compare wit
 
 
 def add_arguments(parser) -> None:
-    from probes.distributed.inputs import DATA
-    from probes.distributed.worker import COLLECTIVES, OPS
-    from reference.schedules import ALGORITHMS
+    from trainprobes.distributed.inputs import DATA
+    from trainprobes.distributed.worker import COLLECTIVES, OPS
+    from trainprobes.reference.schedules import ALGORITHMS
 
     parser.add_argument("--backend", choices=("gloo", "nccl", "emulated"), default="gloo",
                         help="gloo: CPU ranks; nccl: one GPU per rank; emulated: no processes "
@@ -42,7 +42,7 @@ def add_arguments(parser) -> None:
                         help="rendezvous port (default: a free one)")
     parser.add_argument("--reveal", action="store_true",
                         help="instead: reveal the backend's per-element order with crafted "
-                             "inputs and compare it with reference.gloo's model")
+                             "inputs and compare it with trainprobes.reference.gloo's model")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -91,7 +91,7 @@ def _human(s: dict) -> str:
 
 
 def _reveal(args) -> int:
-    from probes.distributed.reveal import reveal_result
+    from trainprobes.distributed.reveal import reveal_result
     dtype = args.dtype if args.dtype in ("fp32", "fp16", "bf16", "fp64") else "fp32"
     res = reveal_result(backend=args.backend, world=args.world, numel=args.numel, dtype=dtype,
                         collective="reduce" if args.collective == "reduce" else "all_reduce",
@@ -107,8 +107,8 @@ def _reveal(args) -> int:
 
 
 def run(args) -> int:
-    from probes.distributed import LaunchError, run_collective
-    from probes.result import to_jsonable
+    from trainprobes.distributed import LaunchError, run_collective
+    from trainprobes.result import to_jsonable
 
     try:
         if args.reveal:

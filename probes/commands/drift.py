@@ -41,7 +41,7 @@ def add_arguments(p) -> None:
 
 
 def _thresholds(items) -> dict:
-    from probes.drift.stats import METRICS
+    from trainprobes.drift.stats import METRICS
 
     out = {}
     for item in items:
@@ -56,12 +56,12 @@ def _thresholds(items) -> dict:
 
 
 def _results(args) -> list:
-    from probes import drift
+    from trainprobes import drift
 
     kw = dict(alpha=args.alpha, clip=args.clip, noise_kl_max=args.noise_kl_max, min_bias=args.min_bias,
               clean_tol=args.clean_tol, thresholds=_thresholds(args.threshold) or None)
     if args.demo:
-        from probes.drift.demo import run_demo
+        from trainprobes.drift.demo import run_demo
 
         if kw["thresholds"]:
             raise ValueError("--threshold applies to --train/--infer or --rollouts, not --demo")
@@ -144,7 +144,7 @@ def plot(results, path) -> None:
 
 
 def run(args) -> int:
-    from probes.result import SCHEMA_VERSION, save_results
+    from trainprobes.result import SCHEMA_VERSION, save_results
 
     try:
         results = _results(args)

@@ -27,8 +27,8 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from probes.gate import gate_files
-    from probes.result import write_atomic
+    from trainprobes.gate import gate_files
+    from trainprobes.result import write_atomic
 
     if not 0.0 < args.alpha < 1.0:
         print(f"error: --alpha={args.alpha!r} must be in (0, 1), e.g. 0.01", file=sys.stderr)

@@ -12,7 +12,7 @@ def _csv(text: str) -> list[str]:
 
 
 def add_arguments(parser) -> None:
-    from probes.numerics.stall import DEFAULT_FORMATS
+    from trainprobes.numerics.stall import DEFAULT_FORMATS
 
     parser.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
                         help="comma-separated formats (default: %(default)s)")
@@ -27,14 +27,14 @@ def add_arguments(parser) -> None:
 
 
 def _fmt(x: float) -> str:
-    from probes.numerics.stall import _num
+    from trainprobes.numerics.stall import _num
 
     return _num(x)
 
 
 def run(args) -> int:
-    from probes.numerics.stall import stall
-    from probes.result import to_jsonable
+    from trainprobes.numerics.stall import stall
+    from trainprobes.result import to_jsonable
 
     try:
         incs = [float(x) for x in _csv(args.increments)]

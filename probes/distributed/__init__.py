@@ -8,11 +8,11 @@
 
 See docs/distributed.md.
 """
-from probes.distributed.launcher import (LaunchError, PortInUse, WorkerFailed, WorkerTimeout,
+from trainprobes.distributed.launcher import (LaunchError, PortInUse, WorkerFailed, WorkerTimeout,
                                          free_port, launch)
-from probes.distributed.probe import (emulate_collective, result_from_outputs, run_collective,
+from trainprobes.distributed.probe import (emulate_collective, result_from_outputs, run_collective,
                                       run_collectives)
-from probes.distributed.worker import COLLECTIVES, OPS, Case
+from trainprobes.distributed.worker import COLLECTIVES, OPS, Case
 
 __all__ = ["Case", "COLLECTIVES", "OPS", "LaunchError", "PortInUse", "WorkerFailed",
            "WorkerTimeout", "free_port", "launch", "emulate_collective", "result_from_outputs",

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from reference.formats import get_format
+from trainprobes.reference.formats import get_format
 
 
 def _rows(outputs) -> tuple[torch.Tensor, list[int]]:

@@ -156,7 +156,7 @@ def _context():
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "probes.distributed.worker"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "trainprobes.distributed.worker"])
     return ctx
 
 

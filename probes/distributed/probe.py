@@ -5,7 +5,7 @@
     emulate_collective(world=4096, dtype="bf16", algorithm="ring", ...) -> Result
 
 For each case the Result holds (metrics):
-  bitwise_match_fraction  real vs the emulator's prediction (reference.collectives with
+  bitwise_match_fraction  real vs the emulator's prediction (trainprobes.reference.collectives with
                           algorithm="gloo" for gloo, "ring" for nccl), over every rank;
   max_ulp_error, mean_ulp_error, bias, bias_z, bias_p, bias_relative
                           real vs the fp64 reference of the same wire-cast inputs (what the
@@ -15,11 +15,11 @@ error is significant (p < 1e-3); else pass.
 """
 from __future__ import annotations
 
-from probes.distributed.compare import bitwise_agreement, error_vs_reference, mismatch_report
-from probes.distributed.inputs import DTYPES, make_input, torch_dtype, wire_input
-from probes.distributed.launcher import launch
-from probes.distributed.worker import Case, cases_task
-from probes.result import Result
+from trainprobes.distributed.compare import bitwise_agreement, error_vs_reference, mismatch_report
+from trainprobes.distributed.inputs import DTYPES, make_input, torch_dtype, wire_input
+from trainprobes.distributed.launcher import launch
+from trainprobes.distributed.worker import Case, cases_task
+from trainprobes.result import Result
 
 PROBE = "distributed.collective"
 BIAS_P = 1e-3  # significance for TP-B1: one run of >= thousands of elements; rare by chance
@@ -30,23 +30,23 @@ def _inputs(case: Case, world: int) -> list:
     try:
         torch_dtype(case.dtype)
     except ValueError:  # a format torch cannot hold (tf32, fp6, ...): emulation only
-        from reference.formats import get_format
+        from trainprobes.reference.formats import get_format
         fmt = get_format(case.dtype)
         return [fmt.round(make_input(case.data, r, case.numel, case.seed)) for r in range(world)]
-    # In the wire dtype itself: reference.collectives then takes the values as they are
+    # In the wire dtype itself: trainprobes.reference.collectives then takes the values as they are
     # (no rounding pass, which costs more than the reduction).
     return [wire_input(case.data, r, case.numel, case.seed, case.dtype) for r in range(world)]
 
 
 def emulate(case: Case, world: int, algorithm: str, reference: bool = False,
             inputs: list | None = None) -> list:
-    """Per-rank outputs of `case` under reference.collectives (float64; None: no output).
+    """Per-rank outputs of `case` under trainprobes.reference.collectives (float64; None: no output).
 
     algorithm="gloo" also replays gloo's reduce (its own segmenting) and AVG (sum, then
     divide). reference=True: the fp64 reduction of the same wire-cast inputs instead.
     inputs: the case's per-rank inputs if already built (they are rebuilt otherwise).
     """
-    from reference import collectives as C
+    from trainprobes.reference import collectives as C
     xs = inputs if inputs is not None else _inputs(case, world)
     dt = "fp64" if reference else case.dtype
     if case.collective == "all_gather":
@@ -146,7 +146,7 @@ def run_collectives(cases, *, backend: str = "gloo", world: int = 4, timeout: fl
 def emulate_collective(*, world: int = 4, collective: str = "all_reduce", dtype: str = "bf16",
                        op: str = "sum", numel: int = 4096, data: str = "normal", seed: int = 0,
                        root: int = 0, algorithm: str = "ring", note: str = "") -> Result:
-    """No processes: the emulated result (reference.collectives) against fp64.
+    """No processes: the emulated result (trainprobes.reference.collectives) against fp64.
 
     bitwise_match_fraction does not apply (nothing real ran) and is left out of metrics.
     """

@@ -4,7 +4,7 @@
     reveal_result(...) -> Result: the revealed order against reference/gloo.py's model
 
 1. For every pair i < j of ranks, one real run with +big at rank i, -big at rank j and
-   tiny everywhere else (probes.distributed.inputs.reveal_input). big is chosen so that
+   tiny everywhere else (trainprobes.distributed.inputs.reveal_input). big is chosen so that
    big + (world - 1) * tiny rounds to big in the wire format (tiny < half an ulp of big).
 2. In a chain (acc = acc + x[next rank], as gloo's and NCCL's rings do per element), the
    tinies added before the pair met are absorbed and those added after survive, so
@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from probes.distributed.launcher import launch
-from probes.distributed.worker import reveal_task
-from probes.result import Result
-from reference.formats import get_format
+from trainprobes.distributed.launcher import launch
+from trainprobes.distributed.worker import reveal_task
+from trainprobes.result import Result
+from trainprobes.reference.formats import get_format
 
 REVEAL_DTYPES = ("fp32", "fp16", "bf16", "fp64")
 MAX_WORLD = 255  # counts travel as uint8
@@ -132,7 +132,7 @@ def reveal_result(*, backend: str = "gloo", world: int = 4, numel: int = 1024,
                   dtype: str = "fp32", collective: str = "all_reduce", timeout: float = 120.0,
                   port: int | None = None, progress=None) -> Result:
     """The revealed order against reference/gloo.py (gloo) as a Result (TP-B4 if it differs)."""
-    from reference.gloo import gloo_order
+    from trainprobes.reference.gloo import gloo_order
     rev = reveal_order(backend=backend, world=world, numel=numel, dtype=dtype,
                        collective=collective, timeout=timeout, port=port, progress=progress)
     itemsize = {"fp64": 8, "fp32": 4, "fp16": 2, "bf16": 2}[dtype]
@@ -144,7 +144,7 @@ def reveal_result(*, backend: str = "gloo", world: int = 4, numel: int = 1024,
              for i in bad[:5]]
     verdict, codes = ("pass", []) if frac == 1.0 else ("fail", ["TP-B4"])
     msg = (f"{backend} {collective} {dtype}, {world} ranks, {numel} elements: revealed order "
-           f"matches reference.gloo on {100 * frac:.4g}% of elements ({rev.runs} crafted runs)")
+           f"matches trainprobes.reference.gloo on {100 * frac:.4g}% of elements ({rev.runs} crafted runs)")
     if rev.notes:
         msg += "; " + "; ".join(rev.notes)
     return Result(probe="distributed.reveal", target=f"{collective}[{dtype},{backend},w={world},"
@@ -153,5 +153,5 @@ def reveal_result(*, backend: str = "gloo", world: int = 4, numel: int = 1024,
                            float(rev.chain.double().mean()), "runs": rev.runs, "world": world,
                            "numel": numel},
                   evidence={"first_differences": first, "notes": rev.notes,
-                            "model": "reference.gloo.gloo_order"},
+                            "model": "trainprobes.reference.gloo.gloo_order"},
                   codes=codes, message=msg)

@@ -1,8 +1,8 @@
 """What each rank runs: real torch.distributed collectives on seeded inputs.
 
-Launched locally by probes.distributed.launcher, or under torchrun:
+Launched locally by trainprobes.distributed.launcher, or under torchrun:
 
-    torchrun --nproc-per-node 4 -m probes.distributed.worker --dtype bf16 --op sum --json
+    torchrun --nproc-per-node 4 -m trainprobes.distributed.worker --dtype bf16 --op sum --json
 
 (reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT; rank 0 gathers every
 rank's result, compares it with the emulator and the fp64 reference, and prints the Result).
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from probes.distributed.inputs import DATA, DTYPES, reveal_input, torch_dtype, wire_input
+from trainprobes.distributed.inputs import DATA, DTYPES, reveal_input, torch_dtype, wire_input
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "reduce")
 OPS = ("sum", "avg", "max", "min")
@@ -60,8 +60,8 @@ class Case:
                              f"reduction (gloo: 'Invalid scalar type'); use backend='emulated' "
                              f"or one of {list(DTYPES)}")
         if backend == "emulated":
-            from reference.formats import get_format
-            get_format(self.dtype)  # any format reference.formats knows
+            from trainprobes.reference.formats import get_format
+            get_format(self.dtype)  # any format trainprobes.reference.formats knows
         else:
             torch_dtype(self.dtype)
         return self
@@ -110,7 +110,7 @@ def cases_task(rank: int, world: int, cases: list, backend: str) -> list:
 
 def reveal_task(rank: int, world: int, numel: int, dtype: str, collective: str, big: float,
                 tiny: float, backend: str) -> torch.Tensor | None:
-    """Launcher task for probes.distributed.reveal: one real run per pair of ranks.
+    """Launcher task for trainprobes.distributed.reveal: one real run per pair of ranks.
 
     Returns uint8[pairs, numel]: result / tiny per element (how many ranks were added after
     the pair met), or None on ranks the collective leaves nothing.
@@ -134,7 +134,7 @@ def reveal_task(rank: int, world: int, numel: int, dtype: str, collective: str, 
 def _torchrun_main(argv=None) -> int:
     """Entry under torchrun: one case, results gathered to rank 0, which prints the Result."""
     import torch.distributed as dist
-    p = argparse.ArgumentParser(prog="python -m probes.distributed.worker",
+    p = argparse.ArgumentParser(prog="python -m trainprobes.distributed.worker",
                                 description="one real collective under torchrun")
     p.add_argument("--backend", choices=("gloo", "nccl"),
                    default="nccl" if torch.cuda.is_available() else "gloo")
@@ -166,7 +166,7 @@ def _torchrun_main(argv=None) -> int:
     finally:
         dist.destroy_process_group()
     if rank == 0:
-        from probes.distributed.probe import result_from_outputs
+        from trainprobes.distributed.probe import result_from_outputs
         res = result_from_outputs(case, gathered, backend=args.backend, world=world)
         print(json.dumps(res.to_dict(), indent=2) if args.json else res.summary_line())
         return 0 if res.passed else 1

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from probes.drift.io import Rollouts
+from trainprobes.drift.io import Rollouts
 
 
 def _require(package: str, extra: str):

@@ -1,6 +1,6 @@
 """`compare`: is the train/inference log-prob mismatch clean, noisy, biased or heavy-tailed?
 
-The verdict, from the mechanism (notation in probes.drift.stats):
+The verdict, from the mechanism (notation in trainprobes.drift.stats):
   biased       the mean log-ratio x = log q - log p is not what zero-mean noise gives.
                Noise added to reported log-probs gives E[x] = 0; noise in the distribution
                the tokens were SAMPLED from gives E[x] = KL(q || p) = E[x^2]/2 + O(x^3)
@@ -26,8 +26,8 @@ import math
 
 import torch
 
-from probes.drift import inputs, stats
-from probes.result import Result
+from trainprobes.drift import inputs, stats
+from trainprobes.result import Result
 
 DRIFT_VERDICTS = ("clean", "noisy", "biased", "heavy-tailed")
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from probes.drift import inputs
+from trainprobes.drift import inputs
 
 LEVELS = ("token", "sequence", "geometric")
 

@@ -1,4 +1,4 @@
-"""The engine pair of reference.models.lm, run through `compare`: what each combination of
+"""The engine pair of trainprobes.reference.models.lm, run through `compare`: what each combination of
 precision and sampling settings does to the train/inference log-prob mismatch."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from probes.drift.compare import compare
-from probes.result import Result
+from trainprobes.drift.compare import compare
+from trainprobes.result import Result
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,8 @@ def run_scenario(scenario: Scenario, *, n_prompts: int = 32, max_new_tokens: int
                  seed: int = 0, model=None, alpha: float = 0.01, infer_batch_size: int = 8,
                  **compare_options) -> Result:
     """Sample with the inference engine, rescore with the training engine, compare
-    (compare_options: clip, noise_kl_max, min_bias, clean_tol, ... of probes.drift.compare)."""
-    from reference.models.lm import TinyLM, generate, random_prompts, train_logprobs
+    (compare_options: clip, noise_kl_max, min_bias, clean_tol, ... of trainprobes.drift.compare)."""
+    from trainprobes.reference.models.lm import TinyLM, generate, random_prompts, train_logprobs
 
     model = TinyLM(seed=seed) if model is None else model
     prompts = random_prompts(n_prompts, seed=seed + 1)
@@ -66,8 +66,8 @@ def run_scenario(scenario: Scenario, *, n_prompts: int = 32, max_new_tokens: int
 def run_demo(*, n_prompts: int = 32, max_new_tokens: int = 32, seed: int = 0, progress=None,
              **compare_options) -> list:
     """Every scenario, one Result each; progress(i, n, name) is called before each.
-    compare_options go to probes.drift.compare (alpha, clip, min_bias, ...)."""
-    from reference.models.lm import TinyLM
+    compare_options go to trainprobes.drift.compare (alpha, clip, min_bias, ...)."""
+    from trainprobes.reference.models.lm import TinyLM
 
     model = TinyLM(seed=seed)
     out = []

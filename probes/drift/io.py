@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from probes.drift.inputs import POSITIVE_TOLERANCE
+from trainprobes.drift.inputs import POSITIVE_TOLERANCE
 
 SUFFIXES = (".npz", ".safetensors", ".jsonl")
 

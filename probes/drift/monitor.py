@@ -15,8 +15,8 @@ from collections import deque
 import torch
 from scipy import stats as sps
 
-from probes.drift import inputs, stats
-from probes.drift.compare import _check_options, _verdict
+from trainprobes.drift import inputs, stats
+from trainprobes.drift.compare import _check_options, _verdict
 
 HISTORY_KEYS = ("n_tokens", "mean_log_ratio", "std_log_ratio", "k3_kl", "chi2_token",
                 "frac_ratio_outside", "max_abs_log_ratio", "ess_token", "mean_abs_prob_diff",

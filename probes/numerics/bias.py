@@ -22,8 +22,8 @@ from typing import Callable
 import torch
 from scipy import stats
 
-from probes.result import Result
-from reference.formats import get_format
+from trainprobes.result import Result
+from trainprobes.reference.formats import get_format
 
 
 def signed_relative_error(low, ref) -> float:
@@ -174,13 +174,13 @@ def collective_bias(*, dtype="bf16", world: int = 1024, numel: int = 256, algori
     same inputs (same algorithm), on gradient-like data (see gradient_like).
 
     accum_dtype: the precision of each add before the per-hop rounding to the wire format
-    (reference.collectives); fp32 here does NOT help, since fp32 add + rounding is exactly
+    (trainprobes.reference.collectives); fp32 here does NOT help, since fp32 add + rounding is exactly
     a correctly rounded bf16/fp16 add. reduce_dtype: run the whole reduction in this wire
     format (e.g. "fp32", as Megatron's grad_reduce_in_fp32 or NCCL NVLS .acc::f32 do) and
     round the result once to `dtype`.
     """
-    from reference.collectives import OPS, all_reduce
-    from reference.schedules import ALGORITHMS
+    from trainprobes.reference.collectives import OPS, all_reduce
+    from trainprobes.reference.schedules import ALGORITHMS
 
     # checked here so a typo fails before any data is made
     if algorithm not in ALGORITHMS:

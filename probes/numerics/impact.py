@@ -2,7 +2,7 @@
 
 Least squares y = X w* + noise, split over `world` simulated ranks. Every step each rank
 computes its gradient in fp64, holds it in the wire format (as a bf16/fp16/fp8 gradient
-buffer would), the gradients are all-reduced with reference.collectives (op "avg", the
+buffer would), the gradients are all-reduced with trainprobes.reference.collectives (op "avg", the
 chosen algorithm and rounding), and w takes an fp64 SGD step with the result. The same
 seeded data and initial w run once per variant; the loss curves and the gap to the fp64
 run are the evidence. FP8 gradients are scaled by a power of two per step (amax scaling,
@@ -16,8 +16,8 @@ from typing import Callable
 
 import torch
 
-from probes.result import Result
-from reference.formats import get_format
+from trainprobes.result import Result
+from trainprobes.reference.formats import get_format
 
 DEFAULT_VARIANTS = (("fp64", {"dtype": "fp64"}), ("fp16", {"dtype": "fp16"}), ("bf16", {"dtype": "bf16"}),
                     ("bf16 stochastic", {"dtype": "bf16", "rounding": "stochastic"}),
@@ -32,7 +32,7 @@ def _problem(world, per_rank, features, noise, generator):
 
 
 def _run(X, y, *, steps, lr, dtype, rounding, algorithm, seed, progress=None, **kw):
-    from reference.collectives import all_reduce
+    from trainprobes.reference.collectives import all_reduce
 
     fmt = get_format(dtype)
     world, _, features = X.shape

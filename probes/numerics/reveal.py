@@ -33,8 +33,8 @@ from typing import Callable
 
 import torch
 
-from probes.result import Result
-from reference.formats import Format, get_format
+from trainprobes.result import Result
+from trainprobes.reference.formats import Format, get_format
 
 
 def _call(fn, x: torch.Tensor) -> float:
@@ -293,7 +293,7 @@ def reveal(fn: Callable, *, n: int = 16, dtype="fp16", device="cpu", target: str
     """Order, accumulator precision and rounding of a black-box reduction, as a Result.
 
     output_dtype: the format fn's result holds (default: its torch dtype; pass it when fn
-    returns float64 tensors holding narrower values, as reference.collectives does).
+    returns float64 tensors holding narrower values, as trainprobes.reference.collectives does).
     max_exponent: keep crafted values below 2^max_exponent (an accumulator with a narrower
     range than the input format would overflow).
     metrics: accumulator_mantissa_bits (what a gate compares: lower is a regression),
@@ -366,9 +366,9 @@ def scaled_mm_reduction(out_dtype=torch.bfloat16, width: int = 16):
 
 
 def collective_reduction(dtype="bf16", **all_reduce_kwargs):
-    """fn(x) = all_reduce over len(x) ranks, rank r holding x[r] (reference.collectives);
+    """fn(x) = all_reduce over len(x) ranks, rank r holding x[r] (trainprobes.reference.collectives);
     pass output_dtype=dtype to reveal(), since the collective returns float64 values."""
-    from reference.collectives import all_reduce
+    from trainprobes.reference.collectives import all_reduce
 
     def fn(x):
         ranks = list(x.double().cpu().reshape(-1, 1).unbind(0))

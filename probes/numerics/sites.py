@@ -1,7 +1,7 @@
 """Accumulation sites: the stall where it happens in real training, one probe each.
 
 1. collective_site: an all-reduce of many ranks' same-signed gradients in a narrow wire
-   format (reference.collectives) against the same reduction in fp64.
+   format (trainprobes.reference.collectives) against the same reduction in fp64.
 2. grad_accumulation_site: real torch autograd accumulating micro-batch gradients into a
    bf16 `.grad` (what `loss.backward()` does across micro-batches when the parameter is
    bf16), against the fp64 sum of the very same micro-batch gradients.
@@ -16,9 +16,9 @@ import math
 
 import torch
 
-from probes.numerics.bias import signed_relative_error
-from probes.result import Result
-from reference.formats import get_format
+from trainprobes.numerics.bias import signed_relative_error
+from trainprobes.result import Result
+from trainprobes.reference.formats import get_format
 
 
 def _verdict(lost: float, tol: float):
@@ -30,7 +30,7 @@ def collective_site(*, world: int = 1024, numel: int = 256, dtype="bf16", grad: 
                     spread: float = 0.1, algorithm: str = "ring", seed: int = 0, tol: float = 1e-2,
                     **all_reduce_kwargs) -> Result:
     """all_reduce(sum) of `world` ranks holding same-signed gradients ~ grad * (1 + spread * N(0,1))."""
-    from reference.collectives import all_reduce
+    from trainprobes.reference.collectives import all_reduce
 
     fmt = get_format(dtype)
     if not isinstance(world, int) or world < 1:

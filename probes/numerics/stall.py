@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from probes.result import Result
-from reference.formats import FORMATS, ROUNDING_MODES, get_format
+from trainprobes.result import Result
+from trainprobes.reference.formats import FORMATS, ROUNDING_MODES, get_format
 
 DEFAULT_FORMATS = ("fp32", "tf32", "fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2", "fp8_e4m3fnuz",
                    "fp8_e5m2fnuz", "fp6_e2m3fn", "fp6_e3m2fn", "fp4_e2m1fn")

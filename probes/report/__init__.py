@@ -2,16 +2,16 @@
 
     write_report(out_dir, results, meta) -> {"json": Path, "markdown": Path, "html": Path}
 
-All three are written atomically (temp file + rename) via probes.result.write_atomic.
+All three are written atomically (temp file + rename) via trainprobes.result.write_atomic.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from probes.report.html import render_html
-from probes.report.markdown import summary_markdown
-from probes.result import Result, save_results, write_atomic
+from trainprobes.report.html import render_html
+from trainprobes.report.markdown import summary_markdown
+from trainprobes.result import Result, save_results, write_atomic
 
 __all__ = ["write_report", "render_html", "summary_markdown", "append_step_summary"]
 

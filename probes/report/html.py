@@ -5,9 +5,9 @@ import html
 import json
 from collections import OrderedDict
 
-from probes.report.markdown import ICONS, counts_line, fmt_value
-from probes.report.plots import have_matplotlib, png_data_uri
-from probes.result import CODES, Result
+from trainprobes.report.markdown import ICONS, counts_line, fmt_value
+from trainprobes.report.plots import have_matplotlib, png_data_uri
+from trainprobes.result import CODES, Result
 
 CSS = """
 body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}

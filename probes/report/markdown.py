@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from probes.result import CODES, Result
+from trainprobes.result import CODES, Result
 
 ICONS = {"pass": "✅", "warn": "⚠️", "fail": "❌", "error": "💥"}
 # Metrics worth a column when present, in this order; others stay in report.json.

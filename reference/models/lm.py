@@ -12,7 +12,7 @@ inference engine `generate`: prefill then incremental KV-cache decode over LEFT-
 
 Same weights, same positions, same masks: at fp32 on both sides the two engines differ only
 by reduction order (different GEMM shapes), so any larger drift comes from precision or from
-a mismatch in what is reported. No probing here; probes.drift measures the drift.
+a mismatch in what is reported. No probing here; trainprobes.drift measures the drift.
 """
 from __future__ import annotations
 

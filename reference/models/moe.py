@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from reference.routing import topk_softmax
+from trainprobes.reference.routing import topk_softmax
 
 __all__ = ["MoEOutput", "TinyMoEBlock", "causal_block", "off_by_one_block"]
 
