@@ -24,6 +24,7 @@ from datetime import date, timedelta
 from fnmatch import fnmatchcase
 from pathlib import Path
 
+from trainprobes.errors import CannotJudge
 from trainprobes.result import CODES, Result, SchemaError, load_results
 
 # The estimates the gate tests, as probes name them: (code, metric, label). Each Result also
@@ -32,10 +33,6 @@ from trainprobes.result import CODES, Result, SchemaError, load_results
 # (code, estimate, label, the metric holding the probe's own floor for a bias that matters)
 ESTIMATES = (("TP-G2", "bias", "bias", "min_effect"),
              ("TP-G3", "mean_log_ratio", "drift", "min_bias"))
-
-
-class CannotJudge(Exception):
-    """The gate cannot compare: exit 2, with the reason."""
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from trainprobes.errors import SchemaError
+
 SCHEMA_VERSION = 1
 VERDICTS = ("pass", "warn", "fail", "error")
 
@@ -37,10 +39,6 @@ CODES = {
     "TP-G3": "drift significantly worse",
     "TP-E1": "probe error",
 }
-
-
-class SchemaError(ValueError):
-    """A report that cannot be read: corrupt, truncated, or of an unknown schema."""
 
 
 def to_jsonable(obj: Any) -> Any:

@@ -4,9 +4,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-
-class TargetError(ValueError):
-    """A target that cannot be imported or is not what the probe expects."""
+from trainprobes.errors import TargetError
 
 
 def load_target(spec: str, *, callable_required: bool = True) -> Any:

@@ -131,10 +131,24 @@ def _imports(path):
     return out
 
 
+# The floor under both reference/ and the probes: these import no other trainprobes module.
+FLOOR = ("trainprobes.errors", "trainprobes.validation", "trainprobes._toml")
+
+
+def _allowed(module, prefix):
+    return module.startswith(prefix) or module in FLOOR or module.rsplit(".", 1)[0] in FLOOR \
+        or module in {f"trainprobes.{f.split('.')[1]}" for f in FLOOR}
+
+
 def test_arrows_point_faces_to_probes_to_reference():
-    """reference never imports the probes; a probe never imports a face."""
+    """reference never imports the probes; a probe never imports a face; the floor
+    (errors, validation, TOML) imports nothing above it."""
+    for name in FLOOR:
+        path = REPO / "probes" / (name.split(".")[1] + ".py")
+        bad = {m for m in _imports(path) if not _allowed(m, "trainprobes.errors")}
+        assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
     for path in (REPO / "reference").rglob("*.py"):
-        bad = {m for m in _imports(path) if not m.startswith("trainprobes.reference")}
+        bad = {m for m in _imports(path) if not _allowed(m, "trainprobes.reference")}
         assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
     for path in (REPO / "probes").rglob("*.py"):
         rel = path.relative_to(REPO / "probes").parts

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import inspect
 import sys
-from trainprobes import _toml
 from pathlib import Path
 
+from trainprobes import _toml
 from trainprobes.audit.run import Check
+from trainprobes.errors import ConfigError
 
 TOP_KEYS = {"seed", "out", "history", "defaults", "families", "pythonpath", "causality",
             "bias", "drift", "collectives"}
@@ -31,10 +32,6 @@ HARNESS_KEYS = {
 # The code a threshold failure carries, per section.
 THRESHOLD_CODE = {"causality": "TP-C1", "bias": "TP-B1", "drift": "TP-D3",
                   "collectives": "TP-B1"}
-
-
-class ConfigError(ValueError):
-    """A [tool.trainprobes] table that cannot be turned into a suite."""
 
 
 def read_config(path) -> dict | None:

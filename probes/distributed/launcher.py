@@ -30,11 +30,13 @@ import time
 import traceback
 from datetime import timedelta
 
+from trainprobes.errors import TrainprobesError
+
 BACKENDS = ("gloo", "nccl")
 _ADDR_IN_USE = ("address already in use", "eaddrinuse", "errno 98")
 
 
-class LaunchError(RuntimeError):
+class LaunchError(TrainprobesError, RuntimeError):
     """A distributed run that did not complete; .pids: the rank processes (all stopped)."""
 
     pids: list = []
@@ -152,6 +154,7 @@ def _context():
     rank is a fork of it (milliseconds), never a fork of the caller with its threads and
     CUDA state. spawn where there is no forkserver (macOS, Windows)."""
     import multiprocessing
+
     import torch.multiprocessing as mp
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return mp.get_context("spawn")

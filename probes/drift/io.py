@@ -19,14 +19,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from trainprobes.drift.inputs import POSITIVE_TOLERANCE
+from trainprobes.errors import DataFileError
 
 SUFFIXES = (".npz", ".safetensors", ".jsonl")
 
 
-class DriftFileError(ValueError):
-    """A file that cannot be read as log-probs or rollouts; the message says where and why."""
+# A file that cannot be read as log-probs or rollouts; the message says where and why.
+DriftFileError = DataFileError
 
 
 @dataclass

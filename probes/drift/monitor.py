@@ -14,9 +14,9 @@ from collections import deque
 
 import torch
 from scipy import stats as sps
-
 from trainprobes.drift import inputs, stats
 from trainprobes.drift.compare import _check_options, _verdict
+from trainprobes.errors import TrainprobesError
 
 HISTORY_KEYS = ("n_tokens", "mean_log_ratio", "std_log_ratio", "k3_kl", "chi2_token",
                 "frac_ratio_outside", "max_abs_log_ratio", "ess_token", "mean_abs_prob_diff",
@@ -25,7 +25,7 @@ FINE = (-0.05, 0.05, 2000)
 COARSE = (-20.0, 20.0, 4000)
 
 
-class DriftAlarm(RuntimeError):
+class DriftAlarm(TrainprobesError, RuntimeError):
     """A per-step metric crossed its threshold. `name` is the metric (the alarm's name)."""
 
     def __init__(self, name: str, value: float, threshold: float, step: int):

@@ -1,0 +1,157 @@
+"""Argument checks, one way, in the manner of hypothesis' internal/validation.py.
+
+Each check names the argument, shows the value with !r and says what would work:
+
+    >>> check_int(0, "world", min=1, hint="the number of ranks")
+    InvalidArgument: world=0 must be an int >= 1 (the number of ranks)
+
+and returns the value (normalised: an int for check_int, a float for check_number) so a
+caller can write `world = check_int(world, "world", min=1)`. The parse_* factories turn the
+same checks into argparse `type=` callables (as pytest-benchmark's parse_* helpers), so a
+command line refuses a bad option before any work, with argparse's usage line and exit 2.
+
+Imports nothing of trainprobes but its errors: reference/ and the probes both use it.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import math
+import operator
+from collections.abc import Callable, Iterable
+
+from trainprobes.errors import InvalidArgument, InvalidType
+
+__all__ = ["check_type", "check_int", "check_number", "check_choice", "check_bool",
+           "parse_int", "parse_number", "parse_choice", "parse_with"]
+
+
+def _named(name: str, value) -> str:
+    return f"{name}={value!r}"
+
+
+def _bounds(lo, hi, lo_open: bool, hi_open: bool) -> str:
+    if lo is not None and hi is not None:
+        return f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+    if lo is not None:
+        return f"{'>' if lo_open else '>='} {lo:g}"
+    if hi is not None:
+        return f"{'<' if hi_open else '<='} {hi:g}"
+    return ""
+
+
+def _suffix(hint: str | None) -> str:
+    return f" ({hint})" if hint else ""
+
+
+def check_type(types, value, name: str, *, hint: str | None = None):
+    """value must be an instance of types (a bool is never accepted as an int)."""
+    types = types if isinstance(types, tuple) else (types,)
+    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+        what = " or ".join(t.__name__ for t in types)
+        raise InvalidType(f"{_named(name, value)} must be {what}, not "
+                          f"{type(value).__name__}{_suffix(hint)}")
+    return value
+
+
+def check_int(value, name: str, *, min: int | None = None, max: int | None = None,
+              hint: str | None = None) -> int:
+    """An integer (numpy and torch integer scalars too; never a bool or a float) in [min, max]."""
+    if isinstance(value, bool) or isinstance(value, float):
+        ok = False
+    else:
+        try:
+            value = operator.index(value)
+            ok = True
+        except TypeError:
+            ok = False
+    bounds = _bounds(min, max, False, False)
+    want = f"an int{' ' + bounds if bounds else ''}"
+    if not ok:
+        raise InvalidArgument(f"{_named(name, value)} must be {want}{_suffix(hint)}")
+    if (min is not None and value < min) or (max is not None and value > max):
+        raise InvalidArgument(f"{_named(name, value)} must be {want}{_suffix(hint)}")
+    return value
+
+
+def check_number(value, name: str, *, min: float | None = None, max: float | None = None,
+                 min_open: bool = False, max_open: bool = False, finite: bool = True,
+                 hint: str | None = None) -> float:
+    """A real number (int or float; never a bool), finite unless finite=False, in the bounds.
+
+    NaN is always refused: it compares false with every bound and would pass them silently.
+    """
+    bounds = _bounds(min, max, min_open, max_open)
+    want = f"a {'finite ' if finite else ''}number{' ' + bounds if bounds else ''}"
+    if isinstance(value, bool):
+        raise InvalidArgument(f"{_named(name, value)} must be {want}{_suffix(hint)}")
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"{_named(name, value)} must be {want}{_suffix(hint)}") from None
+    if (math.isnan(x) or (finite and math.isinf(x))
+            or (min is not None and (x <= min if min_open else x < min))
+            or (max is not None and (x >= max if max_open else x > max))):
+        raise InvalidArgument(f"{_named(name, value)} must be {want}{_suffix(hint)}")
+    return x
+
+
+def check_bool(value, name: str, *, hint: str | None = None) -> bool:
+    """True or False exactly (not 0/1, not a string)."""
+    if not isinstance(value, bool):
+        raise InvalidType(f"{_named(name, value)} must be True or False{_suffix(hint)}")
+    return value
+
+
+def check_choice(value, name: str, choices: Iterable, *, hint: str | None = None):
+    """One of choices; the message suggests the closest when it looks like a typo."""
+    choices = tuple(choices)
+    try:
+        ok = value in choices
+    except TypeError:  # an unhashable value against a set, say
+        ok = False
+    if ok:
+        return value
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+    maybe = f"; did you mean {close[0]!r}?" if close else ""
+    raise InvalidArgument(f"{_named(name, value)} must be one of {choices!r}{maybe}{_suffix(hint)}")
+
+
+# --- argparse type= callables ----------------------------------------------------------
+
+def parse_with(convert: Callable[[str], object], check: Callable, metavar: str, **kwargs):
+    """A `type=` callable: convert the text, then check(value, metavar, **kwargs).
+
+    argparse turns the ArgumentTypeError into "argument --world: world=0 must be ..."
+    and exit 2, before any work starts.
+    """
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except (TypeError, ValueError):
+            value = text
+        try:
+            return check(value, metavar, **kwargs)
+        except (InvalidArgument, InvalidType) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    parse.__name__ = metavar  # argparse names the type in some messages
+    return parse
+
+
+def _to_int(text: str) -> int:
+    return int(text.strip())
+
+
+def parse_int(metavar: str, **kwargs):
+    """`type=parse_int("world", min=1)`: an integer option checked by check_int."""
+    return parse_with(_to_int, check_int, metavar, **kwargs)
+
+
+def parse_number(metavar: str, **kwargs):
+    """`type=parse_number("rel_tol", min=0)`: a real option checked by check_number."""
+    return parse_with(float, check_number, metavar, **kwargs)
+
+
+def parse_choice(metavar: str, choices: Iterable, **kwargs):
+    """A choice with the typo hint of check_choice (argparse's own choices= has none)."""
+    return parse_with(str, check_choice, metavar, choices=tuple(choices), **kwargs)
