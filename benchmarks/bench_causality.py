@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from trainprobes.causality import check
 from trainprobes.causality.target import differs
 from trainprobes.reference.models.moe import TinyMoEBlock

@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         "fp8": lambda: all_reduce(small, dtype="fp8_e4m3fn"),
         "sr": lambda: all_reduce(small, dtype="bf16", rounding="stochastic", seed=0),
     }, args.repeat)
-    del x64
+    x64 = cases = None  # free 8 x numel doubles before the world sweep
     log(f"## bf16 ring all-reduce, 8 ranks x {numel:,} elements")
     log()
     log("| inputs | fp64 reference (s) | emulation (s) | emulation / reference (median) | "

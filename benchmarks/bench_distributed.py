@@ -20,10 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainprobes.distributed.probe import emulate, result_from_outputs  # noqa: E402
-from trainprobes.distributed.launcher import launch  # noqa: E402
-from trainprobes.distributed.worker import Case, cases_task  # noqa: E402
 from trainprobes.distributed.compare import bitwise_agreement  # noqa: E402
+from trainprobes.distributed.launcher import launch  # noqa: E402
+from trainprobes.distributed.probe import emulate, result_from_outputs  # noqa: E402
+from trainprobes.distributed.worker import Case, cases_task  # noqa: E402
 
 MiB = 1 << 20
 ITEM = {"fp32": 4, "fp16": 2, "bf16": 2}

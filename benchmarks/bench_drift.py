@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from trainprobes.drift import DriftMonitor, compare
 
 

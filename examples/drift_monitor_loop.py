@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from trainprobes.drift import DriftAlarm, DriftMonitor, truncated_is
 from trainprobes.reference.models.lm import TinyLM, generate, random_prompts
 

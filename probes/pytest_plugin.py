@@ -117,9 +117,8 @@ def pytest_sessionfinish(session, exitstatus):
         save_results(report, rec.results, source="pytest", args=list(config.invocation_params.args))
     baseline = _option(config, "baseline")
     if baseline:
-        from trainprobes.gate import CannotJudge, compare, load_waivers
+        from trainprobes.gate import CannotJudge, GateReport, compare, load_waivers
         from trainprobes.result import SchemaError, load_results
-        from trainprobes.gate import GateReport
         try:
             waivers = load_waivers(_option(config, "waivers")) if _option(config, "waivers") else []
             base, _ = load_results(baseline)

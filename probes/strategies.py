@@ -24,7 +24,6 @@ import re
 
 import torch
 from hypothesis import strategies as st
-
 from trainprobes.reference.formats import FORMATS, Format, get_format
 
 _EXPONENT_BITS = {"fp64": 11, "fp32": 8, "tf32": 8, "fp16": 5, "bf16": 8}

@@ -38,7 +38,6 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
-
 from trainprobes.reference.formats import ROUNDING_MODES, Format, get_format
 from trainprobes.reference.schedules import BLOCK, SequentialSchedule, get_schedule
 

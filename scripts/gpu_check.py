@@ -78,7 +78,6 @@ def nccl_checks(report: dict, backend: str, worlds: list[int]) -> None:
 
 def matmul_checks(report: dict, device: str) -> None:
     import torch
-
     from trainprobes.numerics.reveal import matmul_reduction, reveal, scaled_mm_reduction
 
     knobs = {"fp16": "allow_fp16_reduced_precision_reduction",
@@ -116,7 +115,6 @@ def main(argv=None) -> int:
                     help="run the code paths on the CPU (gloo) to test this script; NOT a GPU check")
     args = ap.parse_args(argv)
     import torch
-
     from trainprobes.result import environment, write_atomic
 
     cuda = torch.cuda.is_available()

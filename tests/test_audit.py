@@ -5,7 +5,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from trainprobes.audit import Check, Progress, read_history, run_audit, run_suite, trend_plots
 from trainprobes.audit.config import ConfigError, apply_thresholds, find_config, suite_from_config
 from trainprobes.audit.families import leak_map

@@ -4,15 +4,15 @@ import json
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
-
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from trainprobes.causality import check, resolve_cuts
 from trainprobes.causality.check import _replacements
 from trainprobes.causality.suite import controls
-from trainprobes.result import Result
-from trainprobes.targets import TargetError
 from trainprobes.reference import routing as r
 from trainprobes.reference.models.moe import causal_block, off_by_one_block
+from trainprobes.result import Result
+from trainprobes.targets import TargetError
 
 GLOBAL_LEAKS = ["expert_choice", "drop_by_probability", "sequence_normalized"]
 

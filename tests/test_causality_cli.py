@@ -2,7 +2,6 @@
 import json
 
 import pytest
-
 from trainprobes.cli import main
 from trainprobes.result import load_results
 

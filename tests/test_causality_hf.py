@@ -1,7 +1,6 @@
 """Real library routers (transformers), probed as a user would: verdicts from the mechanism."""
 import pytest
 import torch
-
 from trainprobes.causality import check
 
 switch = pytest.importorskip("transformers.models.switch_transformers.modeling_switch_transformers")

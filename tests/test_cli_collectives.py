@@ -2,7 +2,6 @@
 import json
 
 import pytest
-
 from trainprobes.cli import main
 
 KEYS = ("backend", "world", "dtype", "op", "numel", "bitwise_match_fraction", "max_ulp_error",

@@ -1,7 +1,6 @@
 import json
 
 import pytest
-
 from trainprobes.cli import main
 
 

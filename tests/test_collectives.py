@@ -5,12 +5,18 @@ import pytest
 import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
-
-from trainprobes.strategies import rank_inputs
-from trainprobes.reference.collectives import _Arithmetic, _fp64_to_narrow, all_gather, all_reduce, \
-    broadcast, reduce, reduce_scatter
+from trainprobes.reference.collectives import (
+    _Arithmetic,
+    _fp64_to_narrow,
+    all_gather,
+    all_reduce,
+    broadcast,
+    reduce,
+    reduce_scatter,
+)
 from trainprobes.reference.formats import get_format
 from trainprobes.reference.schedules import RingSchedule
+from trainprobes.strategies import rank_inputs
 
 ALGOS = ["ring", "tree", "halving_doubling", "sequential", "hierarchical"]
 

@@ -5,7 +5,6 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-
 from trainprobes.distributed.compare import bitwise_agreement, error_vs_reference, mismatch_report
 from trainprobes.reference.formats import get_format
 

@@ -3,7 +3,6 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-
 from trainprobes.distributed.inputs import DATA, make_input, reveal_input, torch_dtype, wire_input
 
 

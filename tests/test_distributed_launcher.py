@@ -3,10 +3,14 @@ import os
 import socket
 
 import pytest
-
 import trainprobes.distributed.launcher as L
-from trainprobes.distributed.selftest import (echo_task, exit_task, exit_then_peers_raise_task, hang_task,
-                                        raise_task)
+from trainprobes.distributed.selftest import (
+    echo_task,
+    exit_task,
+    exit_then_peers_raise_task,
+    hang_task,
+    raise_task,
+)
 
 
 def alive(pid: int) -> bool:

@@ -1,7 +1,6 @@
 """probes/distributed/probe.py: real gloo ranks predicted bit for bit by the emulator."""
 import pytest
 import torch
-
 import trainprobes.distributed.probe as P
 from trainprobes.distributed import Case, emulate_collective, run_collective, run_collectives
 from trainprobes.result import Result

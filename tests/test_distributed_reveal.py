@@ -3,9 +3,13 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-
-from trainprobes.distributed.reveal import (canonical, crafted_values, order_from_counts,
-                                       reveal_order, reveal_result)
+from trainprobes.distributed.reveal import (
+    canonical,
+    crafted_values,
+    order_from_counts,
+    reveal_order,
+    reveal_result,
+)
 from trainprobes.reference.gloo import gloo_order
 from trainprobes.reference.schedules import RingSchedule
 

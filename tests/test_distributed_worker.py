@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from trainprobes.distributed.launcher import free_port
 from trainprobes.distributed.worker import Case, _torchrun_main
 

@@ -5,7 +5,6 @@ from types import SimpleNamespace as NS
 
 import pytest
 import torch
-
 from trainprobes.drift import compare, hf_token_logprobs, recompute_with_hf, vllm_logprobs
 
 transformers = pytest.importorskip("transformers")

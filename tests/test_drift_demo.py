@@ -1,11 +1,8 @@
 """The engine pair through compare: what each real combination shows (trainprobes.drift.demo).
 bf16 drift itself is checked in tests/test_lm.py; the full table is `trainprobes drift --demo`."""
 import pytest
-import torch
-
 from trainprobes.drift.demo import SCENARIOS, run_scenario
 from trainprobes.reference.models.lm import TinyLM
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -6,7 +6,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from trainprobes.drift import DriftFileError, compare, load_logprobs, load_rollouts
 
 

@@ -5,7 +5,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from trainprobes.drift import DriftAlarm, DriftMonitor, compare
 
 

@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from trainprobes.cli import main
 from trainprobes.result import load_results
 

@@ -4,7 +4,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-
 from trainprobes.reference.formats import FORMATS, get_format
 
 NARROW = [n for n in FORMATS if n not in ("fp64",)]
@@ -129,7 +128,6 @@ def test_unknown_format_names_the_choices():
 # Property tests drawn from bit patterns (trainprobes.strategies): every format, edges included.
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-
 from trainprobes.strategies import format_tensors, format_values, ties  # noqa: E402
 
 

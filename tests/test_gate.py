@@ -6,10 +6,17 @@ from datetime import date
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from trainprobes.cli import main
-from trainprobes.gate import (CannotJudge, Waiver, compare, gate_files, larger_magnitude,
-                         load_waivers, parse_waivers, standard_error)
+from trainprobes.gate import (
+    CannotJudge,
+    Waiver,
+    compare,
+    gate_files,
+    larger_magnitude,
+    load_waivers,
+    parse_waivers,
+    standard_error,
+)
 from trainprobes.result import Result, save_results
 
 TODAY = date(2026, 11, 29)

@@ -4,10 +4,14 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-
 from trainprobes.reference.collectives import all_reduce, reduce
-from trainprobes.reference.gloo import (MAX_SEGMENT_BYTES, GlooRingSchedule, gloo_layout, gloo_order,
-                            gloo_schedule)
+from trainprobes.reference.gloo import (
+    MAX_SEGMENT_BYTES,
+    GlooRingSchedule,
+    gloo_layout,
+    gloo_order,
+    gloo_schedule,
+)
 from trainprobes.reference.schedules import OrderSchedule, RingSchedule, get_schedule
 
 MiB = 1 << 20

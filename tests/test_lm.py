@@ -2,9 +2,7 @@
 
 import pytest
 import torch
-
 from trainprobes.reference.models.lm import LMConfig, TinyLM, generate, random_prompts, train_logprobs
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

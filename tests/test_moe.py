@@ -1,7 +1,6 @@
 """The tiny MoE block: its mask, its routing, its fp64 twin, its inputs."""
 import pytest
 import torch
-
 from trainprobes.reference.models.moe import MoEOutput, TinyMoEBlock, causal_block, off_by_one_block
 
 

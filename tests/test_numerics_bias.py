@@ -4,7 +4,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from trainprobes.numerics.bias import bias_probe, error_stats, gradient_like, signed_relative_error
 from trainprobes.reference.formats import get_format
 

@@ -1,5 +1,4 @@
 import pytest
-
 from trainprobes.numerics.impact import impact
 
 VARIANTS = (("fp64", {"dtype": "fp64"}), ("fp16", {"dtype": "fp16"}), ("bf16", {"dtype": "bf16"}))

@@ -2,9 +2,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from trainprobes.numerics.reveal import (collective_reduction, matmul_reduction, reveal, reveal_order,
-                                    reveal_precision)
+from trainprobes.numerics.reveal import (
+    collective_reduction,
+    matmul_reduction,
+    reveal,
+    reveal_order,
+    reveal_precision,
+)
 from trainprobes.reference.formats import get_format
 
 

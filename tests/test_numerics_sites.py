@@ -1,5 +1,4 @@
 import pytest
-
 from trainprobes.numerics.sites import collective_site, grad_accumulation_site, weight_update_site
 
 

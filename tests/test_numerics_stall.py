@@ -2,7 +2,6 @@ import math
 
 import pytest
 import torch
-
 from trainprobes.numerics.stall import explain, sequential_sums, stall, stall_table
 from trainprobes.reference.formats import FORMATS
 
@@ -112,7 +111,6 @@ def test_explain_rejects_nothing_silently():
 
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-
 from trainprobes.strategies import format_values  # noqa: E402
 
 

@@ -9,7 +9,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from trainprobes import _toml
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,6 +43,14 @@ def test_no_construct_newer_than_the_minimum_python():
     out = _run([vermin, "--target=3.10-", "--violations", "--no-tips", "--eval-annotations",
                 "--exclude-regex", r"(^|/)\.", "."], cwd=REPO)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_ruff_finds_nothing():
+    """Undefined names, unused imports, unsorted imports ([tool.ruff] in pyproject)."""
+    ruff = shutil.which("ruff")
+    assert ruff, "ruff is in the test extra: pip install -e '.[test]'"
+    out = _run([ruff, "check", "--no-cache", "."], cwd=REPO)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
 
 
 def test_import_is_cheap_and_the_folder_names_are_refused():

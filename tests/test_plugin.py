@@ -4,17 +4,15 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
-import pytest
-
-from trainprobes.result import Result, load_results, save_results
-
 # pytester's in-process runs drop every module first imported during the run. numpy, torch
 # and matplotlib cannot be imported twice in one process (an ImportError or a segfault
 # later), so they are imported here, before any inner run; runs that need torch themselves
 # go to a subprocess.
 import matplotlib  # noqa: E402,F401
 import numpy  # noqa: E402,F401
+import pytest
 import torch  # noqa: E402,F401
+from trainprobes.result import Result, load_results, save_results
 
 pytest_plugins = ["pytester"]
 
@@ -69,7 +67,6 @@ def test_markers_registered_under_strict_markers(pytester):
 
 
 def test_gpu_marker_skips_with_reason_without_cuda(pytester):
-    import torch
     if torch.cuda.is_available():
         pytest.skip("CUDA present: the gpu marker runs the test here")
     pytester.makepyfile("""

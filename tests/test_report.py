@@ -5,7 +5,6 @@ import json
 import re
 
 import pytest
-
 from trainprobes.report import append_step_summary, render_html, summary_markdown, write_report
 from trainprobes.report.plots import KINDS, render_png
 from trainprobes.result import SCHEMA_VERSION, Result, load_results

@@ -1,7 +1,6 @@
 import json
 
 import pytest
-
 from trainprobes.result import Result, SchemaError, load_results, save_results
 
 

@@ -3,8 +3,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
-
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from trainprobes.reference import routing as r
 
 ROUTERS = list(r.KNOWN_VERDICTS)

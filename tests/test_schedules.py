@@ -5,11 +5,18 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-
 from trainprobes.reference.formats import get_format
-from trainprobes.reference.schedules import (ALGORITHMS, HalvingDoublingSchedule, HierarchicalSchedule,
-                                 OrderSchedule, RingSchedule, SequentialSchedule, TreeSchedule,
-                                 btree, get_schedule)
+from trainprobes.reference.schedules import (
+    ALGORITHMS,
+    HalvingDoublingSchedule,
+    HierarchicalSchedule,
+    OrderSchedule,
+    RingSchedule,
+    SequentialSchedule,
+    TreeSchedule,
+    btree,
+    get_schedule,
+)
 
 FP16 = get_format("fp16")
 

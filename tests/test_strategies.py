@@ -1,15 +1,20 @@
 import math
 
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from trainprobes.strategies import (decode_bits, format_bit_patterns, format_tensors, format_values,
-                               rank_inputs, ties, total_bits)
 from trainprobes.reference.formats import FORMATS
+from trainprobes.strategies import (
+    decode_bits,
+    format_bit_patterns,
+    format_tensors,
+    format_values,
+    rank_inputs,
+    ties,
+    total_bits,
+)
 
 ML = [n for n, f in FORMATS.items() if f.ml_dtype is not None and total_bits(f) <= 8]
 NARROW = [n for n in FORMATS if n != "fp64"]

@@ -1,5 +1,4 @@
 import pytest
-
 from trainprobes.targets import TargetError, load_target
 
 

@@ -4,10 +4,17 @@ import argparse
 
 import numpy as np
 import pytest
-
 from trainprobes import errors
-from trainprobes.validation import (check_bool, check_choice, check_int, check_number, check_type,
-                                    parse_choice, parse_int, parse_number)
+from trainprobes.validation import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_type,
+    parse_choice,
+    parse_int,
+    parse_number,
+)
 
 
 @pytest.mark.parametrize("value", [1, 7, np.int64(3), np.int32(2)])

@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from trainprobes.reference.collectives import all_reduce
 
 HIDDEN, EXPERTS, WORLD = 16, 4, 6

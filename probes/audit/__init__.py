@@ -7,8 +7,17 @@
 A suite is a list of `Check`s: a family, a name, and a zero-argument function returning one
 Result or a list of them. Nothing here runs at import; probes are imported when a check runs.
 """
-from trainprobes.audit.run import (AuditOutcome, Check, Progress, append_history, read_history,
-                              run_audit, run_check, run_suite, trend_plots)
+from trainprobes.audit.run import (
+                              AuditOutcome,
+                              Check,
+                              Progress,
+                              append_history,
+                              read_history,
+                              run_audit,
+                              run_check,
+                              run_suite,
+                              trend_plots,
+)
 
 __all__ = ["AuditOutcome", "Check", "Progress", "append_history", "read_history", "run_audit",
            "run_check", "run_suite", "trend_plots"]

@@ -74,7 +74,7 @@ def histogram_spec(values, title: str, xlabel: str, bins: int = 24) -> dict | No
 
 def bias_result(r):
     """Histogram of the per-trial signed relative errors (trainprobes.numerics.bias evidence)."""
-    spec = histogram_spec(r.evidence.get("errors", []), f"signed relative error per trial",
+    spec = histogram_spec(r.evidence.get("errors", []), "signed relative error per trial",
                           "signed relative error (< 0: too small)")
     if spec:
         r.evidence.setdefault("plots", []).append(spec)

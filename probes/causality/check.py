@@ -30,7 +30,6 @@ import math
 from typing import Callable
 
 import torch
-
 from trainprobes.causality.target import Picker, Target, differs, margins
 from trainprobes.result import Result
 from trainprobes.targets import TargetError

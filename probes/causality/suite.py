@@ -6,11 +6,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-
 from trainprobes.causality.check import check
-from trainprobes.result import Result
 from trainprobes.reference import routing
 from trainprobes.reference.models import moe
+from trainprobes.result import Result
 
 
 @dataclass(frozen=True)

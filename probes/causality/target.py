@@ -9,7 +9,6 @@ import copy
 from typing import Any, Callable
 
 import torch
-
 from trainprobes.targets import TargetError
 
 Picker = int | str | Callable[[Any], Any] | None

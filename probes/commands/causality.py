@@ -68,7 +68,6 @@ def _progress():
 
 def run(args) -> int:
     import torch
-
     from trainprobes.causality import check
     from trainprobes.result import save_results
     from trainprobes.targets import TargetError, load_target
@@ -170,7 +169,7 @@ def format_result(res, show: int = 10) -> str:
         f"{m['n_unverified']})",
         f"flip_rate          {m['flip_rate']:.6f}  ({m['n_leaks']} of {m['n_compared']} decisions "
         f"at or before a cut)",
-        f"mismatch_rate      " + (f"{m['mismatch_rate']:.6f}  (inference view; at the last token "
+        "mismatch_rate      " + (f"{m['mismatch_rate']:.6f}  (inference view; at the last token "
                                   f"of the prefix {m['inference_mismatch_rate']:.6f})"
                                   if "mismatch_rate" in m else "n/a in perturb mode (use --mode truncate)"),
         f"batch isolated     {_yn(m['batch_isolated'])}; batch-invariant {_yn(m['batch_invariant'])}; "
@@ -179,7 +178,7 @@ def format_result(res, show: int = 10) -> str:
         f"after {m['evaluations_to_first_flip']})",
     ]
     if ev["leak_distances"]:
-        lines.append(f"leak distances     " + ", ".join(f"{d}: {n}" for d, n in
+        lines.append("leak distances     " + ", ".join(f"{d}: {n}" for d, n in
                                                          list(ev["leak_distances"].items())[:12]))
     if ev["leaks"] and show:
         lines += ["", f"first leaks (of {m['n_leaks'] + m['n_unverified']}):",

@@ -8,10 +8,20 @@
 
 See docs/distributed.md.
 """
-from trainprobes.distributed.launcher import (LaunchError, PortInUse, WorkerFailed, WorkerTimeout,
-                                         free_port, launch)
-from trainprobes.distributed.probe import (emulate_collective, result_from_outputs, run_collective,
-                                      run_collectives)
+from trainprobes.distributed.launcher import (
+                                         LaunchError,
+                                         PortInUse,
+                                         WorkerFailed,
+                                         WorkerTimeout,
+                                         free_port,
+                                         launch,
+)
+from trainprobes.distributed.probe import (
+                                         emulate_collective,
+                                         result_from_outputs,
+                                         run_collective,
+                                         run_collectives,
+)
 from trainprobes.distributed.worker import COLLECTIVES, OPS, Case
 
 __all__ = ["Case", "COLLECTIVES", "OPS", "LaunchError", "PortInUse", "WorkerFailed",

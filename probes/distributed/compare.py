@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 
 import torch
-
 from trainprobes.reference.formats import get_format
 
 

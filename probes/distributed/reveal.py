@@ -21,11 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
 from trainprobes.distributed.launcher import launch
 from trainprobes.distributed.worker import reveal_task
-from trainprobes.result import Result
 from trainprobes.reference.formats import get_format
+from trainprobes.result import Result
 
 REVEAL_DTYPES = ("fp32", "fp16", "bf16", "fp64")
 MAX_WORLD = 255  # counts travel as uint8

@@ -16,7 +16,6 @@ import sys
 from dataclasses import dataclass
 
 import torch
-
 from trainprobes.distributed.inputs import DATA, DTYPES, reveal_input, torch_dtype, wire_input
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "reduce")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 
 import torch
-
 from trainprobes.drift import inputs, stats
 from trainprobes.result import Result
 

@@ -19,7 +19,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-
 from trainprobes.drift import inputs
 
 LEVELS = ("token", "sequence", "geometric")

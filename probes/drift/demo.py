@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from trainprobes.drift.compare import compare
 from trainprobes.result import Result
 

@@ -21,9 +21,8 @@ from typing import Callable
 
 import torch
 from scipy import stats
-
-from trainprobes.result import Result
 from trainprobes.reference.formats import get_format
+from trainprobes.result import Result
 
 
 def signed_relative_error(low, ref) -> float:

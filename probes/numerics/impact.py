@@ -15,9 +15,8 @@ import math
 from typing import Callable
 
 import torch
-
-from trainprobes.result import Result
 from trainprobes.reference.formats import get_format
+from trainprobes.result import Result
 
 DEFAULT_VARIANTS = (("fp64", {"dtype": "fp64"}), ("fp16", {"dtype": "fp16"}), ("bf16", {"dtype": "bf16"}),
                     ("bf16 stochastic", {"dtype": "bf16", "rounding": "stochastic"}),

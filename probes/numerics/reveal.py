@@ -32,9 +32,8 @@ import math
 from typing import Callable
 
 import torch
-
-from trainprobes.result import Result
 from trainprobes.reference.formats import Format, get_format
+from trainprobes.result import Result
 
 
 def _call(fn, x: torch.Tensor) -> float:

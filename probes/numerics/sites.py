@@ -12,13 +12,10 @@ TP-B2 when it exceeds `tol`.
 """
 from __future__ import annotations
 
-import math
-
 import torch
-
 from trainprobes.numerics.bias import signed_relative_error
-from trainprobes.result import Result
 from trainprobes.reference.formats import get_format
+from trainprobes.result import Result
 
 
 def _verdict(lost: float, tol: float):

@@ -10,9 +10,8 @@ from __future__ import annotations
 import math
 
 import torch
-
-from trainprobes.result import Result
 from trainprobes.reference.formats import FORMATS, ROUNDING_MODES, get_format
+from trainprobes.result import Result
 
 DEFAULT_FORMATS = ("fp32", "tf32", "fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2", "fp8_e4m3fnuz",
                    "fp8_e5m2fnuz", "fp6_e2m3fn", "fp6_e3m2fn", "fp4_e2m1fn")

@@ -14,7 +14,6 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-
 from trainprobes.reference.routing import topk_softmax
 
 __all__ = ["MoEOutput", "TinyMoEBlock", "causal_block", "off_by_one_block"]
