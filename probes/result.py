@@ -90,6 +90,10 @@ class Result:
     evidence: JSON-able detail (tables, leaks, histograms) for reports and plots.
     codes: failure/warning codes from CODES that apply.
     message: one human sentence saying what was found and why it matters.
+    expected: for a control (a reference router, a zoo bug, an engine pair: a case whose
+        verdict is known from its mechanism), that known verdict; None for a finding about
+        the user's code or machine. A control that gets its expected verdict is "reproduced":
+        a pass of the harness even when the verdict is "fail" (a known-leaky router leaks).
     """
 
     probe: str
@@ -103,6 +107,7 @@ class Result:
     environment: dict = field(default_factory=environment)
     created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
     schema_version: int = SCHEMA_VERSION
+    expected: str | None = None
 
     def __post_init__(self):
         # a hand-edited report must fail at load (the gate cannot judge), not deep in a probe
@@ -117,6 +122,8 @@ class Result:
             raise ValueError(f"codes={self.codes!r} must be a list of codes, e.g. [{self.codes!r}]")
         if self.verdict not in VERDICTS:
             raise ValueError(f"verdict={self.verdict!r} is not one of {VERDICTS}")
+        if self.expected is not None and self.expected not in VERDICTS:
+            raise ValueError(f"expected={self.expected!r} must be None (a finding) or one of {VERDICTS}")
         unknown = [c for c in self.codes if c not in CODES]
         if unknown:
             raise ValueError(f"codes={unknown!r} are not known codes; see trainprobes.result.CODES")
@@ -124,6 +131,15 @@ class Result:
     @property
     def passed(self) -> bool:
         return self.verdict in ("pass", "warn")
+
+    @property
+    def is_control(self) -> bool:
+        return self.expected is not None
+
+    @property
+    def reproduced(self) -> bool | None:
+        """For a control: did it get its known verdict? None for a finding."""
+        return None if self.expected is None else self.verdict == self.expected
 
     @property
     def key(self) -> str:

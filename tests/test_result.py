@@ -72,3 +72,16 @@ def test_hand_edited_report_with_wrong_field_types_is_refused_at_load(tmp_path, 
     path.write_text(json.dumps(doc))
     with pytest.raises(SchemaError, match=match):
         load_results(path)
+
+
+def test_a_control_carries_its_expected_verdict_through_json():
+    r = Result("causality.check", "trainprobes.reference.routing:expert_choice", "fail",
+               expected="fail")
+    back = Result.from_json(r.to_json())
+    assert back.expected == "fail" and back.is_control and back.reproduced is True
+    missed = Result("causality.check", "x", "pass", expected="fail")
+    assert missed.reproduced is False
+    finding = Result("causality.check", "x", "fail")
+    assert not finding.is_control and finding.reproduced is None
+    with pytest.raises(ValueError, match=r"expected='leaky' must be None \(a finding\) or one of"):
+        Result("causality.check", "x", "fail", expected="leaky")
