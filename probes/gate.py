@@ -24,6 +24,7 @@ from datetime import date, timedelta
 from fnmatch import fnmatchcase
 from pathlib import Path
 
+from trainprobes.display import format_number
 from trainprobes.errors import CannotJudge
 from trainprobes.result import CODES, Result, SchemaError, load_results
 
@@ -244,10 +245,7 @@ def larger_magnitude(base: tuple[float, float], cand: tuple[float, float],
 
 # --- comparison --------------------------------------------------------------------------
 
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
+_fmt = format_number  # the one number format of every face (trainprobes.display)
 
 
 def _compare_pair(b: Result, c: Result, alpha: float, rel_tol: float) -> list[Regression]:

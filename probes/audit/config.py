@@ -18,6 +18,7 @@ from pathlib import Path
 
 from trainprobes import _toml
 from trainprobes.audit.run import Check
+from trainprobes.display import format_number
 from trainprobes.errors import ConfigError
 
 TOP_KEYS = {"seed", "out", "history", "defaults", "families", "pythonpath", "causality",
@@ -90,7 +91,7 @@ def apply_thresholds(result, entry: dict, section: str):
             if value is None or isinstance(value, (bool, str)):
                 broken.append(f"{metric} missing from the Result ({table})")
             elif worse(value, limit):
-                broken.append(f"{metric} = {value:.4g} {'>' if table == 'fail_above' else '<'} "
+                broken.append(f"{metric} = {format_number(value)} {'>' if table == 'fail_above' else '<'} "
                               f"{limit:g} ({table})")
     if entry.get("fail_above") or entry.get("fail_below"):
         result.evidence["thresholds"] = {"fail_above": entry.get("fail_above", {}),
