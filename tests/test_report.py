@@ -133,6 +133,17 @@ def test_trend_panels_have_integer_runs_dates_and_one_legend_outside():
     (legend,) = fig.legends
     assert [t.get_text() for t in legend.get_texts()] == ["a", "b"]
     assert legend.get_window_extent(r).x0 >= max(a.get_window_extent(r).x1 for a in axes)
+    title = fig._suptitle.get_window_extent(r)
+    assert title.x0 >= 0 and title.x1 <= fig.bbox.width  # was: cut off at the left
+
+
+def test_count_panels_have_integer_ticks_even_when_every_run_had_none():
+    # was: "problems per run" at zero drew ticks at -0.04 ... 0.04
+    fig = figure({**SPECS["panels"], "panels": [{"ylabel": "results",
+                                                 "series": {"errors": [0, 0, 0]}}]})
+    _renderer(fig)
+    ticks = fig.axes[0].get_yticks()
+    assert all(float(t).is_integer() for t in ticks) and 0 in ticks and 1 in ticks
 
 
 # --- outline -------------------------------------------------------------------------------

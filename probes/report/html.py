@@ -126,15 +126,13 @@ def _evidence_outline(r: Result) -> str:
     for k, v in ev.items():
         if k == "plots":
             continue
-        if isinstance(v, (list, dict)):
-            shown = f"{len(v)} {'items' if isinstance(v, list) else 'fields'} (report.json)"
-        else:
-            shown = format_number(v)
         if k == "traceback":
             shown = f"<pre class='small'>{_e(v)}</pre>"
-            rows.append(f"<tr><td>{_e(k)}</td><td>{shown}</td></tr>")
-            continue
-        rows.append(f"<tr><td>{_e(k)}</td><td>{_e(shown)[:300]}</td></tr>")
+        elif isinstance(v, (list, dict)):
+            shown = f"{len(v)} {'items' if isinstance(v, list) else 'fields'} (report.json)"
+        else:
+            shown = _e(format_number(v)[:300])
+        rows.append(f"<tr><td>{_e(k)}</td><td>{shown}</td></tr>")
     if not rows:
         return ""
     return f"<details><summary>evidence ({len(rows)} fields)</summary><table>{''.join(rows)}</table></details>"
@@ -183,10 +181,13 @@ def _results_table(results: list[Result], *, full: bool = True) -> str:
 
 def _meta_table(meta: dict) -> str:
     env = meta.get("environment") or {}
+    wall, checks = meta.get("seconds"), meta.get("check_seconds")
+    seed, control_seed = meta.get("seed"), meta.get("control_seed")
     facts = [("suite", meta.get("suite")), ("created", meta.get("created")),
-             ("wall time", f"{meta['seconds']:.1f} s (checks {meta.get('check_seconds', 0):.1f} s)"
-              if isinstance(meta.get("seconds"), (int, float)) else None),
-             ("seed", meta.get("seed")), ("torch threads", meta.get("torch_threads")),
+             ("wall time", None if not isinstance(wall, (int, float)) else f"{wall:.1f} s"
+              + (f" (checks {checks:.1f} s)" if isinstance(checks, (int, float)) else "")),
+             ("seed", seed if control_seed is None else f"{seed} (controls: {control_seed})"),
+             ("torch threads", meta.get("torch_threads")),
              ("machine", ", ".join(f"{k} {v}" for k, v in env.items() if v) or None),
              ("report.json", meta.get("report"))]
     rows = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in facts if v is not None)

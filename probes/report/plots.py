@@ -189,10 +189,13 @@ def _draw_panels(fig, spec: dict) -> None:
         ax.yaxis.get_offset_text().set_fontsize(SMALL)
         values = [float(v) for ys in panel["series"].values() for v in ys if v != "nan"]
         if values and all(v.is_integer() for v in values):  # counts: no 0.3 of a failure
+            top = max(max(values), 1.0)
+            ax.set_ylim(min(min(values), 0.0) - 0.05 * top, top * 1.05)
             _integer_ticks(ax.yaxis)
+            ax.yaxis.set_major_formatter("{x:.0f}")
     _xticks(axes[-1], spec, x)
     axes[-1].set_xlabel(str(spec.get("xlabel", "run")), fontsize=MID)
-    axes[0].set_title(str(spec.get("title", "")), fontsize=BIG)
+    fig.suptitle(str(spec.get("title", "")), fontsize=BIG)  # over the legend too: never cut
     handles = {h.get_label(): h for ax in axes for h in ax.get_lines()}
     fig.legend([handles[k] for k in labels if k in handles], [k for k in labels if k in handles],
                loc="outside right upper", fontsize=SMALL, frameon=False)
