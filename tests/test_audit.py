@@ -429,7 +429,9 @@ def test_cli_strict_exits_2_when_a_family_is_skipped(tmp_path, capsys, monkeypat
 
 def test_cli_audit_unknown_family_exit_2(capsys):
     assert main(["audit", "--families", "stall,nope"]) == 2
-    assert "families=['nope'] are not default-suite families" in capsys.readouterr().err
+    assert "families='nope' must be one of ('reveal', " in capsys.readouterr().err
+    assert main(["audit", "--families", "stal"]) == 2
+    assert "did you mean 'stall'?" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag", ["--out", "--history"])

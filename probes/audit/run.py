@@ -125,8 +125,10 @@ def run_suite(checks: list[Check], *, progress: Progress | None = None,
                 done[id(check)] = _timed(check, time.process_time)
             if progress:
                 progress.finish(check, done[id(check)][0], done[id(check)][1])
-    finally:
-        pool.shutdown(wait=True)
+    except BaseException:  # Ctrl-C: do not start what has not started
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
     results, timings = [], []
     for check in checks:
         got, dt, cpu = done[id(check)]

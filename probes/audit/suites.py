@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from trainprobes.audit.run import Check
+from trainprobes.validation import check_choice
 
 STACK, CALIBRATION = "stack", "calibration"
 # Controls run at this seed whatever --seed says: a control is a fixed case with a known
@@ -320,12 +321,11 @@ FAMILIES = {
 
 
 def _names(families) -> list[str]:
-    names = list(FAMILIES) if families is None else list(families)
-    unknown = [n for n in names if n not in FAMILIES]
-    if unknown:
-        raise ValueError(f"families={unknown!r} are not default-suite families; "
-                         f"choose from {sorted(FAMILIES)}")
-    return names
+    if families is None:
+        return list(FAMILIES)
+    if isinstance(families, str):
+        families = [families]
+    return [check_choice(n, "families", FAMILIES, hint="default-suite families") for n in families]
 
 
 def not_here(families=None) -> dict[str, str]:

@@ -58,7 +58,7 @@ def add_arguments(p):
 
 
 def _suite(args):
-    """(checks, skipped, not_here, suite label, config, config path)."""
+    """(checks, skipped, not here, suite label, seed, config)."""
     from trainprobes.audit.config import find_config, suite_from_config
     from trainprobes.audit.suites import default_suite, not_here
 
@@ -100,6 +100,7 @@ def _started() -> float:
 def run(args) -> int:
     started = _started()
     from trainprobes.audit import Progress, run_audit
+    from trainprobes.audit.suites import CONTROL_SEED
     from trainprobes.errors import ConfigError
 
     try:
@@ -131,7 +132,9 @@ def run(args) -> int:
         outcome = run_audit(checks, out, history=history, progress=progress,
                             full_evidence=args.full_evidence, started=started,
                             meta={"suite": suite, "seed": seed, "skipped": skipped,
-                                  "not_here": absent, "torch_threads": torch.get_num_threads()})
+                                  "not_here": absent, "torch_threads": torch.get_num_threads(),
+                                  **({"control_seed": CONTROL_SEED}
+                                     if any(c.control for c in checks) else {})})
     except OSError as e:  # the checks catch their own errors: this is writing the report
         print(f"error: the report cannot be written: {e}", file=sys.stderr)
         return 2
@@ -184,7 +187,7 @@ def render(outcome, *, suite: str = "", absent: dict | None = None) -> str:
     found = outline.findings(results)
     if found:
         env = environment()
-        where = f" about this machine ({env.get('torch', '?')}, {env.get('device', '?')})" \
+        where = f" about this machine (torch {env.get('torch', '?')}, {env.get('device', '?')})" \
             if suite.startswith("default") else ""
         lines += ["", f"Findings{where}: PASS fine, WARN watch out, FAIL a problem"]
         lines += [f"  {outline.badge(r).text:6} {r.probe} {r.target}"
