@@ -201,7 +201,7 @@ def test_history_appends_one_line_per_run_and_plots_trends(tmp_path):
     plots = trend_plots(runs)
     assert [p["title"] for p in plots] == ["problems per run", "numerics.fake: bias across runs"]
     (panel,) = plots[1]["panels"]
-    assert panel == {"ylabel": "bias", "series": {"ar": [1e-4, 2e-4, 4e-4]}}
+    assert panel == {"ylabel": "bias", "series": {"ar": [1e-4, 2e-4, 4e-4]}, "integer": False}
     assert plots[1]["x"] == [1, 2, 3] and len(plots[1]["xticklabels"]) == 3  # runs, not 0.0-1.0
     html = o.paths["html"].read_text()
     assert html.index("id='trends'") < html.index("id='all'")  # was: after the table

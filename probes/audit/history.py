@@ -18,6 +18,8 @@ HISTORY_FILE = "history.jsonl"
 # Lines per picture: more would be unreadable; the rest are named as hidden, never dropped
 # silently.
 MAX_SERIES = 8
+# Trend metrics that count things: their panels get integer ticks.
+COUNT_METRICS = ("n_leaks", "accumulator_mantissa_bits")
 
 
 def history_line(results: list[Result], meta: dict) -> dict:
@@ -102,7 +104,7 @@ def trend_plots(runs: list[dict], max_series: int = MAX_SERIES) -> list[dict]:
                                        ("missed controls", "missed_controls", None),
                                        ("errors", "errors", "error"))}
     plots = [{**base, "title": "problems per run",
-              "panels": [{"ylabel": "results", "series": problems}]}]
+              "panels": [{"ylabel": "results", "series": problems, "integer": True}]}]
     # family -> metric -> target -> values across runs
     table: dict = {}
     keys = sorted({k for run in runs for k in run["metrics"]})
@@ -121,13 +123,18 @@ def trend_plots(runs: list[dict], max_series: int = MAX_SERIES) -> list[dict]:
         hidden = [t for t in targets if t not in shown]
         note = ""
         if hidden:
-            still = all(moved[t] == 0 for t in hidden)
-            note = (f"{len(shown)} of {len(targets)} targets drawn, those that changed most; "
-                    f"{len(hidden)} hidden ({'all unchanged' if still else 'changed less'}): "
-                    + ", ".join(hidden[:6]) + (", ..." if len(hidden) > 6 else ""))
+            names = ", ".join(hidden[:6]) + (", ..." if len(hidden) > 6 else "")
+            if not any(moved.values()):
+                note = (f"no target changed across these runs; {len(shown)} of {len(targets)} "
+                        f"drawn, {len(hidden)} hidden: {names}")
+            else:
+                still = all(moved[t] == 0 for t in hidden)
+                note = (f"{len(shown)} of {len(targets)} targets drawn, those that changed most; "
+                        f"{len(hidden)} hidden ({'all unchanged' if still else 'changed less'}): "
+                        + names)
         metrics = [m for m in TREND_METRICS if m in by_metric]
-        panels = [{"ylabel": m, "series": {t: by_metric[m][t] for t in shown if t in by_metric[m]}}
-                  for m in metrics]
+        panels = [{"ylabel": m, "series": {t: by_metric[m][t] for t in shown if t in by_metric[m]},
+                   "integer": m in COUNT_METRICS} for m in metrics]
         plots.append({**base, "title": f"{fam}: {', '.join(metrics)} across runs",
                       "panels": [p for p in panels if p["series"]], "note": note})
     return plots

@@ -13,7 +13,7 @@ plain JSON, so a report can be re-rendered later from report.json alone:
   {"kind": "bars", "title", "labels": [...], "values": [...], "xlabel", "ref": [...]}
                                                           one measured value per row (stall)
   {"kind": "panels", "title", "x": [...], "xticklabels": [...], "xlabel",
-   "panels": [{"ylabel", "series": {label: [...]}}], "note"}
+   "panels": [{"ylabel", "series": {label: [...]}, "integer": bool}], "note"}
                                                           trends across runs, one panel a metric
 Any spec may carry "note": a sentence report.html prints under the picture (what is hidden,
 how to read it). matplotlib is imported only here, with the Agg backend; without it
@@ -59,11 +59,17 @@ def _series_merged(series: dict) -> dict:
     return {" = ".join(labels): list(key) for key, labels in merged.items()}
 
 
+MARKERS = "os^vDx+*<>"
+
+
 def _lines(ax, x, series: dict, colors: dict | None = None) -> None:
+    """One line per series, each with its own marker, so equal values stay visible."""
     for i, (label, ys) in enumerate(series.items()):
         ys = [math.nan if y == "nan" else y for y in ys]
-        ax.plot(x, _floats(ys), marker="o", ms=3, lw=1.2, label=label,
-                color=(colors or {}).get(label), linestyle=("-", "--", ":", "-.")[i // 10 % 4])
+        k = list(colors).index(label) if colors and label in colors else i
+        ax.plot(x, _floats(ys), marker=MARKERS[k % len(MARKERS)], ms=4, lw=1.2, label=label,
+                color=(colors or {}).get(label), mfc="none",
+                linestyle=("-", "--", ":", "-.")[k // 10 % 4])
 
 
 def _xticks(ax, spec: dict, x) -> None:
@@ -188,17 +194,23 @@ def _draw_panels(fig, spec: dict) -> None:
         _few_ticks(ax.yaxis, 4)
         ax.yaxis.get_offset_text().set_fontsize(SMALL)
         values = [float(v) for ys in panel["series"].values() for v in ys if v != "nan"]
-        if values and all(v.is_integer() for v in values):  # counts: no 0.3 of a failure
+        if panel.get("integer") and values:  # counts: no 0.3 of a failure
             top = max(max(values), 1.0)
             ax.set_ylim(min(min(values), 0.0) - 0.05 * top, top * 1.05)
             _integer_ticks(ax.yaxis)
             ax.yaxis.set_major_formatter("{x:.0f}")
     _xticks(axes[-1], spec, x)
     axes[-1].set_xlabel(str(spec.get("xlabel", "run")), fontsize=MID)
-    fig.suptitle(str(spec.get("title", "")), fontsize=BIG)  # over the legend too: never cut
+    fig.suptitle(str(spec.get("title", "")), fontsize=BIG)
     handles = {h.get_label(): h for ax in axes for h in ax.get_lines()}
-    fig.legend([handles[k] for k in labels if k in handles], [k for k in labels if k in handles],
-               loc="outside right upper", fontsize=SMALL, frameon=False)
+    shown = [k for k in labels if k in handles]
+    # below the panels: never on the data, never on the title, whatever the labels' length
+    fig.legend([handles[k] for k in shown], shown, loc="outside lower center", fontsize=SMALL,
+               frameon=False, ncols=_legend_columns(shown))
+
+
+def _legend_columns(labels: list[str]) -> int:
+    return 1 if not labels or max(map(len, labels)) > 45 else 2
 
 
 def size_of(spec: dict) -> tuple[float, float]:
@@ -209,7 +221,9 @@ def size_of(spec: dict) -> tuple[float, float]:
         n = len(spec.get("estimate", spec.get("values", ())))
         return 7.5, 1.2 + 0.28 * n
     if kind == "panels":
-        return 9.0, 0.9 + 1.5 * len(spec["panels"])
+        labels = list(dict.fromkeys(str(k) for p in spec["panels"] for k in p["series"]))
+        rows = math.ceil(len(labels) / _legend_columns(labels))
+        return 8.0, 1.0 + 1.4 * len(spec["panels"]) + 0.19 * rows
     if kind == "line" and len(spec.get("series", ())) > 1 or kind == "hist" and spec.get("marks"):
         return 7.0, 3.2
     return 5.0, 3.2
@@ -226,9 +240,10 @@ def figure(spec: dict):
     return fig
 
 
-def render_png(spec: dict, colors: int = 64) -> bytes:
+def render_png(spec: dict, colors: int = 128) -> bytes:
     """One plot spec as PNG bytes, in a palette of `colors` (a third of the bytes of full
-    colour, and a plot's lines and bars do not need more; Pillow comes with matplotlib)."""
+    colour; Pillow comes with matplotlib). Octree keeps every line's colour: median cut
+    merged a thin blue line into grey."""
     buf = io.BytesIO()
     figure(spec).savefig(buf, format="png")
     try:
@@ -236,7 +251,7 @@ def render_png(spec: dict, colors: int = 64) -> bytes:
     except ImportError:
         return buf.getvalue()
     out = io.BytesIO()
-    Image.open(buf).convert("RGB").quantize(colors=colors, method=Image.Quantize.MEDIANCUT) \
+    Image.open(buf).convert("RGB").quantize(colors=colors, method=Image.Quantize.FASTOCTREE) \
         .save(out, format="PNG")
     return out.getvalue()
 
