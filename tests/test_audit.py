@@ -301,6 +301,32 @@ def test_gpu_families_build_their_checks_where_cuda_is(monkeypatch):
     assert not any(c.control for c in checks)  # the stack part: findings
 
 
+@pytest.mark.slow
+def test_a_worker_process_returns_the_same_results_as_running_here():
+    from trainprobes.audit.suites import default_suite
+    from trainprobes.audit.worker import worker_check
+    here, _ = run_suite(default_suite(quick=True, families=["stall"], in_process=True)[0])
+    there, _ = run_suite([worker_check("stall", "stall (worker)", seed=0, quick=True,
+                                       control=True)])
+    fields = ("probe", "target", "verdict", "expected", "metrics", "codes", "message")
+    assert [[getattr(r, f) for f in fields] for r in there] == \
+        [[getattr(r, f) for f in fields] for r in here]
+
+
+def test_a_worker_that_fails_is_an_error_naming_its_family():
+    from trainprobes.audit.worker import worker_check
+    (r,) = run_suite([worker_check("nope", "nope (worker)", seed=0, quick=True,
+                                   control=True)])[0]
+    assert r.verdict == "error" and "worker process for 'nope' exited 1" in r.message
+    assert "families='nope' must be one of" in r.message
+
+
+def test_the_largest_calibration_family_runs_in_a_worker_process():
+    from trainprobes.audit.suites import default_suite
+    (check,) = default_suite(families=["collectives"])[0]
+    assert check.background and check.control and check.name == "collectives (in a worker process)"
+
+
 def test_controls_run_at_their_own_seed_whatever_seed_says():
     from trainprobes.audit.suites import CONTROL_SEED, default_suite
     checks, _ = default_suite(seed=7, quick=True, families=["causality"])

@@ -30,8 +30,9 @@ class Check:
     name: str                                     # what the progress line shows
     run: Callable[[], "Result | list[Result]"]
     control: bool = False      # its Results are controls: each carries its known `expected`
-    background: bool = False   # mostly waits on other processes (local gloo ranks): it runs
-    #                            in a thread beside the others, its Results kept in suite order
+    background: bool = False   # mostly waits on other processes (local gloo ranks, a worker
+    #                            process): it runs in a thread of its own beside the others,
+    #                            its Results kept in suite order
 
 
 class Progress:
@@ -109,10 +110,11 @@ def run_suite(checks: list[Check], *, progress: Progress | None = None,
               ) -> tuple[list[Result], list[dict]]:
     """Run every check; return its Results and per-check timings, in suite order.
 
-    Background checks start first, one at a time in a thread, while the others run here;
+    Background checks start first, each in a thread of its own, while the others run here;
     they are waited for (and shown as done) after the others.
     """
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainprobes-audit")
+    pool = ThreadPoolExecutor(max_workers=max(1, sum(c.background for c in checks)),
+                              thread_name_prefix="trainprobes-audit")
     pending = {id(c): pool.submit(_timed, c, time.thread_time) for c in checks if c.background}
     done: dict[int, tuple] = {}
     try:

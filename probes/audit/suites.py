@@ -300,6 +300,7 @@ class Family:
     module: str                                # must be installed, else the family is skipped
     build: Callable[..., list]                 # (seed=, quick=) -> [Check]
     needs: Callable[[], "str | None"] | None = None   # why this machine cannot run it
+    worker: bool = False       # run in a second process beside the others (a second core)
 
 
 # In run order; the stack first. A per-op batch-invariance map of this machine's kernels
@@ -314,7 +315,10 @@ FAMILIES = {
     "nccl": Family(STACK, "trainprobes.distributed", nccl_checks, lambda: _nccl()),
     "stall": Family(CALIBRATION, "trainprobes.numerics.stall", stall_checks),
     "sites": Family(CALIBRATION, "trainprobes.numerics.sites", sites_checks),
-    "collectives": Family(CALIBRATION, "trainprobes.numerics.bias", collectives_checks),
+    # the largest calibration family: in a worker process it balances the two cores (gloo's
+    # ranks take the second one for a moment too)
+    "collectives": Family(CALIBRATION, "trainprobes.numerics.bias", collectives_checks,
+                          worker=True),
     "causality": Family(CALIBRATION, "trainprobes.causality", causality_checks),
     "drift": Family(CALIBRATION, "trainprobes.drift.demo", drift_checks),
 }
@@ -340,18 +344,26 @@ def not_here(families=None) -> dict[str, str]:
     return out
 
 
-def default_suite(*, seed: int = 0, quick: bool = False,
-                  families=None) -> tuple[list[Check], dict[str, str]]:
+def default_suite(*, seed: int = 0, quick: bool = False, families=None,
+                  in_process: bool = False) -> tuple[list[Check], dict[str, str]]:
     """(checks, skipped): skipped maps a family to why it is not in this run (its probe
-    module is missing). Families this machine has no hardware for: not_here()."""
+    module is missing). Families this machine has no hardware for: not_here().
+    in_process: build worker families' checks here too (what the worker process does)."""
+    from trainprobes.audit.worker import worker_check
+
     names = _names(families)
     absent = not_here(names)
     checks, skipped = [], {}
     for name in names:
         fam = FAMILIES[name]
+        family_seed = seed if fam.part == STACK else CONTROL_SEED
         if not _available(fam.module):
             skipped[name] = f"{fam.module} is not installed in this build"
-        elif name not in absent:
-            checks.extend(fam.build(seed=seed if fam.part == STACK else CONTROL_SEED,
-                                    quick=quick))
+        elif name in absent:
+            continue
+        elif fam.worker and not in_process:
+            checks.append(worker_check(name, f"{name} (in a worker process)", seed=family_seed,
+                                       quick=quick, control=fam.part == CALIBRATION))
+        else:
+            checks.extend(fam.build(seed=family_seed, quick=quick))
     return checks, skipped
