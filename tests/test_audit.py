@@ -378,7 +378,12 @@ def test_cli_audit_json_prints_the_report_document(tmp_path, capsys, monkeypatch
     assert {k: v for k, v in doc.items() if k not in ("exit_code", "paths")} == saved
     (r,) = doc["results"]
     assert r["probe"] == "numerics.stall" and r["expected"] == "warn" and r["verdict"] == "warn"
-    assert r["evidence"]["plots"][0]["kind"] == "bars"
+    # was: a curve of the sums of ones only, tf32 hidden under fp16, while the warning was
+    # about fp8_e5m2 + 0.001: now one bar per row of the table
+    (stall_plot,) = r["evidence"]["plots"]
+    assert stall_plot["kind"] == "bars"
+    assert len(stall_plot["labels"]) == len(r["evidence"]["rows"]) == 12
+    assert "fp8_e5m2 + 0.001: 0.007812 of 4.096" in stall_plot["labels"]
     assert 'src="data:image/png;base64,' in Path(doc["paths"]["html"]).read_text()
     assert Path(doc["paths"]["latest"]) == Path("out") / "latest"
 
