@@ -463,6 +463,9 @@ def test_cli_audit_unknown_family_exit_2(capsys):
     assert "families='nope' must be one of ('reveal', " in capsys.readouterr().err
     assert main(["audit", "--families", "stal"]) == 2
     assert "did you mean 'stall'?" in capsys.readouterr().err
+    assert main(["audit", "--families", ","]) == 2
+    assert "--families ',' names no family; e.g. --families reveal,causality" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag", ["--out", "--history"])

@@ -62,11 +62,15 @@ def _suite(args):
     from trainprobes.audit.config import find_config, suite_from_config
     from trainprobes.audit.suites import default_suite, not_here
 
-    use_default = args.default or bool(args.families)
+    use_default = args.default or args.families is not None
     cfg, cfg_path = (None, None) if use_default else find_config(args.config)
     seed = args.seed if args.seed is not None else (cfg or {}).get("seed", 0)
     families = [f.strip() for f in args.families.split(",") if f.strip()] \
-        if args.families else None
+        if args.families is not None else None
+    if families == []:
+        from trainprobes.audit.suites import FAMILIES
+        raise ValueError(f"--families {args.families!r} names no family; e.g. --families "
+                         f"reveal,causality (all: {', '.join(FAMILIES)})")
     if cfg is None:
         checks, skipped = default_suite(seed=seed, quick=args.quick, families=families)
         absent = not_here(families)
