@@ -215,21 +215,24 @@ def test_moments_merge_equals_the_moments_of_the_whole(parts, seed, offset):
 def test_kl_per_block_matches_the_whole_tensor_definition(scale):
     """k3 and reverse k3 summed per block (series below |a| < 1e-3, elementwise above, decided per
     block) against float64 over the whole tensor: relative 1e-4 (the earlier one-tensor code's
-    tolerance). Blocks of mixed scale take both branches."""
+    tolerance); sum e and sum e^2 (series or from the k3 sum) relative 1e-5, sum e also within
+    1e-6 of sum |a| (it can be ~0). Blocks of mixed scale take both branches."""
     g = torch.Generator().manual_seed(3)
     a = torch.randn(8, 500, generator=g) * scale
     a[::2] *= 1e-3  # every other block in the series branch
-    k3 = rev = 0.0
+    k3 = rev = se = see = 0.0
     work = Work(500)
     for row in a:
         e = torch.expm1(row)
-        s = [torch.dot(row ** p, torch.ones(500)).item() for p in (2, 3, 4)]
-        b3, br = kl_block(row, e, row.abs().max().item(), s, work)
-        k3, rev = k3 + b3, rev + br
+        s = [torch.dot(row ** p, torch.ones(500)).item() for p in (1, 2, 3, 4)]
+        b3, br, be, bee = kl_block(row, e, row.abs().max().item(), s, work)
+        k3, rev, se, see = k3 + b3, rev + br, se + be, see + bee
     a64 = a.double()
     rho = a64.exp()
     assert k3 == pytest.approx((rho - 1 - a64).sum().item(), rel=1e-4)
     assert rev == pytest.approx((1 - rho + rho * a64).sum().item(), rel=1e-4)
+    assert se == pytest.approx(torch.expm1(a64).sum().item(), rel=1e-5, abs=1e-6 * a64.abs().sum().item())
+    assert see == pytest.approx((torch.expm1(a64) ** 2).sum().item(), rel=1e-5)
 
 
 def test_token_sums_rows_and_counts_are_exact_across_blocks():

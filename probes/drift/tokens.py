@@ -228,19 +228,22 @@ class TokenSums:
 
 
 def kl_block(a: torch.Tensor, e: torch.Tensor, max_abs: float, powers: tuple, work: Work) -> tuple:
-    """(sum k3, sum reverse k3) of one block from a = log rho, e = expm1(a) and powers =
-    (sum a^2, sum a^3, sum a^4) (the last two may be None when max |a| >= KL_SERIES_MAX).
+    """(sum k3, sum reverse k3, sum e, sum e^2) of one block from a = log rho, e = expm1(a) and
+    powers = (sum a, sum a^2, sum a^3, sum a^4) (the last two may be None when max |a| >= 1e-3).
 
     k3 = e - a elementwise, reverse = 1 - rho + rho log rho = -(e - a) + e a. Near rho = 1 these
     cancel in float32 (expm1(a) - a loses every digit for |a| ~ 1e-7), so for max |a| < 1e-3
-    use their series from raw power sums instead:
-      k3 = a^2/2 + a^3/6 + a^4/24 + O(a^5),  reverse = a^2/2 + a^3/3 + a^4/8 + O(a^5).
+    use their series from raw power sums instead (errors O(a^5), below float32 rounding):
+      k3 = a^2/2 + a^3/6 + a^4/24,  reverse = a^2/2 + a^3/3 + a^4/8,
+      e = a + a^2/2 + a^3/6 + a^4/24,  e^2 = a^2 + a^3 + 7 a^4 / 12.
+    Elsewhere sum e = sum (e - a) + sum a: one reduction fewer, no cancellation added.
     """
+    s1, s2, s3, s4 = powers
     if max_abs < KL_SERIES_MAX:
-        s2, s3, s4 = powers
-        return s2 / 2 + s3 / 6 + s4 / 24, s2 / 2 + s3 / 3 + s4 / 8
+        k3 = s2 / 2 + s3 / 6 + s4 / 24
+        return k3, s2 / 2 + s3 / 3 + s4 / 8, s1 + k3, s2 + s3 + 7 * s4 / 12
     k3 = torch.sub(e, a, out=work.get("p", a.numel())).sum().item()  # elementwise: errors do not cancel
-    return k3, -k3 + torch.dot(e, a).item()
+    return k3, -k3 + torch.dot(e, a).item(), k3 + s1, torch.dot(e, e).item()
 
 
 def _moments_from_powers(n: int, c: float, p1: float, p2: float, p3: float, p4: float) -> Moments:
@@ -338,11 +341,11 @@ def token_sums(layout: Layout, clip: float, *, shape: bool = False, bins: tuple 
         if sh is not None or max_abs < KL_SERIES_MAX:
             s3, s4 = torch.dot(a2, a).item(), torch.dot(a2, a2).item()
         e = torch.expm1(a, out=work.get("e", k))
-        out.se += e.sum().item()
-        out.see += torch.dot(e, e).item()
-        k3, rev = kl_block(a, e, max_abs, (s2, s3, s4), work)
+        k3, rev, se, see = kl_block(a, e, max_abs, (s1_a, s2, s3, s4), work)
         out.k3 += k3
         out.rev += rev
+        out.se += se
+        out.see += see
         if sh is not None or max_abs > log_c:
             w = torch.abs(a, out=work.get("p", k))
             if sh is not None:
