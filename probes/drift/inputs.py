@@ -195,7 +195,8 @@ def pair(train, infer, mask=None, lengths=None, blocks: int = DEFAULT_BLOCKS) ->
     cols = torch.arange(n) - starts[rows]
     G, T = lengths.numel(), int(lengths.max())
     out = []
-    for v, fill in ((train, 0.0), (infer, 0.0), (torch.ones(n, dtype=torch.bool) if mask is None else mask, False)):
+    m = torch.ones(n, dtype=torch.bool) if mask is None else mask
+    for v, fill in ((train, 0.0), (infer, 0.0), (m, False)):
         grid = torch.full((G, T), fill, dtype=v.dtype)
         grid[rows, cols] = v
         out.append(grid)

@@ -221,8 +221,9 @@ def by_probability(s: TokenSums) -> list:
         if k == 0:
             continue
         mean = s1 / k
+        std = math.sqrt(max(s2 / k - mean * mean, 0.0))
         rows.append({"p_high": 10 ** (-b / 2), "p_low": 0.0 if b == B - 1 else 10 ** (-(b + 1) / 2),
-                     "n": k, "mean_log_ratio": mean, "std_log_ratio": math.sqrt(max(s2 / k - mean * mean, 0.0))})
+                     "n": k, "mean_log_ratio": mean, "std_log_ratio": std})
     return rows
 
 

@@ -111,9 +111,10 @@ class Histogram:
         c = c[:-1]
         if vmin is None:
             vmin, vmax = (t.item() for t in torch.aminmax(flat))
-        below = int(torch.count_nonzero(torch.lt(flat, b.lo32, out=work.get("b", k, torch.bool)))) if vmin < b.lo32 else 0
-        above = int(torch.count_nonzero(torch.gt(flat, b.hi32, out=work.get("b", k, torch.bool)))) if vmax > b.hi32 else 0
-        c[0] -= below  # clamped into the end bins above
+        flags = work.get("b", k, torch.bool)
+        below = int(torch.count_nonzero(torch.lt(flat, b.lo32, out=flags))) if vmin < b.lo32 else 0
+        above = int(torch.count_nonzero(torch.gt(flat, b.hi32, out=flags))) if vmax > b.hi32 else 0
+        c[0] -= below  # index() clamped them into the first and last bins
         c[-1] -= above
         if n_pad:  # the padding zeros all sit in the bin of 0
             z = b.bin_of(0.0)
