@@ -29,9 +29,9 @@ UNITS = ("sequence", "block")
 class Layout(NamedTuple):
     """A validated pair laid out as [G, T] rows (the units of the bias test).
 
-    mask is None when every entry is a real token. n_tokens counts the real tokens. finite_pad
-    is True when every entry, padding included, is a valid log-prob (finite, <= 0 up to the
-    tolerance): padding may then be zeroed by a multiply instead of a select.
+    mask is None when every entry is a real token; row_n counts the real tokens per row (int32,
+    None with no mask) and n_tokens all of them. finite_pad is True when every entry, padding
+    included, is a valid log-prob (finite, <= 0 up to the tolerance).
     """
 
     train: torch.Tensor
@@ -40,6 +40,7 @@ class Layout(NamedTuple):
     unit: str
     n_tokens: int
     finite_pad: bool
+    row_n: torch.Tensor | None = None
 
 
 def as_tensor(name: str, value) -> torch.Tensor:
@@ -86,12 +87,14 @@ def check_logprobs(name: str, lp: torch.Tensor, mask: torch.Tensor | None) -> bo
 def _count(u: torch.Tensor, dim: int) -> torch.Tensor:
     """Sum of a 0/1 uint8 [G, T] along dim (0 or 1), as int32. Spans of up to 255 entries are
     summed in uint8 (they cannot overflow), then the spans in int32: summing in int32
-    directly converts every entry first, ~10x slower."""
+    directly converts every entry first, ~10x slower. Spans divide the dimension when a
+    divisor >= 128 allows (one reduction), else 255-spans plus the rest (two)."""
     n = u.shape[dim]
-    q = n // 255 * 255
-    whole, rest = u.narrow(dim, 0, q), u.narrow(dim, q, n - q)
-    spans = whole.unflatten(dim, (q // 255, 255)).sum(dim + 1, dtype=torch.uint8).sum(dim, dtype=torch.int32)
-    return spans + rest.sum(dim, dtype=torch.uint8)
+    span = next((s for s in range(min(n, 255), 127, -1) if n % s == 0), 255)
+    q = n // span * span
+    spans = u.narrow(dim, 0, q).unflatten(dim, (q // span, span)).sum(dim + 1, dtype=torch.uint8)
+    out = spans.sum(dim, dtype=torch.int32)
+    return out + u.narrow(dim, q, n - q).sum(dim, dtype=torch.uint8) if q < n else out
 
 
 def row_counts(mask: torch.Tensor) -> torch.Tensor:
@@ -171,7 +174,8 @@ def pair(train, infer, mask=None, lengths=None, blocks: int = DEFAULT_BLOCKS) ->
                 raise InvalidArgument("mask must be boolean or 0/1, got other values")
             mask = mask.bool()
         mask = mask.contiguous()
-        n_tokens = int(torch.count_nonzero(mask))
+        rows = row_counts(mask if mask.ndim == 2 else mask.view(1, -1))  # one pass: the count and the rows
+        n_tokens = int(rows.sum())
         if n_tokens == 0:
             raise InvalidArgument("mask selects no tokens; nothing to compare")
         if n_tokens == mask.numel():
@@ -181,11 +185,11 @@ def pair(train, infer, mask=None, lengths=None, blocks: int = DEFAULT_BLOCKS) ->
     if train.ndim == 2:
         if lengths is not None:
             raise InvalidArgument("lengths= is for flat [N] inputs; a [B, T] input's rows are its sequences")
-        return Layout(train, infer, mask, "sequence", n_tokens, finite_pad)
+        return Layout(train, infer, mask, "sequence", n_tokens, finite_pad, None if mask is None else rows)
     n = train.numel()
     if lengths is None:  # contiguous blocks: pad to G * T and view, no index scatter over every token
         t, i, m = _block_grid(train, infer, mask, n, blocks)
-        return Layout(t, i, m, "block", n_tokens, finite_pad)
+        return Layout(t, i, m, "block", n_tokens, finite_pad, None if m is None else row_counts(m))
     lengths = torch.as_tensor(lengths, dtype=torch.long).reshape(-1)
     if lengths.numel() == 0 or int(lengths.min()) < 1 or int(lengths.sum()) != n:
         raise InvalidArgument(f"lengths must be positive and sum to the {n} tokens, got "
@@ -200,4 +204,4 @@ def pair(train, infer, mask=None, lengths=None, blocks: int = DEFAULT_BLOCKS) ->
         grid = torch.full((G, T), fill, dtype=v.dtype)
         grid[rows, cols] = v
         out.append(grid)
-    return Layout(out[0], out[1], out[2], "sequence", n_tokens, finite_pad)
+    return Layout(out[0], out[1], out[2], "sequence", n_tokens, finite_pad, row_counts(out[2]))

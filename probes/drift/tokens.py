@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from trainprobes.drift.inputs import Layout, column_counts, row_counts
+from trainprobes.drift.inputs import Layout, column_counts
 from trainprobes.errors import InvalidArgument
 
 BLOCK_ELEMENTS = 1 << 24
@@ -114,7 +114,13 @@ class Histogram:
         flags = work.get("b", k, torch.bool)
         below = int(torch.count_nonzero(torch.lt(flat, b.lo32, out=flags))) if vmin < b.lo32 else 0
         above = int(torch.count_nonzero(torch.gt(flat, b.hi32, out=flags))) if vmax > b.hi32 else 0
-        c[0] -= below  # index() clamped them into the first and last bins
+        self.fold(c, below, above, n_pad)
+
+    def fold(self, c: torch.Tensor, below: int, above: int, n_pad: int) -> None:
+        """Add one block's counts c to the totals; c still holds the `below` values in its
+        first bin and the `above` ones in its last (index() clamps them there)."""
+        b = self.bins
+        c[0] -= below
         c[-1] -= above
         if n_pad:  # the padding zeros all sit in the bin of 0
             z = b.bin_of(0.0)
@@ -134,6 +140,35 @@ class Histogram:
         return ext.cumsum(0)
 
 
+def count_both(h1: Histogram, h2: Histogram, v: torch.Tensor, work: Work, *, n_pad: int, vmin: float,
+               vmax: float) -> None:
+    """h1.add and h2.add of one block at once; v is overwritten.
+
+    The elementwise steps of Bins.index run once over the [2, k] stack of both (one parallel
+    region per step, not one per histogram), clamped after the division instead of before
+    (the same bins in range; out-of-range values land in the end bins either way and are
+    counted apart), and the int16 bin indices are written over v's memory.
+    """
+    flat = v.reshape(-1)
+    k = flat.numel()
+    bins = (h1.bins, h2.bins)
+    flags = work.get("b", k, torch.bool)
+    outside = [(int(torch.count_nonzero(torch.lt(flat, b.lo32, out=flags))) if vmin < b.lo32 else 0,
+                int(torch.count_nonzero(torch.gt(flat, b.hi32, out=flags))) if vmax > b.hi32 else 0)
+               for b in bins]
+
+    def col(values):
+        return torch.tensor(values, dtype=torch.float32).view(2, 1)
+    pos = torch.sub(flat.expand(2, k), col([b.lo32 for b in bins]), out=work.rows(k))
+    pos.mul_(col([float(b.count) for b in bins])).div_(col([b.width32 for b in bins]))
+    pos.clamp_(0.0, float(max(b.count for b in bins)))
+    idx = flat.view(torch.int16).view(2, k).copy_(pos)  # truncation toward zero, as histc
+    for h, row, (below, above) in zip((h1, h2), idx, outside):
+        c = torch.bincount(row, minlength=h.bins.count + 1)
+        c[h.bins.count - 1] += c[h.bins.count:].sum()  # the closed last bin, and values above hi
+        h.fold(c[:h.bins.count], below, above, n_pad)
+
+
 class Work:
     """Block-sized buffers by name, allocated on first use and reused by every block (and by
     every call that is handed the same Work: first touches of fresh memory cost more than the
@@ -151,8 +186,16 @@ class Work:
     def get(self, name: str, k: int, dtype=torch.float32) -> torch.Tensor:
         buf = self._bufs.get(name)
         if buf is None:
-            buf = self._bufs[name] = torch.empty(self.size, dtype=dtype)
+            if name in ("e", "p"):  # one [2, size] storage: rows() stacks them
+                self._bufs["e"], self._bufs["p"] = torch.empty(2, self.size)
+                buf = self._bufs[name]
+            else:
+                buf = self._bufs[name] = torch.empty(self.size, dtype=dtype)
         return buf[:k]
+
+    def rows(self, k: int) -> torch.Tensor:
+        """Buffers "e" and "p" as the rows of one [2, k] tensor."""
+        return self.get("e", k).as_strided((2, k), (self.size, 1))
 
     def ints(self, name: str, k: int) -> torch.Tensor:
         """A float buffer's memory as int32 (bin indices need no buffer of their own)."""
@@ -303,7 +346,7 @@ def token_sums(layout: Layout, clip: float, *, shape: bool = False, bins: tuple 
     log_c = math.log(clip)
     out = TokenSums(n=layout.n_tokens, row_sum=torch.empty(G, dtype=torch.float64),
                     row_sq=torch.empty(G, dtype=torch.float64), histograms=[Histogram(b) for b in bins])
-    out.row_n = torch.full((G,), T, dtype=torch.int64) if mask is None else torch.empty(G, dtype=torch.int64)
+    out.row_n = torch.full((G,), T, dtype=torch.int64) if mask is None else layout.row_n.long()
     sh = out.shape = _new_shape(T if layout.unit == "sequence" else None) if shape else None
     for r0 in range(0, G, R):  # loop over blocks of rows
         r1 = min(G, r0 + R)
@@ -314,9 +357,7 @@ def token_sums(layout: Layout, clip: float, *, shape: bool = False, bins: tuple 
         n_pad = 0
         if m is not None:
             _zero_padding(a2d, m)  # a = 0 adds nothing to any sum below
-            rn = row_counts(m)
-            out.row_n[r0:r1] = rn
-            n_pad = k - int(rn.sum())
+            n_pad = k - int(out.row_n[r0:r1].sum())
         n_b = k - n_pad
         if n_b == 0:
             out.row_sum[r0:r1] = 0.0
@@ -363,10 +404,13 @@ def token_sums(layout: Layout, clip: float, *, shape: bool = False, bins: tuple 
         adp = e.abs_().mul_(pi)  # e is not needed after this
         out.adp += adp.sum().item()
         out.adp_max = max(out.adp_max, adp.max().item())
-        for h in out.histograms:
-            h.add(a, work, n_pad=n_pad, vmin=hmin, vmax=hmax)
         if sh is not None:
             _shape_block(sh, a, pi, tr, inf, m, n_pad, (s1_a, s2, s3, s4), work)
+        if len(out.histograms) == 2:  # last: it overwrites a
+            count_both(*out.histograms, a, work, n_pad=n_pad, vmin=hmin, vmax=hmax)
+        else:
+            for h in out.histograms:
+                h.add(a, work, n_pad=n_pad, vmin=hmin, vmax=hmax)
     return out
 
 
