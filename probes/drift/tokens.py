@@ -405,7 +405,7 @@ def token_sums(layout: Layout, clip: float, *, shape: bool = False, bins: tuple 
         out.adp += adp.sum().item()
         out.adp_max = max(out.adp_max, adp.max().item())
         if sh is not None:
-            _shape_block(sh, a, pi, tr, inf, m, n_pad, (s1_a, s2, s3, s4), work)
+            _shape_block(sh, a, pi, inf, m, n_pad, (s1_a, s2, s3, s4), work)
         if len(out.histograms) == 2:  # last: it overwrites a
             count_both(*out.histograms, a, work, n_pad=n_pad, vmin=hmin, vmax=hmax)
         else:
@@ -424,13 +424,12 @@ def _new_shape(T: int | None) -> Shape:
     return sh
 
 
-def _shape_block(sh: Shape, a, pi, tr, inf, m, n_pad: int, powers: tuple, work: Work) -> None:
-    """compare's extras for one block. pi (work's "p") is p_infer; work's "e" is free."""
+def _shape_block(sh: Shape, a, pi, inf, m, n_pad: int, powers: tuple, work: Work) -> None:
+    """compare's extras for one block. pi (work's "p") is p_infer, zero on padding; work's
+    "e" is free."""
     k = a.numel()
     real = None if m is None else m.reshape(-1)
-    pt = torch.exp(tr.reshape(-1), out=work.get("e", k))
-    if real is not None:
-        _zero_padding(pt, real)
+    pt = torch.exp(a, out=work.get("e", k)).mul_(pi)  # p_train = rho p_infer: 0 where pi is
     p = sh.p
     p["t"] += pt.sum().item()
     p["i"] += pi.sum().item()
