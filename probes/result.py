@@ -34,6 +34,8 @@ CODES = {
     "TP-D1": "biased train/inference drift",
     "TP-D2": "heavy-tailed train/inference drift",
     "TP-D3": "drift over threshold",
+    "TP-I1": "packed-document leak",
+    "TP-I2": "batch-variant output",
     "TP-G1": "probe missing from candidate",
     "TP-G2": "bias significantly larger",
     "TP-G3": "drift significantly worse",
