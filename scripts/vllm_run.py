@@ -10,8 +10,9 @@ nothing here imports trainprobes. Writes one .npz (numpy.savez, no pickles):
   <case>__token_ids / __logprobs / __mask      [N, T] sampled ids, vLLM's log-prob of each
                                sampled token (SamplingParams(logprobs=0)), real-token mask
   <case>__meta_json            dtype, logprobs_mode, temperature, seed
-  bi__alone_ids / bi__alone_logprobs           [32, T] greedy, each prompt alone
-  bi__batch_ids / bi__batch_logprobs           [32, T] the same 32 prompts in one batch
+  bi_<m>__alone_ids / __alone_logprobs      [32, T] greedy, each prompt alone, for the tiny
+                               model (m = tiny) and a wider one (m = wide, weights not saved)
+  bi_<m>__batch_ids / __batch_logprobs      [32, T] the same 32 prompts in one batch
   versions_json                vllm, torch, transformers versions; wall seconds per engine
 
 vLLM on a small CPU machine: enforce_eager=True (no compile), a modest
@@ -36,18 +37,22 @@ CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_att
               num_key_value_heads=1, head_dim=32, vocab_size=128, max_position_embeddings=256,
               tie_word_embeddings=False, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
               pad_token_id=0)
+# batch invariance also on a wider model: GEMMs of K = 512 (the tiny one's K = 32 may be
+# invariant where a real model's are not)
+WIDE = {**CONFIG, "hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 1024}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 TEMPERATURES = (1.0, 0.7)
 BATCH = 32  # batch invariance: each prompt alone vs in one batch of 32 (vLLM's own test)
 
 
-def save_model(path: str, seed: int):
+def save_model(path: str, seed: int, config: dict = CONFIG):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**CONFIG)
+    cfg = LlamaConfig(**config)
     model = LlamaForCausalLM(cfg).float().eval()
     with torch.no_grad():
         # a sharper distribution than the tiny init gives (logits of std ~0.1 would make
@@ -55,6 +60,25 @@ def save_model(path: str, seed: int):
         model.lm_head.weight.mul_(40.0)
     model.save_pretrained(path, safe_serialization=True)
     return {f"w__{k}": v.detach().float().numpy() for k, v in model.state_dict().items()}
+
+
+def batch_invariance(llm, prompts, tokens: int, label: str) -> dict:
+    """Greedy decoding of each prompt alone and of all of them in one batch, as vLLM's
+    tests/v1/determinism/test_batch_invariance.py does (bs=1 vs bs=32, bitwise)."""
+    import numpy as np
+    from vllm import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=tokens, logprobs=0, ignore_eos=True)
+    batch = [{"prompt_token_ids": row.tolist()} for row in prompts]
+    alone = [sampled(llm.generate([b], greedy, use_tqdm=False)) for b in batch]
+    out = {f"bi_{label}__alone_ids": np.concatenate([a[0] for a in alone]),
+           f"bi_{label}__alone_logprobs": np.concatenate([a[1] for a in alone])}
+    ids, lps, _ = sampled(llm.generate(batch, greedy, use_tqdm=False))
+    out[f"bi_{label}__batch_ids"], out[f"bi_{label}__batch_logprobs"] = ids, lps
+    same = (lps == out[f"bi_{label}__alone_logprobs"]).all(1)
+    print(f"batch invariance ({label}): {int(same.sum())}/{len(batch)} prompts bit for bit alone "
+          f"vs in a batch of {len(batch)}", flush=True)
+    return out
 
 
 def sampled(outputs):
@@ -101,7 +125,7 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(args.seed)
     prompts = rng.integers(2, CONFIG["vocab_size"], (max(args.prompts, BATCH), args.prompt_len))
     data = {"prompts": prompts[:args.prompts].astype(np.int32),
-            "bi__prompts": prompts[:BATCH].astype(np.int32)}
+            "bi_tiny__prompts": prompts[:BATCH].astype(np.int32)}
     timings, cases = {}, []
     with tempfile.TemporaryDirectory() as model_dir:
         data.update(save_model(model_dir, args.seed))
@@ -131,18 +155,19 @@ def main(argv=None) -> int:
                     print(f"{case}: {mask.sum()} tokens, mean logprob {lps[mask].mean():.4f}",
                           flush=True)
                 if dname == "fp32" and mname == "raw":
-                    greedy = SamplingParams(temperature=0.0, max_tokens=args.tokens, logprobs=0,
-                                            ignore_eos=True)
-                    batch = [{"prompt_token_ids": row.tolist()} for row in prompts[:BATCH]]
-                    alone = [sampled(llm.generate([b], greedy, use_tqdm=False)) for b in batch]
-                    data["bi__alone_ids"] = np.concatenate([a[0] for a in alone])
-                    data["bi__alone_logprobs"] = np.concatenate([a[1] for a in alone])
-                    ids, lps, _ = sampled(llm.generate(batch, greedy, use_tqdm=False))
-                    data["bi__batch_ids"], data["bi__batch_logprobs"] = ids, lps
-                    same = (lps == data["bi__alone_logprobs"]).all(1)
-                    print(f"batch invariance: {int(same.sum())}/{BATCH} prompts bit for bit alone "
-                          f"vs in a batch of {BATCH}", flush=True)
+                    data.update(batch_invariance(llm, prompts[:BATCH], args.tokens, "tiny"))
                 del llm
+        # the same measurement on a wider random Llama (weights not saved: only the two sets
+        # of log-probs are compared), where GEMMs are large enough to pick other kernels
+        wide_dir = os.path.join(model_dir, "wide")
+        save_model(wide_dir, args.seed, WIDE)
+        t0 = time.perf_counter()
+        llm = engine(wide_dir, "float32", "raw_logprobs")
+        timings["start_wide"] = round(time.perf_counter() - t0, 1)
+        wide_prompts = rng.integers(2, WIDE["vocab_size"], (BATCH, args.prompt_len))
+        data["bi_wide__prompts"] = wide_prompts.astype(np.int32)
+        data.update(batch_invariance(llm, wide_prompts, args.tokens, "wide"))
+        del llm
     data["cases"] = np.array(cases)
     data["versions_json"] = np.array(json.dumps(
         {"vllm": vllm.__version__, "torch": torch.__version__,

@@ -98,6 +98,22 @@ class PackedModel(torch.nn.Module):
         self.__qualname__ = f"{type(model).__name__}[{self.implementation},{convention}]"
 
     @property
+    def window(self) -> int | None:
+        """The model's sliding window (Mistral), which a correct 4-D mask keeps too; None
+        where no layer slides (Qwen2 keeps sliding_window=0 beside use_sliding_window=False)."""
+        cfg = self.model.config
+        w = getattr(cfg, "sliding_window", None)
+        if not w or getattr(cfg, "use_sliding_window", True) is False:
+            return None
+        types = getattr(cfg, "layer_types", None)
+        if types is not None and "sliding_attention" not in types:
+            return None
+        if types is not None and len(set(types)) > 1:
+            raise InvalidArgument(f"{type(self.model).__name__} mixes layer types {sorted(set(types))}: "
+                                  f"one 4-D mask cannot give each its own window")
+        return int(w)
+
+    @property
     def implementation(self) -> str:
         return self.model.config._attn_implementation
 
@@ -112,10 +128,10 @@ class PackedModel(torch.nn.Module):
             if self.convention == "mask_4d_bool":
                 raise InvalidArgument("flex_attention takes a BlockMask, not a boolean tensor: "
                                       "use convention 'mask_4d'")
-            kw["attention_mask"] = _flex_block_mask(packing, dev)
+            kw["attention_mask"] = _flex_block_mask(packing, dev, self.window)
         else:
             dtype = torch.bool if self.convention == "mask_4d_bool" else self.model.dtype
-            kw["attention_mask"] = packing.block_mask(dtype, dev)
+            kw["attention_mask"] = packing.block_mask(dtype, dev, window=self.window)
         return self.model(input_ids=tokens, **kw).logits
 
 
@@ -149,13 +165,14 @@ def _flash_kwargs(packing: Packing, device) -> dict:
             "max_length_k": packing.max_seqlen}
 
 
-def _flex_block_mask(packing: Packing, device):
+def _flex_block_mask(packing: Packing, device, window: int | None):
     from torch.nn.attention.flex_attention import create_block_mask
 
     ids = packing.doc_ids(device)
+    w = packing.length if window is None else window
 
     def same_document_causal(b, h, q, kv):
-        return (ids[b, q] == ids[b, kv]) & (kv <= q)
+        return (ids[b, q] == ids[b, kv]) & (kv <= q) & (q - kv < w)
 
     L = packing.length
     return create_block_mask(same_document_causal, packing.batch, None, L, L, device=str(device))

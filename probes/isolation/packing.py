@@ -171,16 +171,20 @@ class Packing:
     def max_seqlen(self) -> int:
         return max(n for row in self.lengths for n in row)
 
-    def block_mask(self, dtype: torch.dtype = torch.bool, device=None,
-                   causal: bool = True) -> torch.Tensor:
+    def block_mask(self, dtype: torch.dtype = torch.bool, device=None, causal: bool = True,
+                   window: int | None = None) -> torch.Tensor:
         """[B, 1, L, L]: query i may attend key j iff both lie in one document (and j <= i
-        when causal). Boolean (True = attend) for dtype=torch.bool, else additive: 0 where
-        allowed and finfo(dtype).min where not, as eager attention adds it to the scores."""
+        when causal, and i - j < window for a sliding window). Boolean (True = attend) for
+        dtype=torch.bool, else additive: 0 where allowed and finfo(dtype).min where not, as
+        eager attention adds it to the scores."""
         ids = self.doc_ids(device)
+        L = ids.shape[1]
         allowed = ids[:, :, None] == ids[:, None, :]
+        i = torch.arange(L, device=ids.device)
         if causal:
-            L = ids.shape[1]
-            allowed &= torch.ones(L, L, dtype=torch.bool, device=ids.device).tril()
+            allowed &= i[None, :, None] >= i[None, None, :]
+        if window is not None:
+            allowed &= (i[None, :, None] - i[None, None, :]) < window
         allowed = allowed[:, None]
         if dtype == torch.bool:
             return allowed
