@@ -11,6 +11,8 @@ Regressions, each with a code from trainprobes.result.CODES so a reviewer can se
   TP-G3  drift significantly worse (the same test on `mean_log_ratio` with `se_mean`, from
          trainprobes.drift.compare), or a drift Result newly over its threshold (TP-D3);
   TP-B3  lower revealed accumulator precision (`accumulator_mantissa_bits` decreased);
+  TP-I1  packed documents that were isolated now leak (metric `isolated` True -> False);
+  TP-I2  a batch-invariant target became batch-variant (`batch_invariant` True -> False);
   TP-E1  the probe errored in the candidate;
   and any other result whose verdict went from pass/warn to fail keeps the candidate's codes.
 Waivers name a code, a target (exact, or an fnmatch pattern) and a reason, and expire.
@@ -33,6 +35,14 @@ from trainprobes.result import CODES, Result, SchemaError, load_results
 # (code, estimate, label, the metric holding the probe's own floor for a bias that matters)
 ESTIMATES = (("TP-G2", "bias", "bias", "min_effect"),
              ("TP-G3", "mean_log_ratio", "drift", "min_bias"))
+
+
+# (code, boolean metric, label while True, label once False), for trainprobes.isolation
+# Results (causality's own `batch_invariant` says only whether packing was faithful). A
+# packed-document target that isolated and now leaks, or a batch-invariant one that became
+# variant, blocks.
+ISOLATION_RULES = (("TP-I1", "isolated", "isolated", "leaks across packed documents"),
+                   ("TP-I2", "batch_invariant", "batch-invariant", "batch-variant"))
 
 
 @dataclass(frozen=True)
@@ -265,6 +275,9 @@ def _compare_pair(b: Result, c: Result, alpha: float, rel_tol: float) -> list[Re
         n = cm.get("n_leaks")
         add("TP-C1", "was causal, now leaks future tokens into earlier decisions",
             "causal", f"leaks ({n} leaks)" if n is not None else "leaks", c.message)
+    for code, metric, was, now in ISOLATION_RULES:
+        if c.probe.startswith("isolation.") and bm.get(metric) is True and cm.get(metric) is False:
+            add(code, f"was {was}, now {now}", was, now, c.message)
     for code, name, label, floor in ESTIMATES:
         eb, ec = estimate(bm, name), estimate(cm, name)
         if eb and not ec and name in cm:

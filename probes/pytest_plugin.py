@@ -21,6 +21,7 @@ MARKERS = {
     "numerics": "low-precision numerics probes (bias, stall, accumulator)",
     "causality": "future-token causality probes",
     "drift": "train/inference log-prob drift probes",
+    "isolation": "packed-document isolation and batch-invariance probes",
     "distributed": "runs real collectives on torch.distributed",
     "gpu": "needs CUDA; skipped with a reason where there is none",
 }
@@ -236,6 +237,28 @@ class TrainProbes:
         r = self.record(compare(train_lp, infer_lp, **kwargs))
         if not r.passed or r.metrics.get("biased") is True:
             pytest.fail(_failure(r, "train/inference drift"), pytrace=False)
+        return r
+
+    def assert_documents_isolated(self, fn, tokens, lengths, **kwargs):
+        """trainprobes.isolation.documents(fn, tokens, lengths, **kwargs) must find every packed
+        document isolated (no structural leak, none left unverified) and the row causal;
+        fn(tokens, packing) -> per-token outputs."""
+        from trainprobes.isolation import documents
+        kwargs.setdefault("target", getattr(fn, "__qualname__", None))
+        r = self.record(documents(fn, tokens, lengths, **kwargs))
+        if r.verdict in ("fail", "error") or r.metrics.get("isolated") is not True \
+                or r.metrics.get("causal") is False:
+            pytest.fail(_failure(r, "packed documents not isolated"), pytrace=False)
+        return r
+
+    def assert_batch_invariant(self, fn, inputs, **kwargs):
+        """trainprobes.isolation.batch_invariance(fn, inputs, **kwargs): every row must give the
+        same bits alone and inside batches (within atol, when given)."""
+        from trainprobes.isolation import batch_invariance
+        kwargs.setdefault("target", getattr(fn, "__qualname__", None))
+        r = self.record(batch_invariance(fn, inputs, **kwargs))
+        if r.verdict == "error" or r.metrics.get("batch_invariant") is not True:
+            pytest.fail(_failure(r, "batch-variant"), pytrace=False)
         return r
 
 

@@ -3,23 +3,10 @@ import pytest
 import torch
 from trainprobes.errors import InvalidArgument, TargetError
 from trainprobes.isolation import batch_invariance
+from trainprobes.isolation.controls import exact_matmul, integer_rows, split_by_batch
 
 G = torch.Generator().manual_seed(0)
-# integer values: every partial sum of a K=256 dot product is exact in fp32 (|sum| < 2^24),
-# so any reduction order, tiling or kernel gives the same bits: invariant by construction
-XI = torch.randint(-8, 8, (6, 256), generator=G).float()
-WI = torch.randint(-8, 8, (256, 64), generator=G).float()
-
-
-def exact_matmul(a):
-    return a @ WI
-
-
-def split_by_batch(a):
-    """The reduction split into as many chunks as the batch has rows, each partial sum
-    rounded to bf16: the bits depend on the batch size (split-K chosen by M)."""
-    parts = torch.tensor_split(torch.arange(a.shape[1]), a.shape[0])
-    return sum((a[:, k] @ WI[k]).bfloat16().float() for k in parts)
+XI = integer_rows()
 
 
 def test_an_exact_matmul_is_batch_invariant():

@@ -3,41 +3,23 @@ import pytest
 import torch
 from trainprobes.errors import InvalidType, TargetError
 from trainprobes.isolation import Packing, documents
+from trainprobes.isolation.controls import VOCAB, PackedAttention, rounding_noise
 
-V, D = 50, 16
-
-
-class ToyAttention(torch.nn.Module):
-    """One attention layer over a packed row. mask: "block" (same document and causal: isolates),
-    "causal" (whole row: earlier documents leak forward), "bidirectional" (leaks both ways)."""
-
-    def __init__(self, mask="block", seed=0):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.emb = torch.nn.Parameter(torch.randn(V, D, generator=g))
-        self.wq, self.wk, self.wv = (torch.nn.Parameter(torch.randn(D, D, generator=g) / 4) for _ in range(3))
-        self.mask = mask
-
-    def forward(self, tokens, packing):
-        h = self.emb[tokens]
-        s = (h @ self.wq) @ (h @ self.wk).transpose(1, 2)
-        ids = packing.doc_ids(tokens.device)
-        L = tokens.shape[1]
-        allowed = {"block": (ids[:, :, None] == ids[:, None, :]) & torch.ones(L, L, dtype=torch.bool).tril(),
-                   "causal": torch.ones(L, L, dtype=torch.bool).tril().expand(len(ids), L, L),
-                   "bidirectional": torch.ones(len(ids), L, L, dtype=torch.bool)}[self.mask]
-        s = s.masked_fill(~allowed, float("-inf"))
-        return h + s.softmax(-1) @ (h @ self.wv)
+V, D = VOCAB, 16
 
 
-class RowSumNoise(ToyAttention):
-    """Isolated mathematically, not numerically: adds and subtracts the row's total, so other
-    documents change the rounding (as data-dependent tiling does), never the value."""
+def ToyAttention(mask="block"):
+    return PackedAttention({"bidirectional": "none"}.get(mask, mask))
 
+
+def RowSumNoise(mask="block"):
+    return rounding_noise()
+
+
+class _BatchMean(PackedAttention):
     def forward(self, tokens, packing):
         y = super().forward(tokens, packing)
-        t = y.sum(1, keepdim=True)  # ulp(t) stays within 32 ulps of y: rounding-noise sized
-        return (y + t) - t
+        return y + y.mean(0, keepdim=True)
 
 
 X = torch.randint(0, V, (1, 18), generator=torch.Generator().manual_seed(3))
@@ -103,12 +85,8 @@ def test_batched_mode_takes_one_call():
 
 
 def test_documents_in_other_rows_count_as_leaks():
-    class BatchMean(ToyAttention):
-        def forward(self, tokens, packing):
-            y = super().forward(tokens, packing)
-            return y + y.mean(0, keepdim=True)
     x2 = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(4))
-    r = documents(BatchMean("block"), x2, [[4, 5], [9]], vocab=V, causal=False)
+    r = documents(_BatchMean("block"), x2, [[4, 5], [9]], vocab=V, causal=False)
     assert r.metrics["isolated"] is False
     assert {lk["direction"] for lk in r.evidence["leaks"] if lk["kind"] == "structural"} == {"other row"}
 

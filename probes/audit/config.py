@@ -21,17 +21,19 @@ from trainprobes.audit.run import Check
 from trainprobes.errors import ConfigError
 
 TOP_KEYS = {"seed", "out", "history", "defaults", "families", "pythonpath", "causality",
-            "bias", "drift", "collectives"}
+            "bias", "drift", "collectives", "documents", "batch_invariance"}
 COMMON = {"name", "seed", "fail_above", "fail_below"}
 HARNESS_KEYS = {
     "causality": COMMON | {"target", "batch", "seq_len", "vocab", "hidden", "inputs"},
     "bias": COMMON | {"target", "reference", "inputs"},
     "drift": COMMON | {"engine", "train", "infer", "rollouts", "_base_dir"},
     "collectives": COMMON | {"world", "dtype", "algorithm", "backend", "op", "numel"},
+    "documents": COMMON | {"target", "factory", "lengths", "vocab", "hidden"},
+    "batch_invariance": COMMON | {"target", "factory", "inputs", "shape", "vocab"},
 }
 # The code a threshold failure carries, per section.
 THRESHOLD_CODE = {"causality": "TP-C1", "bias": "TP-B1", "drift": "TP-D3",
-                  "collectives": "TP-B1"}
+                  "collectives": "TP-B1", "documents": "TP-I1", "batch_invariance": "TP-I2"}
 
 
 def read_config(path) -> dict | None:
@@ -262,8 +264,77 @@ def collective_checks(entry: dict, seed: int, where: str) -> list[Check]:
     return checks
 
 
+def _isolation_fn(entry, seed, where):
+    """The entry's target: target = "pkg:fn" as it is, or factory = "pkg:make" called with
+    the seed (a model factory)."""
+    if ("target" in entry) == ("factory" in entry):
+        raise ConfigError(f"{where} needs exactly one of target = 'pkg:fn' or factory = "
+                          f"'pkg:make' (make(seed) -> the target)")
+    if "target" in entry:
+        return _load(entry["target"], where, "target")
+    return _load(entry["factory"], where, "factory")(seed)
+
+
+def documents_check(entry: dict, seed: int, where: str) -> Check:
+    """[[documents]]: a packed target fn(tokens, packing) -> per-token outputs (target =, or
+    factory = "pkg:make" with make(seed) -> target); lengths = [10, 12, 8] (or one list per
+    row); token ids from vocab = V, or hidden = D floats (trainprobes.isolation.documents)."""
+    from trainprobes.isolation import Packing, documents
+
+    spec = entry.get("target") or _need(entry, "factory", where, '"package.module:make_model"')
+    packing = Packing.of(_need(entry, "lengths", where, "[10, 12, 8]"))
+    if ("vocab" in entry) == ("hidden" in entry):
+        raise ConfigError(f"{where} needs exactly one of vocab = <int> (token ids) or hidden = <int>")
+    kwargs = probe_kwargs(entry, "documents", where, documents)
+    name = entry.get("name", spec)
+
+    def run():
+        import torch
+        fn = _isolation_fn(entry, seed, where)
+        g = torch.Generator().manual_seed(seed)
+        shape = (packing.batch, packing.length)
+        x = (torch.randint(0, _int(entry, "vocab", where, 2), shape, generator=g) if "vocab" in entry
+             else torch.randn(*shape, _int(entry, "hidden", where, 1), generator=g))
+        vocab = entry.get("vocab")
+        r = documents(fn, x, packing, **{"seed": seed, "vocab": vocab, **kwargs, "target": name})
+        r.evidence["target_spec"] = spec
+        return apply_thresholds(r, entry, "documents")
+    return Check("isolation", name, run)
+
+
+def batch_invariance_check(entry: dict, seed: int, where: str) -> Check:
+    """[[batch_invariance]]: a row-wise target fn(rows [b, ...]) -> [b, ...] (target =, or
+    factory = "pkg:make"); rows from inputs = "pkg:make_inputs" (make(seed) -> [N, ...]), or
+    random: shape = [N, D, ...] floats, or with vocab = V token ids [N, L]
+    (trainprobes.isolation.batch_invariance; require = true fails a variant target)."""
+    from trainprobes.isolation import batch_invariance
+
+    spec = entry.get("target") or _need(entry, "factory", where, '"package.module:make_layer"')
+    kwargs = probe_kwargs(entry, "batch_invariance", where, batch_invariance)
+    shape = entry.get("shape", [8, 256])
+    if not (isinstance(shape, list) and shape and all(isinstance(n, int) and n >= 1 for n in shape)):
+        raise ConfigError(f"{where} shape={shape!r} must be a list of positive integers, e.g. [8, 256]")
+    name = entry.get("name", spec)
+
+    def run():
+        import torch
+        fn = _isolation_fn(entry, seed, where)
+        g = torch.Generator().manual_seed(seed)
+        if "inputs" in entry:
+            x = _load(entry["inputs"], where, "inputs")(seed)
+        elif "vocab" in entry:
+            x = torch.randint(0, _int(entry, "vocab", where, 2), tuple(shape[:2]), generator=g)
+        else:
+            x = torch.randn(*shape, generator=g)
+        r = batch_invariance(fn, x, **{"seed": seed, **kwargs, "target": name})
+        r.evidence["target_spec"] = spec
+        return apply_thresholds(r, entry, "batch_invariance")
+    return Check("isolation", name, run)
+
+
 SECTIONS = {"causality": causality_check, "bias": bias_check, "drift": drift_check,
-            "collectives": collective_checks}
+            "collectives": collective_checks, "documents": documents_check,
+            "batch_invariance": batch_invariance_check}
 
 
 def suite_from_config(cfg: dict, *, seed: int = 0, base_dir=Path("."), quick: bool = False):

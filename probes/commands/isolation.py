@@ -41,12 +41,12 @@ def _names(text: str) -> list[str]:
 
 def _lengths(text: str):
     """'10,12,8' for one row, '10,12/8,14' for two rows."""
-    from trainprobes.errors import InvalidArgument
+    import argparse
     try:
         rows = [[int(n) for n in row.split(",") if n.strip()] for row in text.split("/")]
     except ValueError:
-        raise InvalidArgument(f"--lengths {text!r} must be document lengths like 10,12,8 (rows "
-                              f"separated by /: 10,12/8,14)") from None
+        raise argparse.ArgumentTypeError(f"--lengths {text!r} must be document lengths like "
+                                         f"10,12,8 (rows separated by /: 10,12/8,14)") from None
     return rows[0] if len(rows) == 1 else rows
 
 
