@@ -21,7 +21,7 @@ def test_documents_section_with_a_factory_and_thresholds():
 
 def test_batch_invariance_section_with_inputs_and_require():
     cfg = {"batch_invariance": [{"target": f"{C}:split_by_batch", "inputs": f"{C}:integer_rows",
-                                 "sizes": [2, 3], "require": True},
+                                 "sizes": [2, 3]},
                                 {"target": f"{C}:exact_matmul", "inputs": f"{C}:integer_rows",
                                  "sizes": [2]}]}
     checks, _ = suite_from_config(cfg)

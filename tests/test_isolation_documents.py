@@ -61,20 +61,29 @@ def test_rounding_noise_from_other_documents_is_excused_by_the_fp64_twin():
 
 def test_without_a_twin_noise_is_unverified_not_excused_and_not_a_leak():
     r = documents(RowSumNoise("block"), X, P, vocab=V, fp64=False, causal=False)
-    assert r.verdict == "warn" and r.metrics["isolated"] is None and r.metrics["n_unverified"] > 0
+    # unknown never passes: a leak within rounding noise is not excluded
+    assert r.verdict == "fail" and r.codes == ["TP-I1"] and r.metrics["isolated"] is None
+    assert r.metrics["n_unverified"] > 0 and "isolation unknown" in r.message
     r = documents(ToyAttention("causal"), X, P, vocab=V, fp64=False, causal=False)
     assert r.metrics["isolated"] is False  # far beyond rounding noise: structural without a twin
 
 
 def test_a_twin_with_other_kernels_only_settles_rounding_noise():
-    model = ToyAttention("causal")
     honest = ToyAttention("block").double()  # a "twin" that does not leak: must not excuse
 
     def twin(x, p):
         return honest(x, p)
     twin.substituted = ["attention: toy -> block"]
-    r = documents(model, X, P, vocab=V, fp64=twin, causal=False)
-    assert r.metrics["isolated"] is False and "substituted" in r.metrics["fp64"]
+    r = documents(ToyAttention("causal"), X, P, vocab=V, fp64=twin, causal=False)
+    assert r.metrics["isolated"] is False and r.metrics["n_fp64_evaluations"] == 0
+    noisy = RowSumNoise()
+    exact = RowSumNoise().double()
+
+    def noisy_twin(x, p):
+        return exact(x, p)
+    noisy_twin.substituted = ["a kernel"]
+    r = documents(noisy, X, P, vocab=V, fp64=noisy_twin, causal=False)
+    assert r.metrics["isolated"] is True and "substituted: a kernel" in r.metrics["fp64"]
 
 
 def test_batched_mode_takes_one_call():

@@ -306,7 +306,7 @@ def batch_invariance_check(entry: dict, seed: int, where: str) -> Check:
     """[[batch_invariance]]: a row-wise target fn(rows [b, ...]) -> [b, ...] (target =, or
     factory = "pkg:make"); rows from inputs = "pkg:make_inputs" (make(seed) -> [N, ...]), or
     random: shape = [N, D, ...] floats, or with vocab = V token ids [N, L]
-    (trainprobes.isolation.batch_invariance; require = true fails a variant target)."""
+    (trainprobes.isolation.batch_invariance: a variant target fails with TP-I2)."""
     from trainprobes.isolation import batch_invariance
 
     spec = entry.get("target") or _need(entry, "factory", where, '"package.module:make_layer"')

@@ -7,8 +7,8 @@ must not depend on the batch.
   trainprobes isolation batch --target mypkg.ops:my_kernel --shape 8,4096
   trainprobes isolation ops --quick                # this machine's per-op map
   trainprobes isolation vllm tests/data/vllm_tiny_llama.npz
-Exit 0 fine, 1 a finding (a leak, a required invariance broken, a control not reproduced),
-2 could not run.
+Exit 0 fine, 1 a finding (a leak, a batch-variant target, a control not reproduced; the
+per-op map exits 0: it maps the machine), 2 could not run.
 """
 from __future__ import annotations
 
@@ -102,7 +102,6 @@ def add_arguments(parser) -> None:
     b.add_argument("--sizes", type=_ints("--sizes", 2), default=None, help="batch sizes (2,3,4,7,8,16,32)")
     b.add_argument("--trials", type=parse_int("--trials", min=1), default=3, help="batches per size (3)")
     b.add_argument("--atol", type=parse_number("--atol", min=0.0), default=0.0, help="tolerance (0: bits)")
-    b.add_argument("--require", action="store_true", help="a batch-variant target fails (exit 1)")
     b.add_argument("--output-key", default=None, metavar="INDEX|NAME", help="which part of the output")
     _common(b)
 
@@ -266,7 +265,7 @@ def _batch(args):
     else:
         x = torch.randn(*args.shape, generator=g)
     r = batch_invariance(fn, x, sizes=args.sizes or DEFAULT_SIZES, trials=args.trials, seed=args.seed,
-                         output=_picker(args.output_key), atol=args.atol, require=args.require,
+                         output=_picker(args.output_key), atol=args.atol,
                          target=args.target)
     if not args.json:
         print(r.summary_line())
@@ -317,7 +316,9 @@ def _vllm(args):
         for temp in sorted({1.0, case.temperature}):
             r = judge(sample, name, temperature=temp, model=model)
             want = expected_drift(case, temp)
-            r.metrics["expected_drift"] = want
+            # a control: its drift verdict is known from the mechanism
+            r.evidence["expected_drift"] = list(want)
+            r.expected = "fail" if want == ("biased",) else "pass"
             good = r.metrics["drift_verdict"] in want
             ok &= good
             results.append(r)

@@ -13,25 +13,29 @@ Algorithm (d documents over all rows):
      batch-isolated target; the two copies must agree).
   3. Leak matrix: for every (source s, affected a != s), the largest and mean absolute change
      of a's outputs. A document in another row counts too (a batch-isolation leak).
-  4. Judge every change with the causality probe's rule (trainprobes.isolation.kinds): the
-     fp64 twin reruns the perturbations that moved another document, and a change that
-     shrinks by the fp32 -> fp64 precision ratio is rounding noise (numerical), one that
-     does not is structural. Every change goes to the twin, not only the tiny ones: with
+  4. Judge every changed token of another document with the causality probe's public
+     classification (trainprobes.causality.classify_changes): the fp64 twin reruns the
+     perturbations that moved another document, and a change that shrinks by the fp32 ->
+     fp64 precision ratio is rounding noise (numerical), one that does not is structural.
+     Every change goes to the twin (same_shape=False), not only the near-ties: with
      data-dependent tiling (grouped expert matmuls sized by tokens per expert) another
      document's tokens change the arithmetic, and a near-tie routing flip turns 1 ulp into
-     a large change. Without a twin: beyond 32 ulps structural, within it unverified.
+     a large change. Without a twin: beyond 32 ulps structural, within it unverified. A
+     document pair takes its worst token's kind.
   5. Within-document causality: trainprobes.causality.check on the packed row, with the
      packing tiled to whatever batch it builds.
 """
 from __future__ import annotations
 
-import copy
 from typing import Callable
 
 import torch
+from trainprobes.causality.classify import Kind, Outputs, classify_changes
+from trainprobes.causality.inputs import replacements
+from trainprobes.causality.target import Target, differs
 from trainprobes.errors import InvalidType, TargetError
-from trainprobes.isolation import kinds as K
 from trainprobes.isolation.packing import Packing
+from trainprobes.isolation.target import Packed, Twin
 from trainprobes.result import Result
 from trainprobes.validation import check_bool, check_number, check_type
 
@@ -54,39 +58,6 @@ def _batched(x: torch.Tensor) -> torch.Tensor:
         raise TargetError(f"tokens has dtype {x.dtype} and shape {tuple(x.shape)!r}, expected "
                           f"token ids [B, L] / [L] or floats [B, L, D] / [L, D] with L >= 2")
     return x.detach()
-
-
-class _Packed:
-    """fn(tokens, packing) seen by the causality machinery as a one-argument target: the
-    packing is tiled to the batch it is called with."""
-
-    def __init__(self, fn, packing: Packing, name: str):
-        self.fn, self.packing, self.name = fn, packing, name
-        self.__qualname__ = name
-
-    def __call__(self, x):
-        B = self.packing.batch
-        if x.shape[0] % B:
-            raise TargetError(f"target {self.name!r} called with batch {x.shape[0]}, not a "
-                              f"multiple of the packing's {B} rows")
-        return self.fn(x, self.packing.tile(x.shape[0] // B))
-
-
-def _twin(fn, spec) -> Callable | None:
-    """The fp64 twin: spec as given, none for False, or (None) the target's own
-    `fp64_twin()` where it has one (trainprobes.isolation.hf.PackedModel), else a float64
-    deep copy of an nn.Module target called with float inputs cast to float64."""
-    if spec is False:
-        return None
-    if callable(spec) and spec is not True:
-        return spec
-    own = getattr(fn, "fp64_twin", None)
-    if callable(own):
-        return own()
-    if isinstance(fn, torch.nn.Module):
-        twin = copy.deepcopy(fn).double()
-        return lambda x, p: twin(x.double() if x.is_floating_point() else x, p)
-    return None
 
 
 def documents(fn: Callable, tokens: torch.Tensor, lengths, *, output=None, seed: int = 0,
@@ -124,12 +95,12 @@ def documents(fn: Callable, tokens: torch.Tensor, lengths, *, output=None, seed:
     if fp64 is not None and fp64 is not False and not callable(fp64):
         raise InvalidType(f"fp64={fp64!r} must be None (auto), False (none) or a callable "
                             f"fn64(tokens, packing) computing in float64")
-    tgt = K.Target(_Packed(fn, packing, name), name, decision=output)
-    twin_fn = _twin(fn, fp64)
+    tgt = Target(Packed(fn, packing, name), name, decision=output)
+    twin = Twin(fn, fp64, packing, name, output)
     docs = packing.documents
     D, B = len(docs), packing.batch
     g = torch.Generator().manual_seed(seed)
-    R = K.replacements(x, vocab, g).to(x.device)
+    R = replacements(x, 1, vocab, g)[0].to(x.device)
     gid = packing.global_doc_ids()  # [B, L] on the CPU, where outputs are compared
     common = dict(probe="isolation.documents", target=name, seed=seed)
 
@@ -153,34 +124,50 @@ def documents(fn: Callable, tokens: torch.Tensor, lengths, *, output=None, seed:
     n_eval = tgt.n_evaluations
     leak_max, leak_mean = _matrices(y0, ys, gid, D)
     moved = leak_max > atol
-    cross = moved & ~torch.eye(D, dtype=torch.bool)
-    kind = torch.full((D, D), -1, dtype=torch.long)
-    fp64_status, fp64_max, n64 = "not needed", None, 0
-    if cross.any():
-        tol = K.noise_tol(_per_doc_values(y0, gid, D))  # [D]: 32 ulps of each document's outputs
-        tol = tol[None, :].expand(D, D)
-        base64, fp64_status, fp64_max, n64 = _fp64(twin_fn, fp64, x, packing, perturbed, cross,
-                                                   name, output, D, gid)
-        if base64 is None:
-            kind[cross] = K.judge(leak_max[cross], tol[cross])
-        else:
-            tol64 = K.noise_tol(_per_doc_values(base64, gid, D))[None, :].expand(D, D)
-            kind[cross] = K.judge(leak_max[cross], tol[cross], fp64_max[cross], tol64[cross])
-            if getattr(twin_fn, "substituted", None):
-                # a twin with other kernels cannot vouch for a large change: a bug in the
-                # target's kernel would be absent from it (fail closed)
-                big = cross & (leak_max > tol)
-                kind[big] = K.STRUCTURAL
-                fp64_status += f" (substituted: {', '.join(twin_fn.substituted)})"
+    kind, fp64_max = _judge(y0, ys, gid, D, twin, x, perturbed, atol)
     sub = None
     if causal:
         from trainprobes.causality import check
-        twin_c = None if twin_fn is None else _Packed(twin_fn, packing, f"{name} [fp64]")
-        sub = check(_Packed(fn, packing, name), x, cuts=cuts, seed=seed, vocab=vocab,
-                    decision=output, fp64=twin_c if twin_c is not None else False, atol=atol,
-                    target=name)
+        sub = check(Packed(fn, packing, name), x, cuts=cuts, seed=seed, vocab=vocab,
+                    decision=output, fp64=twin.packed if twin.packed is not None else False,
+                    atol=atol, target=name)
     return _result(common, packing, docs, leak_max, leak_mean, kind, moved, fp64_max,
-                   fp64_status, n_eval, n64, sub, batched, x)
+                   twin.status, n_eval, twin.n_evaluations, sub, batched, x)
+
+
+# Kind -> severity, so that a document's worst token decides: structural > unverified > numerical
+_SEVERITY = torch.tensor([2, 0, 1, 2])
+_FROM_SEVERITY = torch.tensor([Kind.NUMERICAL, Kind.UNVERIFIED, Kind.STRUCTURAL])
+
+
+def _judge(y0, ys, gid, D, twin: Twin, x, perturbed, atol):
+    """[D, D] Kind per (source, affected) pair (-1 where nothing moved) and the fp64 change
+    matrix (None without a twin run). Every changed token of another document is classified
+    by causality's classify_changes: with a faithful twin all of them go to the fp64 test
+    (same_shape=False: another document's tokens change data-dependent arithmetic, and a
+    near-tie routing flip makes 1 ulp large); a substituted twin settles near-ties only."""
+    kind = torch.full((D, D), -1, dtype=torch.long)
+    fp64_max = None
+    base = Outputs(y0)
+    for s in range(D):  # a loop over documents, not elements
+        changed = differs(y0, ys[s], atol) & (gid != s)
+        if not changed.any():
+            continue
+        where = changed.nonzero(as_tuple=True)
+        got = {}
+
+        def pair(s=s):
+            got["pair"] = twin.pair(x, perturbed(s))
+            return got["pair"]
+        kinds = classify_changes(where, base, Outputs(ys[s]), fp64=pair,
+                                 atol=atol, same_shape=bool(twin.substituted))
+        worst = torch.full((D,), -1, dtype=torch.long).scatter_reduce(
+            0, gid[where], _SEVERITY[kinds], "amax", include_self=True)
+        kind[s] = torch.where(worst >= 0, _FROM_SEVERITY[worst.clamp_min(0)], -1)
+        if got.get("pair") is not None:
+            fp64_max = torch.zeros(D, D, dtype=torch.float64) if fp64_max is None else fp64_max
+            fp64_max[s] = _matrices(got["pair"][0].decision, got["pair"][1].decision[None], gid, D)[0][0]
+    return kind, fp64_max
 
 
 def _evaluate(tgt, x, perturbed, D, batched, atol):
@@ -198,7 +185,7 @@ def _evaluate(tgt, x, perturbed, D, batched, atol):
 
 
 def _same(a, b, atol):
-    d = K.differs(a, b, atol)
+    d = differs(a, b, atol)
     if d.any():
         raise _Nondeterministic(d.nonzero()[:10].tolist(), int(d.sum()))
 
@@ -226,66 +213,36 @@ def _matrices(y0, ys, gid, D):
     return leak_max, total / sizes[None, :]
 
 
-def _per_doc_values(y, gid, D):
-    """[D, 1] largest |output| per document, in the outputs' dtype (its ulps set the noise
-    tolerance)."""
-    mag = y.abs().reshape(*y.shape[:2], -1).amax(-1) if y.is_floating_point() else \
-        torch.zeros(y.shape[:2], dtype=torch.float32)
-    mag = torch.where(mag.isfinite(), mag, torch.zeros_like(mag))
-    return torch.zeros(D, dtype=mag.dtype).scatter_reduce(
-        0, gid.reshape(-1), mag.reshape(-1), "amax", include_self=True)[:, None]
-
-
-def _fp64(twin_fn, spec, x, packing, perturbed, cross, name, output, D, gid):
-    """(fp64 baseline, status, [D, D] fp64 change matrix, fp64 evaluations), or
-    (None, status, None, n) when there is no usable twin."""
-    if twin_fn is None:
-        return (None, "disabled" if spec is False else
-                "unavailable: the target is not an nn.Module (pass fp64=fn64(tokens, packing))",
-                None, 0)
-    twin = K.Target(_Packed(twin_fn, packing, f"{name} [fp64]"), f"{name} [fp64]", decision=output)
-    try:
-        base, _ = twin(x)
-    except TargetError as e:
-        return None, f"unavailable: {e}", None, twin.n_evaluations
-    if base.is_floating_point() and base.dtype != torch.float64:
-        return (None, f"unavailable: the fp64 twin returned {base.dtype}, not float64 (pass fp64= "
-                      f"a callable that computes in float64)", None, twin.n_evaluations)
-    change = torch.zeros(D, D, dtype=torch.float64)
-    for s in cross.any(1).nonzero().flatten().tolist():  # only sources that moved another doc
-        y64, _ = twin(perturbed(s))
-        change[s] = _matrices(base, y64[None], gid, D)[0][0]
-    return base, "used", change, twin.n_evaluations
-
-
 def _result(common, packing, docs, leak_max, leak_mean, kind, moved, fp64_max, fp64_status,
             n_eval, n64, sub, batched, x) -> Result:
     D = len(docs)
     gdoc = [(d.row, d.start, d.length) for d in docs]
-    n_struct = int((kind == K.STRUCTURAL).sum())
-    n_num = int((kind == K.NUMERICAL).sum())
-    n_unver = int((kind == K.UNVERIFIED).sum())
+    n_struct = int((kind == Kind.STRUCTURAL).sum())
+    n_num = int((kind == Kind.NUMERICAL).sum())
+    n_unver = int((kind == Kind.UNVERIFIED).sum())
     self_change = leak_max.diagonal()
     leaks = []
     for s, a in (kind >= 0).nonzero().tolist():  # one record per (source, affected) pair
         rs, ra = docs[s], docs[a]
-        leaks.append({"source": s, "affected": a, "kind": K.KINDS[int(kind[s, a])],
+        leaks.append({"source": s, "affected": a, "kind": Kind(int(kind[s, a])).label,
                       "direction": ("other row" if rs.row != ra.row else
                                     "forward" if rs.start < ra.start else "backward"),
                       "max_change": float(leak_max[s, a]), "mean_change": float(leak_mean[s, a]),
                       "fp64_change": None if fp64_max is None else float(fp64_max[s, a])})
     leaks.sort(key=lambda r: (r["kind"] != "structural", -r["max_change"]))
     isolated = (False if n_struct else None if n_unver else True)
+    # isolation unknown never passes (result.PROBES: None only beside fail): a leak within
+    # rounding noise is not excluded until a twin settles it
     causal = sub.metrics.get("causal") if sub is not None else None
     codes = []
-    if n_struct:
+    if n_struct or n_unver:
         codes.append("TP-I1")
     if sub is not None and "TP-C1" in sub.codes and causal is False:
         codes.append("TP-C1")
     dead = [i for i in range(D) if not moved[i, i]]
-    verdict = "fail" if codes else ("warn" if n_unver or dead or (sub is not None and sub.verdict == "warn")
+    verdict = "fail" if codes else ("warn" if dead or (sub is not None and sub.verdict == "warn")
                                     else "pass")
-    struct_max = float(leak_max[kind == K.STRUCTURAL].max()) if n_struct else 0.0
+    struct_max = float(leak_max[kind == Kind.STRUCTURAL].max()) if n_struct else 0.0
     cross_max = float((leak_max * (1 - torch.eye(D, dtype=torch.float64))).max()) if D > 1 else 0.0
     metrics = {
         "isolated": isolated, "n_documents": D, "n_leaks": n_struct, "n_numerical": n_num,
@@ -299,7 +256,7 @@ def _result(common, packing, docs, leak_max, leak_mean, kind, moved, fp64_max, f
         "lengths": [list(r) for r in packing.lengths],
         "documents": [{"index": i, "row": r, "start": s, "length": n} for i, (r, s, n) in enumerate(gdoc)],
         "leak_max": leak_max.tolist(), "leak_mean": leak_mean.tolist(),
-        "leak_kind": [[None if k < 0 else K.KINDS[k] for k in row] for row in kind.tolist()],
+        "leak_kind": [[None if k < 0 else Kind(k).label for k in row] for row in kind.tolist()],
         "fp64_change": None if fp64_max is None else fp64_max.tolist(),
         "leaks": leaks, "self_change": self_change.tolist(), "unmoved_documents": dead,
     }
