@@ -34,7 +34,8 @@ else
   # torchvision/torchaudio/torchcodec are optional for a text model; when their build does
   # not match vLLM's torch their import breaks `import vllm`, so drop those that fail.
   for pkg in torchvision torchaudio torchcodec; do
-    if ! "$VENV/bin/python" -c "import $pkg" >/dev/null 2>&1; then
+    if "$VENV/bin/pip" show -q "$pkg" >/dev/null 2>&1 && ! "$VENV/bin/python" -c "import $pkg" >/dev/null 2>&1; then
+      echo "vllm_cpu.sh: $pkg does not import against vLLM's torch: removing it"
       "$VENV/bin/pip" uninstall -q -y "$pkg" || true
     fi
   done

@@ -5,6 +5,8 @@ from trainprobes.errors import InvalidArgument, TargetError
 from trainprobes.isolation import batch_invariance
 from trainprobes.isolation.controls import exact_matmul, integer_rows, split_by_batch
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 G = torch.Generator().manual_seed(0)
 XI = integer_rows()
 

@@ -5,6 +5,8 @@ import pytest
 from trainprobes.cli import main
 from trainprobes.result import load_results
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 C = "trainprobes.isolation.controls"
 
 
@@ -25,7 +27,7 @@ def test_documents_leak_exits_1_and_prints_the_matrix(capsys, tmp_path):
 
 def test_documents_isolated_json_document_shape(capsys):
     code, out, _ = run(capsys, "documents", "--make", f"{C}:block_diagonal", "--vocab", "50",
-                       "--lengths", "6,7/5,8", "--json")
+                       "--lengths", "6,7/5,8", "--no-causal", "--json")
     doc = json.loads(out)
     assert code == 0 and set(doc) == {"schema_version", "command", "results"}
     assert doc["command"] == "isolation documents"

@@ -22,6 +22,7 @@ class _BatchMean(PackedAttention):
         return y + y.mean(0, keepdim=True)
 
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 X = torch.randint(0, V, (1, 18), generator=torch.Generator().manual_seed(3))
 P = Packing.of([6, 7, 5])
 

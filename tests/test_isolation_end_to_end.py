@@ -5,6 +5,8 @@ import torch
 from trainprobes.errors import InvalidArgument, TargetError
 from trainprobes.isolation.end_to_end import end_to_end
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 V, H = 32, 64
 G = torch.Generator().manual_seed(0)
 E = torch.randint(-4, 4, (V, H), generator=G).float()   # integer-valued: exact logits

@@ -7,6 +7,7 @@ pytest.importorskip("transformers")
 from trainprobes.isolation import Packing, documents  # noqa: E402
 from trainprobes.isolation.hf import VOCAB, PackedModel, by_hand, tiny_model  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 P = Packing.of([10, 12, 8])
 X = torch.randint(0, VOCAB, (1, P.length), generator=torch.Generator().manual_seed(0))
 
@@ -62,6 +63,6 @@ def test_moe_kernel_noise_is_not_a_leak_and_a_missing_mask_is():
 @pytest.mark.slow
 def test_within_document_causality_runs_through_the_causality_probe():
     model = PackedModel(tiny_model("mistral", "sdpa"), "mask_4d")
-    r = documents(model, X, P, vocab=VOCAB, target="mistral")
+    r = documents(model, X, P, vocab=VOCAB, target="mistral", cuts=[4, 11, 20, 27])
     assert r.metrics["causal"] is True and r.metrics["causality_evaluations"] > 0
     assert r.evidence["causality"]["verdict"] == "pass"

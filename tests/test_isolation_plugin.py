@@ -11,6 +11,8 @@ from trainprobes.isolation.controls import (
 )
 from trainprobes.pytest_plugin import Recorder, TrainProbes
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 X = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
 
 

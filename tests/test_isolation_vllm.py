@@ -13,6 +13,7 @@ from trainprobes.cli import main  # noqa: E402
 from trainprobes.drift.adapters import vllm_logprobs  # noqa: E402
 from trainprobes.isolation.vllm_sample import batch_invariance_figures, judge, load_sample  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 DATA = Path(__file__).parent / "data" / "vllm_tiny_llama.npz"
 
 
@@ -51,13 +52,10 @@ def test_the_adapter_reads_vllm_shaped_outputs_of_these_samples(sample):
 
 
 @pytest.mark.parametrize("case, trainer_t, verdicts", [
-    ("fp32_raw_t1", 1.0, {"clean"}),
     ("fp32_processed_t0.7", 0.7, {"clean"}),        # processed: after temperature, as the trainer
     ("fp32_raw_t0.7", 1.0, {"clean"}),              # raw: before temperature
     ("fp32_raw_t0.7", 0.7, {"biased"}),             # raw log-probs, trainer divides by T (TRL#4159)
-    ("fp32_processed_t0.7", 1.0, {"biased"}),
-    ("bf16_raw_t1", 1.0, {"noisy"}),                # bf16 engine vs fp32 trainer: zero-mean noise
-    ("bf16_processed_t0.7", 0.7, {"noisy"})])
+    ("bf16_processed_t0.7", 0.7, {"noisy"})])       # bf16 engine vs fp32 trainer: zero-mean noise
 def test_drift_verdicts_follow_the_mechanism(sample, model, case, trainer_t, verdicts):
     r = judge(sample, case, temperature=trainer_t, model=model)
     assert r.metrics["drift_verdict"] in verdicts, r.message
