@@ -175,9 +175,10 @@ def reveal_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
 
 def isolation_ops_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
     """This machine's per-op batch-invariance map (trainprobes.isolation.ops): each op alone
-    vs inside batches, bit for bit, fp32 and bf16. Variance here is a fact about the torch
-    build and device (verdict warn, TP-I2), not a failure; the gate blocks an op that was
-    invariant in the baseline and is variant now."""
+    vs inside batches, bit for bit, fp32 and bf16, small shapes. A variant op fails with
+    TP-I2 (the verdict follows `batch_invariant`), though it is a fact about the torch build
+    and device rather than a bug; the gate blocks an op that was invariant in the baseline
+    and is variant now."""
     from trainprobes.isolation.ops import OP_NAMES
 
     def one(op):
