@@ -34,3 +34,37 @@ def test_isolation_unknown_never_passes():
     rep = compare([res("isolation.documents", "isolated", True)],
                   [res("isolation.documents", "isolated", None, "fail", ["TP-C2"])])
     assert rep.exit_code == 1 and rep.blocking[0].code == "TP-C2"
+
+
+def test_each_isolation_probe_reports_only_documented_metrics_and_its_verdict_boolean():
+    import torch
+    from trainprobes.gate import check_judgeable
+    from trainprobes.isolation import batch_invariance, documents
+    from trainprobes.isolation.controls import (
+        VOCAB,
+        block_diagonal,
+        causal_over_row,
+        exact_matmul,
+        integer_rows,
+        split_by_batch,
+    )
+    from trainprobes.isolation.end_to_end import end_to_end
+    from trainprobes.result import PROBES, VERDICT_FLAGS
+
+    x = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(0))
+    seqs = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(1))
+
+    def lm(ids):  # exact integer logits: batch-invariant
+        return torch.log_softmax(integer_rows(0, VOCAB)[:, :VOCAB][ids][:, :-1], -1).gather(
+            2, ids[:, 1:, None])[..., 0]
+    results = [documents(block_diagonal(), x, [4, 6], vocab=VOCAB, causal=False),
+               documents(causal_over_row(), x, [4, 6], vocab=VOCAB, cuts=[4]),
+               batch_invariance(exact_matmul, integer_rows(), sizes=(2,)),
+               batch_invariance(split_by_batch, integer_rows(), sizes=(2,)),
+               end_to_end(lm, seqs, sizes=(2,))]
+    for r in results:
+        spec = PROBES[r.probe]
+        assert not [k for k in r.metrics if not spec.documents(k)], r.probe
+        assert (r.flag() is VERDICT_FLAGS[spec.flag]) == r.passed, (r.probe, r.verdict)
+        check_judgeable(r, "candidate")
+        assert Result.from_json(r.to_json()) == r

@@ -65,9 +65,9 @@ def available_implementations() -> list[str]:
 
 
 def tiny_model(family: str, attn_implementation: str = "sdpa", *, seed: int = 0,
-               dtype: torch.dtype = torch.float32, **overrides):
+               dtype: torch.dtype = torch.float32, device: str = "cpu", **overrides):
     """A random causal LM of `family` (hidden 32, 2 layers, 4 heads, 2 KV heads, vocab 128),
-    in eval mode, on the CPU, built without any download."""
+    in eval mode, built without any download (the weights drawn on the CPU from seed)."""
     check_choice(family, "family", FAMILIES)
     check_choice(attn_implementation, "attn_implementation", IMPLEMENTATIONS)
     tf = _transformers()
@@ -80,7 +80,7 @@ def tiny_model(family: str, attn_implementation: str = "sdpa", *, seed: int = 0,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = getattr(tf, model_name)(cfg)
-    return model.to(dtype).eval()
+    return model.to(dtype=dtype, device=device).eval()
 
 
 class PackedModel(torch.nn.Module):
@@ -146,9 +146,12 @@ class PackedModel(torch.nn.Module):
         model = copy.deepcopy(self.model).double()
         substituted = []
         cfg = model.config
-        if self.implementation == "flex_attention" and not torch.cuda.is_available():
+        if self.implementation == "flex_attention" and model.device.type == "cpu":
             model.set_attn_implementation("eager")
             substituted.append("attention: flex_attention -> eager")
+        if self.implementation == "flash_attention_2":  # fp16/bf16 kernels only
+            model.set_attn_implementation("sdpa")
+            substituted.append("attention: flash_attention_2 -> sdpa")
         experts = getattr(cfg, "_experts_implementation", None)
         if experts not in (None, "eager"):
             cfg._experts_implementation = "eager"
@@ -200,20 +203,22 @@ def by_hand(model: PackedModel, tokens: torch.Tensor, packing: Packing, seed: in
 
 
 def packed_table(families=tuple(FAMILIES), implementations=None, conventions=CONVENTIONS, *,
-                 lengths=(10, 12, 8), seed: int = 0, causal: bool = False,
+                 lengths=(10, 12, 8), seed: int = 0, causal: bool = False, device: str = "cpu",
                  progress=None) -> list[TableRow]:
     """The documents probe on every family x implementation x convention available here,
-    beside the by-hand check. Combinations that cannot run (a boolean mask for
-    flex_attention) are left out."""
+    beside the by-hand check, in fp32 (bf16 for flash_attention_2, which has no fp32
+    kernel). Combinations that cannot run (a boolean mask for flex_attention) are left out."""
     from trainprobes.isolation.documents import documents
 
     impls = available_implementations() if implementations is None else list(implementations)
     packing = Packing.of(list(lengths))
-    tokens = torch.randint(0, VOCAB, (1, packing.length), generator=torch.Generator().manual_seed(seed))
+    tokens = torch.randint(0, VOCAB, (1, packing.length),
+                           generator=torch.Generator().manual_seed(seed)).to(device)
     rows = []
     for family in families:
         for impl in impls:
-            base = tiny_model(family, impl, seed=seed)
+            dtype = torch.bfloat16 if impl == "flash_attention_2" else torch.float32
+            base = tiny_model(family, impl, seed=seed, dtype=dtype, device=device)
             for conv in conventions:
                 if impl == "flex_attention" and conv == "mask_4d_bool":
                     continue
