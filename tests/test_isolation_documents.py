@@ -87,6 +87,15 @@ def test_a_twin_with_other_kernels_only_settles_rounding_noise():
     assert r.metrics["isolated"] is True and "substituted: a kernel" in r.metrics["fp64"]
 
 
+def test_a_twin_that_is_not_the_target_s_function_is_refused():
+    """A leak-free "twin" of a leaking target would excuse the leak: it disagrees with the
+    target on the unperturbed row, so it is refused and the leak stays structural."""
+    honest = ToyAttention("block").double()
+    r = documents(ToyAttention("causal"), X, P, vocab=V, fp64=lambda x, p: honest(x, p), causal=False)
+    assert r.metrics["isolated"] is False and r.metrics["n_leaks"] == 3
+    assert "not the target's function" in r.metrics["fp64"]
+
+
 def test_batched_mode_takes_one_call():
     r = documents(ToyAttention("causal"), X, P, vocab=V, batched=True, causal=False)
     assert r.metrics["n_evaluations"] == 1 and r.metrics["isolated"] is False

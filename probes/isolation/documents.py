@@ -157,7 +157,7 @@ def _judge(y0, ys, gid, D, twin: Twin, x, perturbed, atol):
         got = {}
 
         def pair(s=s):
-            got["pair"] = twin.pair(x, perturbed(s))
+            got["pair"] = twin.pair(x, perturbed(s), y0)
             return got["pair"]
         kinds = classify_changes(where, base, Outputs(ys[s]), fp64=pair,
                                  atol=atol, same_shape=bool(twin.substituted))
