@@ -94,7 +94,7 @@ def documents(fn: Callable, tokens: torch.Tensor, lengths, *, output=None, seed:
     check_type(str, name, "target")
     if fp64 is not None and fp64 is not False and not callable(fp64):
         raise InvalidType(f"fp64={fp64!r} must be None (auto), False (none) or a callable "
-                            f"fn64(tokens, packing) computing in float64")
+                          f"fn64(tokens, packing) computing in float64")
     tgt = Target(Packed(fn, packing, name), name, decision=output)
     twin = Twin(fn, fp64, packing, name, output)
     docs = packing.documents
