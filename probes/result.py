@@ -326,7 +326,7 @@ class Result:
             return None
         v = self.metrics[name]
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise InvalidType(f"{self.key}: metric {name}={v!r} is a {type(v).__name__}, "
+            raise InvalidType(f"{self.key!r}: metric {name}={v!r} is a {type(v).__name__}, "
                               "expected a number")
         return float(v)
 
@@ -339,17 +339,17 @@ class Result:
         if name is None:
             spec = PROBES.get(self.probe)
             if spec is None or spec.flag is None:
-                raise CannotJudge(f"{self.key}: probe {self.probe!r} documents no verdict "
+                raise CannotJudge(f"{self.key!r}: probe {self.probe!r} documents no verdict "
                                   f"boolean (one of {sorted(VERDICT_FLAGS)})")
             name = spec.flag
         if name not in self.metrics:
-            raise CannotJudge(f"{self.key}: metric {name!r} (the verdict boolean) is missing")
+            raise CannotJudge(f"{self.key!r}: metric {name!r} (the verdict boolean) is missing")
         v = self.metrics[name]
         if v is not None and not isinstance(v, bool):
-            raise CannotJudge(f"{self.key}: metric {name}={v!r} is mistyped: a "
+            raise CannotJudge(f"{self.key!r}: metric {name}={v!r} is mistyped: a "
                               f"{type(v).__name__}, expected true or false")
         if v is None and self.passed:
-            raise CannotJudge(f"{self.key}: metric {name}=None (nothing measured) beside "
+            raise CannotJudge(f"{self.key!r}: metric {name}=None (nothing measured) beside "
                               f"verdict {self.verdict!r}")
         return v
 

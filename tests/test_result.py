@@ -214,7 +214,7 @@ def test_number_reads_numbers_and_names_a_mistyped_one():
     r = _r(metrics={"bias": math.nan, "n": 3, "s": "nan", "b": True})
     assert math.isnan(r.number("bias")) and r.number("n") == 3.0 and r.number("absent") is None
     for name in ("s", "b"):
-        with pytest.raises(InvalidType, match=rf"numerics.bias::t: metric {name}=.* expected a number"):
+        with pytest.raises(InvalidType, match=rf"'numerics.bias::t': metric {name}=.* expected a number"):
             r.number(name)
 
 
