@@ -551,3 +551,13 @@ def test_real_probe_results_are_judgeable_every_verdict_path():
     assert ("fail", None) in verdicts and ("fail", True) in verdicts and ("fail", False) in verdicts
     rep = compare(results, results, today=TODAY)
     assert rep.exit_code == 0 and rep.cannot_judge is None and rep.compared == len(results)
+
+
+@pytest.mark.parametrize("side", ["baseline", "candidate"])
+def test_any_documented_number_mistyped_cannot_judge(tmp_path, side):
+    # a metric no rule reads is still part of the Result the gate vouches for
+    stall = R("numerics.stall", rows=3, rows_over_tolerance=0, **{"sequential_sum[fp16,1]": 2048.0})
+    rep = _edited(tmp_path, side, lambda r: r["metrics"].update({"sequential_sum[fp16,1]": "2048"}),
+                  [stall])
+    assert rep.exit_code == 2
+    assert "metric sequential_sum[fp16,1]='2048' is a str, expected a number" in rep.cannot_judge
