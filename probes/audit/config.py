@@ -38,6 +38,8 @@ HARNESS_KEYS = {
     "drift": COMMON | {"engine", "train", "infer", "rollouts", "intersect_masks", "_base_dir"},
     "collectives": COMMON | {"world", "dtype", "algorithm", "backend", "op", "numel"},
 }
+
+
 def read_config(path) -> dict | None:
     """The [tool.trainprobes] table of a TOML file (or its top level when it has no tool table)."""
     path = Path(path)

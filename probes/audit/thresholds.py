@@ -56,7 +56,7 @@ def apply_thresholds(result, entry: dict, section: str):
             value = result.metrics.get(metric)
             if value is None or isinstance(value, (bool, str)):
                 unchecked.append(f"{metric} ({table}) is not in this Result")
-            elif not (not worse(value, limit) and value == value):  # NaN crosses every limit
+            elif value != value or worse(value, limit):  # NaN crosses every limit
                 broken.append(f"{metric} = {value:.4g} {'>' if table == 'fail_above' else '<'} "
                               f"{limit:g} ({table})")
     if entry.get("fail_above") or entry.get("fail_below"):
