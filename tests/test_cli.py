@@ -1,5 +1,6 @@
 """The `trainprobes` command line as a whole: --version, typos, options parsed by type=
 callables, and one report shape for every command's --json that the gate reads."""
+import argparse
 import inspect
 import json
 import re
@@ -38,8 +39,14 @@ def test_every_option_with_a_value_is_parsed_by_a_checking_type(command):
     # no hand-validation followed by `return 2`: numbers and choices are refused by argparse
     # before any work, with the validation module's message
     from trainprobes.commands import options
-    p = _subparsers()[command]
-    for action in p._actions:
+    parsers, actions = [_subparsers()[command]], []
+    while parsers:  # a command's own subcommands (`isolation documents`) too
+        for action in parsers.pop()._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers += list(action.choices.values())
+            else:
+                actions.append(action)
+    for action in actions:
         if action.nargs == 0 or action.dest == "help":
             continue
         if isinstance(action.default, (int, float)) and not isinstance(action.default, bool):

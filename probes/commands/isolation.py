@@ -12,7 +12,6 @@ per-op map exits 0: it maps the machine), 2 could not run.
 """
 from __future__ import annotations
 
-import json
 import sys
 
 HELP = "packed-document isolation and batch invariance (per op, end to end, vLLM)"
@@ -54,9 +53,8 @@ def _common(p, json_too: bool = True) -> None:
     from trainprobes.validation import parse_int
     p.add_argument("--seed", type=parse_int("seed", min=0), default=0, help="seed (0)")
     if json_too:
-        p.add_argument("--json", action="store_true",
-                       help='print {"schema_version", "command", "results": [...]}')
-        p.add_argument("--output", metavar="FILE", help="also save the Results as a JSON report")
+        from trainprobes.commands.options import add_report_options
+        add_report_options(p)
 
 
 def add_arguments(parser) -> None:
@@ -126,19 +124,13 @@ def _picker(s):
 
 
 def run(args) -> int:
+    from trainprobes.commands.options import emit_report
     from trainprobes.errors import TrainprobesError
     try:
         results, code = globals()[f"_{args.isolation_command}"](args)
-    except (TrainprobesError, ValueError, TypeError, ImportError) as e:
-        print(f"trainprobes isolation {args.isolation_command}: error: {e}", file=sys.stderr)
-        return 2
-    if args.output:
-        from trainprobes.result import save_results
-        save_results(args.output, results, command=f"isolation {args.isolation_command}")
-    if args.json:
-        from trainprobes.result import SCHEMA_VERSION
-        print(json.dumps({"schema_version": SCHEMA_VERSION, "command": f"isolation {args.isolation_command}",
-                          "results": [r.to_dict() for r in results]}, indent=2))
+    except ImportError as e:  # transformers, or a target's own dependency, is missing
+        raise TrainprobesError(f"isolation {args.isolation_command} cannot run: {e}") from e
+    emit_report(args, results, command=f"isolation {args.isolation_command}")
     return code
 
 
