@@ -15,7 +15,7 @@ OPTIONS = dict(alpha=0.01, clip=2.0, clean_tol=1e-3, noise_kl_max=1e-3, tail_fra
     (dict(tail_frac=0), InvalidArgument, r"tail_frac=0 must be a finite number in \(0, 1\]"),
     (dict(min_bias=True), InvalidArgument, "min_bias=True"),
     (dict(thresholds=[("k3_kl", 1)]), InvalidType, "thresholds=.* must be dict"),
-    (dict(thresholds={"k3_kl": -1}), InvalidArgument, r"thresholds\['k3_kl'\]=-1"),
+    (dict(thresholds={"k3_kl": "tight"}), InvalidArgument, r"thresholds\['k3_kl'\]='tight' must be a number"),
     (dict(thresholds={"k3": 1}), InvalidArgument, "unknown metrics"),
 ])
 def test_bad_options_name_the_argument(change, error, match):
@@ -23,9 +23,11 @@ def test_bad_options_name_the_argument(change, error, match):
         check_options(**{**OPTIONS, **change})
 
 
-def test_infinite_tolerances_are_allowed_and_thresholds_come_back_as_a_dict():
+def test_infinite_tolerances_are_allowed_and_thresholds_come_back_as_a_dict_of_floats():
+    """A negative threshold is a number too: always exceeded, a way to force TP-D3."""
     assert check_options(**{**OPTIONS, "kl_warn": math.inf, "min_bias": math.inf}) is None
-    assert check_options(**OPTIONS, thresholds={"k3_kl": math.inf}) == {"k3_kl": math.inf}
+    assert check_options(**OPTIONS, thresholds={"k3_kl": math.inf, "k2_kl": -1}) == {"k3_kl": math.inf,
+                                                                                     "k2_kl": -1.0}
 
 
 def test_judge_keeps_the_metric_keys_the_gate_reads():

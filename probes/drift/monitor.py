@@ -26,7 +26,7 @@ from trainprobes.drift.stats import (
 from trainprobes.drift.tokens import Bins, Work, token_sums
 from trainprobes.drift.verdict import check_options, judge
 from trainprobes.errors import InvalidArgument, TrainprobesError
-from trainprobes.validation import check_choice, check_int
+from trainprobes.validation import check_choice, check_int, check_number, check_type
 
 HISTORY_KEYS = ("n_tokens", "mean_log_ratio", "std_log_ratio", "k3_kl", "chi2_token",
                 "frac_ratio_outside", "max_abs_log_ratio", "ess_token", "mean_abs_prob_diff",
@@ -56,6 +56,8 @@ class DriftMonitor:
     DriftAlarm (on_alarm="raise") or records it in `alarms` (on_alarm="record").
     history: how many steps of per-step rows to keep (a deque; None keeps all).
     The other options are those of `compare` and feed the same verdict in `summary()`.
+    Besides its sums the monitor keeps one block of work buffers, 13 bytes per token of its
+    largest step (of at most tokens.BLOCK_ELEMENTS tokens), so steps do not pay page faults.
     """
 
     def __init__(self, *, thresholds: dict | None = None, on_alarm: str = "raise",
@@ -65,10 +67,12 @@ class DriftMonitor:
                  target: str = "train vs infer"):
         check_options(alpha=alpha, clip=clip, clean_tol=clean_tol, noise_kl_max=noise_kl_max,
                       tail_frac=tail_frac, tail_share_min=tail_share_min, kl_warn=kl_warn, min_bias=min_bias)
-        thresholds = dict(thresholds or {})
+        thresholds = dict(check_type(dict, thresholds or {}, "thresholds", hint="a dict metric -> max |value|"))
         unknown = [k for k in thresholds if k not in HISTORY_KEYS]
         if unknown:
             raise InvalidArgument(f"thresholds names {unknown!r}; per-step metrics are {HISTORY_KEYS}")
+        thresholds = {k: check_number(v, f"thresholds[{k!r}]", finite=False, hint="the max allowed |value|")
+                      for k, v in thresholds.items()}
         check_choice(on_alarm, "on_alarm", ("raise", "record"))
         if history is not None:
             check_int(history, "history", min=1, hint="steps of history to keep, or None for all")
@@ -107,13 +111,13 @@ class DriftMonitor:
         self.x_min, self.x_max = min(self.x_min, t.x_min), max(self.x_max, t.x_max)
         self.max_adp = max(self.max_adp, t.adp_max)
         mean = t.s1 / n
+        ratios = ratio_metrics(n, t.se, t.see, t.x_min, t.x_max)
         row = {"step": self.steps, "n_tokens": n, "mean_log_ratio": mean,
                "std_log_ratio": math.sqrt(max(t.s2 / n - mean * mean, 0.0)),
-               "k3_kl": max(t.k3 / n, 0.0), "frac_ratio_outside": t.n_out / n,
-               "max_abs_log_ratio": max(-t.x_min, t.x_max), "mean_abs_prob_diff": t.adp / n,
+               "k3_kl": max(t.k3 / n, 0.0), "chi2_token": ratios["chi2_token"],
+               "frac_ratio_outside": t.n_out / n, "max_abs_log_ratio": max(-t.x_min, t.x_max),
+               "ess_token": ratios["ess_token"], "mean_abs_prob_diff": t.adp / n,
                "max_abs_prob_diff": t.adp_max}
-        ratios = ratio_metrics(n, t.se, t.see, t.x_min, t.x_max)
-        row.update({k: ratios[k] for k in ("chi2_token", "ess_token")})
         self.history.append(row)
         self.steps += 1
         for name, limit in self.thresholds.items():

@@ -30,9 +30,8 @@ def check_options(*, alpha, clip, clean_tol, noise_kl_max, tail_frac, tail_share
     unknown = [k for k in thresholds if k not in METRICS]
     if unknown:
         raise InvalidArgument(f"thresholds names unknown metrics {unknown!r}; known: {sorted(METRICS)}")
-    for k, v in thresholds.items():
-        check_number(v, f"thresholds[{k!r}]", min=0, finite=False, hint="the max allowed |value|")
-    return dict(thresholds)
+    return {k: check_number(v, f"thresholds[{k!r}]", finite=False, hint="the max allowed |value|")
+            for k, v in thresholds.items()}
 
 
 def classify(metrics: dict, *, alpha: float, clean_tol: float, tail_frac: float,
