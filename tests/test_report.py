@@ -6,7 +6,7 @@ import json
 import re
 
 import pytest
-from trainprobes.report import outline, render_html, report_document, summary_markdown, write_report
+from trainprobes.report import outline, render_html, summarised_document, summary_markdown, write_report
 from trainprobes.report.evidence import LIMIT, dumps, summarise
 from trainprobes.report.plots import KINDS, figure, render_png
 from trainprobes.result import SCHEMA_VERSION, Result, load_results
@@ -205,7 +205,7 @@ def test_report_json_is_the_document_json_prints_and_cuts_long_evidence(tmp_path
     paths = write_report(tmp_path, [r], {"command": "audit", "history_plots": [SPECS["line"]]})
     doc = json.loads(paths["json"].read_text())
     doc.pop("report_seconds")
-    assert doc == json.loads(json.dumps(report_document([r], {"command": "audit"})))
+    assert doc == json.loads(json.dumps(summarised_document([r], {"command": "audit"})))
     assert list(doc)[:2] == ["schema_version", "command"] and list(doc)[-1] == "results"
     assert "history_plots" not in doc  # drawn in report.html only
     assert doc["results"][0]["evidence"]["truncated"] == {"leaks": 500}

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 from trainprobes.report.outline import TREND_METRICS, is_problem
-from trainprobes.result import Result, to_jsonable, write_atomic
+from trainprobes.result import Result, SchemaError, from_jsonable, to_jsonable, write_atomic
 
 HISTORY_FILE = "history.jsonl"
 # Lines per picture: more would be unreadable; the rest are named as hidden, never dropped
@@ -54,8 +54,8 @@ def read_history(history_dir) -> list[dict]:
     runs = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            doc = json.loads(line)
-        except json.JSONDecodeError:
+            doc = from_jsonable(json.loads(line))  # {"$float": "nan"} back to a float
+        except (json.JSONDecodeError, SchemaError):
             continue
         if isinstance(doc, dict) and isinstance(doc.get("metrics"), dict):
             runs.append(doc)
@@ -115,7 +115,7 @@ def trend_plots(runs: list[dict], max_series: int = MAX_SERIES) -> list[dict]:
         probe, target = key.split("::", 1)
         fam = ".".join(probe.split(".")[:2])
         table.setdefault(fam, {}).setdefault(metric, {})[target] = \
-            [run["metrics"].get(k, "nan") for run in runs]
+            [run["metrics"].get(k, math.nan) for run in runs]
     for fam, by_metric in table.items():
         targets = list(dict.fromkeys(t for m in by_metric.values() for t in m))
         moved = {t: max(change(m[t]) for m in by_metric.values() if t in m) for t in targets}

@@ -127,6 +127,50 @@ def nccl_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
     return [_real_collectives("nccl", min(torch.cuda.device_count(), 8), seed)]
 
 
+def isolation_ops_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
+    """This machine's per-op batch-invariance map (trainprobes.isolation.ops): each op alone
+    vs inside batches, bit for bit, fp32 and bf16, small shapes. A variant op fails with
+    TP-I2 (the verdict follows `batch_invariant`, as the gate requires), though it is a fact
+    about the torch build and device (CPU fp32 matmuls are variant) rather than a bug; the
+    gate blocks an op that was invariant in the baseline and is variant now."""
+    from trainprobes.isolation.ops import OP_NAMES
+
+    def one(op):
+        def run():
+            from trainprobes.isolation.ops import op_map
+            return op_map([op], sizes=(2, 3, 4, 8) if quick else (2, 3, 4, 7, 8, 16, 32),
+                          trials=2 if quick else 3, seed=seed, quick=True)
+        return Check("isolation", f"batch invariance of torch.{op}", run)
+    return [one(op) for op in OP_NAMES]
+
+
+def isolation_documents_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
+    """The packed-document table of the HF attention implementations present: tiny random
+    Llama and Qwen2-MoE (quick: Llama, and no flex_attention, whose compilation alone takes
+    10-30 s) under each packing convention transformers offers. A correct block-diagonal
+    4-D mask is a control known to isolate (expected pass); the other rows are findings
+    about the installed transformers."""
+    from trainprobes.isolation.hf import available_implementations
+
+    families = ("llama",) if quick else ("llama", "qwen2_moe")
+    impls = [i for i in available_implementations() if not (quick and i == "flex_attention")]
+
+    def one(impl):
+        def run():
+            from trainprobes.isolation.hf import packed_table
+            out = []
+            for row in packed_table(families, [impl], seed=seed):
+                r = row.result
+                r.metrics["by_hand_change"] = row.by_hand
+                if row.convention == "mask_4d":
+                    r.expected = "pass"
+                    r.message = "control, a block-diagonal mask isolates: " + r.message
+                out.append(r)
+            return out
+        return Check("isolation", f"packed documents under {impl} attention", run)
+    return [one(impl) for impl in impls]
+
+
 # --- calibration ---------------------------------------------------------------------------
 
 # Formats in the stall table: the ones training recipes use.
@@ -301,18 +345,24 @@ class Family:
     build: Callable[..., list]                 # (seed=, quick=) -> [Check]
     needs: Callable[[], "str | None"] | None = None   # why this machine cannot run it
     worker: bool = False       # run in a second process beside the others (a second core)
+    default: bool = True       # in the suite without --families (else asked for by name)
 
 
-# In run order; the stack first. A per-op batch-invariance map of this machine's kernels
-# (trainprobes.isolation, in progress) belongs in the stack part: one entry here.
-# `needs` is called when the suite is built (through a lambda, so the hardware check it
-# names is looked up then: a test can stand in for a GPU).
+# In run order; the stack first. `needs` is called when the suite is built (through a
+# lambda, so the hardware check it names is looked up then: a test can stand in for a GPU).
+# Not in the default run, only by name: batch_invariance (a batch-variant op FAILs, TP-I2,
+# and CPU fp32 matmuls are variant, so every healthy CPU machine would show red; it joins
+# the default once a machine fact may be a watch-out for the gate) and documents (tiny HF
+# models under each attention implementation: tens of seconds, and needs transformers).
 FAMILIES = {
     "reveal": Family(STACK, "trainprobes.numerics.reveal", reveal_checks),
     "gpu_kernels": Family(STACK, "trainprobes.numerics.reveal", gpu_kernel_checks,
                           lambda: _cuda()),
     "gloo": Family(STACK, "trainprobes.distributed", gloo_checks),
     "nccl": Family(STACK, "trainprobes.distributed", nccl_checks, lambda: _nccl()),
+    "batch_invariance": Family(STACK, "trainprobes.isolation.ops", isolation_ops_checks,
+                               default=False),
+    "documents": Family(STACK, "transformers", isolation_documents_checks, default=False),
     "stall": Family(CALIBRATION, "trainprobes.numerics.stall", stall_checks),
     "sites": Family(CALIBRATION, "trainprobes.numerics.sites", sites_checks),
     # the largest calibration family: in a worker process it balances the two cores (gloo's
@@ -326,7 +376,7 @@ FAMILIES = {
 
 def _names(families) -> list[str]:
     if families is None:
-        return list(FAMILIES)
+        return [name for name, fam in FAMILIES.items() if fam.default]
     if isinstance(families, str):
         families = [families]
     return [check_choice(n, "families", FAMILIES, hint="default-suite families") for n in families]

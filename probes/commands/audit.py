@@ -32,7 +32,8 @@ def add_arguments(p):
     p.add_argument("--families", metavar="A,B", default=None,
                    help="only these default-suite families (implies --default): reveal, "
                         "gpu_kernels, gloo, nccl (your stack); stall, sites, collectives, "
-                        "causality, drift (calibration)")
+                        "causality, drift (calibration); batch_invariance and documents run "
+                        "only when named here")
     p.add_argument("--quick", action="store_true", help="a smaller default suite (smoke test)")
     p.add_argument("--seed", type=parse_int("seed", min=0), default=None,
                    help="seed for every random choice (default 0)")
@@ -105,6 +106,7 @@ def run(args) -> int:
     started = _started()
     from trainprobes.audit import Progress, run_audit
     from trainprobes.audit.suites import CONTROL_SEED
+    from trainprobes.commands.options import options_of
     from trainprobes.errors import ConfigError
 
     try:
@@ -135,7 +137,8 @@ def run(args) -> int:
     try:
         outcome = run_audit(checks, out, history=history, progress=progress,
                             full_evidence=args.full_evidence, started=started,
-                            meta={"suite": suite, "seed": seed, "skipped": skipped,
+                            meta={"options": options_of(args), "suite": suite, "seed": seed,
+                                  "skipped": skipped,
                                   "not_here": absent, "torch_threads": torch.get_num_threads(),
                                   **({"control_seed": CONTROL_SEED}
                                      if any(c.control for c in checks) else {})})

@@ -17,26 +17,25 @@ from trainprobes.display import append_step_summary
 from trainprobes.report.evidence import dumps, summarise
 from trainprobes.report.html import build_page, render_html
 from trainprobes.report.markdown import summary_markdown
-from trainprobes.result import SCHEMA_VERSION, Result, to_jsonable, write_atomic
+from trainprobes.result import Result, report_document, write_atomic
 
 __all__ = ["write_report", "render_html", "summary_markdown", "append_step_summary",
-           "report_document"]
+           "summarised_document"]
 
 # Drawn into report.html only; report.json stays the run's facts and its Results.
 HTML_ONLY = ("history_plots",)
 
 
-def report_document(results: list[Result], meta: dict | None = None, *,
-                    full_evidence: bool = False) -> dict:
-    """The report as one JSON-able document: what report.json holds and `--json` prints."""
-    meta = {k: v for k, v in (meta or {}).items() if k not in HTML_ONLY}
-    docs = []
-    for r in results:
-        d = r.to_dict()
-        if not full_evidence:
+def summarised_document(results: list[Result], meta: dict | None = None, *,
+                        full_evidence: bool = False) -> dict:
+    """What report.json holds and `--json` prints: trainprobes.result.report_document (the
+    one shape of a report), each Result's evidence summarised unless full_evidence."""
+    doc = report_document(results, **{k: v for k, v in (meta or {}).items()
+                                      if k not in HTML_ONLY})
+    if not full_evidence:
+        for d in doc["results"]:
             d["evidence"] = summarise(d["evidence"])
-        docs.append(d)
-    return {"schema_version": SCHEMA_VERSION, **to_jsonable(meta), "results": docs}
+    return doc
 
 
 def write_report(out_dir, results: list[Result], meta: dict | None = None, *,
@@ -59,7 +58,7 @@ def write_report(out_dir, results: list[Result], meta: dict | None = None, *,
     if started is not None:
         meta["seconds"] = round(time.perf_counter() - started, 2)
     meta["report_seconds"] = round(time.perf_counter() - t0, 2)
-    doc = report_document(results, meta, full_evidence=full_evidence)
+    doc = summarised_document(results, meta, full_evidence=full_evidence)
     paths = {"json": write_atomic(out_dir / "report.json", dumps(doc)),
              "markdown": write_atomic(out_dir / "summary.md", summary_markdown(results, meta)),
              "html": write_atomic(out_dir / "report.html", page.html())}
