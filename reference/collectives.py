@@ -38,8 +38,17 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
+from trainprobes.errors import InvalidArgument, InvalidType
 from trainprobes.reference.formats import ROUNDING_MODES, Format, get_format
 from trainprobes.reference.schedules import BLOCK, SequentialSchedule, get_schedule
+from trainprobes.validation import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_seed,
+    check_tensor,
+    check_type,
+)
 
 OPS = ("sum", "avg", "max", "min")
 AVG_MODES = ("premul", "divide")
@@ -85,52 +94,28 @@ class CollectiveInfo:
 def _as_world(inputs) -> list[torch.Tensor]:
     if isinstance(inputs, torch.Tensor):
         if inputs.dim() == 0:
-            raise ValueError("inputs is a 0-d tensor; pass a list with one tensor per rank "
-                             "(or a tensor whose first dimension is the world)")
+            raise InvalidArgument("inputs is a 0-d tensor; pass a list with one tensor per rank "
+                                  "(or a tensor whose first dimension is the world)")
         inputs = list(inputs.unbind(0))
-    elif not isinstance(inputs, (list, tuple)):
-        raise TypeError(f"inputs has type {type(inputs).__name__}; expected a list with one "
-                        f"tensor per rank")
+    check_type((list, tuple), inputs, "inputs", hint="a list with one tensor per rank")
     if len(inputs) == 0:
-        raise ValueError("inputs is empty: a collective needs at least one rank's tensor")
+        raise InvalidArgument("inputs is empty: a collective needs at least one rank's tensor")
     out = []
     for i, t in enumerate(inputs):
         if not isinstance(t, torch.Tensor):
             try:
                 t = torch.as_tensor(t)
             except Exception as e:
-                raise TypeError(f"inputs[{i}] has type {type(t).__name__}, expected a "
-                                f"torch.Tensor") from e
-        if t.dtype == torch.bool or t.is_complex():
-            raise TypeError(f"inputs[{i}] has dtype {t.dtype}; expected a real floating-point "
-                            f"or integer tensor")
+                raise InvalidType(f"inputs[{i}] has type {type(t).__name__}, expected a "
+                                  f"torch.Tensor") from e
+        check_tensor(t, f"inputs[{i}]", kind="real")
         if t.device.type == "meta":
-            raise ValueError(f"inputs[{i}] is on the meta device: it holds no values to reduce; "
-                             "pass tensors on cpu or cuda")
+            raise InvalidArgument(f"inputs[{i}] is on the meta device: it holds no values to "
+                                  "reduce; pass tensors on cpu or cuda")
         out.append(t)
-    first = out[0]
     for i, t in enumerate(out[1:], 1):
-        if t.shape != first.shape:
-            raise ValueError(f"inputs[{i}] has shape {tuple(t.shape)}, expected "
-                             f"{tuple(first.shape)} like inputs[0]")
-        if t.dtype != first.dtype:
-            raise ValueError(f"inputs[{i}] has dtype {t.dtype}, expected {first.dtype} like "
-                             f"inputs[0]")
-        if t.device != first.device:
-            raise ValueError(f"inputs[{i}] is on {t.device}, expected {first.device} like "
-                             f"inputs[0]")
+        check_tensor(t, f"inputs[{i}]", like=(out[0], "inputs[0]"))
     return out
-
-
-def _check_choice(name: str, value, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is unknown; expected one of {list(choices)}")
-
-
-def _check_root(root, world: int) -> int:
-    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < world:
-        raise ValueError(f"root={root!r} must be a rank in [0, {world})")
-    return root
 
 
 # ---------------------------------------------------------------- the arithmetic
@@ -185,24 +170,22 @@ class _Arithmetic:
     """The wire format, accumulator and rounding of one collective call."""
 
     def __init__(self, dtype, accum_dtype, rounding, saturate, seed, device="cpu"):
-        self.wire: Format = get_format(dtype)
+        self.wire: Format = get_format(dtype, "dtype")
         fp8 = self.wire.name.startswith("fp8")
         self.accum: Format = get_format(accum_dtype if accum_dtype is not None
-                                        else ("fp16" if fp8 else self.wire))
-        _check_choice("rounding", rounding, ROUNDING_MODES)
-        if saturate is not None and not isinstance(saturate, bool):
-            raise ValueError(f"saturate={saturate!r} must be None, True or False")
+                                        else ("fp16" if fp8 else self.wire), "accum_dtype")
+        check_choice(rounding, "rounding", ROUNDING_MODES)
+        if saturate is not None:
+            check_bool(saturate, "saturate", hint="or None: the backend's choice")
         self.rounding = rounding
         # saturate=None: the backend's behaviour: NCCL's fp8 adds end in a satfinite cast;
         # input casts follow the type (e4m3fn overflow -> NaN).
         self.sat_inputs = bool(saturate)
         self.sat_adds = fp8 if saturate is None else saturate
         if rounding == "stochastic":
-            if seed is None or isinstance(seed, bool) or not isinstance(seed, int):
-                raise ValueError(f"rounding='stochastic' needs seed=<int>, got seed={seed!r}")
-            if not -2**63 <= seed < 2**64:  # torch.Generator.manual_seed's range
-                raise ValueError(f"seed={seed!r} is out of range: a torch.Generator seed is an "
-                                 "int in [-2**63, 2**64)")
+            if seed is None:
+                raise InvalidArgument("rounding='stochastic' needs seed=<int>, got seed=None")
+            seed = check_seed(seed)
             self.gen = torch.Generator(device=device).manual_seed(seed)
         else:
             self.gen = None
@@ -296,25 +279,25 @@ def _reduce_world(collective, inputs, *, op, dtype, accum_dtype, algorithm, roun
                   avg, ranks_per_node, saturate, order, schedule=None):
     """Validate, round, reduce. Returns (flat float64 result, info-maker, tensors)."""
     tensors = _as_world(inputs)
-    _check_choice("op", op, OPS)
+    check_choice(op, "op", OPS)
     if order is not None:
         if algorithm not in ("ring", "order"):  # "ring" is the default: order= overrides it
-            raise ValueError(f"order= replays an explicit order; it cannot be combined with "
-                             f"algorithm={algorithm!r} (use algorithm='order' or leave it)")
+            raise InvalidArgument(f"order= replays an explicit order; it cannot be combined with "
+                                  f"algorithm={algorithm!r} (use algorithm='order' or leave it)")
         algorithm = "order"
     if avg is not None:
-        _check_choice("avg", avg, AVG_MODES)
+        check_choice(avg, "avg", AVG_MODES)
         if op != "avg":
-            raise ValueError(f"avg={avg!r} only applies to op='avg', not op={op!r}")
+            raise InvalidArgument(f"avg={avg!r} only applies to op='avg', not op={op!r}")
     elif op == "avg":
         avg = "divide" if algorithm == "gloo" else "premul"
     arith = _Arithmetic(dtype, accum_dtype, rounding, saturate, seed, tensors[0].device)
     itemsize = None
     if algorithm == "gloo":
         if arith.wire.name not in _GLOO_ITEMSIZE:
-            raise ValueError(f"dtype={dtype!r} with algorithm='gloo': gloo reduces only "
-                             f"{list(_GLOO_ITEMSIZE)} (float8 gives \"Invalid scalar type\"); "
-                             f"use an NCCL-modelled algorithm")
+            raise InvalidArgument(f"dtype={dtype!r} with algorithm='gloo': gloo reduces only "
+                                  f"{list(_GLOO_ITEMSIZE)} (float8 gives \"Invalid scalar "
+                                  f"type\"); use an NCCL-modelled algorithm")
         itemsize = _GLOO_ITEMSIZE[arith.wire.name]
     world, numel = len(tensors), tensors[0].numel()
     if schedule is None:
@@ -385,8 +368,8 @@ def reduce_scatter(inputs, *, op="sum", dtype="fp64", accum_dtype=None, algorith
     tensors = _as_world(inputs)
     world, shape = len(tensors), tuple(tensors[0].shape)
     if len(shape) == 0 or shape[0] % world:
-        raise ValueError(f"inputs[0] has shape {shape}; reduce_scatter needs a first dim "
-                         f"divisible by the world ({world}), e.g. ({world * 4},)")
+        raise InvalidArgument(f"inputs[0] has shape {shape}; reduce_scatter needs a first dim "
+                              f"divisible by the world ({world}), e.g. ({world * 4},)")
     total, info, _ = _reduce_world(
         "reduce_scatter", tensors, op=op, dtype=dtype, accum_dtype=accum_dtype,
         algorithm=algorithm, rounding=rounding, seed=seed, avg=avg,
@@ -406,7 +389,7 @@ def reduce(inputs, *, root=0, op="sum", dtype="fp64", accum_dtype=None, algorith
     """
     tensors = _as_world(inputs)
     world = len(tensors)
-    root = _check_root(root, world)
+    root = check_int(root, "root", min=0, max=world - 1, hint="a rank")
     schedule = None
     if algorithm == "ring" and order is None:
         schedule = SequentialSchedule(world, tensors[0].numel(), start=(root + 1) % world)
@@ -439,7 +422,7 @@ def all_gather(inputs, *, dtype="fp64", rounding="nearest", seed=None, saturate=
 def broadcast(inputs, *, root=0, dtype="fp64", rounding="nearest", seed=None, saturate=None):
     """Every rank gets rank `root`'s input rounded once to the wire format (shared)."""
     tensors = _as_world(inputs)
-    root = _check_root(root, len(tensors))
+    root = check_int(root, "root", min=0, max=len(tensors) - 1, hint="a rank")
     arith = _Arithmetic(dtype, None, rounding, saturate, seed, tensors[0].device)
     out = arith.stack([tensors[root]])[0].to(torch.float64).reshape(tensors[root].shape)
     return [out] * len(tensors)
