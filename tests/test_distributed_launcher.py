@@ -160,3 +160,20 @@ def test_nccl_without_cuda_is_refused_clearly():
 def test_free_port_is_bindable():
     p = L.free_port()
     assert 0 < p < 65536 and L.port_is_free(p)
+
+
+def test_plain_data_comes_back_without_unpickling_objects(reaper):
+    import torch
+    from trainprobes.distributed.selftest import plain_task
+    out = L.launch(plain_task, 2, timeout=120)
+    assert [o["rank"] for o in out] == [0, 1] and out[1][7] == b"bytes"
+    assert out[1]["nested"] == [None, 1.5, ("a", True)]
+    assert torch.equal(out[1]["tensor"], torch.ones(3, dtype=torch.bfloat16))
+
+
+def test_a_task_returning_objects_is_refused_naming_it(reaper):
+    from trainprobes.distributed.selftest import object_task
+    with pytest.raises(L.WorkerFailed, match=r"object_task\(\) on rank \d returned \['value'\] a "
+                                             r"DeliberateFailure; a task returns plain data") as e:
+        L.launch(object_task, 2, timeout=120)
+    reaper += e.value.pids

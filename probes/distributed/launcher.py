@@ -10,7 +10,10 @@ Each rank:
      group with the run's timeout (nccl: one GPU per rank, cuda:rank);
   3. runs the task and torch.save()s its return value to a private temp folder (tensors
      sent through a multiprocessing queue live in the sender's shared memory, which dies
-     with it), then reports ("ok", rank) or ("error", rank, traceback) on a queue.
+     with it), then reports ("ok", rank) or ("error", rank, traceback) on a queue. A task
+     returns plain data: tensors, numbers, strings, None, and lists/tuples/dicts of them;
+     the launcher reads it back with torch.load(weights_only=True), which unpickles no
+     objects (anything else is refused on the rank, naming the task).
 The launcher waits until every rank reported or the deadline passed. A rank that raises,
 dies without a word, or outlives the deadline stops the run: every rank's process group is
 killed (SIGKILL), joined, and WorkerFailed / WorkerTimeout names the rank(s), with the
@@ -30,7 +33,8 @@ import time
 import traceback
 from datetime import timedelta
 
-from trainprobes.errors import TrainprobesError
+from trainprobes.errors import InvalidArgument, InvalidType, TrainprobesError
+from trainprobes.validation import check_choice, check_int, check_number
 
 BACKENDS = ("gloo", "nccl")
 _ADDR_IN_USE = ("address already in use", "eaddrinuse", "errno 98")
@@ -86,23 +90,19 @@ def port_is_free(port: int, addr: str = "127.0.0.1") -> bool:
 
 
 def _check_launch(world, backend, timeout, port, addr) -> None:
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(f"world={world!r} must be an int >= 1 (the number of ranks)")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is unknown; expected one of {list(BACKENDS)}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
-    if port is not None and (isinstance(port, bool) or not isinstance(port, int)
-                             or not 0 < port < 65536):
-        raise ValueError(f"port={port!r} must be None (pick a free one) or an int in 1..65535")
+    check_int(world, "world", min=1, hint="the number of ranks")
+    check_choice(backend, "backend", BACKENDS)
+    check_number(timeout, "timeout", min=0, min_open=True, hint="seconds")
+    if port is not None:
+        check_int(port, "port", min=1, max=65535, hint="or None to pick a free one")
     if backend == "nccl":
         import torch
         if not torch.cuda.is_available():
-            raise ValueError("backend='nccl' needs CUDA, and torch.cuda.is_available() is "
-                             "False here; use backend='gloo' (CPU)")
+            raise InvalidArgument("backend='nccl' needs CUDA, and torch.cuda.is_available() is "
+                                  "False here; use backend='gloo' (CPU)")
         if torch.cuda.device_count() < world:
-            raise ValueError(f"world={world!r} with backend='nccl' needs one GPU per rank; "
-                             f"{torch.cuda.device_count()} visible")
+            raise InvalidArgument(f"world={world!r} with backend='nccl' needs one GPU per rank; "
+                                  f"{torch.cuda.device_count()} visible")
     if port is not None and not port_is_free(port, addr):
         raise PortInUse(f"port={port!r} on {addr} is already in use; pass port=None to pick "
                         f"a free one")
@@ -125,12 +125,38 @@ def _rank_main(task, rank, world, backend, addr, port, timeout, args, outdir, q)
                                 timeout=timedelta(seconds=timeout))
         try:
             out = task(rank, world, *args)
+            _check_plain(out, f"{getattr(task, '__name__', task)}() on rank {rank} returned")
             torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
         finally:
             dist.destroy_process_group()
         q.put(("ok", rank, ""))
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit
         q.put(("error", rank, traceback.format_exc()))
+
+
+_PLAIN = (int, float, bool, str, bytes, type(None))
+
+
+def _check_plain(value, where: str) -> None:
+    """value must be data torch.load(weights_only=True) reads back without unpickling objects:
+    tensors, numbers, strings, None, and lists/tuples/dicts (string or int keys) of them."""
+    import torch
+    if isinstance(value, (torch.Tensor,) + _PLAIN):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_plain(v, f"{where} [{i}]")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, (str, int)):
+                raise InvalidType(f"{where} a dict key {k!r} of type {type(k).__name__}; "
+                                  "a task returns plain data (keys: str or int)")
+            _check_plain(v, f"{where} [{k!r}]")
+        return
+    raise InvalidType(f"{where} a {type(value).__name__}; a task returns plain data (tensors, "
+                      "numbers, strings, None, and lists/tuples/dicts of them) so the launcher "
+                      "reads it back without unpickling objects")
 
 
 def _kill(procs) -> None:
@@ -219,7 +245,7 @@ def _run_once(task, world, backend, timeout, args, addr, port, progress):
             done.add(rank)
             if progress:
                 progress(f"rank {rank} done ({len(done)}/{world})")
-        return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
+        return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=True)
                 for r in range(world)]
     except LaunchError as e:
         e.pids = [p.pid for p in procs]  # so a caller (a test) can check none survived
@@ -236,14 +262,16 @@ def launch(task, world: int, *, backend: str = "gloo", timeout: float = 120.0, a
            progress=None) -> list:
     """Run task(rank, world, *args) on `world` local ranks; return the per-rank results.
 
-    Raises WorkerFailed (a rank raised or died), WorkerTimeout (deadline passed),
-    PortInUse (an explicit port is taken) or ValueError (bad arguments, checked before any
-    process starts). progress: optional callable(str) for human progress lines.
+    Raises WorkerFailed (a rank raised or died; also a task that returned more than plain
+    data), WorkerTimeout (deadline passed), PortInUse (an explicit port is taken) or
+    InvalidArgument (bad arguments, checked before any process starts). progress:
+    optional callable(str) for human progress lines.
     """
     _check_launch(world, backend, timeout, port, addr)
+    check_int(retries, "retries", min=1)
     if not callable(task) or getattr(task, "__name__", "<lambda>") == "<lambda>":
-        raise ValueError(f"task={task!r} must be a module-level function (spawned ranks "
-                         f"import it by name)")
+        raise InvalidArgument(f"task={task!r} must be a module-level function (spawned ranks "
+                              f"import it by name)")
     for attempt in range(retries):
         chosen = port if port is not None else free_port(addr)
         try:
