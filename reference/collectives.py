@@ -21,9 +21,12 @@ rounds where a real backend rounds:
 The exact sum of two values of a format up to fp32 is rounded by float64 innocuously
 (53 >= 2*24 + 2), and fp32 arithmetic then one rounding is a correctly rounded fp16/bf16 add
 (24 >= 2p + 2). So fp16/bf16/fp32 with rounding="nearest" run on torch's native dtypes (one
-exact rounding of the inputs, then native adds: fast), and so does NCCL's fp8 add (fp16 add,
-saturating cast to fp8); tf32, fp6, fp4, other fp8 set-ups, stochastic and toward-zero
-rounding run on float64 values with Format.round after every add.
+exact rounding of the inputs, then native adds). Everywhere else the bits are Format.round's,
+computed faster where that is exact: NCCL's fp8 add (fp16 add, saturating cast) on fp8
+values held in fp16, rounded in float32 by reference/fastround.py; stochastic rounding of
+formats float32 holds on float32 values by reference/stochastic.py (integer bit arithmetic,
+a few random bits per rounding, the same distribution); round-to-nearest of tf32, fp6, fp4
+and the other fp8 set-ups on float64 by fastround; toward-zero rounding by Format.round.
 
 Returns: a list of per-rank tensors holding the wire-format values as float64. Ranks that
 receive identical bits (all_reduce, all_gather, broadcast) share ONE tensor object, so 16384
@@ -34,13 +37,19 @@ where `info` (CollectiveInfo) counts non-finite values in and out and records th
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import torch
 from trainprobes.errors import InvalidArgument, InvalidType
+from trainprobes.reference.fastround import fits, round_nearest, rounder
 from trainprobes.reference.formats import ROUNDING_MODES, Format, get_format
 from trainprobes.reference.schedules import BLOCK, SequentialSchedule, get_schedule
+from trainprobes.reference.stochastic import (
+    StochasticRounder,
+    add_then_round,
+    round_input,
+    supported,
+)
 from trainprobes.validation import (
     check_bool,
     check_choice,
@@ -143,33 +152,13 @@ def _fp64_to_narrow(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _round_to_odd_fp32(x).to(dtype)
 
 
-def _to_fp8_in_fp16(x: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor:
-    """Any float -> e4m3fn/e5m2 values held in fp16, one round-to-nearest-even step.
-
-    torch's fp32 -> fp8 cast is RNE in range (checked against Format.round in the tests);
-    overflow is made explicit, not left to the cast (torch 2.13 saturates e4m3fn, ml_dtypes
-    and the OCP spec give NaN): what rounds past max is NaN (e4m3fn) or inf (e5m2) for a
-    plain cast, +-max for a saturating one.
-    """
-    y = x if x.dtype == torch.float32 else (
-        _round_to_odd_fp32(x) if x.dtype == torch.float64 else x.to(torch.float32))
-    m = fmt.max_finite
-    out = y.clamp(-m, m).to(fmt.torch_dtype).to(torch.float16)
-    if not saturate:
-        # the tie max + ulp/2 rounds to even: down to 448 for e4m3fn (significand 1.110),
-        # up (to overflow) for e5m2 (57344 = 1.11 * 2^15, so 61440 -> inf)
-        q = fmt.ulp(m).item()
-        tie, up = m + q / 2, int(m / q) % 2 == 1
-        over = (y.abs() > tie) | ((y.abs() == tie) & up)
-        out = torch.where(over, torch.full_like(out, math.nan if fmt.overflow == "nan"
-                                                else math.inf).copysign(y.to(out.dtype)), out)
-    return out
-
-
 class _Arithmetic:
     """The wire format, accumulator and rounding of one collective call."""
 
-    def __init__(self, dtype, accum_dtype, rounding, saturate, seed, device="cpu"):
+    def __init__(self, dtype, accum_dtype, rounding, saturate, seed, device="cpu", fast=True):
+        """fast=False: every rounding by Format.round (the definition; the fast paths of
+        reference/fastround.py and reference/stochastic.py are checked against it)."""
+        self.fast = fast
         self.wire: Format = get_format(dtype, "dtype")
         fp8 = self.wire.name.startswith("fp8")
         self.accum: Format = get_format(accum_dtype if accum_dtype is not None
@@ -198,15 +187,27 @@ class _Arithmetic:
         self.native = (_NATIVE.get(self.wire.name)
                        if rounding == "nearest" and not self.sat_inputs and not self.sat_adds
                        and self.accum.name in wider.get(self.wire.name, ()) else None)
-        # NCCL's fp8 add, natively: fp8 values held in fp16 (e4m3fn and e5m2 embed exactly),
-        # a native fp16 add, a clamp to +-max (= __NV_SATFINITE: every finite fp16 past max
-        # rounds to max or overflows, both saturate) and torch's RNE cast to fp8. Checked
-        # against Format.round on all 65,536 pairs of each type in tests/test_collectives.py.
+        # NCCL's fp8 add: fp8 values held in fp16 (e4m3fn and e5m2 embed exactly), a native
+        # fp16 add and the __NV_SATFINITE cast done as a saturating round-to-nearest in
+        # float32 (reference/fastround.py; torch's own fp8 casts are scalar loops on CPU).
+        # Checked against Format.round on all 65,536 pairs of each type in
+        # tests/test_collectives.py.
         self.fp8_dtype = (self.wire.torch_dtype
                           if self.wire.name in ("fp8_e4m3fn", "fp8_e5m2")
                           and self.accum.name == "fp16" and self.sat_adds
-                          and rounding == "nearest" else None)
+                          and rounding == "nearest" and fast else None)
+        if self.fp8_dtype is not None:
+            self.fp8_add_round = rounder(self.wire, torch.float32, saturate=True)
+        # Stochastic rounding of formats float32 holds, on float32 values with integer bit
+        # arithmetic and few random bits (reference/stochastic.py); the accumulator rounding,
+        # if any, must be a float32 round-to-nearest too.
+        self.sr = (StochasticRounder(self.wire, self.sat_adds)
+                   if fast and rounding == "stochastic" and supported(self.wire)
+                   and (self.accum is self.wire or fits(self.accum, torch.float32)) else None)
+        self.sr_inputs = (StochasticRounder(self.wire, self.sat_inputs) if self.sr is not None
+                          else None)
         self.work = (self.native or (torch.float16 if self.fp8_dtype is not None
+                                     else torch.float32 if self.sr is not None
                                      else torch.float64))
         self.name = ("native_" + self.wire.name if self.native is not None
                      else "nccl_fp8" if fp8 and self.accum.name == "fp16" and self.sat_adds
@@ -214,6 +215,11 @@ class _Arithmetic:
 
     def cast(self, t: torch.Tensor) -> torch.Tensor:
         """A flat input rounded once to the wire format, in the working dtype."""
+        return self._rounded(t).to(self.work)
+
+    def _rounded(self, t: torch.Tensor) -> torch.Tensor:
+        """A flat input rounded once to the wire format, in a float dtype that holds the
+        wire's values exactly (the working dtype, or wider: stack() narrows on the copy)."""
         if self.native is not None:
             if t.dtype == self.native:
                 return t
@@ -223,10 +229,15 @@ class _Arithmetic:
                 return _fp64_to_narrow(t, self.native)
             return t.to(self.native)  # single rounding: fp32 -> 16-bit, any -> wider
         if self.fp8_dtype is not None:
-            return _to_fp8_in_fp16(t if t.is_floating_point() else t.to(torch.float64),
-                                   self.wire, self.sat_inputs)
-        return self.wire.round(t.to(torch.float64), self.rounding, saturate=self.sat_inputs,
-                               generator=self.gen)
+            if t.dtype not in (torch.float64, torch.float32):  # fp16/bf16 widen exactly
+                t = t.to(torch.float32 if t.is_floating_point() else torch.float64)
+            return round_nearest(t, self.wire, saturate=self.sat_inputs)
+        if self.sr is not None:
+            return round_input(t, self.sr_inputs, self.gen)
+        t = t.to(torch.float64)
+        if self.fast and self.rounding == "nearest" and fits(self.wire, t.dtype):
+            return round_nearest(t, self.wire, saturate=self.sat_inputs)
+        return self.wire.round(t, self.rounding, saturate=self.sat_inputs, generator=self.gen)
 
     def stack(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """[world, numel] in the working dtype, each row rounded to the wire format.
@@ -242,20 +253,31 @@ class _Arithmetic:
                 x[r] = t
                 continue
             for lo in range(0, n, BLOCK):
-                x[r, lo:lo + BLOCK] = self.cast(t[lo:lo + BLOCK])
+                x[r, lo:lo + BLOCK] = self._rounded(t[lo:lo + BLOCK])  # exact narrowing
         return x
 
     def _to_wire(self, s: torch.Tensor) -> torch.Tensor:
+        """float64 sum -> accum (nearest) -> wire (self.rounding): Format.round's bits, by
+        the fast roundings of reference/fastround.py where they apply."""
         if self.accum is not self.wire:
-            s = self.accum.round(s, "nearest")
+            s = (round_nearest(s, self.accum) if self.fast and fits(self.accum, s.dtype)
+                 else self.accum.round(s, "nearest"))
+        if self.fast and self.rounding == "nearest" and fits(self.wire, s.dtype):
+            return round_nearest(s, self.wire, saturate=self.sat_adds)
         return self.wire.round(s, self.rounding, saturate=self.sat_adds, generator=self.gen)
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if self.native is not None:
             return a + b
+        if self.sr is not None:
+            return add_then_round(a, b, self.sr, None if self.accum is self.wire else self.accum,
+                                  self.gen)
         if self.fp8_dtype is not None:
-            m = self.wire.max_finite
-            return (a + b).clamp_(-m, m).to(self.fp8_dtype).to(torch.float16)
+            # NCCL: an fp16 add, then the __NV_SATFINITE cast to fp8. The exact sum in fp32
+            # rounded once to fp8 gives the same bits (fp16 then fp8 rounding is innocuous,
+            # 11 >= 2 * 4 + 2; checked on every pair of values in the tests).
+            s = a.to(torch.float32).add_(b.to(torch.float32))
+            return self.fp8_add_round(s, overwrite=True).to(torch.float16)
         return self._to_wire(a + b)
 
     def scale(self, x: torch.Tensor, s: float) -> torch.Tensor:

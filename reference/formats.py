@@ -105,11 +105,13 @@ class Format:
         saturate: bool = False,
         generator: torch.Generator | None = None,
         seed: int | None = None,
+        uniform: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Round x to this format in one step; returns float64 holding the exact values.
 
-        mode: "nearest" (ties to even), "stochastic" (needs `seed` or `generator`;
-        unbiased) or "toward_zero".
+        mode: "nearest" (ties to even), "stochastic" (needs `seed` or `generator`, or the
+        uniforms in [0, 1) to use, `uniform`, shaped like x: |x| rounds up where
+        uniform < frac; unbiased) or "toward_zero".
         saturate: clamp values past max_finite (and infinities) to +-max_finite, as FP8
         training recipes do (NCCL's __NV_SATFINITE cast). Without it, overflow does what
         the real type does (see `overflow`). NaN stays NaN.
@@ -131,13 +133,16 @@ class Format:
         elif mode == "toward_zero":
             r = torch.trunc(y)
         else:
-            if generator is None:
-                if seed is None:
-                    raise InvalidArgument("mode='stochastic' needs seed=<int> or "
-                                          "generator=<torch.Generator>")
-                generator = torch.Generator().manual_seed(check_seed(seed))
+            if uniform is not None:
+                u = check_tensor(uniform, "uniform", kind="floating", shape=tuple(y.shape))
+            else:
+                if generator is None:
+                    if seed is None:
+                        raise InvalidArgument("mode='stochastic' needs seed=<int>, "
+                                              "generator=<torch.Generator> or uniform=")
+                    generator = torch.Generator().manual_seed(check_seed(seed))
+                u = torch.rand(y.shape, generator=generator, dtype=torch.float64, device=y.device)
             fl = torch.floor(y)
-            u = torch.rand(y.shape, generator=generator, dtype=torch.float64, device=y.device)
             r = fl + (u < (y - fl)).to(torch.float64)
         mag = r * q
         over = mag > self.max_finite

@@ -129,7 +129,9 @@ def ring_reduce(x: torch.Tensor, add) -> torch.Tensor:
                 views = [torch.diagonal(g, offset=-d, dim1=-3, dim2=-2)]  # ranks d.., chunks 0..
                 if d and k > W - d:  # wrapped part: ranks 0.., chunks W-d..
                     views.append(torch.diagonal(g, offset=W - d, dim1=-3, dim2=-2))
-                b = (views[0] if len(views) == 1 else torch.cat(views, -1)).movedim(-1, -2)
+                # [..., k, step] contiguous: the adds then run on plain dense blocks
+                b = torch.cat([v.movedim(-1, -2) for v in views], -2) if len(views) > 1 \
+                    else views[0].movedim(-1, -2)
                 acc = b if acc is None else add(acc, b)
             dest[..., b0:b0 + step] = acc
     return out
