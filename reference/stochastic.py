@@ -4,11 +4,11 @@ Format.round(x, "stochastic") (reference/formats.py) draws a 53-bit uniform u pe
 and rounds |x| up when u < frac, frac = the part of |x| below the format's spacing q, as a
 fraction of q. Here, for a value s that float32 holds exactly and whose exponent is in the
 format's normal range, frac has exactly d = 23 - m bits: frac = L / 2^d with L the low d
-bits of s's float32 pattern. So one uniform d-bit integer K decides exactly:
-    P(K < L) = L / 2^d = frac                     (the same distribution, unbiased),
-and the rounding is integer arithmetic on the bits (sign-magnitude, so it works for
-either sign and carries into the exponent correctly):
-    bits(result) = bits(s) - L + 2^d * [K < L]     ([K < L] = -((K - L) >> 31)).
+bits of s's float32 pattern. So one uniform d-bit integer K decides exactly: add it below the kept bits and truncate,
+    bits(result) = (bits(s) + K) with the low d bits cleared,
+which carries one spacing up exactly when L + K >= 2^d, with probability L / 2^d = frac
+(the same distribution, unbiased); sign-magnitude bits make it work for either sign, and
+a carry into the exponent is the right next value.
 K comes from 64-bit words of the torch.Generator (mt19937), cut into 16-bit lanes (d <= 16)
 or 32-bit lanes (d <= 22, masked to d bits): one word serves 4 (or 2) roundings, where
 Format.round spends one 53-bit draw on each. Same generator and seed, same bits; the bits
@@ -42,8 +42,10 @@ def random_bits(n: int, bits: int, generator: torch.Generator, device) -> torch.
     lanes = 4 if bits <= 16 else 2
     words = torch.empty(-(-n // lanes), dtype=torch.int64, device=device)
     words.random_(-(1 << 63), None, generator=generator)  # the full 64-bit range
-    lane = words.view(torch.int16 if lanes == 4 else torch.int32)[:n]
-    return lane.to(torch.int32) & ((1 << bits) - 1)
+    if lanes == 4:  # unsigned 16-bit lanes widen without sign: no mask needed at 16 bits
+        k = words.view(torch.uint16)[:n].to(torch.int32)
+        return k if bits == 16 else k.bitwise_and_((1 << bits) - 1)
+    return words.view(torch.int32)[:n].bitwise_and((1 << bits) - 1)
 
 
 @dataclass(frozen=True)
@@ -82,13 +84,11 @@ class StochasticRounder:
                               generator=generator).to(torch.float32)
 
     def round_with(self, s: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """The rounding of float32 s given its uniform d-bit integers k (int32, same shape):
-        Format.round(s, "stochastic", uniform=k / 2^d) wherever s lies in fmt's normal range
-        (elsewhere __call__ takes Format.round itself)."""
-        bits = s.view(torch.int32)
-        lo_bits = bits & ((1 << self.d) - 1)
-        up = (k.sub_(lo_bits) >> 31) & (1 << self.d)  # 2^d where K < L: round up
-        out = up.add_(bits).sub_(lo_bits).view(torch.float32)
+        """The rounding of float32 s given uniform d-bit integers k (int32, same shape;
+        overwritten): Format.round(s, "stochastic", uniform=(2^d - 1 - k) / 2^d) wherever s
+        lies in fmt's normal range (elsewhere __call__ takes Format.round itself)."""
+        mask = (1 << self.d) - 1
+        out = k.add_(s.view(torch.int32)).bitwise_and_(~mask).view(torch.float32)
         return self._specials(s, out)
 
     def _specials(self, s: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

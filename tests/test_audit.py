@@ -81,6 +81,7 @@ def test_exit_code_2_when_a_probe_errored(tmp_path):
     assert run_audit([ok()], tmp_path, step_summary=False).exit_code == 0
 
 
+@pytest.mark.slow
 def test_history_appends_one_line_per_run_and_plots_trends(tmp_path):
     hist = tmp_path / "hist"
     for night, bias in enumerate([1e-4, 2e-4, 4e-4]):
@@ -192,6 +193,7 @@ def test_cli_audit_bad_config_exit_2(tmp_path, capsys):
 
 # --- the default suite, once, in full ----------------------------------------------------
 
+@pytest.mark.slow
 def test_default_suite_end_to_end(tmp_path, monkeypatch):
     """The README's main command: every family present, controls right, report complete."""
     monkeypatch.chdir(tmp_path)
@@ -240,6 +242,7 @@ def docs_schema_example() -> dict:
     return _toml.loads(block)["tool"]["trainprobes"]
 
 
+@pytest.mark.slow
 def test_docs_schema_example(monkeypatch):
     """The documented schema builds, and each of its sections runs to a real Result."""
     monkeypatch.setattr(sys, "path", list(sys.path))

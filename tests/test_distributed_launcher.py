@@ -91,6 +91,7 @@ def test_a_silent_death_is_named_as_the_cause_when_peers_raise_after_it(reaper):
     assert info.value.rank == 1 and wait_dead(info.value.pids) == []
 
 
+@pytest.mark.slow
 def test_hanging_ranks_time_out_and_their_children_die_too(tmp_path, reaper):
     reaper += [o["pid"] for o in L.launch(echo_task, 1)]  # warm start: ranks get going in time
     with pytest.raises(L.WorkerTimeout) as info:

@@ -41,6 +41,7 @@ def real_runs():
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_gloo_is_predicted_bit_for_bit_on_every_rank(world, real_runs):
     cases, outs = real_runs(world)

@@ -41,6 +41,7 @@ def test_torchrun_entry_without_environment_says_what_to_do(capsys, monkeypatch)
     assert "run under torchrun" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_runs_under_torchrun():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

@@ -34,14 +34,14 @@ def test_supported_formats():
 @given(data=st.data(), saturate=st.booleans())
 def test_the_bit_rounding_is_format_round_given_the_same_uniforms(name, data, saturate):
     # In the format's normal range (and zero, inf, NaN, overflow) round_with(s, k) must be
-    # Format.round(s, "stochastic", uniform=k / 2^d) bit for bit, whatever k is.
+    # Format.round(s, "stochastic", uniform=(2^d - 1 - k) / 2^d) bit for bit, whatever k is.
     f, w = FORMATS[name], StochasticRounder(FORMATS[name], saturate)
     s = data.draw(format_tensors("fp32", shape=(32,), allow_nan=True, allow_infinity=True))
     s = torch.where(s.abs() < f.smallest_normal, torch.zeros_like(s), s).to(torch.float32)
     k = torch.tensor(data.draw(st.lists(st.integers(0, 2 ** w.d - 1), min_size=32,
                                         max_size=32)), dtype=torch.int32)
     want = f.round(s.double(), "stochastic", saturate=saturate,
-                   uniform=k.double() / 2 ** w.d)
+                   uniform=(2 ** w.d - 1 - k.double()) / 2 ** w.d)
     got = w.round_with(s, k.clone()).double()
     assert bool(same_bits(got, want).all()), s[~same_bits(got, want)]
 
@@ -72,7 +72,7 @@ def test_sums_float32_cannot_hold_are_rounded_from_float64():
     got = add_then_round(a, b, w, None, torch.Generator().manual_seed(4)).double()
     g = torch.Generator().manual_seed(4)
     k = random_bits(4, w.d, g, "cpu")
-    want = f.round(s.double(), "stochastic", uniform=k.double() / 2 ** w.d)
+    want = f.round(s.double(), "stochastic", uniform=(2 ** w.d - 1 - k.double()) / 2 ** w.d)
     bad = torch.tensor([0, 1, 3])
     want[bad] = f.round((a.double() + b.double())[bad], "stochastic", generator=g)
     assert bool(same_bits(got, want).all())
