@@ -414,7 +414,7 @@ def _same_bits(a, b):
 
 
 @pytest.mark.parametrize("fmt", [n for n in FORMATS_ALL if n != "fp64"])
-@settings(max_examples=30)
+@settings(max_examples=20)
 @given(data=st.data(), rounding=st.sampled_from(["nearest", "nearest", "toward_zero"]),
        saturate=st.sampled_from([None, True, False]),
        accum=st.sampled_from([None, "fp16", "fp32", "bf16"]),

@@ -11,6 +11,7 @@ more than one module.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,6 +26,7 @@ KNOWN_CYCLES = [
 ]
 
 
+@functools.lru_cache(maxsize=None)
 def module_files() -> dict[str, Path]:
     out = {}
     for folder, package in FOLDERS:
@@ -110,8 +112,7 @@ def test_every_module_is_found_under_its_import_name():
     for name in ("trainprobes", "trainprobes.validation", "trainprobes.reference.formats",
                  "trainprobes.distributed.worker", "trainprobes.reference.models.lm"):
         assert name in files, name
-    graph = import_graph(files)
-    assert "trainprobes.reference.formats" in graph["trainprobes.reference.collectives"]
+    assert "trainprobes.reference.formats" in house_graph()["trainprobes.reference.collectives"]
 
 
 def test_the_cycle_finder_finds_lazy_and_package_cycles():
@@ -121,13 +122,18 @@ def test_the_cycle_finder_finds_lazy_and_package_cycles():
     assert a_path(graph, {"r.a", "r.b", "r.c"}) == "r.a -> r.b -> r.c -> r.a"
 
 
+@functools.lru_cache(maxsize=None)
+def house_graph() -> dict[str, set[str]]:
+    return import_graph(module_files())
+
+
 def test_no_import_cycle_in_the_house():
-    graph = import_graph(module_files())
+    graph = house_graph()
     found = [c for c in cycles(graph) if c not in KNOWN_CYCLES]
     assert not found, "import cycles:\n" + "\n".join(a_path(graph, c) for c in found)
 
 
 def test_known_cycles_are_still_real():
-    found = cycles(import_graph(module_files()))
+    found = cycles(house_graph())
     stale = [sorted(c) for c in KNOWN_CYCLES if c not in found]
     assert not stale, f"remove from KNOWN_CYCLES, no longer a cycle: {stale}"
