@@ -115,8 +115,8 @@ def main(argv=None) -> int:
     log(f"## World size at {numel:,} elements in all (ring, fp32 inputs)")
     log()
     log("| world | elements per rank | fp64 reference (s) | bf16 emulation (s) | ratio | "
-        "ns per element (bf16) |")
-    log("|---:|---:|---:|---:|---:|---:|")
+        "ns per element (bf16) | target |")
+    log("|---:|---:|---:|---:|---:|---:|---:|")
     for w in worlds:
         print(f"  world {w} ...", file=sys.stderr, flush=True)
         xw = torch.randn(w, numel // w, generator=g)

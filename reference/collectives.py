@@ -48,6 +48,7 @@ from trainprobes.reference.stochastic import (
     StochasticRounder,
     add_then_round,
     round_input,
+    sr_storage,
     supported,
 )
 from trainprobes.validation import (
@@ -207,7 +208,7 @@ class _Arithmetic:
         self.sr_inputs = (StochasticRounder(self.wire, self.sat_inputs) if self.sr is not None
                           else None)
         self.work = (self.native or (torch.float16 if self.fp8_dtype is not None
-                                     else torch.float32 if self.sr is not None
+                                     else sr_storage(self.wire) if self.sr is not None
                                      else torch.float64))
         self.name = ("native_" + self.wire.name if self.native is not None
                      else "nccl_fp8" if fp8 and self.accum.name == "fp16" and self.sat_adds
@@ -270,8 +271,9 @@ class _Arithmetic:
         if self.native is not None:
             return a + b
         if self.sr is not None:
-            return add_then_round(a, b, self.sr, None if self.accum is self.wire else self.accum,
-                                  self.gen)
+            return add_then_round(a.to(torch.float32), b.to(torch.float32), self.sr,
+                                  None if self.accum is self.wire else self.accum,
+                                  self.gen).to(self.work)
         if self.fp8_dtype is not None:
             # NCCL: an fp16 add, then the __NV_SATFINITE cast to fp8. The exact sum in fp32
             # rounded once to fp8 gives the same bits (fp16 then fp8 rounding is innocuous,

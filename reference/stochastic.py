@@ -125,6 +125,16 @@ def _any_nonzero(t: torch.Tensor) -> bool:
     return not (float(lo) == 0.0 and float(hi) == 0.0)
 
 
+def sr_storage(fmt: Format) -> torch.dtype:
+    """The narrowest torch dtype that holds every value of fmt: the collectives store the
+    stochastically rounded values in it (half the memory of float32 for 16-bit formats)."""
+    if fmt.torch_dtype in (torch.float16, torch.bfloat16):
+        return fmt.torch_dtype
+    if fmt.min_exponent >= -14 and fmt.mantissa_bits <= 10 and fmt.max_finite <= 65504:
+        return torch.float16  # fp8, fp6, fp4: their values are fp16 values
+    return torch.float32
+
+
 def two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, e) with s = fl(a + b) and a + b = s + e exactly (Knuth's TwoSum, any order)."""
     s = a + b

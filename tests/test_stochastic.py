@@ -12,6 +12,7 @@ from trainprobes.reference.stochastic import (
     add_then_round,
     random_bits,
     round_input,
+    sr_storage,
     supported,
     two_sum,
 )
@@ -114,3 +115,15 @@ def test_lanes_are_uniform_and_seeded():
         for bit in (0, d - 1):  # every bit of a lane is a fair coin
             assert abs(((k >> bit) & 1).double().mean().item() - 0.5) < 0.01
     assert torch.equal(random_bits(1000, 16, torch.Generator().manual_seed(5), "cpu"), k16[:1000])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_storage_dtype_holds_every_value_of_the_format(name):
+    # the collectives keep stochastically rounded values in sr_storage(fmt): it must hold
+    # every value exactly (all fp16 bit patterns cover every fp8/fp6/fp4 value)
+    f = FORMATS[name]
+    pool = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16).double()
+    pool = torch.cat([pool, torch.randn(10_000, generator=torch.Generator().manual_seed(1),
+                                        dtype=torch.float64) * 1e30])
+    values = f.round(pool[torch.isfinite(pool)], saturate=True)
+    assert torch.equal(values.to(sr_storage(f)).double(), values)
