@@ -178,3 +178,18 @@ def test_a_task_returning_objects_is_refused_naming_it(reaper):
                                              r"DeliberateFailure; a task returns plain data") as e:
         L.launch(object_task, 2, timeout=120)
     reaper += e.value.pids
+
+
+def test_a_taken_port_is_seen_in_any_ranks_error_not_only_the_first():
+    # under load the rank that fails to bind may report after a peer that failed to connect
+    import queue
+    from types import SimpleNamespace
+    q = queue.Queue()
+    q.put(("error", 0, "RuntimeError: The server socket has failed to listen on any local "
+                       "network address. port: 29500, useIpv6: 0, code: -98, name: EADDRINUSE, "
+                       "message: address already in use"))
+    alive = [SimpleNamespace(is_alive=lambda: True, exitcode=None)] * 2
+    e = L._first_cause(alive, q, set(), 1, "RuntimeError: Connection closed by peer", 2)
+    assert e.rank == 1 and e.port_taken
+    e = L._first_cause(alive, queue.Queue(), set(), 1, "RuntimeError: Connection closed by peer", 2)
+    assert not e.port_taken

@@ -49,6 +49,8 @@ class LaunchError(TrainprobesError, RuntimeError):
 class WorkerFailed(LaunchError):
     """A rank raised (or died); .rank and .traceback say which and why."""
 
+    port_taken = False  # some rank's error says the rendezvous port was in use
+
     def __init__(self, rank: int, tb: str, world: int):
         self.rank, self.traceback, self.world = rank, tb, world
         last = tb.strip().splitlines()[-1] if tb.strip() else "no traceback"
@@ -193,19 +195,27 @@ def _first_cause(procs, q, done, rank, tb, world) -> "WorkerFailed":
     """The failure to report when `rank` raised: a rank that died silently (segfault,
     os._exit) makes its peers raise in the collective, and often their traceback arrives
     first; the dead rank is the cause, so name it, with the peer's error as context."""
-    reported = {rank}
+    reported, tracebacks = {rank}, [tb or ""]
     time.sleep(0.2)  # a rank that died first has exited by now; peers' reports are queued
     while True:
         try:
-            reported.add(q.get_nowait()[1])
+            _, r, other = q.get_nowait()
         except queue_mod.Empty:
             break
+        reported.add(r)
+        tracebacks.append(other or "")
+    failed = None
     for r, p in enumerate(procs):
         if r not in done and r not in reported and not p.is_alive() and p.exitcode not in (0, None):
             last = tb.strip().splitlines()[-1] if tb and tb.strip() else ""
-            return WorkerFailed(r, f"rank {r} exited with code {p.exitcode} without reporting; "
-                                   f"rank {rank} then failed: {last}", world)
-    return WorkerFailed(rank, tb, world)
+            failed = WorkerFailed(r, f"rank {r} exited with code {p.exitcode} without reporting; "
+                                     f"rank {rank} then failed: {last}", world)
+            break
+    failed = failed or WorkerFailed(rank, tb, world)
+    # a taken rendezvous port shows in the rank that binds it, which may report second
+    # (its peers then fail to connect: "Connection closed by peer")
+    failed.port_taken = any(m in t.lower() for t in tracebacks for m in _ADDR_IN_USE)
+    return failed
 
 
 def _run_once(task, world, backend, timeout, args, addr, port, progress):
@@ -277,8 +287,7 @@ def launch(task, world: int, *, backend: str = "gloo", timeout: float = 120.0, a
         try:
             return _run_once(task, world, backend, timeout, args, addr, chosen, progress)
         except WorkerFailed as e:
-            taken = any(s in e.traceback.lower() for s in _ADDR_IN_USE)
-            if not taken:
+            if not (e.port_taken or any(m in e.traceback.lower() for m in _ADDR_IN_USE)):
                 raise
             if port is not None or attempt == retries - 1:
                 raise PortInUse(f"port {chosen} on {addr} was taken when the ranks tried to "
