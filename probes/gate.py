@@ -211,7 +211,8 @@ def check_judgeable(r: Result, side: str) -> None:
       beside fail/error), and the verdict agrees: the bad value never passes, and a fail
       with the good value is explained by another code or a broken configured threshold;
     - the numbers PROBES says the probe reports whenever it measured are present;
-    - every metric in NUMBERS that is present is a number (NaN is a number).
+    - every metric in NUMBERS, and every metric PROBES documents as a number, that is
+      present is a number (NaN is a number; None where a probe had nothing to report).
     """
     if r.verdict == "error":
         return  # it measured nothing; the candidate's error is TP-E1
@@ -244,6 +245,10 @@ def check_judgeable(r: Result, side: str) -> None:
                               "always reports them and the gate's rules need them")
     for name in NUMBERS:
         _number(r, name, side)
+    if spec is not None:  # every number the probe documents, not only those a rule reads
+        for name, v in r.metrics.items():
+            if v is not None and spec.is_number(name):
+                _number(r, name, side)
     for name in VERDICT_FLAGS:  # causality's batch_invariant may be None (unknown)
         v = r.metrics.get(name)
         if v is not None and not isinstance(v, bool):

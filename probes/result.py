@@ -44,6 +44,8 @@ CODES = {
     "TP-D1": "biased train/inference drift",
     "TP-D2": "heavy-tailed train/inference drift",
     "TP-D3": "drift over threshold",
+    "TP-I1": "packed-document leak",
+    "TP-I2": "batch-variant output",
     "TP-G1": "probe missing from candidate",
     "TP-G2": "bias significantly larger",
     "TP-G3": "drift significantly worse",
@@ -58,8 +60,8 @@ VERDICT_FLAGS = {
     "biased": False,           # numerics.bias, drift.compare
     "causal": True,            # causality.check
     "equivalent": True,        # transforms (reserved)
-    "isolated": True,          # isolation: packed documents (reserved)
-    "batch_invariant": True,   # isolation: batch invariance (reserved)
+    "isolated": True,          # isolation.documents
+    "batch_invariant": True,   # isolation.batch_invariance, isolation.end_to_end
 }
 
 
@@ -72,12 +74,15 @@ class ProbeMetrics:
     code: the code a Result carries when the flag has its bad value.
     needs: metrics present, as numbers, whenever the probe measured (flag not None).
     names: every metric it may report; "name[...]" stands for any "name[<label>]".
+    labels: those of names that are not numbers (strings, booleans besides the flag):
+        a threshold (fail_above / fail_below) can name every other one.
     """
 
     flag: str | None = None
     code: str | None = None
     needs: tuple = ()
     names: tuple = ()
+    labels: tuple = ()
 
     def __post_init__(self):
         if self.flag is not None and (self.flag not in VERDICT_FLAGS or self.code is None):
@@ -85,6 +90,14 @@ class ProbeMetrics:
                                   "and come with the code its bad value carries")
         if self.code is not None and self.code not in CODES:
             raise InvalidArgument(f"code={self.code!r} is not in CODES")
+
+    @property
+    def numbers(self) -> tuple:
+        """The documented metrics that are numbers: what a threshold can compare."""
+        return tuple(n for n in self.names if n != self.flag and n not in self.labels)
+
+    def is_number(self, name: str) -> bool:
+        return self.documents(name) and name != self.flag and name not in self.labels
 
     def documents(self, name: str) -> bool:
         if name in self.names:
@@ -110,21 +123,42 @@ _COLLECTIVE = ("max_ulp_error", "mean_ulp_error", "bias", "bias_z", "bias_p", "b
                "algorithm", "bitwise_match_fraction", "mismatched", "compared")
 PROBES = {
     "numerics.bias": ProbeMetrics("biased", "TP-B1", ("bias", "std", "trials"), _BIAS),
-    "drift.compare": ProbeMetrics("biased", "TP-D1", ("mean_log_ratio", "se_mean"), _DRIFT),
+    "drift.compare": ProbeMetrics("biased", "TP-D1", ("mean_log_ratio", "se_mean"), _DRIFT,
+                                  ("heavy_tailed", "drift_verdict")),
     "causality.check": ProbeMetrics("causal", "TP-C1", (), (
         "causal", "deterministic", "n_nondeterministic", "n_leaks", "n_structural",
         "n_numerical", "n_unverified", "n_unconfirmed", "n_flips", "n_score_leaks",
         "n_score_numerical", "flip_rate", "n_compared", "n_cuts", "trials", "batch_isolated",
         "batch_invariant", "packed", "n_evaluations", "tokens_evaluated",
         "evaluations_to_first_flip", "first_leak_position", "min_leak_distance",
-        "max_leak_distance", "fp64", "mismatch_rate", "inference_mismatch_rate")),
-    "distributed.collective": ProbeMetrics(None, None, ("bias", "bias_z"), _COLLECTIVE),
+        "max_leak_distance", "fp64", "mismatch_rate", "inference_mismatch_rate"),
+        ("deterministic", "batch_isolated", "batch_invariant", "packed", "fp64")),
+    "distributed.collective": ProbeMetrics(None, None, ("bias", "bias_z"), _COLLECTIVE,
+                                           ("dtype", "op", "collective", "backend", "algorithm")),
     "numerics.reveal": ProbeMetrics(None, "TP-B3", ("accumulator_mantissa_bits",), (
         "accumulator_mantissa_bits", "accumulator_bits_lower_bound", "rounds_per_add",
-        "rounding", "order_shape", "fan_in", "n", "input_format", "output_format")),
+        "rounding", "order_shape", "fan_in", "n", "input_format", "output_format"),
+        ("accumulator_bits_lower_bound", "rounds_per_add", "rounding", "order_shape",
+         "input_format", "output_format")),
     "numerics.stall": ProbeMetrics(None, "TP-B2", (), (
         "rows", "rows_over_tolerance", "max_abs_relative_error", "rel_tol",
         "sequential_sum[...]")),
+    # trainprobes.isolation
+    "isolation.documents": ProbeMetrics("isolated", "TP-I1", ("n_leaks", "max_leak"), (
+        "isolated", "n_documents", "n_leaks", "n_numerical", "n_unverified", "max_leak",
+        "max_cross_change", "deterministic", "causal", "n_evaluations", "n_fp64_evaluations",
+        "fp64", "batched", "causality_evaluations", "n_nondeterministic", "by_hand_change"),
+        ("deterministic", "causal", "fp64", "batched")),
+    "isolation.batch_invariance": ProbeMetrics("batch_invariant", "TP-I2", ("max_abs_diff",), (
+        "batch_invariant", "frac_outputs_differ", "frac_rows_differ", "max_abs_diff",
+        "mean_abs_diff", "max_ulps", "breaking_sizes", "first_breaking_size",
+        "companion_dependent", "deterministic", "n_evaluations", "n_rows", "atol"),
+        ("breaking_sizes", "companion_dependent", "deterministic")),
+    "isolation.end_to_end": ProbeMetrics("batch_invariant", "TP-I2", ("max_abs_diff",), (
+        "batch_invariant", "size", "frac_tokens_differ", "max_abs_diff", "drift_verdict",
+        "mean_log_ratio", "std_log_ratio", "k3_kl", "p_value", "n_tokens", "n_evaluations",
+        "variance_share", "bias_share", "measured_std_log_ratio", "measured_mean_log_ratio"),
+        ("drift_verdict",)),
 }
 
 
@@ -326,7 +360,7 @@ class Result:
             return None
         v = self.metrics[name]
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise InvalidType(f"{self.key}: metric {name}={v!r} is a {type(v).__name__}, "
+            raise InvalidType(f"{self.key!r}: metric {name}={v!r} is a {type(v).__name__}, "
                               "expected a number")
         return float(v)
 
@@ -339,17 +373,17 @@ class Result:
         if name is None:
             spec = PROBES.get(self.probe)
             if spec is None or spec.flag is None:
-                raise CannotJudge(f"{self.key}: probe {self.probe!r} documents no verdict "
+                raise CannotJudge(f"{self.key!r}: probe {self.probe!r} documents no verdict "
                                   f"boolean (one of {sorted(VERDICT_FLAGS)})")
             name = spec.flag
         if name not in self.metrics:
-            raise CannotJudge(f"{self.key}: metric {name!r} (the verdict boolean) is missing")
+            raise CannotJudge(f"{self.key!r}: metric {name!r} (the verdict boolean) is missing")
         v = self.metrics[name]
         if v is not None and not isinstance(v, bool):
-            raise CannotJudge(f"{self.key}: metric {name}={v!r} is mistyped: a "
+            raise CannotJudge(f"{self.key!r}: metric {name}={v!r} is mistyped: a "
                               f"{type(v).__name__}, expected true or false")
         if v is None and self.passed:
-            raise CannotJudge(f"{self.key}: metric {name}=None (nothing measured) beside "
+            raise CannotJudge(f"{self.key!r}: metric {name}=None (nothing measured) beside "
                               f"verdict {self.verdict!r}")
         return v
 

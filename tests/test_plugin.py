@@ -335,8 +335,8 @@ def test_assert_flag_fails_closed_without_the_verdict_boolean(pytester):
     result = pytester.runpytest("-v")
     result.assert_outcomes(passed=1, failed=4)
     result.stdout.fnmatch_lines([
-        "*cannot judge: numerics.bias::t: metric 'biased' (the verdict boolean) is missing*",
-        "*cannot judge: numerics.bias::t: metric biased='false' is mistyped*",
+        "*cannot judge: 'numerics.bias::t': metric 'biased' (the verdict boolean) is missing*",
+        "*cannot judge: 'numerics.bias::t': metric biased='false' is mistyped*",
         "*biased = True (passes with biased = False)*",
-        "*cannot judge: numerics.stall::t: probe 'numerics.stall' documents no verdict*"],
+        "*cannot judge: 'numerics.stall::t': probe 'numerics.stall' documents no verdict*"],
         consecutive=False)
