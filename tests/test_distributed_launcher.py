@@ -193,3 +193,31 @@ def test_a_taken_port_is_seen_in_any_ranks_error_not_only_the_first():
     assert e.rank == 1 and e.port_taken
     e = L._first_cause(alive, queue.Queue(), set(), 1, "RuntimeError: Connection closed by peer", 2)
     assert not e.port_taken
+
+
+def test_a_rendezvous_that_fails_before_the_task_ran_is_retried_on_a_new_port(monkeypatch):
+    # a loaded host can drop gloo's pair connections while the group forms; no task has
+    # run, so a fresh port is safe. A failure inside the task is never retried.
+    calls, lines = [], []
+
+    def flaky(task, world, backend, timeout, args, addr, port, progress):
+        calls.append(port)
+        if len(calls) == 1:
+            e = L.WorkerFailed(0, "RuntimeError: Gloo connectFullMesh failed ... Connection "
+                                  "closed by peer", world)
+            e.rendezvous = True
+            raise e
+        return ["ok"] * world
+    monkeypatch.setattr(L, "_run_once", flaky)
+    assert L.launch(echo_task, 2, progress=lines.append) == ["ok", "ok"]
+    assert len(calls) == 2 and calls[0] != calls[1]
+    assert any("rendezvous on port" in x and "Connection closed by peer" in x for x in lines)
+
+    def task_fails(*a):
+        calls.append(0)
+        raise L.WorkerFailed(1, "RuntimeError: in the task", 2)
+    calls.clear()
+    monkeypatch.setattr(L, "_run_once", task_fails)
+    with pytest.raises(L.WorkerFailed, match="in the task"):
+        L.launch(echo_task, 2)
+    assert len(calls) == 1

@@ -17,8 +17,9 @@ Each rank:
 The launcher waits until every rank reported or the deadline passed. A rank that raises,
 dies without a word, or outlives the deadline stops the run: every rank's process group is
 killed (SIGKILL), joined, and WorkerFailed / WorkerTimeout names the rank(s), with the
-traceback. A free port is picked automatically (and picked again if the rendezvous finds
-it taken); an explicit port that is taken is refused before any process starts.
+traceback. A free port is picked automatically, and picked again (up to `retries` times) if
+the rendezvous finds it taken or fails before any task ran; an explicit port that is taken
+is refused before any process starts.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ class WorkerFailed(LaunchError):
     """A rank raised (or died); .rank and .traceback say which and why."""
 
     port_taken = False  # some rank's error says the rendezvous port was in use
+    rendezvous = False  # it failed while joining the process group, before the task ran
 
     def __init__(self, rank: int, tb: str, world: int):
         self.rank, self.traceback, self.world = rank, tb, world
@@ -123,8 +125,10 @@ def _rank_main(task, rank, world, backend, addr, port, timeout, args, outdir, q)
                           MASTER_ADDR=addr, MASTER_PORT=str(port))
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        status = "rendezvous"  # until the group is up: the task has not run, retrying is safe
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout))
+        status = "error"
         try:
             out = task(rank, world, *args)
             _check_plain(out, f"{getattr(task, '__name__', task)}() on rank {rank} returned")
@@ -133,7 +137,7 @@ def _rank_main(task, rank, world, backend, addr, port, timeout, args, outdir, q)
             dist.destroy_process_group()
         q.put(("ok", rank, ""))
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit
-        q.put(("error", rank, traceback.format_exc()))
+        q.put((locals().get("status", "rendezvous"), rank, traceback.format_exc()))
 
 
 _PLAIN = (int, float, bool, str, bytes, type(None))
@@ -250,8 +254,10 @@ def _run_once(task, world, backend, timeout, args, addr, port, progress):
                     if time.monotonic() > deadline:
                         raise WorkerTimeout(sorted(set(range(world)) - done), timeout, world)
                     continue
-            if status == "error":
-                raise _first_cause(procs, q, done, rank, tb, world)
+            if status != "ok":
+                failed = _first_cause(procs, q, done, rank, tb, world)
+                failed.rendezvous = status == "rendezvous" and failed.rank == rank
+                raise failed
             done.add(rank)
             if progress:
                 progress(f"rank {rank} done ({len(done)}/{world})")
@@ -287,12 +293,17 @@ def launch(task, world: int, *, backend: str = "gloo", timeout: float = 120.0, a
         try:
             return _run_once(task, world, backend, timeout, args, addr, chosen, progress)
         except WorkerFailed as e:
-            if not (e.port_taken or any(m in e.traceback.lower() for m in _ADDR_IN_USE)):
-                raise
-            if port is not None or attempt == retries - 1:
+            # a port taken, or a rendezvous that failed before any task ran (a loaded host
+            # drops gloo's pair connections: "Connection closed by peer"): a fresh port
+            taken = e.port_taken or any(m in e.traceback.lower() for m in _ADDR_IN_USE)
+            if taken and (port is not None or attempt == retries - 1):
                 raise PortInUse(f"port {chosen} on {addr} was taken when the ranks tried to "
                                 f"bind it ({retries if port is None else 1} attempt(s)); pass "
                                 f"port=None or another free port") from e
+            if not (taken or e.rendezvous) or port is not None or attempt == retries - 1:
+                raise
             if progress:
-                progress(f"port {chosen} was taken; retrying with another")
+                last = e.traceback.strip().splitlines()[-1] if e.traceback.strip() else ""
+                progress(f"port {chosen} was taken; retrying with another" if taken else
+                         f"rendezvous on port {chosen} failed ({last}); retrying with another")
     raise AssertionError("unreachable")
