@@ -190,6 +190,7 @@ def test_exit_code_2_when_a_probe_errored(tmp_path):
     assert run_audit([ok()], tmp_path, step_summary=False).exit_code == 0
 
 
+@pytest.mark.slow
 def test_history_appends_one_line_per_run_and_plots_trends(tmp_path):
     hist = tmp_path / "hist"
     for night, bias in enumerate([1e-4, 2e-4, 4e-4]):
@@ -304,7 +305,7 @@ def test_gpu_families_build_their_checks_where_cuda_is(monkeypatch):
 @pytest.mark.slow
 def test_a_worker_process_returns_the_same_results_as_running_here():
     from trainprobes.audit.suites import default_suite
-    from trainprobes.audit.worker import worker_check
+    from trainprobes.audit.remote import worker_check
     here, _ = run_suite(default_suite(quick=True, families=["stall"], in_process=True)[0])
     there, _ = run_suite([worker_check("stall", "stall (worker)", seed=0, quick=True,
                                        control=True)])
@@ -314,7 +315,7 @@ def test_a_worker_process_returns_the_same_results_as_running_here():
 
 
 def test_a_worker_that_fails_is_an_error_naming_its_family():
-    from trainprobes.audit.worker import worker_check
+    from trainprobes.audit.remote import worker_check
     (r,) = run_suite([worker_check("nope", "nope (worker)", seed=0, quick=True,
                                    control=True)])[0]
     assert r.verdict == "error" and "worker process for 'nope' exited 1" in r.message
@@ -561,6 +562,7 @@ def docs_schema_example() -> dict:
     return _toml.loads(block)["tool"]["trainprobes"]
 
 
+@pytest.mark.slow
 def test_docs_schema_example(monkeypatch):
     """The documented schema builds, and each of its sections runs to a real Result."""
     monkeypatch.setattr(sys, "path", list(sys.path))

@@ -12,6 +12,7 @@ def run(capsys, *argv):
     return code, out.out, out.err
 
 
+@pytest.mark.slow
 def test_reference_table_prints_every_known_verdict(capsys, tmp_path):
     report = tmp_path / "causality.json"
     code, out, _ = run(capsys, "--seq-len", "24", "--batch", "2", "--output", str(report))

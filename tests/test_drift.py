@@ -94,6 +94,7 @@ def test_cluster_t_false_positive_rate_near_alpha_with_sequence_correlation():
     assert (p_tok < alpha).double().mean().item() > 3 * alpha  # ignoring correlation over-rejects
 
 
+@pytest.mark.slow
 def test_compare_false_positive_rate_over_seeds():
     alpha, R = 0.05, 200
     hits = sum(compare(*_pair(100 + s, B=16, T=16, noise=0.05), alpha=alpha).metrics["biased"]
@@ -150,6 +151,7 @@ def test_flat_input_with_lengths_tests_over_sequences():
     assert blocks.evidence["test_unit"] == "block"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("B,T", [(32, 48), (16, 512)])
 def test_flat_stream_without_lengths_holds_its_level_under_per_sequence_offsets(B, T):
     """A flat [N] stream of whole sequences (verl-style packed tokens) with zero-mean noise

@@ -18,6 +18,7 @@ def probe(family, impl, convention, **kw):
     return r, by_hand(model, X, P)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["sdpa"])
 def test_llama_packed_by_position_ids_leaks_while_a_cache_is_made(impl):
     """DataCollatorWithFlattening's batch under the model's default use_cache: transformers

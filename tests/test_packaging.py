@@ -53,6 +53,7 @@ def test_ruff_finds_nothing():
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_import_is_cheap_and_the_folder_names_are_refused():
     code = ("import sys, trainprobes; assert 'torch' not in sys.modules, 'torch imported'; "
             "from trainprobes import causality, drift, numerics; print(trainprobes.__version__)")

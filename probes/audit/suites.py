@@ -399,7 +399,7 @@ def default_suite(*, seed: int = 0, quick: bool = False, families=None,
     """(checks, skipped): skipped maps a family to why it is not in this run (its probe
     module is missing). Families this machine has no hardware for: not_here().
     in_process: build worker families' checks here too (what the worker process does)."""
-    from trainprobes.audit.worker import worker_check
+    from trainprobes.audit.remote import worker_check
 
     names = _names(families)
     absent = not_here(names)

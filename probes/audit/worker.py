@@ -4,39 +4,17 @@ checks are Python-heavy, so threads would only take turns holding the GIL.
     python -m trainprobes.audit.worker --families collectives --seed 0 [--quick] [--threads 1]
 
 prints {"results": [Result.to_dict(), ...], "timings": [...]} on stdout. Results travel as
-JSON (exact round trip, nothing unpickled). The audit starts it through worker_check(), a
-background Check; a worker that dies or prints something else is an error Result (TP-E1)
-naming the family, never a silent gap in the report.
+JSON (exact round trip, nothing unpickled). The audit starts it through
+trainprobes.audit.remote.worker_check, by module name, so the suite and this entry point
+never import each other.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 
-from trainprobes.audit.run import Check
-from trainprobes.result import Result, to_jsonable
-
-TIMEOUT_S = 600.0
-
-
-def worker_check(family: str, name: str, *, seed: int, quick: bool, control: bool) -> Check:
-    """A background Check that runs the default-suite `family` in a worker process."""
-    def run():
-        import torch
-        cmd = [sys.executable, "-m", "trainprobes.audit.worker", "--families", family,
-               "--seed", str(seed), "--threads", str(torch.get_num_threads())]
-        proc = subprocess.run(cmd + (["--quick"] if quick else []), capture_output=True,
-                              text=True, timeout=TIMEOUT_S)
-        try:
-            doc = json.loads(proc.stdout)
-            return [Result.from_dict(d) for d in doc["results"]]
-        except (ValueError, KeyError, TypeError) as e:
-            raise RuntimeError(f"the worker process for {family!r} exited {proc.returncode} "
-                               f"without its Results ({e}); its stderr ends: "
-                               f"{proc.stderr.strip()[-1500:]}") from None
-    return Check(family, name, run, control=control, background=True)
+from trainprobes.result import to_jsonable
 
 
 def main(argv=None) -> int:

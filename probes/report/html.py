@@ -15,8 +15,8 @@ from __future__ import annotations
 import html
 from typing import Callable
 
+import trainprobes.report.outline as outline
 from trainprobes.display import format_number
-from trainprobes.report import outline
 from trainprobes.report.plots import have_matplotlib, png_data_uri
 from trainprobes.result import CODES, Result
 

@@ -6,8 +6,8 @@ emoji, so the file reads the same in a terminal, a log and a browser.
 """
 from __future__ import annotations
 
+import trainprobes.report.outline as outline
 from trainprobes.display import format_number
-from trainprobes.report import outline
 from trainprobes.result import CODES, Result
 
 
