@@ -96,11 +96,27 @@ def test_a_twin_that_is_not_the_target_s_function_is_refused():
     assert "not the target's function" in r.metrics["fp64"]
 
 
-def test_batched_mode_takes_one_call():
+def test_batched_mode_takes_one_batched_call_and_one_alone():
+    """One call holds the perturbed copies; one call alone shows that the batch did not
+    change the unperturbed row (a batch-isolated target), since no single call can."""
     r = documents(ToyAttention("causal"), X, P, vocab=V, batched=True, causal=False)
-    assert r.metrics["n_evaluations"] == 1 and r.metrics["isolated"] is False
+    assert r.metrics["n_evaluations"] == 2 and r.metrics["isolated"] is False
     r = documents(ToyAttention("block"), X, P, vocab=V, batched=True, causal=False)
-    assert r.metrics["n_evaluations"] == 1 and r.metrics["isolated"] is True
+    assert r.metrics["n_evaluations"] == 2 and r.metrics["isolated"] is True
+    assert r.metrics["batched"] is True
+
+
+def test_batched_mode_falls_back_when_the_copies_talk_to_each_other():
+    """A target whose rows see the batch mean gives every copy in one call the same shift,
+    so the copies alone cannot show that row 0's documents move row 1's: the batched call
+    must be checked against a call alone, and the probe falls back to one call per
+    document (d + 3 in all), where the other-row leak shows."""
+    x2 = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(4))
+    r = documents(_BatchMean("block"), x2, [[4, 5], [9]], vocab=V, causal=False, batched=True)
+    assert r.metrics["isolated"] is False and r.verdict == "fail"
+    assert r.metrics["batched"] is False and "batch" in r.evidence["batched_fallback"]
+    assert r.metrics["n_evaluations"] == 3 + 3  # batched, alone twice, one per document
+    assert {lk["direction"] for lk in r.evidence["leaks"] if lk["kind"] == "structural"} == {"other row"}
 
 
 def test_documents_in_other_rows_count_as_leaks():

@@ -9,8 +9,9 @@ Algorithm (d documents over all rows):
      nondeterministic (TP-C2) and no change could be told from a leak.
   2. For each document s, replace its tokens by other values (same length, same positions,
      same packing) and run once: d evaluations, d + 2 in all. With batched=True the d
-     perturbed copies and two unperturbed ones go into one call instead (sound only for a
-     batch-isolated target; the two copies must agree).
+     perturbed copies and two unperturbed ones go into one call instead, beside one call
+     alone (sound only for a batch-isolated target: both unperturbed copies must reproduce
+     the call alone, else one call per document follows, d + 3 in all).
   3. Leak matrix: for every (source s, affected a != s), the largest and mean absolute change
      of a's outputs. A document in another row counts too (a batch-isolation leak).
   4. Judge every changed token of another document with the causality probe's public
@@ -74,12 +75,13 @@ def documents(fn: Callable, tokens: torch.Tensor, lengths, *, output=None, seed:
     fp64: a callable fn64(tokens, packing) computing in float64, False for none, or None
       (an nn.Module target is deep-copied and cast to float64).
     atol: changes up to atol are not changes (default 0: bit for bit).
-    batched: one call holding the d perturbed copies (valid for batch-isolated targets).
+    batched: one call holding the d perturbed copies, checked against one call alone
+      (valid for batch-isolated targets; otherwise it falls back to one call per document).
     causal / cuts: also run trainprobes.causality.check on the packed row (cuts as there).
 
     Returns a Result (probe "isolation.documents"): metrics isolated, n_documents, n_leaks,
     n_numerical, n_unverified, max_leak, max_cross_change, causal, n_evaluations (at most
-    d + 2; 1 when batched), n_fp64_evaluations, causality_evaluations; evidence leak_max and
+    d + 2; 2 when batched, d + 3 when batching fell back), n_fp64_evaluations, causality_evaluations; evidence leak_max and
     leak_mean (source x affected matrices), leak_kind, leaks, self_change, documents.
     """
     atol = check_number(atol, "atol", min=0.0)
@@ -120,7 +122,8 @@ def documents(fn: Callable, tokens: torch.Tensor, lengths, *, output=None, seed:
                               f"{e.count} tokens (first (row, position): {e.where[:3]}); "
                               f"nondeterminism is not an isolation verdict: make the target "
                               f"deterministic (.eval(), fixed seeds) and probe again")
-    y0, ys = outs
+    y0, ys, fallback = outs
+    batched = batched and fallback is None
     n_eval = tgt.n_evaluations
     leak_max, leak_mean = _matrices(y0, ys, gid, D)
     moved = leak_max > atol
@@ -131,8 +134,11 @@ def documents(fn: Callable, tokens: torch.Tensor, lengths, *, output=None, seed:
         sub = check(Packed(fn, packing, name), x, cuts=cuts, seed=seed, vocab=vocab,
                     decision=output, fp64=twin.packed if twin.packed is not None else False,
                     atol=atol, target=name)
-    return _result(common, packing, docs, leak_max, leak_mean, kind, moved, fp64_max,
-                   twin.status, n_eval, twin.n_evaluations, sub, batched, x)
+    r = _result(common, packing, docs, leak_max, leak_mean, kind, moved, fp64_max,
+                twin.status, n_eval, twin.n_evaluations, sub, batched, x)
+    if fallback is not None:
+        r.evidence["batched_fallback"] = fallback
+    return r
 
 
 # Kind -> severity, so that a document's worst token decides: structural > unverified > numerical
@@ -171,17 +177,26 @@ def _judge(y0, ys, gid, D, twin: Twin, x, perturbed, atol):
 
 
 def _evaluate(tgt, x, perturbed, D, batched, atol):
-    """(baseline outputs, [D, B, L, ...] outputs with document s perturbed)."""
-    if batched:
-        xs = torch.cat([x, x] + [perturbed(s) for s in range(D)])
-        y, _ = tgt(xs)
-        y = y.reshape(D + 2, x.shape[0], *y.shape[1:])
-        _same(y[0], y[1], atol)
-        return y[0], y[2:]
+    """(baseline outputs, [D, B, L, ...] outputs with document s perturbed, why a batched
+    evaluation fell back to calls alone or None)."""
     y0, _ = tgt(x)
+    fallback = None
+    if batched:
+        # the copies share one call, so they are sound only for a batch-isolated target; no
+        # single call can show that (a batch-wide statistic shifts every copy alike and
+        # hides a leak between rows), but the unperturbed copies, first and last, must
+        # reproduce the call alone
+        y, _ = tgt(torch.cat([x] + [perturbed(s) for s in range(D)] + [x]))
+        y = y.reshape(D + 2, x.shape[0], *y.shape[1:])
+        moved = differs(y0, y[0], atol) | differs(y0, y[-1], atol)
+        if not moved.any():
+            return y0, y[1:-1], None
+        fallback = (f"the unperturbed rows changed inside the batch of {D + 2} copies at "
+                    f"{int(moved.sum())} tokens (first (row, position): {moved.nonzero()[:3].tolist()}): "
+                    f"not batch-isolated (or batch-variant), so one call per document instead")
     y1, _ = tgt(x)
     _same(y0, y1, atol)
-    return y0, torch.stack([tgt(perturbed(s))[0] for s in range(D)])  # one call per document
+    return y0, torch.stack([tgt(perturbed(s))[0] for s in range(D)]), fallback  # one call per document
 
 
 def _same(a, b, atol):
