@@ -152,3 +152,21 @@ def test_bad_inputs_are_named():
         documents(ToyAttention(), X, P, fp64="yes")
     with pytest.raises(TargetError, match="token ids"):
         documents(ToyAttention(), [1, 2, 3], P)
+
+
+class _Overflows(PackedAttention):
+    """Later documents add exp(0.45 x the sum of document 0's ids): finite (e^80) for X,
+    beyond float32 (e^103) for its perturbation, finite in the fp64 twin. A real leak."""
+
+    def forward(self, tokens, packing):
+        y = super().forward(tokens, packing)
+        first = packing.doc_ids(tokens.device) == 0
+        s = (tokens * first).sum(1, keepdim=True).to(y.dtype)
+        return torch.where(first[..., None], y, y + torch.exp(0.45 * s[..., None]))
+
+
+def test_a_leak_that_overflows_float32_is_not_excused_as_rounding():
+    r = documents(_Overflows("block"), X, P, vocab=V, causal=False)
+    assert r.metrics["fp64"] == "used" and r.metrics["isolated"] is False
+    assert {(lk["source"], lk["affected"]) for lk in r.evidence["leaks"]
+            if lk["kind"] == "structural"} == {(0, 1), (0, 2)}
