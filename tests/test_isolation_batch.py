@@ -72,3 +72,19 @@ def test_a_target_that_drops_rows_is_refused():
         batch_invariance(lambda a: a[:1], XI, sizes=(2,))
     with pytest.raises(InvalidArgument, match="rows"):
         batch_invariance(exact_matmul, torch.tensor(1.0))
+
+
+def test_equal_infinities_and_integer_outputs_are_measured_as_they_differ():
+    def masked(a):  # -inf and NaN columns, the same in every batch: no difference at all
+        y = exact_matmul(a)
+        y[:, 0], y[:, 1] = float("-inf"), float("nan")
+        return y
+    r = batch_invariance(masked, XI, sizes=(2, 3, 4))
+    m = r.metrics
+    assert m["batch_invariant"] is True and m["max_abs_diff"] == 0.0 and m["max_ulps"] == 0.0
+    assert m["mean_abs_diff"] == 0.0 and m["companion_dependent"] is False
+
+    def ids(a):  # integer outputs off by 500 in batches of 3 or more
+        return exact_matmul(a).long() + 500 * (a.shape[0] > 2)
+    r = batch_invariance(ids, XI, sizes=(2, 3))
+    assert r.metrics["breaking_sizes"] == [3, 6] and r.metrics["max_abs_diff"] == 500.0

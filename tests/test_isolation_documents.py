@@ -170,3 +170,22 @@ def test_a_leak_that_overflows_float32_is_not_excused_as_rounding():
     assert r.metrics["fp64"] == "used" and r.metrics["isolated"] is False
     assert {(lk["source"], lk["affected"]) for lk in r.evidence["leaks"]
             if lk["kind"] == "structural"} == {(0, 1), (0, 2)}
+
+
+class _BannedIds(PackedAttention):
+    """Outputs -inf in three columns (logits of banned ids, log-probs of impossible tokens)."""
+
+    def forward(self, tokens, packing):
+        y = super().forward(tokens, packing).clone()
+        y[..., :3] = float("-inf")
+        return y
+
+
+def test_outputs_that_stay_minus_infinity_are_no_change():
+    r = documents(_BannedIds("block"), X, P, vocab=V, causal=False)
+    lm = torch.tensor(r.evidence["leak_max"])
+    assert r.metrics["isolated"] is True and r.metrics["max_cross_change"] == 0.0
+    assert (lm - lm.diag().diag() == 0).all() and lm.diag().isfinite().all()
+    noisy = _BannedIds("block", noise=True)  # other documents move the rounding: the twin
+    r = documents(noisy, X, P, vocab=V, causal=False)  # must not be refused over -inf == -inf
+    assert r.metrics["fp64"] == "used" and r.metrics["isolated"] is True, r.metrics["fp64"]

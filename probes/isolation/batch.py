@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from trainprobes.causality.target import pick
+from trainprobes.causality.target import abs_diff, pick
 from trainprobes.errors import InvalidArgument, TargetError
 from trainprobes.result import Result
 from trainprobes.validation import check_int, check_number
@@ -75,15 +75,11 @@ def _diff(alone: torch.Tensor, got: torch.Tensor, atol: float):
     if got.shape != alone.shape:
         raise TargetError(f"a row's output has shape {tuple(got.shape)!r} inside a batch and "
                           f"{tuple(alone.shape)!r} alone")
+    d = abs_diff(alone, got)  # equal infinities 0 apart, NaN beside a number infinitely far
     if alone.is_floating_point():
-        both_nan = alone.isnan() & got.isnan()
-        d = (got.double() - alone.double()).abs().nan_to_num(float("inf"))
-        d = torch.where(both_nan, 0.0, d)
-        bits = ~both_nan & ((got != alone) | (alone.isnan() != got.isnan()))
-        differ = bits & (d > atol) if atol > 0 else bits
+        differ = d > atol
         return d, differ, d / _row_ulp(alone)
-    differ = got != alone
-    return differ.double(), differ, differ.double()
+    return d, got != alone, d  # integers: the difference is the count of ulps
 
 
 def batch_invariance(fn: Callable, inputs: torch.Tensor, *, sizes=DEFAULT_SIZES, trials: int = 3,
@@ -188,8 +184,7 @@ def _result(common, call, rows, sizes, N, atol, dtype) -> Result:
         for r in row_diff.nonzero().flatten()[:max(0, 10 - len(examples))].tolist():
             examples.append({"size": b, "position": r, "row": int(idx[r]),
                              "max_abs_diff": float(d[r].max()), "max_ulps": float(ulps[r].max())})
-    dependent = [not all(torch.equal(o, outs[0]) if atol == 0 else
-                         bool(((o.double() - outs[0].double()).abs() <= atol).all()) for o in outs[1:])
+    dependent = [not all(bool((abs_diff(outs[0], o) <= atol).all()) for o in outs[1:])
                  for outs in companions.values() if len(outs) > 1]
     breaking = [s["size"] for s in by_size if s["rows_differ"]]
     invariant = not breaking

@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 from trainprobes.causality.classify import Kind, Outputs, classify_changes
 from trainprobes.causality.inputs import replacements
-from trainprobes.causality.target import Target, differs
+from trainprobes.causality.target import Target, abs_diff, differs
 from trainprobes.errors import InvalidType, TargetError
 from trainprobes.isolation.packing import Packing
 from trainprobes.isolation.target import Packed, Twin
@@ -208,9 +208,7 @@ def _same(a, b, atol):
 def _token_change(y0, y):
     """[..., B, L] largest and summed |change| over the trailing (feature) axes, float64."""
     lead = y.dim() - y0.dim()
-    d = (y.double() - y0.double()).abs()
-    d = torch.where((y.isnan() & y0.isnan()) if y.is_floating_point() else torch.zeros_like(d, dtype=torch.bool),
-                    0.0, d.nan_to_num(float("inf")))
+    d = abs_diff(y0, y)  # equal infinities: no change; to or from NaN / inf: infinite
     d = d.reshape(*d.shape[:lead + 2], -1)
     return d.amax(-1), d.sum(-1), d.shape[-1]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from trainprobes.causality.target import abs_diff
 from trainprobes.drift import compare
 from trainprobes.errors import InvalidArgument, TargetError
 from trainprobes.result import Result
@@ -85,8 +86,8 @@ def end_to_end(model, sequences: torch.Tensor, *, sizes=(8,), vocab: int | None 
             out = _lp(fn, batch[perm], name)
             n_eval += 1
             got[rows] = out[perm.argsort()][:len(rows)]
-        d = (got.double() - alone.double()).abs()
-        by_size.append({"size": b, "frac_tokens_differ": float((got != alone).double().mean()),
+        d = abs_diff(alone, got)  # equal -inf log-probs are no difference
+        by_size.append({"size": b, "frac_tokens_differ": float((d > 0).double().mean()),
                         "max_abs_diff": float(d.max()), "mean_abs_diff": float(d.mean())})
         batched[b] = got
     head = sizes[-1]

@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 from trainprobes.causality.classify import Outputs
-from trainprobes.causality.target import Target
+from trainprobes.causality.target import Target, abs_diff
 from trainprobes.errors import TargetError
 from trainprobes.isolation.packing import Packing
 
@@ -24,7 +24,7 @@ def _disagreement(y0: torch.Tensor, y64: torch.Tensor) -> float | None:
     if not (y0.is_floating_point() and y64.is_floating_point()) or y0.shape != y64.shape:
         return None if y0.shape == y64.shape else float("inf")
     scale = y0.double().abs().nan_to_num(0.0, posinf=0.0, neginf=0.0).amax().clamp_min(1e-30)
-    off = float(((y0.double() - y64).abs().nan_to_num(float("inf")).amax()) / scale)
+    off = float(abs_diff(y0, y64).amax() / scale)
     return off if off > max(_TWIN_RTOL, 16 * torch.finfo(y0.dtype).eps) else None
 
 
