@@ -111,3 +111,17 @@ def test_occasional_nondeterminism_is_not_called_batch_variance(noisy):
     # calls: 6 rows alone (0-5), row 0 again (6), 3 sizes x 3 trials (7-15), the pool, a repeat
     r = batch_invariance(_Flaky(noisy), XI, sizes=(2, 3, 8), seed=1)
     assert r.codes == ["TP-C2"] and r.metrics["batch_invariant"] is None, r.message
+
+
+def test_a_target_that_writes_into_its_input_gets_its_own_copy():
+    """In-place kernels (fused add + norm, relu(inplace=True)) write into their input: the
+    row views of the pool were changed under the probe, so the second call of row 0 alone
+    saw other values (TP-C2 for a deterministic, invariant op) and the caller's tensor was
+    corrupted."""
+    pool = XI.clone()
+
+    def halves_in_place(a):
+        return exact_matmul(a.mul_(0.5))
+    r = batch_invariance(halves_in_place, pool, sizes=(2, 3))
+    assert r.metrics["batch_invariant"] is True and r.verdict == "pass", r.message
+    assert torch.equal(pool, XI)

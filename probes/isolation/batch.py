@@ -45,6 +45,7 @@ class _Call:
         self.fn, self.output, self.name, self.n = fn, output, name, 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()  # an in-place kernel (fused add + norm) may write into its input
         try:
             with torch.no_grad():
                 out = self.fn(x)
@@ -90,7 +91,8 @@ def batch_invariance(fn: Callable, inputs: torch.Tensor, *, sizes=DEFAULT_SIZES,
     """Probe fn for outputs that depend on the batch a row is computed in.
 
     fn: [b, ...] -> [b, ...] row-wise (output picks the tensor from a structure: an index,
-      a name, or a callable). inputs: the pool of rows [N, ...], N >= 1.
+      a name, or a callable); every call gets its own copy of the rows, so an in-place
+      kernel cannot change the pool. inputs: the pool of rows [N, ...], N >= 1.
     sizes: batch sizes to try (>= 2); trials: batches per size (the watched row first,
       last, first with other companions, middle, ...). atol: differences up to it are not
       differences (default 0: bit for bit).
