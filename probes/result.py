@@ -157,7 +157,8 @@ PROBES = {
     "isolation.end_to_end": ProbeMetrics("batch_invariant", "TP-I2", ("max_abs_diff",), (
         "batch_invariant", "size", "frac_tokens_differ", "max_abs_diff", "drift_verdict",
         "mean_log_ratio", "std_log_ratio", "k3_kl", "p_value", "n_tokens", "n_evaluations",
-        "variance_share", "bias_share", "measured_std_log_ratio", "measured_mean_log_ratio"),
+        "variance_share", "variance_ratio", "bias_share", "measured_std_log_ratio",
+        "measured_mean_log_ratio"),
         ("drift_verdict",)),
 }
 

@@ -5,10 +5,13 @@ other sequences as companions, at shuffled positions) are two "engines" that dif
 the batch: `trainprobes.drift.compare` judges them (clean, noisy, biased, heavy-tailed). With
 the user's measured train/inference drift beside it, the share of that drift batch variance
 explains: variance share = var(batch log-ratio) / var(measured log-ratio) (independent
-noise sources add their variances), bias share = mean(batch) / mean(measured).
+noise sources add their variances; None above 1, where the measured drift cannot hold the
+batch variance: variance_ratio keeps the figure), bias share = mean(batch) / mean(measured)
+(None unless the measured mean's confidence interval excludes zero).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -114,6 +117,12 @@ def end_to_end(model, sequences: torch.Tensor, *, sizes=(8,), vocab: int | None 
     if shares.get("variance_share") is not None:
         msg += (f"; batch variance explains {shares['variance_share']:.1%} of the measured "
                 f"drift's variance")
+    elif shares.get("variance_ratio") is not None:
+        msg += (f"; batch variance alone is {shares['variance_ratio']:.3g} times the measured "
+                f"drift's variance: that drift cannot contain it (measured on other tokens, or "
+                f"by engines that batch differently)")
+    if shares.get("bias_share") is not None:
+        msg += f"; and {shares['bias_share']:.3g} of its mean (bias)"
     evidence = {"by_size": by_size, "drift": {"verdict": drift.verdict, "codes": drift.codes,
                                               "message": drift.message,
                                               "metrics": {k: v for k, v in m.items()
@@ -124,7 +133,7 @@ def end_to_end(model, sequences: torch.Tensor, *, sizes=(8,), vocab: int | None 
 
 def _shares(drift: Result, measured, options) -> dict:
     if measured is None:
-        return {"variance_share": None, "bias_share": None}
+        return {"variance_share": None, "variance_ratio": None, "bias_share": None}
     if isinstance(measured, Result):
         mm = measured.metrics
     else:
@@ -139,6 +148,16 @@ def _shares(drift: Result, measured, options) -> dict:
             raise InvalidArgument(f"measured drift has no numeric {k!r}: pass a drift.compare Result")
     var_b, var_m = drift.metrics["std_log_ratio"] ** 2, mm["std_log_ratio"] ** 2
     mean_b, mean_m = drift.metrics["mean_log_ratio"], mm["mean_log_ratio"]
-    return {"variance_share": var_b / var_m if var_m > 0 else None,
-            "bias_share": mean_b / mean_m if mean_m != 0 else None,
+    ratio = var_b / var_m if var_m > 0 else (math.inf if var_b > 0 else None)
+    # a share is at most the whole: a larger ratio says the measured drift cannot hold this
+    # batch variance (other tokens, or engines that batch differently), not that it explains
+    # more than all of it
+    share = ratio if ratio is not None and ratio <= 1 else None
+    # a share of the bias exists only where the measured drift has one: a ratio of two
+    # means that cannot be told from zero is noise over noise, of any sign and size
+    lo, hi = mm.get("ci_low"), mm.get("ci_high")
+    significant = (isinstance(lo, (int, float)) and isinstance(hi, (int, float))
+                   and (lo > 0 or hi < 0))
+    return {"variance_share": share, "variance_ratio": ratio,
+            "bias_share": mean_b / mean_m if significant else None,
             "measured_std_log_ratio": mm["std_log_ratio"], "measured_mean_log_ratio": mean_m}
