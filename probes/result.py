@@ -145,7 +145,7 @@ PROBES = {
         "sequential_sum[...]")),
     # trainprobes.isolation
     "isolation.documents": ProbeMetrics("isolated", "TP-I1", ("n_leaks", "max_leak"), (
-        "isolated", "n_documents", "n_leaks", "n_numerical", "n_unverified", "max_leak",
+        "isolated", "n_documents", "n_leaks", "n_numerical", "n_unverified", "n_blind_tokens", "max_leak",
         "max_cross_change", "deterministic", "causal", "n_evaluations", "n_fp64_evaluations",
         "fp64", "batched", "causality_evaluations", "n_nondeterministic", "by_hand_change"),
         ("deterministic", "causal", "fp64", "batched")),

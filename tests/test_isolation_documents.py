@@ -189,3 +189,23 @@ def test_outputs_that_stay_minus_infinity_are_no_change():
     noisy = _BannedIds("block", noise=True)  # other documents move the rounding: the twin
     r = documents(noisy, X, P, vocab=V, causal=False)  # must not be refused over -inf == -inf
     assert r.metrics["fp64"] == "used" and r.metrics["isolated"] is True, r.metrics["fp64"]
+
+
+class _NanLast(PackedAttention):
+    """Causal over the whole row (document 0 leaks into 1 and 2), with the last document's
+    outputs NaN (a query that may attend to nothing): a leak into it cannot show."""
+
+    def forward(self, tokens, packing):
+        y = super().forward(tokens, packing).clone()
+        y[packing.doc_ids(tokens.device) == packing.doc_ids().max()] = float("nan")
+        return y
+
+
+def test_documents_whose_outputs_are_nan_cannot_be_called_isolated():
+    r = documents(_NanLast("causal"), X[:, :13], [6, 7], vocab=V, causal=False)
+    assert r.metrics["isolated"] is None and r.verdict == "fail" and r.codes == ["TP-I1"]
+    assert r.metrics["n_blind_tokens"] == 7 and "NaN" in r.message
+    r = documents(lambda t, p: torch.full((*t.shape, 4), float("nan")), X, P, vocab=V)
+    assert r.metrics["isolated"] is None and r.verdict == "fail"
+    r = documents(_NanLast("causal"), X, P, vocab=V, causal=False)  # a leak that shows
+    assert r.metrics["isolated"] is False and r.metrics["max_cross_change"] > 0

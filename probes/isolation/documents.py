@@ -128,6 +128,9 @@ def documents(fn: Callable, tokens: torch.Tensor, lengths, *, output=None, seed:
     leak_max, leak_mean = _matrices(y0, ys, gid, D)
     moved = leak_max > atol
     kind, fp64_max = _judge(y0, ys, gid, D, twin, x, perturbed, atol)
+    # a token whose outputs are all NaN hides any leak that leaves it NaN: blind
+    blind = (y0.isnan().reshape(*y0.shape[:2], -1).all(-1) if y0.is_floating_point()
+             else torch.zeros(y0.shape[:2], dtype=torch.bool))
     sub = None
     if causal:
         from trainprobes.causality import check
@@ -135,7 +138,7 @@ def documents(fn: Callable, tokens: torch.Tensor, lengths, *, output=None, seed:
                     decision=output, fp64=twin.packed if twin.packed is not None else False,
                     atol=atol, target=name)
     r = _result(common, packing, docs, leak_max, leak_mean, kind, moved, fp64_max,
-                twin.status, n_eval, twin.n_evaluations, sub, batched, x)
+                twin.status, n_eval, twin.n_evaluations, sub, batched, x, blind & (D > 1))
     if fallback is not None:
         r.evidence["batched_fallback"] = fallback
     return r
@@ -227,7 +230,7 @@ def _matrices(y0, ys, gid, D):
 
 
 def _result(common, packing, docs, leak_max, leak_mean, kind, moved, fp64_max, fp64_status,
-            n_eval, n64, sub, batched, x) -> Result:
+            n_eval, n64, sub, batched, x, blind) -> Result:
     D = len(docs)
     gdoc = [(d.row, d.start, d.length) for d in docs]
     n_struct = int((kind == Kind.STRUCTURAL).sum())
@@ -243,12 +246,14 @@ def _result(common, packing, docs, leak_max, leak_mean, kind, moved, fp64_max, f
                       "max_change": float(leak_max[s, a]), "mean_change": float(leak_mean[s, a]),
                       "fp64_change": None if fp64_max is None else float(fp64_max[s, a])})
     leaks.sort(key=lambda r: (r["kind"] != "structural", -r["max_change"]))
-    isolated = (False if n_struct else None if n_unver else True)
+    n_blind = int(blind.sum())
+    blind_docs = sorted(set(packing.global_doc_ids()[blind].tolist()))
+    isolated = (False if n_struct else None if n_unver or n_blind else True)
     # isolation unknown never passes (result.PROBES: None only beside fail): a leak within
-    # rounding noise is not excluded until a twin settles it
+    # rounding noise is not excluded until a twin settles it, nor one into NaN outputs
     causal = sub.metrics.get("causal") if sub is not None else None
     codes = []
-    if n_struct or n_unver:
+    if n_struct or n_unver or n_blind:
         codes.append("TP-I1")
     if sub is not None and "TP-C1" in sub.codes and causal is False:
         codes.append("TP-C1")
@@ -256,10 +261,11 @@ def _result(common, packing, docs, leak_max, leak_mean, kind, moved, fp64_max, f
     verdict = "fail" if codes else ("warn" if dead or (sub is not None and sub.verdict == "warn")
                                     else "pass")
     struct_max = float(leak_max[kind == Kind.STRUCTURAL].max()) if n_struct else 0.0
-    cross_max = float((leak_max * (1 - torch.eye(D, dtype=torch.float64))).max()) if D > 1 else 0.0
+    cross_max = float(leak_max.masked_fill(torch.eye(D, dtype=torch.bool), 0.0).max()) if D > 1 else 0.0
     metrics = {
         "isolated": isolated, "n_documents": D, "n_leaks": n_struct, "n_numerical": n_num,
-        "n_unverified": n_unver, "max_leak": struct_max, "max_cross_change": cross_max,
+        "n_unverified": n_unver, "n_blind_tokens": n_blind, "max_leak": struct_max,
+        "max_cross_change": cross_max,
         "deterministic": True, "causal": causal, "n_evaluations": n_eval,
         "n_fp64_evaluations": n64, "fp64": fp64_status, "batched": batched,
         "causality_evaluations": sub.metrics.get("n_evaluations") if sub is not None else 0,
@@ -272,6 +278,7 @@ def _result(common, packing, docs, leak_max, leak_mean, kind, moved, fp64_max, f
         "leak_kind": [[None if k < 0 else Kind(k).label for k in row] for row in kind.tolist()],
         "fp64_change": None if fp64_max is None else fp64_max.tolist(),
         "leaks": leaks, "self_change": self_change.tolist(), "unmoved_documents": dead,
+        "blind_documents": blind_docs,
     }
     if sub is not None:
         evidence["causality"] = {"verdict": sub.verdict, "codes": sub.codes, "message": sub.message,
@@ -291,6 +298,10 @@ def _result(common, packing, docs, leak_max, leak_mean, kind, moved, fp64_max, f
         if n_unver:
             msg = (f"{n_unver} document pairs moved within rounding noise and no fp64 twin could "
                    f"settle them (pass fp64=); isolation unknown")
+        if n_blind:
+            msg = (f"the outputs of documents {blind_docs[:5]} are NaN at {n_blind} tokens, where "
+                   f"a leak that leaves them NaN cannot show; isolation unknown"
+                   + (f"; and {n_unver} pairs moved within rounding noise, unsettled" if n_unver else ""))
     if dead:
         msg += (f"; perturbing documents {dead[:5]} changed not even their own outputs: the "
                 f"outputs may not depend on the tokens")
