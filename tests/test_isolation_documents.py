@@ -209,3 +209,22 @@ def test_documents_whose_outputs_are_nan_cannot_be_called_isolated():
     assert r.metrics["isolated"] is None and r.verdict == "fail"
     r = documents(_NanLast("causal"), X, P, vocab=V, causal=False)  # a leak that shows
     assert r.metrics["isolated"] is False and r.metrics["max_cross_change"] > 0
+
+
+def test_a_twin_of_integer_decisions_must_make_the_target_s_decisions():
+    """A capacity router shared over the row (earlier documents take later ones' slots)
+    leaks; a "twin" that is the fixed router (no capacity, in fp64) never changes the later
+    documents' decisions, so it excused every leak: integer outputs skipped the check that
+    the twin computes the target's function."""
+    from trainprobes.reference import routing
+    emb = torch.randn(V, 4, generator=torch.Generator().manual_seed(0))
+
+    def leaky(tokens, packing):
+        return routing.capacity_by_position(emb[tokens].float(), k=1, capacity_factor=1.0)[0]
+
+    def fixed_router(tokens, packing):
+        return routing.topk_softmax(emb[tokens].double(), 1)[0]
+    x = torch.randint(0, V, (1, 24), generator=torch.Generator().manual_seed(0))
+    r = documents(leaky, x, [8, 8, 8], vocab=V, causal=False, fp64=fixed_router)
+    assert r.metrics["isolated"] is False and r.metrics["n_numerical"] == 0
+    assert "not the target's function" in r.metrics["fp64"] and "decisions" in r.metrics["fp64"]

@@ -19,13 +19,22 @@ __all__ = ["Packed", "Twin"]
 _TWIN_RTOL = 1e-3
 
 
-def _disagreement(y0: torch.Tensor, y64: torch.Tensor) -> float | None:
-    """The relative disagreement when it is beyond rounding, else None."""
-    if not (y0.is_floating_point() and y64.is_floating_point()) or y0.shape != y64.shape:
-        return None if y0.shape == y64.shape else float("inf")
+def _disagreement(y0: torch.Tensor, y64: torch.Tensor) -> str | None:
+    """How the twin's outputs differ from the target's beyond rounding, else None."""
+    if y0.shape != y64.shape:
+        return f"returns shape {tuple(y64.shape)!r}, the target {tuple(y0.shape)!r}"
+    if y0.is_floating_point() != y64.is_floating_point():
+        return f"returns {y64.dtype}, the target {y0.dtype}"
+    if not y0.is_floating_point():
+        # decisions (expert ids, kept/dropped) have no rounding: a twin that decides
+        # otherwise on the same input would excuse every decision the target changes
+        n = int((y0 != y64).sum())
+        return f"makes other decisions at {n} of {y0.numel()}" if n else None
     scale = y0.double().abs().nan_to_num(0.0, posinf=0.0, neginf=0.0).amax().clamp_min(1e-30)
     off = float(abs_diff(y0, y64).amax() / scale)
-    return off if off > max(_TWIN_RTOL, 16 * torch.finfo(y0.dtype).eps) else None
+    if off > max(_TWIN_RTOL, 16 * torch.finfo(y0.dtype).eps):
+        return f"differs by {off:.3g} (relative to the outputs' scale), beyond {y0.dtype} rounding"
+    return None
 
 
 class Packed:
@@ -104,8 +113,7 @@ class Twin:
             if off is not None:
                 self.tgt = None
                 self.status = (f"unavailable: the fp64 twin is not the target's function: on the "
-                               f"unperturbed input it differs by {off:.3g} (relative to the "
-                               f"outputs' scale), beyond {y0.dtype} rounding")
+                               f"unperturbed input it {off}")
                 return None
             self._base = out
             self.status = "used" + (f" (substituted: {', '.join(self.substituted)})"
