@@ -98,9 +98,10 @@ def test_a_twin_that_is_not_the_target_s_function_is_refused():
 
 def test_batched_mode_takes_one_batched_call_and_one_alone():
     """One call holds the perturbed copies; one call alone shows that the batch did not
-    change the unperturbed row (a batch-isolated target), since no single call can."""
+    change the unperturbed row (a batch-isolated target), since no single call can. A leak
+    found costs the batched call once more (it must reproduce)."""
     r = documents(ToyAttention("causal"), X, P, vocab=V, batched=True, causal=False)
-    assert r.metrics["n_evaluations"] == 2 and r.metrics["isolated"] is False
+    assert r.metrics["n_evaluations"] == 2 + 1 and r.metrics["isolated"] is False
     r = documents(ToyAttention("block"), X, P, vocab=V, batched=True, causal=False)
     assert r.metrics["n_evaluations"] == 2 and r.metrics["isolated"] is True
     assert r.metrics["batched"] is True
@@ -115,7 +116,8 @@ def test_batched_mode_falls_back_when_the_copies_talk_to_each_other():
     r = documents(_BatchMean("block"), x2, [[4, 5], [9]], vocab=V, causal=False, batched=True)
     assert r.metrics["isolated"] is False and r.verdict == "fail"
     assert r.metrics["batched"] is False and "batch" in r.evidence["batched_fallback"]
-    assert r.metrics["n_evaluations"] == 3 + 3  # batched, alone twice, one per document
+    # batched, alone twice, one per document, and the 3 that moved another document again
+    assert r.metrics["n_evaluations"] == 3 + 3 + 3
     assert {lk["direction"] for lk in r.evidence["leaks"] if lk["kind"] == "structural"} == {"other row"}
 
 
@@ -228,3 +230,26 @@ def test_a_twin_of_integer_decisions_must_make_the_target_s_decisions():
     r = documents(leaky, x, [8, 8, 8], vocab=V, causal=False, fp64=fixed_router)
     assert r.metrics["isolated"] is False and r.metrics["n_numerical"] == 0
     assert "not the target's function" in r.metrics["fp64"] and "decisions" in r.metrics["fp64"]
+
+
+class _OnceNoisy(PackedAttention):
+    """Isolating, but one call (the 4th: document 1's perturbation) comes back shifted by
+    1e-3, as an occasional atomic or a stray kernel does: nondeterminism that the two
+    baseline calls do not see."""
+
+    def __init__(self):
+        super().__init__("block")
+        self.calls = 0
+
+    def forward(self, tokens, packing):
+        self.calls += 1
+        y = super().forward(tokens, packing)
+        return y + 1e-3 if self.calls == 4 else y
+
+
+def test_a_change_that_does_not_reproduce_is_nondeterminism_not_a_leak():
+    m = _OnceNoisy()
+    r = documents(lambda t, p: m(t, p), X, P, vocab=V, causal=False)
+    assert r.codes == ["TP-C2"] and r.metrics["isolated"] is None, r.message
+    r = documents(ToyAttention("causal"), X, P, vocab=V, causal=False)  # a leak reproduces
+    assert r.metrics["isolated"] is False and r.metrics["n_evaluations"] == 3 + 2 + 2

@@ -22,16 +22,18 @@ Algorithm (d documents over all rows):
      data-dependent tiling (grouped expert matmuls sized by tokens per expert) another
      document's tokens change the arithmetic, and a near-tie routing flip turns 1 ulp into
      a large change. Without a twin: beyond 32 ulps structural, within it unverified. A
-     document pair takes its worst token's kind.
+     document pair takes its worst token's kind. The first 3 perturbations with a
+     structural or unverified change run once more and must reproduce (else TP-C2): a
+     leak reproduces, an occasional nondeterministic call does not.
   5. Within-document causality: trainprobes.causality.check on the packed row, with the
      packing tiled to whatever batch it builds.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
-from trainprobes.causality.classify import Kind, Outputs, classify_changes
+from trainprobes.causality.classify import REPRODUCTIONS, Kind, Outputs, classify_changes
 from trainprobes.causality.inputs import replacements
 from trainprobes.causality.target import Target, abs_diff, differs
 from trainprobes.errors import InvalidType, TargetError
@@ -80,8 +82,9 @@ def documents(fn: Callable, tokens: torch.Tensor, lengths, *, output=None, seed:
     causal / cuts: also run trainprobes.causality.check on the packed row (cuts as there).
 
     Returns a Result (probe "isolation.documents"): metrics isolated, n_documents, n_leaks,
-    n_numerical, n_unverified, max_leak, max_cross_change, causal, n_evaluations (at most
-    d + 2; 2 when batched, d + 3 when batching fell back), n_fp64_evaluations, causality_evaluations; evidence leak_max and
+    n_numerical, n_unverified, max_leak, max_cross_change, causal, n_evaluations (d + 2; 2
+    when batched, d + 3 when batching fell back; a leak found costs up to 3 re-runs, or
+    the batched call once more), n_fp64_evaluations, causality_evaluations; evidence leak_max and
     leak_mean (source x affected matrices), leak_kind, leaks, self_change, documents.
     """
     atol = check_number(atol, "atol", min=0.0)
@@ -111,7 +114,10 @@ def documents(fn: Callable, tokens: torch.Tensor, lengths, *, output=None, seed:
         return torch.where(m, R, x)
 
     try:
-        outs = _evaluate(tgt, x, perturbed, D, batched, atol)
+        ev = _evaluate(tgt, x, perturbed, D, batched, atol)
+        # 4. every change of another document judged; a leak must reproduce
+        kind, fp64_max = _judge(ev.y0, ev.ys, gid, D, twin, x, perturbed, atol)
+        _reproduce(ev, kind, atol)
     except _Nondeterministic as e:
         return Result(**common, verdict="fail", codes=["TP-C2"],
                       metrics={"isolated": None, "deterministic": False, "n_documents": D,
@@ -122,12 +128,11 @@ def documents(fn: Callable, tokens: torch.Tensor, lengths, *, output=None, seed:
                               f"{e.count} tokens (first (row, position): {e.where[:3]}); "
                               f"nondeterminism is not an isolation verdict: make the target "
                               f"deterministic (.eval(), fixed seeds) and probe again")
-    y0, ys, fallback = outs
+    y0, ys, fallback = ev.y0, ev.ys, ev.fallback
     batched = batched and fallback is None
     n_eval = tgt.n_evaluations
     leak_max, leak_mean = _matrices(y0, ys, gid, D)
     moved = leak_max > atol
-    kind, fp64_max = _judge(y0, ys, gid, D, twin, x, perturbed, atol)
     # a token whose outputs are all NaN hides any leak that leaves it NaN: blind
     blind = (y0.isnan().reshape(*y0.shape[:2], -1).all(-1) if y0.is_floating_point()
              else torch.zeros(y0.shape[:2], dtype=torch.bool))
@@ -179,9 +184,15 @@ def _judge(y0, ys, gid, D, twin: Twin, x, perturbed, atol):
     return kind, fp64_max
 
 
-def _evaluate(tgt, x, perturbed, D, batched, atol):
-    """(baseline outputs, [D, B, L, ...] outputs with document s perturbed, why a batched
-    evaluation fell back to calls alone or None)."""
+class _Evaluated(NamedTuple):
+    y0: torch.Tensor          # the baseline outputs
+    ys: torch.Tensor          # [D, B, L, ...]: outputs with document s perturbed
+    fallback: str | None      # why a batched evaluation fell back to calls alone
+    again: Callable           # again(sources) -> those outputs computed once more, the same way
+    one_call: bool            # again is the one batched call (all sources at no extra cost)
+
+
+def _evaluate(tgt, x, perturbed, D, batched, atol) -> _Evaluated:
     y0, _ = tgt(x)
     fallback = None
     if batched:
@@ -189,17 +200,36 @@ def _evaluate(tgt, x, perturbed, D, batched, atol):
         # single call can show that (a batch-wide statistic shifts every copy alike and
         # hides a leak between rows), but the unperturbed copies, first and last, must
         # reproduce the call alone
-        y, _ = tgt(torch.cat([x] + [perturbed(s) for s in range(D)] + [x]))
-        y = y.reshape(D + 2, x.shape[0], *y.shape[1:])
+        xs = torch.cat([x] + [perturbed(s) for s in range(D)] + [x])
+
+        def batch(sources=None):
+            y = tgt(xs)[0]
+            y = y.reshape(D + 2, x.shape[0], *y.shape[1:])
+            return y if sources is None else y[1:-1][sources]
+        y = batch()
         moved = differs(y0, y[0], atol) | differs(y0, y[-1], atol)
         if not moved.any():
-            return y0, y[1:-1], None
+            return _Evaluated(y0, y[1:-1], None, batch, True)
         fallback = (f"the unperturbed rows changed inside the batch of {D + 2} copies at "
                     f"{int(moved.sum())} tokens (first (row, position): {moved.nonzero()[:3].tolist()}): "
                     f"not batch-isolated (or batch-variant), so one call per document instead")
     y1, _ = tgt(x)
     _same(y0, y1, atol)
-    return y0, torch.stack([tgt(perturbed(s))[0] for s in range(D)]), fallback  # one call per document
+
+    def alone(sources):
+        return torch.stack([tgt(perturbed(s))[0] for s in sources])  # one call per document
+    return _Evaluated(y0, alone(range(D)), fallback, alone, False)
+
+
+def _reproduce(ev: _Evaluated, kind: torch.Tensor, atol) -> None:
+    """Compute the perturbations whose changes would fail the target (structural or
+    unverified) once more (batched: the one call again; alone: the first REPRODUCTIONS of
+    them): a leak reproduces, an occasional nondeterministic call, which the two baseline
+    calls missed, does not: TP-C2. A passing target costs nothing more."""
+    bad = ((kind == Kind.STRUCTURAL) | (kind == Kind.UNVERIFIED)).any(1).nonzero().flatten().tolist()
+    if bad:
+        sources = bad if ev.one_call else bad[:REPRODUCTIONS]
+        _same(ev.ys[sources].flatten(0, 1), ev.again(sources).flatten(0, 1), atol)
 
 
 def _same(a, b, atol):
