@@ -93,3 +93,17 @@ def test_bad_inputs_are_named():
         end_to_end(lambda ids: ids.float().sum(), SEQS, sizes=(2,))
     with pytest.raises(InvalidArgument, match="measured"):
         end_to_end(exact_lm, SEQS, sizes=(2,), measured=3)
+
+
+def test_a_nondeterministic_model_is_not_called_batch_variant():
+    """Dropout left on, or atomics: every call differs, batch or not. Only a difference
+    that reproduces (the batch again, the sequence alone again) is batch variance."""
+    g = torch.Generator().manual_seed(0)
+
+    def jittery(ids):
+        lp = exact_lm(ids)
+        return lp + 1e-6 * torch.randn(lp.shape, generator=g)
+    r = end_to_end(jittery, SEQS, sizes=(4,), vocab=V)
+    assert r.codes == ["TP-C2"] and r.metrics["batch_invariant"] is None and r.verdict == "fail"
+    r = end_to_end(batch_rounded_lm, SEQS, sizes=(5,), vocab=V)  # variance reproduces
+    assert r.codes[0] == "TP-I2" and r.metrics["n_evaluations"] == 12 + 3 + 2

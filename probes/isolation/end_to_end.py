@@ -61,6 +61,9 @@ def end_to_end(model, sequences: torch.Tensor, *, sizes=(8,), vocab: int | None 
     measured: your train/inference drift, as (train_logprobs, infer_logprobs) or a
       trainprobes.drift.compare Result; gives variance_share and bias_share.
     compare_options: passed to trainprobes.drift.compare (alpha, clip, min_bias, ...).
+
+    A difference must reproduce (the first differing batch again, its differing sequence
+    alone again), else the model is nondeterministic: TP-C2, batch_invariant None.
     """
     if not isinstance(sequences, torch.Tensor) or sequences.dim() != 2 or sequences.is_floating_point():
         raise InvalidArgument(f"sequences must be token ids [N, L], got "
@@ -76,7 +79,7 @@ def end_to_end(model, sequences: torch.Tensor, *, sizes=(8,), vocab: int | None 
     ids = sequences.detach()
     alone = torch.cat([_lp(fn, ids[i:i + 1], name) for i in range(N)])
     n_eval = N
-    by_size, batched = [], {}
+    by_size, batched, first_differing = [], {}, None
     for b in sizes:  # a loop over batch sizes and batches
         order = torch.randperm(N, generator=g)
         got = torch.empty_like(alone)
@@ -88,11 +91,24 @@ def end_to_end(model, sequences: torch.Tensor, *, sizes=(8,), vocab: int | None 
             perm = torch.randperm(b, generator=g)  # the sequences at shuffled positions
             out = _lp(fn, batch[perm], name)
             n_eval += 1
-            got[rows] = out[perm.argsort()][:len(rows)]
+            back = out[perm.argsort()][:len(rows)]
+            got[rows] = back
+            moved = (abs_diff(alone[rows], back) > 0).any(1)
+            if first_differing is None and moved.any():
+                first_differing = (batch[perm], out, int(rows[moved.nonzero()[0, 0]]))
         d = abs_diff(alone, got)  # equal -inf log-probs are no difference
         by_size.append({"size": b, "frac_tokens_differ": float((d > 0).double().mean()),
                         "max_abs_diff": float(d.max()), "mean_abs_diff": float(d.mean())})
         batched[b] = got
+    if first_differing is not None:
+        # a difference must reproduce, the batch again and its sequence alone again: else
+        # it is nondeterminism (dropout left on, atomics), not batch variance
+        inp, out, i = first_differing
+        for where, x, before in ((f"a batch of {len(inp)}", inp, out),
+                                 (f"sequence {i} alone", ids[i:i + 1], alone[i:i + 1])):
+            n_eval += 1
+            if (abs_diff(before, _lp(fn, x, name)) > 0).any():
+                return _nondeterministic(name, seed, sizes, n_eval, where)
     head = sizes[-1]
     drift = compare(alone, batched[head], target=f"{name}: batch 1 vs {head}", **compare_options)
     m = drift.metrics
@@ -129,6 +145,15 @@ def end_to_end(model, sequences: torch.Tensor, *, sizes=(8,), vocab: int | None 
                                                           if not isinstance(v, (list, dict))}}}
     return Result(probe="isolation.end_to_end", target=name, verdict=verdict, metrics=metrics,
                   evidence=evidence, seed=seed, codes=codes, message=msg)
+
+
+def _nondeterministic(name, seed, sizes, n_eval, where) -> Result:
+    return Result(probe="isolation.end_to_end", target=name, verdict="fail", codes=["TP-C2"],
+                  metrics={"batch_invariant": None, "n_evaluations": n_eval},
+                  evidence={"sizes": sizes, "nondeterministic_in": where}, seed=seed,
+                  message=f"{name} gave different log-probs for {where} on two identical calls; "
+                          f"nondeterminism is not batch variance (.eval(), seeds, "
+                          f"torch.use_deterministic_algorithms) and probe again")
 
 
 def _shares(drift: Result, measured, options) -> dict:
