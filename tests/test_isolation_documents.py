@@ -253,3 +253,23 @@ def test_a_change_that_does_not_reproduce_is_nondeterminism_not_a_leak():
     assert r.codes == ["TP-C2"] and r.metrics["isolated"] is None, r.message
     r = documents(ToyAttention("causal"), X, P, vocab=V, causal=False)  # a leak reproduces
     assert r.metrics["isolated"] is False and r.metrics["n_evaluations"] == 3 + 2 + 2
+
+
+class _CountsTwins(PackedAttention):
+    """Counts the fp64 twins built: a float64 copy of a real model is 2-4x its memory."""
+
+    built = 0
+
+    def fp64_twin(self):
+        _CountsTwins.built += 1
+        twin = PackedAttention(self.mask, noise=self.noise)
+        twin.load_state_dict(self.state_dict())
+        return twin.double()
+
+
+def test_the_fp64_twin_is_built_only_when_a_change_needs_it():
+    _CountsTwins.built = 0
+    r = documents(_CountsTwins("block"), X, P, vocab=V)  # isolated: nothing to judge
+    assert r.metrics["isolated"] is True and _CountsTwins.built == 0
+    r = documents(_CountsTwins("block", noise=True), X, P, vocab=V, causal=False)
+    assert r.metrics["n_numerical"] > 0 and _CountsTwins.built == 1

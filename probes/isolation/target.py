@@ -53,20 +53,24 @@ class Packed:
         return self.fn(x, self.packing.tile(x.shape[0] // B))
 
 
-def _twin_fn(fn, spec) -> Callable | None:
-    """spec as given, none for False, or (None) the target's own `fp64_twin()` where it has
-    one (trainprobes.isolation.hf.PackedModel), else a float64 deep copy of an nn.Module
-    target called with float inputs cast to float64."""
+def _twin_builder(fn, spec) -> Callable[[], Callable] | None:
+    """What builds the twin, or None where there is none: spec as given, none for False,
+    or (None) the target's own `fp64_twin()` where it has one
+    (trainprobes.isolation.hf.PackedModel), else a float64 deep copy of an nn.Module target
+    called with float inputs cast to float64. Building is left to the first change that
+    needs the twin: a float64 copy of a real model takes 2-4x its memory."""
     if spec is False:
         return None
     if callable(spec) and spec is not True:
-        return spec
+        return lambda: spec
     own = getattr(fn, "fp64_twin", None)
     if callable(own):
-        return own()
+        return own
     if isinstance(fn, torch.nn.Module):
-        twin = copy.deepcopy(fn).double()
-        return lambda x, p: twin(x.double() if x.is_floating_point() else x, p)
+        def deep_copy():
+            twin = copy.deepcopy(fn).double()
+            return lambda x, p: twin(x.double() if x.is_floating_point() else x, p)
+        return deep_copy
     return None
 
 
@@ -78,12 +82,33 @@ class Twin:
     """
 
     def __init__(self, fn, spec, packing: Packing, name: str, output):
-        self.fn = _twin_fn(fn, spec)
-        self.substituted = list(getattr(self.fn, "substituted", None) or [])
+        self._build = _twin_builder(fn, spec)
+        self._fn = None
         self.status = "disabled" if spec is False else "not needed"
-        self.packed = None if self.fn is None else Packed(self.fn, packing, f"{name} [fp64]")
-        self.tgt = None if self.fn is None else Target(self.packed, f"{name} [fp64]", decision=output)
+        # built on the first call: the causality check and pair() call it only for changes
+        self.packed = None if self._build is None else Packed(self._call, packing, f"{name} [fp64]")
+        self.tgt = None if self._build is None else Target(self.packed, f"{name} [fp64]", decision=output)
         self._base = None
+
+    @property
+    def fn(self) -> Callable | None:
+        """The twin, built on first use; None where there is none (or building failed)."""
+        if self._fn is None and self._build is not None:
+            try:
+                self._fn = self._build()
+            except Exception as e:  # a model that cannot be copied or cast: no twin
+                self._build, self.tgt = None, None
+                self.status = f"unavailable: building the fp64 twin raised {type(e).__name__}: {e}"
+        return self._fn
+
+    def _call(self, x, packing):
+        if self.fn is None:
+            raise TargetError(self.status)
+        return self.fn(x, packing)
+
+    @property
+    def substituted(self) -> list:
+        return list(getattr(self.fn, "substituted", None) or [])
 
     @property
     def n_evaluations(self) -> int:
@@ -95,7 +120,7 @@ class Twin:
         beyond low-precision rounding computes another function (a twin without the leak
         would excuse it): refused, so that the changes stay unexcused (fail closed)."""
         if self.tgt is None:
-            if self.fn is None and self.status == "not needed":
+            if self._build is None and self.status == "not needed":
                 self.status = "unavailable: the target is not an nn.Module (pass fp64=fn64(tokens, packing))"
             return None
         if self._base is None:
