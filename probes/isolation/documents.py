@@ -82,10 +82,11 @@ def documents(fn: Callable, tokens: torch.Tensor, lengths, *, output=None, seed:
     causal / cuts: also run trainprobes.causality.check on the packed row (cuts as there).
 
     Returns a Result (probe "isolation.documents"): metrics isolated, n_documents, n_leaks,
-    n_numerical, n_unverified, max_leak, max_cross_change, causal, n_evaluations (d + 2; 2
-    when batched, d + 3 when batching fell back; a leak found costs up to 3 re-runs, or
-    the batched call once more), n_fp64_evaluations, causality_evaluations; evidence leak_max and
-    leak_mean (source x affected matrices), leak_kind, leaks, self_change, documents.
+    n_numerical, n_unverified, n_blind_tokens (all-NaN outputs), max_leak,
+    max_cross_change, causal, n_evaluations (d + 2; 2 when batched, d + 3 when batching
+    fell back; a leak found costs up to 3 re-runs, or the batched call once more),
+    n_fp64_evaluations, causality_evaluations; evidence leak_max and leak_mean (source x
+    affected matrices), leak_kind, leaks, self_change, documents.
     """
     atol = check_number(atol, "atol", min=0.0)
     check_bool(batched, "batched")
