@@ -51,6 +51,30 @@ def test_batch_variance_alone_is_noisy_drift_and_its_share_of_a_measured_drift()
     assert r.evidence["drift"]["metrics"]["n_tokens"] == 12 * 9
 
 
+def test_shares_are_shares_or_none():
+    """A share of the measured drift is at most all of it, and a share of its bias exists
+    only where it has one: a measured drift far smaller than the batch variance (an fp32
+    pair) gave variance_share 3e6 ("explains 298717213%"), and a bias share of -919 or 0.47
+    was the ratio of two means indistinguishable from zero."""
+    g = torch.Generator().manual_seed(1)
+    train = -torch.rand(12, 9, generator=g) - 1
+    tiny = end_to_end(batch_rounded_lm, SEQS, sizes=(5,), vocab=V,
+                      measured=(train, train + 1e-6 * torch.randn(12, 9, generator=g)))
+    m = tiny.metrics
+    assert m["variance_share"] is None and m["variance_ratio"] > 1e6
+    assert "times the measured drift's variance" in tiny.message and "explains" not in tiny.message
+    noisy = end_to_end(batch_rounded_lm, SEQS, sizes=(5,), vocab=V,
+                       measured=(train, train + 0.02 * torch.randn(12, 9, generator=g)))
+    n = noisy.metrics
+    assert 0 < n["variance_share"] == n["variance_ratio"] < 1
+    for r in (tiny, noisy):  # neither measured drift's mean is told from zero
+        assert r.metrics["bias_share"] is None
+    biased = end_to_end(batch_rounded_lm, SEQS, sizes=(5,), vocab=V,
+                        measured=(train, train + 0.05 + 0.02 * torch.randn(12, 9, generator=g)))
+    b = biased.metrics
+    assert b["bias_share"] == pytest.approx(b["mean_log_ratio"] / b["measured_mean_log_ratio"])
+
+
 def test_sequences_keep_their_own_log_probs_through_the_shuffle():
     """Batched rows are put back in order: an invariant model matches row for row, and a
     model that tags each row by its content shows no mix-up."""
@@ -69,3 +93,17 @@ def test_bad_inputs_are_named():
         end_to_end(lambda ids: ids.float().sum(), SEQS, sizes=(2,))
     with pytest.raises(InvalidArgument, match="measured"):
         end_to_end(exact_lm, SEQS, sizes=(2,), measured=3)
+
+
+def test_a_nondeterministic_model_is_not_called_batch_variant():
+    """Dropout left on, or atomics: every call differs, batch or not. Only a difference
+    that reproduces (the batch again, the sequence alone again) is batch variance."""
+    g = torch.Generator().manual_seed(0)
+
+    def jittery(ids):
+        lp = exact_lm(ids)
+        return lp + 1e-6 * torch.randn(lp.shape, generator=g)
+    r = end_to_end(jittery, SEQS, sizes=(4,), vocab=V)
+    assert r.codes == ["TP-C2"] and r.metrics["batch_invariant"] is None and r.verdict == "fail"
+    r = end_to_end(batch_rounded_lm, SEQS, sizes=(5,), vocab=V)  # variance reproduces
+    assert r.codes[0] == "TP-I2" and r.metrics["n_evaluations"] == 12 + 3 + 2

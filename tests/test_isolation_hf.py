@@ -29,7 +29,8 @@ def test_llama_packed_by_position_ids_leaks_while_a_cache_is_made(impl):
     assert r.metrics["isolated"] is False and "TP-I1" in r.codes
     assert {lk["direction"] for lk in r.evidence["leaks"] if lk["kind"] == "structural"} == {"forward"}
     assert r.metrics["max_leak"] >= hand  # the probe's matrix covers the hand check's pair
-    assert r.metrics["n_evaluations"] == len(P.documents) + 2
+    # d + 2, and the 2 perturbations that leaked (documents 0 and 1) once more: reproduced
+    assert r.metrics["n_evaluations"] == len(P.documents) + 2 + 2
 
 
 @pytest.mark.parametrize("family, impl, convention", [
@@ -67,3 +68,19 @@ def test_within_document_causality_runs_through_the_causality_probe():
     r = documents(model, X, P, vocab=VOCAB, target="mistral", cuts=[4, 11, 20, 27])
     assert r.metrics["causal"] is True and r.metrics["causality_evaluations"] > 0
     assert r.evidence["causality"]["verdict"] == "pass"
+
+
+def test_a_flash_attention_twin_computes_the_varlen_function():
+    """flash_attention_2 reads DataCollatorWithFlattening's cu_seq_lens: isolated, cache or
+    not. Its fp64 twin swaps in sdpa, which under the same call with the default cache is
+    causal over the whole row: a twin that leaks where the target does not is refused as
+    another function, so every noise-sized change (grouped expert GEMMs on the GPU) stayed
+    unverified and an isolating model failed. The twin takes the block-diagonal mask that
+    varlen attention computes. (Only the twin is built here: no flash_attn on the CPU.)"""
+    model = tiny_model("llama", "sdpa")
+    model.config._attn_implementation = "flash_attention_2"  # as a GPU run would have it
+    for convention in ("flattening", "flattening_no_cache", "mask_4d"):
+        twin = PackedModel(model, convention).fp64_twin()
+        assert twin.implementation == "sdpa" and twin.convention == "mask_4d"
+        assert any("flash_attention_2 -> sdpa" in s for s in twin.substituted)
+        assert by_hand(twin, X, P) == 0.0

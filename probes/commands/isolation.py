@@ -175,8 +175,11 @@ def format_documents(r) -> str:
     lines.append(f"isolated       {m['isolated']}  (structural {m['n_leaks']}, numerical "
                  f"{m['n_numerical']} excused, unverified {m['n_unverified']})")
     lines.append(f"causal         {m['causal']}  (causality probe: {m['causality_evaluations']} evaluations)")
-    lines.append(f"evaluations    {m['n_evaluations']} (d + 2 = {len(docs) + 2}); fp64 twin "
+    budget = "batched: 2" if m.get("batched") else f"d + 2 = {len(docs) + 2}"
+    lines.append(f"evaluations    {m['n_evaluations']} ({budget}); fp64 twin "
                  f"{m['n_fp64_evaluations']}, {m['fp64']}")
+    if ev.get("batched_fallback"):
+        lines.append(f"               batched call not used: {ev['batched_fallback']}")
     lines.append("")
     lines.append("largest change of each document's outputs (rows: perturbed document, columns: affected)")
     lines.append("        " + "".join(f"{j:>11}" for j in range(len(docs))))

@@ -9,8 +9,9 @@ Algorithm (d documents over all rows):
      nondeterministic (TP-C2) and no change could be told from a leak.
   2. For each document s, replace its tokens by other values (same length, same positions,
      same packing) and run once: d evaluations, d + 2 in all. With batched=True the d
-     perturbed copies and two unperturbed ones go into one call instead (sound only for a
-     batch-isolated target; the two copies must agree).
+     perturbed copies and two unperturbed ones go into one call instead, beside one call
+     alone (sound only for a batch-isolated target: both unperturbed copies must reproduce
+     the call alone, else one call per document follows, d + 3 in all).
   3. Leak matrix: for every (source s, affected a != s), the largest and mean absolute change
      of a's outputs. A document in another row counts too (a batch-isolation leak).
   4. Judge every changed token of another document with the causality probe's public
@@ -21,18 +22,20 @@ Algorithm (d documents over all rows):
      data-dependent tiling (grouped expert matmuls sized by tokens per expert) another
      document's tokens change the arithmetic, and a near-tie routing flip turns 1 ulp into
      a large change. Without a twin: beyond 32 ulps structural, within it unverified. A
-     document pair takes its worst token's kind.
+     document pair takes its worst token's kind. The first 3 perturbations with a
+     structural or unverified change run once more and must reproduce (else TP-C2): a
+     leak reproduces, an occasional nondeterministic call does not.
   5. Within-document causality: trainprobes.causality.check on the packed row, with the
      packing tiled to whatever batch it builds.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
-from trainprobes.causality.classify import Kind, Outputs, classify_changes
+from trainprobes.causality.classify import REPRODUCTIONS, Kind, Outputs, classify_changes
 from trainprobes.causality.inputs import replacements
-from trainprobes.causality.target import Target, differs
+from trainprobes.causality.target import Target, abs_diff, differs
 from trainprobes.errors import InvalidType, TargetError
 from trainprobes.isolation.packing import Packing
 from trainprobes.isolation.target import Packed, Twin
@@ -74,13 +77,16 @@ def documents(fn: Callable, tokens: torch.Tensor, lengths, *, output=None, seed:
     fp64: a callable fn64(tokens, packing) computing in float64, False for none, or None
       (an nn.Module target is deep-copied and cast to float64).
     atol: changes up to atol are not changes (default 0: bit for bit).
-    batched: one call holding the d perturbed copies (valid for batch-isolated targets).
+    batched: one call holding the d perturbed copies, checked against one call alone
+      (valid for batch-isolated targets; otherwise it falls back to one call per document).
     causal / cuts: also run trainprobes.causality.check on the packed row (cuts as there).
 
     Returns a Result (probe "isolation.documents"): metrics isolated, n_documents, n_leaks,
-    n_numerical, n_unverified, max_leak, max_cross_change, causal, n_evaluations (at most
-    d + 2; 1 when batched), n_fp64_evaluations, causality_evaluations; evidence leak_max and
-    leak_mean (source x affected matrices), leak_kind, leaks, self_change, documents.
+    n_numerical, n_unverified, n_blind_tokens (all-NaN outputs), max_leak,
+    max_cross_change, causal, n_evaluations (d + 2; 2 when batched, d + 3 when batching
+    fell back; a leak found costs up to 3 re-runs, or the batched call once more),
+    n_fp64_evaluations, causality_evaluations; evidence leak_max and leak_mean (source x
+    affected matrices), leak_kind, leaks, self_change, documents.
     """
     atol = check_number(atol, "atol", min=0.0)
     check_bool(batched, "batched")
@@ -109,7 +115,10 @@ def documents(fn: Callable, tokens: torch.Tensor, lengths, *, output=None, seed:
         return torch.where(m, R, x)
 
     try:
-        outs = _evaluate(tgt, x, perturbed, D, batched, atol)
+        ev = _evaluate(tgt, x, perturbed, D, batched, atol)
+        # 4. every change of another document judged; a leak must reproduce
+        kind, fp64_max = _judge(ev.y0, ev.ys, gid, D, twin, x, perturbed, atol)
+        _reproduce(ev, kind, atol)
     except _Nondeterministic as e:
         return Result(**common, verdict="fail", codes=["TP-C2"],
                       metrics={"isolated": None, "deterministic": False, "n_documents": D,
@@ -120,19 +129,25 @@ def documents(fn: Callable, tokens: torch.Tensor, lengths, *, output=None, seed:
                               f"{e.count} tokens (first (row, position): {e.where[:3]}); "
                               f"nondeterminism is not an isolation verdict: make the target "
                               f"deterministic (.eval(), fixed seeds) and probe again")
-    y0, ys = outs
+    y0, ys, fallback = ev.y0, ev.ys, ev.fallback
+    batched = batched and fallback is None
     n_eval = tgt.n_evaluations
     leak_max, leak_mean = _matrices(y0, ys, gid, D)
     moved = leak_max > atol
-    kind, fp64_max = _judge(y0, ys, gid, D, twin, x, perturbed, atol)
+    # a token whose outputs are all NaN hides any leak that leaves it NaN: blind
+    blind = (y0.isnan().reshape(*y0.shape[:2], -1).all(-1) if y0.is_floating_point()
+             else torch.zeros(y0.shape[:2], dtype=torch.bool))
     sub = None
     if causal:
         from trainprobes.causality import check
         sub = check(Packed(fn, packing, name), x, cuts=cuts, seed=seed, vocab=vocab,
                     decision=output, fp64=twin.packed if twin.packed is not None else False,
                     atol=atol, target=name)
-    return _result(common, packing, docs, leak_max, leak_mean, kind, moved, fp64_max,
-                   twin.status, n_eval, twin.n_evaluations, sub, batched, x)
+    r = _result(common, packing, docs, leak_max, leak_mean, kind, moved, fp64_max,
+                twin.status, n_eval, twin.n_evaluations, sub, batched, x, blind & (D > 1))
+    if fallback is not None:
+        r.evidence["batched_fallback"] = fallback
+    return r
 
 
 # Kind -> severity, so that a document's worst token decides: structural > unverified > numerical
@@ -170,18 +185,52 @@ def _judge(y0, ys, gid, D, twin: Twin, x, perturbed, atol):
     return kind, fp64_max
 
 
-def _evaluate(tgt, x, perturbed, D, batched, atol):
-    """(baseline outputs, [D, B, L, ...] outputs with document s perturbed)."""
-    if batched:
-        xs = torch.cat([x, x] + [perturbed(s) for s in range(D)])
-        y, _ = tgt(xs)
-        y = y.reshape(D + 2, x.shape[0], *y.shape[1:])
-        _same(y[0], y[1], atol)
-        return y[0], y[2:]
+class _Evaluated(NamedTuple):
+    y0: torch.Tensor          # the baseline outputs
+    ys: torch.Tensor          # [D, B, L, ...]: outputs with document s perturbed
+    fallback: str | None      # why a batched evaluation fell back to calls alone
+    again: Callable           # again(sources) -> those outputs computed once more, the same way
+    one_call: bool            # again is the one batched call (all sources at no extra cost)
+
+
+def _evaluate(tgt, x, perturbed, D, batched, atol) -> _Evaluated:
     y0, _ = tgt(x)
+    fallback = None
+    if batched:
+        # the copies share one call, so they are sound only for a batch-isolated target; no
+        # single call can show that (a batch-wide statistic shifts every copy alike and
+        # hides a leak between rows), but the unperturbed copies, first and last, must
+        # reproduce the call alone
+        xs = torch.cat([x] + [perturbed(s) for s in range(D)] + [x])
+
+        def batch(sources=None):
+            y = tgt(xs)[0]
+            y = y.reshape(D + 2, x.shape[0], *y.shape[1:])
+            return y if sources is None else y[1:-1][sources]
+        y = batch()
+        moved = differs(y0, y[0], atol) | differs(y0, y[-1], atol)
+        if not moved.any():
+            return _Evaluated(y0, y[1:-1], None, batch, True)
+        fallback = (f"the unperturbed rows changed inside the batch of {D + 2} copies at "
+                    f"{int(moved.sum())} tokens (first (row, position): {moved.nonzero()[:3].tolist()}): "
+                    f"not batch-isolated (or batch-variant), so one call per document instead")
     y1, _ = tgt(x)
     _same(y0, y1, atol)
-    return y0, torch.stack([tgt(perturbed(s))[0] for s in range(D)])  # one call per document
+
+    def alone(sources):
+        return torch.stack([tgt(perturbed(s))[0] for s in sources])  # one call per document
+    return _Evaluated(y0, alone(range(D)), fallback, alone, False)
+
+
+def _reproduce(ev: _Evaluated, kind: torch.Tensor, atol) -> None:
+    """Compute the perturbations whose changes would fail the target (structural or
+    unverified) once more (batched: the one call again; alone: the first REPRODUCTIONS of
+    them): a leak reproduces, an occasional nondeterministic call, which the two baseline
+    calls missed, does not: TP-C2. A passing target costs nothing more."""
+    bad = ((kind == Kind.STRUCTURAL) | (kind == Kind.UNVERIFIED)).any(1).nonzero().flatten().tolist()
+    if bad:
+        sources = bad if ev.one_call else bad[:REPRODUCTIONS]
+        _same(ev.ys[sources].flatten(0, 1), ev.again(sources).flatten(0, 1), atol)
 
 
 def _same(a, b, atol):
@@ -193,9 +242,7 @@ def _same(a, b, atol):
 def _token_change(y0, y):
     """[..., B, L] largest and summed |change| over the trailing (feature) axes, float64."""
     lead = y.dim() - y0.dim()
-    d = (y.double() - y0.double()).abs()
-    d = torch.where((y.isnan() & y0.isnan()) if y.is_floating_point() else torch.zeros_like(d, dtype=torch.bool),
-                    0.0, d.nan_to_num(float("inf")))
+    d = abs_diff(y0, y)  # equal infinities: no change; to or from NaN / inf: infinite
     d = d.reshape(*d.shape[:lead + 2], -1)
     return d.amax(-1), d.sum(-1), d.shape[-1]
 
@@ -214,7 +261,7 @@ def _matrices(y0, ys, gid, D):
 
 
 def _result(common, packing, docs, leak_max, leak_mean, kind, moved, fp64_max, fp64_status,
-            n_eval, n64, sub, batched, x) -> Result:
+            n_eval, n64, sub, batched, x, blind) -> Result:
     D = len(docs)
     gdoc = [(d.row, d.start, d.length) for d in docs]
     n_struct = int((kind == Kind.STRUCTURAL).sum())
@@ -230,12 +277,14 @@ def _result(common, packing, docs, leak_max, leak_mean, kind, moved, fp64_max, f
                       "max_change": float(leak_max[s, a]), "mean_change": float(leak_mean[s, a]),
                       "fp64_change": None if fp64_max is None else float(fp64_max[s, a])})
     leaks.sort(key=lambda r: (r["kind"] != "structural", -r["max_change"]))
-    isolated = (False if n_struct else None if n_unver else True)
+    n_blind = int(blind.sum())
+    blind_docs = sorted(set(packing.global_doc_ids()[blind].tolist()))
+    isolated = (False if n_struct else None if n_unver or n_blind else True)
     # isolation unknown never passes (result.PROBES: None only beside fail): a leak within
-    # rounding noise is not excluded until a twin settles it
+    # rounding noise is not excluded until a twin settles it, nor one into NaN outputs
     causal = sub.metrics.get("causal") if sub is not None else None
     codes = []
-    if n_struct or n_unver:
+    if n_struct or n_unver or n_blind:
         codes.append("TP-I1")
     if sub is not None and "TP-C1" in sub.codes and causal is False:
         codes.append("TP-C1")
@@ -243,10 +292,11 @@ def _result(common, packing, docs, leak_max, leak_mean, kind, moved, fp64_max, f
     verdict = "fail" if codes else ("warn" if dead or (sub is not None and sub.verdict == "warn")
                                     else "pass")
     struct_max = float(leak_max[kind == Kind.STRUCTURAL].max()) if n_struct else 0.0
-    cross_max = float((leak_max * (1 - torch.eye(D, dtype=torch.float64))).max()) if D > 1 else 0.0
+    cross_max = float(leak_max.masked_fill(torch.eye(D, dtype=torch.bool), 0.0).max()) if D > 1 else 0.0
     metrics = {
         "isolated": isolated, "n_documents": D, "n_leaks": n_struct, "n_numerical": n_num,
-        "n_unverified": n_unver, "max_leak": struct_max, "max_cross_change": cross_max,
+        "n_unverified": n_unver, "n_blind_tokens": n_blind, "max_leak": struct_max,
+        "max_cross_change": cross_max,
         "deterministic": True, "causal": causal, "n_evaluations": n_eval,
         "n_fp64_evaluations": n64, "fp64": fp64_status, "batched": batched,
         "causality_evaluations": sub.metrics.get("n_evaluations") if sub is not None else 0,
@@ -259,6 +309,7 @@ def _result(common, packing, docs, leak_max, leak_mean, kind, moved, fp64_max, f
         "leak_kind": [[None if k < 0 else Kind(k).label for k in row] for row in kind.tolist()],
         "fp64_change": None if fp64_max is None else fp64_max.tolist(),
         "leaks": leaks, "self_change": self_change.tolist(), "unmoved_documents": dead,
+        "blind_documents": blind_docs,
     }
     if sub is not None:
         evidence["causality"] = {"verdict": sub.verdict, "codes": sub.codes, "message": sub.message,
@@ -278,6 +329,10 @@ def _result(common, packing, docs, leak_max, leak_mean, kind, moved, fp64_max, f
         if n_unver:
             msg = (f"{n_unver} document pairs moved within rounding noise and no fp64 twin could "
                    f"settle them (pass fp64=); isolation unknown")
+        if n_blind:
+            msg = (f"the outputs of documents {blind_docs[:5]} are NaN at {n_blind} tokens, where "
+                   f"a leak that leaves them NaN cannot show; isolation unknown"
+                   + (f"; and {n_unver} pairs moved within rounding noise, unsettled" if n_unver else ""))
     if dead:
         msg += (f"; perturbing documents {dead[:5]} changed not even their own outputs: the "
                 f"outputs may not depend on the tokens")

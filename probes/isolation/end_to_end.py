@@ -5,13 +5,17 @@ other sequences as companions, at shuffled positions) are two "engines" that dif
 the batch: `trainprobes.drift.compare` judges them (clean, noisy, biased, heavy-tailed). With
 the user's measured train/inference drift beside it, the share of that drift batch variance
 explains: variance share = var(batch log-ratio) / var(measured log-ratio) (independent
-noise sources add their variances), bias share = mean(batch) / mean(measured).
+noise sources add their variances; None above 1, where the measured drift cannot hold the
+batch variance: variance_ratio keeps the figure), bias share = mean(batch) / mean(measured)
+(None unless the measured mean's confidence interval excludes zero).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
+from trainprobes.causality.target import abs_diff
 from trainprobes.drift import compare
 from trainprobes.errors import InvalidArgument, TargetError
 from trainprobes.result import Result
@@ -57,6 +61,9 @@ def end_to_end(model, sequences: torch.Tensor, *, sizes=(8,), vocab: int | None 
     measured: your train/inference drift, as (train_logprobs, infer_logprobs) or a
       trainprobes.drift.compare Result; gives variance_share and bias_share.
     compare_options: passed to trainprobes.drift.compare (alpha, clip, min_bias, ...).
+
+    A difference must reproduce (the first differing batch again, its differing sequence
+    alone again), else the model is nondeterministic: TP-C2, batch_invariant None.
     """
     if not isinstance(sequences, torch.Tensor) or sequences.dim() != 2 or sequences.is_floating_point():
         raise InvalidArgument(f"sequences must be token ids [N, L], got "
@@ -72,7 +79,7 @@ def end_to_end(model, sequences: torch.Tensor, *, sizes=(8,), vocab: int | None 
     ids = sequences.detach()
     alone = torch.cat([_lp(fn, ids[i:i + 1], name) for i in range(N)])
     n_eval = N
-    by_size, batched = [], {}
+    by_size, batched, first_differing = [], {}, None
     for b in sizes:  # a loop over batch sizes and batches
         order = torch.randperm(N, generator=g)
         got = torch.empty_like(alone)
@@ -84,11 +91,24 @@ def end_to_end(model, sequences: torch.Tensor, *, sizes=(8,), vocab: int | None 
             perm = torch.randperm(b, generator=g)  # the sequences at shuffled positions
             out = _lp(fn, batch[perm], name)
             n_eval += 1
-            got[rows] = out[perm.argsort()][:len(rows)]
-        d = (got.double() - alone.double()).abs()
-        by_size.append({"size": b, "frac_tokens_differ": float((got != alone).double().mean()),
+            back = out[perm.argsort()][:len(rows)]
+            got[rows] = back
+            moved = (abs_diff(alone[rows], back) > 0).any(1)
+            if first_differing is None and moved.any():
+                first_differing = (batch[perm], out, int(rows[moved.nonzero()[0, 0]]))
+        d = abs_diff(alone, got)  # equal -inf log-probs are no difference
+        by_size.append({"size": b, "frac_tokens_differ": float((d > 0).double().mean()),
                         "max_abs_diff": float(d.max()), "mean_abs_diff": float(d.mean())})
         batched[b] = got
+    if first_differing is not None:
+        # a difference must reproduce, the batch again and its sequence alone again: else
+        # it is nondeterminism (dropout left on, atomics), not batch variance
+        inp, out, i = first_differing
+        for where, x, before in ((f"a batch of {len(inp)}", inp, out),
+                                 (f"sequence {i} alone", ids[i:i + 1], alone[i:i + 1])):
+            n_eval += 1
+            if (abs_diff(before, _lp(fn, x, name)) > 0).any():
+                return _nondeterministic(name, seed, sizes, n_eval, where)
     head = sizes[-1]
     drift = compare(alone, batched[head], target=f"{name}: batch 1 vs {head}", **compare_options)
     m = drift.metrics
@@ -113,6 +133,12 @@ def end_to_end(model, sequences: torch.Tensor, *, sizes=(8,), vocab: int | None 
     if shares.get("variance_share") is not None:
         msg += (f"; batch variance explains {shares['variance_share']:.1%} of the measured "
                 f"drift's variance")
+    elif shares.get("variance_ratio") is not None:
+        msg += (f"; batch variance alone is {shares['variance_ratio']:.3g} times the measured "
+                f"drift's variance: that drift cannot contain it (measured on other tokens, or "
+                f"by engines that batch differently)")
+    if shares.get("bias_share") is not None:
+        msg += f"; and {shares['bias_share']:.3g} of its mean (bias)"
     evidence = {"by_size": by_size, "drift": {"verdict": drift.verdict, "codes": drift.codes,
                                               "message": drift.message,
                                               "metrics": {k: v for k, v in m.items()
@@ -121,9 +147,18 @@ def end_to_end(model, sequences: torch.Tensor, *, sizes=(8,), vocab: int | None 
                   evidence=evidence, seed=seed, codes=codes, message=msg)
 
 
+def _nondeterministic(name, seed, sizes, n_eval, where) -> Result:
+    return Result(probe="isolation.end_to_end", target=name, verdict="fail", codes=["TP-C2"],
+                  metrics={"batch_invariant": None, "n_evaluations": n_eval},
+                  evidence={"sizes": sizes, "nondeterministic_in": where}, seed=seed,
+                  message=f"{name} gave different log-probs for {where} on two identical calls; "
+                          f"nondeterminism is not batch variance (.eval(), seeds, "
+                          f"torch.use_deterministic_algorithms) and probe again")
+
+
 def _shares(drift: Result, measured, options) -> dict:
     if measured is None:
-        return {"variance_share": None, "bias_share": None}
+        return {"variance_share": None, "variance_ratio": None, "bias_share": None}
     if isinstance(measured, Result):
         mm = measured.metrics
     else:
@@ -138,6 +173,16 @@ def _shares(drift: Result, measured, options) -> dict:
             raise InvalidArgument(f"measured drift has no numeric {k!r}: pass a drift.compare Result")
     var_b, var_m = drift.metrics["std_log_ratio"] ** 2, mm["std_log_ratio"] ** 2
     mean_b, mean_m = drift.metrics["mean_log_ratio"], mm["mean_log_ratio"]
-    return {"variance_share": var_b / var_m if var_m > 0 else None,
-            "bias_share": mean_b / mean_m if mean_m != 0 else None,
+    ratio = var_b / var_m if var_m > 0 else (math.inf if var_b > 0 else None)
+    # a share is at most the whole: a larger ratio says the measured drift cannot hold this
+    # batch variance (other tokens, or engines that batch differently), not that it explains
+    # more than all of it
+    share = ratio if ratio is not None and ratio <= 1 else None
+    # a share of the bias exists only where the measured drift has one: a ratio of two
+    # means that cannot be told from zero is noise over noise, of any sign and size
+    lo, hi = mm.get("ci_low"), mm.get("ci_high")
+    significant = (isinstance(lo, (int, float)) and isinstance(hi, (int, float))
+                   and (lo > 0 or hi < 0))
+    return {"variance_share": share, "variance_ratio": ratio,
+            "bias_share": mean_b / mean_m if significant else None,
             "measured_std_log_ratio": mm["std_log_ratio"], "measured_mean_log_ratio": mean_m}

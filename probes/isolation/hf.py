@@ -145,18 +145,24 @@ class PackedModel(torch.nn.Module):
 
         model = copy.deepcopy(self.model).double()
         substituted = []
+        convention = self.convention
         cfg = model.config
         if self.implementation == "flex_attention" and model.device.type == "cpu":
             model.set_attn_implementation("eager")
             substituted.append("attention: flex_attention -> eager")
         if self.implementation == "flash_attention_2":  # fp16/bf16 kernels only
+            # varlen attention over cu_seq_lens is block-diagonal causal whether or not a
+            # cache is made; sdpa under the flattening call with a cache is causal over the
+            # row, another function (refused, so noise would stay unverified): the twin
+            # takes the explicit mask of what flash_attention_2 computes
             model.set_attn_implementation("sdpa")
-            substituted.append("attention: flash_attention_2 -> sdpa")
+            convention = "mask_4d"
+            substituted.append("attention: flash_attention_2 -> sdpa, block-diagonal mask")
         experts = getattr(cfg, "_experts_implementation", None)
         if experts not in (None, "eager"):
             cfg._experts_implementation = "eager"
             substituted.append(f"experts: {experts} -> eager")
-        twin = PackedModel(model, self.convention)
+        twin = PackedModel(model, convention)
         twin.substituted = substituted
         return twin
 

@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 from trainprobes.causality.classify import Outputs
-from trainprobes.causality.target import Target
+from trainprobes.causality.target import Target, abs_diff
 from trainprobes.errors import TargetError
 from trainprobes.isolation.packing import Packing
 
@@ -19,13 +19,22 @@ __all__ = ["Packed", "Twin"]
 _TWIN_RTOL = 1e-3
 
 
-def _disagreement(y0: torch.Tensor, y64: torch.Tensor) -> float | None:
-    """The relative disagreement when it is beyond rounding, else None."""
-    if not (y0.is_floating_point() and y64.is_floating_point()) or y0.shape != y64.shape:
-        return None if y0.shape == y64.shape else float("inf")
+def _disagreement(y0: torch.Tensor, y64: torch.Tensor) -> str | None:
+    """How the twin's outputs differ from the target's beyond rounding, else None."""
+    if y0.shape != y64.shape:
+        return f"returns shape {tuple(y64.shape)!r}, the target {tuple(y0.shape)!r}"
+    if y0.is_floating_point() != y64.is_floating_point():
+        return f"returns {y64.dtype}, the target {y0.dtype}"
+    if not y0.is_floating_point():
+        # decisions (expert ids, kept/dropped) have no rounding: a twin that decides
+        # otherwise on the same input would excuse every decision the target changes
+        n = int((y0 != y64).sum())
+        return f"makes other decisions at {n} of {y0.numel()}" if n else None
     scale = y0.double().abs().nan_to_num(0.0, posinf=0.0, neginf=0.0).amax().clamp_min(1e-30)
-    off = float(((y0.double() - y64).abs().nan_to_num(float("inf")).amax()) / scale)
-    return off if off > max(_TWIN_RTOL, 16 * torch.finfo(y0.dtype).eps) else None
+    off = float(abs_diff(y0, y64).amax() / scale)
+    if off > max(_TWIN_RTOL, 16 * torch.finfo(y0.dtype).eps):
+        return f"differs by {off:.3g} (relative to the outputs' scale), beyond {y0.dtype} rounding"
+    return None
 
 
 class Packed:
@@ -44,20 +53,24 @@ class Packed:
         return self.fn(x, self.packing.tile(x.shape[0] // B))
 
 
-def _twin_fn(fn, spec) -> Callable | None:
-    """spec as given, none for False, or (None) the target's own `fp64_twin()` where it has
-    one (trainprobes.isolation.hf.PackedModel), else a float64 deep copy of an nn.Module
-    target called with float inputs cast to float64."""
+def _twin_builder(fn, spec) -> Callable[[], Callable] | None:
+    """What builds the twin, or None where there is none: spec as given, none for False,
+    or (None) the target's own `fp64_twin()` where it has one
+    (trainprobes.isolation.hf.PackedModel), else a float64 deep copy of an nn.Module target
+    called with float inputs cast to float64. Building is left to the first change that
+    needs the twin: a float64 copy of a real model takes 2-4x its memory."""
     if spec is False:
         return None
     if callable(spec) and spec is not True:
-        return spec
+        return lambda: spec
     own = getattr(fn, "fp64_twin", None)
     if callable(own):
-        return own()
+        return own
     if isinstance(fn, torch.nn.Module):
-        twin = copy.deepcopy(fn).double()
-        return lambda x, p: twin(x.double() if x.is_floating_point() else x, p)
+        def deep_copy():
+            twin = copy.deepcopy(fn).double()
+            return lambda x, p: twin(x.double() if x.is_floating_point() else x, p)
+        return deep_copy
     return None
 
 
@@ -69,12 +82,33 @@ class Twin:
     """
 
     def __init__(self, fn, spec, packing: Packing, name: str, output):
-        self.fn = _twin_fn(fn, spec)
-        self.substituted = list(getattr(self.fn, "substituted", None) or [])
+        self._build = _twin_builder(fn, spec)
+        self._fn = None
         self.status = "disabled" if spec is False else "not needed"
-        self.packed = None if self.fn is None else Packed(self.fn, packing, f"{name} [fp64]")
-        self.tgt = None if self.fn is None else Target(self.packed, f"{name} [fp64]", decision=output)
+        # built on the first call: the causality check and pair() call it only for changes
+        self.packed = None if self._build is None else Packed(self._call, packing, f"{name} [fp64]")
+        self.tgt = None if self._build is None else Target(self.packed, f"{name} [fp64]", decision=output)
         self._base = None
+
+    @property
+    def fn(self) -> Callable | None:
+        """The twin, built on first use; None where there is none (or building failed)."""
+        if self._fn is None and self._build is not None:
+            try:
+                self._fn = self._build()
+            except Exception as e:  # a model that cannot be copied or cast: no twin
+                self._build, self.tgt = None, None
+                self.status = f"unavailable: building the fp64 twin raised {type(e).__name__}: {e}"
+        return self._fn
+
+    def _call(self, x, packing):
+        if self.fn is None:
+            raise TargetError(self.status)
+        return self.fn(x, packing)
+
+    @property
+    def substituted(self) -> list:
+        return list(getattr(self.fn, "substituted", None) or [])
 
     @property
     def n_evaluations(self) -> int:
@@ -86,7 +120,7 @@ class Twin:
         beyond low-precision rounding computes another function (a twin without the leak
         would excuse it): refused, so that the changes stay unexcused (fail closed)."""
         if self.tgt is None:
-            if self.fn is None and self.status == "not needed":
+            if self._build is None and self.status == "not needed":
                 self.status = "unavailable: the target is not an nn.Module (pass fp64=fn64(tokens, packing))"
             return None
         if self._base is None:
@@ -104,8 +138,7 @@ class Twin:
             if off is not None:
                 self.tgt = None
                 self.status = (f"unavailable: the fp64 twin is not the target's function: on the "
-                               f"unperturbed input it differs by {off:.3g} (relative to the "
-                               f"outputs' scale), beyond {y0.dtype} rounding")
+                               f"unperturbed input it {off}")
                 return None
             self._base = out
             self.status = "used" + (f" (substituted: {', '.join(self.substituted)})"
