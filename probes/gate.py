@@ -230,10 +230,13 @@ def check_judgeable(r: Result, side: str) -> None:
             raise CannotJudge(f"{side} {e}") from None
         good = VERDICT_FLAGS[spec.flag]
         measured = value is not None
-        if value is (not good) and r.passed:
+        # an advisory probe's bad value is a watch-out: warn, with its code, never pass
+        if value is (not good) and (r.verdict == "pass" or not spec.advisory and r.passed
+                                    or r.verdict == "warn" and spec.code not in r.codes):
             raise CannotJudge(f"{where}: verdict {r.verdict!r} contradicts metric "
-                              f"{spec.flag}={value} (that fails with {spec.code}; was the "
-                              "report edited?)")
+                              f"{spec.flag}={value} (that "
+                              f"{'warns' if spec.advisory else 'fails'} with {spec.code}; was "
+                              "the report edited?)")
         others = [c for c in r.codes if c != spec.code]
         if value is good and r.verdict == "fail" and not others and not _threshold_broken(r):
             raise CannotJudge(f"{where}: verdict 'fail' but metric {spec.flag}={value}, and no "

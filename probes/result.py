@@ -76,6 +76,10 @@ class ProbeMetrics:
     names: every metric it may report; "name[...]" stands for any "name[<label>]".
     labels: those of names that are not numbers (strings, booleans besides the flag):
         a threshold (fail_above / fail_below) can name every other one.
+    advisory: the probe describes the machine (this torch build and device), not the
+        user's code: the flag's bad value is a watch-out, a "warn" with the code, not a
+        failure (CPU fp32 GEMMs are batch-variant on a healthy machine). It still never
+        passes, and the gate still blocks the flag going from good to bad.
     """
 
     flag: str | None = None
@@ -83,6 +87,7 @@ class ProbeMetrics:
     needs: tuple = ()
     names: tuple = ()
     labels: tuple = ()
+    advisory: bool = False
 
     def __post_init__(self):
         if self.flag is not None and (self.flag not in VERDICT_FLAGS or self.code is None):
@@ -154,6 +159,12 @@ PROBES = {
         "mean_abs_diff", "max_ulps", "breaking_sizes", "first_breaking_size",
         "companion_dependent", "deterministic", "n_evaluations", "n_rows", "atol"),
         ("breaking_sizes", "companion_dependent", "deterministic")),
+    # the per-op map of this machine (trainprobes.isolation.ops): the same metrics, advisory
+    "isolation.op_map": ProbeMetrics("batch_invariant", "TP-I2", ("max_abs_diff",), (
+        "batch_invariant", "frac_outputs_differ", "frac_rows_differ", "max_abs_diff",
+        "mean_abs_diff", "max_ulps", "breaking_sizes", "first_breaking_size",
+        "companion_dependent", "deterministic", "n_evaluations", "n_rows", "atol"),
+        ("breaking_sizes", "companion_dependent", "deterministic"), advisory=True),
     "isolation.end_to_end": ProbeMetrics("batch_invariant", "TP-I2", ("max_abs_diff",), (
         "batch_invariant", "size", "frac_tokens_differ", "max_abs_diff", "drift_verdict",
         "mean_log_ratio", "std_log_ratio", "k3_kl", "p_value", "n_tokens", "n_evaluations",

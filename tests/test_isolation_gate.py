@@ -6,7 +6,8 @@ from trainprobes.result import Result
 
 NEEDS = {"isolation.documents": {"n_leaks": 0, "max_leak": 0.0},
          "isolation.batch_invariance": {"max_abs_diff": 0.0},
-         "isolation.end_to_end": {"max_abs_diff": 0.0}}
+         "isolation.end_to_end": {"max_abs_diff": 0.0},
+         "isolation.op_map": {"max_abs_diff": 0.0}}
 
 
 def res(probe, metric, value, verdict="pass", codes=()):
@@ -68,3 +69,27 @@ def test_each_isolation_probe_reports_only_documented_metrics_and_its_verdict_bo
         assert (r.flag() is VERDICT_FLAGS[spec.flag]) == r.passed, (r.probe, r.verdict)
         check_judgeable(r, "candidate")
         assert Result.from_json(r.to_json()) == r
+
+
+def test_the_machine_op_map_is_advisory_a_variant_op_warns_and_never_passes():
+    """isolation.op_map describes this torch build and device: batch_invariant False is a
+    warn with TP-I2 (CPU fp32 GEMMs are variant on a healthy machine), never a pass, and the
+    gate still blocks an op that was invariant and is variant now."""
+    from trainprobes.isolation.ops import op_map
+    op = "isolation.op_map"
+    warned = res(op, "batch_invariant", False, "warn", ["TP-I2"])
+    assert compare([warned], [warned]).exit_code == 0
+    rep = compare([res(op, "batch_invariant", True)], [warned])
+    assert rep.exit_code == 1 and [r.code for r in rep.blocking] == ["TP-I2"]
+    for edited in (res(op, "batch_invariant", False, "pass"),        # a variant op passing
+                   res(op, "batch_invariant", False, "warn")):       # a warn with no code
+        rep = compare([res(op, "batch_invariant", True)], [edited])
+        assert rep.exit_code == 2 and "batch_invariant" in rep.cannot_judge
+    # the same rule for the user's own target stays a failure
+    rep = compare([res("isolation.batch_invariance", "batch_invariant", True)],
+                  [res("isolation.batch_invariance", "batch_invariant", False, "warn", ["TP-I2"])])
+    assert rep.exit_code == 2
+    # the real map: a split-K-like op warns, an invariant one passes
+    for r in op_map(["mm", "softmax"], dtypes=("fp32",), sizes=(2, 4), trials=1, quick=True):
+        assert r.probe == op
+        assert r.verdict == ("pass" if r.metrics["batch_invariant"] else "warn")

@@ -83,7 +83,7 @@ def _embedding(V, T, D):
 
 def op_cases(quick: bool = False) -> list[OpCase]:
     """The ops of the map at their shapes; quick keeps the small shapes only."""
-    mm_shapes = ((64, 64), (256, 256), (1024, 1024)) + (() if quick else ((4096, 4096),))
+    mm_shapes = ((64, 64), (256, 256)) + (() if quick else ((1024, 1024), (4096, 4096)))
     row_dims = (256, 4096) if not quick else (256,)
     cases = []
     for kind in ("mm", "addmm", "linear"):
@@ -99,6 +99,17 @@ def op_cases(quick: bool = False) -> list[OpCase]:
 
 
 OP_NAMES = tuple(dict.fromkeys(c.op for c in op_cases()))
+
+
+def _as_map_entry(r):
+    """A batch_invariance Result as an entry of the machine's map (probe isolation.op_map,
+    advisory in result.PROBES): a variant op is a watch-out about this torch build and
+    device (warn, TP-I2), not a failure of the user's code; anything else (a
+    nondeterministic op, TP-C2) keeps its verdict."""
+    r.probe = "isolation.op_map"
+    if r.metrics.get("batch_invariant") is False and r.verdict == "fail" and r.codes == ["TP-I2"]:
+        r.verdict = "warn"
+    return r
 
 
 def op_map(ops=None, *, dtypes=("fp32", "bf16"), sizes=DEFAULT_SIZES, rows: int = 8,
@@ -125,5 +136,5 @@ def op_map(ops=None, *, dtypes=("fp32", "bf16"), sizes=DEFAULT_SIZES, rows: int 
             x, fn = case.make(g, rows, dt, device)
             r = batch_invariance(fn, x, sizes=sizes, trials=trials, seed=seed, target=target)
             r.evidence.update({"op": case.op, "shape": case.shape, "dtype": label, "device": device})
-            results.append(r)
+            results.append(_as_map_entry(r))
     return results
