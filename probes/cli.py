@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("audit", "gate", "stall", "bias", "collectives", "causality", "drift")
+COMMANDS = ("audit", "gate", "stall", "bias", "collectives", "causality", "drift", "transforms")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,6 +11,10 @@ Regressions, each with a code from trainprobes.result.CODES so a reviewer can se
   TP-G3  drift significantly worse (the same test on `mean_log_ratio` with `se_mean`, from
          trainprobes.drift.compare), or a drift Result newly over its threshold (TP-D3);
   TP-B3  lower revealed accumulator precision (`accumulator_mantissa_bits` decreased);
+  TP-T1/T2/T3  a parallel transform that was equivalent (exact or noise) is now biased /
+         inconsistent / wrong (trainprobes.transforms: `equivalent` True -> False);
+  TP-T4  a transform's gradient or loss scale error significantly larger (`scale_error`,
+         `loss_relative_error` with their `_se`), judged like bias;
   TP-E1  the probe errored in the candidate;
   and any other result whose verdict went from pass/warn to fail keeps the candidate's codes.
 Waivers name a code, a target (exact, or an fnmatch pattern) and a reason, and expire.
@@ -32,7 +36,11 @@ from trainprobes.result import CODES, Result, SchemaError, load_results
 # std and trials, and a (1 - alpha) CI; trainprobes.drift.compare: se_mean).
 # (code, estimate, label, the metric holding the probe's own floor for a bias that matters)
 ESTIMATES = (("TP-G2", "bias", "bias", "min_effect"),
-             ("TP-G3", "mean_log_ratio", "drift", "min_bias"))
+             ("TP-G3", "mean_log_ratio", "drift", "min_bias"),
+             ("TP-T4", "scale_error", "transform gradient scale error", "min_effect"),
+             ("TP-T4", "loss_relative_error", "transform loss error", "min_effect"))
+# trainprobes.transforms: `equivalent` True -> False blocks, coded by the candidate's kind
+TRANSFORM_CODES = {"biased": "TP-T1", "inconsistent": "TP-T2", "wrong": "TP-T3"}
 
 
 @dataclass(frozen=True)
@@ -265,6 +273,15 @@ def _compare_pair(b: Result, c: Result, alpha: float, rel_tol: float) -> list[Re
         n = cm.get("n_leaks")
         add("TP-C1", "was causal, now leaks future tokens into earlier decisions",
             "causal", f"leaks ({n} leaks)" if n is not None else "leaks", c.message)
+    if "equivalent" in bm and not isinstance(cm.get("equivalent"), bool):
+        add("TP-E1", "transform equivalence cannot be judged: metric `equivalent` is missing or "
+            "not true/false in the candidate", str(bm.get("equivalent")), str(cm.get("equivalent")),
+            c.message)
+    elif bm.get("equivalent") is True and cm.get("equivalent") is False:
+        kind = cm.get("transform_verdict")
+        add(TRANSFORM_CODES.get(kind, "TP-T3"), f"was equivalent ({bm.get('transform_verdict')}), "
+            f"now {kind} (worst parameter {cm.get('worst_parameter')})",
+            str(bm.get("transform_verdict")), str(kind), c.message)
     for code, name, label, floor in ESTIMATES:
         eb, ec = estimate(bm, name), estimate(cm, name)
         if eb and not ec and name in cm:

@@ -230,6 +230,16 @@ class TrainProbes:
             pytest.fail(_failure(r, "stalled"), pytrace=False)
         return r
 
+    def assert_equivalent(self, step, transform, **kwargs):
+        """trainprobes.transforms.probe(step, transform, **kwargs) must find the transform
+        equivalent to the single-device step (exact or noise; world, trials, seed, alpha,
+        min_effect, noise_tol as the probe takes them)."""
+        from trainprobes.transforms import probe
+        r = self.record(probe(step, transform, **kwargs))
+        if r.verdict in ("fail", "error") or r.metrics.get("equivalent") is not True:
+            pytest.fail(_failure(r, "not equivalent"), pytrace=False)
+        return r
+
     def assert_within(self, train_lp, infer_lp, **kwargs):
         """trainprobes.drift.compare(train_lp, infer_lp, **kwargs): not biased, within thresholds."""
         from trainprobes.drift import compare

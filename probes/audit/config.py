@@ -21,17 +21,18 @@ from trainprobes.audit.run import Check
 from trainprobes.errors import ConfigError
 
 TOP_KEYS = {"seed", "out", "history", "defaults", "families", "pythonpath", "causality",
-            "bias", "drift", "collectives"}
+            "bias", "drift", "collectives", "transforms"}
 COMMON = {"name", "seed", "fail_above", "fail_below"}
 HARNESS_KEYS = {
     "causality": COMMON | {"target", "batch", "seq_len", "vocab", "hidden", "inputs"},
     "bias": COMMON | {"target", "reference", "inputs"},
     "drift": COMMON | {"engine", "train", "infer", "rollouts", "_base_dir"},
     "collectives": COMMON | {"world", "dtype", "algorithm", "backend", "op", "numel"},
+    "transforms": COMMON | {"target", "transform", "options", "world", "backend", "timeout"},
 }
 # The code a threshold failure carries, per section.
 THRESHOLD_CODE = {"causality": "TP-C1", "bias": "TP-B1", "drift": "TP-D3",
-                  "collectives": "TP-B1"}
+                  "collectives": "TP-B1", "transforms": "TP-T3"}
 
 
 def read_config(path) -> dict | None:
@@ -262,8 +263,41 @@ def collective_checks(entry: dict, seed: int, where: str) -> list[Check]:
     return checks
 
 
+def transform_check(entry: dict, seed: int, where: str) -> Check:
+    """[[transforms]]: target = "pkg.mod:step" (a trainprobes.transforms.TrainingStep or a
+    function returning one); transform = "fsdp2" (or a list of names, or "fsdp2:reduce_dtype=bf16")
+    with options = {...} for every one; world, backend, timeout; the probe's own keys (trials,
+    alpha, min_effect, noise_tol, replica_tol). All transforms of an entry run on one set of
+    ranks; with one transform the Result's target is `name` (so variants compare in the gate)."""
+    from trainprobes.errors import TrainprobesError
+    from trainprobes.transforms import Probe, build_transform, parse_transform
+
+    spec = _need(entry, "target", where, '"package.module:step"')
+    options = entry.get("options", {})
+    if not isinstance(options, dict):
+        raise ConfigError(f"{where} options={options!r} must be a table, e.g. {{ reduce_dtype = 'bf16' }}")
+    kwargs = probe_kwargs(entry, "transforms", where, Probe)
+    try:
+        transforms = [build_transform(t, options) if ":" not in t else parse_transform(t)
+                      for t in _listed(entry, "transform", "ddp")]
+    except (TrainprobesError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{where} transform: {e}") from None
+    world, name = _int(entry, "world", where, 2), entry.get("name", spec)
+    backend, timeout = entry.get("backend", "gloo"), entry.get("timeout", 600.0)
+
+    def run():
+        from trainprobes.transforms import run_probes
+        probes = [Probe(spec, t, **{"seed": seed, **kwargs},
+                        target=name if len(transforms) == 1 else f"{name}[{t.label}]") for t in transforms]
+        out = run_probes(probes, world=world, backend=backend, timeout=timeout)
+        for r in out:
+            r.evidence["target_spec"] = spec
+        return [apply_thresholds(r, entry, "transforms") for r in out]
+    return Check("transforms", name, run)
+
+
 SECTIONS = {"causality": causality_check, "bias": bias_check, "drift": drift_check,
-            "collectives": collective_checks}
+            "collectives": collective_checks, "transforms": transform_check}
 
 
 def suite_from_config(cfg: dict, *, seed: int = 0, base_dir=Path("."), quick: bool = False):

@@ -26,6 +26,7 @@ import math
 
 import torch
 from trainprobes.drift import inputs, stats
+from trainprobes.power import min_detectable_effect
 from trainprobes.result import Result
 
 DRIFT_VERDICTS = ("clean", "noisy", "biased", "heavy-tailed")
@@ -100,6 +101,8 @@ def compare(train_logprobs, infer_logprobs, *, mask=None, lengths=None, alpha: f
         "t_stat": t, "p_mean": p_mean, "p_excess": p_excess, "p_value": p_value,
         "n_units": int(G), "alpha": alpha, "clip": clip, "noise_kl_max": noise_kl_max,
         "min_bias": min_bias,
+        # what a pass rules out: the smallest |mean log-ratio| the t-test finds with 80% power
+        "min_detectable_bias": min_detectable_effect(se, G - 1, alpha),
     })
     if unit == "sequence":
         metrics.update(stats.sequence_metrics(seq_sum, seq_n, clip))
