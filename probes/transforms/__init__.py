@@ -8,20 +8,31 @@
 Transforms: DDP (hooks fp16/bf16), Accumulation, FSDP2, TensorParallel, Pipeline on the real
 PyTorch APIs, and Custom(fn) for a user's own trainer. Verdicts: exact, noise, biased,
 inconsistent, wrong (trainprobes.transforms.judge). See docs/transforms.md.
-"""
-from trainprobes.transforms.base import NORMALIZATIONS, RankContext, StepOutput, Transform
-from trainprobes.transforms.custom import Custom
-from trainprobes.transforms.data_parallel import DDP, Accumulation, bf16_allreduce_hook
-from trainprobes.transforms.equivalence import PROBE, Probe, probe, run_probes
-from trainprobes.transforms.gather import full_gradients, local_gradients
-from trainprobes.transforms.judge import EQUIVALENT, KINDS
-from trainprobes.transforms.pipeline import Pipeline
-from trainprobes.transforms.registry import TRANSFORMS, build_transform, parse_transform
-from trainprobes.transforms.sharded import FSDP2
-from trainprobes.transforms.step import TrainingStep
-from trainprobes.transforms.tensor_parallel import TensorParallel
 
-__all__ = ["TrainingStep", "Probe", "probe", "run_probes", "PROBE", "KINDS", "EQUIVALENT",
-           "Transform", "DDP", "Accumulation", "FSDP2", "TensorParallel", "Pipeline", "Custom",
-           "NORMALIZATIONS", "RankContext", "StepOutput", "bf16_allreduce_hook", "full_gradients",
-           "local_gradients", "TRANSFORMS", "build_transform", "parse_transform"]
+Names load on first use: every rank imports this package to unpickle its work, and should
+not pay for scipy and the judge it never runs.
+"""
+import importlib
+
+_WHERE = {
+    "NORMALIZATIONS": "base", "RankContext": "base", "StepOutput": "base", "Transform": "base",
+    "Custom": "custom", "DDP": "data_parallel", "Accumulation": "data_parallel",
+    "bf16_allreduce_hook": "data_parallel", "Probe": "equivalence", "probe": "equivalence",
+    "run_probes": "equivalence", "PROBE": "equivalence", "full_gradients": "gather",
+    "local_gradients": "gather", "EQUIVALENT": "judge", "KINDS": "judge", "Pipeline": "pipeline",
+    "TRANSFORMS": "registry", "build_transform": "registry", "parse_transform": "registry",
+    "FSDP2": "sharded", "TrainingStep": "step", "TensorParallel": "tensor_parallel",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'trainprobes.transforms' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"trainprobes.transforms.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

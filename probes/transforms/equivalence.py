@@ -114,7 +114,23 @@ def prepare(p: Probe, world: int, *, truth: bool = True) -> Prepared:
                 f"module-level functions (or functools.partial of them), not lambdas or local "
                 f"functions, for the model, batch, loss and custom step") from None
     ref, base = references(step, seeds, p.transform) if truth else (None, None)
+    if ref is not None:
+        check_truth(ref, step)
     return Prepared(p, step, seeds, dtype, ref, base)
+
+
+def check_truth(ref: Truth, step: TrainingStep) -> None:
+    """A truth the probe can compare with: finite, and a gradient somewhere."""
+    bad = [n for n, g in ref.grads.items() if not torch.isfinite(g).all()]
+    if bad or not torch.isfinite(ref.loss).all():
+        raise InvalidArgument(f"the fp64 single-device step of {step.name!r} is not finite "
+                              f"({bad[:3] or 'the loss'}): the truth itself overflows or meets NaN")
+    norms = torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in ref.grads.values()]).sum(0)
+    zero = int((norms == 0).sum())
+    if zero > len(norms) - 3:
+        raise InvalidArgument(f"the fp64 gradient of {step.name!r} is exactly zero on {zero} of "
+                              f"{len(norms)} trials: nothing to compare (does the loss depend on "
+                              f"the parameters through the batch?)")
 
 
 def references(step: TrainingStep, seeds: list, transform: Transform) -> tuple:

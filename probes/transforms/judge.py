@@ -29,7 +29,7 @@ Verdict kinds, in this order:
                 parameter's scale, rejects at alpha / m (Bonferroni over the m tests, so the
                 false-positive rate of the whole verdict is at most alpha) with
                 |mean| >= min_effect (a floor under which a significant effect is reported,
-                not failed); estimates and CIs from trainprobes.numerics.bias.error_stats;
+                not failed); CIs are Student-t, as trainprobes.numerics.bias.error_stats's;
   wrong         no test rejects but the transform adds a large difference: max over trials
                 of |g - b| / |r| or of the loss's over noise_tol (more than rounding in the
                 transform's dtype explains);
@@ -45,7 +45,6 @@ from typing import NamedTuple
 
 import torch
 from scipy import stats
-from trainprobes.numerics.bias import error_stats
 from trainprobes.power import POWER, min_detectable_effect
 
 KINDS = ("exact", "noise", "biased", "inconsistent", "wrong")
@@ -93,16 +92,35 @@ class Judgement:
 
 
 def t_tests(errors: torch.Tensor) -> tuple:
-    """Two-sided one-sample t-tests of mean 0 down each column of [trials, K]:
-    (mean, standard error, p). A column with no spread: p = 0 if its mean is not 0."""
-    n = errors.shape[0]
-    mean = errors.mean(0)
-    sd = errors.std(0) if n > 1 else torch.zeros_like(mean)
-    se = sd / math.sqrt(n)
+    """Two-sided one-sample t-tests of mean 0 down each column of [trials, K], over each
+    column's finite entries (a trial where a statistic does not exist, a parameter whose
+    fp64 gradient is zero, is left out): (mean, standard error, p, count). A column with no
+    spread has p = 0 if its mean is not 0; one with fewer than 3 finite trials p = NaN."""
+    finite = torch.isfinite(errors)
+    n = finite.sum(0).double()
+    x = torch.where(finite, errors, torch.zeros_like(errors))
+    mean = x.sum(0) / n.clamp(min=1)
+    dev = torch.where(finite, errors - mean, torch.zeros_like(errors))
+    sd = ((dev * dev).sum(0) / (n - 1).clamp(min=1)).sqrt()
+    se = sd / n.clamp(min=1).sqrt()
     t = torch.where(se > 0, mean / se, torch.zeros_like(mean))
-    p = torch.as_tensor(2 * stats.t.sf(t.abs().numpy(), max(n - 1, 1)), dtype=torch.float64)
+    df = (n - 1).clamp(min=1)
+    p = torch.as_tensor(2 * stats.t.sf(t.abs().numpy(), df.numpy()), dtype=torch.float64)
     p = torch.where(se > 0, p, (mean == 0).double())
-    return mean, se, p
+    p = torch.where(n >= 3, p, torch.full_like(p, math.nan))
+    return mean, se, p, n
+
+
+def mean_ci(x: torch.Tensor, alpha: float) -> dict | None:
+    """Mean, Student-t (1 - alpha) CI and spread over the finite trials (the interval of
+    trainprobes.numerics.bias.error_stats); NaN with fewer than 3."""
+    x = x[torch.isfinite(x)]
+    n = x.numel()
+    if n < 3:
+        return {"bias": math.nan, "ci_low": math.nan, "ci_high": math.nan, "std": math.nan, "n": max(n, 1)}
+    mean, std = x.mean().item(), x.std().item()
+    half = float(stats.t.ppf(1 - alpha / 2, n - 1)) * std / math.sqrt(n)
+    return {"bias": mean, "ci_low": mean - half, "ci_high": mean + half, "std": std, "n": n}
 
 
 def _replicas(obs: Observed, replica_tol: float) -> list:
@@ -161,11 +179,19 @@ def against(x: dict, r: dict, loss, truth_loss) -> Against:
     sgn = torch.stack([(torch.sign(r[n]) * (x[n] - r[n])).sum(1) for n in names], 1)
     ar = torch.stack([r[n].abs().sum(1) for n in names], 1)
     RR = rr.sum(1)
-    scale = dot.sum(1) / RR
+    scale = dot.sum(1) / RR  # NaN on a trial whose fp64 gradient is zero (left out of tests)
     residual = ((xx.sum(1) - 2 * scale * dot.sum(1) + scale ** 2 * RR).clamp(min=0) / RR).sqrt()
     loss_rel = None if loss is None else (loss - truth_loss) / truth_loss.abs()
-    return Against(scale, sgn.sum(1) / ar.sum(1), (err2.sum(1) / RR).sqrt(), residual, dot / rr,
+    return Against(scale, sgn.sum(1) / ar.sum(1), _relative(err2.sum(1), RR), residual, dot / rr,
                    (err2 / rr).sqrt(), loss_rel, rr)
+
+
+def _relative(err2: torch.Tensor, ref2: torch.Tensor) -> torch.Tensor:
+    """sqrt(err2 / ref2), and where the reference is zero: 0 if the error is, else inf (a
+    difference from a zero gradient is never rounding)."""
+    out = (err2 / ref2).sqrt()
+    return torch.where(ref2 > 0, out, torch.where(err2 == 0, torch.zeros_like(out),
+                                                  torch.full_like(out, math.inf)))
 
 
 def judge(truth, obs: Observed, *, alpha: float, min_effect: float, noise_tol: float,
@@ -189,8 +215,8 @@ def judge(truth, obs: Observed, *, alpha: float, min_effect: float, noise_tol: f
         bg = {n: base.grads[n].reshape(T, -1).double() for n in names}
         if all(bool(torch.isfinite(v).all()) for v in bg.values()) and bool(torch.isfinite(base.loss).all()):
             b = against(bg, r, base.loss.double() if loss is not None else None, truth.loss)
-            added = (torch.stack([((g[n] - bg[n]) ** 2).sum(1) for n in names], 1).sum(1)
-                     / a.rr.sum(1)).sqrt()
+            added = _relative(torch.stack([((g[n] - bg[n]) ** 2).sum(1) for n in names], 1).sum(1),
+                              a.rr.sum(1))
             added_loss = None if loss is None else ((loss - base.loss.double()) / truth.loss.abs()).abs()
     if b is None:
         added = a.rel
@@ -199,39 +225,39 @@ def judge(truth, obs: Observed, *, alpha: float, min_effect: float, noise_tol: f
     def paired(x, y):
         return x if y is None else x - y
 
-    # the family of tests, Bonferroni over its size
-    cols = {"scale": paired(a.scale, b and b.scale), "signed_relative_error": paired(a.signed, b and b.signed)}
-    if b is None:
-        cols["scale"] = a.scale - 1
-    if a.loss_rel is not None and torch.isfinite(a.loss_rel).all():
+    # the family of tests (paired: transform minus single device), Bonferroni over its size;
+    # NaN marks a trial where a statistic does not exist (a zero fp64 gradient)
+    shift = 1.0 if b is None else 0.0
+    cols = {"scale": paired(a.scale, b and b.scale) - shift,
+            "signed_relative_error": paired(a.signed, b and b.signed)}
+    if a.loss_rel is not None:
         cols["loss"] = paired(a.loss_rel, b and b.loss_rel)
-    testable = [i for i, n in enumerate(names) if bool((a.rr[:, i] > 0).all())]
     if len(names) > 1:
-        for i in testable:
-            cols[names[i]] = paired(a.p_scale[:, i], b and b.p_scale[:, i]) - (1 if b is None else 0)
-    E = torch.stack(list(cols.values()), 1)
-    m = E.shape[1]
-    mean, se, p = t_tests(torch.nan_to_num(E, nan=0.0))
+        for i, n in enumerate(names):
+            cols[n] = paired(a.p_scale[:, i], b and b.p_scale[:, i]) - shift
+    mean, se, p, count = t_tests(torch.stack(list(cols.values()), 1))
+    keep = [k for k, pv in zip(cols, p.tolist()) if not math.isnan(pv)]  # >= 3 trials measured
+    m = max(len(keep), 1)
     level = alpha / m
-    significant = [k for k, pm, mu in zip(cols, p.tolist(), mean.tolist())
-                   if pm < level and abs(mu) >= min_effect]
-    tests = {k: {"mean": mu, "se": s_, "p": pv, "significant": k in significant}
-             for k, mu, s_, pv in zip(cols, mean.tolist(), se.tolist(), p.tolist())}
+    significant = [k for k, pv, mu in zip(cols, p.tolist(), mean.tolist())
+                   if k in keep and pv < level and abs(mu) >= min_effect]
+    tests = {k: {"mean": mu, "se": s_, "p": pv, "trials": int(c), "significant": k in significant}
+             for k, mu, s_, pv, c in zip(cols, mean.tolist(), se.tolist(), p.tolist(), count.tolist())}
 
-    s_scale = error_stats((a.scale - 1).tolist(), alpha=alpha)
-    s_signed = error_stats(a.signed.tolist(), alpha=alpha)
-    mde_scale = min_detectable_effect(tests["scale"]["se"], T - 1, level)
-    mde_signed = min_detectable_effect(tests["signed_relative_error"]["se"], T - 1, level)
+    s_scale, s_signed = mean_ci(a.scale - 1, alpha), mean_ci(a.signed, alpha)
+    mde_scale = min_detectable_effect(tests["scale"]["se"], tests["scale"]["trials"] - 1, level)
+    mde_signed = min_detectable_effect(tests["signed_relative_error"]["se"],
+                                       tests["signed_relative_error"]["trials"] - 1, level)
     metrics = {
         "trials": T, "alpha": alpha, "alpha_per_test": level, "tests": m, "paired": b is not None,
         "min_effect": min_effect, "noise_tol": noise_tol, "replica_tol": replica_tol, "power": POWER,
         "scale": 1 + s_scale["bias"], "scale_ci_low": 1 + s_scale["ci_low"],
         "scale_ci_high": 1 + s_scale["ci_high"], "scale_error": s_scale["bias"],
-        "scale_error_se": s_scale["std"] / math.sqrt(T),
+        "scale_error_se": s_scale["std"] / math.sqrt(s_scale["n"]),
         "added_scale_error": tests["scale"]["mean"], "added_scale_error_p": tests["scale"]["p"],
         "signed_relative_error": s_signed["bias"], "signed_relative_error_ci_low": s_signed["ci_low"],
         "signed_relative_error_ci_high": s_signed["ci_high"],
-        "signed_relative_error_se": s_signed["std"] / math.sqrt(T),
+        "signed_relative_error_se": s_signed["std"] / math.sqrt(s_signed["n"]),
         "added_signed_relative_error": tests["signed_relative_error"]["mean"],
         "added_signed_relative_error_p": tests["signed_relative_error"]["p"],
         "max_relative_error": float(a.rel.max()), "mean_relative_error": float(a.rel.mean()),
@@ -243,19 +269,18 @@ def judge(truth, obs: Observed, *, alpha: float, min_effect: float, noise_tol: f
     if b is not None:
         metrics["single_device_max_relative_error"] = float(b.rel.max())
     if a.loss_rel is not None:
-        finite = bool(torch.isfinite(a.loss_rel).all())
-        s_loss = error_stats(a.loss_rel.tolist(), alpha=alpha) if finite else None
-        metrics.update({"loss_relative_error": float(a.loss_rel.mean()),
-                        "loss_relative_error_se": s_loss["std"] / math.sqrt(T) if s_loss else math.nan,
-                        "loss_scale": 1 + float(a.loss_rel.mean()),
-                        "loss_scale_ci_low": 1 + s_loss["ci_low"] if s_loss else math.nan,
-                        "loss_scale_ci_high": 1 + s_loss["ci_high"] if s_loss else math.nan,
-                        "max_loss_relative_error": float(a.loss_rel.abs().max()),
+        s_loss = mean_ci(a.loss_rel, alpha)
+        metrics.update({"loss_relative_error": s_loss["bias"],
+                        "loss_relative_error_se": s_loss["std"] / math.sqrt(s_loss["n"]),
+                        "loss_scale": 1 + s_loss["bias"], "loss_scale_ci_low": 1 + s_loss["ci_low"],
+                        "loss_scale_ci_high": 1 + s_loss["ci_high"],
+                        "max_loss_relative_error": float(a.loss_rel.abs().nan_to_num(0.0).max()),
                         "max_added_loss_error": float(added_loss.max())})
         if "loss" in tests:
             metrics["added_loss_error"] = tests["loss"]["mean"]
             metrics["added_loss_error_p"] = tests["loss"]["p"]
-            metrics["min_detectable_loss_error"] = min_detectable_effect(tests["loss"]["se"], T - 1, level)
+            metrics["min_detectable_loss_error"] = min_detectable_effect(
+                tests["loss"]["se"], tests["loss"]["trials"] - 1, level)
 
     table = []
     for i, n in enumerate(names):
@@ -337,10 +362,11 @@ def _verdict(names, metrics, tests, table, significant, replicas, nonfinite, exa
             f"rounding explains (noise_tol {noise_tol:g}), with no consistent sign or scale "
             f"(worst: {where}): look for the wrong data shard, an unsynchronised random seed "
             f"(dropout) or a stale or missing reduction")
+    unseen = "" if loss else "; the step reports no loss, so loss-level bugs are not checked"
     low = max(metrics["min_detectable_scale_error"], metrics["min_effect"])
     low_signed = max(metrics["min_detectable_relative_bias"], metrics["min_effect"])
     return "noise", worst("max_relative_error"), (
         f"noise: zero-mean differences (max relative error {metrics['max_relative_error']:.2g} "
         f"against fp64, {metrics['max_added_error']:.2g} added by the transform <= noise_tol "
         f"{noise_tol:g}); rules out a scale error > {low:.2g} and a signed relative bias > "
-        f"{low_signed:.2g} ({POWER:.0%} power at alpha {alpha:g}/{m} per test, {T} trials)")
+        f"{low_signed:.2g} ({POWER:.0%} power at alpha {alpha:g}/{m} per test, {T} trials){unseen}")

@@ -45,7 +45,10 @@ def resolve_step(spec) -> TrainingStep:
     """A TrainingStep, or "pkg.mod:attr" naming one or a no-argument factory of one."""
     if isinstance(spec, TrainingStep):
         return spec
-    from trainprobes.errors import TargetError
+    from trainprobes.errors import InvalidType, TargetError
+    if not isinstance(spec, str):
+        raise InvalidType(f"step={spec!r} must be a trainprobes.transforms.TrainingStep or "
+                          f"'package.module:attr' naming one (or a function returning one)")
     from trainprobes.targets import load_target
     obj = load_target(spec, callable_required=False)
     if not isinstance(obj, TrainingStep) and callable(obj):

@@ -16,8 +16,8 @@ Zero-initialised linear models (`linear_model`) make per-token gradients analyti
 W = 0 the gradient of token (b, t) is -y x^T, whose expectation is -a_b c e^T. A normalisation
 that gives piece i (a set of documents) the weight w_i instead of n_i / N then scales the
 gradient by (sum_i w_i abar_i) / (sum_b L_b a_b / N), abar_i the token-weighted mean
-difficulty of piece i (`normalisation_ratio`); the loss (per token a_b^2 |c|^2 / 2 in
-expectation) by the same expression with a_b^2.
+difficulty of piece i (`normalisation_ratio`); the loss (per token (a_b^2 + noise^2) O / 2 in
+expectation) by the same expression with a_b^2 + noise^2.
 """
 from __future__ import annotations
 
@@ -111,12 +111,14 @@ def mlp(hidden: int = 8, seed: int = 0, norm: bool = False) -> torch.nn.Sequenti
     return m
 
 
-def normalisation_ratio(layout: Layout, pieces: list, weights: list, power: int = 1) -> float:
-    """Expected gradient (power=1) or loss (power=2) of a normalisation that gives piece i
-    (a list of document indices) the weight weights[i] on its token mean, over the
-    single-device token mean (module docstring)."""
+def normalisation_ratio(layout: Layout, pieces: list, weights: list, loss: bool = False) -> float:
+    """Expected gradient (or, with loss=True, loss) of a normalisation that gives piece i (a
+    list of document indices) the weight weights[i] on its token mean, over the
+    single-device token mean. Per token of document b the expectation is a_b c e^T for the
+    gradient of a zero-initialised linear model and (a_b^2 + NOISE^2) O / 2 for the loss."""
     L = torch.tensor(layout.lengths, dtype=torch.float64)
-    a = torch.tensor(layout.difficulty, dtype=torch.float64) ** power
-    truth = (L * a).sum() / L.sum()
-    bug = sum(w * (L[p] * a[p]).sum() / L[p].sum() for p, w in zip(pieces, weights))
+    a = torch.tensor(layout.difficulty, dtype=torch.float64)
+    v = a * a + NOISE ** 2 if loss else a
+    truth = (L * v).sum() / L.sum()
+    bug = sum(w * (L[p] * v[p]).sum() / L[p].sum() for p, w in zip(pieces, weights))
     return float(bug / truth)
