@@ -6,6 +6,8 @@ from trainprobes.reference.bugs import ZOO, bug, data
 from trainprobes.reference.bugs.accumulation import LAYOUT, PIECES
 from trainprobes.reference.bugs.parallel import LOCAL_LAYOUT, LOCAL_PIECES
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 def test_every_entry_cites_its_source_and_knows_its_verdict():
     assert len(ZOO) == 9 and len({b.name for b in ZOO}) == 9

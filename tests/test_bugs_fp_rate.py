@@ -8,7 +8,7 @@ from trainprobes.transforms.equivalence import finish, prepare
 from trainprobes.transforms.worker import RankCase, cases_task
 from trainprobes.transforms.zoo import zoo_probes
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 SEEDS = 5
 
 

@@ -2,12 +2,15 @@
 the paired design, the false-positive rate at the stated alpha, what a pass rules out."""
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 from trainprobes.transforms.judge import LOSS, Observed, judge, lowest_precision, t_tests
 from trainprobes.transforms.step import Truth
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 NAMES = ("0.weight", "0.bias", "ln.weight")
 

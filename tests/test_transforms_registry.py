@@ -16,6 +16,8 @@ from trainprobes.transforms import (
 from trainprobes.transforms.demo import SP_PLAN, TP_PLAN, step
 from trainprobes.transforms.step import check_step
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 def test_text_options_build_the_same_objects_as_python():
     assert parse_transform("ddp") == DDP()

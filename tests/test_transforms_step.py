@@ -8,6 +8,8 @@ from trainprobes.errors import InvalidArgument, InvalidType
 from trainprobes.reference.bugs import data
 from trainprobes.transforms.step import TrainingStep, check_step, count_tokens, single_device
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 BATCH = functools.partial(data.documents, data.full(4, 4))
 
 

@@ -6,7 +6,7 @@ from trainprobes.reference.bugs import ZOO
 from trainprobes.transforms.judge import EQUIVALENT, LOSS
 from trainprobes.transforms.zoo import analytic_checks, run_zoo
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.fixture(scope="module")

@@ -164,9 +164,11 @@ def gather(mask, codes, flat, losses, has_loss: bool, seconds: float, numels: li
 def cases_task(rank: int, world: int, cases: list, backend: str) -> dict:
     """Launcher task: every case in order on this rank (one process group for all)."""
     ctx = RankContext(rank, world, device_of(backend, rank), backend)
-    # tiny steps on shared cores: one intra-op thread per rank, or the ranks' thread pools
-    # spin against each other (a DDP step of a toy model took 0.6 s with torch's default)
-    torch.set_num_threads(1)
+    # the ranks share this machine's cores: torch's default (all of them, per rank) makes
+    # their thread pools spin against each other (a toy DDP step took 0.6 s instead of 4 ms)
+    if backend == "gloo":
+        import os
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     out = [run_case(c, ctx) for c in cases]
     return {"cases": out if rank == 0 else []}
 
