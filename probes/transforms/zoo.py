@@ -54,12 +54,12 @@ def zoo_probes(bugs=ZOO, *, trials: int = 16, seed: int = 0, fixed_only: bool = 
     return out
 
 
-def run_zoo(bugs=ZOO, *, trials: int = 16, seed: int = 0, timeout: float = 600.0,
+def run_zoo(bugs=ZOO, *, trials: int = 16, seed: int = 0, backend: str = "gloo", timeout: float = 600.0,
             progress: Callable | None = None, **options) -> list:
     """Every bug beside its fixed twin, on one launch of 2 ranks."""
     bugs = tuple(bugs)
     results = run_probes(zoo_probes(bugs, trials=trials, seed=seed, **options), world=2,
-                         timeout=timeout, progress=progress)
+                         backend=backend, timeout=timeout, progress=progress)
     for r, b in zip(results[0::2], bugs):
         r.metrics["known_verdict"] = b.expected
         r.metrics["matches_known_verdict"] = r.metrics["transform_verdict"] == b.expected
