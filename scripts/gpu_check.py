@@ -16,6 +16,8 @@ scripts/gpu-check.sh.
 3. Accumulator reveal on GPU kernels (trainprobes.numerics.reveal, device="cuda"): torch.matmul
    in fp16 and bf16 with allow_fp16/bf16_reduced_precision_reduction off and on, and fp8
    torch._scaled_mm where the GPU has it (sm89+).
+3. Isolation (trainprobes.isolation): the per-op batch-invariance map on the GPU and the
+   packed-document table with flash_attention_2 (where flash_attn is installed) beside sdpa.
 Without CUDA it exits 2 and says so: nothing is checked, nothing passes. --allow-cpu runs
 the same code paths on the CPU (gloo, device="cpu") to check the script itself; that
 report says "cpu_dry_run": it is not a GPU check.
@@ -147,6 +149,32 @@ def matmul_checks(report: dict, device: str) -> None:
     _check(report, "scaled_mm_fp8", fp8)
 
 
+def isolation_checks(report: dict, device: str) -> None:
+    """trainprobes.isolation on the device: the per-op batch-invariance map (small shapes)
+    and the packed-document table of tiny HF models under every attention implementation
+    present there (flash_attention_2 where flash_attn is installed: bf16, cu_seq_lens)."""
+    def ops():
+        from trainprobes.isolation.ops import op_map
+        rs = op_map(device=device, quick=True, sizes=(2, 3, 4, 8, 32), trials=2)
+        return {"ops": [{"target": r.target, "batch_invariant": r.metrics["batch_invariant"],
+                         "breaking_sizes": r.metrics["breaking_sizes"],
+                         "max_abs_diff": r.metrics["max_abs_diff"]} for r in rs]}
+    _check(report, "isolation_op_map", ops)
+
+    def table():
+        from trainprobes.isolation.hf import available_implementations, packed_table
+        # the GPU's own question: flash_attention_2 (varlen via cu_seq_lens) beside sdpa;
+        # eager and flex_attention are in the CPU table (docs/isolation.md), and flex's
+        # compilation would eat the run's time budget
+        impls = [i for i in available_implementations() if i in ("sdpa", "flash_attention_2")]
+        rows = packed_table(("llama", "qwen2_moe"), impls, device=device)
+        return {"rows": [{"family": r.family, "implementation": r.implementation,
+                          "convention": r.convention, "isolated": r.result.metrics["isolated"],
+                          "max_leak": r.result.metrics["max_leak"], "by_hand": r.by_hand,
+                          "fp64": r.result.metrics["fp64"]} for r in rows]}
+    _check(report, "isolation_packed_table", table)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="reports/gpu-check.json")
@@ -170,10 +198,12 @@ def main(argv=None) -> int:
         nccl_checks(report, "nccl", sorted({1, min(n, 8)}))
         transform_checks(report, "nccl", min(n, 8))
         matmul_checks(report, "cuda")
+        isolation_checks(report, "cuda")
     else:
         nccl_checks(report, "gloo", [3])
         transform_checks(report, "gloo", 2)
         matmul_checks(report, "cpu")
+        isolation_checks(report, "cpu")
     report["seconds"] = round(time.perf_counter() - started, 1)
     failed = [k for k, v in report["checks"].items() if v["status"] != "ok"]
     report["failed"] = failed

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from trainprobes.causality import check, resolve_cuts
-from trainprobes.causality.check import _replacements
+from trainprobes.causality.inputs import replacements
 from trainprobes.causality.suite import controls
 from trainprobes.reference import routing as r
 from trainprobes.reference.models.moe import causal_block, off_by_one_block
@@ -395,7 +395,7 @@ def test_token_id_inputs():
 def test_replacement_tokens_differ_everywhere_and_stay_in_vocab(V, trials, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, V, (3, 7), generator=g)
-    R = _replacements(x, trials, V, g)
+    R = replacements(x, trials, V, g)
     assert R.shape == (trials, 3, 7) and (R != x).all() and R.min() >= 0 and R.max() < V
 
 
@@ -410,8 +410,9 @@ def test_resolve_cuts():
     assert resolve_cuts([3, 1, 3], 6, "perturb", g) == [1, 3]
     s = resolve_cuts(3, 100, "perturb", g)
     assert len(s) == 3 and s == sorted(s) and all(0 <= c <= 98 for c in s)
-    for bad, match in [([5], r"positions must be in \[0, 4\]"), ("some", "must be 'all'"),
-                       (0, "must be >= 1"), (True, "must be 'all'")]:
+    for bad, match in [([5], r"cuts\[0\]=5 must be an int in \[0, 4\]"),
+                       ("some", r"cuts='some' must be one of \('all',\)"),
+                       (0, "cuts=0 must be an int >= 1"), (True, "cuts=True must be an int >= 1")]:
         with pytest.raises(ValueError, match=match):
             resolve_cuts(bad, 6, "perturb", g)
 
@@ -457,8 +458,8 @@ def test_a_target_that_modifies_its_input_in_place_is_named():
     (dict(inputs=torch.randn(4, 1, 8)), "at least 2 positions"),
     (dict(mode="future"), "mode='future' must be one of"),
     (dict(trials=0), "trials=0 must be an int >= 1"),
-    (dict(atol=-1.0), "atol=-1.0 must be a float >= 0"),
-    (dict(layout="bt"), "layout='bt' must be 'batched'"),
+    (dict(atol=-1.0), "atol=-1.0 must be a number >= 0"),
+    (dict(layout="bt"), "layout='bt' must be one of \\('batched', 'flat'\\)"),
     (dict(max_batch_tokens=0), "max_batch_tokens=0"),
     (dict(inputs=torch.arange(16).view(2, 8), vocab=5),
      r"vocab=5 but inputs hold token ids in \[0, 15\]"),

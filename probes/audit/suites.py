@@ -173,6 +173,50 @@ def reveal_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
                 output_dtype="bf16")]
 
 
+def isolation_ops_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
+    """This machine's per-op batch-invariance map (trainprobes.isolation.ops): each op alone
+    vs inside batches, bit for bit, fp32 and bf16, small shapes. A variant op fails with
+    TP-I2 (the verdict follows `batch_invariant`), though it is a fact about the torch build
+    and device rather than a bug; the gate blocks an op that was invariant in the baseline
+    and is variant now."""
+    from trainprobes.isolation.ops import OP_NAMES
+
+    def one(op):
+        def run():
+            from trainprobes.isolation.ops import op_map
+            return op_map([op], sizes=(2, 3, 4, 8) if quick else (2, 3, 4, 7, 8, 16, 32),
+                          trials=2 if quick else 3, seed=seed, quick=True)
+        return Check("isolation", f"batch invariance of torch.{op}", run)
+    return [one(op) for op in OP_NAMES]
+
+
+def isolation_documents_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
+    """The packed-document table of the HF attention implementations present: tiny random
+    Llama and Qwen2-MoE (quick: Llama, and no flex_attention, whose compilation alone takes
+    10-30 s) under each packing convention transformers offers. A correct block-diagonal
+    4-D mask is a control known to isolate (expected pass); the other rows are findings
+    about the installed transformers."""
+    from trainprobes.isolation.hf import available_implementations
+
+    families = ("llama",) if quick else ("llama", "qwen2_moe")
+    impls = [i for i in available_implementations() if not (quick and i == "flex_attention")]
+
+    def one(impl):
+        def run():
+            from trainprobes.isolation.hf import packed_table
+            out = []
+            for row in packed_table(families, [impl], seed=seed):
+                r = row.result
+                r.metrics["by_hand_change"] = row.by_hand
+                if row.convention == "mask_4d":
+                    r.expected = "pass"
+                    r.message = "control, a block-diagonal mask isolates: " + r.message
+                out.append(r)
+            return out
+        return Check("isolation", f"packed documents under {impl} attention", run)
+    return [one(impl) for impl in impls]
+
+
 FAMILIES = {
     # family: (module that must exist, builder)
     "stall": ("trainprobes.numerics.stall", stall_checks),

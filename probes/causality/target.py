@@ -9,7 +9,8 @@ import copy
 from typing import Any, Callable
 
 import torch
-from trainprobes.targets import TargetError
+from trainprobes.errors import TargetError
+from trainprobes.validation import check_choice
 
 Picker = int | str | Callable[[Any], Any] | None
 
@@ -51,8 +52,8 @@ class Target:
                  layout: str = "batched"):
         if not callable(fn):
             raise TargetError(f"target {name!r} is a {type(fn).__name__}, expected a callable")
-        if layout not in ("batched", "flat"):
-            raise ValueError(f"layout={layout!r} must be 'batched' ([B, T, ...]) or 'flat' ([T, ...])")
+        check_choice(layout, "layout", ("batched", "flat"),
+                     hint="'batched': fn takes [B, T, ...]; 'flat': one sequence [T, ...]")
         self.fn, self.name, self.decision, self.scores, self.layout = fn, name, decision, scores, layout
         self.n_evaluations = 0
         self.tokens_evaluated = 0
@@ -135,23 +136,3 @@ def differs(a: torch.Tensor, b: torch.Tensor, atol: float) -> torch.Tensor:
     else:
         d = a != b
     return d.reshape(*d.shape[:2], -1).any(-1) if d.dim() > 2 else d
-
-
-def margins(scores: torch.Tensor, decision: torch.Tensor) -> torch.Tensor:
-    """[B, T] routing margin: the gap between the k-th and (k+1)-th best score, where k is
-    the number of experts the decision picks per token ([B, T] ids: 1; [B, T, k] ids: k;
-    a [B, T, E] mask: its count of picks). A flip at a large margin cannot be rounding noise
-    in the scores."""
-    s = scores.reshape(*scores.shape[:2], -1).double()
-    E = s.shape[-1]
-    if E < 2:
-        return torch.full(s.shape[:2], float("inf"), dtype=torch.float64)
-    if decision.dim() == 2:
-        k = torch.ones(s.shape[:2], dtype=torch.long)
-    elif not decision.is_floating_point() and decision.shape[-1] != E or decision.dim() > 3:
-        k = torch.full(s.shape[:2], min(decision.shape[-1], E - 1), dtype=torch.long)
-    else:  # a mask or weights over experts: k = number of non-zero entries
-        k = (decision.reshape(*decision.shape[:2], -1) != 0).sum(-1)
-    k = k.clamp(1, E - 1)
-    top = s.sort(dim=-1, descending=True).values
-    return (top.gather(-1, (k - 1)[..., None]) - top.gather(-1, k[..., None]))[..., 0].abs()

@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 
+from trainprobes.commands.options import add_report_options, options_of
 from trainprobes.validation import parse_choice, parse_int, parse_number
 
 HELP = ("judge parallel transforms (DDP, FSDP2, TP, PP, accumulation, custom) against the fp64 "
@@ -44,10 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=parse_number("timeout", min=0, min_open=True), default=600.0,
                    help="seconds before every rank is stopped (default 600)")
     p.add_argument("--list", action="store_true", help="list the transforms, their options and the zoo")
-    p.add_argument("--json", action="store_true",
-                   help='print {"schema_version", "command", "results": [...]}, one object per '
-                        'transform (a Result plus the summary fields)')
-    p.add_argument("--output", metavar="FILE", help="also save the Results as a report (for the gate)")
+    add_report_options(p)  # each result also carries the summary fields at its top level
 
 
 def _summary(r) -> dict:
@@ -58,10 +56,22 @@ def _summary(r) -> dict:
     return out
 
 
-def _document(results) -> dict:
-    from trainprobes.result import SCHEMA_VERSION, to_jsonable
-    return {"schema_version": SCHEMA_VERSION, "command": "transforms",
-            "results": [{**r.to_dict(), **to_jsonable(_summary(r))} for r in results]}
+def _document(args, results) -> dict:
+    """The report document, each Result with its summary fields (transform, world, dtype,
+    equivalent, transform_verdict, scale and CI, worst_parameter) at its top level too."""
+    from trainprobes.result import report_document, to_jsonable
+    doc = report_document(results, command="transforms", options=options_of(args))
+    for obj, r in zip(doc["results"], results):
+        obj.update(to_jsonable(_summary(r)))
+    return doc
+
+
+def _emit(args, results) -> None:
+    from trainprobes.result import save_results
+    if args.output:
+        save_results(args.output, results, command="transforms", options=options_of(args))
+    if args.json:
+        print(json.dumps(_document(args, results), indent=2, allow_nan=False))
 
 
 def _progress(args):
@@ -87,34 +97,23 @@ def _list() -> int:
 
 
 def run(args) -> int:
-    from trainprobes.distributed.launcher import LaunchError
-    from trainprobes.errors import TrainprobesError
-    from trainprobes.result import save_results
+    """Refusals (a bad target or option, a failed run) propagate to trainprobes.cli: exit 2."""
+    from trainprobes.errors import InvalidArgument
 
     if args.list:
         return _list()
-    try:
-        if args.target is None:
-            if args.transform:
-                raise TrainprobesError("--transform needs --target (the zoo runs its own steps)")
-            return _zoo(args)
-        from trainprobes.transforms import Probe, parse_transform, run_probes
-        transforms = [parse_transform(t) for t in (args.transform or ["ddp"])]
-        probes = [Probe(args.target, t, trials=args.trials, seed=args.seed, alpha=args.alpha,
-                        min_effect=args.min_effect, noise_tol=args.noise_tol) for t in transforms]
-        results = run_probes(probes, world=args.world, backend=args.backend, timeout=args.timeout,
-                             progress=_progress(args))
-    except (TrainprobesError, ValueError, TypeError) as e:
-        print(f"trainprobes transforms: error: {e}", file=sys.stderr)
-        return 2
-    except LaunchError as e:
-        print(f"trainprobes transforms: the distributed run failed: {e}", file=sys.stderr)
-        return 2
-    if args.output:
-        save_results(args.output, results, command="transforms")
-    if args.json:
-        print(json.dumps(_document(results), indent=2))
-    else:
+    if args.target is None:
+        if args.transform:
+            raise InvalidArgument("--transform needs --target (the zoo runs its own steps)")
+        return _zoo(args)
+    from trainprobes.transforms import Probe, parse_transform, run_probes
+    transforms = [parse_transform(t) for t in (args.transform or ["ddp"])]
+    probes = [Probe(args.target, t, trials=args.trials, seed=args.seed, alpha=args.alpha,
+                    min_effect=args.min_effect, noise_tol=args.noise_tol) for t in transforms]
+    results = run_probes(probes, world=args.world, backend=args.backend, timeout=args.timeout,
+                         progress=_progress(args))
+    _emit(args, results)
+    if not args.json:
         for r in results:
             print(_human(r))
     return 0 if all(r.metrics.get("equivalent") is True for r in results) else 1
@@ -139,17 +138,14 @@ def _mark(flag) -> str:
 
 
 def _zoo(args) -> int:
-    from trainprobes.result import save_results
     from trainprobes.transforms.zoo import analytic_checks, run_zoo
 
     rows = run_zoo(trials=args.trials, seed=args.seed, alpha=args.alpha, min_effect=args.min_effect,
                    timeout=args.timeout, progress=_progress(args))
     results = [r for row in rows for r in (row.buggy, row.fixed)]
-    if args.output:
-        save_results(args.output, results, command="transforms")
+    _emit(args, results)
     ok = all(row.reproduced for row in rows)
     if args.json:
-        print(json.dumps(_document(results), indent=2))
         return 0 if ok else 1
     print(f"the zoo: published bugs beside their fixed twins, 2 gloo ranks, {args.trials} trials, "
           f"seed {args.seed}")

@@ -1,0 +1,223 @@
+"""From what a check found to its Result: tallies, verdict, metrics, evidence, message.
+
+Kinds (classify.Kind): a structural flip is a leak; an unconfirmed one (a packed flip past
+the verification budget, after earlier packed flips of this target were confirmed) counts as
+a leak too; an unverified one (a same-shape flip at a near-tie that no fp64 twin could settle)
+is neither a leak nor excused (verdict warn); a numerical one is excused.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from trainprobes.causality.classify import Kind, margins
+from trainprobes.causality.records import Findings
+from trainprobes.result import Result
+
+N_KINDS = len(Kind)
+
+
+@dataclass
+class Tally:
+    """Decision flips or score changes, counted by kind; records for the first max_leaks."""
+    counts: list                                   # per Kind value
+    leaks: list = field(default_factory=list)      # records of leaks (and unverified flips)
+    excused: list = field(default_factory=list)    # records of numerical flips
+    leak_map: dict = field(default_factory=dict)   # (cut, position) -> count
+    distances: dict = field(default_factory=dict)  # cut + 1 - position -> count
+    by_position: torch.Tensor | None = None        # leaks per position
+    n_inference: int = 0                           # flips at the cut itself (truncate)
+
+    def __getitem__(self, kind: Kind) -> int:
+        return self.counts[kind]
+
+
+def _add(counter: dict, keys: torch.Tensor, offset=None) -> None:
+    """counter[key] += how often each key occurs (keys prefixed with offset if given)."""
+    for k, n in zip(*torch.unique(keys, return_counts=True)):
+        key = int(k) if offset is None else (offset, int(k))
+        counter[key] = counter.get(key, 0) + int(n)
+
+
+def tally_flips(found: Findings, T: int, max_leaks: int) -> Tally:
+    y0, s0 = found.base
+    mg = margins(s0, y0) if s0 is not None else None
+    counts = torch.zeros(N_KINDS, dtype=torch.long)
+    tally = Tally(counts=[], by_position=torch.zeros(T, dtype=torch.long))
+    for f in found.flips:
+        counts += torch.bincount(f.kind, minlength=N_KINDS)
+        tally.n_inference += int((f.position == f.cut).sum())
+        leak = (f.kind == Kind.STRUCTURAL) | (f.kind == Kind.UNCONFIRMED)  # map, distances, rate
+        t = f.position[leak]
+        tally.by_position += torch.bincount(t, minlength=T)
+        _add(tally.distances, f.cut + 1 - t)
+        _add(tally.leak_map, t, offset=f.cut)
+        real = f.kind != Kind.NUMERICAL  # recorded with the leaks, unverified ones too
+        for dest, sel in ((tally.leaks, real), (tally.excused, ~real)):
+            # records for the first max_leaks of each list only (a loop over cuts, not elements)
+            for k in sel.nonzero().flatten()[:max_leaks - len(dest)].tolist():
+                b, p = int(f.batch[k]), int(f.position[k])
+                dest.append({"batch": b, "position": p, "cut": f.cut, "trial": f.trial,
+                             "distance": f.cut + 1 - p, "before": y0[b, p].tolist(),
+                             "after": f.after[k].tolist(), "kind": Kind(int(f.kind[k])).label,
+                             "margin": float(mg[b, p]) if mg is not None else None})
+    tally.leaks.sort(key=lambda r: (r["cut"], r["trial"], r["batch"], r["position"]))
+    tally.counts = [int(v) for v in counts]
+    return tally
+
+
+def tally_scores(found: Findings, max_leaks: int) -> Tally:
+    counts = torch.zeros(N_KINDS, dtype=torch.long)
+    tally = Tally(counts=[])
+    for s in found.score_changes:
+        counts += torch.bincount(s.kind, minlength=N_KINDS)
+        _add(tally.leak_map, s.position[s.kind == Kind.STRUCTURAL], offset=s.cut)
+        for k in (s.kind != Kind.NUMERICAL).nonzero().flatten()[:max_leaks - len(tally.leaks)].tolist():
+            p = int(s.position[k])
+            tally.leaks.append({"batch": int(s.batch[k]), "position": p, "cut": s.cut,
+                                "trial": s.trial, "distance": s.cut + 1 - p,
+                                "change": float(s.change[k]), "kind": Kind(int(s.kind[k])).label})
+    tally.counts = [int(v) for v in counts]
+    return tally
+
+
+@dataclass
+class Setup:
+    """How the check was asked for: what the summary reports besides the findings."""
+    mode: str
+    layout: str
+    atol: float
+    shape: list
+    input_dtype: str
+    cuts: list
+    trials: int
+    max_leaks: int
+
+
+def compared_per_position(setup: Setup) -> torch.Tensor:
+    """[T] decisions compared at each position: every (cut >= t, trial, row)."""
+    B, T = setup.shape[:2]
+    cuts = torch.tensor(setup.cuts)
+    return B * setup.trials * (cuts[None, :] >= torch.arange(T)[:, None]).sum(1)
+
+
+def summarise(common: dict, setup: Setup, found: Findings) -> Result:
+    """The Result of a check that ran to the end (nondeterministic targets: `nondeterministic`)."""
+    T = setup.shape[1]
+    flips = tally_flips(found, T, setup.max_leaks)
+    scores = tally_scores(found, setup.max_leaks)
+    compared = compared_per_position(setup)
+    n_unver = flips[Kind.UNVERIFIED] + scores[Kind.UNVERIFIED] + found.isolation.unverified
+    n_leaks = flips[Kind.STRUCTURAL] + flips[Kind.UNCONFIRMED]
+    causal = n_leaks == 0 and scores[Kind.STRUCTURAL] == 0
+    codes = [] if causal else ["TP-C1"]
+    if found.isolation.isolated is False:
+        codes.append("TP-C3")
+    verdict = "fail" if codes else ("warn" if n_unver else "pass")
+    if n_unver and "TP-C1" not in codes:
+        codes.append("TP-C1")
+    metrics = _metrics(setup, found, flips, scores, compared, causal=causal, n_unver=n_unver)
+    evidence = _evidence(setup, found, flips, scores, compared)
+    return Result(**common, verdict=verdict, codes=codes, metrics=metrics, evidence=evidence,
+                  message=_message(setup, found, flips, scores, metrics))
+
+
+def _metrics(setup, found: Findings, flips: Tally, scores: Tally, compared, *, causal, n_unver) -> dict:
+    n_compared = int(compared.sum())
+    n_leaks = flips[Kind.STRUCTURAL] + flips[Kind.UNCONFIRMED]
+    n_flips = n_leaks + flips[Kind.NUMERICAL] + flips[Kind.UNVERIFIED]
+    metrics = {
+        "causal": causal, "n_leaks": n_leaks, "n_structural": flips[Kind.STRUCTURAL],
+        "n_numerical": flips[Kind.NUMERICAL], "n_unverified": n_unver,
+        "n_unconfirmed": flips[Kind.UNCONFIRMED], "n_flips": n_flips,
+        "n_score_leaks": scores[Kind.STRUCTURAL], "n_score_numerical": scores[Kind.NUMERICAL],
+        "flip_rate": n_leaks / n_compared if n_compared else 0.0,
+        "n_compared": n_compared, "n_cuts": len(setup.cuts), "trials": setup.trials,
+        "deterministic": True, "batch_isolated": found.isolation.isolated,
+        "batch_invariant": found.batch_invariant,
+        "packed": found.packed and found.batch_invariant,
+        "n_evaluations": found.n_evaluations, "tokens_evaluated": found.tokens_evaluated,
+        "evaluations_to_first_flip": found.first_flip_eval,
+        "first_leak_position": min((r["position"] for r in flips.leaks), default=None),
+        "min_leak_distance": min(flips.distances, default=None),
+        "max_leak_distance": max(flips.distances, default=None),
+        "fp64": found.fp64_status,
+    }
+    if setup.mode == "truncate":
+        metrics["mismatch_rate"] = n_flips / n_compared if n_compared else 0.0
+        metrics["inference_mismatch_rate"] = flips.n_inference / (setup.shape[0] * len(setup.cuts))
+    return metrics
+
+
+def _evidence(setup: Setup, found: Findings, flips: Tally, scores: Tally, compared) -> dict:
+    rate = (flips.by_position.double() / compared.clamp_min(1)).where(compared > 0, torch.nan)
+    return {
+        "mode": setup.mode, "layout": setup.layout, "atol": setup.atol, "shape": setup.shape,
+        "input_dtype": setup.input_dtype, "decision_shape": list(found.base.decision.shape),
+        "cuts": setup.cuts, "leaks": flips.leaks, "numerical_flips": flips.excused,
+        "flip_rate_by_position": [None if math.isnan(v) else v for v in rate.tolist()],
+        "leak_distances": {str(k): v for k, v in sorted(flips.distances.items())},
+        "leak_map": [[c, p, n] for (c, p), n in sorted(flips.leak_map.items())],
+        "batch_isolation_moved": found.isolation.moved,
+        "batch_isolation_numerical": found.isolation.numerical,
+        "batch_isolation_unverified": found.isolation.unverified,
+        "packing_error": found.packing_error,
+        "score_leaks": scores.leaks,
+        "score_leak_map": [[c, p, n] for (c, p), n in sorted(scores.leak_map.items())],
+    }
+
+
+def _message(setup: Setup, found: Findings, flips: Tally, scores: Tally, metrics: dict) -> str:
+    what = ("future-dependent decisions" if setup.mode == "perturb" else
+            "decisions that differ in the inference view (prefix only)")
+    n_leaks, n_compared = metrics["n_leaks"], metrics["n_compared"]
+    if not metrics["causal"] and not n_leaks:
+        sl = scores.leaks[0]
+        msg = (f"routing scores at {metrics['n_score_leaks']} (batch, position, cut) depend on "
+               f"later tokens though no decision flipped in this sample (it will at a near-tie); "
+               f"first at position {sl['position']} (cut {sl['cut']}, batch {sl['batch']}), "
+               f"change {sl['change']:.3g}")
+    elif not metrics["causal"]:
+        first = flips.leaks[0] if flips.leaks else None
+        n_unconf = metrics["n_unconfirmed"]
+        msg = (f"{n_leaks} {what} of {n_compared} compared"
+               + (f"; first at position {first['position']} (cut {first['cut']}, batch "
+                  f"{first['batch']}): {brief(first['before'])} -> {brief(first['after'])}"
+                  if first else "")
+               + (f"; {n_unconf} from packed calls not re-confirmed" if n_unconf else ""))
+    else:
+        n_num = metrics["n_numerical"]
+        msg = (f"no {what} in {n_compared} compared over {len(setup.cuts)} cuts"
+               + (f" ({n_num} flips within rounding noise of a tie, excused by re-runs)"
+                  if n_num else ""))
+        if metrics["n_unverified"]:
+            msg += (f"; {metrics['n_unverified']} flips at near-ties could not be settled (no "
+                    f"fp64 twin: pass fp64= or scores=)")
+    if found.isolation.isolated is False:
+        msg += (f"; decisions of one sequence change with another in the batch "
+                f"(at {found.isolation.moved[:3]})")
+    return msg
+
+
+def brief(v) -> str:
+    """A decision for a message: ids and masks (up to 16) whole, float vectors abridged."""
+    if isinstance(v, list) and (len(v) > 16 or len(v) > 4 and any(isinstance(u, float) for u in v)):
+        return "[" + ", ".join(f"{u:.4g}" if isinstance(u, float) else str(u) for u in v[:3]) + \
+            f", ...] ({len(v)} values)"
+    return str(v)
+
+
+def nondeterministic(common: dict, setup: Setup, name: str, where: list, count: int,
+                     n_evaluations: int, tokens_evaluated: int) -> Result:
+    """TP-C2: the same input gave different outputs; no flip can then be told from a leak."""
+    return Result(**common, verdict="fail", codes=["TP-C2"],
+                  metrics={"causal": None, "deterministic": False, "n_nondeterministic": count,
+                           "n_evaluations": n_evaluations, "tokens_evaluated": tokens_evaluated},
+                  evidence={"nondeterministic_positions": where, "mode": setup.mode,
+                            "shape": setup.shape},
+                  message=f"{name} gave different outputs on the same input at {count} "
+                          f"tokens (first (batch, position): {where[:3]}); nondeterminism "
+                          f"is not a causality verdict: make the target deterministic "
+                          f"(.eval() for dropout and router jitter, fixed seeds, "
+                          f"torch.use_deterministic_algorithms) and probe again")

@@ -1,0 +1,143 @@
+"""End to end: how much train/inference drift does batch variance alone make?
+
+The same sequences' per-token log-probs computed at batch size 1 and inside batches (with
+other sequences as companions, at shuffled positions) are two "engines" that differ only in
+the batch: `trainprobes.drift.compare` judges them (clean, noisy, biased, heavy-tailed). With
+the user's measured train/inference drift beside it, the share of that drift batch variance
+explains: variance share = var(batch log-ratio) / var(measured log-ratio) (independent
+noise sources add their variances), bias share = mean(batch) / mean(measured).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from trainprobes.drift import compare
+from trainprobes.errors import InvalidArgument, TargetError
+from trainprobes.result import Result
+from trainprobes.validation import check_int
+
+__all__ = ["end_to_end", "logprobs_of"]
+
+
+def logprobs_of(model) -> Callable:
+    """A log-prob function ids [b, L] -> [b, L-1] (log p of token i+1 given its prefix) for a
+    HF causal LM, or the callable itself when it already is one."""
+    if hasattr(model, "config") and callable(model):
+        from trainprobes.drift.adapters import hf_token_logprobs
+        return lambda ids: hf_token_logprobs(model, ids)[0]
+    if not callable(model):
+        raise TargetError(f"model={model!r} must be a HF causal LM or a callable ids -> log-probs")
+    return model
+
+
+def _lp(fn, ids, name):
+    try:
+        with torch.no_grad():
+            out = fn(ids)
+    except Exception as e:
+        raise TargetError(f"target {name!r} raised {type(e).__name__}: {e} (on ids "
+                          f"{tuple(ids.shape)!r})") from e
+    if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != ids.shape[0]:
+        raise TargetError(f"target {name!r} returned {type(out).__name__}"
+                          f"{tuple(getattr(out, 'shape', ()))!r} for ids {tuple(ids.shape)!r}; "
+                          f"expected per-token log-probs [b, T]")
+    return out.detach().float().cpu()
+
+
+def end_to_end(model, sequences: torch.Tensor, *, sizes=(8,), vocab: int | None = None,
+               seed: int = 0, measured=None, target: str | None = None,
+               **compare_options) -> Result:
+    """Log-probs of each sequence alone vs inside batches, judged as drift.
+
+    model: a HF causal LM or a callable ids [b, L] -> log-probs [b, T] (one per scored token).
+    sequences: token ids [N, L]. sizes: batch sizes; each sequence is computed once per size,
+      at a shuffled position, with the other sequences (and, to fill the last batch, random
+      companions from [0, vocab)) around it. The headline comparison is at the largest size.
+    measured: your train/inference drift, as (train_logprobs, infer_logprobs) or a
+      trainprobes.drift.compare Result; gives variance_share and bias_share.
+    compare_options: passed to trainprobes.drift.compare (alpha, clip, min_bias, ...).
+    """
+    if not isinstance(sequences, torch.Tensor) or sequences.dim() != 2 or sequences.is_floating_point():
+        raise InvalidArgument(f"sequences must be token ids [N, L], got "
+                              f"{type(sequences).__name__}{tuple(getattr(sequences, 'shape', ()))!r}")
+    sizes = sorted({check_int(s, "sizes[...]", min=2) for s in sizes})
+    if not sizes:
+        raise InvalidArgument("sizes=() is empty: give batch sizes >= 2, e.g. (8,)")
+    fn = logprobs_of(model)
+    name = target or getattr(model, "name_or_path", None) or getattr(fn, "__qualname__", None) or "model"
+    N, L = sequences.shape
+    V = vocab or int(sequences.max()) + 1
+    g = torch.Generator().manual_seed(seed)
+    ids = sequences.detach()
+    alone = torch.cat([_lp(fn, ids[i:i + 1], name) for i in range(N)])
+    n_eval = N
+    by_size, batched = [], {}
+    for b in sizes:  # a loop over batch sizes and batches
+        order = torch.randperm(N, generator=g)
+        got = torch.empty_like(alone)
+        for start in range(0, N, b):
+            rows = order[start:start + b]
+            fill = b - len(rows)
+            extra = torch.randint(V, (fill, L), generator=g).to(ids.device)
+            batch = torch.cat([ids[rows], extra])
+            perm = torch.randperm(b, generator=g)  # the sequences at shuffled positions
+            out = _lp(fn, batch[perm], name)
+            n_eval += 1
+            got[rows] = out[perm.argsort()][:len(rows)]
+        d = (got.double() - alone.double()).abs()
+        by_size.append({"size": b, "frac_tokens_differ": float((got != alone).double().mean()),
+                        "max_abs_diff": float(d.max()), "mean_abs_diff": float(d.mean())})
+        batched[b] = got
+    head = sizes[-1]
+    drift = compare(alone, batched[head], target=f"{name}: batch 1 vs {head}", **compare_options)
+    m = drift.metrics
+    variant = any(s["frac_tokens_differ"] > 0 for s in by_size)
+    metrics = {"batch_invariant": not variant, "size": head,
+               "frac_tokens_differ": by_size[-1]["frac_tokens_differ"],
+               "max_abs_diff": by_size[-1]["max_abs_diff"], "drift_verdict": m["drift_verdict"],
+               "mean_log_ratio": m["mean_log_ratio"], "std_log_ratio": m["std_log_ratio"],
+               "k3_kl": m["k3_kl"], "p_value": m["p_value"], "n_tokens": m.get("n_tokens"),
+               "n_evaluations": n_eval}
+    shares = _shares(drift, measured, compare_options)
+    metrics.update(shares)
+    codes = [c for c in drift.codes if c in ("TP-D1", "TP-D2")]
+    if variant:
+        codes.insert(0, "TP-I2")
+    # batch_invariant False never passes (result.PROBES); heavy-tailed alone warns
+    verdict = "fail" if variant or "TP-D1" in codes else "warn" if codes else "pass"
+    msg = (f"log-probs at batch 1 and inside batches of {', '.join(map(str, sizes))}: "
+           + ("bit for bit identical" if not variant else
+              f"{metrics['frac_tokens_differ']:.1%} of tokens differ at batch {head} (max "
+              f"{metrics['max_abs_diff']:.3g} nats); as drift: {drift.message}"))
+    if shares.get("variance_share") is not None:
+        msg += (f"; batch variance explains {shares['variance_share']:.1%} of the measured "
+                f"drift's variance")
+    evidence = {"by_size": by_size, "drift": {"verdict": drift.verdict, "codes": drift.codes,
+                                              "message": drift.message,
+                                              "metrics": {k: v for k, v in m.items()
+                                                          if not isinstance(v, (list, dict))}}}
+    return Result(probe="isolation.end_to_end", target=name, verdict=verdict, metrics=metrics,
+                  evidence=evidence, seed=seed, codes=codes, message=msg)
+
+
+def _shares(drift: Result, measured, options) -> dict:
+    if measured is None:
+        return {"variance_share": None, "bias_share": None}
+    if isinstance(measured, Result):
+        mm = measured.metrics
+    else:
+        try:
+            train, infer, *rest = measured
+        except (TypeError, ValueError):
+            raise InvalidArgument("measured must be (train_logprobs, infer_logprobs[, mask]) or a "
+                                  "trainprobes.drift.compare Result") from None
+        mm = compare(train, infer, mask=rest[0] if rest else None, **options).metrics
+    for k in ("std_log_ratio", "mean_log_ratio"):
+        if not isinstance(mm.get(k), (int, float)):
+            raise InvalidArgument(f"measured drift has no numeric {k!r}: pass a drift.compare Result")
+    var_b, var_m = drift.metrics["std_log_ratio"] ** 2, mm["std_log_ratio"] ** 2
+    mean_b, mean_m = drift.metrics["mean_log_ratio"], mm["mean_log_ratio"]
+    return {"variance_share": var_b / var_m if var_m > 0 else None,
+            "bias_share": mean_b / mean_m if mean_m != 0 else None,
+            "measured_std_log_ratio": mm["std_log_ratio"], "measured_mean_log_ratio": mean_m}

@@ -1,0 +1,83 @@
+"""trainprobes.causality.classify: structural vs numerical vs unverified, margins, the lazy
+fp64 twin, and the documented example."""
+import doctest
+import importlib
+
+import pytest
+import torch
+from trainprobes.causality.classify import Kind, Outputs, classify_changes, margins, near_tie
+
+EPS = torch.finfo(torch.float32).eps
+
+
+def where_of(a, b):
+    return (a != b).any(-1).nonzero(as_tuple=True) if a.dim() > 2 else (a != b).nonzero(as_tuple=True)
+
+
+def test_documented_example_runs():
+    mod = importlib.import_module("trainprobes.causality.classify")
+    assert doctest.testmod(mod).failed == 0
+
+
+def test_margins_are_the_gap_below_the_kth_choice():
+    s = torch.tensor([[[0.5, 0.3, 0.2], [0.4, 0.4, 0.2]]])
+    assert torch.allclose(margins(s, torch.zeros(1, 2, dtype=torch.long)),
+                          torch.tensor([[0.2, 0.0]], dtype=torch.float64))
+    two = torch.zeros(1, 2, 2, dtype=torch.long)  # top-2 ids: the gap below the 2nd best
+    assert torch.allclose(margins(s, two), torch.tensor([[0.1, 0.2]], dtype=torch.float64))
+    assert margins(s[..., :1], two).isinf().all()  # one expert: never a tie
+
+
+def test_a_large_change_at_the_same_shape_is_structural_without_asking_fp64():
+    before = torch.tensor([[1.0, 2.0]])
+    after = torch.tensor([[1.5, 2.0]])
+
+    def twin():
+        raise AssertionError("fp64 asked though no change was near a tie")
+    kind = classify_changes(where_of(before, after), Outputs(before), Outputs(after), fp64=twin)
+    assert Kind.labels(kind) == ["structural"]
+
+
+@pytest.mark.parametrize("fp64_moves, want", [(0.0, "numerical"), (1e-6, "structural")])
+def test_a_near_tie_goes_to_the_fp64_scaling_test(fp64_moves, want):
+    before = torch.tensor([[1.0, 2.0]])
+    after = before + torch.tensor([[4 * EPS, 0.0]])
+    base64 = before.double()
+    twin = (Outputs(base64), Outputs(base64 + torch.tensor([[fp64_moves, 0.0]], dtype=torch.float64)))
+    where = where_of(before, after)
+    assert Kind.labels(classify_changes(where, Outputs(before), Outputs(after))) == ["unverified"]
+    assert Kind.labels(classify_changes(where, Outputs(before), Outputs(after), fp64=twin)) == [want]
+    # a lazy twin that has nothing to offer leaves it unverified, never excused
+    assert Kind.labels(classify_changes(where, Outputs(before), Outputs(after), fp64=lambda: None)) == ["unverified"]
+
+
+def test_integer_decisions_are_near_a_tie_only_by_their_routing_margin():
+    scores = torch.tensor([[[0.5, 0.5 - EPS, 0.0], [0.9, 0.05, 0.05]]])
+    ids = scores.argmax(-1)
+    flipped = torch.tensor([[1, 1]])
+    where = where_of(ids, flipped)
+    kind = classify_changes(where, Outputs(ids, scores), Outputs(flipped, scores))
+    assert Kind.labels(kind) == ["unverified", "structural"]
+    assert near_tie(where, Outputs(ids, scores), Outputs(flipped), margin_tol=1.0).all()
+    # the fp64 choice does not change at the near-tie: numerical; it does: structural
+    same = (Outputs(ids, scores.double()), Outputs(ids, scores.double()))
+    moved = (Outputs(ids, scores.double()), Outputs(flipped, scores.double()))
+    assert Kind.labels(classify_changes(where, Outputs(ids, scores), Outputs(flipped, scores), fp64=same)) == \
+        ["numerical", "structural"]
+    assert Kind.labels(classify_changes(where, Outputs(ids, scores), Outputs(flipped, scores), fp64=moved)) == \
+        ["structural", "structural"]
+
+
+def test_another_shape_sends_every_change_to_fp64():
+    before = torch.tensor([[1.0, 2.0]])
+    after = torch.tensor([[1.5, 2.5]])  # large changes, as a shape-dependent kernel can make
+    where = where_of(before, after)
+    twin = (Outputs(before.double()), Outputs(before.double() + torch.tensor([[0.0, 0.5]], dtype=torch.float64)))
+    kind = classify_changes(where, Outputs(before), Outputs(after), fp64=twin, same_shape=False)
+    assert Kind.labels(kind) == ["numerical", "structural"]
+
+
+def test_no_changes_no_kinds():
+    x = torch.ones(2, 3)
+    kind = classify_changes(where_of(x, x), Outputs(x), Outputs(x))
+    assert kind.shape == (0,) and kind.dtype == torch.long
