@@ -1,6 +1,6 @@
 """The gate on transforms Results: equivalent -> not equivalent blocks, coded by the
 candidate's kind; a scale or loss error that grows is judged like bias; a candidate that
-lost its `equivalent` cannot pass."""
+lost (or mistyped) its `equivalent` cannot be judged."""
 import pytest
 from trainprobes.gate import compare
 from trainprobes.result import Result
@@ -8,14 +8,15 @@ from trainprobes.result import Result
 
 def result(kind, scale_error=1e-9, se=1e-9, loss_error=1e-9, equivalent=None, **extra):
     eq = kind in ("exact", "noise") if equivalent is None else equivalent
-    metrics = {"equivalent": eq, "transform_verdict": kind, "scale_error": scale_error,
+    metrics = {"equivalent": eq, "transform_verdict": kind, "scale": 1 + scale_error, "trials": 16,
+               "scale_error": scale_error,
                "scale_error_se": se, "loss_relative_error": loss_error, "loss_relative_error_se": se,
                "min_effect": 1e-6, "worst_parameter": "0.weight", **extra}
     if equivalent == "drop":
         del metrics["equivalent"]
     codes = {"biased": ["TP-T1"], "inconsistent": ["TP-T2"], "wrong": ["TP-T3"]}.get(kind, [])
     return Result(probe="transforms.equivalence", target="trainer.fsdp2", metrics=metrics,
-                  verdict="pass" if eq is True else "fail", codes=codes)
+                  verdict="fail" if eq is False else "pass", codes=codes)
 
 
 def codes(base, cand):
@@ -40,6 +41,7 @@ def test_a_scale_that_grows_is_judged_like_bias():
     assert "TP-T4" in codes(result("biased", loss_error=0.1, se=1e-3), result("biased", loss_error=1.0, se=1e-3))
 
 
-def test_a_candidate_without_the_verdict_boolean_cannot_pass():
-    assert "TP-E1" in codes(result("noise"), result("noise", equivalent="drop"))
-    assert "TP-E1" in codes(result("noise"), result("noise", equivalent="yes"))
+def test_a_candidate_without_the_verdict_boolean_cannot_be_judged():
+    for broken in ("drop", "yes"):
+        report = compare([result("noise")], [result("noise", equivalent=broken)])
+        assert report.exit_code == 2 and "equivalent" in report.cannot_judge

@@ -48,3 +48,15 @@ def test_what_tolerance_checks_would_have_flagged(rows):
     assert flagged["loss_bitwise"] == names
     assert not any(r.fixed.evidence["tolerances"]["grad_rtol_1e-5"] for r in rows)
     assert sum(bool(r.fixed.evidence["tolerances"]["loss_bitwise"]) for r in rows) >= 7
+
+
+def test_every_metric_is_documented_in_the_registry(rows):
+    from trainprobes.result import PROBES, Result
+    spec = PROBES["transforms.equivalence"]
+    for row in rows:
+        for r in (row.buggy, row.fixed):
+            assert [k for k in r.metrics if not spec.documents(k)] == []
+            for k, v in r.metrics.items():
+                if spec.is_number(k):
+                    assert isinstance(v, (int, float)) and not isinstance(v, bool), k
+            assert r.flag() is r.passed and Result.from_json(r.to_json()) == r
