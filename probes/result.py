@@ -169,15 +169,18 @@ PROBES = {
     "isolation.documents": ProbeMetrics("isolated", "TP-I1", ("n_leaks", "max_leak"), (
         "isolated", "n_documents", "n_leaks", "n_numerical", "n_unverified", "max_leak",
         "max_cross_change", "deterministic", "causal", "n_evaluations", "n_fp64_evaluations",
-        "fp64", "batched", "causality_evaluations", "n_nondeterministic", "by_hand_change")),
+        "fp64", "batched", "causality_evaluations", "n_nondeterministic", "by_hand_change"),
+        ("deterministic", "causal", "fp64", "batched")),
     "isolation.batch_invariance": ProbeMetrics("batch_invariant", "TP-I2", ("max_abs_diff",), (
         "batch_invariant", "frac_outputs_differ", "frac_rows_differ", "max_abs_diff",
         "mean_abs_diff", "max_ulps", "breaking_sizes", "first_breaking_size",
-        "companion_dependent", "deterministic", "n_evaluations", "n_rows", "atol")),
+        "companion_dependent", "deterministic", "n_evaluations", "n_rows", "atol"),
+        ("breaking_sizes", "companion_dependent", "deterministic")),
     "isolation.end_to_end": ProbeMetrics("batch_invariant", "TP-I2", ("max_abs_diff",), (
         "batch_invariant", "size", "frac_tokens_differ", "max_abs_diff", "drift_verdict",
         "mean_log_ratio", "std_log_ratio", "k3_kl", "p_value", "n_tokens", "n_evaluations",
-        "variance_share", "bias_share", "measured_std_log_ratio", "measured_mean_log_ratio")),
+        "variance_share", "bias_share", "measured_std_log_ratio", "measured_mean_log_ratio"),
+        ("drift_verdict",)),
 }
 
 
