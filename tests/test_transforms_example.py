@@ -2,35 +2,16 @@
 parallel setup, gate it against the accepted one. Changing the accumulation normalisation
 to a mean of micro-batch means, or FSDP2's gradient reduction to bf16 (over the team's noise
 budget), is blocked; the accepted setup on other data passes."""
-import json
-from pathlib import Path
-
 import pytest
-from trainprobes.cli import main
+from test_example_gate import audit, gate  # the same audit-then-gate steps as the other half
 from trainprobes.result import load_results
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "compute_multiplier"
-
-
-def audit(tmp_path, variant: str, seed: int = 0) -> Path:
-    out = tmp_path / variant / str(seed)
-    code = main(["audit", "--config", str(EXAMPLE / f"{variant}.toml"), "--out", str(out),
-                 "--seed", str(seed), "--no-progress", "--json"])
-    assert code == 0, f"audit of {variant} exited {code}"
-    (report,) = out.glob("*/report.json")
-    return report
 
 
 @pytest.fixture(scope="module")
 def accumulation(tmp_path_factory):
     return audit(tmp_path_factory.mktemp("acc"), "accumulation")
-
-
-def gate(baseline, candidate, capsys):
-    capsys.readouterr()
-    code = main(["gate", "--baseline", str(baseline), "--candidate", str(candidate), "--json"])
-    return code, json.loads(capsys.readouterr().out)
 
 
 def test_the_accepted_accumulation_is_equivalent_and_passes_on_other_data(accumulation, tmp_path, capsys):
