@@ -31,6 +31,7 @@ def test_text_options_build_the_same_objects_as_python():
     assert parse_transform("pp:split=0+1|2+3+4,schedule=gpipe") == \
         Pipeline(schedule="gpipe", split=[["0", "1"], ["2", "3", "4"]])
     assert build_transform("pp", {"micro_batches": 2}) == Pipeline(micro_batches=2)
+    assert parse_transform("DDP") == DDP() and parse_transform("FSDP") == FSDP2()
 
 
 def test_labels_are_stable_targets():
@@ -43,7 +44,7 @@ def test_labels_are_stable_targets():
 @pytest.mark.parametrize("text, match", [
     ("fsdp3", "did you mean 'fsdp2'"),
     ("ddp:hook=bf8", "hook='bf8' must be one of"),
-    ("ddp:hooks=fp16", "no option 'hooks'"),
+    ("ddp:hooks=fp16", "no option 'hooks'; did you mean 'hook'"),
     ("accumulation:normalization=mean", "normalization='mean' must be one of"),
     ("accumulation:micro_batches=0", "micro_batches=0 must be an int >= 1"),
     ("fsdp2:reduce_dtype=fp12", "reduce_dtype='fp12'"),

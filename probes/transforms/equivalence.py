@@ -156,7 +156,8 @@ def observed(out: dict, step: TrainingStep) -> Observed:
             if n not in dtypes and codes[r, i] >= 0:
                 dtypes[n] = DTYPES[int(codes[r, i])]
     losses = {r: out["loss"][r] for r in range(out["loss"].shape[0]) if out["has_loss"][r]}
-    dtypes[LOSS] = torch.float32
+    loss_codes = [int(c) for c in out["codes"][:, len(layout)] if c >= 0]
+    dtypes[LOSS] = DTYPES[loss_codes[0]] if loss_codes else torch.float32
     return Observed(grads, dtypes, losses)
 
 

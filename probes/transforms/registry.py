@@ -11,6 +11,7 @@ a+b|c+d), or one JSON object.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 
 from trainprobes.errors import InvalidArgument, InvalidType
@@ -52,14 +53,17 @@ def _special(key: str, text: str):
 
 def build_transform(name: str, options: dict | None = None):
     """The transform called name (or an alias) with options, each checked by the class."""
-    key = ALIASES.get(name, name)
+    low = name.strip().lower() if isinstance(name, str) else name
+    key = ALIASES.get(low, low)
     check_choice(key, "transform", tuple(TRANSFORMS), hint="see trainprobes.transforms")
     cls = TRANSFORMS[key]
     options = dict(options or {})
     known = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(options) - set(known))
     if unknown:
-        raise InvalidArgument(f"transform {key!r} has no option {unknown[0]!r}; its options: {known}")
+        close = difflib.get_close_matches(str(unknown[0]), known, n=1)
+        maybe = f"; did you mean {close[0]!r}?" if close else ""
+        raise InvalidArgument(f"transform {key!r} has no option {unknown[0]!r}{maybe}; its options: {known}")
     try:
         return cls(**options)
     except TypeError as e:

@@ -99,7 +99,7 @@ def run_case(case: RankCase, ctx: RankContext) -> dict | None:
     names = {n: i for i, (n, _) in enumerate(layout)}
     shapes = dict(layout)
     state = t.setup(step, ctx)
-    kept, losses, mask, codes, seconds = None, [], None, None, 0.0
+    kept, losses, mask, codes, seconds, loss_code = None, [], None, None, 0.0, -1
     for trial, seed in enumerate(case.seeds):
         batch = {k: v.to(ctx.device) for k, v in step.batch(torch.Generator().manual_seed(int(seed))).items()}
         start = time.perf_counter()
@@ -121,19 +121,23 @@ def run_case(case: RankCase, ctx: RankContext) -> dict | None:
         for n in kept:
             kept[n].append(grads[n].detach().to("cpu", torch.float64).reshape(-1))
         losses.append(math.nan if out.loss is None else float(out.loss.detach().double().item()))
+        if out.loss is not None and out.loss.dtype in DTYPES:
+            loss_code = DTYPES.index(out.loss.dtype)
     t.teardown(state)
     T = len(case.seeds)
     flat = torch.cat([torch.stack(v) for v in kept.values()], dim=1) if kept else torch.zeros(T, 0,
                                                                                              dtype=torch.float64)
     has_loss = not all(math.isnan(x) for x in losses)
-    return gather(mask, codes, flat, torch.tensor(losses, dtype=torch.float64), has_loss, seconds,
+    return gather(mask, torch.cat([codes, torch.tensor([loss_code])]), flat,
+                  torch.tensor(losses, dtype=torch.float64), has_loss, seconds,
                   [math.prod(s) for _, s in layout], ctx)
 
 
 def gather(mask, codes, flat, losses, has_loss: bool, seconds: float, numels: list,
            ctx: RankContext) -> dict | None:
     """Every rank's outputs to rank 0, as tensors: one all_gather of the small metadata and
-    the losses, then one send per rank of its flat gradients."""
+    the losses, then one send per rank of its flat gradients. codes: each parameter's
+    gradient dtype (an index into DTYPES, -1 none), then the loss's."""
     import torch.distributed as dist
     P, T = mask.numel(), losses.numel()
     meta = torch.cat([mask.double(), codes.double(), torch.tensor([float(has_loss), seconds],
@@ -154,10 +158,10 @@ def gather(mask, codes, flat, losses, has_loss: bool, seconds: float, numels: li
             dist.recv(buf, r)
         flats.append(buf.cpu())
     return {"mask": torch.stack([m[:P] for m in everyone]).bool(),
-            "codes": torch.stack([m[P:2 * P] for m in everyone]).long(),
-            "has_loss": torch.stack([m[2 * P] for m in everyone]).bool(),
-            "seconds": torch.stack([m[2 * P + 1] for m in everyone]),
-            "loss": torch.stack([m[2 * P + 2:] for m in everyone]),
+            "codes": torch.stack([m[P:2 * P + 1] for m in everyone]).long(),
+            "has_loss": torch.stack([m[2 * P + 1] for m in everyone]).bool(),
+            "seconds": torch.stack([m[2 * P + 2] for m in everyone]),
+            "loss": torch.stack([m[2 * P + 3:] for m in everyone]),
             "flat": flats}
 
 
