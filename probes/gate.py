@@ -34,6 +34,7 @@ from datetime import date, timedelta
 from fnmatch import fnmatchcase
 from pathlib import Path
 
+from trainprobes.display import format_number
 from trainprobes.errors import CannotJudge, InvalidType
 from trainprobes.result import CODES, PROBES, VERDICT_FLAGS, Result, SchemaError, load_results
 from trainprobes.validation import check_number
@@ -327,10 +328,7 @@ def larger_magnitude(base: tuple[float, float], cand: tuple[float, float],
 
 # --- comparison --------------------------------------------------------------------------
 
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
+_fmt = format_number  # the one number format of every face (trainprobes.display)
 
 
 def _control_pair(b: Result | None, c: Result) -> list[Regression]:

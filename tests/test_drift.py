@@ -123,7 +123,7 @@ def test_metric_formulas_against_direct_computation():
     assert m["ess_seq"] == pytest.approx((seq.sum() ** 2 / (8 * (seq ** 2).sum())).item(), rel=1e-6)
     for q in stats.QUANTILES:
         k = min(rho.numel(), max(1, math.ceil(q * rho.numel())))
-        assert m[f"ratio_p{stats._qname(q)}"] == pytest.approx(rho.sort().values[k - 1].item(), rel=1e-5)
+        assert m[f"ratio_p{stats.quantile_name(q)}"] == pytest.approx(rho.sort().values[k - 1].item(), rel=1e-5)
 
 
 def test_mask_excludes_padding_even_if_garbage():

@@ -139,7 +139,7 @@ def _imports(path):
 
 
 # The floor under both reference/ and the probes: these import no other trainprobes module.
-FLOOR = ("trainprobes.errors", "trainprobes.validation", "trainprobes._toml")
+FLOOR = ("trainprobes.errors", "trainprobes.validation", "trainprobes._toml", "trainprobes.display")
 
 
 def _allowed(module, prefix):

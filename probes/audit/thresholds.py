@@ -7,6 +7,7 @@ never a pass.
 """
 from __future__ import annotations
 
+from trainprobes.display import format_number
 from trainprobes.errors import ConfigError, InvalidArgument, InvalidType
 from trainprobes.result import PROBES
 from trainprobes.validation import check_number, check_type
@@ -58,7 +59,7 @@ def apply_thresholds(result, entry: dict, section: str):
             if value is None or isinstance(value, (bool, str)):
                 unchecked.append(f"{metric} ({table}) is not in this Result")
             elif value != value or worse(value, limit):  # NaN crosses every limit
-                broken.append(f"{metric} = {value:.4g} {'>' if table == 'fail_above' else '<'} "
+                broken.append(f"{metric} = {format_number(value)} {'>' if table == 'fail_above' else '<'} "
                               f"{limit:g} ({table})")
     if entry.get("fail_above") or entry.get("fail_below"):
         result.evidence["thresholds"] = {"fail_above": entry.get("fail_above", {}),

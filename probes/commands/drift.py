@@ -150,9 +150,8 @@ def _results(args) -> list:
 
 
 def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
+    from trainprobes.display import format_number
+    return format_number(v)
 
 
 def render(results) -> str:

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import json
-import os
 
+from trainprobes.display import append_step_summary
 from trainprobes.validation import parse_number
 
 HELP = ("compare a candidate report with a baseline; exit 0 no regression, 1 regression, "
@@ -46,8 +46,5 @@ def run(args) -> int:
         print(md)
     if args.markdown:
         write_atomic(args.markdown, md)
-    summary = os.environ.get("GITHUB_STEP_SUMMARY")
-    if summary:
-        with open(summary, "a", encoding="utf-8") as f:
-            f.write(md + "\n")
+    append_step_summary(md)
     return report.exit_code

@@ -29,9 +29,8 @@ def add_arguments(parser) -> None:
 
 
 def _fmt(x: float) -> str:
-    from trainprobes.numerics.stall import _num
-
-    return _num(x)
+    from trainprobes.display import format_number
+    return format_number(x, digits=6)
 
 
 def check_no_overflow(formats, increments, saturate: bool) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+from trainprobes.display import format_number
 from trainprobes.reference.formats import FORMATS, ROUNDING_MODES, get_format
 from trainprobes.result import Result
 
@@ -18,14 +19,8 @@ DEFAULT_FORMATS = ("fp32", "tf32", "fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2", "fp
 
 
 def _num(x: float) -> str:
-    """A number as a person writes it: 2048, 0.001, 1.5e-05, inf."""
-    if isinstance(x, float) and math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    if x == int(x) and abs(x) < 1e15:
-        return str(int(x))
-    return f"{x:.6g}"
+    """A number as a person writes it: 2048, 0.001, 1.5e-05, inf (the one number format)."""
+    return format_number(x, digits=6)
 
 
 def sequential_sums(fmt, increments, n: int, *, rounding: str = "nearest",
