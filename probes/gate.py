@@ -16,6 +16,11 @@ Regressions, each with a code from trainprobes.result.CODES so a reviewer can se
   TP-B3  lower revealed accumulator precision (`accumulator_mantissa_bits` decreased);
   TP-G4  a control (Result.expected set) that reproduced its known verdict in the baseline,
          or is new, misses it in the candidate: the harness is broken on that machine;
+  TP-T1/T2/T3  a parallel transform that was equivalent (exact or noise) is now biased /
+         inconsistent / wrong (trainprobes.transforms: `equivalent` True -> False, coded by
+         its `transform_verdict`);
+  TP-T4  a transform's gradient or loss scale error significantly larger (`scale_error`,
+         `loss_relative_error` with their `_se`), judged like bias;
   TP-E1  the probe errored in the candidate;
   and any other result whose verdict went from pass/warn to fail keeps the candidate's codes.
 Waivers name a code, a target (exact, or an fnmatch pattern) and a reason, and expire.
@@ -39,7 +44,11 @@ from trainprobes.validation import check_number
 # std and trials, and a (1 - alpha) CI; trainprobes.drift.compare: se_mean).
 # (code, estimate, label, the metric holding the probe's own floor for a bias that matters)
 ESTIMATES = (("TP-G2", "bias", "bias", "min_effect"),
-             ("TP-G3", "mean_log_ratio", "drift", "min_bias"))
+             ("TP-G3", "mean_log_ratio", "drift", "min_bias"),
+             ("TP-T4", "scale_error", "transform gradient scale error", "min_effect"),
+             ("TP-T4", "loss_relative_error", "transform loss error", "min_effect"))
+# trainprobes.transforms: `equivalent` True -> False blocks, coded by the candidate's kind
+TRANSFORM_CODES = {"biased": "TP-T1", "inconsistent": "TP-T2", "wrong": "TP-T3"}
 
 
 @dataclass(frozen=True)
@@ -366,6 +375,10 @@ def _compare_pair(b: Result, c: Result, alpha: float, rel_tol: float) -> list[Re
                 n = c.metrics.get("n_leaks")
                 add(code, "was causal, now leaks future tokens into earlier decisions",
                     "causal", f"leaks ({n} leaks)" if n is not None else "leaks", c.message)
+            elif flag == "equivalent":  # coded by what the transform became
+                was, kind = b.metrics.get("transform_verdict"), c.metrics.get("transform_verdict")
+                add(TRANSFORM_CODES.get(kind, code), f"was equivalent ({was}), now {kind} (worst "
+                    f"parameter {c.metrics.get('worst_parameter')})", str(was), str(kind), c.message)
             else:
                 add(code, f"was {flag} = {good}, now {flag} = {not good}",
                     f"{flag} = {good}", f"{flag} = {not good}", c.message)

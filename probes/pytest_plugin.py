@@ -245,6 +245,13 @@ class TrainProbes:
             pytest.fail(_failure(r, "stalled"), pytrace=False)
         return r
 
+    def assert_equivalent(self, step, transform, **kwargs):
+        """trainprobes.transforms.probe(step, transform, **kwargs) must find the transform
+        equivalent to the single-device step (metric `equivalent` True: exact or noise;
+        world, trials, seed, alpha, min_effect, noise_tol as the probe takes them)."""
+        from trainprobes.transforms import probe
+        return self.assert_flag(probe(step, transform, **kwargs), "not equivalent")
+
     def assert_within(self, train_lp, infer_lp, **kwargs):
         """trainprobes.drift.compare(train_lp, infer_lp, **kwargs): metric `biased` False and
         the verdict pass/warn (not heavy-tailed past a fail, within thresholds)."""

@@ -46,6 +46,10 @@ CODES = {
     "TP-D3": "drift over threshold",
     "TP-I1": "packed-document leak",
     "TP-I2": "batch-variant output",
+    "TP-T1": "biased parallel transform",
+    "TP-T2": "inconsistent replicas under a parallel transform",
+    "TP-T3": "wrong gradient or loss under a parallel transform",
+    "TP-T4": "transform scale significantly changed",
     "TP-G1": "probe missing from candidate",
     "TP-G2": "bias significantly larger",
     "TP-G3": "drift significantly worse",
@@ -59,7 +63,7 @@ CODES = {
 VERDICT_FLAGS = {
     "biased": False,           # numerics.bias, drift.compare
     "causal": True,            # causality.check
-    "equivalent": True,        # transforms (reserved)
+    "equivalent": True,        # transforms.equivalence
     "isolated": True,          # isolation.documents
     "batch_invariant": True,   # isolation.batch_invariance, isolation.end_to_end
 }
@@ -113,7 +117,7 @@ class ProbeMetrics:
 
 _BIAS = ("trials", "bias", "ci_low", "ci_high", "confidence", "std", "rms", "p_value", "p_sign",
          "p_wilcoxon", "positive_trials", "negative_trials", "zero_trials", "alpha",
-         "min_effect", "biased", "nonfinite_trials", "zero_reference_trials")
+         "min_effect", "biased", "nonfinite_trials", "zero_reference_trials", "min_detectable_bias")
 _DRIFT = ("n_tokens", "n_units", "n_sequences", "mean_log_ratio", "ci_low", "ci_high", "se_mean",
           "t_stat", "p_mean", "p_excess", "p_value", "std_log_ratio", "mean_abs_log_ratio",
           "max_abs_log_ratio", "k1_kl", "k2_kl", "k3_kl", "k3_kl_reverse", "chi2_token",
@@ -122,10 +126,23 @@ _DRIFT = ("n_tokens", "n_units", "n_sequences", "mean_log_ratio", "ci_low", "ci_
           "max_abs_prob_diff", "prob_pearson", "ratio_p0.1", "ratio_p1", "ratio_p5",
           "ratio_p50", "ratio_p95", "ratio_p99", "ratio_p99.9", "seq_mean_log_ratio", "ess_seq",
           "chi2_seq", "frac_seq_ratio_outside", "frac_seq_geo_ratio_outside", "alpha", "clip",
-          "noise_kl_max", "min_bias", "biased", "heavy_tailed", "drift_verdict")
+          "noise_kl_max", "min_bias", "biased", "heavy_tailed", "drift_verdict", "min_detectable_bias")
 _COLLECTIVE = ("max_ulp_error", "mean_ulp_error", "bias", "bias_z", "bias_p", "bias_relative",
                "nonfinite", "world", "numel", "dtype", "op", "collective", "backend",
                "algorithm", "bitwise_match_fraction", "mismatched", "compared")
+_TRANSFORM = (
+    "equivalent", "transform_verdict", "worst_parameter", "transform", "world", "dtype", "backend",
+    "trials", "alpha", "alpha_per_test", "tests", "paired", "min_effect", "noise_tol",
+    "replica_tol", "power", "scale", "scale_ci_low", "scale_ci_high", "scale_error",
+    "scale_error_se", "added_scale_error", "added_scale_error_p", "signed_relative_error",
+    "signed_relative_error_ci_low", "signed_relative_error_ci_high", "signed_relative_error_se",
+    "added_signed_relative_error", "added_signed_relative_error_p", "max_relative_error",
+    "mean_relative_error", "max_added_error", "mean_residual", "min_detectable_scale_error",
+    "min_detectable_relative_bias", "n_parameters", "n_biased_parameters", "n_inconsistent",
+    "loss_reported", "single_device_max_relative_error", "loss_relative_error",
+    "loss_relative_error_se", "loss_scale", "loss_scale_ci_low", "loss_scale_ci_high",
+    "max_loss_relative_error", "max_added_loss_error", "added_loss_error", "added_loss_error_p",
+    "min_detectable_loss_error", "known_verdict", "matches_known_verdict")
 PROBES = {
     "numerics.bias": ProbeMetrics("biased", "TP-B1", ("bias", "std", "trials"), _BIAS),
     "drift.compare": ProbeMetrics("biased", "TP-D1", ("mean_log_ratio", "se_mean"), _DRIFT,
@@ -148,6 +165,11 @@ PROBES = {
     "numerics.stall": ProbeMetrics(None, "TP-B2", (), (
         "rows", "rows_over_tolerance", "max_abs_relative_error", "rel_tol",
         "sequential_sum[...]")),
+    # trainprobes.transforms
+    "transforms.equivalence": ProbeMetrics("equivalent", "TP-T1", (
+        "scale", "scale_error", "scale_error_se", "trials"), _TRANSFORM, (
+        "paired", "loss_reported", "transform_verdict", "worst_parameter", "transform", "dtype",
+        "backend", "known_verdict", "matches_known_verdict")),
     # trainprobes.isolation
     "isolation.documents": ProbeMetrics("isolated", "TP-I1", ("n_leaks", "max_leak"), (
         "isolated", "n_documents", "n_leaks", "n_numerical", "n_unverified", "n_blind_tokens", "max_leak",

@@ -6,7 +6,14 @@ scripts/gpu-check.sh.
    bf16, sum and avg, compared bit for bit with the emulator (NCCL ring model) and with
    fp64; fp8 all_reduce where NCCL takes it; the order revealed from crafted inputs when
    there are 3 or more GPUs.
-2. Accumulator reveal on GPU kernels (trainprobes.numerics.reveal, device="cuda"): torch.matmul
+2. Parallel transforms under NCCL (trainprobes.transforms): the demo step under DDP (plain,
+   fp16 and bf16 compression hooks), gradient accumulation (token-weighted and mean of
+   micro-batch means, which is biased), FSDP2 (fp32; bf16 params and reduction), and with
+   2+ GPUs tensor, sequence and 1F1B pipeline parallelism and the zoo of published bugs
+   beside their fixed twins; one rank per GPU (NCCL refuses two ranks on one GPU, so one
+   GPU runs world 1). Under NCCL, FSDP2's bf16 ReduceOp.AVG is PreMulSum with bf16(1/n):
+   biased for n not a power of two, which the probe should call biased.
+3. Accumulator reveal on GPU kernels (trainprobes.numerics.reveal, device="cuda"): torch.matmul
    in fp16 and bf16 with allow_fp16/bf16_reduced_precision_reduction off and on, and fp8
    torch._scaled_mm where the GPU has it (sm89+).
 3. Isolation (trainprobes.isolation): the per-op batch-invariance map on the GPU and the
@@ -76,6 +83,38 @@ def nccl_checks(report: dict, backend: str, worlds: list[int]) -> None:
         if world >= 3:
             _check(report, f"{backend}_order_reveal_world{world}", lambda world=world: reveal_result(
                 backend=backend, world=world, numel=4096, dtype="fp32", timeout=120).to_dict())
+
+
+def transform_checks(report: dict, backend: str, world: int) -> None:
+    from trainprobes.transforms import DDP, FSDP2, Accumulation, Pipeline, Probe, TensorParallel, run_probes
+    from trainprobes.transforms.demo import SP_PLAN, TP_PLAN, step
+
+    def builtins():
+        transforms = [DDP(), DDP(hook="fp16"), DDP(hook="bf16"), Accumulation(),
+                      Accumulation(normalization="mean-of-means"), FSDP2(),
+                      FSDP2(param_dtype="bf16", reduce_dtype="bf16")]
+        if world >= 2:
+            transforms += [TensorParallel(plan=TP_PLAN), TensorParallel(plan=SP_PLAN), Pipeline()]
+        results = run_probes([Probe(step, t, trials=16) for t in transforms], world=world,
+                             backend=backend, timeout=300)
+        rows = [{"transform": r.evidence["transform"], **{k: r.metrics.get(k) for k in (
+            "transform_verdict", "equivalent", "scale", "scale_ci_low", "scale_ci_high",
+            "worst_parameter", "max_added_error", "dtype")}} for r in results]
+        # the one known finding: a mean of micro-batch means over uneven documents
+        known = {r["transform"]: r["transform_verdict"] for r in rows}
+        return {"world": world, "rows": rows,
+                "mean_of_means_biased": known.get("accumulation(normalization=mean-of-means)") == "biased"}
+    _check(report, f"{backend}_transforms_world{world}", builtins)
+
+    if world >= 2:
+        def zoo():
+            from trainprobes.transforms.zoo import run_zoo
+            rows = run_zoo(trials=8, backend=backend)
+            return {"rows": [{"entry": r.bug.name, "expected": r.bug.expected,
+                              "bug": r.buggy.metrics["transform_verdict"],
+                              "fixed": r.fixed.metrics["transform_verdict"]} for r in rows],
+                    "reproduced": sum(r.reproduced for r in rows), "entries": len(rows)}
+        _check(report, f"{backend}_transforms_zoo", zoo)
 
 
 def matmul_checks(report: dict, device: str) -> None:
@@ -157,10 +196,12 @@ def main(argv=None) -> int:
         n = torch.cuda.device_count()
         report["gpus"] = [torch.cuda.get_device_name(i) for i in range(n)]
         nccl_checks(report, "nccl", sorted({1, min(n, 8)}))
+        transform_checks(report, "nccl", min(n, 8))
         matmul_checks(report, "cuda")
         isolation_checks(report, "cuda")
     else:
         nccl_checks(report, "gloo", [3])
+        transform_checks(report, "gloo", 2)
         matmul_checks(report, "cpu")
         isolation_checks(report, "cpu")
     report["seconds"] = round(time.perf_counter() - started, 1)

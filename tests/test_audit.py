@@ -304,8 +304,8 @@ def test_gpu_families_build_their_checks_where_cuda_is(monkeypatch):
 
 @pytest.mark.slow
 def test_a_worker_process_returns_the_same_results_as_running_here():
-    from trainprobes.audit.suites import default_suite
     from trainprobes.audit.remote import worker_check
+    from trainprobes.audit.suites import default_suite
     here, _ = run_suite(default_suite(quick=True, families=["stall"], in_process=True)[0])
     there, _ = run_suite([worker_check("stall", "stall (worker)", seed=0, quick=True,
                                        control=True)])

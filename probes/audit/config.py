@@ -25,12 +25,13 @@ from trainprobes import _toml
 from trainprobes.audit.run import Check
 from trainprobes.audit.thresholds import apply_thresholds, check_thresholds
 from trainprobes.errors import ConfigError, InvalidArgument, InvalidType
-from trainprobes.validation import check_choice, check_int, check_type
+from trainprobes.validation import check_choice, check_int, check_number, check_type
 
 __all__ = ["read_config", "find_config", "suite_from_config", "apply_thresholds", "ConfigError"]
 
 TOP_KEYS = {"seed", "out", "history", "defaults", "families", "pythonpath", "causality",
-            "bias", "drift", "collectives", "documents", "batch_invariance"}
+            "bias", "drift", "collectives", "documents", "batch_invariance",
+            "transforms"}
 COMMON = {"name", "seed", "fail_above", "fail_below"}
 HARNESS_KEYS = {
     "causality": COMMON | {"target", "batch", "seq_len", "vocab", "hidden", "inputs"},
@@ -39,6 +40,7 @@ HARNESS_KEYS = {
     "collectives": COMMON | {"world", "dtype", "algorithm", "backend", "op", "numel"},
     "documents": COMMON | {"target", "factory", "lengths", "vocab", "hidden"},
     "batch_invariance": COMMON | {"target", "factory", "inputs", "shape", "vocab"},
+    "transforms": COMMON | {"target", "transform", "options", "world", "backend", "timeout"},
 }
 
 
@@ -374,9 +376,50 @@ def batch_invariance_check(entry: dict, seed: int, where: str) -> Check:
     return Check("isolation", name, run)
 
 
+def transform_check(entry: dict, seed: int, where: str) -> Check:
+    """[[transforms]]: target = "pkg.mod:step" (a trainprobes.transforms.TrainingStep or a
+    function returning one); transform = "fsdp2" (or a list of names, or "fsdp2:reduce_dtype=bf16")
+    with options = {...} for every one; world, backend, timeout; the probe's own keys (trials,
+    alpha, min_effect, noise_tol, replica_tol). All transforms of an entry run on one set of
+    ranks; with one transform the Result's target is `name` (so variants compare in the gate)."""
+    from trainprobes.errors import TrainprobesError
+    from trainprobes.transforms import Probe, build_transform, parse_transform
+
+    spec = _need(entry, "target", where, '"package.module:step"')
+    options = entry.get("options", {})
+    if not isinstance(options, dict):
+        raise ConfigError(f"{where} options={options!r} must be a table, e.g. {{ reduce_dtype = 'bf16' }}")
+    kwargs = probe_kwargs(entry, "transforms", where, Probe)
+    check_thresholds(entry, "transforms.equivalence", where)
+    try:
+        transforms = [build_transform(t, options) if ":" not in t else parse_transform(t)
+                      for t in _listed(entry, "transform", "ddp")]
+    except (TrainprobesError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{where} transform: {e}") from None
+    try:
+        backend = check_choice(entry.get("backend", "gloo"), f"{where} backend", ("gloo", "nccl"))
+        timeout = check_number(entry.get("timeout", 600.0), f"{where} timeout", min=0, min_open=True)
+    except (InvalidArgument, InvalidType) as e:
+        raise ConfigError(str(e)) from None
+    world, name = _int(entry, "world", where, 2), entry.get("name", spec)
+    try:  # the probe's own keys (trials, alpha, ...) are checked now, not after ranks start
+        probes = [Probe(spec, t, **{"seed": seed, **kwargs},
+                        target=name if len(transforms) == 1 else f"{name}[{t.label}]") for t in transforms]
+    except (InvalidArgument, InvalidType) as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+    def run():
+        from trainprobes.transforms import run_probes
+        out = run_probes(probes, world=world, backend=backend, timeout=timeout)
+        for r in out:
+            r.evidence["target_spec"] = spec
+        return [apply_thresholds(r, entry, "transforms") for r in out]
+    return Check("transforms", name, run)
+
+
 SECTIONS = {"causality": causality_check, "bias": bias_check, "drift": drift_check,
             "collectives": collective_checks, "documents": documents_check,
-            "batch_invariance": batch_invariance_check}
+            "batch_invariance": batch_invariance_check, "transforms": transform_check}
 
 
 def suite_from_config(cfg: dict, *, seed: int = 0, base_dir=Path("."), quick: bool = False):

@@ -14,7 +14,8 @@ from trainprobes.validation import check_number, check_type
 
 # The code a threshold failure carries, per section.
 THRESHOLD_CODE = {"causality": "TP-C1", "bias": "TP-B1", "drift": "TP-D3",
-                  "collectives": "TP-B1", "documents": "TP-I1", "batch_invariance": "TP-I2"}
+                  "collectives": "TP-B1", "documents": "TP-I1", "batch_invariance": "TP-I2",
+                  "transforms": "TP-T3"}
 
 
 def check_thresholds(entry: dict, probe: str, where: str) -> None:

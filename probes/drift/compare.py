@@ -36,6 +36,7 @@ from trainprobes.drift.stats import (
 )
 from trainprobes.drift.tokens import Work, token_sums
 from trainprobes.drift.verdict import DRIFT_VERDICTS, check_options, classify, judge
+from trainprobes.power import min_detectable_effect
 from trainprobes.result import Result
 
 __all__ = ["compare", "classify", "DRIFT_VERDICTS"]
@@ -84,6 +85,8 @@ def compare(train_logprobs, infer_logprobs, *, mask=None, lengths=None, alpha: f
         "t_stat": t, "p_mean": p_mean, "p_excess": p_excess, "p_value": p_value,
         "n_units": int(G), "alpha": alpha, "clip": clip, "noise_kl_max": noise_kl_max,
         "min_bias": min_bias,
+        # what a pass rules out: the smallest |mean log-ratio| the t-test finds with 80% power
+        "min_detectable_bias": min_detectable_effect(se, G - 1, alpha),
     })
     evidence = {"log_ratio_histogram": histogram, "by_probability": by_probability(sums)}
     if layout.unit == "sequence":

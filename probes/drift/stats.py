@@ -38,6 +38,7 @@ METRICS = {
     "p_mean": "two-sided p-value of H0 E[x] = 0, t-test over units (ratio estimator, cluster-robust SE, df = units - 1)",
     "p_excess": "two-sided p-value of H0 E[x - x^2/2] = 0 over units: zero-mean noise in the SAMPLING distribution gives E[x] = E[x^2]/2 + O(x^3)",
     "p_value": "max(p_mean, p_excess): intersection-union test; biased iff p_value < alpha",
+    "min_detectable_bias": "smallest |mean_log_ratio| the t-test detects at alpha with 80% power (trainprobes.power): what a pass rules out",
     "std_log_ratio": "standard deviation of x over tokens",
     "mean_abs_log_ratio": "mean |x|",
     "max_abs_log_ratio": "max |x|",

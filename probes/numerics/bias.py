@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 from scipy import stats
 from trainprobes.errors import InvalidArgument
+from trainprobes.power import min_detectable_effect
 from trainprobes.reference.formats import ROUNDING_MODES, get_format
 from trainprobes.result import Result
 from trainprobes.validation import check_choice, check_int, check_number, check_seed
@@ -117,12 +118,15 @@ def bias_probe(fn: Callable, reference: Callable, make_inputs: Callable, *, tria
     s = error_stats(finite, alpha=alpha, min_effect=min_effect)
     s["nonfinite_trials"] = nonfinite
     s["zero_reference_trials"] = zero_ref
+    # what "unbiased" rules out: the smallest |bias| the t-test finds with 80% power
+    s["min_detectable_bias"] = min_detectable_effect(s["std"] / math.sqrt(s["trials"]), s["trials"] - 1, alpha)
     biased = s["biased"]
     direction = "too small" if s["bias"] < 0 else "too large"
     msg = (f"bias {s['bias']:+.3g} ({s['confidence']:.0%} CI [{s['ci_low']:+.3g}, {s['ci_high']:+.3g}]), "
            f"spread {s['std']:.3g}, p={s['p_value']:.2g}: ")
     msg += (f"biased, results {direction} on average; this compounds over steps" if biased
-            else "no bias detected at alpha=" + f"{alpha:g}")
+            else "no bias detected at alpha=" + f"{alpha:g}"
+            + f" (rules out |bias| > {max(s['min_detectable_bias'], min_effect):.3g} at 80% power)")
     signed = s["positive_trials"] + s["negative_trials"]
     if s["p_value"] < alpha and s["p_sign"] >= alpha and 2 * 0.5 ** signed >= alpha:
         msg += f"; too few non-zero trials ({signed}) for the sign test to confirm at alpha={alpha:g}"
