@@ -61,3 +61,32 @@ def test_the_zoo_table_reports_caught_n_of_n(capsys):
     assert "caught 9 of 9 published bugs with their known verdict; fixed twins equivalent: 9 of 9" in out
     assert "a 5% loss tolerance flags 6 of 9" in out and "rtol 1e-5 on gradients flags 8 of 9" in out
     assert "analytic scale factors inside the measured CI: 15 of 15" in out
+
+
+def test_torchrun_entry_without_environment_says_what_to_do(capsys, monkeypatch):
+    from trainprobes.transforms.torchrun import main as torchrun_main
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    assert torchrun_main(["--target", "trainprobes.transforms.demo:step"]) == 2
+    assert "run under torchrun" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_probe_runs_under_torchrun():
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from trainprobes.distributed.launcher import free_port
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), "-m", "trainprobes.transforms.torchrun",
+           "--target", "trainprobes.transforms.demo:step", "--transform", "ddp", "--backend", "gloo",
+           "--trials", "4", "--json"]
+    p = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    doc = json.loads(p.stdout[p.stdout.index("{"):])
+    assert doc["metrics"]["equivalent"] is True and doc["metrics"]["world"] == 2

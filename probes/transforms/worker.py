@@ -1,13 +1,8 @@
 """What each rank runs: the transform's steps on every trial, gathered to rank 0 as plain
 tensors (no pickled objects travel back: the launcher reads the results weights-only).
 
-Launched locally by trainprobes.distributed.launcher (cases_task), or under torchrun:
-
-    torchrun --nproc-per-node 2 -m trainprobes.transforms.worker \\
-        --target mypkg.train:step --transform "fsdp2:reduce_dtype=bf16" --json
-
-(reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT; rank 0 gathers every
-rank's gradients, computes the fp64 truth and prints the Result).
+Launched locally by trainprobes.distributed.launcher (cases_task), or under torchrun by
+trainprobes.transforms.torchrun (which owns the probe; this module only runs steps).
 
 Per case, each rank:
   1. builds the transform (setup) once, then for every trial seed draws the global batch,
@@ -175,56 +170,3 @@ def cases_task(rank: int, world: int, cases: list, backend: str) -> dict:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     out = [run_case(c, ctx) for c in cases]
     return {"cases": out if rank == 0 else []}
-
-
-def _torchrun_main(argv=None) -> int:
-    """Entry under torchrun: one probe; rank 0 computes the truth and prints the Result."""
-    import argparse
-    import json
-    import os
-    import sys
-
-    import torch.distributed as dist
-    from trainprobes.transforms.equivalence import Probe, finish, prepare
-    from trainprobes.transforms.registry import parse_transform
-    p = argparse.ArgumentParser(prog="python -m trainprobes.transforms.worker",
-                                description="one transform probe under torchrun")
-    p.add_argument("--target", required=True, metavar="PKG.MOD:STEP")
-    p.add_argument("--transform", default="ddp", metavar="NAME[:OPTIONS]")
-    p.add_argument("--backend", choices=("gloo", "nccl"),
-                   default="nccl" if torch.cuda.is_available() else "gloo")
-    p.add_argument("--trials", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--alpha", type=float, default=0.01)
-    p.add_argument("--min-effect", type=float, default=1e-6)
-    p.add_argument("--noise-tol", type=float, default=None)
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        print(f"environment variables {missing} are not set: run under torchrun, or use "
-              f"`trainprobes transforms` to launch local ranks", file=sys.stderr)
-        return 2
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    probe = Probe(args.target, parse_transform(args.transform), trials=args.trials, seed=args.seed,
-                  alpha=args.alpha, min_effect=args.min_effect, noise_tol=args.noise_tol)
-    prep = prepare(probe, world, truth=False)  # every rank refuses bad inputs before any step
-    ctx = RankContext(rank, world, device_of(args.backend, local), args.backend)
-    if args.backend == "nccl":
-        torch.cuda.set_device(local)
-    dist.init_process_group(args.backend)
-    try:
-        out = run_case(RankCase(probe.step, probe.transform, prep.seeds), ctx)
-    finally:
-        dist.destroy_process_group()
-    if rank != 0:
-        return 0
-    res = finish(prep, out, world=world, backend=args.backend)
-    print(json.dumps(res.to_dict(), indent=2) if args.json else res.summary_line())
-    return 0 if res.metrics.get("equivalent") is True else 1
-
-
-if __name__ == "__main__":
-    import sys
-    sys.exit(_torchrun_main())
