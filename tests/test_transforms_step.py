@@ -84,3 +84,14 @@ def test_tokens_default_to_the_mask_then_the_samples():
     assert count_tokens(b) == 4.0
     assert count_tokens({"input": torch.zeros(5, 2)}) == 5.0
     assert count_tokens(b, lambda x: 11) == 11.0
+
+
+def test_the_single_device_base_computes_with_the_weights_the_truth_rounds_to():
+    # the paired tests subtract the base: a base on unrounded weights charged bf16 weight
+    # rounding to a transform that computes exactly in fp32 with bf16 weights ("biased")
+    step = good()
+    truth = single_device(step, [1, 2], param_dtype=torch.bfloat16)
+    base = single_device(step, [1, 2], fp64=False, param_dtype=torch.bfloat16)
+    assert base.loss.dtype == torch.float32
+    for n, r in truth.grads.items():
+        assert torch.allclose(base.grads[n].double(), r, rtol=1e-5, atol=1e-7), n

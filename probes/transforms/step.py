@@ -161,14 +161,21 @@ def _to_fp64(batch: Mapping) -> dict:
     return {k: (v.double() if v.is_floating_point() else v) for k, v in batch.items()}
 
 
+def rounded_model(step: TrainingStep, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The factory's model, its floating weights rounded to param_dtype if given (kept in
+    their own dtype)."""
+    m = step.model()
+    if param_dtype is not None:
+        with torch.no_grad():
+            for p in m.parameters():
+                if p.is_floating_point():
+                    p.copy_(p.to(param_dtype).to(p.dtype))
+    return m
+
+
 def fp64_model(step: TrainingStep, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """The factory's model in float64, its weights first rounded to param_dtype if given."""
-    m = step.model()
-    with torch.no_grad():
-        for p in m.parameters():
-            if param_dtype is not None and p.is_floating_point():
-                p.copy_(p.to(param_dtype).to(p.dtype))
-    return m.double()
+    return rounded_model(step, param_dtype).double()
 
 
 def grads_of(model: torch.nn.Module, loss: torch.Tensor) -> dict:
@@ -181,8 +188,11 @@ def grads_of(model: torch.nn.Module, loss: torch.Tensor) -> dict:
 def single_device(step: TrainingStep, seeds: list, *, fp64: bool = True,
                   param_dtype: torch.dtype | None = None) -> Truth:
     """The single-device step on every trial's batch: in float64 (the truth), or with
-    fp64=False in the model's own dtype (what parity tests compare against)."""
-    model = fp64_model(step, param_dtype) if fp64 else step.model()
+    fp64=False in the model's own dtype (what parity tests compare against); both with the
+    weights rounded to param_dtype first where given (the base must compute with the
+    weights the transform and the truth compute with, or the paired tests charge the
+    weights' rounding to the transform)."""
+    model = fp64_model(step, param_dtype) if fp64 else rounded_model(step, param_dtype)
     losses, grads = [], {}
     for s in seeds:
         b = step.batch(torch.Generator().manual_seed(int(s)))
