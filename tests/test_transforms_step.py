@@ -21,6 +21,17 @@ def fresh_model():
     return torch.nn.Linear(data.D, data.O)  # new random weights on every call
 
 
+class Projected(torch.nn.Sequential):
+    """Seeded weights, an unseeded fixed projection buffer: every rank would hold another."""
+
+    def __init__(self):
+        super().__init__(*data.mlp(seed=3))
+        self.register_buffer("projection", torch.randn(data.D, data.D))
+
+    def forward(self, x):
+        return super().forward(x @ self.projection)
+
+
 def vector_loss(output, batch):
     return (output - batch["target"]).pow(2).mean(-1)
 
@@ -48,6 +59,7 @@ def test_a_good_step_passes_and_returns_trial_0s_batch():
 
 @pytest.mark.parametrize("change, match", [
     ({"model": fresh_model}, "different initial weights on two calls"),
+    ({"model": Projected}, "buffer 'projection' holds different values"),
     ({"loss": vector_loss}, r"must return a scalar \(0-dim\) tensor"),
     ({"loss": detached_loss}, "does not depend on the model's parameters"),
     ({"batch": drifting_batch}, "different batches for one seed"),

@@ -95,23 +95,33 @@ def _as_batch(b, name: str = "batch") -> dict:
 
 
 def _first_difference(a: torch.nn.Module, b: torch.nn.Module) -> str | None:
-    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    """The first parameter or buffer (a fixed projection, positional table, running
+    statistics) that differs between two calls of the factory."""
+    for kind in ("parameter", "buffer"):
+        found = _differs(dict(getattr(a, f"named_{kind}s")()), dict(getattr(b, f"named_{kind}s")()), kind)
+        if found:
+            return found
+    return None
+
+
+def _differs(pa: dict, pb: dict, kind: str) -> str | None:
     if list(pa) != list(pb):
-        return f"parameter names differ ({list(pa)[:4]}... vs {list(pb)[:4]}...)"
+        return f"{kind} names differ ({list(pa)[:4]}... vs {list(pb)[:4]}...)"
     for name, p in pa.items():
         q = pb[name]
         if p.shape != q.shape or p.dtype != q.dtype:
             return f"{name!r} is {tuple(p.shape)} {p.dtype} then {tuple(q.shape)} {q.dtype}"
         if not torch.equal(p.detach(), q.detach()):
-            return f"{name!r} holds different values"
+            return f"{kind} {name!r} holds different values"
     return None
 
 
 def check_step(step: TrainingStep, seed: int) -> dict:
     """Refuse a step the probe cannot judge, before any rank starts; return trial 0's batch.
 
-    1. model() twice: the same parameter names, shapes, dtypes and bits (ranks and the
-       truth each build their own copy, so a factory that draws new weights breaks both);
+    1. model() twice: the same parameter and buffer names, shapes, dtypes and bits (ranks
+       and the truth each build their own copy, so a factory that draws new weights or
+       buffers breaks both);
     2. batch(generator) twice with one seed: a dict of tensors with a common sample axis
        and the same bits (every rank draws the batch from the trial's seed);
     3. the loss of that batch is a finite scalar that depends on the parameters.
