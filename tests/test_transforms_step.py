@@ -32,6 +32,10 @@ class Projected(torch.nn.Sequential):
         return super().forward(x @ self.projection)
 
 
+def dropout_model():
+    return torch.nn.Sequential(torch.nn.Dropout(0.1), *data.mlp(seed=3))
+
+
 def vector_loss(output, batch):
     return (output - batch["target"]).pow(2).mean(-1)
 
@@ -60,6 +64,7 @@ def test_a_good_step_passes_and_returns_trial_0s_batch():
 @pytest.mark.parametrize("change, match", [
     ({"model": fresh_model}, "different initial weights on two calls"),
     ({"model": Projected}, "buffer 'projection' holds different values"),
+    ({"model": dropout_model}, r"not deterministic.*dropout"),
     ({"loss": vector_loss}, r"must return a scalar \(0-dim\) tensor"),
     ({"loss": detached_loss}, "does not depend on the model's parameters"),
     ({"batch": drifting_batch}, "different batches for one seed"),

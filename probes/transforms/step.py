@@ -124,7 +124,8 @@ def check_step(step: TrainingStep, seed: int) -> dict:
        buffers breaks both);
     2. batch(generator) twice with one seed: a dict of tensors with a common sample axis
        and the same bits (every rank draws the batch from the trial's seed);
-    3. the loss of that batch is a finite scalar that depends on the parameters.
+    3. the loss of that batch is a finite scalar that depends on the parameters, and a
+       second forward gives the same loss (no dropout: the probe compares one function).
     """
     if not isinstance(step, TrainingStep):
         raise InvalidType(f"step={step!r} must be a trainprobes.transforms.TrainingStep")
@@ -164,7 +165,23 @@ def check_step(step: TrainingStep, seed: int) -> dict:
                               f"model's parameters (requires_grad is False)")
     if not torch.isfinite(loss.detach()).all():
         raise InvalidArgument(f"loss={step.loss!r} is {loss.item()!r} on trial 0's batch")
+    with torch.no_grad():
+        again = step.loss(step.forward(m2, b1), b1)
+    if not _same_value(loss.detach(), again.detach()):
+        raise InvalidArgument(
+            f"the step is not deterministic: one model and one batch gave the losses "
+            f"{loss.item()!r} and {again.item()!r} (dropout or other randomness in train mode?). "
+            f"The truth, the single device and every rank must compute one function: build the "
+            f"model with dropout off (p=0, or model.eval() in the factory)")
     return b1
+
+
+def _same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit on the CPU; elsewhere within 1e-3 relative (GPU kernels may reduce in
+    another order on every call, dropout moves a loss by far more)."""
+    if a.device.type == "cpu":
+        return torch.equal(a, b)
+    return bool(((a - b).abs() <= 1e-3 * a.abs()).all())
 
 
 def _to_fp64(batch: Mapping) -> dict:
