@@ -58,7 +58,7 @@ def test_every_parameter_and_the_loss_are_compared(results):
 def test_a_pass_says_what_it_rules_out(results):
     r = results[0]
     assert 0 < r.metrics["min_detectable_scale_error"] < 1e-5
-    assert "rules out a scale error >" in r.message
+    assert "rules out a scale error of the whole gradient >" in r.message
     assert results[2].metrics["min_detectable_scale_error"] > r.metrics["min_detectable_scale_error"]
     assert results[5].metrics["scale_error_se"] < results[6].metrics["scale_error_se"]  # fp32 vs bf16 reduce
 

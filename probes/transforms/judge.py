@@ -35,7 +35,8 @@ Verdict kinds, in this order:
                 transform's dtype explains);
   noise         none of the above: zero-mean differences of rounding size.
 A pass states what it rules out: the smallest scale error and signed relative bias the
-trials would have detected at the same level with 80% power (trainprobes.power).
+trials would have detected at the same level with 80% power (trainprobes.power), of the
+whole gradient and of the least resolved parameter (a small one resolves far less).
 """
 from __future__ import annotations
 
@@ -248,6 +249,12 @@ def judge(truth, obs: Observed, *, alpha: float, min_effect: float, noise_tol: f
     mde_scale = min_detectable_effect(tests["scale"]["se"], tests["scale"]["trials"] - 1, level)
     mde_signed = min_detectable_effect(tests["signed_relative_error"]["se"],
                                        tests["signed_relative_error"]["trials"] - 1, level)
+    # the whole gradient's resolution says nothing of a small parameter's (8 LayerNorm
+    # elements among 100k weights): each parameter's own, and the least resolved one
+    mde_param = {n: min_detectable_effect(tests[n]["se"], tests[n]["trials"] - 1, level)
+                 for n in names if n in tests}
+    resolved = {n: v for n, v in mde_param.items() if not math.isnan(v)}
+    weakest = max(resolved, key=resolved.get) if resolved else None
     metrics = {
         "trials": T, "alpha": alpha, "alpha_per_test": level, "tests": m, "paired": b is not None,
         "min_effect": min_effect, "noise_tol": noise_tol, "replica_tol": replica_tol, "power": POWER,
@@ -263,6 +270,7 @@ def judge(truth, obs: Observed, *, alpha: float, min_effect: float, noise_tol: f
         "max_relative_error": float(a.rel.max()), "mean_relative_error": float(a.rel.mean()),
         "max_added_error": float(added.max()), "mean_residual": float(a.residual.mean()),
         "min_detectable_scale_error": mde_scale, "min_detectable_relative_bias": mde_signed,
+        "min_detectable_parameter_scale_error": resolved[weakest] if weakest else mde_scale,
         "n_parameters": len(names), "n_biased_parameters": sum(1 for k in significant if k in r),
         "n_inconsistent": len(replicas), "loss_reported": loss is not None,
     }
@@ -290,6 +298,7 @@ def judge(truth, obs: Observed, *, alpha: float, min_effect: float, noise_tol: f
                       "scale": float(ps.mean()),
                       "scale_se": float(ps.std() / math.sqrt(T)) if T > 1 else math.nan,
                       "p": None if col is None else col["p"], "biased": n in significant,
+                      "min_detectable_scale_error": mde_param.get(n, math.nan),
                       "max_relative_error": float(a.p_rel[:, i].max()),
                       "mean_relative_error": float(a.p_rel[:, i].mean())})
     evidence = {"parameters": table, "tests": tests, "replica_disagreements": replicas[:20],
@@ -297,7 +306,7 @@ def judge(truth, obs: Observed, *, alpha: float, min_effect: float, noise_tol: f
                               "relative_error": a.rel.tolist(), "added_error": added.tolist(),
                               "loss_relative_error": None if a.loss_rel is None else a.loss_rel.tolist()}}
     kind, where, msg = _verdict(names, metrics, tests, table, significant, replicas, nonfinite,
-                                _exact(g, r, obs, loss, truth.loss), noise_tol, alpha, level)
+                                _exact(g, r, obs, loss, truth.loss), noise_tol, alpha, level, weakest)
     metrics["transform_verdict"] = kind
     metrics["equivalent"] = kind in EQUIVALENT
     metrics["worst_parameter"] = where
@@ -305,7 +314,7 @@ def judge(truth, obs: Observed, *, alpha: float, min_effect: float, noise_tol: f
 
 
 def _verdict(names, metrics, tests, table, significant, replicas, nonfinite, exact, noise_tol,
-             alpha, level) -> tuple:
+             alpha, level, weakest=None) -> tuple:
     """(kind, worst parameter, message) in the order of the module docstring."""
     T, m = metrics["trials"], metrics["tests"]
 
@@ -365,8 +374,12 @@ def _verdict(names, metrics, tests, table, significant, replicas, nonfinite, exa
     unseen = "" if loss else "; the step reports no loss, so loss-level bugs are not checked"
     low = max(metrics["min_detectable_scale_error"], metrics["min_effect"])
     low_signed = max(metrics["min_detectable_relative_bias"], metrics["min_effect"])
+    low_param = max(metrics["min_detectable_parameter_scale_error"], metrics["min_effect"])
+    one = (f", and in any one parameter > {low_param:.2g} (least resolved: {weakest})"
+           if weakest is not None and low_param > low else "")
     return "noise", worst("max_relative_error"), (
         f"noise: zero-mean differences (max relative error {metrics['max_relative_error']:.2g} "
         f"against fp64, {metrics['max_added_error']:.2g} added by the transform <= noise_tol "
-        f"{noise_tol:g}); rules out a scale error > {low:.2g} and a signed relative bias > "
-        f"{low_signed:.2g} ({POWER:.0%} power at alpha {alpha:g}/{m} per test, {T} trials){unseen}")
+        f"{noise_tol:g}); rules out a scale error of the whole gradient > {low:.2g}{one}, and a "
+        f"signed relative bias > {low_signed:.2g} ({POWER:.0%} power at alpha {alpha:g}/{m} per "
+        f"test, {T} trials){unseen}")
