@@ -186,3 +186,12 @@ def test_a_pass_states_what_it_rules_out_in_its_least_resolved_parameter():
     # honest: a scale error in that parameter at 1.5x the stated bound is caught most of the time
     caught = sum(small_parameter_case(s, 1 + 1.5 * one).kind == "biased" for s in range(1, 31))
     assert caught >= 24
+
+
+def test_a_small_significant_scale_is_written_so_it_does_not_read_as_one():
+    truth, base, g = make()
+    j = run(truth, observed({n: noisy(r * (1 + 2e-5), g, 1e-7) for n, r in truth.grads.items()},
+                            noisy(truth.loss, g)), base)
+    assert j.kind == "biased"
+    assert "gradients scaled by 1+2e-05" in j.message and "x1+2e-05" in j.message
+    assert " x1 " not in j.message and "[1, 1]" not in j.message

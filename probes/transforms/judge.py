@@ -313,6 +313,12 @@ def judge(truth, obs: Observed, *, alpha: float, min_effect: float, noise_tol: f
     return Judgement(kind, metrics, evidence, msg, where, tests)
 
 
+def _scale(x: float) -> str:
+    """A scale factor as text: 4 digits, or 1 plus its error where 4 digits read 1 (a
+    significant 1 + 5e-8 must not print as "x1")."""
+    return f"{x:.4g}" if not math.isfinite(x) or abs(x - 1) >= 5e-4 else f"1{x - 1:+.3g}"
+
+
 def _verdict(names, metrics, tests, table, significant, replicas, nonfinite, exact, noise_tol,
              alpha, level, weakest=None) -> tuple:
     """(kind, worst parameter, message) in the order of the module docstring."""
@@ -345,17 +351,17 @@ def _verdict(names, metrics, tests, table, significant, replicas, nonfinite, exa
             LOSS if significant == ["loss"] else worst("mean_relative_error"))
         parts = []
         if "scale" in significant or "signed_relative_error" in significant:
-            parts.append(f"gradients scaled by {metrics['scale']:.4g} ({1 - alpha:.0%} CI "
-                         f"[{metrics['scale_ci_low']:.4g}, {metrics['scale_ci_high']:.4g}]), signed "
+            parts.append(f"gradients scaled by {_scale(metrics['scale'])} ({1 - alpha:.0%} CI "
+                         f"[{_scale(metrics['scale_ci_low'])}, {_scale(metrics['scale_ci_high'])}]), signed "
                          f"relative error {metrics['signed_relative_error']:+.3g}")
         if params:
             scale_of = {x["parameter"]: x["scale"] for x in table}
-            shown = ", ".join(f"{k} x{scale_of[k]:.4g}" for k in
+            shown = ", ".join(f"{k} x{_scale(scale_of[k])}" for k in
                               sorted(params, key=lambda k: -abs(tests[k]["mean"]))[:4])
             parts.append(f"in {len(params)} of {len(names)} parameters ({shown})")
         if "loss" in significant:
-            parts.append(f"loss x{metrics['loss_scale']:.4g} (CI [{metrics['loss_scale_ci_low']:.4g}, "
-                         f"{metrics['loss_scale_ci_high']:.4g}])")
+            parts.append(f"loss x{_scale(metrics['loss_scale'])} (CI [{_scale(metrics['loss_scale_ci_low'])}, "
+                         f"{_scale(metrics['loss_scale_ci_high'])}])")
         rest = (f"; beyond the scale a residual of {metrics['mean_residual']:.2g} remains"
                 if metrics["mean_residual"] > noise_tol else "")
         return "biased", where, (
