@@ -195,3 +195,18 @@ def test_a_small_significant_scale_is_written_so_it_does_not_read_as_one():
     assert j.kind == "biased"
     assert "gradients scaled by 1+2e-05" in j.message and "x1+2e-05" in j.message
     assert " x1 " not in j.message and "[1, 1]" not in j.message
+
+
+def two_replicas(edit):
+    truth, base, g = make()
+    grads = {n: noisy(r, g).float().double() for n, r in truth.grads.items()}
+    obs = observed(grads, noisy(truth.loss, g), ranks=(0, 1))
+    x = obs.grads["0.bias"][1].clone()
+    x[3, 5] = edit(x[3, 5])
+    obs.grads["0.bias"][1] = x
+    return run(truth, obs, base)
+
+
+def test_a_nan_on_one_replica_is_wrong_not_a_disagreement():
+    j = two_replicas(lambda v: math.nan)
+    assert j.kind == "wrong" and j.worst_parameter == "0.bias" and "nan" not in j.message.replace("NaN", "")

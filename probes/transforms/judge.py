@@ -205,8 +205,9 @@ def judge(truth, obs: Observed, *, alpha: float, min_effect: float, noise_tol: f
     r = {n: truth.grads[n].reshape(T, -1) for n in names}
     loss = obs.losses[min(obs.losses)] if obs.losses else None
 
-    nonfinite = [n for n in names if not torch.isfinite(g[n]).all()]
-    if loss is not None and not torch.isfinite(loss).all():
+    # on any rank: a NaN on one replica is a NaN, not a disagreement between replicas
+    nonfinite = [n for n in names if not all(bool(torch.isfinite(v).all()) for v in obs.grads[n].values())]
+    if not all(bool(torch.isfinite(v).all()) for v in obs.losses.values()):
         nonfinite.append(LOSS)
     replicas = _replicas(obs, replica_tol)
 
