@@ -210,3 +210,10 @@ def two_replicas(edit):
 def test_a_nan_on_one_replica_is_wrong_not_a_disagreement():
     j = two_replicas(lambda v: math.nan)
     assert j.kind == "wrong" and j.worst_parameter == "0.bias" and "nan" not in j.message.replace("NaN", "")
+
+
+def test_replicas_one_rounding_apart_are_named_as_rounding_not_a_missing_reduction():
+    j = two_replicas(lambda v: torch.nextafter(v.float(), torch.tensor(10.0)).double())
+    assert j.kind == "inconsistent" and "rounding-sized" in j.message and "0.0%" not in j.message
+    far = two_replicas(lambda v: v + 1.0)
+    assert far.kind == "inconsistent" and "a reduction missing" in far.message

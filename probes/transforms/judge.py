@@ -336,12 +336,17 @@ def _verdict(names, metrics, tests, table, significant, replicas, nonfinite, exa
             f"format (fp16 loss scaling, a compression hook) or NaN in the data")
     if replicas:
         bad = sorted({x["parameter"] for x in replicas})
-        return "inconsistent", replicas[0]["parameter"], (
-            f"inconsistent: ranks {replicas[0]['ranks']} hold different values for replicated "
-            f"{bad[:4]} (max difference {replicas[0]['max_difference']:.3g}, "
-            f"{replicas[0]['relative']:.1%} of it): a reduction missing over the group that "
-            f"replicates it (sequence-parallel LayerNorm weights, a bias of a row-parallel "
-            f"layer) or rank-dependent computation (an unsynchronised dropout seed)")
+        top = replicas[0]
+        why = (f"rounding-sized (<= noise_tol {noise_tol:g}): the replicas reduce in different orders "
+               f"or formats, so they drift apart step by step (pass replica_tol= to accept it)"
+               if top["relative"] <= noise_tol else
+               "a reduction missing over the group that replicates it (sequence-parallel "
+               "LayerNorm weights, a bias of a row-parallel layer) or rank-dependent computation "
+               "(an unsynchronised dropout seed)")
+        return "inconsistent", top["parameter"], (
+            f"inconsistent: ranks {top['ranks']} hold different values for replicated "
+            f"{bad[:4]} (max difference {top['max_difference']:.3g}, {top['relative']:.2g} of the "
+            f"largest value): {why}")
     if exact:
         return "exact", worst("max_relative_error"), (
             f"exact: every gradient{' and the loss' if loss else ''} equal the fp64 single-device "
