@@ -274,7 +274,8 @@ def check_judgeable(r: Result, side: str) -> None:
 def standard_error(r: Result, name: str, side: str = "") -> float | None:
     """The standard error of metric `name` of r, from the first of: `<name>_se`, `se_mean`,
     |value / <name>_z|, std / sqrt(trials), or the CI (ci_low, ci_high) at `confidence`
-    (normal approximation)."""
+    (normal approximation). None when there is none, or it is NaN or infinite: an infinite
+    SE makes z = 0 (or inf/inf = NaN), so any growth would pass untested."""
     from statistics import NormalDist
 
     def num(n):
@@ -295,11 +296,12 @@ def standard_error(r: Result, name: str, side: str = "") -> float | None:
         conf = num("confidence") or 0.95
         if lo is not None and hi is not None and 0 < conf < 1:
             se = (hi - lo) / (2 * NormalDist().inv_cdf((1 + conf) / 2))
-    return None if se is None or math.isnan(se) else abs(se)
+    return None if se is None or not math.isfinite(se) else abs(se)
 
 
 def estimate(r: Result, name: str, side: str = "") -> tuple[float, float] | None:
-    """(value, standard error) of metric `name` of r, or None when either is missing/NaN."""
+    """(value, standard error) of metric `name` of r, or None when the value is missing or
+    NaN, or the standard error missing, NaN or infinite."""
     value = _number(r, name, side)
     if value is None or math.isnan(value):
         return None
@@ -385,10 +387,10 @@ def _compare_pair(b: Result, c: Result, alpha: float, rel_tol: float) -> list[Re
     for code, name, label, floor in ESTIMATES:
         eb, ec = estimate(b, name, "baseline"), estimate(c, name, "candidate")
         if eb and not ec and name in c.metrics:
-            # NaN (or without a usable standard error): skipping the test would pass a
+            # NaN (or without a finite standard error): skipping the test would pass a
             # candidate whose estimate cannot be shown not to have grown
-            add(code, f"{label} `{name}` cannot be tested in the candidate: the value or its "
-                "standard error is NaN or has no source", f"{eb[0]:.4g} ± {eb[1]:.2g} (SE)",
+            add(code, f"{label} `{name}` cannot be tested in the candidate: the value is NaN, "
+                "or its standard error is NaN, infinite or has no source", f"{eb[0]:.4g} ± {eb[1]:.2g} (SE)",
                 f"{_fmt(c.metrics.get(name))} ± {_fmt(standard_error(c, name))} (SE)",
                 c.message)
             continue

@@ -561,3 +561,24 @@ def test_any_documented_number_mistyped_cannot_judge(tmp_path, side):
                   [stall])
     assert rep.exit_code == 2
     assert "metric sequential_sum[fp16,1]='2048' is a str, expected a number" in rep.cannot_judge
+
+
+# --- review-gate: what still passed when it should not -----------------------------------
+
+INF_SE = [
+    ("bias std became inf", BIAS(1e-4, 1e-4), BIAS(0.5, math.inf), ["TP-G2"]),
+    ("bias and std became inf", BIAS(1e-4, 1e-4), BIAS(math.inf, math.inf), ["TP-G2"]),
+    ("bias CI became infinite", R(bias=0.0, ci_low=-1e-5, ci_high=1e-5),
+     R(bias=1e-3, ci_low=-math.inf, ci_high=math.inf), ["TP-G2"]),
+    ("drift se_mean became inf", DRIFT(-1e-3, 1e-4), DRIFT(-5e-2, math.inf), ["TP-G3"]),
+    ("transform scale_error_se became inf", R(scale_error=1e-8, scale_error_se=1e-8),
+     R(scale_error=0.5, scale_error_se=math.inf), ["TP-T4"]),
+]
+
+
+@pytest.mark.parametrize("name,base,cand,codes", INF_SE, ids=[c[0] for c in INF_SE])
+def test_an_infinite_standard_error_is_untestable_like_nan(name, base, cand, codes):
+    # an infinite SE made z = 0 (or inf/inf = NaN, p = 1): any growth passed unseen
+    rep = compare([base], [cand], today=TODAY)
+    assert [r.code for r in rep.regressions] == codes and rep.exit_code == 1
+    assert "cannot be tested" in rep.regressions[0].what
