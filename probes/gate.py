@@ -197,6 +197,8 @@ def load_waivers(path) -> list[Waiver]:
 NUMBERS = ("bias", "bias_se", "bias_z", "mean_log_ratio", "mean_log_ratio_se",
            "mean_log_ratio_z", "se_mean", "std", "trials", "ci_low", "ci_high", "confidence",
            "min_effect", "min_bias", "accumulator_mantissa_bits")
+# The probes' own floors (ESTIMATES): growth below one is not a regression, so they must be finite.
+FLOORS = ("min_effect", "min_bias")
 
 
 def _number(r: Result, name: str, side: str) -> float | None:
@@ -258,6 +260,11 @@ def check_judgeable(r: Result, side: str) -> None:
                               "always reports them and the gate's rules need them")
     for name in NUMBERS:
         _number(r, name, side)
+    for name in FLOORS:  # abs(x) >= NaN (or inf) is False: the growth test would be skipped
+        v = _number(r, name, side)
+        if v is not None and not math.isfinite(v):
+            raise CannotJudge(f"{where}: metric {name}={v} is the probe's floor for an effect "
+                              "that matters, and is not finite (was the report edited?)")
     if spec is not None:  # every number the probe documents, not only those a rule reads
         for name, v in r.metrics.items():
             if v is not None and spec.is_number(name):
@@ -395,8 +402,12 @@ def _compare_pair(b: Result, c: Result, alpha: float, rel_tol: float) -> list[Re
                 c.message)
             continue
         # Growth that stays below the probe's own floor (drift min_bias, bias min_effect)
-        # is significant and harmless: the candidate's probe would not fail it either.
-        if eb and ec and abs(ec[0]) >= (_number(c, floor, "candidate") or 0.0):
+        # is significant and harmless: the candidate's probe would not fail it either. The
+        # lower of the two reports' floors: a candidate that raised its own (a config edit in
+        # the change under review) must not silence the test of that change.
+        floors = [f for f in (_number(b, floor, "baseline"), _number(c, floor, "candidate"))
+                  if f is not None]
+        if eb and ec and abs(ec[0]) >= min(floors, default=0.0):
             sig, z, p = larger_magnitude(eb, ec, alpha, rel_tol)
             if sig:
                 ratio = abs(ec[0]) / abs(eb[0]) if eb[0] else math.inf

@@ -582,3 +582,25 @@ def test_an_infinite_standard_error_is_untestable_like_nan(name, base, cand, cod
     rep = compare([base], [cand], today=TODAY)
     assert [r.code for r in rep.regressions] == codes and rep.exit_code == 1
     assert "cannot be tested" in rep.regressions[0].what
+
+
+def test_a_candidate_cannot_raise_its_own_floor_past_a_regression():
+    # the candidate's config raised min_effect 1e-6 -> 1.0: its probe calls 1e-3 unbiased, but
+    # against the accepted floor (the baseline's) the growth is a regression
+    base = R(bias=1e-6, bias_se=1e-9, min_effect=1e-6)
+    for cand, code in ((R(bias=1e-3, bias_se=1e-9, min_effect=1.0), "TP-G2"),
+                       (DRIFT(2e-2, 1e-8, min_bias=1.0), "TP-G3")):
+        b = DRIFT(1e-6, 1e-9, min_bias=1e-5) if code == "TP-G3" else base
+        rep = compare([b], [cand], today=TODAY)
+        assert [r.code for r in rep.regressions] == [code] and rep.exit_code == 1
+
+
+@pytest.mark.parametrize("side", ["baseline", "candidate"])
+@pytest.mark.parametrize("floor", [math.nan, math.inf])
+def test_a_non_finite_floor_cannot_judge(side, floor):
+    # abs(bias) >= NaN (or inf) is False: the growth test was skipped and the gate passed
+    base = R(bias=1e-6, bias_se=1e-9, min_effect=floor if side == "baseline" else 1e-6)
+    cand = R(bias=1e-3, bias_se=1e-9, min_effect=floor if side == "candidate" else 1e-6)
+    rep = compare([base], [cand], today=TODAY)
+    assert rep.exit_code == 2 and f"{side} 'custom.probe::t'" in rep.cannot_judge
+    assert "min_effect" in rep.cannot_judge and "floor" in rep.cannot_judge
