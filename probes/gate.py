@@ -197,6 +197,21 @@ def load_waivers(path) -> list[Waiver]:
 NUMBERS = ("bias", "bias_se", "bias_z", "mean_log_ratio", "mean_log_ratio_se",
            "mean_log_ratio_z", "se_mean", "std", "trials", "ci_low", "ci_high", "confidence",
            "min_effect", "min_bias", "accumulator_mantissa_bits")
+# The label a probe derives its verdict boolean from: (metric, labels of the good value,
+# labels of the bad). trainprobes.transforms.judge: equivalent = kind in EQUIVALENT;
+# trainprobes.drift.verdict.classify: biased <=> drift_verdict "biased".
+FLAG_LABELS = {
+    "transforms.equivalence": ("transform_verdict", ("exact", "noise"),
+                               ("biased", "inconsistent", "wrong")),
+    "drift.compare": ("drift_verdict", ("clean", "noisy", "heavy-tailed"), ("biased",)),
+}
+# Booleans beside the verdict one whose bad value carries its own code and never passes:
+# (metric, bad value, code). drift.verdict.judge: heavy_tailed -> TP-D2 (warn);
+# causality.summary: batch_isolated False -> TP-C3 (fail).
+SIDE_FLAGS = {
+    "drift.compare": (("heavy_tailed", True, "TP-D2"),),
+    "causality.check": (("batch_isolated", False, "TP-C3"),),
+}
 # The probes' own floors (ESTIMATES): growth below one is not a regression, so they must be finite.
 FLOORS = ("min_effect", "min_bias")
 
@@ -253,6 +268,7 @@ def check_judgeable(r: Result, side: str) -> None:
             raise CannotJudge(f"{where}: verdict 'fail' but metric {spec.flag}={value}, and no "
                               f"other code ({r.codes}) or broken threshold explains it (was "
                               "the report edited?)")
+    _check_labels(r, where, measured)
     if spec is not None and measured:
         missing = [n for n in spec.needs if n not in r.metrics]
         if missing:
@@ -274,6 +290,32 @@ def check_judgeable(r: Result, side: str) -> None:
         if v is not None and not isinstance(v, bool):
             raise CannotJudge(f"{where}: metric {name}={v!r} is mistyped: a "
                               f"{type(v).__name__}, expected true or false")
+
+
+def _check_labels(r: Result, where: str, measured: bool) -> None:
+    """The labels and side booleans a probe writes agree with its verdict (FLAG_LABELS,
+    SIDE_FLAGS): a transform labelled "biased" beside `equivalent` true, or a heavy-tailed
+    drift that passes, was edited (or the probe is broken); neither can be judged."""
+    spec = PROBES.get(r.probe)
+    if r.probe in FLAG_LABELS and measured and r.metrics.get(spec.flag) is not None:
+        name, good, bad = FLAG_LABELS[r.probe]
+        label = r.metrics.get(name)
+        if name in r.metrics and label not in good + bad:
+            raise CannotJudge(f"{where}: metric {name}={label!r} is not one of "
+                              f"{list(good + bad)} (was the report edited?)")
+        flag = r.metrics[spec.flag]
+        if name in r.metrics and (label in good) != (flag is VERDICT_FLAGS[spec.flag]):
+            raise CannotJudge(f"{where}: metric {name}={label!r} contradicts "
+                              f"{spec.flag}={flag} (was the report edited?)")
+    for name, bad, code in SIDE_FLAGS.get(r.probe, ()):
+        v = r.metrics.get(name)
+        if v is not None and not isinstance(v, bool):
+            raise CannotJudge(f"{where}: metric {name}={v!r} is mistyped: a "
+                              f"{type(v).__name__}, expected true or false")
+        if v is bad and (r.verdict == "pass" or code not in r.codes):
+            raise CannotJudge(f"{where}: metric {name}={v} goes with code {code} and never "
+                              f"passes, but the verdict is {r.verdict!r} with codes {r.codes} "
+                              "(was the report edited?)")
 
 
 # --- statistics --------------------------------------------------------------------------

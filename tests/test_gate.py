@@ -604,3 +604,44 @@ def test_a_non_finite_floor_cannot_judge(side, floor):
     rep = compare([base], [cand], today=TODAY)
     assert rep.exit_code == 2 and f"{side} 'custom.probe::t'" in rep.cannot_judge
     assert "min_effect" in rep.cannot_judge and "floor" in rep.cannot_judge
+
+
+def _transform(kind, equivalent, verdict="pass", codes=()):
+    return R("transforms.equivalence", "t", verdict, codes, equivalent=equivalent,
+             transform_verdict=kind, scale=1.0, scale_error=0.0, scale_error_se=1e-8, trials=16)
+
+
+CONTRADICTIONS = [
+    # the label the probe derives its boolean from says the opposite of the boolean
+    ("transform biased but equivalent", _transform("biased", True), "transform_verdict"),
+    ("transform wrong but equivalent", _transform("wrong", True), "transform_verdict"),
+    ("transform noise but not equivalent", _transform("noise", False, "fail", ["TP-T1"]),
+     "transform_verdict"),
+    ("transform of an unknown kind", _transform("fine", True), "transform_verdict"),
+    ("drift labelled biased but not biased", DRIFT(1e-5, 1e-5, drift_verdict="biased"),
+     "drift_verdict"),
+    # a boolean beside the verdict one whose bad value carries its own code
+    ("drift heavy-tailed but passes", DRIFT(1e-5, 1e-5, heavy_tailed=True), "heavy_tailed"),
+    ("router leaks across the batch but passes", CAUSAL(batch_isolated=False), "batch_isolated"),
+]
+
+
+@pytest.mark.parametrize("side", ["baseline", "candidate"])
+@pytest.mark.parametrize("name,edited,metric", CONTRADICTIONS, ids=[c[0] for c in CONTRADICTIONS])
+def test_a_label_that_contradicts_the_verdict_cannot_judge(side, name, edited, metric):
+    # a transform edited to "biased" (or a drift to heavy-tailed) beside a pass was exit 0
+    ok = {"transforms.equivalence": _transform("noise", True), "drift.compare": DRIFT(1e-5, 1e-5),
+          "causality.check": CAUSAL()}[edited.probe]
+    base, cand = (edited, ok) if side == "baseline" else (ok, edited)
+    rep = compare([base], [cand], today=TODAY)
+    assert rep.exit_code == 2 and side in rep.cannot_judge and metric in rep.cannot_judge
+
+
+def test_labels_that_agree_are_judged():
+    rows = [_transform("exact", True), _transform("biased", False, "fail", ["TP-T1"]),
+            DRIFT(1e-5, 1e-5, drift_verdict="heavy-tailed", heavy_tailed=True, codes=["TP-D2"],
+                  verdict="warn"),
+            DRIFT(1e-2, 1e-5, biased=True, drift_verdict="biased", heavy_tailed=False),
+            R("causality.check", "t", "fail", ["TP-C3"], causal=True, batch_isolated=False)]
+    for r in rows:
+        assert compare([r], [r], today=TODAY).exit_code == 0, r
