@@ -465,10 +465,16 @@ def _compare_pair(b: Result, c: Result, alpha: float, rel_tol: float) -> list[Re
             f"{bb:g} bits", f"{cb:g} bits", c.message)
     if "TP-D3" in c.codes and "TP-D3" not in b.codes:
         add("TP-G3", "drift went over its threshold", b.verdict, c.verdict, c.message)
-    if b.passed and c.verdict == "fail" and not regs:
+    if b.passed and c.verdict == "fail":
         # Any other verdict that worsened is reported as that, with the probe's own codes
-        # (check_judgeable made sure a fail carries one and its metrics agree).
-        for code in c.codes:
+        # (check_judgeable made sure a fail carries one and its metrics agree). Codes a rule
+        # above already reported (the flag's or estimate's code, TP-D3 as TP-G3, TP-B3) are
+        # not repeated; any other is its own regression, so a waiver of one (TP-C1) does not
+        # hide another that is new (TP-C3).
+        covered = {r.code for r in regs}
+        if regs:
+            covered |= {"TP-D3", "TP-B3"} | ({spec.code} if spec is not None else set())
+        for code in [x for x in c.codes if x not in covered]:
             add(code, f"verdict went from {b.verdict} to fail ({CODES[code]})",
                 b.verdict, c.verdict, c.message)
     return regs

@@ -645,3 +645,14 @@ def test_labels_that_agree_are_judged():
             R("causality.check", "t", "fail", ["TP-C3"], causal=True, batch_isolated=False)]
     for r in rows:
         assert compare([r], [r], today=TODAY).exit_code == 0, r
+
+
+def test_a_waiver_for_one_code_does_not_hide_another_new_one():
+    # the TP-C1 waiver (leaks accepted) also hid the router's new batch-isolation leak (TP-C3)
+    cand = R("causality.check", "t", "fail", ["TP-C1", "TP-C3"], causal=False,
+             batch_isolated=False)
+    waiver = Waiver("TP-C1", "t", "accepted for the ablation", date(2027, 1, 1))
+    rep = compare([CAUSAL(batch_isolated=True)], [cand], waivers=[waiver], today=TODAY)
+    assert [(r.code, r.waived_by is not None) for r in rep.regressions] == [
+        ("TP-C1", True), ("TP-C3", False)]
+    assert rep.exit_code == 1
