@@ -153,6 +153,10 @@ def parse_waivers(doc, source: str = "waivers") -> list[Waiver]:
         if w["code"] not in CODES:
             raise ValueError(f"{where} code={w['code']!r} is not a known code; "
                              f"known: {', '.join(sorted(CODES))}")
+        if not str(w["target"]).strip("*? "):
+            raise ValueError(f"{where} target={w['target']!r} matches every target: a waiver "
+                             "names what it excuses (an exact target or a pattern with a name "
+                             "in it, e.g. 'all_reduce[bf16*')")
         exp = w["expires"]
         if isinstance(exp, str):
             try:
@@ -565,6 +569,12 @@ def compare(baseline: list[Result], candidate: list[Result], *, waivers=(),
                 used.add(w)
                 break
     report.unused_waivers = [w for w in live if w not in used]
+    if not report.compared and not report.blocking:
+        # nothing in both reports and nothing blocking: a pass here would have checked nothing
+        report.cannot_judge = (
+            f"nothing to compare: the baseline holds {len(base)} Result(s), the candidate "
+            f"{len(cand)}, and no probe::target is in both; save a report of the base branch "
+            f"as the baseline (the same command and suite as the candidate)")
     return report
 
 

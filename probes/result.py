@@ -378,8 +378,12 @@ class Result:
 
     @property
     def reproduced(self) -> bool | None:
-        """For a control: did it get its known verdict? None for a finding."""
-        return None if self.expected is None else self.verdict == self.expected
+        """For a control: did it get its known verdict? None for a finding. A probe that
+        knows a finer verdict than pass/fail (the transforms zoo: biased, not merely some
+        failure) says whether it matched in metrics matches_known_verdict; False misses."""
+        if self.expected is None:
+            return None
+        return self.verdict == self.expected and self.metrics.get("matches_known_verdict") is not False
 
     @property
     def key(self) -> str:

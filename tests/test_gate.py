@@ -656,3 +656,26 @@ def test_a_waiver_for_one_code_does_not_hide_another_new_one():
     assert [(r.code, r.waived_by is not None) for r in rep.regressions] == [
         ("TP-C1", True), ("TP-C3", False)]
     assert rep.exit_code == 1
+
+
+# --- nothing compared, nothing excused wholesale -----------------------------------------
+
+@pytest.mark.parametrize("target", ["*", "**", "?*", " * "])
+def test_a_waiver_that_matches_every_target_is_refused(target):
+    doc = {"waiver": [{"code": "TP-G1", "target": target, "reason": "r", "expires": "2027-01-01"}]}
+    with pytest.raises(ValueError, match="matches every target"):
+        parse_waivers(doc)
+
+
+def test_reports_with_no_result_in_common_cannot_pass():
+    # an empty candidate with every TP-G1 waived by name, or an empty baseline: nothing
+    # was compared, so the gate cannot say the change is safe
+    base = [CAUSAL(True, target="a"), CAUSAL(True, target="b")]
+    waivers = parse_waivers({"waiver": [{"code": "TP-G1", "target": t, "reason": "r",
+                                         "expires": "2027-01-01"} for t in ("a", "b")]})
+    rep = compare(base, [], waivers=waivers, today=TODAY)
+    assert rep.exit_code == 2 and "nothing to compare" in rep.cannot_judge
+    rep = compare([], [CAUSAL(True, target="c")], today=TODAY)  # an empty baseline
+    assert rep.exit_code == 2 and "nothing to compare" in rep.cannot_judge
+    # a new failure still blocks (exit 1) rather than being hidden behind "cannot judge"
+    assert compare([], [CAUSAL(False, target="c")], today=TODAY).exit_code == 1

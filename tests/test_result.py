@@ -208,6 +208,17 @@ def test_a_control_carries_its_expected_verdict_through_json():
         Result("causality.check", "x", "fail", expected="leaky")
 
 
+def test_a_control_with_a_finer_known_verdict_must_match_it():
+    # a zoo bug known "biased" that came out "wrong" fails as expected, yet is not the
+    # mechanism the control stands for: not reproduced (audit calibration, gate TP-G4)
+    wrong = Result("transforms.equivalence", "zoo.x[bug]", "fail", expected="fail",
+                   metrics={"transform_verdict": "wrong", "known_verdict": "biased",
+                            "matches_known_verdict": False})
+    assert wrong.reproduced is False
+    wrong.metrics["matches_known_verdict"] = True
+    assert wrong.reproduced is True
+
+
 # --- reading metrics through the model ----------------------------------------------------
 
 def test_number_reads_numbers_and_names_a_mistyped_one():
