@@ -31,13 +31,20 @@ from typing import Callable
 import torch
 from trainprobes.causality.classify import Judge, Kind, Nondeterministic, Outputs
 from trainprobes.causality.cuts import Cuts
-from trainprobes.causality.inputs import MODES, Perturbed, as_batched, replacements, resolve_cuts
+from trainprobes.causality.inputs import (
+    MODES,
+    Perturbed,
+    as_batched,
+    replacements,
+    resolve_cuts,
+    spread_first,
+)
 from trainprobes.causality.records import NOT_TESTED, Findings, Isolation
 from trainprobes.causality.summary import Setup, nondeterministic, summarise
 from trainprobes.causality.target import Picker, Target, differs
 from trainprobes.errors import TargetError
 from trainprobes.result import Result
-from trainprobes.validation import check_bool, check_choice, check_int, check_number
+from trainprobes.validation import check_choice, check_int, check_number
 
 __all__ = ["check", "resolve_cuts", "MODES"]
 
@@ -45,7 +52,7 @@ __all__ = ["check", "resolve_cuts", "MODES"]
 def check(fn: Callable, inputs: torch.Tensor, *, mode: str = "perturb", cuts=None, trials: int = 1,
           seed: int = 0, atol: float = 0.0, decision: Picker = None, scores: Picker = None,
           layout: str = "batched", vocab: int | None = None, fp64=None,
-          margin_tol: float | None = None, pack: bool = True, max_batch_tokens: int = 65536,
+          margin_tol: float | None = None, pack: bool | int = True, max_batch_tokens: int = 65536,
           max_verify: int | None = None, max_leaks: int = 200, target: str | None = None,
           progress: Callable[[int, int], None] | None = None) -> Result:
     """Probe fn for decisions that depend on future tokens. Returns a Result (probe
@@ -66,7 +73,8 @@ def check(fn: Callable, inputs: torch.Tensor, *, mode: str = "perturb", cuts=Non
     trials = check_int(trials, "trials", min=1, hint="perturbations per cut")
     atol = check_number(atol, "atol", min=0, finite=False)
     seed = check_int(seed, "seed")
-    pack = check_bool(pack, "pack")
+    if not isinstance(pack, bool):
+        pack = check_int(pack, "pack", min=1, hint="True (copies per call measured), False, or copies per call")
     max_batch_tokens = check_int(max_batch_tokens, "max_batch_tokens", min=1)
     max_leaks = check_int(max_leaks, "max_leaks", min=0, hint="leak records kept in the evidence")
     if max_verify is not None:
@@ -87,22 +95,27 @@ def check(fn: Callable, inputs: torch.Tensor, *, mode: str = "perturb", cuts=Non
     common = dict(probe="causality.check", target=name, seed=seed)
 
     judge = Judge(tgt, x, atol=atol, margin_tol=margin_tol, fp64=fp64, max_verify=max_verify)
+    run = Cuts(judge, tgt, Perturbed(x, R), atol=atol, progress=progress)
+    tasks = [(c, i) for c in cut_list for i in range(trials)]
     try:
-        _deterministic(judge)
-        iso = _batch_isolation(judge, R, layout)
-        run = Cuts(judge, tgt, Perturbed(x, R), atol=atol, batch_invariant=iso.batch_invariant,
-                   pack_error=iso.error, progress=progress)
-        tasks = [(c, i) for c in cut_list for i in range(trials)]
-        run.plan_packing(pack=pack, isolated=iso.isolated, mode=mode,
-                         max_batch_tokens=max_batch_tokens, n_tasks=len(tasks))
-        run.run(tasks, mode)
+        copies = run.plan(pack=pack, mode=mode, layout=layout, max_batch_tokens=max_batch_tokens,
+                          n_tasks=len(tasks))
+        iso, done = None, 0
+        if copies is not None:  # determinism and isolation ride along in the first call
+            tasks = spread_first(tasks, copies)
+            iso, done = run.fold(tasks[:copies], R)
+        if iso is None:  # as separate calls: no fold, or the fold moved and must say why
+            _deterministic(judge)
+            iso = run.after_checks(_batch_isolation(judge, R, layout))
+        run.run(tasks, mode, start=done)
     except Nondeterministic as e:
         return nondeterministic(common, setup, name, e.where, e.count, tgt.n_evaluations,
                                 tgt.tokens_evaluated)
     found = Findings(base=judge.base, isolation=iso, flips=run.flips, score_changes=run.score_changes,
                      batch_invariant=run.batch_invariant, packed=run.packed,
-                     packing_error=run.pack_error, first_flip_eval=run.first_flip_eval,
-                     fp64_status=judge.fp64_status, n_evaluations=tgt.n_evaluations,
+                     packing_error=run.pack_error, packing=run.packing_evidence(),
+                     first_flip_eval=run.first_flip_eval, fp64_status=judge.fp64_status,
+                     n_evaluations=tgt.n_evaluations, n_confirmations=judge.confirmations,
                      tokens_evaluated=tgt.tokens_evaluated)
     return summarise(common, setup, found)
 

@@ -183,6 +183,7 @@ class Judge:
         self.fp64_status = "not needed" if fp64 is not False else "disabled"
         self.verify_left = max_verify if max_verify is not None else float("inf")
         self.reproduced = 0  # flipped inputs seen again on a second call
+        self.confirmations = 0  # evaluations spent re-checking flips: re-runs, the fp64 twin
 
     def base_at(self, n: int) -> Outputs:
         """The baseline over the first n positions (a truncated run's length)."""
@@ -195,6 +196,7 @@ class Judge:
         time, so the first REPRODUCTIONS flipped inputs are each re-run once."""
         if self.reproduced >= REPRODUCTIONS:
             return
+        self.confirmations += 1
         y2, s2 = self.tgt(xc)
         # as the first determinism check: decisions within atol, scores bit for bit
         moved = differs(out.decision, y2, self.atol)
@@ -214,10 +216,12 @@ class Judge:
         if self._fp64_base is None and not self._start_fp64():
             return None
         self.verify_left -= 1
+        self.confirmations += 1
         self._fp64_last = (xc, Outputs(*self.tgt(xc, self._fp64_fn)))
         return self._fp64_last[1]
 
     def _start_fp64(self) -> bool:
+        self.confirmations += 1
         try:
             base = Outputs(*self.tgt(self.x, self._fp64_fn))
         except TargetError as e:
