@@ -1,16 +1,21 @@
 """The pre-merge gate: compare a candidate report with a baseline and say what regressed.
 
 Exit codes (`GateReport.exit_code`): 0 no unwaived regression, 1 at least one, 2 the gate
-cannot judge (a report is missing, corrupt, or of another schema: it fails closed).
+cannot judge. It fails closed: a report that is missing, corrupt or of another schema, or
+any Result that does not explain its own verdict or lacks (or mistypes) a metric a rule
+reads (check_judgeable), is "cannot judge", naming the report side, the key and the field.
 
 Regressions, each with a code from trainprobes.result.CODES so a reviewer can search and waive it:
   TP-G1  a probe present in the baseline is missing from the candidate;
-  TP-C1  a target that was causal now leaks (metric `causal` True -> False);
+  TP-C1  a target that was causal now leaks (metric `causal` True -> False); the same for
+         any probe's verdict boolean (trainprobes.result.PROBES) going from good to bad;
   TP-G2  a bias significantly larger: one-sided z-test on |bias| with both standard errors
          (trainprobes.numerics.bias: `bias`, SE = std / sqrt(trials));
   TP-G3  drift significantly worse (the same test on `mean_log_ratio` with `se_mean`, from
          trainprobes.drift.compare), or a drift Result newly over its threshold (TP-D3);
   TP-B3  lower revealed accumulator precision (`accumulator_mantissa_bits` decreased);
+  TP-G4  a control (Result.expected set) that reproduced its known verdict in the baseline,
+         or is new, misses it in the candidate: the harness is broken on that machine;
   TP-E1  the probe errored in the candidate;
   and any other result whose verdict went from pass/warn to fail keeps the candidate's codes.
 Waivers name a code, a target (exact, or an fnmatch pattern) and a reason, and expire.
@@ -24,8 +29,9 @@ from datetime import date, timedelta
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-from trainprobes.errors import CannotJudge
-from trainprobes.result import CODES, Result, SchemaError, load_results
+from trainprobes.errors import CannotJudge, InvalidType
+from trainprobes.result import CODES, PROBES, VERDICT_FLAGS, Result, SchemaError, load_results
+from trainprobes.validation import check_number
 
 # The estimates the gate tests, as probes name them: (code, metric, label). Each Result also
 # carries the estimate's standard error, found by `standard_error` (trainprobes.numerics.bias:
@@ -174,49 +180,112 @@ def load_waivers(path) -> list[Waiver]:
         raise CannotJudge(str(e)) from e
 
 
+# --- reading metrics, failing closed -----------------------------------------------------
+
+# Numbers some rule reads from any Result that holds them (estimates, their standard-error
+# sources, floors, precision): present with another type, the gate cannot judge.
+NUMBERS = ("bias", "bias_se", "bias_z", "mean_log_ratio", "mean_log_ratio_se",
+           "mean_log_ratio_z", "se_mean", "std", "trials", "ci_low", "ci_high", "confidence",
+           "min_effect", "min_bias", "accumulator_mantissa_bits")
+
+
+def _number(r: Result, name: str, side: str) -> float | None:
+    try:
+        return r.number(name)
+    except InvalidType as e:
+        raise CannotJudge(f"{side} {e}") from None
+
+
+def _threshold_broken(r: Result) -> bool:
+    """A configured fail_above/fail_below limit broke (trainprobes.audit.config)."""
+    t = r.evidence.get("thresholds")
+    return isinstance(t, dict) and bool(t.get("broken"))
+
+
+def check_judgeable(r: Result, side: str) -> None:
+    """Raise CannotJudge (naming side and key) unless the Result explains its own verdict
+    and holds, well typed, every metric the gate's rules read from it.
+
+    - a fail carries a code (every probe names why it fails);
+    - a probe with a verdict boolean (result.PROBES) reports it, as true/false (None only
+      beside fail/error), and the verdict agrees: the bad value never passes, and a fail
+      with the good value is explained by another code or a broken configured threshold;
+    - the numbers PROBES says the probe reports whenever it measured are present;
+    - every metric in NUMBERS that is present is a number (NaN is a number).
+    """
+    if r.verdict == "error":
+        return  # it measured nothing; the candidate's error is TP-E1
+    where = f"{side} {r.key!r}"
+    if r.verdict == "fail" and not r.codes:
+        raise CannotJudge(f"{where}: verdict 'fail' carries no code, so nothing explains it "
+                          "(every probe names why it fails; was the report edited?)")
+    spec = PROBES.get(r.probe)
+    measured = True
+    if spec is not None and spec.flag is not None:
+        try:
+            value = r.flag()
+        except CannotJudge as e:
+            raise CannotJudge(f"{side} {e}") from None
+        good = VERDICT_FLAGS[spec.flag]
+        measured = value is not None
+        if value is (not good) and r.passed:
+            raise CannotJudge(f"{where}: verdict {r.verdict!r} contradicts metric "
+                              f"{spec.flag}={value} (that fails with {spec.code}; was the "
+                              "report edited?)")
+        others = [c for c in r.codes if c != spec.code]
+        if value is good and r.verdict == "fail" and not others and not _threshold_broken(r):
+            raise CannotJudge(f"{where}: verdict 'fail' but metric {spec.flag}={value}, and no "
+                              f"other code ({r.codes}) or broken threshold explains it (was "
+                              "the report edited?)")
+    if spec is not None and measured:
+        missing = [n for n in spec.needs if n not in r.metrics]
+        if missing:
+            raise CannotJudge(f"{where}: metric(s) {missing} missing: probe {r.probe!r} "
+                              "always reports them and the gate's rules need them")
+    for name in NUMBERS:
+        _number(r, name, side)
+    for name in VERDICT_FLAGS:  # causality's batch_invariant may be None (unknown)
+        v = r.metrics.get(name)
+        if v is not None and not isinstance(v, bool):
+            raise CannotJudge(f"{where}: metric {name}={v!r} is mistyped: a "
+                              f"{type(v).__name__}, expected true or false")
+
+
 # --- statistics --------------------------------------------------------------------------
 
-def _num(v):
-    """A finite or infinite float from a metric value, or None."""
-    if isinstance(v, bool) or v is None:
-        return None
-    if isinstance(v, (int, float)):
-        return float(v)
-    if isinstance(v, str) and v in ("nan", "inf", "-inf"):
-        return float(v)
-    return None
-
-
-def standard_error(metrics: dict, name: str) -> float | None:
-    """The standard error of metrics[name], from the first of: `<name>_se`, `se_mean`,
+def standard_error(r: Result, name: str, side: str = "") -> float | None:
+    """The standard error of metric `name` of r, from the first of: `<name>_se`, `se_mean`,
     |value / <name>_z|, std / sqrt(trials), or the CI (ci_low, ci_high) at `confidence`
     (normal approximation)."""
     from statistics import NormalDist
-    se = _num(metrics.get(f"{name}_se"))
+
+    def num(n):
+        return _number(r, n, side)
+    se = num(f"{name}_se")
     if se is None:
-        se = _num(metrics.get("se_mean"))
+        se = num("se_mean")
     if se is None:  # trainprobes.distributed: bias with its z statistic
-        value, z = _num(metrics.get(name)), _num(metrics.get(f"{name}_z"))
+        value, z = num(name), num(f"{name}_z")
         if value is not None and z:
             se = abs(value / z)
     if se is None:
-        std, n = _num(metrics.get("std")), _num(metrics.get("trials"))
+        std, n = num("std"), num("trials")
         if std is not None and n is not None and n >= 2:
             se = std / math.sqrt(n)
     if se is None:
-        lo, hi = _num(metrics.get("ci_low")), _num(metrics.get("ci_high"))
-        conf = _num(metrics.get("confidence")) or 0.95
+        lo, hi = num("ci_low"), num("ci_high")
+        conf = num("confidence") or 0.95
         if lo is not None and hi is not None and 0 < conf < 1:
             se = (hi - lo) / (2 * NormalDist().inv_cdf((1 + conf) / 2))
     return None if se is None or math.isnan(se) else abs(se)
 
 
-def estimate(metrics: dict, name: str) -> tuple[float, float] | None:
-    """(value, standard error) of metrics[name], or None when either is missing."""
-    value = _num(metrics.get(name))
+def estimate(r: Result, name: str, side: str = "") -> tuple[float, float] | None:
+    """(value, standard error) of metric `name` of r, or None when either is missing/NaN."""
+    value = _number(r, name, side)
     if value is None or math.isnan(value):
         return None
-    se = standard_error(metrics, name)
+    se = standard_error(r, name, side)
     return None if se is None else (value, se)
 
 
@@ -250,6 +319,20 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def _control_pair(b: Result | None, c: Result) -> list[Regression]:
+    """A control (Result.expected set) is judged on one thing: does it still reproduce its
+    known verdict? One that did in the baseline (or is new) and does not in the candidate
+    means the harness is broken on that machine (or the probe regressed)."""
+    if c.reproduced or (b is not None and not b.reproduced):
+        return []
+    was = "new control" if b is None else f"control reproduced {b.expected!r} in the baseline"
+    return [Regression("TP-G4", c.probe, c.target,
+                       f"{was}, misses it in the candidate: the harness itself is broken on "
+                       "this machine (or the probe regressed); not a finding about the change",
+                       "absent" if b is None else f"{b.verdict} (expected {b.expected})",
+                       f"{c.verdict} (expected {c.expected})", c.message)]
+
+
 def _compare_pair(b: Result, c: Result, alpha: float, rel_tol: float) -> list[Regression]:
     regs: list[Regression] = []
 
@@ -260,23 +343,39 @@ def _compare_pair(b: Result, c: Result, alpha: float, rel_tol: float) -> list[Re
         add("TP-E1", "the probe errored in the candidate, so the change cannot be checked",
             b.verdict, "error", c.message)
         return regs
-    bm, cm = b.metrics, c.metrics
-    if bm.get("causal") is True and cm.get("causal") is False:
-        n = cm.get("n_leaks")
-        add("TP-C1", "was causal, now leaks future tokens into earlier decisions",
-            "causal", f"leaks ({n} leaks)" if n is not None else "leaks", c.message)
+    if b.verdict == "error":
+        # the baseline measured nothing: the candidate is judged on its own verdict
+        if c.verdict == "fail":
+            for code in c.codes:
+                add(code, f"fails, and the baseline measured nothing (error) ({CODES[code]})",
+                    "error", c.verdict, c.message)
+        return regs
+    spec = PROBES.get(c.probe)
+    # the verdict boolean going from good to bad; `biased` is judged by its estimate below
+    flag, code = (spec.flag, spec.code) if spec is not None else ("causal", "TP-C1")
+    if flag is not None and flag != "biased":
+        good = VERDICT_FLAGS[flag]
+        if b.metrics.get(flag) is good and c.metrics.get(flag) is (not good):
+            if flag == "causal":
+                n = c.metrics.get("n_leaks")
+                add(code, "was causal, now leaks future tokens into earlier decisions",
+                    "causal", f"leaks ({n} leaks)" if n is not None else "leaks", c.message)
+            else:
+                add(code, f"was {flag} = {good}, now {flag} = {not good}",
+                    f"{flag} = {good}", f"{flag} = {not good}", c.message)
     for code, name, label, floor in ESTIMATES:
-        eb, ec = estimate(bm, name), estimate(cm, name)
-        if eb and not ec and name in cm:
-            # present but NaN (or without a usable standard error): skipping the test would
-            # pass a candidate whose estimate cannot be shown not to have grown
+        eb, ec = estimate(b, name, "baseline"), estimate(c, name, "candidate")
+        if eb and not ec and name in c.metrics:
+            # NaN (or without a usable standard error): skipping the test would pass a
+            # candidate whose estimate cannot be shown not to have grown
             add(code, f"{label} `{name}` cannot be tested in the candidate: the value or its "
-                "standard error is NaN or missing", f"{eb[0]:.4g} ± {eb[1]:.2g} (SE)",
-                f"{_fmt(cm.get(name))} ± {_fmt(standard_error(cm, name))} (SE)", c.message)
+                "standard error is NaN or has no source", f"{eb[0]:.4g} ± {eb[1]:.2g} (SE)",
+                f"{_fmt(c.metrics.get(name))} ± {_fmt(standard_error(c, name))} (SE)",
+                c.message)
             continue
         # Growth that stays below the probe's own floor (drift min_bias, bias min_effect)
         # is significant and harmless: the candidate's probe would not fail it either.
-        if eb and ec and abs(ec[0]) >= (_num(cm.get(floor)) or 0.0):
+        if eb and ec and abs(ec[0]) >= (_number(c, floor, "candidate") or 0.0):
             sig, z, p = larger_magnitude(eb, ec, alpha, rel_tol)
             if sig:
                 ratio = abs(ec[0]) / abs(eb[0]) if eb[0] else math.inf
@@ -285,18 +384,52 @@ def _compare_pair(b: Result, c: Result, alpha: float, rel_tol: float) -> list[Re
                 add(code, f"{label} `{name}` significantly larger in magnitude ({times})",
                     f"{eb[0]:.4g} ± {eb[1]:.2g} (SE)", f"{ec[0]:.4g} ± {ec[1]:.2g} (SE)",
                     f"one-sided z = {_fmt(z)}, p = {p:.2g} < alpha = {alpha}")
-    bb, cb = _num(bm.get("accumulator_mantissa_bits")), _num(cm.get("accumulator_mantissa_bits"))
-    if bb is not None and cb is not None and cb < bb:
+    bb = _number(b, "accumulator_mantissa_bits", "baseline")
+    cb = _number(c, "accumulator_mantissa_bits", "candidate")
+    if bb is not None and cb is not None and not cb >= bb:
         add("TP-B3", f"revealed accumulator precision fell by {bb - cb:g} mantissa bits",
             f"{bb:g} bits", f"{cb:g} bits", c.message)
     if "TP-D3" in c.codes and "TP-D3" not in b.codes:
         add("TP-G3", "drift went over its threshold", b.verdict, c.verdict, c.message)
     if b.passed and c.verdict == "fail" and not regs:
-        # Any other probe whose verdict worsened keeps the probe's own codes.
-        for code in (c.codes or ["TP-E1"]):
-            add(code, f"verdict went from {b.verdict} to fail ({CODES.get(code, code)})",
+        # Any other verdict that worsened is reported as that, with the probe's own codes
+        # (check_judgeable made sure a fail carries one and its metrics agree).
+        for code in c.codes:
+            add(code, f"verdict went from {b.verdict} to fail ({CODES[code]})",
                 b.verdict, c.verdict, c.message)
     return regs
+
+
+def _duplicates(side: str, results: list[Result]) -> str | None:
+    seen, dups = set(), []
+    for r in results:
+        if r.key in seen and r.key not in dups:
+            dups.append(r.key)
+        seen.add(r.key)
+    if not dups:
+        return None
+    # keeping either of two Results under one key would let a failing duplicate pass unseen
+    return (f"{side} holds more than one Result for {len(dups)} key(s), e.g. {dups[0]!r}: "
+            "Results are matched by probe::target, so each needs its own target (give each "
+            "audit entry its own `name`)")
+
+
+def _problems(base: dict, cand: dict) -> list[str]:
+    """Every reason the gate cannot judge, over both reports (all of them, not the first)."""
+    out = []
+    for side, results in (("baseline", base), ("candidate", cand)):
+        for r in results.values():
+            try:
+                check_judgeable(r, side)
+            except CannotJudge as e:
+                out.append(str(e))
+    for key, c in cand.items():
+        b = base.get(key)
+        if b is not None and b.expected != c.expected:
+            out.append(f"{key!r}: the control's known verdict differs between the reports "
+                       f"(baseline expected={b.expected!r}, candidate expected={c.expected!r}); "
+                       "a control cannot become a finding or change its known verdict unseen")
+    return out
 
 
 def compare(baseline: list[Result], candidate: list[Result], *, waivers=(),
@@ -304,28 +437,23 @@ def compare(baseline: list[Result], candidate: list[Result], *, waivers=(),
     """Compare two lists of Results matched by `Result.key`; apply unexpired waivers.
 
     alpha: level of the one-sided tests; rel_tol: smallest relative growth of a bias or
-    drift estimate that counts (default 10%), on top of significance.
+    drift estimate that counts (default 10%), on top of significance. Fails closed: any
+    Result that cannot be judged (check_judgeable) makes the report "cannot judge" (exit 2).
     """
-    if not 0.0 < alpha < 1.0:
-        raise ValueError(f"alpha={alpha!r} must be in (0, 1), e.g. 0.01")
-    if not (isinstance(rel_tol, (int, float)) and rel_tol >= 0):
-        raise ValueError(f"rel_tol={rel_tol!r} must be a number >= 0, e.g. 0.1 (10%)")
+    alpha = check_number(alpha, "alpha", min=0.0, max=1.0, min_open=True, max_open=True,
+                         hint="e.g. 0.01")
+    rel_tol = check_number(rel_tol, "rel_tol", min=0.0, hint="e.g. 0.1 (10%)")
     today = today or date.today()
     for side, results in (("baseline", baseline), ("candidate", candidate)):
-        # Two Results under one key cannot both be compared: keeping either one would let
-        # a failing duplicate pass unseen. Fail closed and name the key.
-        seen, dups = set(), []
-        for r in results:
-            if r.key in seen and r.key not in dups:
-                dups.append(r.key)
-            seen.add(r.key)
-        if dups:
-            return GateReport(cannot_judge=(
-                f"{side} holds more than one Result for {len(dups)} key(s), e.g. {dups[0]!r}: "
-                "Results are matched by probe::target, so each needs its own target (give "
-                "each audit entry its own `name`)"))
+        dup = _duplicates(side, results)
+        if dup:
+            return GateReport(cannot_judge=dup)
     base = {r.key: r for r in baseline}
     cand = {r.key: r for r in candidate}
+    problems = _problems(base, cand)
+    if problems:
+        return GateReport(cannot_judge=(f"{len(problems)} Result(s) cannot be judged:\n"
+                                        if len(problems) > 1 else "") + "\n".join(problems))
     report = GateReport()
     for key, b in base.items():
         c = cand.get(key)
@@ -335,12 +463,17 @@ def compare(baseline: list[Result], candidate: list[Result], *, waivers=(),
                 "candidate, so it was not checked", b.verdict, "missing"))
             continue
         report.compared += 1
-        report.regressions.extend(_compare_pair(b, c, alpha, rel_tol))
+        report.regressions.extend(_control_pair(b, c) if c.is_control else
+                                  _compare_pair(b, c, alpha, rel_tol))
     for key, c in cand.items():
-        if key not in base and c.verdict in ("fail", "error"):
-            for code in (c.codes or ["TP-E1"]):
+        if key in base:
+            continue
+        if c.is_control:
+            report.regressions.extend(_control_pair(None, c))
+        elif c.verdict in ("fail", "error"):
+            for code in (c.codes if c.verdict == "fail" else ["TP-E1"]):
                 report.regressions.append(Regression(
-                    code, c.probe, c.target, f"new probe fails ({CODES.get(code, code)})",
+                    code, c.probe, c.target, f"new probe fails ({CODES[code]})",
                     "absent", c.verdict, c.message))
     live = [w for w in waivers if w.expires >= today]
     report.expired_waivers = [w for w in waivers if w.expires < today]
@@ -386,8 +519,11 @@ def _cell(s: str) -> str:
 def render_markdown(report: GateReport) -> str:
     """The verdict a reviewer reads in a PR: what regressed, by how much, evidence, waiver."""
     if report.cannot_judge is not None:
+        lines = report.cannot_judge.splitlines()
+        body = lines[0] if len(lines) == 1 else "\n".join(
+            [lines[0], ""] + [f"- {x}" for x in lines[1:]])
         return ("## trainprobes gate: CANNOT JUDGE (exit 2)\n\n"
-                f"{report.cannot_judge}\n\nThe gate fails closed: fix the report and rerun.\n")
+                f"{body}\n\nThe gate fails closed: fix the report and rerun.\n")
     lines = []
     blocking, waived = report.blocking, report.waived
     head = "BLOCKED" if blocking else "PASSED"

@@ -152,10 +152,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 # --- the fixture -------------------------------------------------------------------------
 
-def _failure(result, what: str) -> str:
+def _failure(result, what: str, why: str = "") -> str:
     from trainprobes.result import CODES
     lines = [f"{what}: {result.probe} on {result.target!r} -> {result.verdict}",
-             f"  {result.message}" if result.message else ""]
+             f"  {why}" if why else "", f"  {result.message}" if result.message else ""]
     for c in result.codes:
         lines.append(f"  {c} {CODES.get(c, '')}")
     shown = {k: v for k, v in result.metrics.items() if not isinstance(v, (list, dict))}
@@ -199,28 +199,42 @@ class TrainProbes:
             pytest.fail(_failure(result, what), pytrace=False)
         return result
 
+    def assert_flag(self, result, what: str = "probe failed"):
+        """Record the Result and fail the test unless its verdict is pass/warn AND its probe's
+        verdict boolean (trainprobes.result.VERDICT_FLAGS: biased, causal, equivalent,
+        isolated, batch_invariant) holds its good value. Fails closed: a Result without the
+        boolean, or with a mistyped one, fails with that said. The face for every probe
+        that reports a verdict boolean (assert_causal, assert_unbiased, assert_within...)."""
+        from trainprobes.errors import CannotJudge
+        from trainprobes.result import PROBES, VERDICT_FLAGS
+        self.record(result)
+        try:
+            value = result.flag()
+        except CannotJudge as e:
+            pytest.fail(_failure(result, what, f"cannot judge: {e}"), pytrace=False)
+        name = PROBES[result.probe].flag
+        if not result.passed or value is not VERDICT_FLAGS[name]:
+            pytest.fail(_failure(result, what, f"{name} = {value} (passes with "
+                                               f"{name} = {VERDICT_FLAGS[name]})"),
+                        pytrace=False)
+        return result
+
     def assert_causal(self, fn, inputs, **kwargs):
-        """trainprobes.causality.check(fn, inputs, **kwargs) must find the target causal and
-        batch-isolated."""
+        """trainprobes.causality.check(fn, inputs, **kwargs) must find the target causal
+        (metric `causal` True) and batch-isolated."""
         from trainprobes.causality import check
         kwargs.setdefault("target", getattr(fn, "__qualname__", None))
-        r = self.record(check(fn, inputs, **kwargs))
-        # A batch-isolation leak (TP-C3) fails too: the decision then depends on other
-        # sequences' tokens, future ones included, which inference never sees.
-        if r.verdict in ("fail", "error") or r.metrics.get("causal") is not True:
-            pytest.fail(_failure(r, "not causal"), pytrace=False)
-        return r
+        # A batch-isolation leak (TP-C3) fails too (verdict fail): the decision then depends
+        # on other sequences' tokens, future ones included, which inference never sees.
+        return self.assert_flag(check(fn, inputs, **kwargs), "not causal")
 
     def assert_unbiased(self, fn, reference, make_inputs, **kwargs):
         """trainprobes.numerics.bias.bias_probe(fn, reference, make_inputs, **kwargs) must find
-        no significant bias (make_inputs(generator) -> inputs; trials, seed, alpha,
-        min_effect as the probe takes them)."""
+        no significant bias (metric `biased` False; make_inputs(generator) -> inputs; trials,
+        seed, alpha, min_effect as the probe takes them)."""
         from trainprobes.numerics.bias import bias_probe
         kwargs.setdefault("target", getattr(fn, "__qualname__", "callable"))
-        r = self.record(bias_probe(fn, reference, make_inputs, **kwargs))
-        if r.verdict in ("fail", "error") or r.metrics.get("verdict") == "biased":
-            pytest.fail(_failure(r, "biased"), pytrace=False)
-        return r
+        return self.assert_flag(bias_probe(fn, reference, make_inputs, **kwargs), "biased")
 
     def assert_no_stall(self, fmt, increment: float, n: int, **kwargs):
         """Summing n copies of increment in fmt must not stall (lose additions)."""
@@ -231,12 +245,10 @@ class TrainProbes:
         return r
 
     def assert_within(self, train_lp, infer_lp, **kwargs):
-        """trainprobes.drift.compare(train_lp, infer_lp, **kwargs): not biased, within thresholds."""
+        """trainprobes.drift.compare(train_lp, infer_lp, **kwargs): metric `biased` False and
+        the verdict pass/warn (not heavy-tailed past a fail, within thresholds)."""
         from trainprobes.drift import compare
-        r = self.record(compare(train_lp, infer_lp, **kwargs))
-        if not r.passed or r.metrics.get("biased") is True:
-            pytest.fail(_failure(r, "train/inference drift"), pytrace=False)
-        return r
+        return self.assert_flag(compare(train_lp, infer_lp, **kwargs), "train/inference drift")
 
 
 @pytest.fixture

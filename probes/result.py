@@ -3,11 +3,17 @@
 A Result is plain data: names, a verdict, numbers and JSON-able evidence. It round-trips
 through JSON with a schema version, so the plugin, the audit and the gate consume only
 this and never the probe's internals. Loading never unpickles.
+
+JSON (docs/gate.md, "Reports"): standard JSON, exact round trip. A non-finite float is the
+object {"$float": "nan"}, {"$float": "inf"} or {"$float": "-inf"}; everything else is
+plain JSON. Each probe reports its verdict as one boolean metric (VERDICT_FLAGS) and
+documents its metric names in PROBES.
 """
 from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 import platform
 import sys
@@ -17,9 +23,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from trainprobes.errors import SchemaError
+from trainprobes.errors import CannotJudge, InvalidArgument, InvalidType, SchemaError
+from trainprobes.validation import check_choice, check_type
 
-SCHEMA_VERSION = 1
+# 2: non-finite floats are {"$float": "nan"} (1 wrote the strings "nan", "inf", "-inf",
+# which a string metric could not be told apart from); reports of version 1 are still read.
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 VERDICTS = ("pass", "warn", "fail", "error")
 
 # Warning and failure codes, in the manner of pytest-benchmark: searchable and waivable.
@@ -37,22 +47,117 @@ CODES = {
     "TP-G1": "probe missing from candidate",
     "TP-G2": "bias significantly larger",
     "TP-G3": "drift significantly worse",
+    "TP-G4": "control no longer reproduces its known verdict",
     "TP-E1": "probe error",
 }
+
+# The verdict boolean each probe reports in its metrics, and the value that is good news.
+# One convention for every probe, so the plugin's assert_* helpers and the gate read the
+# same field: a probe that measured nothing reports None (and a verdict of fail or error).
+VERDICT_FLAGS = {
+    "biased": False,           # numerics.bias, drift.compare
+    "causal": True,            # causality.check
+    "equivalent": True,        # transforms (reserved)
+    "isolated": True,          # isolation: packed documents (reserved)
+    "batch_invariant": True,   # isolation: batch invariance (reserved)
+}
+
+
+@dataclass(frozen=True)
+class ProbeMetrics:
+    """What a probe documents about its metrics (the one place thresholds, the gate and
+    the plugin read them from; a test checks each probe's real Results against it).
+
+    flag: its verdict boolean (a key of VERDICT_FLAGS), or None when it has none.
+    code: the code a Result carries when the flag has its bad value.
+    needs: metrics present, as numbers, whenever the probe measured (flag not None).
+    names: every metric it may report; "name[...]" stands for any "name[<label>]".
+    """
+
+    flag: str | None = None
+    code: str | None = None
+    needs: tuple = ()
+    names: tuple = ()
+
+    def __post_init__(self):
+        if self.flag is not None and (self.flag not in VERDICT_FLAGS or self.code is None):
+            raise InvalidArgument(f"flag={self.flag!r} must be one of {sorted(VERDICT_FLAGS)} "
+                                  "and come with the code its bad value carries")
+        if self.code is not None and self.code not in CODES:
+            raise InvalidArgument(f"code={self.code!r} is not in CODES")
+
+    def documents(self, name: str) -> bool:
+        if name in self.names:
+            return True
+        return any(n.endswith("[...]") and name.startswith(n[:-4]) and name.endswith("]")
+                   for n in self.names)
+
+
+_BIAS = ("trials", "bias", "ci_low", "ci_high", "confidence", "std", "rms", "p_value", "p_sign",
+         "p_wilcoxon", "positive_trials", "negative_trials", "zero_trials", "alpha",
+         "min_effect", "biased", "nonfinite_trials", "zero_reference_trials")
+_DRIFT = ("n_tokens", "n_units", "n_sequences", "mean_log_ratio", "ci_low", "ci_high", "se_mean",
+          "t_stat", "p_mean", "p_excess", "p_value", "std_log_ratio", "mean_abs_log_ratio",
+          "max_abs_log_ratio", "k1_kl", "k2_kl", "k3_kl", "k3_kl_reverse", "chi2_token",
+          "excess_kurtosis", "skewness", "mean_ratio", "min_ratio", "max_ratio", "ess_token",
+          "n_ratio_outside", "frac_ratio_outside", "tail_share", "mean_abs_prob_diff",
+          "max_abs_prob_diff", "prob_pearson", "ratio_p0.1", "ratio_p1", "ratio_p5",
+          "ratio_p50", "ratio_p95", "ratio_p99", "ratio_p99.9", "seq_mean_log_ratio", "ess_seq",
+          "chi2_seq", "frac_seq_ratio_outside", "frac_seq_geo_ratio_outside", "alpha", "clip",
+          "noise_kl_max", "min_bias", "biased", "heavy_tailed", "drift_verdict")
+_COLLECTIVE = ("max_ulp_error", "mean_ulp_error", "bias", "bias_z", "bias_p", "bias_relative",
+               "nonfinite", "world", "numel", "dtype", "op", "collective", "backend",
+               "algorithm", "bitwise_match_fraction", "mismatched", "compared")
+PROBES = {
+    "numerics.bias": ProbeMetrics("biased", "TP-B1", ("bias", "std", "trials"), _BIAS),
+    "drift.compare": ProbeMetrics("biased", "TP-D1", ("mean_log_ratio", "se_mean"), _DRIFT),
+    "causality.check": ProbeMetrics("causal", "TP-C1", (), (
+        "causal", "deterministic", "n_nondeterministic", "n_leaks", "n_structural",
+        "n_numerical", "n_unverified", "n_unconfirmed", "n_flips", "n_score_leaks",
+        "n_score_numerical", "flip_rate", "n_compared", "n_cuts", "trials", "batch_isolated",
+        "batch_invariant", "packed", "n_evaluations", "tokens_evaluated",
+        "evaluations_to_first_flip", "first_leak_position", "min_leak_distance",
+        "max_leak_distance", "fp64", "mismatch_rate", "inference_mismatch_rate")),
+    "distributed.collective": ProbeMetrics(None, None, ("bias", "bias_z"), _COLLECTIVE),
+    "numerics.reveal": ProbeMetrics(None, "TP-B3", ("accumulator_mantissa_bits",), (
+        "accumulator_mantissa_bits", "accumulator_bits_lower_bound", "rounds_per_add",
+        "rounding", "order_shape", "fan_in", "n", "input_format", "output_format")),
+    "numerics.stall": ProbeMetrics(None, "TP-B2", (), (
+        "rows", "rows_over_tolerance", "max_abs_relative_error", "rel_tol",
+        "sequential_sum[...]")),
+}
+
+
+def probe_metrics(probe: str) -> ProbeMetrics | None:
+    """The registry entry of a probe, or None for a probe that documents nothing here."""
+    return PROBES.get(probe)
+
+
+# --- JSON: exact, and standard --------------------------------------------------------
+
+# JSON has no NaN or infinity (RFC 8259 section 6), so a non-finite float is written as a
+# one-key object; every other value is plain JSON. Python's float repr round-trips, so
+# finite floats (and -0.0) come back bit for bit.
+FLOAT_TAG = "$float"
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
 def to_jsonable(obj: Any) -> Any:
     """Tensors, numpy arrays and scalars, tuples and paths to plain JSON values.
 
-    Non-finite floats become the strings "nan", "inf", "-inf" so the JSON stays standard.
+    Non-finite floats become {"$float": "nan" | "inf" | "-inf"} (from_jsonable reads them
+    back), so the JSON stays standard and the round trip exact.
     """
     if obj is None or isinstance(obj, (bool, str, int)):
         return obj
     if isinstance(obj, float):
         if math.isfinite(obj):
             return obj
-        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+        return {FLOAT_TAG: "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")}
     if isinstance(obj, dict):
+        if set(obj) == {FLOAT_TAG}:
+            raise InvalidArgument(f"{obj!r}: a dict whose only key is {FLOAT_TAG!r} is reserved "
+                                  "for non-finite floats in trainprobes JSON; rename the key")
         return {str(k): to_jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [to_jsonable(v) for v in obj]
@@ -63,6 +168,42 @@ def to_jsonable(obj: Any) -> Any:
     if hasattr(obj, "item"):
         return to_jsonable(obj.item())
     return str(obj)
+
+
+def from_jsonable(obj: Any) -> Any:
+    """The inverse of to_jsonable on what it writes: {"$float": "nan"} -> nan, recursively."""
+    if isinstance(obj, dict):
+        if FLOAT_TAG in obj and len(obj) == 1:
+            tag = obj[FLOAT_TAG]
+            if tag not in _NONFINITE:
+                raise SchemaError(f"{obj!r}: {FLOAT_TAG!r} must be one of {sorted(_NONFINITE)}")
+            return _NONFINITE[tag]
+        return {k: from_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [from_jsonable(v) for v in obj]
+    return obj
+
+
+def _from_v1(obj: Any) -> Any:
+    """Version 1 wrote non-finite floats as the strings "nan", "inf", "-inf"."""
+    if isinstance(obj, dict):
+        return {k: _from_v1(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_from_v1(v) for v in obj]
+    return _NONFINITE.get(obj, obj) if isinstance(obj, str) else obj
+
+
+def _upgrade_v1(d: dict) -> dict:
+    """A version-1 Result dict as version 2: floats back, and numerics.bias's string
+    metric "verdict" as the boolean `biased` (None where nothing was measured)."""
+    d = {**d, "metrics": _from_v1(d.get("metrics")), "evidence": _from_v1(d.get("evidence")),
+         "schema_version": SCHEMA_VERSION}
+    m = d["metrics"]
+    if d.get("probe") == "numerics.bias" and isinstance(m, dict) and "verdict" in m:
+        m = dict(m)
+        m["biased"] = {"biased": True, "unbiased": False}.get(m.pop("verdict"))
+        d["metrics"] = m
+    return d
 
 
 def environment() -> dict:
@@ -79,17 +220,32 @@ def environment() -> dict:
     return env
 
 
-@dataclass
+# Every field a Result's JSON holds; a report missing one was cut or hand-edited. Version 1
+# predates `expected`.
+FIELDS = ("probe", "target", "verdict", "metrics", "evidence", "seed", "codes", "message",
+          "environment", "created", "schema_version", "expected")
+_V1_FIELDS = tuple(f for f in FIELDS if f != "expected")
+
+
+@dataclass(eq=False)
 class Result:
     """What a probe found.
 
     probe: which probe ("numerics.bias", "causality.check", ...).
     target: what it probed (an import path, "all_reduce[bf16,ring,w=1024]", ...).
     verdict: "pass", "warn", "fail" or "error".
-    metrics: flat name -> number/bool/str; what baselines and gates compare.
+    metrics: flat name -> number/bool/str; what baselines and gates compare. A probe's
+        verdict boolean (VERDICT_FLAGS: biased, causal, ...) is one of them.
     evidence: JSON-able detail (tables, leaks, histograms) for reports and plots.
     codes: failure/warning codes from CODES that apply.
     message: one human sentence saying what was found and why it matters.
+    expected: for a control (a reference router, a zoo bug, an engine pair: a case whose
+        verdict is known from its mechanism), that known verdict; None for a finding about
+        the user's code or machine. A control that gets its expected verdict is "reproduced":
+        a pass of the harness even when the verdict is "fail" (a known-leaky router leaks).
+
+    Two Results are equal when their JSON is: `Result.from_json(r.to_json()) == r` holds
+    for every Result, NaN and infinities included.
     """
 
     probe: str
@@ -103,55 +259,123 @@ class Result:
     environment: dict = field(default_factory=environment)
     created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
     schema_version: int = SCHEMA_VERSION
+    expected: str | None = None
 
     def __post_init__(self):
         # a hand-edited report must fail at load (the gate cannot judge), not deep in a probe
         # comparison: a None target matched nothing, a list of metrics was a traceback
-        for name in ("probe", "target"):
-            if not isinstance(getattr(self, name), str):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be a string")
-        for name in ("metrics", "evidence"):
-            if not isinstance(getattr(self, name), dict):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be a dict (a JSON object)")
-        if isinstance(self.codes, str):
-            raise ValueError(f"codes={self.codes!r} must be a list of codes, e.g. [{self.codes!r}]")
-        if self.verdict not in VERDICTS:
-            raise ValueError(f"verdict={self.verdict!r} is not one of {VERDICTS}")
+        for name in ("probe", "target", "message", "created"):
+            check_type(str, getattr(self, name), name, hint="a string")
+        for name in ("metrics", "evidence", "environment"):
+            check_type(dict, getattr(self, name), name, hint="a dict (a JSON object)")
+        if self.seed is not None:  # numpy and torch integer seeds are ints too
+            try:
+                if isinstance(self.seed, bool):
+                    raise TypeError
+                self.seed = operator.index(self.seed)
+            except TypeError:
+                raise InvalidType(f"seed={self.seed!r} must be an int or None") from None
+        if isinstance(self.codes, tuple):
+            self.codes = list(self.codes)
+        if not isinstance(self.codes, list):
+            raise InvalidType(f"codes={self.codes!r} must be a list of codes"
+                              + (f", e.g. [{self.codes!r}]" if isinstance(self.codes, str) else ""))
+        check_choice(self.verdict, "verdict", VERDICTS)
+        if self.expected is not None:
+            check_choice(self.expected, "expected", VERDICTS,
+                         hint="None (a finding) or the known verdict of a control")
+        if self.schema_version != SCHEMA_VERSION:
+            raise InvalidArgument(f"schema_version={self.schema_version!r}; a Result in memory "
+                                  f"is version {SCHEMA_VERSION}")
         unknown = [c for c in self.codes if c not in CODES]
         if unknown:
-            raise ValueError(f"codes={unknown!r} are not known codes; see trainprobes.result.CODES")
+            raise InvalidArgument(f"codes={unknown!r} are not known codes; see "
+                                  "trainprobes.result.CODES")
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Result):
+            return NotImplemented
+        return self.to_json(sort_keys=True) == other.to_json(sort_keys=True)
+
+    __hash__ = None  # mutable
 
     @property
     def passed(self) -> bool:
         return self.verdict in ("pass", "warn")
 
     @property
+    def is_control(self) -> bool:
+        return self.expected is not None
+
+    @property
+    def reproduced(self) -> bool | None:
+        """For a control: did it get its known verdict? None for a finding."""
+        return None if self.expected is None else self.verdict == self.expected
+
+    @property
     def key(self) -> str:
         """Identity used to match a Result across reports (baseline vs candidate)."""
         return f"{self.probe}::{self.target}"
+
+    def number(self, name: str) -> float | None:
+        """metrics[name] as a float (NaN and infinities included), None when absent.
+
+        Raises InvalidType when present but not a number (a bool, a string such as "nan"):
+        a judge must say the metric is mistyped, not read it as missing."""
+        if name not in self.metrics:
+            return None
+        v = self.metrics[name]
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise InvalidType(f"{self.key}: metric {name}={v!r} is a {type(v).__name__}, "
+                              "expected a number")
+        return float(v)
+
+    def flag(self, name: str | None = None) -> bool | None:
+        """The probe's verdict boolean (VERDICT_FLAGS; by default the one PROBES documents
+        for this probe): True, False, or None where the probe measured nothing.
+
+        Fails closed: raises CannotJudge when the metric is absent, mistyped, or None
+        beside a passing verdict (nothing measured cannot pass)."""
+        if name is None:
+            spec = PROBES.get(self.probe)
+            if spec is None or spec.flag is None:
+                raise CannotJudge(f"{self.key}: probe {self.probe!r} documents no verdict "
+                                  f"boolean (one of {sorted(VERDICT_FLAGS)})")
+            name = spec.flag
+        if name not in self.metrics:
+            raise CannotJudge(f"{self.key}: metric {name!r} (the verdict boolean) is missing")
+        v = self.metrics[name]
+        if v is not None and not isinstance(v, bool):
+            raise CannotJudge(f"{self.key}: metric {name}={v!r} is mistyped: a "
+                              f"{type(v).__name__}, expected true or false")
+        if v is None and self.passed:
+            raise CannotJudge(f"{self.key}: metric {name}=None (nothing measured) beside "
+                              f"verdict {self.verdict!r}")
+        return v
 
     def to_dict(self) -> dict:
         return to_jsonable(asdict(self))
 
     def to_json(self, **kwargs) -> str:
-        return json.dumps(self.to_dict(), **kwargs)
+        return json.dumps(self.to_dict(), allow_nan=False, **kwargs)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Result":
+        """A Result from its JSON object (to_dict's output, or a version-1 one)."""
         if not isinstance(d, dict):
             raise SchemaError(f"a Result must be a JSON object, got {type(d).__name__}")
         version = d.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_VERSIONS:
             raise SchemaError(
-                f"Result schema_version={version!r}; this trainprobes reads {SCHEMA_VERSION}"
+                f"Result schema_version={version!r}; this trainprobes reads {READABLE_VERSIONS}"
                 + (" (the report is from a newer trainprobes: upgrade)" if isinstance(version, int)
-                   and version > SCHEMA_VERSION else ""))
-        missing = [k for k in ("probe", "target", "verdict") if k not in d]
+                   and not isinstance(version, bool) and version > SCHEMA_VERSION else ""))
+        missing = [k for k in (_V1_FIELDS if version == 1 else FIELDS) if k not in d]
         if missing:
-            raise SchemaError(f"Result is missing fields {missing!r}")
-        known = set(cls.__dataclass_fields__)
+            raise SchemaError(f"Result for {d.get('probe')!r} is missing fields {missing!r}")
         try:
-            return cls(**{k: v for k, v in d.items() if k in known})
+            d = _upgrade_v1(d) if version == 1 else from_jsonable(d)
+            return cls(**{k: v for k, v in d.items() if k in FIELDS})
         except (TypeError, ValueError) as e:
             raise SchemaError(f"Result for {d.get('probe')!r} is malformed: {e}") from e
 
@@ -206,11 +430,23 @@ def write_atomic(path: str | os.PathLike, text: str) -> Path:
     return path
 
 
+def report_document(results: list[Result], **meta) -> dict:
+    """The one shape of a report, written by save_results and printed by every command's
+    --json: {"schema_version", **meta (e.g. "command"), "results": [Result.to_dict(), ...]}."""
+    if "schema_version" in meta:
+        raise InvalidArgument("meta may not name 'schema_version': it is the report's own key")
+    return {"schema_version": SCHEMA_VERSION, **to_jsonable(meta),
+            "results": [r.to_dict() for r in results]}
+
+
+def dumps_report(results: list[Result], **meta) -> str:
+    """report_document as standard JSON text (no NaN tokens), indented."""
+    return json.dumps(report_document(results, **meta), indent=2, allow_nan=False)
+
+
 def save_results(path, results: list[Result], **meta) -> Path:
-    """Write a report: {"schema_version", "results": [...], **meta}, atomically."""
-    doc = {"schema_version": SCHEMA_VERSION, **to_jsonable(meta),
-           "results": [r.to_dict() for r in results]}
-    return write_atomic(path, json.dumps(doc, indent=2))
+    """Write a report (report_document's shape), atomically."""
+    return write_atomic(path, dumps_report(results, **meta) + "\n")
 
 
 def load_results(path) -> tuple[list[Result], dict]:
@@ -220,23 +456,29 @@ def load_results(path) -> tuple[list[Result], dict]:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise SchemaError(f"report {str(path)!r} does not exist") from None
-    except OSError as e:
+    except (OSError, UnicodeDecodeError) as e:
         raise SchemaError(f"report {str(path)!r} cannot be read: {e}") from e
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
         raise SchemaError(f"report {str(path)!r} is not valid JSON (truncated?): {e}") from e
-    if not isinstance(doc, dict) or "results" not in doc:
-        raise SchemaError(f"report {str(path)!r} has no 'results' list")
+    if not isinstance(doc, dict) or not isinstance(doc.get("results"), list):
+        raise SchemaError(f"report {str(path)!r} has no 'results' list"
+                          + (" (it is a single Result: save reports with save_results or a "
+                             "command's --json/--output)" if isinstance(doc, dict)
+                             and "probe" in doc else ""))
     version = doc.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_VERSIONS:
         raise SchemaError(
             f"report {str(path)!r} has schema_version={version!r}; this trainprobes reads "
-            f"{SCHEMA_VERSION}" + (" (written by a newer trainprobes: upgrade to read it)"
-                                   if isinstance(version, int) and version > SCHEMA_VERSION else ""))
-    try:
-        results = [Result.from_dict(r) for r in doc["results"]]
-    except SchemaError as e:
-        raise SchemaError(f"report {str(path)!r}: {e}") from e
+            f"{READABLE_VERSIONS}" + (" (written by a newer trainprobes: upgrade to read it)"
+                                      if isinstance(version, int) and not isinstance(version, bool)
+                                      and version > SCHEMA_VERSION else ""))
+    results = []
+    for i, r in enumerate(doc["results"]):
+        try:
+            results.append(Result.from_dict(r))
+        except SchemaError as e:
+            raise SchemaError(f"report {str(path)!r}, results[{i}]: {e}") from e
     meta = {k: v for k, v in doc.items() if k not in ("results", "schema_version")}
     return results, meta

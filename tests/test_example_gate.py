@@ -35,7 +35,7 @@ def test_baseline_audit_is_clean(baseline):
     by_target = {r.target: r for r in results}
     assert sorted(by_target) == ["trainer.grad_allreduce", "trainer.router"]
     assert by_target["trainer.router"].metrics["causal"] is True
-    assert by_target["trainer.grad_allreduce"].metrics["verdict"] == "unbiased"
+    assert by_target["trainer.grad_allreduce"].metrics["biased"] is False
     assert all(r.verdict == "pass" for r in results)
 
 

@@ -22,55 +22,69 @@ from trainprobes.result import Result, save_results
 TODAY = date(2026, 11, 29)
 
 
-def R(probe="numerics.bias", target="t", verdict="pass", codes=(), **metrics):
+def R(probe="custom.probe", target="t", verdict="pass", codes=(), **metrics):
     return Result(probe, target, verdict, metrics=metrics, codes=list(codes))
+
+
+def BIAS(bias=1e-4, std=1e-4, trials=100, target="t", **kw):
+    """A numerics.bias Result as the probe writes it: biased, verdict and code agree."""
+    biased = kw.pop("biased", False)
+    return R("numerics.bias", target, "fail" if biased else "pass", ["TP-B1"] if biased else [],
+             bias=bias, std=std, trials=trials, biased=biased, **kw)
+
+
+def CAUSAL(causal=True, target="t", **kw):
+    return R("causality.check", target, "pass" if causal else "fail", [] if causal else ["TP-C1"],
+             causal=causal, **kw)
+
+
+def DRIFT(mean, se, biased=False, codes=(), verdict=None, **kw):
+    codes = list(codes) + (["TP-D1"] if biased else [])
+    return R("drift.compare", "t", verdict or ("fail" if codes else "pass"), codes,
+             mean_log_ratio=mean, se_mean=se, biased=biased, **kw)
 
 
 # (name, baseline, candidate, expected codes)
 CASES = [
-    ("causal now leaks", R("causality.check", causal=True),
-     R("causality.check", "t", "fail", ["TP-C1"], causal=False, n_leaks=4), ["TP-C1"]),
-    ("bias significantly larger", R(bias=1e-4, std=1e-4, trials=100),
-     R(verdict="fail", codes=["TP-B1"], bias=2e-3, std=1e-3, trials=100), ["TP-G2"]),
-    ("bias flips sign and grows", R(bias=1e-4, bias_se=1e-5),
-     R(bias=-2e-3, bias_se=1e-4), ["TP-G2"]),
+    ("causal now leaks", CAUSAL(), CAUSAL(False, n_leaks=4), ["TP-C1"]),
+    ("bias significantly larger", BIAS(1e-4, 1e-4), BIAS(2e-3, 1e-3, biased=True), ["TP-G2"]),
+    ("bias flips sign and grows", R(bias=1e-4, bias_se=1e-5), R(bias=-2e-3, bias_se=1e-4),
+     ["TP-G2"]),
     ("bias from CI only", R(bias=0.0, ci_low=-1e-5, ci_high=1e-5, confidence=0.99),
      R(bias=1e-3, ci_low=9e-4, ci_high=1.1e-3, confidence=0.99), ["TP-G2"]),
-    ("drift significantly worse", R("drift.compare", mean_log_ratio=-1e-3, se_mean=1e-4),
-     R("drift.compare", mean_log_ratio=-5e-2, se_mean=1e-3), ["TP-G3"]),
-    ("drift grows past its floor", R("drift.compare", mean_log_ratio=5e-7, se_mean=1e-9, min_bias=1e-5),
-     R("drift.compare", mean_log_ratio=2e-5, se_mean=1e-8, min_bias=1e-5), ["TP-G3"]),
-    ("drift over threshold", R("drift.compare"),
-     R("drift.compare", "t", "fail", ["TP-D3"]), ["TP-G3"]),
+    ("drift significantly worse", DRIFT(-1e-3, 1e-4), DRIFT(-5e-2, 1e-3), ["TP-G3"]),
+    ("drift grows past its floor", DRIFT(5e-7, 1e-9, min_bias=1e-5),
+     DRIFT(2e-5, 1e-8, min_bias=1e-5), ["TP-G3"]),
+    ("drift over threshold", DRIFT(1e-5, 1e-5), DRIFT(1e-5, 1e-5, codes=["TP-D3"]), ["TP-G3"]),
     ("accumulator precision lower", R("numerics.reveal", accumulator_mantissa_bits=23),
      R("numerics.reveal", accumulator_mantissa_bits=10), ["TP-B3"]),
-    ("probe errored", R(), R(verdict="error", codes=["TP-E1"]), ["TP-E1"]),
-    # a hand-edited or broken candidate: a NaN estimate cannot be shown not to have grown
-    ("bias became 'nan'", R(bias=1e-4, bias_se=1e-5), R(bias="nan", bias_se="nan"), ["TP-G2"]),
-    ("bias became NaN", R(bias=1e-4, std=1e-4, trials=100),
-     R(bias=math.nan, std=1e-4, trials=100), ["TP-G2"]),
-    ("drift SE became NaN", R("drift.compare", mean_log_ratio=-1e-3, se_mean=1e-4),
-     R("drift.compare", mean_log_ratio=-5e-2, se_mean="nan"), ["TP-G3"]),
+    ("probe errored", BIAS(), R("numerics.bias", verdict="error", codes=["TP-E1"]), ["TP-E1"]),
+    # NaN is a measurement (an overflow): an estimate that cannot be shown not to have grown
+    ("bias became NaN", BIAS(1e-4, 1e-4), BIAS(math.nan, 1e-4), ["TP-G2"]),
+    ("bias SE became NaN", R(bias=1e-4, bias_se=1e-5), R(bias=1e-3, bias_se=math.nan), ["TP-G2"]),
+    ("drift SE became NaN", DRIFT(-1e-3, 1e-4), DRIFT(-5e-2, math.nan), ["TP-G3"]),
     ("other verdict went to fail", R("numerics.stall"),
      R("numerics.stall", "t", "fail", ["TP-B2"]), ["TP-B2"]),
+    ("baseline errored, candidate fails", R(verdict="error", codes=["TP-E1"]),
+     R(verdict="fail", codes=["TP-B2"]), ["TP-B2"]),
 ]
 CLEAN = [
-    ("identical", R(bias=1e-3, bias_se=1e-4), R(bias=1e-3, bias_se=1e-4)),
+    ("identical", BIAS(1e-3, 1e-3), BIAS(1e-3, 1e-3)),
     ("bias larger but not significant", R(bias=1e-3, bias_se=1e-3), R(bias=1.5e-3, bias_se=1e-3)),
     ("no standard error: not judged", R(bias=1e-3), R(bias=1e-1)),
     ("bias smaller", R(bias=1e-3, bias_se=1e-5), R(bias=1e-5, bias_se=1e-5)),
     ("significant but under rel_tol", R(bias=3.04e-8, bias_se=1e-12),
      R(bias=3.1e-8, bias_se=1e-12)),
-    ("drift grows but stays under the probe's min_bias",
-     R("drift.compare", mean_log_ratio=5e-7, se_mean=1e-9, min_bias=1e-5),
-     R("drift.compare", mean_log_ratio=8e-7, se_mean=1e-9, min_bias=1e-5)),
+    ("drift grows but stays under the probe's min_bias", DRIFT(5e-7, 1e-9, min_bias=1e-5),
+     DRIFT(8e-7, 1e-9, min_bias=1e-5)),
     ("bias grows but stays under the probe's min_effect", R(bias=1e-6, bias_se=1e-9, min_effect=1e-4),
      R(bias=5e-6, bias_se=1e-9, min_effect=1e-4)),
-    ("still causal", R("causality.check", causal=True), R("causality.check", causal=True)),
+    ("still causal", CAUSAL(), CAUSAL()),
     ("precision higher", R("numerics.reveal", accumulator_mantissa_bits=10),
      R("numerics.reveal", accumulator_mantissa_bits=23)),
-    ("leaky in both (not a regression)", R("causality.check", "t", "fail", ["TP-C1"], causal=False),
-     R("causality.check", "t", "fail", ["TP-C1"], causal=False)),
+    ("leaky in both (not a regression)", CAUSAL(False), CAUSAL(False)),
+    ("nondeterministic in both", R("causality.check", "t", "fail", ["TP-C2"], causal=None),
+     R("causality.check", "t", "fail", ["TP-C2"], causal=None)),
 ]
 
 
@@ -90,7 +104,7 @@ def test_no_regression(name, base, cand):
 
 def test_missing_probe_is_tp_g1_and_new_failure_counts():
     rep = compare([R(target="a"), R(target="b")],
-                  [R(target="a"), R("causality.check", "new", "fail", ["TP-C1"])], today=TODAY)
+                  [R(target="a"), CAUSAL(False, target="new")], today=TODAY)
     assert sorted((r.code, r.target) for r in rep.regressions) == [("TP-C1", "new"), ("TP-G1", "b")]
 
 
@@ -122,14 +136,14 @@ def test_z_test_matches_formula(b, sb, c, sc):
     ({}, None),
 ])
 def test_standard_error_sources(metrics, se):
-    got = standard_error({"bias": 0.1, **metrics}, "bias")
+    got = standard_error(R(bias=0.1, **metrics), "bias")
     assert got == (None if se is None else pytest.approx(se))
 
 
 def test_rel_tol_is_validated_and_zero_restores_pure_significance():
     base, cand = R(bias=3.04e-8, bias_se=1e-12), R(bias=3.1e-8, bias_se=1e-12)
     assert compare([base], [cand], rel_tol=0.0, today=TODAY).exit_code == 1
-    with pytest.raises(ValueError, match=r"rel_tol=-1 must be a number >= 0"):
+    with pytest.raises(ValueError, match=r"rel_tol=-1 must be a finite number >= 0"):
         compare([], [], rel_tol=-1)
 
 
@@ -141,21 +155,20 @@ def test_z_test_deterministic_estimates():
 @given(st.lists(st.tuples(st.sampled_from(["pass", "warn", "fail"]), finite, se,
                           st.booleans(), st.integers(0, 52)), max_size=6))
 def test_comparing_a_report_with_itself_finds_nothing(rows):
-    results = [Result("p", f"t{i}", v, metrics={"bias": b, "bias_se": s, "causal": c,
-                                                   "accumulator_mantissa_bits": m})
+    results = [Result("p", f"t{i}", v, codes=["TP-B1"] if v == "fail" else [],
+                      metrics={"bias": b, "bias_se": s, "causal": c, "accumulator_mantissa_bits": m})
                for i, (v, b, s, c, m) in enumerate(rows)]
     assert compare(results, results, today=TODAY).regressions == []
 
 
 def test_alpha_is_validated():
-    with pytest.raises(ValueError, match=r"alpha=1\.5 must be in \(0, 1\)"):
+    with pytest.raises(ValueError, match=r"alpha=1\.5 must be a finite number in \(0, 1\)"):
         compare([], [], alpha=1.5)
 
 
 # --- waivers -----------------------------------------------------------------------------
 
-LEAK = (R("causality.check", "pkg.router:route", causal=True),
-        R("causality.check", "pkg.router:route", "fail", ["TP-C1"], causal=False))
+LEAK = (CAUSAL(target="pkg.router:route"), CAUSAL(False, target="pkg.router:route"))
 
 
 @pytest.mark.parametrize("target", ["pkg.router:route", "pkg.router:*",
@@ -273,8 +286,8 @@ def test_unreadable_reports_exit_2(reports, tmp_path, capsys, fault, match):
     bad = tmp_path / "bad.json"
     text = base.read_text()
     bad.write_text({"truncated": text[: len(text) // 2],
-                    "newer schema": text.replace('"schema_version": 1', '"schema_version": 2', 1),
-                    "older schema": text.replace('"schema_version": 1', '"schema_version": 0', 1),
+                    "newer schema": text.replace('"schema_version": 2', '"schema_version": 3', 1),
+                    "older schema": text.replace('"schema_version": 2', '"schema_version": 0', 1),
                     "not a report": "[1, 2]",
                     "empty baseline": '{"schema_version": 1, "results": []}'}.get(fault, ""))
     if fault == "missing":
@@ -297,7 +310,7 @@ def test_unreadable_candidate_exit_2(reports, tmp_path):
 def test_duplicated_keys_in_a_report_cannot_judge(side, first_fails):
     # was: the last Result with a key won, so a failing duplicate before (or after) a
     # passing one went unseen and the gate passed
-    good, bad = R(target="t"), R(target="t", verdict="fail", codes=["TP-B1"], bias=0.5, bias_se=1e-3)
+    good, bad = BIAS(), BIAS(0.5, 1e-3, biased=True)
     dup = [bad, good] if first_fails else [good, bad]
     base, cand = (dup, [good]) if side == "baseline" else ([good], dup)
     rep = compare(base, cand, today=TODAY)

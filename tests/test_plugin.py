@@ -302,3 +302,37 @@ def test_two_results_on_one_target_in_one_test_keep_unique_keys(pytester):
                                            "sequential_sum @ test_two_results_on_one_target_in_one_test_keep_unique_keys.py::test_two #2",
                                            "other @ test_two_results_on_one_target_in_one_test_keep_unique_keys.py::test_two"]
     assert len({r.key for r in results}) == 3
+
+
+def test_assert_flag_fails_closed_without_the_verdict_boolean(pytester):
+    # was: assert_unbiased read metrics.get("verdict") == "biased", so a Result without it
+    # passed; each helper now requires the probe's verdict boolean with its good value
+    pytester.makepyfile("""
+        from trainprobes.result import Result
+
+        def bias(**metrics):
+            return Result("numerics.bias", "t", "pass", metrics=metrics)
+
+        def test_missing(trainprobes):
+            trainprobes.assert_flag(bias(bias=0.0))
+
+        def test_mistyped(trainprobes):
+            trainprobes.assert_flag(bias(biased="false"))
+
+        def test_bad_value_beside_a_pass(trainprobes):
+            trainprobes.assert_flag(bias(biased=True))
+
+        def test_no_flag_documented(trainprobes):
+            trainprobes.assert_flag(Result("numerics.stall", "t", "pass"))
+
+        def test_good(trainprobes):
+            trainprobes.assert_flag(bias(biased=False))
+    """)
+    result = pytester.runpytest("-v")
+    result.assert_outcomes(passed=1, failed=4)
+    result.stdout.fnmatch_lines([
+        "*cannot judge: numerics.bias::t: metric 'biased' (the verdict boolean) is missing*",
+        "*cannot judge: numerics.bias::t: metric biased='false' is mistyped*",
+        "*biased = True (passes with biased = False)*",
+        "*cannot judge: numerics.stall::t: probe 'numerics.stall' documents no verdict*"],
+        consecutive=False)

@@ -15,7 +15,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from trainprobes.result import Result, repeat_suffix, to_jsonable, write_atomic
+from trainprobes.result import (
+    Result,
+    SchemaError,
+    from_jsonable,
+    repeat_suffix,
+    to_jsonable,
+    write_atomic,
+)
 
 
 @dataclass
@@ -129,8 +136,8 @@ def read_history(history_dir) -> list[dict]:
     runs = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            doc = json.loads(line)
-        except json.JSONDecodeError:
+            doc = from_jsonable(json.loads(line))  # {"$float": "nan"} back to a float
+        except (json.JSONDecodeError, SchemaError):
             continue
         if isinstance(doc, dict) and isinstance(doc.get("metrics"), dict):
             runs.append(doc)

@@ -37,7 +37,8 @@ def add_arguments(parser) -> None:
 
 def _row(r) -> dict:
     m = r.metrics
-    return {"target": r.target, "label": r.evidence.get("label"), "verdict": m.get("verdict", "error"),
+    said = {True: "biased", False: "unbiased"}.get(m.get("biased"), "unmeasured")
+    return {"target": r.target, "label": r.evidence.get("label"), "verdict": said,
             "result": r.verdict, "codes": r.codes, "bias": m.get("bias"), "ci_low": m.get("ci_low"),
             "ci_high": m.get("ci_high"), "std": m.get("std"), "p_value": m.get("p_value"),
             "p_sign": m.get("p_sign"), "p_wilcoxon": m.get("p_wilcoxon"), "trials": m.get("trials"),

@@ -67,7 +67,7 @@ def error_stats(errors, *, alpha: float = 0.01, min_effect: float = 0.0) -> dict
             "std": std, "rms": math.sqrt(mean * mean + std * std * (n - 1) / n),
             "p_value": p_t, "p_sign": p_sign, "p_wilcoxon": p_w,
             "positive_trials": pos, "negative_trials": neg, "zero_trials": n - pos - neg,
-            "alpha": alpha, "min_effect": min_effect, "verdict": "biased" if biased else "unbiased"}
+            "alpha": alpha, "min_effect": min_effect, "biased": biased}
 
 
 def bias_probe(fn: Callable, reference: Callable, make_inputs: Callable, *, trials: int = 32,
@@ -102,20 +102,20 @@ def bias_probe(fn: Callable, reference: Callable, make_inputs: Callable, *, tria
     if len(finite) < 3 and zero_ref >= nonfinite:
         return Result(probe="numerics.bias", target=target, verdict="error", seed=seed,
                       metrics={"trials": trials, "zero_reference_trials": zero_ref,
-                               "nonfinite_trials": nonfinite, "verdict": "unmeasurable"},
+                               "nonfinite_trials": nonfinite, "biased": None},
                       evidence=evidence, codes=["TP-E1"],
                       message=f"{zero_ref} of {trials} trials have a reference that is exactly 0, so "
                       "no relative error exists: make_inputs must give a non-zero reference sum")
     if len(finite) < 3:
         return Result(probe="numerics.bias", target=target, verdict="fail", seed=seed,
-                      metrics={"trials": trials, "nonfinite_trials": nonfinite, "verdict": "nonfinite"},
+                      metrics={"trials": trials, "nonfinite_trials": nonfinite, "biased": None},
                       evidence=evidence,
                       codes=["TP-B1"], message=f"{nonfinite} of {trials} trials gave inf/NaN "
                       "(overflow, or NaN in the inputs): no bias can be measured")
     s = error_stats(finite, alpha=alpha, min_effect=min_effect)
     s["nonfinite_trials"] = nonfinite
     s["zero_reference_trials"] = zero_ref
-    biased = s["verdict"] == "biased"
+    biased = s["biased"]
     direction = "too small" if s["bias"] < 0 else "too large"
     msg = (f"bias {s['bias']:+.3g} ({s['confidence']:.0%} CI [{s['ci_low']:+.3g}, {s['ci_high']:+.3g}]), "
            f"spread {s['std']:.3g}, p={s['p_value']:.2g}: ")
