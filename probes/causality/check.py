@@ -3,16 +3,21 @@
 `check(fn, inputs)` asks: does the decision for token t depend on tokens after t?
 
 Algorithm (perturb mode):
-  1. Run the target twice on the inputs. Different decisions (or scores, bit for bit):
-     nondeterministic (TP-C2); stop, since no flip could then be told from a leak.
-  2. Batch isolation: replace the even rows, compare the odd rows (TP-C3 if they move).
-  3. For each cut c, x_c = x with every position > c replaced by other values (same length, same
-     batch shape). Decisions at positions <= c must not change. If the target is
-     batch-isolated, many x_c are packed into one call, chunked to max_batch_tokens, with an
-     unperturbed copy of x as a control; otherwise one call per cut, at the inputs' shape.
-  4. Packing must compute what a call alone computes: the control must reproduce the baseline,
-     and the first flipped packed cuts are re-run alone and must match exactly; else packing
-     stops (the target is batch-variant) and every later cut runs alone (cuts.py).
+  1. Run the target on the inputs x: the baseline.
+  2. For each cut c, x_c = x with every position > c replaced by other values (same length, same
+     batch shape). Decisions at positions <= c must not change.
+  3. The second call folds the checks into the first packed call (cuts.py): x with its even
+     rows replaced (isolation), an unperturbed copy of x (the control), and the first x_c.
+     The control must reproduce the baseline bit for bit (determinism: else no flip could be
+     told from a leak) and so must the odd isolation rows (batch isolation: packing is sound
+     only for a batch-isolated target). Only then are the copies judged, so a global leak shows
+     at the second evaluation. If anything moved, nothing is judged from that call: the checks
+     run as separate calls (x again: TP-C2 if it differs; the isolation rows alone: TP-C3 if
+     they move beyond rounding noise) and every cut runs alone at the inputs' shape.
+  4. Later cuts are packed as many to a call as measurement says pays (packing.py; the memory
+     budget max_batch_tokens is an upper bound), each call with a control copy; the first
+     flipped packed cuts are re-run alone and must match exactly, else packing stops (the
+     target is batch-variant) and every later cut runs alone.
   5. Classify every flip (b, t, c) (classify.py). At the inputs' shape a deterministic target
      can change a decision at t <= c only if data flows from the future: structural, unless
      the routing margin (runner-up gap of `scores`, or the size of a float change) is within
@@ -20,9 +25,11 @@ Algorithm (perturb mode):
      "unverified". The first flipped cuts are re-run once more: a flip that does not repeat
      is nondeterminism (TP-C2), not a leak.
   6. With `scores`, score changes at t <= c where the decision held are judged the same way.
-Truncate mode runs the prefix x[:, :c+1] (the inference view); shapes differ, so every flip
-goes to the fp64 twin. The share of earlier decisions that differ is the train/inference
-decision mismatch. The Result is assembled in summary.py.
+Truncate mode runs the prefix x[:, :c+1] (the inference view) one call per cut, after the
+same folded checks (without copies); shapes differ, so every flip goes to the fp64 twin. The
+share of earlier decisions that differ is the train/inference decision mismatch. With
+pack=False or layout="flat" the checks are separate calls and nothing is packed. The Result
+is assembled in summary.py.
 """
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ from typing import Callable
 
 import torch
 from trainprobes.causality.classify import Judge, Kind, Nondeterministic, Outputs
-from trainprobes.causality.cuts import Cuts
+from trainprobes.causality.cuts import Cuts, timed_call
 from trainprobes.causality.inputs import (
     MODES,
     Perturbed,
@@ -66,6 +73,8 @@ def check(fn: Callable, inputs: torch.Tensor, *, mode: str = "perturb", cuts=Non
       used for margins) out of fn's output: None (the output), an index, a name, or a
       callable. Integer decisions are compared exactly, float decisions with atol.
     fp64: None (auto twin), False, or a callable computing the same thing in float64.
+    pack: True (copies per call chosen by measuring, up to max_batch_tokens), False (every
+      call at the inputs' shape), or a number of copies per call (reproducible evaluations).
     margin_tol: absolute score gap below which a flip may be rounding noise; default
       32 ulps of the score's magnitude.
     """
@@ -94,8 +103,9 @@ def check(fn: Callable, inputs: torch.Tensor, *, mode: str = "perturb", cuts=Non
                   cuts=cut_list, trials=trials, max_leaks=max_leaks)
     common = dict(probe="causality.check", target=name, seed=seed)
 
-    judge = Judge(tgt, x, atol=atol, margin_tol=margin_tol, fp64=fp64, max_verify=max_verify)
-    run = Cuts(judge, tgt, Perturbed(x, R), atol=atol, progress=progress)
+    base, baseline_s = timed_call(tgt, x)
+    judge = Judge(tgt, x, base, atol=atol, margin_tol=margin_tol, fp64=fp64, max_verify=max_verify)
+    run = Cuts(judge, tgt, Perturbed(x, R), atol=atol, baseline_s=baseline_s, progress=progress)
     tasks = [(c, i) for c in cut_list for i in range(trials)]
     try:
         copies = run.plan(pack=pack, mode=mode, layout=layout, max_batch_tokens=max_batch_tokens,

@@ -173,10 +173,10 @@ class Judge:
     lazily, checked to really compute in float64), a budget of verification calls, and the
     re-runs of flipped inputs that tell nondeterminism from a leak."""
 
-    def __init__(self, tgt: Target, x: torch.Tensor, *, atol: float, margin_tol: float | None,
-                 fp64, max_verify: int | None):
+    def __init__(self, tgt: Target, x: torch.Tensor, base: Outputs, *, atol: float,
+                 margin_tol: float | None, fp64, max_verify: int | None):
         self.tgt, self.x, self.atol, self.margin_tol = tgt, x, atol, margin_tol
-        self.base = Outputs(*tgt(x))
+        self.base = base  # the target's outputs on x
         self._fp64_fn = tgt.fp64(fp64)
         self._fp64_base: Outputs | None = None
         self._fp64_last = None

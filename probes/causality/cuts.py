@@ -51,13 +51,22 @@ def out_of_memory(error: BaseException) -> bool:
     return False
 
 
+def timed_call(tgt: Target, batch: torch.Tensor) -> tuple[Outputs, float]:
+    """The target on batch, and the seconds it took (outputs come back on the CPU, so a
+    device has finished)."""
+    t0 = time.perf_counter()
+    out = Outputs(*tgt(batch))
+    return out, time.perf_counter() - t0
+
+
 class Cuts:
     """The cuts of one check: each (cut, trial) evaluated and its changes classified into
     `flips` and `score_changes` records."""
 
     def __init__(self, judge: Judge, tgt: Target, perturbed: Perturbed, *, atol: float,
-                 progress: Callable[[int, int], None] | None = None):
+                 baseline_s: float, progress: Callable[[int, int], None] | None = None):
         self.judge, self.tgt, self.perturbed, self.atol = judge, tgt, perturbed, atol
+        self.baseline_s = baseline_s  # the baseline call's seconds: a first estimate of a cut alone
         self.progress = progress
         self.flips: list[Flips] = []
         self.score_changes: list[ScoreChanges] = []
@@ -95,7 +104,7 @@ class Cuts:
             return None
         if not self.packing:
             return 0
-        self.sizer = Sizer(cap, fixed=fixed)
+        self.sizer = Sizer(cap, baseline_s=self.baseline_s, fixed=fixed)
         return min(fixed or START, blocks - 2, n_tasks)
 
     def fold(self, part: list, R: torch.Tensor) -> tuple[Isolation | None, int]:
@@ -184,15 +193,12 @@ class Cuts:
                 self.progress(j, len(tasks))
 
     def packing_evidence(self) -> dict | None:
-        return self.sizer.evidence() if self.sizer is not None else None
+        """What the sizer measured and chose; None if no packed call was made."""
+        return self.sizer.evidence() if self.sizer is not None and self.sizer.sizes else None
 
     # -- one cut ------------------------------------------------------------------------
     def _call(self, batch: torch.Tensor) -> tuple[Outputs, float]:
-        """The target on batch, and the seconds it took (outputs come back on the CPU, so a
-        device has finished)."""
-        t0 = time.perf_counter()
-        out = Outputs(*self.tgt(batch))
-        return out, time.perf_counter() - t0
+        return timed_call(self.tgt, batch)
 
     def note_flip(self) -> None:
         if self.first_flip_eval is None:

@@ -8,15 +8,19 @@ fixed token budget suits both, so the sizer measures. Every measured call is rea
 cut judged), and only the target's calls are timed, never the probe's own work around them.
 
 A call of n + 1 copies of the inputs (n perturbed ones and the control) costs t: t / n per
-copy. The first call carries START copies beside the two check rows: the same call size as
-n = START + 1, so it is the first sample of that size.
-  1. ALONE_SAMPLES cuts run alone at the inputs' shape: the cost of the per-cut loop.
-  2. Grow: n = START + 1, then doubled (never past the memory budget), SAMPLES calls each (the
-     first call at a new size pays for warming up; the fastest call is the estimate, since
-     noise only adds time). Growing stops at the budget, at a size that costs more than
-     TOLERANCE above the best so far, or at one that costs as much as a call alone.
-  3. Settle: the best size if it costs less per copy than a call alone, else one call per
-     cut for every later cut.
+copy; a size's cost is its fastest call, since noise only adds time. The first call carries
+START copies beside the two check rows: the same call size as n = START + 1, so it is the
+first sample of that size. The loop's cost per cut is a call alone: the baseline call (the
+first call, so at most an overestimate) until a cut is timed alone.
+  1. A size that costs under CLEAR_WIN of a call alone per copy pays, even if that call alone
+     is the baseline's (the first call, so it may include warming up); otherwise, after
+     SAMPLES calls of that size, ALONE_SAMPLES cuts run alone, timed, before going on.
+  2. Grow (n doubles, never past the memory budget) while the size pays (cheaper than a call
+     alone) and beats the smaller sizes: at once if by a clear margin (CLEAR), else after
+     SAMPLES calls and within TOLERANCE.
+  3. A size that does not beat them gets SAMPLES calls (the first call at a new size pays for
+     warming up) unless it is clearly worse (WORSE times the cost); then settle on the best
+     size if it pays, else one call per cut for every later cut.
 `fixed` skips all of this: that many copies per call (capped by the budget), for
 reproducible evaluation counts.
 """
@@ -24,20 +28,25 @@ from __future__ import annotations
 
 START = 8          # copies in the first packed call: the default check's 8 cuts fit in it
 GROWTH = 2
-SAMPLES = 2        # calls timed at each size while growing
-ALONE_SAMPLES = 2  # cuts run alone, timed, to know the loop's cost
+SAMPLES = 2        # calls timed at a size before it is called slower
+CLEAR = 0.6        # one call this far below every smaller size: grow at once
+CLEAR_WIN = 0.25   # per copy under this share of the baseline call: pays, no call alone timed
+ALONE_SAMPLES = 2  # else cuts timed alone first (their fastest: the loop's cost per cut)
 TOLERANCE = 0.10   # timing noise allowed before a bigger size counts as slower
+WORSE = 4.0        # a first call this many times the best: slower, warming up or not
 
 
 class Sizer:
     """Copies per packed call: `next()` says how many (0: run the next cut alone); the caller
     reports each call's time with `packed()` or `alone()`."""
 
-    def __init__(self, cap: int, *, fixed: int | None = None):
+    def __init__(self, cap: int, *, baseline_s: float, fixed: int | None = None):
         self.cap = cap                 # copies the memory budget allows next to one control
+        self.baseline_s = baseline_s   # the first call of the target, at the inputs' shape
         self.fixed = fixed
         self.want = min(fixed or START + 1, cap)
         self.state = "pack" if fixed else "grow"  # grow -> pack | alone
+        self.need_alone = False                   # time a cut alone before deciding
         self.per_copy: dict[int, float] = {}      # copies per call -> fastest seconds per copy
         self.samples: dict[int, int] = {}
         self.alone_s: list[float] = []
@@ -46,9 +55,7 @@ class Sizer:
                                               if fixed > cap else "")) if fixed else None
 
     def next(self) -> int:
-        if self.state == "alone" or self.state == "grow" and len(self.alone_s) < ALONE_SAMPLES:
-            return 0
-        return self.want
+        return 0 if self.state == "alone" or self.need_alone else self.want
 
     def packed(self, copies: int, overhead: int, seconds: float) -> None:
         """A packed call of `copies` perturbed copies and `overhead` unperturbed ones (the
@@ -65,22 +72,35 @@ class Sizer:
     def alone(self, seconds: float) -> None:
         """A cut run alone at the inputs' shape took `seconds` (the target's call only)."""
         self.alone_s.append(seconds)
+        self.need_alone = False
         self._review()
 
     def _review(self) -> None:
-        if (self.state != "grow" or len(self.alone_s) < ALONE_SAMPLES
-                or self.samples.get(self.want, 0) < SAMPLES):
+        if self.state != "grow" or not self.samples.get(self.want):
             return
-        cost, best, alone = self.per_copy[self.want], min(self.per_copy.values()), min(self.alone_s)
-        if self.want >= self.cap or cost > best * (1 + TOLERANCE) or cost >= alone:
-            self.want = min(self.per_copy, key=self.per_copy.get)
-            self.state = "pack" if self.per_copy[self.want] < alone else "alone"
-            self.why = (f"settled on {self.per_copy[self.want] * 1e3:.3g} ms per copy at "
-                        f"{self.want} copies per call vs {alone * 1e3:.3g} ms per call alone: "
-                        + ("packed" if self.state == "pack" else
-                           "packing does not pay, one call per cut"))
-        else:
+        cost, k = self.per_copy[self.want], self.samples[self.want]
+        smaller = min((c for n, c in self.per_copy.items() if n < self.want), default=float("inf"))
+        alone = min(self.alone_s, default=self.baseline_s)
+        if cost > CLEAR_WIN * alone:  # not a clear win: is it cheaper than a call alone at all?
+            if k < SAMPLES and cost <= WORSE * alone:
+                return  # one more call of this size first (the first one warms up)
+            if len(self.alone_s) < ALONE_SAMPLES:
+                self.need_alone = True  # and time cuts alone
+                return
+        better = cost <= CLEAR * smaller or k >= SAMPLES and cost <= smaller * (1 + TOLERANCE)
+        if cost < alone and better and self.want < self.cap:
             self.want = min(self.want * GROWTH, self.cap)
+        elif k < SAMPLES and cost <= WORSE * min(smaller, alone):
+            return  # not clearly worse (a first call may be slow from warming up): one more
+        else:
+            self._settle(alone)
+
+    def _settle(self, alone: float) -> None:
+        self.want = min(self.per_copy, key=self.per_copy.get)
+        self.state = "pack" if self.per_copy[self.want] < alone else "alone"
+        self.why = (f"settled on {self.per_copy[self.want] * 1e3:.3g} ms per copy at "
+                    f"{self.want} copies per call vs {alone * 1e3:.3g} ms per call alone: "
+                    + ("packed" if self.state == "pack" else "packing does not pay, one call per cut"))
 
     def shrink(self, copies: int) -> bool:
         """Out of memory at `copies` per call: halve the budget. False if that leaves fewer
@@ -98,5 +118,6 @@ class Sizer:
         return {"sizes": self.sizes, "alone_calls_timed": len(self.alone_s),
                 "ms_per_copy": {str(n): round(s * 1e3, 4) for n, s in sorted(self.per_copy.items())},
                 "ms_alone": round(min(self.alone_s) * 1e3, 4) if self.alone_s else None,
+                "ms_baseline": round(self.baseline_s * 1e3, 4),
                 "copies_per_call": 0 if self.state == "alone" else self.want,
                 "cap": self.cap, "state": self.state, "why": self.why}
