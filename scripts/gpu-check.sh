@@ -5,9 +5,12 @@
 #      without reduced-precision reduction, and fp8 torch._scaled_mm where the GPU has it.
 #      Report: reports/gpu-check.json (or $1).
 #   2. every pytest test marked `gpu` in the repo.
+#   3. benchmarks/bench_causality.py on the GPU: full causality certification vs a per-cut
+#      loop (the batching gain), its section in reports/causality-benchmark.md.
 # Without CUDA it fails (exit 2): nothing is checked, so nothing may pass.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-reports/gpu-check.json}"
 timeout 200 python scripts/gpu_check.py --out "$out"
 timeout 90 python -m pytest -q -m gpu -p no:cacheprovider tests
+timeout 240 python benchmarks/bench_causality.py --device cuda --repeats 3

@@ -17,7 +17,10 @@ arithmetic), and every cut runs alone.
 
 Later packed calls carry the control too; the first flipped packed copies are re-run alone
 and must match exactly; else packing stops (batch-variant) and every later cut runs alone.
-How many copies go into a call is measured (packing.py), under the memory budget.
+How many copies go into a call is measured (packing.py), under the memory budget: each call
+or cut alone is timed with the probe's own work on it (building the copies, comparing the
+outputs), which is what a cut costs, but without the confirmations of flips (re-runs, the
+fp64 twin), which cost the same however the cuts are run.
 """
 from __future__ import annotations
 
@@ -61,7 +64,7 @@ def timed_call(tgt: Target, batch: torch.Tensor) -> tuple[Outputs, float]:
 
 class Cuts:
     """The cuts of one check: each (cut, trial) evaluated and its changes classified into
-    `flips` and `score_changes` records."""
+    `flips` and `score_changes` records (records only for cuts that changed something)."""
 
     def __init__(self, judge: Judge, tgt: Target, perturbed: Perturbed, *, atol: float,
                  baseline_s: float, progress: Callable[[int, int], None] | None = None):
@@ -77,6 +80,7 @@ class Cuts:
         self.packing = False
         self.packed = False  # some packed copies were judged
         self.sizer: Sizer | None = None
+        self.confirming_s = 0.0  # seconds spent confirming flips, kept out of the sizer's timings
         x = perturbed.x
         self.B, self.T = x.shape[:2]
         self.pos = torch.arange(self.T)  # decisions come back on the CPU
@@ -118,9 +122,9 @@ class Cuts:
             iso = x.clone()
             iso[0::2] = R[0, 0::2].to(x.device)
         while True:
-            batch = torch.cat([iso, x] + [self.perturbed(c, i) for c, i in part])
+            t0, confirming = time.perf_counter(), self.confirming_s
             try:
-                out, seconds = self._call(batch)
+                out = Outputs(*self.tgt(torch.cat([iso, x] + [self.perturbed(c, i) for c, i in part])))
                 break
             except TargetError as e:
                 if not (out_of_memory(e) and part):
@@ -139,8 +143,8 @@ class Cuts:
                                f"no packed copy was judged")
             return None, 0
         if part:
-            self.sizer.packed(len(part), 2, seconds)
             self._judge_copies(part, out, 2 * B)
+            self.sizer.packed(len(part), 2, self._since(t0, confirming))
         return Isolation(True, []), len(part)
 
     def _moved(self, out: Outputs, B: int) -> list:
@@ -187,7 +191,10 @@ class Cuts:
             else:
                 part = tasks[j:j + 1]
                 c, i = part[0]
-                self.flips.append(self.alone(c, i) if mode == "perturb" else self.truncated(c))
+                if mode == "perturb":
+                    self.alone(c, i)
+                else:
+                    self.truncated(c)
             j += len(part)
             if self.progress is not None:
                 self.progress(j, len(tasks))
@@ -197,26 +204,37 @@ class Cuts:
         return self.sizer.evidence() if self.sizer is not None and self.sizer.sizes else None
 
     # -- one cut ------------------------------------------------------------------------
-    def _call(self, batch: torch.Tensor) -> tuple[Outputs, float]:
-        return timed_call(self.tgt, batch)
+    def _since(self, t0: float, confirming: float) -> float:
+        """Seconds since t0, less the confirmations of flips spent since then."""
+        return time.perf_counter() - t0 - (self.confirming_s - confirming)
 
     def note_flip(self) -> None:
         if self.first_flip_eval is None:
             self.first_flip_eval = self.tgt.n_evaluations
-    def judged(self, out: Outputs, c: int, xc, same_shape: bool = True, trial: int = 0) -> Flips:
-        """The flips of out (the run of xc) against the baseline at positions <= c, classified;
-        score changes where the decision held are recorded on the side."""
+
+    def judged(self, out: Outputs, c: int, xc, same_shape: bool = True, trial: int = 0) -> Flips | None:
+        """The flips of out (the run of xc) against the baseline at positions <= c, classified
+        (None if no decision flipped); score changes where the decision held are recorded on
+        the side."""
         y0 = self.judge.base.decision[:, :out.decision.shape[1]]
         d = differs(y0, out.decision, self.atol)
         d[:, c + 1:] = False
-        if d.any():
+        flipped = bool(d.any())
+        if not flipped and (out.scores is None or not self._scores_moved(out.scores, c)):
+            return None  # the common case, kept cheap: nothing at or before the cut moved
+        t0 = time.perf_counter()
+        if flipped:
             self.note_flip()
         b, t = d.nonzero(as_tuple=True)
         kind = self.judge.flips(xc, (b, t), out, same_shape)
         moved = out.scores is not None and self._score_changes(out.scores, c, xc, d, same_shape, trial)
-        if len(b) or moved:  # the first flip of any kind: make sure the target repeats itself
+        if flipped or moved:  # the first flip of any kind: make sure the target repeats itself
             self.judge.reproduce(xc, out)
-        return Flips(c, trial, b, t, out.decision[b, t], kind)
+        self.confirming_s += time.perf_counter() - t0
+        return Flips(c, trial, b, t, out.decision[b, t], kind) if flipped else None
+
+    def _scores_moved(self, sc: torch.Tensor, c: int) -> bool:
+        return bool(differs(self.judge.base.scores[:, :sc.shape[1]], sc, 0.0)[:, :c + 1].any())
 
     def _score_changes(self, sc, c, xc, flipped, same_shape, trial) -> bool:
         """Scores at positions <= c that moved while the decision did not: the future reaches
@@ -237,42 +255,50 @@ class Cuts:
         self.score_changes.append(ScoreChanges(c, trial, b, t, change_size(s0[b, t], sc[b, t]), kind))
         return True
 
-    def alone(self, c: int, trial: int = 0) -> Flips:
-        """The perturbed input run alone at the inputs' shape."""
-        xc = self.perturbed(c, trial)
-        out, seconds = self._call(xc)
-        if self.sizer is not None:
-            self.sizer.alone(seconds)
-        return self.judged(out, c, xc, trial=trial)
+    def _keep(self, flips: Flips | None) -> None:
+        if flips is not None:
+            self.flips.append(flips)
 
-    def truncated(self, c: int) -> Flips:
+    def alone(self, c: int, trial: int = 0) -> None:
+        """The perturbed input run alone at the inputs' shape (timed for the sizer)."""
+        t0, confirming = time.perf_counter(), self.confirming_s
+        xc = self.perturbed(c, trial)
+        self._keep(self.judged(Outputs(*self.tgt(xc)), c, xc, trial=trial))
+        if self.sizer is not None:
+            self.sizer.alone(self._since(t0, confirming))
+
+    def truncated(self, c: int) -> None:
         """The inference view: the prefix x[:, :c+1] alone."""
         xc = self.perturbed.x[:, :c + 1].contiguous()  # real blocks .view() their input
-        return self.judged(Outputs(*self.tgt(xc)), c, xc, same_shape=False)
+        self._keep(self.judged(Outputs(*self.tgt(xc)), c, xc, same_shape=False))
 
-    def confirm(self, xc, c: int, packed_mask, packed: Outputs, trial: int = 0):
-        """Re-run a packed cut alone at the inputs' shape: (its flips, classified; whether the
-        packed call gave exactly the same output). Past the verification budget the packed
-        flips are kept as 'unconfirmed'."""
+    def confirm(self, xc, c: int, packed_mask, packed: Outputs, trial: int = 0) -> bool:
+        """Re-run a packed cut alone at the inputs' shape and keep its flips, classified;
+        whether the packed call gave exactly the same output. Past the verification budget
+        the packed flips are kept as 'unconfirmed'."""
         if self.judge.verify_left <= 0:
             b, t = packed_mask.nonzero(as_tuple=True)
             kind = torch.full((len(b),), Kind.UNCONFIRMED, dtype=torch.long)
-            return Flips(c, trial, b, t, packed.decision[b, t], kind), True
+            self.flips.append(Flips(c, trial, b, t, packed.decision[b, t], kind))
+            return True
         self.judge.verify_left -= 1
         self.judge.confirmations += 1
-        out = Outputs(*self.tgt(xc))
+        out, seconds = timed_call(self.tgt, xc)
+        self.confirming_s += seconds
         # faithful: the packed copy computed what the call alone computes, everywhere
         faithful = not differs(out.decision, packed.decision, self.atol).any() and (
             out.scores is None or torch.equal(out.scores, packed.scores))
-        return self.judged(out, c, xc, trial=trial), faithful
+        self._keep(self.judged(out, c, xc, trial=trial))
+        return faithful
 
     # -- packed calls --------------------------------------------------------------------
     def _packed(self, part: list) -> bool:
         """One packed call for the (cut, trial) pairs of part, with the control in front.
         False if nothing was judged from it (packing stopped, or the chunk shrank)."""
+        t0, confirming = time.perf_counter(), self.confirming_s
         x = self.perturbed.x
         try:
-            out, seconds = self._call(torch.cat([x] + [self.perturbed(c, i) for c, i in part]))
+            out = Outputs(*self.tgt(torch.cat([x] + [self.perturbed(c, i) for c, i in part])))
         except TargetError as e:
             if out_of_memory(e) and self.sizer.shrink(len(part)):
                 return False  # memory budget too generous for this target: retry smaller
@@ -288,8 +314,8 @@ class Cuts:
                 out.scores is not None and not torch.equal(out.scores[:self.B], s0)):
             self.batch_invariant = self.packing = False
             return False
-        self.sizer.packed(len(part), 1, seconds)
         self._judge_copies(part, out, self.B)
+        self.sizer.packed(len(part), 1, self._since(t0, confirming))
         return True
 
     def _judge_copies(self, part: list, out: Outputs, skip: int) -> None:
@@ -297,29 +323,33 @@ class Cuts:
         y0, s0 = self.judge.base
         self.packed = True
         outs = out.decision[skip:].reshape(len(part), *y0.shape)
-        scs = (out.scores[skip:].reshape(len(part), *s0.shape) if out.scores is not None
-               else [None] * len(part))
-        for n, ((c, i), yc, sc) in enumerate(zip(part, outs, scs)):
-            if not self._packed_copy(c, i, Outputs(yc, sc)):
+        # every copy against the baseline at once: [copies, B, T], then positions <= its cut
+        moved = differs(outs.flatten(0, 1), y0.repeat(len(part), *[1] * (y0.dim() - 1)),
+                        self.atol).view(len(part), *y0.shape[:2])
+        scs = None
+        if out.scores is not None:
+            scs = out.scores[skip:].reshape(len(part), *s0.shape)
+            moved |= differs(scs.flatten(0, 1), s0.repeat(len(part), *[1] * (s0.dim() - 1)),
+                             0.0).view(len(part), *s0.shape[:2])
+        cuts = torch.tensor([c for c, _ in part])
+        moved &= (self.pos[None, :] <= cuts[:, None])[:, None, :]
+        for n in moved.flatten(1).any(1).nonzero().flatten().tolist():
+            c, i = part[n]
+            if not self._packed_copy(c, i, Outputs(outs[n], scs[n] if scs is not None else None)):
                 # packing changed the answer: batch-variant; the rest of this chunk alone
                 self.batch_invariant = self.packing = False
-                self.flips.extend(self.alone(c2, i2) for c2, i2 in part[n + 1:])
+                for c2, i2 in part[n + 1:]:
+                    self.alone(c2, i2)
                 break
 
     def _packed_copy(self, c: int, i: int, out: Outputs) -> bool:
-        """Judge one packed copy; False if re-running it alone gave other outputs."""
-        y0, s0 = self.judge.base
-        before = self.pos <= c
-        d = differs(y0, out.decision, self.atol) & before
-        moved_scores = out.scores is not None and bool((differs(s0, out.scores, 0.0) & before).any())
-        if not d.any() and not moved_scores:
-            return True
+        """Judge one packed copy that moved at or before its cut; False if re-running it
+        alone gave other outputs."""
         self.note_flip()
         # Packed flips are taken as they stand only after the first REPRODUCTIONS
         # flipped cuts were re-run alone and gave exactly the same flips.
         if self.judge.reproduced >= REPRODUCTIONS:
-            self.flips.append(self.judged(out, c, self.perturbed(c, i), trial=i))
+            self._keep(self.judged(out, c, self.perturbed(c, i), trial=i))
             return True
-        kept, faithful = self.confirm(self.perturbed(c, i), c, d, out, i)
-        self.flips.append(kept)
-        return faithful
+        d = differs(self.judge.base.decision, out.decision, self.atol) & (self.pos <= c)
+        return self.confirm(self.perturbed(c, i), c, d, out, i)

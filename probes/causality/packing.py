@@ -17,10 +17,12 @@ first call, so at most an overestimate) until a cut is timed alone.
      SAMPLES calls of that size, ALONE_SAMPLES cuts run alone, timed, before going on.
   2. Grow (n doubles, never past the memory budget) while the size pays (cheaper than a call
      alone) and beats the smaller sizes: at once if by a clear margin (CLEAR), else after
-     SAMPLES calls and within TOLERANCE.
+     SAMPLES calls and within TOLERANCE (TIGHT where packing saves less than half).
   3. A size that does not beat them gets SAMPLES calls (the first call at a new size pays for
      warming up) unless it is clearly worse (WORSE times the cost); then settle on the best
-     size if it pays, else one call per cut for every later cut.
+     size if it pays, else one call per cut for every later cut. Where packing saves more
+     than half, of the sizes within SAME of the best the biggest is kept: timing noise
+     should not cost calls.
 `fixed` skips all of this: that many copies per call (capped by the budget), for
 reproducible evaluation counts.
 """
@@ -30,9 +32,11 @@ START = 8          # copies in the first packed call: the default check's 8 cuts
 GROWTH = 2
 SAMPLES = 2        # calls timed at a size before it is called slower
 CLEAR = 0.6        # one call this far below every smaller size: grow at once
-CLEAR_WIN = 0.25   # per copy under this share of the baseline call: pays, no call alone timed
-ALONE_SAMPLES = 2  # else cuts timed alone first (their fastest: the loop's cost per cut)
-TOLERANCE = 0.10   # timing noise allowed before a bigger size counts as slower
+CLEAR_WIN = 0.25   # per copy under this share of a call alone (the baseline first): pays
+ALONE_SAMPLES = 2  # else cuts are timed alone (their fastest: the loop's cost per cut)
+TOLERANCE = 0.25   # timing noise allowed before a bigger size counts as slower, while packing
+TIGHT = 0.10       # saves at least half of a call alone; TIGHT where it saves less
+SAME = 0.10        # sizes this close to the best cost the same: the biggest is kept
 WORSE = 4.0        # a first call this many times the best: slower, warming up or not
 
 
@@ -87,7 +91,8 @@ class Sizer:
             if len(self.alone_s) < ALONE_SAMPLES:
                 self.need_alone = True  # and time cuts alone
                 return
-        better = cost <= CLEAR * smaller or k >= SAMPLES and cost <= smaller * (1 + TOLERANCE)
+        tolerance = TOLERANCE if cost < alone / 2 else TIGHT
+        better = cost <= CLEAR * smaller or k >= SAMPLES and cost <= smaller * (1 + tolerance)
         if cost < alone and better and self.want < self.cap:
             self.want = min(self.want * GROWTH, self.cap)
         elif k < SAMPLES and cost <= WORSE * min(smaller, alone):
@@ -97,6 +102,9 @@ class Sizer:
 
     def _settle(self, alone: float) -> None:
         self.want = min(self.per_copy, key=self.per_copy.get)
+        best = self.per_copy[self.want]
+        if best < alone / 2:  # of sizes that cost the same, the biggest: noise should not cost calls
+            self.want = max(n for n, c in self.per_copy.items() if c <= best * (1 + SAME))
         self.state = "pack" if self.per_copy[self.want] < alone else "alone"
         self.why = (f"settled on {self.per_copy[self.want] * 1e3:.3g} ms per copy at "
                     f"{self.want} copies per call vs {alone * 1e3:.3g} ms per call alone: "
