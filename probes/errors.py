@@ -38,3 +38,7 @@ class DataFileError(TrainprobesError, ValueError):
 
 class CannotJudge(TrainprobesError):
     """The gate (or any judge) lacks what it needs to decide: exit 2, with the reason."""
+
+
+class MissingDependency(TrainprobesError, ImportError):
+    """An optional package a feature needs is not installed; the message says what to install."""

@@ -16,6 +16,11 @@ Regressions, each with a code from trainprobes.result.CODES so a reviewer can se
   TP-B3  lower revealed accumulator precision (`accumulator_mantissa_bits` decreased);
   TP-G4  a control (Result.expected set) that reproduced its known verdict in the baseline,
          or is new, misses it in the candidate: the harness is broken on that machine;
+  TP-T1/T2/T3  a parallel transform that was equivalent (exact or noise) is now biased /
+         inconsistent / wrong (trainprobes.transforms: `equivalent` True -> False, coded by
+         its `transform_verdict`);
+  TP-T4  a transform's gradient or loss scale error significantly larger (`scale_error`,
+         `loss_relative_error` with their `_se`), judged like bias;
   TP-E1  the probe errored in the candidate;
   and any other result whose verdict went from pass/warn to fail keeps the candidate's codes.
 Waivers name a code, a target (exact, or an fnmatch pattern) and a reason, and expire.
@@ -29,6 +34,7 @@ from datetime import date, timedelta
 from fnmatch import fnmatchcase
 from pathlib import Path
 
+from trainprobes.display import format_number
 from trainprobes.errors import CannotJudge, InvalidType
 from trainprobes.result import CODES, PROBES, VERDICT_FLAGS, Result, SchemaError, load_results
 from trainprobes.validation import check_number
@@ -38,7 +44,11 @@ from trainprobes.validation import check_number
 # std and trials, and a (1 - alpha) CI; trainprobes.drift.compare: se_mean).
 # (code, estimate, label, the metric holding the probe's own floor for a bias that matters)
 ESTIMATES = (("TP-G2", "bias", "bias", "min_effect"),
-             ("TP-G3", "mean_log_ratio", "drift", "min_bias"))
+             ("TP-G3", "mean_log_ratio", "drift", "min_bias"),
+             ("TP-T4", "scale_error", "transform gradient scale error", "min_effect"),
+             ("TP-T4", "loss_relative_error", "transform loss error", "min_effect"))
+# trainprobes.transforms: `equivalent` True -> False blocks, coded by the candidate's kind
+TRANSFORM_CODES = {"biased": "TP-T1", "inconsistent": "TP-T2", "wrong": "TP-T3"}
 
 
 @dataclass(frozen=True)
@@ -211,7 +221,8 @@ def check_judgeable(r: Result, side: str) -> None:
       beside fail/error), and the verdict agrees: the bad value never passes, and a fail
       with the good value is explained by another code or a broken configured threshold;
     - the numbers PROBES says the probe reports whenever it measured are present;
-    - every metric in NUMBERS that is present is a number (NaN is a number).
+    - every metric in NUMBERS, and every metric PROBES documents as a number, that is
+      present is a number (NaN is a number; None where a probe had nothing to report).
     """
     if r.verdict == "error":
         return  # it measured nothing; the candidate's error is TP-E1
@@ -228,10 +239,13 @@ def check_judgeable(r: Result, side: str) -> None:
             raise CannotJudge(f"{side} {e}") from None
         good = VERDICT_FLAGS[spec.flag]
         measured = value is not None
-        if value is (not good) and r.passed:
+        # an advisory probe's bad value is a watch-out: warn, with its code, never pass
+        if value is (not good) and (r.verdict == "pass" or not spec.advisory and r.passed
+                                    or r.verdict == "warn" and spec.code not in r.codes):
             raise CannotJudge(f"{where}: verdict {r.verdict!r} contradicts metric "
-                              f"{spec.flag}={value} (that fails with {spec.code}; was the "
-                              "report edited?)")
+                              f"{spec.flag}={value} (that "
+                              f"{'warns' if spec.advisory else 'fails'} with {spec.code}; was "
+                              "the report edited?)")
         others = [c for c in r.codes if c != spec.code]
         if value is good and r.verdict == "fail" and not others and not _threshold_broken(r):
             raise CannotJudge(f"{where}: verdict 'fail' but metric {spec.flag}={value}, and no "
@@ -244,6 +258,10 @@ def check_judgeable(r: Result, side: str) -> None:
                               "always reports them and the gate's rules need them")
     for name in NUMBERS:
         _number(r, name, side)
+    if spec is not None:  # every number the probe documents, not only those a rule reads
+        for name, v in r.metrics.items():
+            if v is not None and spec.is_number(name):
+                _number(r, name, side)
     for name in VERDICT_FLAGS:  # causality's batch_invariant may be None (unknown)
         v = r.metrics.get(name)
         if v is not None and not isinstance(v, bool):
@@ -313,10 +331,7 @@ def larger_magnitude(base: tuple[float, float], cand: tuple[float, float],
 
 # --- comparison --------------------------------------------------------------------------
 
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
+_fmt = format_number  # the one number format of every face (trainprobes.display)
 
 
 def _control_pair(b: Result | None, c: Result) -> list[Regression]:
@@ -360,6 +375,10 @@ def _compare_pair(b: Result, c: Result, alpha: float, rel_tol: float) -> list[Re
                 n = c.metrics.get("n_leaks")
                 add(code, "was causal, now leaks future tokens into earlier decisions",
                     "causal", f"leaks ({n} leaks)" if n is not None else "leaks", c.message)
+            elif flag == "equivalent":  # coded by what the transform became
+                was, kind = b.metrics.get("transform_verdict"), c.metrics.get("transform_verdict")
+                add(TRANSFORM_CODES.get(kind, code), f"was equivalent ({was}), now {kind} (worst "
+                    f"parameter {c.metrics.get('worst_parameter')})", str(was), str(kind), c.message)
             else:
                 add(code, f"was {flag} = {good}, now {flag} = {not good}",
                     f"{flag} = {good}", f"{flag} = {not good}", c.message)

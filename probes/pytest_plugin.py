@@ -21,6 +21,7 @@ MARKERS = {
     "numerics": "low-precision numerics probes (bias, stall, accumulator)",
     "causality": "future-token causality probes",
     "drift": "train/inference log-prob drift probes",
+    "isolation": "packed-document isolation and batch-invariance probes",
     "distributed": "runs real collectives on torch.distributed",
     "gpu": "needs CUDA; skipped with a reason where there is none",
 }
@@ -244,11 +245,35 @@ class TrainProbes:
             pytest.fail(_failure(r, "stalled"), pytrace=False)
         return r
 
+    def assert_equivalent(self, step, transform, **kwargs):
+        """trainprobes.transforms.probe(step, transform, **kwargs) must find the transform
+        equivalent to the single-device step (metric `equivalent` True: exact or noise;
+        world, trials, seed, alpha, min_effect, noise_tol as the probe takes them)."""
+        from trainprobes.transforms import probe
+        return self.assert_flag(probe(step, transform, **kwargs), "not equivalent")
+
     def assert_within(self, train_lp, infer_lp, **kwargs):
         """trainprobes.drift.compare(train_lp, infer_lp, **kwargs): metric `biased` False and
         the verdict pass/warn (not heavy-tailed past a fail, within thresholds)."""
         from trainprobes.drift import compare
         return self.assert_flag(compare(train_lp, infer_lp, **kwargs), "train/inference drift")
+
+    def assert_documents_isolated(self, fn, tokens, lengths, **kwargs):
+        """trainprobes.isolation.documents(fn, tokens, lengths, **kwargs) must find every packed
+        document isolated (metric `isolated` True: no structural leak, none left unverified)
+        and the row causal (a TP-C1 fails the verdict); fn(tokens, packing) -> outputs."""
+        from trainprobes.isolation import documents
+        kwargs.setdefault("target", getattr(fn, "__qualname__", None))
+        return self.assert_flag(documents(fn, tokens, lengths, **kwargs),
+                                "packed documents not isolated")
+
+    def assert_batch_invariant(self, fn, inputs, **kwargs):
+        """trainprobes.isolation.batch_invariance(fn, inputs, **kwargs): every row must give the
+        same bits alone and inside batches (metric `batch_invariant` True; within atol, when
+        given)."""
+        from trainprobes.isolation import batch_invariance
+        kwargs.setdefault("target", getattr(fn, "__qualname__", None))
+        return self.assert_flag(batch_invariance(fn, inputs, **kwargs), "batch-variant")
 
 
 @pytest.fixture

@@ -44,6 +44,12 @@ CODES = {
     "TP-D1": "biased train/inference drift",
     "TP-D2": "heavy-tailed train/inference drift",
     "TP-D3": "drift over threshold",
+    "TP-I1": "packed-document leak",
+    "TP-I2": "batch-variant output",
+    "TP-T1": "biased parallel transform",
+    "TP-T2": "inconsistent replicas under a parallel transform",
+    "TP-T3": "wrong gradient or loss under a parallel transform",
+    "TP-T4": "transform scale significantly changed",
     "TP-G1": "probe missing from candidate",
     "TP-G2": "bias significantly larger",
     "TP-G3": "drift significantly worse",
@@ -57,9 +63,9 @@ CODES = {
 VERDICT_FLAGS = {
     "biased": False,           # numerics.bias, drift.compare
     "causal": True,            # causality.check
-    "equivalent": True,        # transforms (reserved)
-    "isolated": True,          # isolation: packed documents (reserved)
-    "batch_invariant": True,   # isolation: batch invariance (reserved)
+    "equivalent": True,        # transforms.equivalence
+    "isolated": True,          # isolation.documents
+    "batch_invariant": True,   # isolation.batch_invariance, isolation.end_to_end
 }
 
 
@@ -72,12 +78,20 @@ class ProbeMetrics:
     code: the code a Result carries when the flag has its bad value.
     needs: metrics present, as numbers, whenever the probe measured (flag not None).
     names: every metric it may report; "name[...]" stands for any "name[<label>]".
+    labels: those of names that are not numbers (strings, booleans besides the flag):
+        a threshold (fail_above / fail_below) can name every other one.
+    advisory: the probe describes the machine (this torch build and device), not the
+        user's code: the flag's bad value is a watch-out, a "warn" with the code, not a
+        failure (CPU fp32 GEMMs are batch-variant on a healthy machine). It still never
+        passes, and the gate still blocks the flag going from good to bad.
     """
 
     flag: str | None = None
     code: str | None = None
     needs: tuple = ()
     names: tuple = ()
+    labels: tuple = ()
+    advisory: bool = False
 
     def __post_init__(self):
         if self.flag is not None and (self.flag not in VERDICT_FLAGS or self.code is None):
@@ -85,6 +99,14 @@ class ProbeMetrics:
                                   "and come with the code its bad value carries")
         if self.code is not None and self.code not in CODES:
             raise InvalidArgument(f"code={self.code!r} is not in CODES")
+
+    @property
+    def numbers(self) -> tuple:
+        """The documented metrics that are numbers: what a threshold can compare."""
+        return tuple(n for n in self.names if n != self.flag and n not in self.labels)
+
+    def is_number(self, name: str) -> bool:
+        return self.documents(name) and name != self.flag and name not in self.labels
 
     def documents(self, name: str) -> bool:
         if name in self.names:
@@ -95,7 +117,7 @@ class ProbeMetrics:
 
 _BIAS = ("trials", "bias", "ci_low", "ci_high", "confidence", "std", "rms", "p_value", "p_sign",
          "p_wilcoxon", "positive_trials", "negative_trials", "zero_trials", "alpha",
-         "min_effect", "biased", "nonfinite_trials", "zero_reference_trials")
+         "min_effect", "biased", "nonfinite_trials", "zero_reference_trials", "min_detectable_bias")
 _DRIFT = ("n_tokens", "n_units", "n_sequences", "mean_log_ratio", "ci_low", "ci_high", "se_mean",
           "t_stat", "p_mean", "p_excess", "p_value", "std_log_ratio", "mean_abs_log_ratio",
           "max_abs_log_ratio", "k1_kl", "k2_kl", "k3_kl", "k3_kl_reverse", "chi2_token",
@@ -104,27 +126,73 @@ _DRIFT = ("n_tokens", "n_units", "n_sequences", "mean_log_ratio", "ci_low", "ci_
           "max_abs_prob_diff", "prob_pearson", "ratio_p0.1", "ratio_p1", "ratio_p5",
           "ratio_p50", "ratio_p95", "ratio_p99", "ratio_p99.9", "seq_mean_log_ratio", "ess_seq",
           "chi2_seq", "frac_seq_ratio_outside", "frac_seq_geo_ratio_outside", "alpha", "clip",
-          "noise_kl_max", "min_bias", "biased", "heavy_tailed", "drift_verdict")
+          "noise_kl_max", "min_bias", "biased", "heavy_tailed", "drift_verdict", "min_detectable_bias")
 _COLLECTIVE = ("max_ulp_error", "mean_ulp_error", "bias", "bias_z", "bias_p", "bias_relative",
                "nonfinite", "world", "numel", "dtype", "op", "collective", "backend",
                "algorithm", "bitwise_match_fraction", "mismatched", "compared")
+_TRANSFORM = (
+    "equivalent", "transform_verdict", "worst_parameter", "transform", "world", "dtype", "backend",
+    "trials", "alpha", "alpha_per_test", "tests", "paired", "min_effect", "noise_tol",
+    "replica_tol", "power", "scale", "scale_ci_low", "scale_ci_high", "scale_error",
+    "scale_error_se", "added_scale_error", "added_scale_error_p", "signed_relative_error",
+    "signed_relative_error_ci_low", "signed_relative_error_ci_high", "signed_relative_error_se",
+    "added_signed_relative_error", "added_signed_relative_error_p", "max_relative_error",
+    "mean_relative_error", "max_added_error", "mean_residual", "min_detectable_scale_error",
+    "min_detectable_relative_bias", "n_parameters", "n_biased_parameters", "n_inconsistent",
+    "loss_reported", "single_device_max_relative_error", "loss_relative_error",
+    "loss_relative_error_se", "loss_scale", "loss_scale_ci_low", "loss_scale_ci_high",
+    "max_loss_relative_error", "max_added_loss_error", "added_loss_error", "added_loss_error_p",
+    "min_detectable_loss_error", "known_verdict", "matches_known_verdict")
 PROBES = {
     "numerics.bias": ProbeMetrics("biased", "TP-B1", ("bias", "std", "trials"), _BIAS),
-    "drift.compare": ProbeMetrics("biased", "TP-D1", ("mean_log_ratio", "se_mean"), _DRIFT),
+    "drift.compare": ProbeMetrics("biased", "TP-D1", ("mean_log_ratio", "se_mean"), _DRIFT,
+                                  ("heavy_tailed", "drift_verdict")),
     "causality.check": ProbeMetrics("causal", "TP-C1", (), (
         "causal", "deterministic", "n_nondeterministic", "n_leaks", "n_structural",
         "n_numerical", "n_unverified", "n_unconfirmed", "n_flips", "n_score_leaks",
         "n_score_numerical", "flip_rate", "n_compared", "n_cuts", "trials", "batch_isolated",
         "batch_invariant", "packed", "n_evaluations", "n_confirmations", "tokens_evaluated",
         "evaluations_to_first_flip", "first_leak_position", "min_leak_distance",
-        "max_leak_distance", "fp64", "mismatch_rate", "inference_mismatch_rate")),
-    "distributed.collective": ProbeMetrics(None, None, ("bias", "bias_z"), _COLLECTIVE),
+        "max_leak_distance", "fp64", "mismatch_rate", "inference_mismatch_rate"),
+        ("deterministic", "batch_isolated", "batch_invariant", "packed", "fp64")),
+    "distributed.collective": ProbeMetrics(None, None, ("bias", "bias_z"), _COLLECTIVE,
+                                           ("dtype", "op", "collective", "backend", "algorithm")),
     "numerics.reveal": ProbeMetrics(None, "TP-B3", ("accumulator_mantissa_bits",), (
         "accumulator_mantissa_bits", "accumulator_bits_lower_bound", "rounds_per_add",
-        "rounding", "order_shape", "fan_in", "n", "input_format", "output_format")),
+        "rounding", "order_shape", "fan_in", "n", "input_format", "output_format"),
+        ("accumulator_bits_lower_bound", "rounds_per_add", "rounding", "order_shape",
+         "input_format", "output_format")),
     "numerics.stall": ProbeMetrics(None, "TP-B2", (), (
         "rows", "rows_over_tolerance", "max_abs_relative_error", "rel_tol",
         "sequential_sum[...]")),
+    # trainprobes.transforms
+    "transforms.equivalence": ProbeMetrics("equivalent", "TP-T1", (
+        "scale", "scale_error", "scale_error_se", "trials"), _TRANSFORM, (
+        "paired", "loss_reported", "transform_verdict", "worst_parameter", "transform", "dtype",
+        "backend", "known_verdict", "matches_known_verdict")),
+    # trainprobes.isolation
+    "isolation.documents": ProbeMetrics("isolated", "TP-I1", ("n_leaks", "max_leak"), (
+        "isolated", "n_documents", "n_leaks", "n_numerical", "n_unverified", "n_blind_tokens", "max_leak",
+        "max_cross_change", "deterministic", "causal", "n_evaluations", "n_fp64_evaluations",
+        "fp64", "batched", "causality_evaluations", "n_nondeterministic", "by_hand_change"),
+        ("deterministic", "causal", "fp64", "batched")),
+    "isolation.batch_invariance": ProbeMetrics("batch_invariant", "TP-I2", ("max_abs_diff",), (
+        "batch_invariant", "frac_outputs_differ", "frac_rows_differ", "max_abs_diff",
+        "mean_abs_diff", "max_ulps", "breaking_sizes", "first_breaking_size",
+        "companion_dependent", "deterministic", "n_evaluations", "n_rows", "atol"),
+        ("breaking_sizes", "companion_dependent", "deterministic")),
+    # the per-op map of this machine (trainprobes.isolation.ops): the same metrics, advisory
+    "isolation.op_map": ProbeMetrics("batch_invariant", "TP-I2", ("max_abs_diff",), (
+        "batch_invariant", "frac_outputs_differ", "frac_rows_differ", "max_abs_diff",
+        "mean_abs_diff", "max_ulps", "breaking_sizes", "first_breaking_size",
+        "companion_dependent", "deterministic", "n_evaluations", "n_rows", "atol"),
+        ("breaking_sizes", "companion_dependent", "deterministic"), advisory=True),
+    "isolation.end_to_end": ProbeMetrics("batch_invariant", "TP-I2", ("max_abs_diff",), (
+        "batch_invariant", "size", "frac_tokens_differ", "max_abs_diff", "drift_verdict",
+        "mean_log_ratio", "std_log_ratio", "k3_kl", "p_value", "n_tokens", "n_evaluations",
+        "variance_share", "variance_ratio", "bias_share", "measured_std_log_ratio",
+        "measured_mean_log_ratio"),
+        ("drift_verdict",)),
 }
 
 
@@ -326,7 +394,7 @@ class Result:
             return None
         v = self.metrics[name]
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise InvalidType(f"{self.key}: metric {name}={v!r} is a {type(v).__name__}, "
+            raise InvalidType(f"{self.key!r}: metric {name}={v!r} is a {type(v).__name__}, "
                               "expected a number")
         return float(v)
 
@@ -339,17 +407,17 @@ class Result:
         if name is None:
             spec = PROBES.get(self.probe)
             if spec is None or spec.flag is None:
-                raise CannotJudge(f"{self.key}: probe {self.probe!r} documents no verdict "
+                raise CannotJudge(f"{self.key!r}: probe {self.probe!r} documents no verdict "
                                   f"boolean (one of {sorted(VERDICT_FLAGS)})")
             name = spec.flag
         if name not in self.metrics:
-            raise CannotJudge(f"{self.key}: metric {name!r} (the verdict boolean) is missing")
+            raise CannotJudge(f"{self.key!r}: metric {name!r} (the verdict boolean) is missing")
         v = self.metrics[name]
         if v is not None and not isinstance(v, bool):
-            raise CannotJudge(f"{self.key}: metric {name}={v!r} is mistyped: a "
+            raise CannotJudge(f"{self.key!r}: metric {name}={v!r} is mistyped: a "
                               f"{type(v).__name__}, expected true or false")
         if v is None and self.passed:
-            raise CannotJudge(f"{self.key}: metric {name}=None (nothing measured) beside "
+            raise CannotJudge(f"{self.key!r}: metric {name}=None (nothing measured) beside "
                               f"verdict {self.verdict!r}")
         return v
 

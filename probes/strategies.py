@@ -24,7 +24,9 @@ import re
 
 import torch
 from hypothesis import strategies as st
+from trainprobes.errors import InvalidArgument
 from trainprobes.reference.formats import FORMATS, Format, get_format
+from trainprobes.validation import check_int, check_number
 
 _EXPONENT_BITS = {"fp64": 11, "fp32": 8, "tf32": 8, "fp16": 5, "bf16": 8}
 
@@ -36,7 +38,8 @@ def exponent_bits(fmt) -> int:
         return _EXPONENT_BITS[f.name]
     m = re.search(r"e(\d+)m(\d+)", f.name)
     if m is None:
-        raise ValueError(f"fmt={f.name!r}: cannot tell its exponent width; add it to _EXPONENT_BITS")
+        raise InvalidArgument(f"fmt={f.name!r}: cannot tell its exponent width; add it to "
+                              f"_EXPONENT_BITS")
     return int(m.group(1))
 
 
@@ -110,9 +113,8 @@ def format_bit_patterns(fmt, *, allow_nan: bool = False, allow_infinity: bool = 
                         allow_negative: bool = True, max_magnitude: float | None = None):
     """Strategy for single bit patterns (ints) of `fmt` with the constraints given."""
     f = get_format(fmt)
-    limit = f.max_finite if max_magnitude is None else float(max_magnitude)
-    if not limit >= 0:
-        raise ValueError(f"max_magnitude={max_magnitude!r} must be >= 0")
+    limit = f.max_finite if max_magnitude is None else check_number(
+        max_magnitude, "max_magnitude", min=0, finite=False)
     top = _largest_pattern_at_most(f, limit)
     nbits = total_bits(f)
     specials = []
@@ -161,7 +163,7 @@ def ties(fmt, **kwargs):
     the inputs where round-to-nearest-even must pick the even neighbour."""
     f = get_format(fmt)
     if f.name == "fp64":
-        raise ValueError("fmt='fp64': its midpoints are not float64 values; pick a narrower format")
+        raise InvalidArgument("fmt='fp64': its midpoints are not float64 values; pick a narrower format")
     kwargs = {**kwargs, "allow_nan": False, "allow_infinity": False, "allow_negative": False}
     top = _largest_pattern_at_most(f, f.max_finite if kwargs.get("max_magnitude") is None
                                    else kwargs["max_magnitude"])
@@ -185,8 +187,8 @@ def rank_inputs(world=4, numel=8, fmt="bf16", **kwargs):
     @st.composite
     def inputs(draw):
         w, n = draw(worlds), draw(numels)
-        if w < 1 or n < 0:
-            raise ValueError(f"world={w!r} and numel={n!r}: need world >= 1 and numel >= 0")
+        check_int(w, "world", min=1, hint="the number of ranks")
+        check_int(n, "numel", min=0, hint="elements per rank")
         t = draw(format_tensors(fmt, shape=(w, n), **kwargs))
         return list(t.unbind(0))
 

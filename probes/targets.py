@@ -1,34 +1,99 @@
-"""Load a user's target ("package.module:attr.sub") with errors that name it."""
+"""Load a user's target ("package.module:attr.sub") with errors that name it and say the fix."""
 from __future__ import annotations
 
+import difflib
 import importlib
+import os
+import sys
 from typing import Any
 
 from trainprobes.errors import TargetError
 
 
-def load_target(spec: str, *, callable_required: bool = True) -> Any:
-    """Import "package.module:attr[.attr...]" and return the object.
-
-    A bare "package.module.attr" is accepted too (split at the last dot).
-    """
-    if not isinstance(spec, str) or not spec.strip():
-        raise TargetError(f"target={spec!r} must be 'package.module:function'")
-    if ":" in spec:
-        mod_name, _, attr_path = spec.partition(":")
-    else:
-        mod_name, _, attr_path = spec.rpartition(".")
-    if not mod_name or not attr_path:
-        raise TargetError(f"target={spec!r} must be 'package.module:function'")
+def _importable(name: str, spec: str):
+    """The module, or None when `name` (or a parent package) does not exist. A module
+    that exists but fails to import (a missing dependency, a SyntaxError) is a TargetError
+    saying so, not "cannot be found"."""
     try:
-        obj = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise TargetError(f"target={spec!r}: module {mod_name!r} cannot be imported ({e})") from e
-    for part in attr_path.split("."):
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (name == e.name or name.startswith(e.name + ".")):
+            return None
+        raise TargetError(f"target={spec!r}: module {name!r} was found, but importing it "
+                          f"failed: {type(e).__name__}: {e}") from e
+    except Exception as e:  # the user's module raised while importing
+        raise TargetError(f"target={spec!r}: module {name!r} was found, but importing it "
+                          f"raised {type(e).__name__}: {e}") from e
+
+
+def _resolve(obj, attr_path: str, spec: str, mod_name: str):
+    for i, part in enumerate(attr_path.split(".")):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise TargetError(f"target={spec!r}: {mod_name!r} has no attribute {attr_path!r}") from None
+            have = [a for a in dir(obj) if not a.startswith("_")]
+            close = difflib.get_close_matches(part, have, n=3)
+            where = mod_name if i == 0 else f"{mod_name}:{'.'.join(attr_path.split('.')[:i])}"
+            raise TargetError(f"target={spec!r}: {where!r} has no attribute {part!r}"
+                              + (f"; did you mean {', '.join(repr(c) for c in close)}?"
+                                 if close else f" (it has: {', '.join(have[:8])}"
+                                 + (", ..." if len(have) > 8 else "") + ")")) from None
+    return obj
+
+
+def _not_found(spec: str, mod_name: str) -> TargetError:
+    head = mod_name.split(".")[0]
+    hint = []
+    if mod_name.endswith(".py") or "/" in mod_name or os.sep in mod_name:
+        hint.append(f"name the module, not the file: e.g. "
+                    f"'{os.path.splitext(os.path.basename(mod_name))[0]}:function' run from "
+                    "that file's folder")
+    elif os.path.exists(f"{head}.py") or os.path.isdir(head):
+        hint.append(f"{head!r} is in the current directory but not on sys.path: run "
+                    f"`python -m trainprobes ...` there, or set PYTHONPATH=.")
+    else:
+        hint.append("it must be importable: install its package (pip install -e .), run "
+                    "from the folder that holds it, or add that folder to PYTHONPATH")
+    return TargetError(f"target={spec!r}: module {mod_name!r} cannot be imported (no such "
+                       "module on sys.path); " + "; ".join(hint))
+
+
+def load_target(spec: str, *, callable_required: bool = True, from_cwd: bool = False) -> Any:
+    """Import "package.module:attr[.attr...]" and return the object.
+
+    Without a colon, "package.module.attr" is split at the longest importable module
+    ("pkg.mod.Class.method" works too). from_cwd: search the current directory first, as
+    `python -m` does (the command line passes it; a library call leaves sys.path alone).
+    """
+    if not isinstance(spec, str) or not spec.strip() or spec.count(":") > 1:
+        raise TargetError(f"target={spec!r} must be 'package.module:function'")
+    spec = spec.strip()
+    if from_cwd and "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    if ":" in spec:
+        mod_name, _, attr_path = spec.partition(":")
+        if not mod_name or not attr_path:
+            raise TargetError(f"target={spec!r} must be 'package.module:function'")
+        module = _importable(mod_name, spec)
+        if module is None:
+            raise _not_found(spec, mod_name)
+        obj = _resolve(module, attr_path, spec, mod_name)
+    else:
+        parts = spec.split(".")
+        if len(parts) < 2:
+            raise TargetError(f"target={spec!r} must be 'package.module:function' (a module "
+                              "and the callable in it)")
+        obj = None
+        for i in range(len(parts) - 1, 0, -1):  # the longest importable module prefix
+            mod_name = ".".join(parts[:i])
+            module = _importable(mod_name, spec)
+            if module is not None:
+                obj = _resolve(module, ".".join(parts[i:]), spec, mod_name)
+                break
+        if module is None:
+            raise _not_found(spec, parts[0])
     if callable_required and not callable(obj):
-        raise TargetError(f"target={spec!r} is a {type(obj).__name__}, expected a callable")
+        raise TargetError(f"target={spec!r} is a {type(obj).__name__}, expected a callable"
+                          + (" (a module: name the function in it, 'module:function')"
+                             if type(obj).__name__ == "module" else ""))
     return obj

@@ -18,12 +18,12 @@ import argparse
 import difflib
 import math
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from trainprobes.errors import InvalidArgument, InvalidType
 
 __all__ = ["check_type", "check_int", "check_number", "check_choice", "check_bool",
-           "parse_int", "parse_number", "parse_choice", "parse_with"]
+           "check_seed", "check_tensor", "parse_int", "parse_number", "parse_choice", "parse_with"]
 
 
 def _named(name: str, value) -> str:
@@ -103,18 +103,96 @@ def check_bool(value, name: str, *, hint: str | None = None) -> bool:
     return value
 
 
-def check_choice(value, name: str, choices: Iterable, *, hint: str | None = None):
-    """One of choices; the message suggests the closest when it looks like a typo."""
+def check_choice(value, name: str, choices: Iterable, *, hint: str | None = None,
+                 spellings: Mapping | None = None, normalise: Callable[[str], str] | None = None):
+    """One of choices; the message suggests the closest when it looks like a typo.
+
+    spellings: other accepted spellings -> the choice each stands for (keys in the form
+    normalise gives, when given); value may be one of them, and the did-you-mean searches
+    them too, so 'flaot16' suggests 'fp16' through 'float16'. Returns the choice meant.
+    """
     choices = tuple(choices)
+    spellings = spellings or {}
+    key = normalise(str(value)) if normalise is not None and isinstance(value, str) else value
     try:
-        ok = value in choices
+        if value in choices:
+            return value
+        if key in spellings:
+            return spellings[key]
     except TypeError:  # an unhashable value against a set, say
-        ok = False
-    if ok:
-        return value
-    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-    maybe = f"; did you mean {close[0]!r}?" if close else ""
+        pass
+    close = difflib.get_close_matches(str(key), [str(c) for c in choices] + list(spellings), n=1)
+    meant = spellings.get(close[0], close[0]) if close else None
+    maybe = f"; did you mean {meant!r}?" if close else ""
     raise InvalidArgument(f"{_named(name, value)} must be one of {choices!r}{maybe}{_suffix(hint)}")
+
+
+# torch.Generator.manual_seed takes any int in [-2**63, 2**64); outside it torch raises
+# "Overflow when unpacking long long" deep inside a run.
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
+
+
+def check_seed(value, name: str = "seed", *, hint: str | None = None) -> int:
+    """An int a torch.Generator accepts as its seed (numpy/torch integer scalars too)."""
+    hint = hint or "a torch.Generator seed"
+    value = check_int(value, name, hint=hint)
+    if not SEED_MIN <= value <= SEED_MAX:
+        raise InvalidArgument(f"{_named(name, value)} is out of range: must be an int in "
+                              f"[-2**63, 2**64){_suffix(hint)}")
+    return value
+
+
+_KINDS = {
+    "floating": ("a floating-point", lambda t: t.is_floating_point()),
+    "integer": ("an integer", lambda t: not (t.is_floating_point() or t.is_complex()
+                                             or t.dtype == _torch().bool)),
+    "real": ("a real (floating-point or integer)", lambda t: not (t.is_complex()
+                                                                  or t.dtype == _torch().bool)),
+}
+
+
+def _torch():
+    import torch  # imported here: a test session without probes must not pay for torch
+    return torch
+
+
+def check_tensor(value, name: str, *, kind: str | None = None, ndim: int | None = None,
+                 shape: tuple | None = None, like: tuple | None = None,
+                 hint: str | None = None):
+    """A torch.Tensor of a kind ("floating", "integer", "real") with ndim dims or exactly
+    `shape` (None entries are free: (None, None, 8) is [B, T, 8]).
+
+    like=(tensor, its name): the same shape, dtype and device as that tensor, as in
+    "inputs[3] has shape (7,), expected (8,) like inputs[0]". A value that is not a
+    tensor, or of the wrong kind of dtype, raises InvalidType; a wrong shape, dtype or
+    device next to `like` raises InvalidArgument.
+    """
+    torch = _torch()
+    if not isinstance(value, torch.Tensor):
+        raise InvalidType(f"{name} has type {type(value).__name__}, expected a torch.Tensor"
+                          f"{_suffix(hint)}")
+    if kind is not None:
+        what, ok = _KINDS[check_choice(kind, "kind", _KINDS)]
+        if not ok(value):
+            raise InvalidType(f"{name} has dtype {value.dtype}, expected {what} tensor"
+                              f"{_suffix(hint)}")
+    got = tuple(value.shape)
+    if ndim is not None and value.dim() != ndim:
+        raise InvalidArgument(f"{name} has shape {got}, expected {ndim} dimensions"
+                              f"{_suffix(hint)}")
+    if shape is not None and (len(got) != len(shape)
+                              or any(w is not None and g != w for g, w in zip(got, shape))):
+        want = "(" + ", ".join("*" if w is None else str(w) for w in shape) + \
+            ("," if len(shape) == 1 else "") + ")"
+        raise InvalidArgument(f"{name} has shape {got}, expected {want}{_suffix(hint)}")
+    if like is not None:
+        other, other_name = like
+        for attr, show in (("shape", tuple), ("dtype", str), ("device", str)):
+            if getattr(value, attr) != getattr(other, attr):
+                raise InvalidArgument(f"{name} has {attr} {show(getattr(value, attr))}, expected "
+                                      f"{show(getattr(other, attr))} like {other_name}"
+                                      f"{_suffix(hint)}")
+    return value
 
 
 # --- argparse type= callables ----------------------------------------------------------

@@ -21,9 +21,12 @@ rounds where a real backend rounds:
 The exact sum of two values of a format up to fp32 is rounded by float64 innocuously
 (53 >= 2*24 + 2), and fp32 arithmetic then one rounding is a correctly rounded fp16/bf16 add
 (24 >= 2p + 2). So fp16/bf16/fp32 with rounding="nearest" run on torch's native dtypes (one
-exact rounding of the inputs, then native adds: fast), and so does NCCL's fp8 add (fp16 add,
-saturating cast to fp8); tf32, fp6, fp4, other fp8 set-ups, stochastic and toward-zero
-rounding run on float64 values with Format.round after every add.
+exact rounding of the inputs, then native adds). Everywhere else the bits are Format.round's,
+computed faster where that is exact: NCCL's fp8 add (fp16 add, saturating cast) on fp8
+values held in fp16, rounded in float32 by reference/fastround.py; stochastic rounding of
+formats float32 holds on float32 values by reference/stochastic.py (integer bit arithmetic,
+a few random bits per rounding, the same distribution); round-to-nearest of tf32, fp6, fp4
+and the other fp8 set-ups on float64 by fastround; toward-zero rounding by Format.round.
 
 Returns: a list of per-rank tensors holding the wire-format values as float64. Ranks that
 receive identical bits (all_reduce, all_gather, broadcast) share ONE tensor object, so 16384
@@ -34,12 +37,28 @@ where `info` (CollectiveInfo) counts non-finite values in and out and records th
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import torch
+from trainprobes.errors import InvalidArgument, InvalidType
+from trainprobes.reference.fastround import fits, round_nearest, rounder
 from trainprobes.reference.formats import ROUNDING_MODES, Format, get_format
 from trainprobes.reference.schedules import BLOCK, SequentialSchedule, get_schedule
+from trainprobes.reference.stochastic import (
+    StochasticRounder,
+    add_then_round,
+    round_input,
+    sr_storage,
+    supported,
+)
+from trainprobes.validation import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_seed,
+    check_tensor,
+    check_type,
+)
 
 OPS = ("sum", "avg", "max", "min")
 AVG_MODES = ("premul", "divide")
@@ -85,52 +104,28 @@ class CollectiveInfo:
 def _as_world(inputs) -> list[torch.Tensor]:
     if isinstance(inputs, torch.Tensor):
         if inputs.dim() == 0:
-            raise ValueError("inputs is a 0-d tensor; pass a list with one tensor per rank "
-                             "(or a tensor whose first dimension is the world)")
+            raise InvalidArgument("inputs is a 0-d tensor; pass a list with one tensor per rank "
+                                  "(or a tensor whose first dimension is the world)")
         inputs = list(inputs.unbind(0))
-    elif not isinstance(inputs, (list, tuple)):
-        raise TypeError(f"inputs has type {type(inputs).__name__}; expected a list with one "
-                        f"tensor per rank")
+    check_type((list, tuple), inputs, "inputs", hint="a list with one tensor per rank")
     if len(inputs) == 0:
-        raise ValueError("inputs is empty: a collective needs at least one rank's tensor")
+        raise InvalidArgument("inputs is empty: a collective needs at least one rank's tensor")
     out = []
     for i, t in enumerate(inputs):
         if not isinstance(t, torch.Tensor):
             try:
                 t = torch.as_tensor(t)
             except Exception as e:
-                raise TypeError(f"inputs[{i}] has type {type(t).__name__}, expected a "
-                                f"torch.Tensor") from e
-        if t.dtype == torch.bool or t.is_complex():
-            raise TypeError(f"inputs[{i}] has dtype {t.dtype}; expected a real floating-point "
-                            f"or integer tensor")
+                raise InvalidType(f"inputs[{i}] has type {type(t).__name__}, expected a "
+                                  f"torch.Tensor") from e
+        check_tensor(t, f"inputs[{i}]", kind="real")
         if t.device.type == "meta":
-            raise ValueError(f"inputs[{i}] is on the meta device: it holds no values to reduce; "
-                             "pass tensors on cpu or cuda")
+            raise InvalidArgument(f"inputs[{i}] is on the meta device: it holds no values to "
+                                  "reduce; pass tensors on cpu or cuda")
         out.append(t)
-    first = out[0]
     for i, t in enumerate(out[1:], 1):
-        if t.shape != first.shape:
-            raise ValueError(f"inputs[{i}] has shape {tuple(t.shape)}, expected "
-                             f"{tuple(first.shape)} like inputs[0]")
-        if t.dtype != first.dtype:
-            raise ValueError(f"inputs[{i}] has dtype {t.dtype}, expected {first.dtype} like "
-                             f"inputs[0]")
-        if t.device != first.device:
-            raise ValueError(f"inputs[{i}] is on {t.device}, expected {first.device} like "
-                             f"inputs[0]")
+        check_tensor(t, f"inputs[{i}]", like=(out[0], "inputs[0]"))
     return out
-
-
-def _check_choice(name: str, value, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is unknown; expected one of {list(choices)}")
-
-
-def _check_root(root, world: int) -> int:
-    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < world:
-        raise ValueError(f"root={root!r} must be a rank in [0, {world})")
-    return root
 
 
 # ---------------------------------------------------------------- the arithmetic
@@ -158,51 +153,29 @@ def _fp64_to_narrow(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _round_to_odd_fp32(x).to(dtype)
 
 
-def _to_fp8_in_fp16(x: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor:
-    """Any float -> e4m3fn/e5m2 values held in fp16, one round-to-nearest-even step.
-
-    torch's fp32 -> fp8 cast is RNE in range (checked against Format.round in the tests);
-    overflow is made explicit, not left to the cast (torch 2.13 saturates e4m3fn, ml_dtypes
-    and the OCP spec give NaN): what rounds past max is NaN (e4m3fn) or inf (e5m2) for a
-    plain cast, +-max for a saturating one.
-    """
-    y = x if x.dtype == torch.float32 else (
-        _round_to_odd_fp32(x) if x.dtype == torch.float64 else x.to(torch.float32))
-    m = fmt.max_finite
-    out = y.clamp(-m, m).to(fmt.torch_dtype).to(torch.float16)
-    if not saturate:
-        # the tie max + ulp/2 rounds to even: down to 448 for e4m3fn (significand 1.110),
-        # up (to overflow) for e5m2 (57344 = 1.11 * 2^15, so 61440 -> inf)
-        q = fmt.ulp(m).item()
-        tie, up = m + q / 2, int(m / q) % 2 == 1
-        over = (y.abs() > tie) | ((y.abs() == tie) & up)
-        out = torch.where(over, torch.full_like(out, math.nan if fmt.overflow == "nan"
-                                                else math.inf).copysign(y.to(out.dtype)), out)
-    return out
-
-
 class _Arithmetic:
     """The wire format, accumulator and rounding of one collective call."""
 
-    def __init__(self, dtype, accum_dtype, rounding, saturate, seed, device="cpu"):
-        self.wire: Format = get_format(dtype)
+    def __init__(self, dtype, accum_dtype, rounding, saturate, seed, device="cpu", fast=True):
+        """fast=False: every rounding by Format.round (the definition; the fast paths of
+        reference/fastround.py and reference/stochastic.py are checked against it)."""
+        self.fast = fast
+        self.wire: Format = get_format(dtype, "dtype")
         fp8 = self.wire.name.startswith("fp8")
         self.accum: Format = get_format(accum_dtype if accum_dtype is not None
-                                        else ("fp16" if fp8 else self.wire))
-        _check_choice("rounding", rounding, ROUNDING_MODES)
-        if saturate is not None and not isinstance(saturate, bool):
-            raise ValueError(f"saturate={saturate!r} must be None, True or False")
+                                        else ("fp16" if fp8 else self.wire), "accum_dtype")
+        check_choice(rounding, "rounding", ROUNDING_MODES)
+        if saturate is not None:
+            check_bool(saturate, "saturate", hint="or None: the backend's choice")
         self.rounding = rounding
         # saturate=None: the backend's behaviour: NCCL's fp8 adds end in a satfinite cast;
         # input casts follow the type (e4m3fn overflow -> NaN).
         self.sat_inputs = bool(saturate)
         self.sat_adds = fp8 if saturate is None else saturate
         if rounding == "stochastic":
-            if seed is None or isinstance(seed, bool) or not isinstance(seed, int):
-                raise ValueError(f"rounding='stochastic' needs seed=<int>, got seed={seed!r}")
-            if not -2**63 <= seed < 2**64:  # torch.Generator.manual_seed's range
-                raise ValueError(f"seed={seed!r} is out of range: a torch.Generator seed is an "
-                                 "int in [-2**63, 2**64)")
+            if seed is None:
+                raise InvalidArgument("rounding='stochastic' needs seed=<int>, got seed=None")
+            seed = check_seed(seed)
             self.gen = torch.Generator(device=device).manual_seed(seed)
         else:
             self.gen = None
@@ -215,15 +188,27 @@ class _Arithmetic:
         self.native = (_NATIVE.get(self.wire.name)
                        if rounding == "nearest" and not self.sat_inputs and not self.sat_adds
                        and self.accum.name in wider.get(self.wire.name, ()) else None)
-        # NCCL's fp8 add, natively: fp8 values held in fp16 (e4m3fn and e5m2 embed exactly),
-        # a native fp16 add, a clamp to +-max (= __NV_SATFINITE: every finite fp16 past max
-        # rounds to max or overflows, both saturate) and torch's RNE cast to fp8. Checked
-        # against Format.round on all 65,536 pairs of each type in tests/test_collectives.py.
+        # NCCL's fp8 add: fp8 values held in fp16 (e4m3fn and e5m2 embed exactly), a native
+        # fp16 add and the __NV_SATFINITE cast done as a saturating round-to-nearest in
+        # float32 (reference/fastround.py; torch's own fp8 casts are scalar loops on CPU).
+        # Checked against Format.round on all 65,536 pairs of each type in
+        # tests/test_collectives.py.
         self.fp8_dtype = (self.wire.torch_dtype
                           if self.wire.name in ("fp8_e4m3fn", "fp8_e5m2")
                           and self.accum.name == "fp16" and self.sat_adds
-                          and rounding == "nearest" else None)
+                          and rounding == "nearest" and fast else None)
+        if self.fp8_dtype is not None:
+            self.fp8_add_round = rounder(self.wire, torch.float32, saturate=True)
+        # Stochastic rounding of formats float32 holds, on float32 values with integer bit
+        # arithmetic and few random bits (reference/stochastic.py); the accumulator rounding,
+        # if any, must be a float32 round-to-nearest too.
+        self.sr = (StochasticRounder(self.wire, self.sat_adds)
+                   if fast and rounding == "stochastic" and supported(self.wire)
+                   and (self.accum is self.wire or fits(self.accum, torch.float32)) else None)
+        self.sr_inputs = (StochasticRounder(self.wire, self.sat_inputs) if self.sr is not None
+                          else None)
         self.work = (self.native or (torch.float16 if self.fp8_dtype is not None
+                                     else sr_storage(self.wire) if self.sr is not None
                                      else torch.float64))
         self.name = ("native_" + self.wire.name if self.native is not None
                      else "nccl_fp8" if fp8 and self.accum.name == "fp16" and self.sat_adds
@@ -231,6 +216,11 @@ class _Arithmetic:
 
     def cast(self, t: torch.Tensor) -> torch.Tensor:
         """A flat input rounded once to the wire format, in the working dtype."""
+        return self._rounded(t).to(self.work)
+
+    def _rounded(self, t: torch.Tensor) -> torch.Tensor:
+        """A flat input rounded once to the wire format, in a float dtype that holds the
+        wire's values exactly (the working dtype, or wider: stack() narrows on the copy)."""
         if self.native is not None:
             if t.dtype == self.native:
                 return t
@@ -240,10 +230,15 @@ class _Arithmetic:
                 return _fp64_to_narrow(t, self.native)
             return t.to(self.native)  # single rounding: fp32 -> 16-bit, any -> wider
         if self.fp8_dtype is not None:
-            return _to_fp8_in_fp16(t if t.is_floating_point() else t.to(torch.float64),
-                                   self.wire, self.sat_inputs)
-        return self.wire.round(t.to(torch.float64), self.rounding, saturate=self.sat_inputs,
-                               generator=self.gen)
+            if t.dtype not in (torch.float64, torch.float32):  # fp16/bf16 widen exactly
+                t = t.to(torch.float32 if t.is_floating_point() else torch.float64)
+            return round_nearest(t, self.wire, saturate=self.sat_inputs)
+        if self.sr is not None:
+            return round_input(t, self.sr_inputs, self.gen)
+        t = t.to(torch.float64)
+        if self.fast and self.rounding == "nearest" and fits(self.wire, t.dtype):
+            return round_nearest(t, self.wire, saturate=self.sat_inputs)
+        return self.wire.round(t, self.rounding, saturate=self.sat_inputs, generator=self.gen)
 
     def stack(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """[world, numel] in the working dtype, each row rounded to the wire format.
@@ -259,20 +254,32 @@ class _Arithmetic:
                 x[r] = t
                 continue
             for lo in range(0, n, BLOCK):
-                x[r, lo:lo + BLOCK] = self.cast(t[lo:lo + BLOCK])
+                x[r, lo:lo + BLOCK] = self._rounded(t[lo:lo + BLOCK])  # exact narrowing
         return x
 
     def _to_wire(self, s: torch.Tensor) -> torch.Tensor:
+        """float64 sum -> accum (nearest) -> wire (self.rounding): Format.round's bits, by
+        the fast roundings of reference/fastround.py where they apply."""
         if self.accum is not self.wire:
-            s = self.accum.round(s, "nearest")
+            s = (round_nearest(s, self.accum) if self.fast and fits(self.accum, s.dtype)
+                 else self.accum.round(s, "nearest"))
+        if self.fast and self.rounding == "nearest" and fits(self.wire, s.dtype):
+            return round_nearest(s, self.wire, saturate=self.sat_adds)
         return self.wire.round(s, self.rounding, saturate=self.sat_adds, generator=self.gen)
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if self.native is not None:
             return a + b
+        if self.sr is not None:
+            return add_then_round(a.to(torch.float32), b.to(torch.float32), self.sr,
+                                  None if self.accum is self.wire else self.accum,
+                                  self.gen).to(self.work)
         if self.fp8_dtype is not None:
-            m = self.wire.max_finite
-            return (a + b).clamp_(-m, m).to(self.fp8_dtype).to(torch.float16)
+            # NCCL: an fp16 add, then the __NV_SATFINITE cast to fp8. The exact sum in fp32
+            # rounded once to fp8 gives the same bits (fp16 then fp8 rounding is innocuous,
+            # 11 >= 2 * 4 + 2; checked on every pair of values in the tests).
+            s = a.to(torch.float32).add_(b.to(torch.float32))
+            return self.fp8_add_round(s, overwrite=True).to(torch.float16)
         return self._to_wire(a + b)
 
     def scale(self, x: torch.Tensor, s: float) -> torch.Tensor:
@@ -296,25 +303,25 @@ def _reduce_world(collective, inputs, *, op, dtype, accum_dtype, algorithm, roun
                   avg, ranks_per_node, saturate, order, schedule=None):
     """Validate, round, reduce. Returns (flat float64 result, info-maker, tensors)."""
     tensors = _as_world(inputs)
-    _check_choice("op", op, OPS)
+    check_choice(op, "op", OPS)
     if order is not None:
         if algorithm not in ("ring", "order"):  # "ring" is the default: order= overrides it
-            raise ValueError(f"order= replays an explicit order; it cannot be combined with "
-                             f"algorithm={algorithm!r} (use algorithm='order' or leave it)")
+            raise InvalidArgument(f"order= replays an explicit order; it cannot be combined with "
+                                  f"algorithm={algorithm!r} (use algorithm='order' or leave it)")
         algorithm = "order"
     if avg is not None:
-        _check_choice("avg", avg, AVG_MODES)
+        check_choice(avg, "avg", AVG_MODES)
         if op != "avg":
-            raise ValueError(f"avg={avg!r} only applies to op='avg', not op={op!r}")
+            raise InvalidArgument(f"avg={avg!r} only applies to op='avg', not op={op!r}")
     elif op == "avg":
         avg = "divide" if algorithm == "gloo" else "premul"
     arith = _Arithmetic(dtype, accum_dtype, rounding, saturate, seed, tensors[0].device)
     itemsize = None
     if algorithm == "gloo":
         if arith.wire.name not in _GLOO_ITEMSIZE:
-            raise ValueError(f"dtype={dtype!r} with algorithm='gloo': gloo reduces only "
-                             f"{list(_GLOO_ITEMSIZE)} (float8 gives \"Invalid scalar type\"); "
-                             f"use an NCCL-modelled algorithm")
+            raise InvalidArgument(f"dtype={dtype!r} with algorithm='gloo': gloo reduces only "
+                                  f"{list(_GLOO_ITEMSIZE)} (float8 gives \"Invalid scalar "
+                                  f"type\"); use an NCCL-modelled algorithm")
         itemsize = _GLOO_ITEMSIZE[arith.wire.name]
     world, numel = len(tensors), tensors[0].numel()
     if schedule is None:
@@ -385,8 +392,8 @@ def reduce_scatter(inputs, *, op="sum", dtype="fp64", accum_dtype=None, algorith
     tensors = _as_world(inputs)
     world, shape = len(tensors), tuple(tensors[0].shape)
     if len(shape) == 0 or shape[0] % world:
-        raise ValueError(f"inputs[0] has shape {shape}; reduce_scatter needs a first dim "
-                         f"divisible by the world ({world}), e.g. ({world * 4},)")
+        raise InvalidArgument(f"inputs[0] has shape {shape}; reduce_scatter needs a first dim "
+                              f"divisible by the world ({world}), e.g. ({world * 4},)")
     total, info, _ = _reduce_world(
         "reduce_scatter", tensors, op=op, dtype=dtype, accum_dtype=accum_dtype,
         algorithm=algorithm, rounding=rounding, seed=seed, avg=avg,
@@ -406,7 +413,7 @@ def reduce(inputs, *, root=0, op="sum", dtype="fp64", accum_dtype=None, algorith
     """
     tensors = _as_world(inputs)
     world = len(tensors)
-    root = _check_root(root, world)
+    root = check_int(root, "root", min=0, max=world - 1, hint="a rank")
     schedule = None
     if algorithm == "ring" and order is None:
         schedule = SequentialSchedule(world, tensors[0].numel(), start=(root + 1) % world)
@@ -439,7 +446,7 @@ def all_gather(inputs, *, dtype="fp64", rounding="nearest", seed=None, saturate=
 def broadcast(inputs, *, root=0, dtype="fp64", rounding="nearest", seed=None, saturate=None):
     """Every rank gets rank `root`'s input rounded once to the wire format (shared)."""
     tensors = _as_world(inputs)
-    root = _check_root(root, len(tensors))
+    root = check_int(root, "root", min=0, max=len(tensors) - 1, hint="a rank")
     arith = _Arithmetic(dtype, None, rounding, saturate, seed, tensors[0].device)
     out = arith.stack([tensors[root]])[0].to(torch.float64).reshape(tensors[root].shape)
     return [out] * len(tensors)

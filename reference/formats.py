@@ -19,9 +19,12 @@ float64 tensors holding the rounded values.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
+from trainprobes.errors import InvalidArgument
+from trainprobes.validation import check_choice, check_number, check_seed, check_tensor, check_type
 
 ROUNDING_MODES = ("nearest", "stochastic", "toward_zero")
 
@@ -102,21 +105,21 @@ class Format:
         saturate: bool = False,
         generator: torch.Generator | None = None,
         seed: int | None = None,
+        uniform: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Round x to this format in one step; returns float64 holding the exact values.
 
-        mode: "nearest" (ties to even), "stochastic" (needs `seed` or `generator`;
-        unbiased) or "toward_zero".
+        mode: "nearest" (ties to even), "stochastic" (needs `seed` or `generator`, or the
+        uniforms in [0, 1) to use, `uniform`, shaped like x: |x| rounds up where
+        uniform < frac; unbiased) or "toward_zero".
         saturate: clamp values past max_finite (and infinities) to +-max_finite, as FP8
         training recipes do (NCCL's __NV_SATFINITE cast). Without it, overflow does what
         the real type does (see `overflow`). NaN stays NaN.
         """
-        if mode not in ROUNDING_MODES:
-            raise ValueError(f"mode={mode!r} is not a rounding mode; expected one of {ROUNDING_MODES}")
+        check_choice(mode, "mode", ROUNDING_MODES, hint="a rounding mode")
         if not isinstance(x, torch.Tensor):
             x = torch.as_tensor(x, dtype=torch.float64)
-        if not x.is_floating_point():
-            raise TypeError(f"x has dtype {x.dtype}, expected a floating-point tensor")
+        check_tensor(x, "x", kind="floating")
         x = x.to(torch.float64)
         if self.name == "fp64":
             return x.clone()
@@ -130,12 +133,16 @@ class Format:
         elif mode == "toward_zero":
             r = torch.trunc(y)
         else:
-            if generator is None:
-                if seed is None:
-                    raise ValueError("mode='stochastic' needs seed=<int> or generator=<torch.Generator>")
-                generator = torch.Generator().manual_seed(int(seed))
+            if uniform is not None:
+                u = check_tensor(uniform, "uniform", kind="floating", shape=tuple(y.shape))
+            else:
+                if generator is None:
+                    if seed is None:
+                        raise InvalidArgument("mode='stochastic' needs seed=<int>, "
+                                              "generator=<torch.Generator> or uniform=")
+                    generator = torch.Generator().manual_seed(check_seed(seed))
+                u = torch.rand(y.shape, generator=generator, dtype=torch.float64, device=y.device)
             fl = torch.floor(y)
-            u = torch.rand(y.shape, generator=generator, dtype=torch.float64, device=y.device)
             r = fl + (u < (y - fl)).to(torch.float64)
         mag = r * q
         over = mag > self.max_finite
@@ -185,9 +192,9 @@ class Format:
         max_finite (the sum overflows first). A negative increment gives the mirror image
         (a negative stall point).
         """
-        d = float(increment)
-        if not math.isfinite(d) or d == 0.0:
-            raise ValueError(f"increment={increment!r} must be finite and non-zero")
+        d = check_number(increment, "increment", hint="a non-zero step; 0 never stalls")
+        if d == 0.0:
+            raise InvalidArgument(f"increment={increment!r} must be a finite non-zero number")
         sign = -1.0 if d < 0 else 1.0
         frac, ex = math.frexp(abs(d))  # d = frac * 2^ex, frac in [0.5, 1)
         ceil_log2 = ex - 1 if frac == 0.5 else ex
@@ -240,28 +247,87 @@ FORMATS: dict[str, Format] = {
     ]
 }
 
-ALIASES = {
-    "float64": "fp64", "double": "fp64", "float32": "fp32", "float": "fp32",
-    "float16": "fp16", "half": "fp16", "bfloat16": "bf16",
-    "float8_e4m3fn": "fp8_e4m3fn", "e4m3": "fp8_e4m3fn", "float8_e5m2": "fp8_e5m2",
-    "e5m2": "fp8_e5m2", "float8_e4m3fnuz": "fp8_e4m3fnuz", "float8_e5m2fnuz": "fp8_e5m2fnuz",
+FORMAT_NAMES: tuple[str, ...] = tuple(FORMATS)  # the canonical names, for help texts
+
+# Every spelling a user types, keyed by its normal form (_spelling): lower case, no
+# whitespace, "_" or "-", no "torch." prefix. torch spells fp8 as float8_e4m3fn, ml_dtypes
+# as float8_e4m3fn / float6_e2m3fn / float4_e2m1fn; "e4m3" and "fp8e4m3" mean e4m3fn as in
+# NVIDIA Transformer Engine and the OCP FP8 spec. ml_dtypes' float8_e4m3 (IEEE-like, with
+# inf, max 240) is a different format, not modelled: it is refused, not aliased.
+_SPELLINGS = {
+    "fp64": ("float64", "double", "f64"),
+    "fp32": ("float32", "float", "single", "f32"),
+    "tf32": ("tensorfloat32",),
+    "fp16": ("float16", "half", "f16"),
+    "bf16": ("bfloat16",),
+    "fp8_e4m3fn": ("float8_e4m3fn", "e4m3fn", "e4m3", "fp8_e4m3"),
+    "fp8_e5m2": ("float8_e5m2", "e5m2"),
+    "fp8_e4m3fnuz": ("float8_e4m3fnuz", "e4m3fnuz"),
+    "fp8_e5m2fnuz": ("float8_e5m2fnuz", "e5m2fnuz"),
+    "fp6_e2m3fn": ("float6_e2m3fn", "e2m3fn", "e2m3", "fp6_e2m3"),
+    "fp6_e3m2fn": ("float6_e3m2fn", "e3m2fn", "e3m2", "fp6_e3m2"),
+    "fp4_e2m1fn": ("float4_e2m1fn", "e2m1fn", "e2m1", "fp4_e2m1", "fp4"),
 }
 
 
-def get_format(fmt: str | Format | torch.dtype) -> Format:
-    """Look up a format by name, alias, torch dtype, or pass a Format through."""
+# Formats with names close to modelled ones that are NOT them: refused with the reason, so a
+# did-you-mean never maps them onto a different format.
+_NOT_MODELLED = {
+    "float8e4m3": "ml_dtypes.float8_e4m3 is IEEE-like (it has inf, max 240), not e4m3fn",
+    "float8e3m4": "ml_dtypes.float8_e3m4 is not modelled",
+    "float8e4m3b11fnuz": "ml_dtypes.float8_e4m3b11fnuz (exponent bias 11) is not modelled",
+    "float8e8m0fnu": "float8_e8m0fnu is an MX scale type (powers of two only), not a value format",
+}
+
+
+def _spelling(text: str) -> str:
+    key = re.sub(r"[\s_\-]", "", text.lower())
+    return key[len("torch."):] if key.startswith("torch.") else key
+
+
+ALIASES: dict[str, str] = {_spelling(alias): name for name, more in _SPELLINGS.items()
+                           for alias in (name,) + more}
+
+
+def get_format(fmt, name: str = "dtype") -> Format:
+    """The Format a user means: a Format, a torch dtype, a numpy/ml_dtypes dtype, or any
+    spelling in ALIASES (case and surrounding whitespace ignored: "BF16", " torch.half ").
+
+    name: the argument being resolved, for the error message (InvalidArgument, with the
+    canonical names and a did-you-mean).
+    """
     if isinstance(fmt, Format):
         return fmt
     if isinstance(fmt, torch.dtype):
         for f in FORMATS.values():
             if f.torch_dtype == fmt:
                 return f
-        raise ValueError(f"dtype={fmt!r} has no format here; known: {sorted(FORMATS)}")
-    if isinstance(fmt, str):
-        key = ALIASES.get(fmt.lower(), fmt.lower())
-        if key in FORMATS:
-            return FORMATS[key]
-    raise ValueError(f"format {fmt!r} is unknown; expected one of {sorted(FORMATS)}")
+        raise InvalidArgument(f"{name}={fmt!r} is not a floating-point format trainprobes "
+                              f"models; expected one of {FORMAT_NAMES!r}")
+    text = _numpy_name(fmt)
+    if text is None:
+        check_type(str, fmt, name, hint=f"a format name such as 'bf16', one of {FORMAT_NAMES!r}, "
+                                        f"or a torch dtype")
+        text = fmt
+    key = _spelling(text)
+    if key in ALIASES:
+        return FORMATS[ALIASES[key]]
+    if key in _NOT_MODELLED:
+        raise InvalidArgument(f"{name}={fmt!r}: {_NOT_MODELLED[key]}; expected one of "
+                              f"{FORMAT_NAMES!r}")
+    return FORMATS[check_choice(text, name, FORMAT_NAMES, spellings=ALIASES,
+                                normalise=_spelling)]
+
+
+def _numpy_name(fmt) -> str | None:
+    """The name of a numpy or ml_dtypes dtype (np.float16, ml_dtypes.bfloat16), else None."""
+    import numpy as np
+    try:
+        if isinstance(fmt, np.dtype) or (isinstance(fmt, type) and issubclass(fmt, np.generic)):
+            return np.dtype(fmt).name
+    except TypeError:
+        return None
+    return None
 
 
 def round_to(x: torch.Tensor, fmt, mode: str = "nearest", **kwargs) -> torch.Tensor:

@@ -28,9 +28,12 @@ gloo/math.h: sum is c[i] = a[i] + b[i] in the element type; at::Half / at::BFloa
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
+from trainprobes.errors import InvalidArgument
+from trainprobes.validation import check_choice, check_int
 
 MAX_SEGMENT_BYTES = 1 << 20  # gloo/allreduce.h: AllreduceOptions::kMaxSegmentSize
 COLLECTIVES = ("all_reduce", "reduce")
@@ -45,14 +48,12 @@ def _round_up(a: int, b: int) -> int:
 
 
 def _check(world, numel, itemsize, collective, max_segment_bytes) -> None:
-    for name, value, low in (("world", world, 1), ("numel", numel, 0), ("itemsize", itemsize, 1),
-                             ("max_segment_bytes", max_segment_bytes, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name}={value!r} must be an int >= {low}")
-    if collective not in COLLECTIVES:
-        raise ValueError(f"collective={collective!r} is unknown; expected one of "
-                         f"{list(COLLECTIVES)} (reduce_scatter and all_reduce of gloo share "
-                         f"the all_reduce order)")
+    check_int(world, "world", min=1, hint="the number of ranks")
+    check_int(numel, "numel", min=0, hint="elements per rank")
+    check_int(itemsize, "itemsize", min=1, hint="bytes per element")
+    check_int(max_segment_bytes, "max_segment_bytes", min=1)
+    check_choice(collective, "collective", COLLECTIVES,
+                 hint="reduce_scatter and all_reduce of gloo share the all_reduce order")
 
 
 @dataclass(frozen=True)
@@ -94,15 +95,21 @@ def gloo_layout(world: int, numel: int, itemsize: int, collective: str = "all_re
     return GlooLayout(world, numel, itemsize, collective, segments, seg_bytes // itemsize)
 
 
+@dataclass(frozen=True)
 class GlooRingSchedule:
     """gloo's ring order; chunk c = ((x[c-1] + x[c-2]) + ...) + x[c] (module docstring)."""
 
-    name = "gloo"
+    name: ClassVar[str] = "gloo"
+    world: int
+    numel: int
+    itemsize: int
+    collective: str = "all_reduce"
+    max_segment_bytes: int = field(default=MAX_SEGMENT_BYTES, repr=False)
+    layout: GlooLayout = field(init=False, repr=False, compare=False)
 
-    def __init__(self, world: int, numel: int, itemsize: int, collective: str = "all_reduce",
-                 max_segment_bytes: int = MAX_SEGMENT_BYTES):
-        self.layout = gloo_layout(world, numel, itemsize, collective, max_segment_bytes)
-        self.world, self.numel, self.itemsize = world, numel, itemsize
+    def __post_init__(self):
+        object.__setattr__(self, "layout", gloo_layout(self.world, self.numel, self.itemsize,
+                                                       self.collective, self.max_segment_bytes))
 
     def _rows(self, k: int) -> torch.Tensor:
         """Rank added at hop k into every element: (chunk - 1 - k) mod world."""
@@ -117,8 +124,8 @@ class GlooRingSchedule:
     def reduce(self, x: torch.Tensor, add) -> torch.Tensor:
         """x: Tensor[world, numel] -> Tensor[numel]; one vectorised gather per hop."""
         if x.dim() != 2 or tuple(x.shape) != (self.world, self.numel):
-            raise ValueError(f"x has shape {tuple(x.shape)}, expected ({self.world}, "
-                             f"{self.numel}) for {self!r}")
+            raise InvalidArgument(f"x has shape {tuple(x.shape)}, expected ({self.world}, "
+                                  f"{self.numel}) for {self!r}")
         if self.world == 1:
             return x[0].clone()
         # Chunks are contiguous runs of elements, so hop k reads one rank per chunk: a
@@ -128,10 +135,6 @@ class GlooRingSchedule:
         for k in range(1, self.world):
             acc = add(acc, x.gather(0, ((chunk - 1 - k) % self.world)[None])[0])
         return acc
-
-    def __repr__(self) -> str:
-        return (f"GlooRingSchedule(world={self.world}, numel={self.numel}, "
-                f"itemsize={self.itemsize}, collective={self.layout.collective!r})")
 
 
 def gloo_schedule(world: int, numel: int, itemsize: int,

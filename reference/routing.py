@@ -29,6 +29,8 @@ from __future__ import annotations
 import math
 
 import torch
+from trainprobes.errors import InvalidArgument
+from trainprobes.validation import check_int, check_number, check_tensor
 
 __all__ = [
     "topk_softmax", "topk_sigmoid", "group_limited_topk", "capacity_by_position",
@@ -51,18 +53,15 @@ KNOWN_VERDICTS = {
 
 
 def _check_logits(logits, k: int | None = None) -> None:
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or not logits.is_floating_point():
-        got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-        raise ValueError(f"logits has shape/type {got!r}, expected a float tensor [B, T, E]")
-    if k is not None and not 1 <= k <= logits.shape[-1]:
-        raise ValueError(f"k={k!r} must be in [1, {logits.shape[-1]}] (the number of experts)")
+    check_tensor(logits, "logits", kind="floating", ndim=3, hint="router logits [B, T, E]")
+    if k is not None:
+        check_int(k, "k", min=1, max=logits.shape[-1], hint="experts per token, at most E")
 
 
 def capacity(n_tokens: int, n_experts: int, k: int, capacity_factor: float) -> int:
     """Slots per expert: ceil(capacity_factor * n_tokens * k / n_experts), at least 1
     (GShard / Switch Transformer expert capacity)."""
-    if capacity_factor <= 0:
-        raise ValueError(f"capacity_factor={capacity_factor!r} must be > 0")
+    check_number(capacity_factor, "capacity_factor", min=0, min_open=True, hint="e.g. 1.25")
     return max(1, math.ceil(capacity_factor * n_tokens * k / n_experts))
 
 
@@ -90,9 +89,11 @@ def group_limited_topk(logits: torch.Tensor, k: int = 2, n_groups: int = 4, topk
     updated between steps, never a function of the current batch)."""
     _check_logits(logits, k)
     B, T, E = logits.shape
+    check_int(n_groups, "n_groups", min=1)
+    check_int(topk_groups, "topk_groups", min=1)
     if E % n_groups or not 1 <= topk_groups <= n_groups or k > topk_groups * E // n_groups:
-        raise ValueError(f"n_groups={n_groups!r}, topk_groups={topk_groups!r}, k={k!r} do not fit "
-                         f"E={E}: need E % n_groups == 0 and k <= topk_groups * E / n_groups")
+        raise InvalidArgument(f"n_groups={n_groups!r}, topk_groups={topk_groups!r}, k={k!r} do not "
+                              f"fit E={E}: need E % n_groups == 0 and k <= topk_groups * E / n_groups")
     if bias is None:
         bias = torch.linspace(-0.05, 0.05, E, dtype=logits.dtype)
     scores = logits.sigmoid()

@@ -39,22 +39,40 @@ Algorithms (name -> class):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import ClassVar
+
 import torch
+from trainprobes.errors import InvalidArgument
+from trainprobes.validation import check_bool, check_choice, check_int, check_tensor
 
 ALGORITHMS = ("ring", "tree", "halving_doubling", "hierarchical", "sequential", "order", "gloo")
 
 
-def _check_world_numel(world, numel) -> None:
-    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
-        raise ValueError(f"world={world!r} must be a positive int (the number of ranks)")
-    if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
-        raise ValueError(f"numel={numel!r} must be a non-negative int (elements per rank)")
+def _check_world_numel(world, numel) -> tuple[int, int]:
+    return (check_int(world, "world", min=1, hint="the number of ranks"),
+            check_int(numel, "numel", min=0, hint="elements per rank"))
 
 
 def _check_x(schedule, x: torch.Tensor) -> None:
+    check_tensor(x, "x")
     if x.dim() < 2 or tuple(x.shape[-2:]) != (schedule.world, schedule.numel):
-        raise ValueError(f"x has shape {tuple(x.shape)}, expected (..., {schedule.world}, "
-                         f"{schedule.numel}) for {schedule!r}")
+        raise InvalidArgument(f"x has shape {tuple(x.shape)}, expected (..., {schedule.world}, "
+                              f"{schedule.numel}) for {schedule!r}")
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """world ranks of numel elements each, checked once; the orders below subclass it."""
+
+    name: ClassVar[str]
+    world: int
+    numel: int
+
+    def __post_init__(self):
+        world, numel = _check_world_numel(self.world, self.numel)
+        object.__setattr__(self, "world", world)  # frozen: normalised once, here
+        object.__setattr__(self, "numel", numel)
 
 
 # Elements per vectorised step. Orders depend on an element's chunk, never on its position
@@ -111,7 +129,9 @@ def ring_reduce(x: torch.Tensor, add) -> torch.Tensor:
                 views = [torch.diagonal(g, offset=-d, dim1=-3, dim2=-2)]  # ranks d.., chunks 0..
                 if d and k > W - d:  # wrapped part: ranks 0.., chunks W-d..
                     views.append(torch.diagonal(g, offset=W - d, dim1=-3, dim2=-2))
-                b = (views[0] if len(views) == 1 else torch.cat(views, -1)).movedim(-1, -2)
+                # [..., k, step] contiguous: the adds then run on plain dense blocks
+                b = torch.cat([v.movedim(-1, -2) for v in views], -2) if len(views) > 1 \
+                    else views[0].movedim(-1, -2)
                 acc = b if acc is None else add(acc, b)
             dest[..., b0:b0 + step] = acc
     return out
@@ -125,14 +145,11 @@ def _chunk_ids(world: int, numel: int) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(world), sizes)
 
 
-class RingSchedule:
+@dataclass(frozen=True)
+class RingSchedule(_Schedule):
     """NCCL ring all-reduce order; see the module docstring."""
 
-    name = "ring"
-
-    def __init__(self, world: int, numel: int):
-        _check_world_numel(world, numel)
-        self.world, self.numel = world, numel
+    name: ClassVar[str] = "ring"
 
     def reduce(self, x: torch.Tensor, add) -> torch.Tensor:
         _check_x(self, x)
@@ -143,24 +160,22 @@ class RingSchedule:
         k = torch.arange(1, self.world + 1)[:, None]
         return (c[None, :] + k) % self.world
 
-    def __repr__(self) -> str:
-        return f"RingSchedule(world={self.world}, numel={self.numel})"
 
-
-class SequentialSchedule:
+@dataclass(frozen=True)
+class SequentialSchedule(_Schedule):
     """((x[s] + x[s+1]) + ...) + x[s-1]: one chain, the same for every element.
 
     start=0 is rank order; NCCL's ring reduce to `root` is start=root+1 (the chain ends at
     the root).
     """
 
-    name = "sequential"
+    name: ClassVar[str] = "sequential"
+    start: int = 0
 
-    def __init__(self, world: int, numel: int, start: int = 0):
-        _check_world_numel(world, numel)
-        if not isinstance(start, int) or not 0 <= start < world:
-            raise ValueError(f"start={start!r} must be a rank in [0, {world})")
-        self.world, self.numel, self.start = world, numel, start
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "start", check_int(self.start, "start", min=0,
+                                                    max=self.world - 1, hint="a rank"))
 
     def reduce(self, x: torch.Tensor, add) -> torch.Tensor:
         _check_x(self, x)
@@ -176,29 +191,28 @@ class SequentialSchedule:
         ranks = (torch.arange(self.world) + self.start) % self.world
         return ranks[:, None].expand(self.world, self.numel).clone()
 
-    def __repr__(self) -> str:
-        return f"SequentialSchedule(world={self.world}, numel={self.numel}, start={self.start})"
 
-
-class OrderSchedule:
+@dataclass(frozen=True)
+class OrderSchedule(_Schedule):
     """Replay an explicit order: order[k, i] is the k-th rank added into element i.
 
     order may also be 1-D [world]: the same chain for every element.
     """
 
-    name = "order"
+    name: ClassVar[str] = "order"
+    order: torch.Tensor = field(repr=False, compare=False)
 
-    def __init__(self, world: int, numel: int, order):
-        _check_world_numel(world, numel)
-        order = torch.as_tensor(order)
-        if order.dtype.is_floating_point or order.dtype.is_complex or order.dtype == torch.bool:
-            raise ValueError(f"order has dtype {order.dtype}, expected an integer tensor of ranks")
-        order = order.to(torch.int64)
+    def __post_init__(self):
+        super().__post_init__()
+        world, numel = self.world, self.numel
+        order = check_tensor(torch.as_tensor(self.order), "order", kind="integer",
+                             hint="of ranks").to(torch.int64)
         if order.dim() == 1:
             order = order[:, None].expand(order.shape[0], numel)
         if tuple(order.shape) != (world, numel):
-            raise ValueError(f"order has shape {tuple(order.shape)}, expected ({world}, {numel}) "
-                             f"(order[k, i] = k-th rank added into element i) or ({world},)")
+            raise InvalidArgument(f"order has shape {tuple(order.shape)}, expected ({world}, "
+                                  f"{numel}) (order[k, i] = k-th rank added into element i) or "
+                                  f"({world},)")
         if numel:
             # a permutation of 0..world-1 in every column: in range, and every rank seen
             inside = (order >= 0) & (order < world)
@@ -207,26 +221,24 @@ class OrderSchedule:
             bad = ~seen.all(0) | ~inside.all(0)
             if bool(bad.any()):
                 i = int(bad.nonzero()[0, 0])
-                raise ValueError(f"order[:, {i}] = {order[:, i].tolist()[:16]!r} is not a "
-                                 f"permutation of ranks 0..{world - 1}: every rank must be "
-                                 f"added exactly once into every element")
-        self.world, self.numel, self._order = world, numel, order
+                raise InvalidArgument(f"order[:, {i}] = {order[:, i].tolist()[:16]!r} is not a "
+                                      f"permutation of ranks 0..{world - 1}: every rank must be "
+                                      f"added exactly once into every element")
+        object.__setattr__(self, "order", order)
 
     def reduce(self, x: torch.Tensor, add) -> torch.Tensor:
         _check_x(self, x)
         if x.dim() != 2:
-            raise ValueError(f"x has shape {tuple(x.shape)}; OrderSchedule takes (world, numel)")
-        order = self._order.to(x.device)
+            raise InvalidArgument(f"x has shape {tuple(x.shape)}; OrderSchedule takes (world, "
+                                  f"numel)")
+        order = self.order.to(x.device)
         acc = x.gather(0, order[0:1])[0]
         for k in range(1, self.world):
             acc = add(acc, x.gather(0, order[k:k + 1])[0])
         return acc
 
     def order_map(self) -> torch.Tensor:
-        return self._order.clone()
-
-    def __repr__(self) -> str:
-        return f"OrderSchedule(world={self.world}, numel={self.numel})"
+        return self.order.clone()
 
 
 def btree(world: int, rank: int) -> tuple[int, int, int]:
@@ -254,15 +266,22 @@ def btree(world: int, rank: int) -> tuple[int, int, int]:
     return up, rank - (bit >> 1), down1
 
 
-class TreeSchedule:
+@dataclass(frozen=True)
+class TreeSchedule(_Schedule):
     """NCCL binary tree (ncclGetBtree); see the module docstring."""
 
-    name = "tree"
+    name: ClassVar[str] = "tree"
+    mirror: bool = False
+    # LongTensor[world] each: a rank's parent and children, -1 where none (from mirror)
+    parent: torch.Tensor = field(init=False, repr=False, compare=False)
+    child0: torch.Tensor = field(init=False, repr=False, compare=False)
+    child1: torch.Tensor = field(init=False, repr=False, compare=False)
 
-    def __init__(self, world: int, numel: int, mirror: bool = False):
-        _check_world_numel(world, numel)
-        self.world, self.numel, self.mirror = world, numel, bool(mirror)
-        self.parent, self.child0, self.child1 = self._links()
+    def __post_init__(self):
+        super().__post_init__()
+        check_bool(self.mirror, "mirror", hint="the second tree of NCCL's double binary tree")
+        for name, links in zip(("parent", "child0", "child1"), self._links()):
+            object.__setattr__(self, name, links)
 
     def _links(self):
         W = self.world
@@ -316,18 +335,12 @@ class TreeSchedule:
             acc[..., n, :] = add(acc[..., n, :], acc[..., c, :])
         return acc[..., root, :]
 
-    def __repr__(self) -> str:
-        return f"TreeSchedule(world={self.world}, numel={self.numel}, mirror={self.mirror})"
 
-
-class HalvingDoublingSchedule:
+@dataclass(frozen=True)
+class HalvingDoublingSchedule(_Schedule):
     """Recursive halving/doubling (MPICH's non-power-of-two fold); see the module docstring."""
 
-    name = "halving_doubling"
-
-    def __init__(self, world: int, numel: int):
-        _check_world_numel(world, numel)
-        self.world, self.numel = world, numel
+    name: ClassVar[str] = "halving_doubling"
 
     def reduce(self, x: torch.Tensor, add) -> torch.Tensor:
         _check_x(self, x)
@@ -348,11 +361,9 @@ class HalvingDoublingSchedule:
             y = add(y[..., 0::2, :], y[..., 1::2, :])
         return y[..., 0, :].clone() if y is x else y[..., 0, :]
 
-    def __repr__(self) -> str:
-        return f"HalvingDoublingSchedule(world={self.world}, numel={self.numel})"
 
-
-class HierarchicalSchedule:
+@dataclass(frozen=True)
+class HierarchicalSchedule(_Schedule):
     """Ring reduce-scatter inside nodes, ring all-reduce of each shard across nodes.
 
     Node g holds ranks g*L .. g*L+L-1 (L = ranks_per_node). Element i falls in shard s of
@@ -361,22 +372,22 @@ class HierarchicalSchedule:
     nodes shard s is itself split into M chunks and reduced in ring order over nodes.
     """
 
-    name = "hierarchical"
+    name: ClassVar[str] = "hierarchical"
+    ranks_per_node: int | None = None
 
-    def __init__(self, world: int, numel: int, ranks_per_node: int | None = None):
-        _check_world_numel(world, numel)
-        L = ranks_per_node
+    def __post_init__(self):
+        super().__post_init__()
+        world, L = self.world, self.ranks_per_node
         if L is None:
-            raise ValueError("algorithm='hierarchical' needs ranks_per_node=<int> "
-                             "(e.g. 8 for 8 GPUs per node)")
-        if not isinstance(L, int) or isinstance(L, bool) or L < 1:
-            raise ValueError(f"ranks_per_node={L!r} must be a positive int")
+            raise InvalidArgument("algorithm='hierarchical' needs ranks_per_node=<int> "
+                                  "(e.g. 8 for 8 GPUs per node)")
+        L = check_int(L, "ranks_per_node", min=1, hint="ranks in one node")
         if world % L:
             divisors = [d for d in range(1, min(world, 64) + 1) if world % d == 0]
-            raise ValueError(f"ranks_per_node={L!r} does not divide world={world}: a "
-                             f"hierarchical layout needs whole nodes; divisors of {world}: "
-                             f"{divisors}")
-        self.world, self.numel, self.ranks_per_node = world, numel, L
+            raise InvalidArgument(f"ranks_per_node={L!r} does not divide world={world}: a "
+                                  f"hierarchical layout needs whole nodes; divisors of {world}: "
+                                  f"{divisors}")
+        object.__setattr__(self, "ranks_per_node", L)
 
     def reduce(self, x: torch.Tensor, add) -> torch.Tensor:
         _check_x(self, x)
@@ -398,10 +409,6 @@ class HierarchicalSchedule:
             return nodes[..., 0, :0]
         return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
 
-    def __repr__(self) -> str:
-        return (f"HierarchicalSchedule(world={self.world}, numel={self.numel}, "
-                f"ranks_per_node={self.ranks_per_node})")
-
 
 _CLASSES = {
     "ring": (RingSchedule, ()),
@@ -417,11 +424,11 @@ def _gloo(world: int, numel: int, itemsize: int | None = None, collective: str |
     try:
         from trainprobes.reference.gloo import gloo_schedule
     except ImportError as e:
-        raise ValueError(f"algorithm='gloo' is not available: trainprobes.reference.gloo could not be "
+        raise InvalidArgument(f"algorithm='gloo' is not available: trainprobes.reference.gloo could not be "
                          f"imported ({e}); use one of {[a for a in ALGORITHMS if a != 'gloo']}"
                          ) from e
     if itemsize is None:
-        raise ValueError("algorithm='gloo' needs itemsize=<bytes per element> (gloo's "
+        raise InvalidArgument("algorithm='gloo' needs itemsize=<bytes per element> (gloo's "
                          "segments are at most 1 MiB, so its order depends on it)")
     if collective is None:
         return gloo_schedule(world, numel, itemsize=itemsize)
@@ -437,20 +444,16 @@ def get_schedule(name: str, world: int, numel: int, **kw):
     (not None) for an algorithm that does not take it is an error, so nothing is silently
     ignored.
     """
-    if name == "gloo":
-        allowed = ("itemsize", "collective")
-    elif name in _CLASSES:
-        allowed = _CLASSES[name][1]
-    else:
-        raise ValueError(f"algorithm={name!r} is unknown; expected one of {list(ALGORITHMS)}")
+    check_choice(name, "algorithm", ALGORITHMS)
+    allowed = ("itemsize", "collective") if name == "gloo" else _CLASSES[name][1]
     given = {k: v for k, v in kw.items() if v is not None}
     extra = sorted(set(given) - set(allowed))
     if extra:
-        raise ValueError(f"{extra[0]}={given[extra[0]]!r} does not apply to algorithm={name!r}"
+        raise InvalidArgument(f"{extra[0]}={given[extra[0]]!r} does not apply to algorithm={name!r}"
                          f" (it takes {list(allowed) or 'no options'})")
     _check_world_numel(world, numel)
     if name == "gloo":
         return _gloo(world, numel, **given)
     if name == "order" and "order" not in given:
-        raise ValueError("algorithm='order' needs order=<LongTensor[world, numel]>")
+        raise InvalidArgument("algorithm='order' needs order=<LongTensor[world, numel]>")
     return _CLASSES[name][0](world, numel, **given)

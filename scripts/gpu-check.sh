@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU check of trainprobes, in under 5 minutes on one GPU:
 #   1. scripts/gpu_check.py: NCCL collectives (world 1, and every visible GPU), bitwise vs the
-#      emulator and error vs fp64; accumulator reveal of torch.matmul fp16/bf16 with and
-#      without reduced-precision reduction, and fp8 torch._scaled_mm where the GPU has it.
+#      emulator and error vs fp64; the parallel-transforms probe under NCCL (DDP hooks,
+#      accumulation, FSDP2, TP/SP, 1F1B, the zoo; one rank per GPU); accumulator reveal of
+#      torch.matmul fp16/bf16 with and without reduced-precision reduction, and fp8
+#      torch._scaled_mm where the GPU has it.
 #      Report: reports/gpu-check.json (or $1).
 #   2. every pytest test marked `gpu` in the repo.
 #   3. benchmarks/bench_causality.py on the GPU: full causality certification vs a per-cut
@@ -11,6 +13,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-reports/gpu-check.json}"
-timeout 200 python scripts/gpu_check.py --out "$out"
+timeout 300 python scripts/gpu_check.py --out "$out"
 timeout 90 python -m pytest -q -m gpu -p no:cacheprovider tests
 timeout 240 python benchmarks/bench_causality.py --device cuda --repeats 3

@@ -6,9 +6,18 @@ scripts/gpu-check.sh.
    bf16, sum and avg, compared bit for bit with the emulator (NCCL ring model) and with
    fp64; fp8 all_reduce where NCCL takes it; the order revealed from crafted inputs when
    there are 3 or more GPUs.
-2. Accumulator reveal on GPU kernels (trainprobes.numerics.reveal, device="cuda"): torch.matmul
+2. Parallel transforms under NCCL (trainprobes.transforms): the demo step under DDP (plain,
+   fp16 and bf16 compression hooks), gradient accumulation (token-weighted and mean of
+   micro-batch means, which is biased), FSDP2 (fp32; bf16 params and reduction), and with
+   2+ GPUs tensor, sequence and 1F1B pipeline parallelism and the zoo of published bugs
+   beside their fixed twins; one rank per GPU (NCCL refuses two ranks on one GPU, so one
+   GPU runs world 1). Under NCCL, FSDP2's bf16 ReduceOp.AVG is PreMulSum with bf16(1/n):
+   biased for n not a power of two, which the probe should call biased.
+3. Accumulator reveal on GPU kernels (trainprobes.numerics.reveal, device="cuda"): torch.matmul
    in fp16 and bf16 with allow_fp16/bf16_reduced_precision_reduction off and on, and fp8
    torch._scaled_mm where the GPU has it (sm89+).
+3. Isolation (trainprobes.isolation): the per-op batch-invariance map on the GPU and the
+   packed-document table with flash_attention_2 (where flash_attn is installed) beside sdpa.
 Without CUDA it exits 2 and says so: nothing is checked, nothing passes. --allow-cpu runs
 the same code paths on the CPU (gloo, device="cpu") to check the script itself; that
 report says "cpu_dry_run": it is not a GPU check.
@@ -76,6 +85,38 @@ def nccl_checks(report: dict, backend: str, worlds: list[int]) -> None:
                 backend=backend, world=world, numel=4096, dtype="fp32", timeout=120).to_dict())
 
 
+def transform_checks(report: dict, backend: str, world: int) -> None:
+    from trainprobes.transforms import DDP, FSDP2, Accumulation, Pipeline, Probe, TensorParallel, run_probes
+    from trainprobes.transforms.demo import SP_PLAN, TP_PLAN, step
+
+    def builtins():
+        transforms = [DDP(), DDP(hook="fp16"), DDP(hook="bf16"), Accumulation(),
+                      Accumulation(normalization="mean-of-means"), FSDP2(),
+                      FSDP2(param_dtype="bf16", reduce_dtype="bf16")]
+        if world >= 2:
+            transforms += [TensorParallel(plan=TP_PLAN), TensorParallel(plan=SP_PLAN), Pipeline()]
+        results = run_probes([Probe(step, t, trials=16) for t in transforms], world=world,
+                             backend=backend, timeout=300)
+        rows = [{"transform": r.evidence["transform"], **{k: r.metrics.get(k) for k in (
+            "transform_verdict", "equivalent", "scale", "scale_ci_low", "scale_ci_high",
+            "worst_parameter", "max_added_error", "dtype")}} for r in results]
+        # the one known finding: a mean of micro-batch means over uneven documents
+        known = {r["transform"]: r["transform_verdict"] for r in rows}
+        return {"world": world, "rows": rows,
+                "mean_of_means_biased": known.get("accumulation(normalization=mean-of-means)") == "biased"}
+    _check(report, f"{backend}_transforms_world{world}", builtins)
+
+    if world >= 2:
+        def zoo():
+            from trainprobes.transforms.zoo import run_zoo
+            rows = run_zoo(trials=8, backend=backend)
+            return {"rows": [{"entry": r.bug.name, "expected": r.bug.expected,
+                              "bug": r.buggy.metrics["transform_verdict"],
+                              "fixed": r.fixed.metrics["transform_verdict"]} for r in rows],
+                    "reproduced": sum(r.reproduced for r in rows), "entries": len(rows)}
+        _check(report, f"{backend}_transforms_zoo", zoo)
+
+
 def matmul_checks(report: dict, device: str) -> None:
     import torch
     from trainprobes.numerics.reveal import matmul_reduction, reveal, scaled_mm_reduction
@@ -108,6 +149,32 @@ def matmul_checks(report: dict, device: str) -> None:
     _check(report, "scaled_mm_fp8", fp8)
 
 
+def isolation_checks(report: dict, device: str) -> None:
+    """trainprobes.isolation on the device: the per-op batch-invariance map (small shapes)
+    and the packed-document table of tiny HF models under every attention implementation
+    present there (flash_attention_2 where flash_attn is installed: bf16, cu_seq_lens)."""
+    def ops():
+        from trainprobes.isolation.ops import op_map
+        rs = op_map(device=device, quick=True, sizes=(2, 3, 4, 8, 32), trials=2)
+        return {"ops": [{"target": r.target, "batch_invariant": r.metrics["batch_invariant"],
+                         "breaking_sizes": r.metrics["breaking_sizes"],
+                         "max_abs_diff": r.metrics["max_abs_diff"]} for r in rs]}
+    _check(report, "isolation_op_map", ops)
+
+    def table():
+        from trainprobes.isolation.hf import available_implementations, packed_table
+        # the GPU's own question: flash_attention_2 (varlen via cu_seq_lens) beside sdpa;
+        # eager and flex_attention are in the CPU table (docs/isolation.md), and flex's
+        # compilation would eat the run's time budget
+        impls = [i for i in available_implementations() if i in ("sdpa", "flash_attention_2")]
+        rows = packed_table(("llama", "qwen2_moe"), impls, device=device)
+        return {"rows": [{"family": r.family, "implementation": r.implementation,
+                          "convention": r.convention, "isolated": r.result.metrics["isolated"],
+                          "max_leak": r.result.metrics["max_leak"], "by_hand": r.by_hand,
+                          "fp64": r.result.metrics["fp64"]} for r in rows]}
+    _check(report, "isolation_packed_table", table)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="reports/gpu-check.json")
@@ -129,10 +196,14 @@ def main(argv=None) -> int:
         n = torch.cuda.device_count()
         report["gpus"] = [torch.cuda.get_device_name(i) for i in range(n)]
         nccl_checks(report, "nccl", sorted({1, min(n, 8)}))
+        transform_checks(report, "nccl", min(n, 8))
         matmul_checks(report, "cuda")
+        isolation_checks(report, "cuda")
     else:
         nccl_checks(report, "gloo", [3])
+        transform_checks(report, "gloo", 2)
         matmul_checks(report, "cpu")
+        isolation_checks(report, "cpu")
     report["seconds"] = round(time.perf_counter() - started, 1)
     failed = [k for k, v in report["checks"].items() if v["status"] != "ok"]
     report["failed"] = failed

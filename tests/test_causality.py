@@ -403,6 +403,7 @@ def test_token_flattened_router_logits_are_viewed_as_batch_by_position(seq_norm)
     assert res.evidence["decision_shape"] == [4, 40]
 
 
+@pytest.mark.slow
 def test_token_id_inputs():
     ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
     assert check(off_by_one_block, ids, decision="hidden").metrics["causal"] is False

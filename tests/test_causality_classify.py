@@ -81,3 +81,16 @@ def test_no_changes_no_kinds():
     x = torch.ones(2, 3)
     kind = classify_changes(where_of(x, x), Outputs(x), Outputs(x))
     assert kind.shape == (0,) and kind.dtype == torch.long
+
+
+def test_a_change_to_infinity_is_judged_by_the_twin_s_own_move_not_scaled_by_it():
+    """An fp32 change to inf (or NaN) has no size to scale: 1e-3 x inf excused any fp64
+    move, so a leak that overflowed fp32 (finite, large in fp64) passed as rounding noise.
+    The twin's move alone decides there: beyond fp64 noise it is structural."""
+    before = torch.tensor([[1.0, 2.0, 3.0]])
+    after = torch.tensor([[float("inf"), float("nan"), float("-inf")]])
+    where = where_of(before, after)
+    b64 = before.double()
+    leak = (Outputs(b64), Outputs(b64 + torch.tensor([[1e40, 5.0, 0.0]], dtype=torch.float64)))
+    kind = classify_changes(where, Outputs(before), Outputs(after), fp64=leak, same_shape=False)
+    assert Kind.labels(kind) == ["structural", "structural", "numerical"]

@@ -12,6 +12,7 @@ def run(capsys, *argv):
     return code, out.out, out.err
 
 
+@pytest.mark.slow
 def test_reference_table_prints_every_known_verdict(capsys, tmp_path):
     report = tmp_path / "causality.json"
     code, out, _ = run(capsys, "--seq-len", "24", "--batch", "2", "--output", str(report))
@@ -26,6 +27,9 @@ def test_reference_table_prints_every_known_verdict(capsys, tmp_path):
     results, meta = load_results(report)
     assert len(results) == 22 and meta["command"] == "causality"
     assert {r.probe for r in results} == {"causality.check"}
+    # controls: each key once (the mode is part of the target), each with its known verdict
+    assert len({r.key for r in results}) == 22 and all(r.reproduced for r in results)
+    assert meta["controls"] == {"reproduced": 22, "of": 22}
 
 
 def test_reference_table_json(capsys, monkeypatch):
@@ -33,9 +37,13 @@ def test_reference_table_json(capsys, monkeypatch):
     some = [c for c in suite.controls() if c.name.endswith(("topk_softmax", "expert_choice"))]
     monkeypatch.setattr(suite, "controls", lambda: some)
     code, out, _ = run(capsys, "--seq-len", "16", "--batch", "2", "--json")
-    docs = json.loads(out)
-    assert code == 0 and [d["target"] for d in docs] == [some[0].name] * 2 + [some[1].name] * 2
+    doc = json.loads(out)
+    docs = doc["results"]
+    assert code == 0 and doc["command"] == "causality"
+    assert [d["target"] for d in docs] == [f"{some[0].name}[perturb]", f"{some[0].name}[truncate]",
+                                           f"{some[1].name}[perturb]", f"{some[1].name}[truncate]"]
     assert [d["metrics"]["causal"] for d in docs] == [True, True, False, False]
+    assert [d["expected"] for d in docs] == ["pass", "pass", "fail", "fail"]
 
 
 def test_a_wrong_known_verdict_makes_the_table_fail(capsys, monkeypatch):
@@ -63,7 +71,7 @@ def test_target_json_truncate_float_inputs(capsys):
     code, out, _ = run(capsys, "--target", "trainprobes.reference.models.moe:causal_block", "--hidden", "64",
                        "--seq-len", "32", "--mode", "truncate", "--decision", "expert_ids",
                        "--scores", "router_probs", "--json")
-    doc = json.loads(out)
+    (doc,) = json.loads(out)["results"]
     assert code == 0 and doc["verdict"] == "pass"
     assert {"causal", "n_leaks", "flip_rate", "mismatch_rate"} <= set(doc["metrics"])
     assert doc["evidence"]["shape"] == [4, 32, 64]
@@ -72,7 +80,7 @@ def test_target_json_truncate_float_inputs(capsys):
 def test_flat_target_and_explicit_cuts(capsys):
     code, out, _ = run(capsys, "--target", "tests.test_causality_cli:flat_expert_choice",
                        "--hidden", "8", "--flat", "--seq-len", "64", "--cuts", "10,40", "--json")
-    doc = json.loads(out)
+    (doc,) = json.loads(out)["results"]
     assert code == 1 and doc["evidence"]["cuts"] == [10, 40] and doc["evidence"]["layout"] == "flat"
 
 
@@ -98,10 +106,64 @@ def test_bad_targets_exit_2_with_a_message_naming_them(capsys, target, match):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--cuts", "a,b"], "--cuts 'a,b' must be 'all', a count, or positions"),
-    (["--seq-len", "1"], "--seq-len 1 is too small"),
-    (["--target", "trainprobes.reference.routing:topk_softmax", "--vocab", "1"], "--vocab 1 must be >= 2"),
+    (["--cuts", "a,b"], "cuts='a,b' must be 'all', a count, or positions"),
+    (["--seq-len", "1"], "seq_len=1 must be an int >= 2"),
+    (["--target", "trainprobes.reference.routing:topk_softmax", "--vocab", "1"],
+     "vocab=1 must be an int >= 2"),
+    (["--mode", "truncat"], "did you mean 'truncate'?"),
+    (["--vocab", "10", "--hidden", "4"], "not allowed with argument"),
 ])
 def test_bad_options_exit_2(capsys, argv, match):
     code, _, err = run(capsys, *argv)
+    assert code == 2 and match in err
+
+
+ROUTER = """
+import torch
+W = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
+
+def router(h):
+    return (h @ W).argmax(-1)
+"""
+
+
+@pytest.fixture
+def here(tmp_path, monkeypatch):
+    """A folder holding mymoe.py, as the current directory, not on sys.path (as for the
+    `trainprobes` console script); sys.path and sys.modules restored after."""
+    import sys
+    (tmp_path / "mymoe.py").write_text(ROUTER)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "mymoe", raising=False)
+    yield tmp_path
+    sys.modules.pop("mymoe", None)
+
+
+def test_target_in_the_current_directory_is_found_as_with_python_m(here, capsys):
+    # was: a module beside the user (not on sys.path for the console script) could not be
+    # imported, and "mymoe.router" without a colon was refused
+    for spec in ("mymoe:router", "mymoe.router"):
+        code, out, err = run(capsys, "--target", spec, "--hidden", "16", "--seq-len", "16",
+                             "--batch", "2")
+        assert code == 0, err
+        assert out.startswith(f"PASS  causality.check {spec}")
+
+
+def test_a_float_router_without_hidden_is_told_to_pass_it(here, capsys):
+    # was: a dtype error from inside the matmul
+    code, out, err = run(capsys, "--target", "mymoe:router", "--seq-len", "16")
+    assert code == 2 and out == ""
+    assert "failed on token ids [4, 16] (int64, from --vocab 1000)" in err
+    assert "pass --hidden D" in err
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("mymoe:route", "'mymoe' has no attribute 'route'; did you mean 'router'?"),
+    ("mymoe.py:router", "name the module, not the file: e.g. 'mymoe:function'"),
+    ("nowhere_mod:fn", "install its package (pip install -e .), run from the folder that "
+                       "holds it, or add that folder to PYTHONPATH"),
+])
+def test_unimportable_targets_say_the_fix(here, capsys, spec, match):
+    code, _, err = run(capsys, "--target", spec, "--hidden", "16")
     assert code == 2 and match in err

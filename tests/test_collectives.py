@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from trainprobes.reference.collectives import (
     _Arithmetic,
@@ -14,8 +14,9 @@ from trainprobes.reference.collectives import (
     reduce,
     reduce_scatter,
 )
+from trainprobes.reference.formats import FORMATS as FORMATS_ALL
 from trainprobes.reference.formats import get_format
-from trainprobes.reference.schedules import RingSchedule
+from trainprobes.reference.schedules import RingSchedule, get_schedule
 from trainprobes.strategies import rank_inputs
 
 ALGOS = ["ring", "tree", "halving_doubling", "sequential", "hierarchical"]
@@ -235,7 +236,7 @@ def test_reduce_is_the_chain_ending_at_root():
     out = reduce(list(x), root=2, dtype="fp16")
     assert out[0] is None and out[1] is None and out[2].tolist() == [2050.0] * 3
     assert reduce(list(x), root=1, dtype="fp16")[1].tolist() == [2048.0] * 3  # 2, 0, 1
-    with pytest.raises(ValueError, match=r"root=3 must be a rank in \[0, 3\)"):
+    with pytest.raises(ValueError, match=r"root=3 must be an int in \[0, 2\] \(a rank\)"):
         reduce(list(x), root=3)
 
 
@@ -352,12 +353,17 @@ def test_stochastic_rounding_removes_the_stall():
     ([torch.ones(4), torch.ones(4, dtype=torch.float16)], {}, ValueError,
      r"inputs\[1\] has dtype torch.float16, expected torch.float32 like inputs\[0\]"),
     ([], {}, ValueError, "inputs is empty"),
-    ("abc", {}, TypeError, "expected a list with one tensor per rank"),
+    ("abc", {}, TypeError,
+     r"inputs='abc' must be list or tuple, not str \(a list with one tensor per rank\)"),
     ([torch.ones(2, dtype=torch.bool)] * 2, {}, TypeError, r"inputs\[0\] has dtype torch.bool"),
-    ([torch.ones(4)] * 2, {"dtype": "fp12"}, ValueError, "format 'fp12' is unknown"),
-    ([torch.ones(4)] * 2, {"algorithm": "rign"}, ValueError, "algorithm='rign' is unknown"),
-    ([torch.ones(4)] * 2, {"op": "prod"}, ValueError, "op='prod' is unknown"),
-    ([torch.ones(4)] * 2, {"rounding": "up"}, ValueError, "rounding='up' is unknown"),
+    ([torch.ones(4)] * 2, {"dtype": "fp12"}, ValueError,
+     r"dtype='fp12' must be one of \('fp64', .*\); did you mean"),
+    ([torch.ones(4)] * 2, {"algorithm": "rign"}, ValueError,
+     r"algorithm='rign' must be one of \('ring', .*\); did you mean 'ring'\?"),
+    ([torch.ones(4)] * 2, {"op": "prod"}, ValueError,
+     r"op='prod' must be one of \('sum', 'avg', 'max', 'min'\)"),
+    ([torch.ones(4)] * 2, {"rounding": "up"}, ValueError,
+     r"rounding='up' must be one of \('nearest', 'stochastic', 'toward_zero'\)"),
     ([torch.ones(4)] * 2, {"rounding": "stochastic"}, ValueError, "needs seed=<int>"),
     # were: "Overflow when unpacking long long" and "Cannot copy out of meta tensor", deep inside
     ([torch.ones(4)] * 2, {"rounding": "stochastic", "seed": 2**64}, ValueError,
@@ -397,3 +403,51 @@ def test_gloo_algorithm_replays_gloos_order_and_divides_for_avg():
     want_red = all_reduce(x, dtype="bf16",
                           order=gloo.gloo_order(6, 300, itemsize=2, collective="reduce"))[0]
     assert torch.equal(red, want_red)
+
+
+# ---------------------------------------------------------------- fast paths = Format.round
+
+
+def _same_bits(a, b):
+    a, b = a.double(), b.double()
+    return bool((((a == b) & (torch.signbit(a) == torch.signbit(b))) | (a.isnan() & b.isnan())).all())
+
+
+@pytest.mark.parametrize("fmt", [n for n in FORMATS_ALL if n != "fp64"])
+@settings(max_examples=20)
+@given(data=st.data(), rounding=st.sampled_from(["nearest", "nearest", "toward_zero"]),
+       saturate=st.sampled_from([None, True, False]),
+       accum=st.sampled_from([None, "fp16", "fp32", "bf16"]),
+       algorithm=st.sampled_from(["ring", "tree"]))
+def test_fast_paths_give_format_rounds_bits(data, fmt, rounding, saturate, accum, algorithm):
+    # every format and deterministic mode: the fast arithmetic (fp8 in fp16/fp32, magic-
+    # number rounding) against Format.round after every add (fast=False), bit for bit;
+    # inputs of any float64 value, inf and NaN included, so overflow and saturation run
+    src = data.draw(st.sampled_from([fmt, fmt, "fp64", "fp32"]))  # wire values half the time
+    kw = {"max_magnitude": 1e6} if src == "fp64" else {}
+    inputs = data.draw(rank_inputs(world=st.integers(1, 6), numel=st.integers(1, 9), fmt=src,
+                                   allow_nan=True, allow_infinity=True, **kw))
+    if src == "fp32":
+        inputs = [t.to(torch.float32) for t in inputs]
+    fast = _Arithmetic(fmt, accum, rounding, saturate, None)
+    slow = _Arithmetic(fmt, accum, rounding, saturate, None, fast=False)
+    xf, xs = fast.stack(inputs), slow.stack(inputs)
+    assert _same_bits(xf, xs)
+    sched = RingSchedule(len(inputs), xf.shape[1]) if algorithm == "ring" else \
+        get_schedule("tree", len(inputs), xf.shape[1])
+    assert _same_bits(sched.reduce(xf, fast.add), sched.reduce(xs, slow.add))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp8_e4m3fn", "tf32"])
+def test_fast_stochastic_rounding_has_the_slow_paths_mean(fmt):
+    # the two stochastic paths draw different random numbers: compare distributions. The
+    # sum of 32 ranks of the same small values, 2000 times: equal means within 5 sigma.
+    x = torch.full((32, 2000), 1 + 2 ** -9, dtype=torch.float64) * (2 ** -3)
+    means = []
+    for fast in (True, False):
+        a = _Arithmetic(fmt, None, "stochastic", None, 11, fast=fast)
+        out = RingSchedule(32, 2000).reduce(a.stack(list(x)), a.add).double()
+        means.append((out.mean().item(), out.std().item()))
+    (m1, s1), (m2, s2) = means
+    assert abs(m1 - m2) < 5 * math.hypot(s1, s2) / math.sqrt(2000)
+    assert abs(m1 - float(x.sum(0)[0])) < 5 * s1 / math.sqrt(2000) + 1e-12

@@ -8,6 +8,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: the script would run")
 def test_gpu_check_fails_loudly_without_cuda(tmp_path):
     out = tmp_path / "gpu.json"

@@ -91,6 +91,7 @@ def test_a_silent_death_is_named_as_the_cause_when_peers_raise_after_it(reaper):
     assert info.value.rank == 1 and wait_dead(info.value.pids) == []
 
 
+@pytest.mark.slow
 def test_hanging_ranks_time_out_and_their_children_die_too(tmp_path, reaper):
     reaper += [o["pid"] for o in L.launch(echo_task, 1)]  # warm start: ranks get going in time
     with pytest.raises(L.WorkerTimeout) as info:
@@ -160,3 +161,63 @@ def test_nccl_without_cuda_is_refused_clearly():
 def test_free_port_is_bindable():
     p = L.free_port()
     assert 0 < p < 65536 and L.port_is_free(p)
+
+
+def test_plain_data_comes_back_without_unpickling_objects(reaper):
+    import torch
+    from trainprobes.distributed.selftest import plain_task
+    out = L.launch(plain_task, 2, timeout=120)
+    assert [o["rank"] for o in out] == [0, 1] and out[1][7] == b"bytes"
+    assert out[1]["nested"] == [None, 1.5, ("a", True)]
+    assert torch.equal(out[1]["tensor"], torch.ones(3, dtype=torch.bfloat16))
+
+
+def test_a_task_returning_objects_is_refused_naming_it(reaper):
+    from trainprobes.distributed.selftest import object_task
+    with pytest.raises(L.WorkerFailed, match=r"object_task\(\) on rank \d returned \['value'\] a "
+                                             r"DeliberateFailure; a task returns plain data") as e:
+        L.launch(object_task, 2, timeout=120)
+    reaper += e.value.pids
+
+
+def test_a_taken_port_is_seen_in_any_ranks_error_not_only_the_first():
+    # under load the rank that fails to bind may report after a peer that failed to connect
+    import queue
+    from types import SimpleNamespace
+    q = queue.Queue()
+    q.put(("error", 0, "RuntimeError: The server socket has failed to listen on any local "
+                       "network address. port: 29500, useIpv6: 0, code: -98, name: EADDRINUSE, "
+                       "message: address already in use"))
+    alive = [SimpleNamespace(is_alive=lambda: True, exitcode=None)] * 2
+    e = L._first_cause(alive, q, set(), 1, "RuntimeError: Connection closed by peer", 2)
+    assert e.rank == 1 and e.port_taken
+    e = L._first_cause(alive, queue.Queue(), set(), 1, "RuntimeError: Connection closed by peer", 2)
+    assert not e.port_taken
+
+
+def test_a_rendezvous_that_fails_before_the_task_ran_is_retried_on_a_new_port(monkeypatch):
+    # a loaded host can drop gloo's pair connections while the group forms; no task has
+    # run, so a fresh port is safe. A failure inside the task is never retried.
+    calls, lines = [], []
+
+    def flaky(task, world, backend, timeout, args, addr, port, progress):
+        calls.append(port)
+        if len(calls) == 1:
+            e = L.WorkerFailed(0, "RuntimeError: Gloo connectFullMesh failed ... Connection "
+                                  "closed by peer", world)
+            e.rendezvous = True
+            raise e
+        return ["ok"] * world
+    monkeypatch.setattr(L, "_run_once", flaky)
+    assert L.launch(echo_task, 2, progress=lines.append) == ["ok", "ok"]
+    assert len(calls) == 2 and calls[0] != calls[1]
+    assert any("rendezvous on port" in x and "Connection closed by peer" in x for x in lines)
+
+    def task_fails(*a):
+        calls.append(0)
+        raise L.WorkerFailed(1, "RuntimeError: in the task", 2)
+    calls.clear()
+    monkeypatch.setattr(L, "_run_once", task_fails)
+    with pytest.raises(L.WorkerFailed, match="in the task"):
+        L.launch(echo_task, 2)
+    assert len(calls) == 1

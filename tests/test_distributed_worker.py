@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from trainprobes.distributed.launcher import free_port
 from trainprobes.distributed.worker import Case, _torchrun_main
 
@@ -40,6 +41,7 @@ def test_torchrun_entry_without_environment_says_what_to_do(capsys, monkeypatch)
     assert "run under torchrun" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_runs_under_torchrun():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -50,3 +52,20 @@ def test_runs_under_torchrun():
     doc = json.loads(p.stdout[p.stdout.index("{"):])
     assert doc["metrics"]["bitwise_match_fraction"] == 1.0
     assert doc["metrics"]["world"] == 2 and doc["metrics"]["op"] == "avg"
+
+
+@pytest.mark.parametrize("collective", ["reduce", "all_gather"])
+def test_rank_outputs_reach_rank_0_as_raw_bytes(collective):
+    # the torchrun entry's gather: bf16 bytes at their own offset, None off the reduce root
+    from trainprobes.distributed.launcher import launch
+    from trainprobes.distributed.selftest import gather_task
+    from trainprobes.distributed.worker import cases_task
+    case = Case(collective, "bf16", numel=6)
+    direct = launch(cases_task, 2, timeout=120, args=([case], "gloo"))
+    gathered = launch(gather_task, 2, timeout=120, args=(collective,))
+    assert gathered[1] is None and len(gathered[0]) == 2
+    for r in range(2):
+        want = direct[r][0]
+        assert (gathered[0][r] is None) == (want is None)
+        if want is not None:
+            assert gathered[0][r].dtype == want.dtype and torch.equal(gathered[0][r], want)

@@ -94,6 +94,7 @@ def test_cluster_t_false_positive_rate_near_alpha_with_sequence_correlation():
     assert (p_tok < alpha).double().mean().item() > 3 * alpha  # ignoring correlation over-rejects
 
 
+@pytest.mark.slow
 def test_compare_false_positive_rate_over_seeds():
     alpha, R = 0.05, 200
     hits = sum(compare(*_pair(100 + s, B=16, T=16, noise=0.05), alpha=alpha).metrics["biased"]
@@ -123,7 +124,7 @@ def test_metric_formulas_against_direct_computation():
     assert m["ess_seq"] == pytest.approx((seq.sum() ** 2 / (8 * (seq ** 2).sum())).item(), rel=1e-6)
     for q in stats.QUANTILES:
         k = min(rho.numel(), max(1, math.ceil(q * rho.numel())))
-        assert m[f"ratio_p{stats._qname(q)}"] == pytest.approx(rho.sort().values[k - 1].item(), rel=1e-5)
+        assert m[f"ratio_p{stats.quantile_name(q)}"] == pytest.approx(rho.sort().values[k - 1].item(), rel=1e-5)
 
 
 def test_mask_excludes_padding_even_if_garbage():
@@ -150,6 +151,7 @@ def test_flat_input_with_lengths_tests_over_sequences():
     assert blocks.evidence["test_unit"] == "block"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("B,T", [(32, 48), (16, 512)])
 def test_flat_stream_without_lengths_holds_its_level_under_per_sequence_offsets(B, T):
     """A flat [N] stream of whole sequences (verl-style packed tokens) with zero-mean noise

@@ -6,6 +6,7 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 from trainprobes.drift import compare, hf_token_logprobs, recompute_with_hf, vllm_logprobs
+from trainprobes.errors import TrainprobesError
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,8 +51,9 @@ def test_hf_from_local_dir_and_absent_package(gpt2, tmp_path, monkeypatch):
     lp, _ = hf_token_logprobs(str(tmp_path / "m"), ids)
     assert torch.allclose(lp, _reference(gpt2, ids), atol=1e-5)
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
-    with pytest.raises(ImportError, match="needs 'transformers'.*pip install"):
+    with pytest.raises(ImportError, match="needs 'transformers'.*pip install") as info:
         hf_token_logprobs(str(tmp_path / "m"), ids)
+    assert isinstance(info.value, TrainprobesError)
 
 
 def _vllm_outputs(model, ids, prompt_len, shift=0.0):

@@ -85,3 +85,58 @@ def test_demo_passes_the_compare_options_and_validates_them(monkeypatch, capsys)
                "--min-bias", "0.5", "--alpha", "0.05"])
     out = capsys.readouterr().out
     assert rc == 0 and '"min_bias": 0.5' in out and '"alpha": 0.05' in out
+
+
+def _masked(path, real_columns):
+    lp = -np.random.default_rng(0).random((40, 40)).astype(np.float32) * 3
+    mask = np.zeros(lp.shape, bool)
+    mask[:, :real_columns] = True
+    np.savez(path, logprobs=lp, mask=mask)
+
+
+def test_masks_that_differ_are_refused_not_silently_intersected(tmp_path, capsys):
+    # was: 1600 -> 1280 tokens without a word
+    _masked(tmp_path / "t.npz", 40)
+    _masked(tmp_path / "i.npz", 32)
+    argv = ["drift", "--train", str(tmp_path / "t.npz"), "--infer", str(tmp_path / "i.npz")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "differ at 320 of 1600 positions (first at record 0, position 32: train True, " \
+           "infer False)" in err and "--intersect-masks" in err
+    assert main(argv + ["--intersect-masks", "--json"]) == 0
+    (r,) = json.loads(capsys.readouterr().out)["results"]
+    assert r["metrics"]["n_tokens"] == 1280 and "320 train and 0 infer tokens" in r["message"]
+    assert "masks differed at 320 positions" in r["evidence"]["masks"]
+
+
+@pytest.mark.parametrize("content", [b"train,infer\n-1.0,-1.1\n", b""])
+def test_a_text_file_named_npz_is_called_what_it_is(tmp_path, capsys, content):
+    # was: "Cannot load file containing pickled data when allow_pickle=False"
+    (tmp_path / "t.npz").write_bytes(content)
+    assert main(["drift", "--train", str(tmp_path / "t.npz"), "--infer", str(tmp_path / "t.npz")]) == 2
+    err = capsys.readouterr().err
+    assert "is not an .npz archive" in err and "pickled" not in err
+
+
+def test_json_is_exactly_the_saved_report(files, capsys):
+    out = files / "r.json"
+    main(["drift", "--train", str(files / "a.npz"), "--infer", str(files / "clean.npz"), "--json",
+          "--output", str(out)])
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(out.read_text()) and printed["command"] == "drift"
+    assert printed["options"]["alpha"] == 0.01
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["drift", "--demo", "--train", "A"], "--demo runs its own engine pair"),
+    (["drift", "--rollouts", "A", "--train", "A"], "give --rollouts FILE alone"),
+    (["drift", "--train", "A"], "(only --train was given)"),
+    (["drift", "--alpha", "2", "--demo"], "alpha=2.0 must be a finite number in (0, 1)"),
+    (["drift", "--clip", "1", "--demo"], "clip=1.0 must be a finite number > 1"),
+    (["drift", "--threshold", "k3kl=1", "--demo"], "did you mean 'k3_kl'?"),
+    (["drift", "--threshold", "k3_kl=big", "--demo"], "threshold k3_kl='big' must be a finite"),
+])
+def test_option_mistakes_exit_2_naming_them(files, capsys, argv, match):
+    argv = [a.replace("A", str(files / "a.npz")) for a in argv]
+    assert main(argv) == 2
+    assert match in capsys.readouterr().err

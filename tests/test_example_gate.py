@@ -11,12 +11,12 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "compute_multipl
 
 
 def audit(tmp_path, variant: str, seed: int = 0) -> Path:
+    """The README's commands: the candidate audited with --report-only, read through latest."""
     out = tmp_path / variant / str(seed)
     code = main(["audit", "--config", str(EXAMPLE / f"{variant}.toml"), "--out", str(out),
-                 "--seed", str(seed), "--no-progress", "--json"])
+                 "--seed", str(seed), "--no-progress", "--json", "--report-only"])
     assert code == 0, f"audit of {variant} exited {code}"
-    (report,) = out.glob("*/report.json")
-    return report
+    return out / "latest" / "report.json"
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +53,19 @@ def test_gate_blocks_bf16_allreduce(baseline, tmp_path, capsys):
     # bf16(1/6) = 0.16699: the ncclAvg pre-multiply makes the average +0.195% too large
     bias = {r.target: r for r in load_results(candidate)[0]}["trainer.grad_allreduce"]
     assert 1.5e-3 < bias.metrics["bias"] < 2.1e-3
+
+
+def test_a_failing_candidate_audit_exits_1_without_report_only(tmp_path, capsys):
+    code = main(["audit", "--config", str(EXAMPLE / "expert_choice.toml"), "--out",
+                 str(tmp_path), "--no-progress"])
+    assert code == 1 and "FAIL   causality.check trainer.router [TP-C1]" in capsys.readouterr().out
+
+
+def test_latest_names_the_second_run_too(tmp_path, capsys):
+    # was: the README's reports/*/report.json glob matched two files on the second run
+    first, second = audit(tmp_path, "baseline"), audit(tmp_path, "baseline")
+    assert first == second and len(list(first.parent.parent.glob("2*/report.json"))) == 2
+    assert (first.parent.parent / "LATEST").read_text().strip() in str(first.resolve())
 
 
 def test_gate_blocks_expert_choice(baseline, tmp_path, capsys):

@@ -119,6 +119,76 @@ def test_ulp_and_fnuz_zero():
 def test_unknown_format_names_the_choices():
     with pytest.raises(ValueError, match="fp16"):
         get_format("fp17")
+
+
+# Every spelling a user types, as torch, ml_dtypes, NVIDIA and the OCP specs write them.
+SPELLINGS = [
+    ("fp16", "fp16"), ("float16", "fp16"), ("half", "fp16"), ("torch.float16", "fp16"),
+    ("torch.half", "fp16"), (torch.float16, "fp16"), (torch.half, "fp16"),
+    ("bf16", "bf16"), ("bfloat16", "bf16"), ("torch.bfloat16", "bf16"), (torch.bfloat16, "bf16"),
+    ("fp32", "fp32"), ("float32", "fp32"), ("float", "fp32"), ("single", "fp32"),
+    ("torch.float32", "fp32"), (torch.float32, "fp32"),
+    ("fp64", "fp64"), ("float64", "fp64"), ("double", "fp64"), ("torch.double", "fp64"),
+    (torch.float64, "fp64"),
+    ("tf32", "tf32"), ("tensorfloat32", "tf32"), ("TensorFloat-32", "tf32"),
+    ("fp8_e4m3fn", "fp8_e4m3fn"), ("float8_e4m3fn", "fp8_e4m3fn"), ("e4m3fn", "fp8_e4m3fn"),
+    ("e4m3", "fp8_e4m3fn"), ("fp8e4m3", "fp8_e4m3fn"), ("fp8e4m3fn", "fp8_e4m3fn"),
+    ("fp8_e4m3", "fp8_e4m3fn"), ("torch.float8_e4m3fn", "fp8_e4m3fn"),
+    (torch.float8_e4m3fn, "fp8_e4m3fn"),
+    ("fp8_e5m2", "fp8_e5m2"), ("float8_e5m2", "fp8_e5m2"), ("e5m2", "fp8_e5m2"),
+    ("fp8e5m2", "fp8_e5m2"), (torch.float8_e5m2, "fp8_e5m2"),
+    ("float8_e4m3fnuz", "fp8_e4m3fnuz"), ("e4m3fnuz", "fp8_e4m3fnuz"),
+    ("fp8e4m3fnuz", "fp8_e4m3fnuz"), (torch.float8_e4m3fnuz, "fp8_e4m3fnuz"),
+    ("float8_e5m2fnuz", "fp8_e5m2fnuz"), ("e5m2fnuz", "fp8_e5m2fnuz"),
+    (torch.float8_e5m2fnuz, "fp8_e5m2fnuz"),
+    ("float6_e2m3fn", "fp6_e2m3fn"), ("e2m3fn", "fp6_e2m3fn"), ("fp6_e2m3", "fp6_e2m3fn"),
+    ("float6_e3m2fn", "fp6_e3m2fn"), ("e3m2fn", "fp6_e3m2fn"), ("fp6e3m2", "fp6_e3m2fn"),
+    ("float4_e2m1fn", "fp4_e2m1fn"), ("e2m1fn", "fp4_e2m1fn"), ("fp4", "fp4_e2m1fn"),
+    ("fp4_e2m1", "fp4_e2m1fn"), ("e2m1", "fp4_e2m1fn"), ("fp4_e2m1fn", "fp4_e2m1fn"),
+    ("e2m3", "fp6_e2m3fn"), ("fp6_e2m3fn", "fp6_e2m3fn"), ("e3m2", "fp6_e3m2fn"),
+    ("fp6_e3m2fn", "fp6_e3m2fn"), ("fp8_e5m2fnuz", "fp8_e5m2fnuz"),
+    ("f16", "fp16"), ("f32", "fp32"), ("f64", "fp64"),
+    # numpy and ml_dtypes dtypes and their scalar types
+    (np.float16, "fp16"), (np.dtype("float32"), "fp32"), (ml_dtypes.bfloat16, "bf16"),
+    (np.dtype(ml_dtypes.float8_e4m3fn), "fp8_e4m3fn"), (ml_dtypes.float4_e2m1fn, "fp4_e2m1fn"),
+]
+
+
+@pytest.mark.parametrize("spelling, name", SPELLINGS, ids=[str(s) for s, _ in SPELLINGS])
+def test_every_spelling_resolves(spelling, name):
+    assert get_format(spelling).name == name
+    if isinstance(spelling, str):  # case and surrounding whitespace do not matter
+        assert get_format(f"  {spelling.upper()}\t").name == name
+        assert get_format(spelling.title()).name == name
+
+
+def test_every_alias_is_tested_and_names_a_format():
+    from trainprobes.reference.formats import ALIASES, FORMAT_NAMES, _spelling
+    assert FORMAT_NAMES == tuple(FORMATS)
+    tested = {_spelling(s) for s, _ in SPELLINGS if isinstance(s, str)}
+    assert set(ALIASES) <= tested, sorted(set(ALIASES) - tested)
+    assert set(ALIASES.values()) == set(FORMAT_NAMES)
+
+
+@pytest.mark.parametrize("value, msg", [
+    ("fp17", r"^dtype='fp17' must be one of \('fp64', 'fp32', .*'fp4_e2m1fn'\); did you mean"),
+    ("flaot16", r"did you mean 'fp16'\?$"),
+    ("bfloat61", r"did you mean 'bf16'\?$"),
+    ("float8_e4m3", r"^dtype='float8_e4m3': ml_dtypes.float8_e4m3 is IEEE-like .*not e4m3fn; "
+                    r"expected one of \('fp64'"),
+    (ml_dtypes.float8_e4m3, r"^dtype=.*float8_e4m3.* is IEEE-like"),
+    (torch.int32, r"^dtype=torch.int32 is not a floating-point format"),
+])
+def test_unknown_spellings_are_refused_with_the_names(value, msg):
+    from trainprobes.errors import InvalidArgument
+    with pytest.raises(InvalidArgument, match=msg):
+        get_format(value)
+
+
+def test_a_value_of_the_wrong_kind_is_a_type_error_naming_the_argument():
+    from trainprobes.errors import InvalidType
+    with pytest.raises(InvalidType, match=r"^accum_dtype=16 must be str"):
+        get_format(16, "accum_dtype")
     with pytest.raises(ValueError, match="stochastic"):
         FORMATS["fp16"].round(torch.zeros(1), "up")
     with pytest.raises(ValueError, match="seed"):

@@ -269,7 +269,7 @@ def test_cli_waivers_pass_and_json(reports, capsys, tmp_path):
     assert main(["gate", "--baseline", str(reports[0]), "--candidate", str(reports[1]),
                  "--waivers", str(w), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["exit_code"] == 0 and len(doc["regressions"]) == 2
+    assert doc["exit_code"] == 0 and len(doc["regressions"]) == 2 and doc["command"] == "gate"
     assert all(r["waived_by"] for r in doc["regressions"])
 
 
@@ -324,4 +324,240 @@ def test_cli_bad_rel_tol_exit_2_not_a_traceback(reports, capsys, rel_tol):
     # was: --rel-tol nan passed the CLI check and raised ValueError (a traceback, exit 1)
     assert main(["gate", "--baseline", str(reports[0]), "--candidate", str(reports[1]),
                  "--rel-tol", rel_tol]) == 2
-    assert "--rel-tol" in capsys.readouterr().err
+    assert f"argument --rel-tol: rel_tol={float(rel_tol)!r} must be a finite number >= 0" \
+        in capsys.readouterr().err
+
+
+# --- fail closed: every field, every metric a rule reads, every unexplained verdict ---------
+
+from trainprobes.result import FIELDS  # noqa: E402
+
+MISTYPED_FIELD = {"probe": 3, "target": None, "verdict": "passed", "metrics": [1],
+                  "evidence": None, "seed": "0", "codes": "TP-B1", "message": 5,
+                  "environment": [], "created": 20260101, "schema_version": "2",
+                  "expected": "leaky"}
+
+
+def _edited(tmp_path, side, edit, results=None):
+    """Baseline and candidate reports of the same Results, one side edited by edit(doc)."""
+    results = results or [BIAS(target="grad_allreduce"), CAUSAL(target="router")]
+    paths = {}
+    for name in ("baseline", "candidate"):
+        p = tmp_path / f"{name}.json"
+        save_results(p, results)
+        if name == side:
+            doc = json.loads(p.read_text())
+            edit(doc["results"][0])
+            p.write_text(json.dumps(doc))
+        paths[name] = p
+    return gate_files(paths["baseline"], paths["candidate"])
+
+
+@pytest.mark.parametrize("side", ["baseline", "candidate"])
+@pytest.mark.parametrize("fault", ["deleted", "mistyped"])
+@pytest.mark.parametrize("field", FIELDS)
+def test_every_result_field_deleted_or_mistyped_cannot_judge(tmp_path, side, fault, field):
+    def edit(r):
+        if fault == "deleted":
+            del r[field]
+        else:
+            r[field] = MISTYPED_FIELD[field]
+    rep = _edited(tmp_path, side, edit)
+    assert rep.exit_code == 2, rep.to_markdown()
+    assert rep.cannot_judge.startswith(f"{side}:") and "results[0]" in rep.cannot_judge
+    assert field in rep.cannot_judge
+
+
+# (probe, a Result as the probe writes it, the metrics the gate's rules read from it)
+GATED = [
+    ("numerics.bias", BIAS(target="x"), ["biased", "bias", "std", "trials"]),
+    ("drift.compare", DRIFT(1e-5, 1e-6), ["biased", "mean_log_ratio", "se_mean"]),
+    ("causality.check", CAUSAL(target="x"), ["causal"]),
+    ("numerics.reveal", R("numerics.reveal", accumulator_mantissa_bits=10),
+     ["accumulator_mantissa_bits"]),
+    ("distributed.collective", R("distributed.collective", bias=0.1, bias_z=1.0), ["bias", "bias_z"]),
+]
+
+
+@pytest.mark.parametrize("side", ["baseline", "candidate"])
+@pytest.mark.parametrize("fault", ["deleted", "mistyped", "all metrics deleted"])
+@pytest.mark.parametrize("probe,result,metric",
+                         [(p, r, m) for p, r, ms in GATED for m in ms],
+                         ids=[f"{p}.{m}" for p, _, ms in GATED for m in ms])
+def test_a_metric_a_rule_needs_deleted_or_mistyped_cannot_judge(tmp_path, side, fault, probe,
+                                                                 result, metric):
+    # was: a candidate whose metrics object was emptied PASSED ("0 regressions"), and a
+    # bias edited to a string was "NaN or missing"
+    def edit(r):
+        if fault == "deleted":
+            del r["metrics"][metric]
+        elif fault == "mistyped":
+            r["metrics"][metric] = "0.5" if not isinstance(r["metrics"][metric], bool) else "false"
+        else:
+            r["metrics"] = {}
+    rep = _edited(tmp_path, side, edit, [result])
+    assert rep.exit_code == 2, rep.to_markdown()
+    assert rep.cannot_judge.startswith(f"{side} '{result.key}'")
+    if fault != "all metrics deleted":
+        assert metric in rep.cannot_judge
+    if fault == "mistyped":
+        assert "mistyped" in rep.cannot_judge or "expected a number" in rep.cannot_judge
+        assert "NaN or missing" not in rep.cannot_judge
+
+
+def test_bias_edited_to_a_string_is_mistyped_not_nan(tmp_path):
+    rep = _edited(tmp_path, "candidate", lambda r: r["metrics"].update(bias="0.002"))
+    assert rep.exit_code == 2
+    assert "metric bias='0.002' is a str, expected a number" in rep.cannot_judge
+
+
+@pytest.mark.parametrize("side", ["baseline", "candidate"])
+def test_verdict_edited_to_fail_is_unexplained_not_a_probe_error(side):
+    # was: TP-E1 "probe error" for a verdict edited from pass to fail
+    edited = R("numerics.stall", verdict="fail")
+    base, cand = (edited, R("numerics.stall")) if side == "baseline" else (R("numerics.stall"), edited)
+    rep = compare([base], [cand], today=TODAY)
+    assert rep.exit_code == 2 and "TP-E1" not in rep.to_markdown()
+    assert rep.cannot_judge.startswith(f"{side} 'numerics.stall::t': verdict 'fail' carries no code")
+
+
+@pytest.mark.parametrize("result,match", [
+    (R("causality.check", verdict="pass", causal=False), "verdict 'pass' contradicts metric causal=False"),
+    (R("causality.check", verdict="fail", codes=["TP-C1"], causal=True),
+     "verdict 'fail' but metric causal=True, and no other code"),
+    (R("numerics.bias", verdict="warn", biased=True, bias=1.0, std=1.0, trials=8),
+     "verdict 'warn' contradicts metric biased=True"),
+    (R("numerics.bias", verdict="fail", codes=["TP-B1"], biased=False, bias=1.0, std=1.0, trials=8),
+     "verdict 'fail' but metric biased=False"),
+    (R("numerics.bias", verdict="pass", biased=None, trials=8), "nothing measured"),
+])
+def test_a_verdict_that_its_boolean_does_not_explain_cannot_judge(result, match):
+    rep = compare([result], [result], today=TODAY)
+    assert rep.exit_code == 2 and match in rep.cannot_judge
+    # both sides are named, not only the first problem found
+    assert "2 Result(s) cannot be judged" in rep.cannot_judge
+    assert f"baseline {result.key!r}" in rep.cannot_judge
+    assert f"candidate {result.key!r}" in rep.cannot_judge
+
+
+def test_a_verdict_change_with_its_code_is_reported_as_that():
+    rep = compare([R("numerics.stall")], [R("numerics.stall", verdict="fail", codes=["TP-B2"])],
+                  today=TODAY)
+    (reg,) = rep.regressions
+    assert reg.code == "TP-B2" and reg.what == "verdict went from pass to fail (accumulation stall)"
+
+
+def test_fails_explained_by_another_code_or_a_threshold_are_judged():
+    batch_leak = R("causality.check", verdict="fail", codes=["TP-C3"], causal=True)
+    over = BIAS()
+    over.verdict, over.codes = "fail", ["TP-B1"]
+    over.evidence["thresholds"] = {"fail_above": {"p_value": 0.5}, "broken": ["p_value ..."]}
+    drift_over = DRIFT(1e-5, 1e-6, codes=["TP-D3"])
+    for r in (batch_leak, over, drift_over):
+        assert compare([r], [r], today=TODAY).exit_code == 0
+
+
+def test_the_issue_repro_two_results_emptied_no_longer_pass(tmp_path):
+    results = [BIAS(target="a"), CAUSAL(target="b"), R("numerics.stall", target="c")]
+
+    def empty(doc):
+        doc["metrics"] = {}
+    base, cand = tmp_path / "a.json", tmp_path / "b.json"
+    save_results(base, results)
+    save_results(cand, results)
+    doc = json.loads(cand.read_text())
+    for r in doc["results"][:2]:
+        empty(r)
+    cand.write_text(json.dumps(doc))
+    rep = gate_files(base, cand)
+    assert rep.exit_code == 2
+    assert "candidate 'numerics.bias::a'" in rep.cannot_judge
+    assert "candidate 'causality.check::b'" in rep.cannot_judge
+
+
+# --- controls --------------------------------------------------------------------------
+
+def control(verdict, expected="fail", target="expert_choice"):
+    causal = verdict == "pass"
+    r = CAUSAL(causal, target=target)
+    r.expected = expected
+    return r
+
+
+@pytest.mark.parametrize("base,cand,codes", [
+    (control("fail"), control("fail"), []),            # reproduced in both: a pass of the harness
+    (control("fail"), control("pass"), ["TP-G4"]),     # the harness broke on this machine
+    (control("pass"), control("pass"), []),            # broken in both: the baseline's state
+    (control("pass"), control("fail"), []),            # repaired
+    (None, control("fail"), []),                       # a new control that reproduces
+    (None, control("pass"), ["TP-G4"]),                # a new control that does not
+])
+def test_controls_are_judged_on_reproducing_their_known_verdict(base, cand, codes):
+    rep = compare([base] if base else [], [cand], today=TODAY)
+    assert [r.code for r in rep.regressions] == codes
+    if codes:
+        assert "the harness itself is broken on this machine" in rep.regressions[0].what
+        assert "TP-G4" in rep.to_markdown()
+
+
+@pytest.mark.parametrize("expected", [None, "pass"])
+def test_a_control_s_known_verdict_cannot_change_between_reports(expected):
+    cand = control("pass")
+    cand.expected = expected
+    rep = compare([control("fail")], [cand], today=TODAY)
+    assert rep.exit_code == 2 and "known verdict differs between the reports" in rep.cannot_judge
+
+
+def test_real_probe_results_are_judgeable_every_verdict_path():
+    # the fail-closed checks must never refuse what the probes really write: pass, fail by
+    # the boolean, fail by another code, nothing measured (None), thresholds
+    import torch
+    from trainprobes.audit.config import apply_thresholds
+    from trainprobes.causality import check
+    from trainprobes.drift import compare as drift_compare
+    from trainprobes.numerics.bias import bias_probe, collective_bias
+    from trainprobes.reference import routing
+    from trainprobes.result import PROBES
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 12, 8, generator=g)
+    lp = -torch.rand(8, 24, generator=g, dtype=torch.float64) * 3
+
+    def batch_leak(h):
+        return (h - h.mean(dim=0, keepdim=True)).argmax(-1)
+
+    def noisy(h):
+        return torch.randint(0, 4, h.shape[:2])
+
+    def make(gen):
+        return torch.randn(16, generator=gen, dtype=torch.float64)
+
+    results = [
+        check(routing.topk_softmax, x, decision=0),                       # pass
+        check(routing.expert_choice, x, decision=0),                      # fail: causal False
+        check(batch_leak, x),                                             # fail: TP-C3, causal True
+        check(noisy, x),                                                  # fail: TP-C2, causal None
+        collective_bias(world=6, numel=64, trials=8, op="avg"),           # fail: biased (bf16 1/6)
+        collective_bias(world=8, numel=64, trials=8, dtype="fp32"),
+        bias_probe(lambda t: t * math.inf, lambda t: t, make, trials=4),  # fail: biased None
+        drift_compare(lp, lp - 0.05),                                     # fail: biased
+        drift_compare(lp, lp.clone(), thresholds={"k3_kl": -1.0}),        # fail: TP-D3 only
+        apply_thresholds(collective_bias(world=8, numel=64, trials=8, dtype="fp32"),
+                         {"fail_above": {"p_value": -1.0}}, "bias"),      # fail: threshold
+    ]
+    for i, r in enumerate(results):
+        r.target = f"case{i}"
+    verdicts = [(r.verdict, r.metrics.get(PROBES[r.probe].flag)) for r in results]
+    assert ("fail", None) in verdicts and ("fail", True) in verdicts and ("fail", False) in verdicts
+    rep = compare(results, results, today=TODAY)
+    assert rep.exit_code == 0 and rep.cannot_judge is None and rep.compared == len(results)
+
+
+@pytest.mark.parametrize("side", ["baseline", "candidate"])
+def test_any_documented_number_mistyped_cannot_judge(tmp_path, side):
+    # a metric no rule reads is still part of the Result the gate vouches for
+    stall = R("numerics.stall", rows=3, rows_over_tolerance=0, **{"sequential_sum[fp16,1]": 2048.0})
+    rep = _edited(tmp_path, side, lambda r: r["metrics"].update({"sequential_sum[fp16,1]": "2048"}),
+                  [stall])
+    assert rep.exit_code == 2
+    assert "metric sequential_sum[fp16,1]='2048' is a str, expected a number" in rep.cannot_judge

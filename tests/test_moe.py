@@ -53,18 +53,20 @@ def test_token_ids():
     assert causal_block(ids).hidden.shape == (2, 9, 64)
 
 
-@pytest.mark.parametrize("block, x, match", [
-    (TinyMoEBlock(vocab=10), torch.randn(2, 4, 64), "expected token ids"),
-    (TinyMoEBlock(vocab=10), torch.tensor([[1, 10]]), r"token ids must be in \[0, 10\)"),
-    (TinyMoEBlock(), torch.randn(2, 4, 32), r"expected float \[B, T, 64\]"),
+@pytest.mark.parametrize("block, x, exc, match", [
+    (TinyMoEBlock(vocab=10), torch.randn(2, 4, 64), TypeError,
+     r"x has dtype torch.float32, expected an integer tensor \(token ids \[B, T\]"),
+    (TinyMoEBlock(vocab=10), torch.tensor([[1, 10]]), ValueError, r"token ids must be in \[0, 10\)"),
+    (TinyMoEBlock(), torch.randn(2, 4, 32), ValueError,
+     r"x has shape \(2, 4, 32\), expected \(\*, \*, 64\) \(hidden states \[B, T, 64\]\)"),
 ])
-def test_bad_inputs_are_named(block, x, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_inputs_are_named(block, x, exc, match):
+    with pytest.raises(exc, match=match):
         block(x)
 
 
 def test_bad_construction():
     with pytest.raises(ValueError, match="divisible by n_heads=3"):
         TinyMoEBlock(d_model=64, n_heads=3)
-    with pytest.raises(ValueError, match=r"k=9 must be in \[1, n_experts=8\]"):
+    with pytest.raises(ValueError, match=r"k=9 must be an int in \[1, 8\] \(experts per token, n_experts=8\)"):
         TinyMoEBlock(k=9)

@@ -142,6 +142,7 @@ def test_gradient_like_shares_a_signal_and_rounds_to_the_format():
         gradient_like(0, 4, generator=torch.Generator())
 
 
+@pytest.mark.slow
 def test_collective_side_by_side_nearest_biased_stochastic_and_fp32_not():
     from trainprobes.numerics.bias import rounding_side_by_side
 

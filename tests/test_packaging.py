@@ -53,6 +53,7 @@ def test_ruff_finds_nothing():
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_import_is_cheap_and_the_folder_names_are_refused():
     code = ("import sys, trainprobes; assert 'torch' not in sys.modules, 'torch imported'; "
             "from trainprobes import causality, drift, numerics; print(trainprobes.__version__)")
@@ -139,7 +140,7 @@ def _imports(path):
 
 
 # The floor under both reference/ and the probes: these import no other trainprobes module.
-FLOOR = ("trainprobes.errors", "trainprobes.validation", "trainprobes._toml")
+FLOOR = ("trainprobes.errors", "trainprobes.validation", "trainprobes._toml", "trainprobes.display")
 
 
 def _allowed(module, prefix):

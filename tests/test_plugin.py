@@ -44,6 +44,7 @@ def test_import_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.slow
 def test_session_without_probes_does_not_import_torch(pytester):
     pytester.makepyfile("""
         import sys
@@ -66,6 +67,7 @@ def test_markers_registered_under_strict_markers(pytester):
     pytester.runpytest("--strict-markers").assert_outcomes(passed=1)
 
 
+@pytest.mark.slow
 def test_gpu_marker_skips_with_reason_without_cuda(pytester):
     if torch.cuda.is_available():
         pytest.skip("CUDA present: the gpu marker runs the test here")
@@ -182,6 +184,7 @@ def test_record_rejects_non_results(pytester):
     pytester.runpytest().assert_outcomes(passed=1)
 
 
+@pytest.mark.slow
 def test_xdist_workers_results_reach_the_controller(pytester):
     pytest.importorskip("xdist")
     pytester.makepyfile(test_mod=recording(n=6, causal=False))
@@ -263,6 +266,7 @@ def test_offset_logprobs_not_within(trainprobes):
 '''
 
 
+@pytest.mark.slow
 def test_helpers_on_real_probes(pytester):
     pytester.makepyfile(test_real=REAL_PROBES)
     out = pytester.path / "tp.json"
@@ -331,8 +335,8 @@ def test_assert_flag_fails_closed_without_the_verdict_boolean(pytester):
     result = pytester.runpytest("-v")
     result.assert_outcomes(passed=1, failed=4)
     result.stdout.fnmatch_lines([
-        "*cannot judge: numerics.bias::t: metric 'biased' (the verdict boolean) is missing*",
-        "*cannot judge: numerics.bias::t: metric biased='false' is mistyped*",
+        "*cannot judge: 'numerics.bias::t': metric 'biased' (the verdict boolean) is missing*",
+        "*cannot judge: 'numerics.bias::t': metric biased='false' is mistyped*",
         "*biased = True (passes with biased = False)*",
-        "*cannot judge: numerics.stall::t: probe 'numerics.stall' documents no verdict*"],
+        "*cannot judge: 'numerics.stall::t': probe 'numerics.stall' documents no verdict*"],
         consecutive=False)

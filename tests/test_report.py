@@ -1,35 +1,52 @@
-"""Report writers: JSON round trip, Markdown summary, self-contained HTML with plots."""
+"""Report writers: JSON round trip, Markdown summary, self-contained HTML with plots, and
+the plots themselves (legends beside the data, integer ticks for counts and runs)."""
 import base64
 import html.parser
 import json
 import re
 
 import pytest
-from trainprobes.report import append_step_summary, render_html, summary_markdown, write_report
-from trainprobes.report.plots import KINDS, render_png
+from trainprobes.report import outline, render_html, summarised_document, summary_markdown, write_report
+from trainprobes.report.evidence import LIMIT, dumps, summarise
+from trainprobes.report.plots import KINDS, figure, render_png
 from trainprobes.result import SCHEMA_VERSION, Result, load_results
 
 SPECS = {
-    "line": {"kind": "line", "title": "stall", "x": [1, 2, 4], "series": {"fp16": [1, 1, 0.5]},
-             "logx": True},
+    "line": {"kind": "line", "title": "flip rate", "x": [0, 1, 2], "series": {"r": [0, 0.5, 1]}},
     "hist": {"kind": "hist", "title": "errors", "edges": [-1, 0, 1, 2], "counts": [3, 5, 1]},
     "ci": {"kind": "ci", "title": "bias", "labels": ["ring", "tree"], "estimate": [1e-3, -2e-4],
            "low": [5e-4, -4e-4], "high": [1.5e-3, 0.0]},
     "heatmap": {"kind": "heatmap", "title": "leaks", "matrix": [[0, 1, 1], [0, 0, 1]],
                 "xlabel": "cut", "ylabel": "position"},
+    "bars": {"kind": "bars", "title": "stall", "labels": ["fp32 + 1", "fp16 + 1"],
+             "values": [1.0, 0.5], "bad": [False, True], "ref": [1.0]},
+    "panels": {"kind": "panels", "title": "trends", "x": [1, 2, 3],
+               "xticklabels": ["11-28 07:30", "11-29 07:30", "11-30 07:30"],
+               "panels": [{"ylabel": "bias", "series": {"a": [1, 2, 3], "b": [0, 0, "nan"]}},
+                          {"ylabel": "k3_kl", "series": {"a": [0.1, 0.1, 0.2]}}]},
 }
+
+EMOJI = re.compile("[\u2600-\u27bf\U0001f300-\U0001faff\ufe0f]")
 
 
 def results():
     return [
         Result("numerics.stall", "sequential_sum[nearest]", "warn", metrics={"stall_point": 2048.0},
-               codes=["TP-B2"], message="fp16 stalls at 2048", evidence={"plots": list(SPECS.values())}),
+               codes=["TP-B2"], message="fp16 stalls at 2048", expected="warn",
+               evidence={"plots": [SPECS["bars"]]}),
         Result("causality.check", "trainprobes.reference.routing:expert_choice", "fail",
-               metrics={"causal": False, "n_leaks": 12}, codes=["TP-C1"], seed=3,
+               metrics={"causal": False, "n_leaks": 12}, codes=["TP-C1"], seed=3, expected="fail",
                message="decisions at 12 positions change with the future <script>"),
+        Result("causality.check", "mypkg.router:route", "fail", metrics={"causal": False},
+               codes=["TP-C1"], seed=0, message="a real leak in the user's router",
+               evidence={"plots": [SPECS["heatmap"], SPECS["line"]]}),
         Result("drift.compare", "engine pair", "pass", metrics={"mean_log_ratio": 1e-5}),
+        Result("numerics.reveal", "torch.sum[fp16,cpu]", "warn", codes=["TP-B3"],
+               message="watch out: 10 bits", evidence={"plots": [SPECS["hist"]]}),
     ]
 
+
+# --- plots -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_each_plot_kind_renders_a_png(kind):
@@ -46,11 +63,135 @@ def test_bad_plot_specs_are_named(spec, match):
         render_png(spec)
 
 
+def _renderer(fig):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    return canvas.get_renderer()
+
+
+def _boxes(fig, labels):
+    r = _renderer(fig)
+    return [t.get_window_extent(r) for t in labels if t.get_text() and t.get_visible()]
+
+
+def test_histogram_tick_labels_do_not_overlap():
+    # was: the bf16 tree all-reduce's x labels (-0.00025, -0.0002, ...) ran into each
+    # other; these are that histogram's bins and counts from the default suite
+    edges = [-0.0002692937309617232 + i * 1.4113300426277497e-05 for i in range(25)]
+    counts = [1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3, 0, 1, 2, 3, 1, 1, 2, 0, 0, 2]
+    fig = figure({"kind": "hist", "title": "signed relative error per trial", "edges": edges,
+                  "counts": counts, "xlabel": "signed relative error", "ylabel": "trials"})
+    ax = fig.axes[0]
+    boxes = _boxes(fig, ax.get_xticklabels())
+    assert len(boxes) >= 3
+    assert all(a.x1 <= b.x0 for a, b in zip(boxes, boxes[1:])), [b.bounds for b in boxes]
+    assert all(float(t).is_integer() for t in ax.get_yticks())  # counts of trials
+
+
+def test_ci_tick_labels_on_a_symlog_axis_do_not_overlap():
+    # was: -1e+00-1e-02-1e-04-1e-06 0 1e-06 ... run together under the drift CI plot
+    fig = figure({"kind": "ci", "labels": list("abcdefg"),
+                  "estimate": [-3e-8, 1e-7, 0.0, 0.084, -2e-6, 0.085, 3e-5],
+                  "low": [-2e-7, -1e-6, 0.0, 0.036, -4e-6, 0.081, -2e-4],
+                  "high": [1e-7, 1e-6, 0.0, 0.131, 0.0, 0.089, 2e-4], "ylabel": "mean_log_ratio"})
+    boxes = _boxes(fig, fig.axes[0].get_xticklabels())
+    assert len(boxes) >= 3
+    assert all(a.x1 <= b.x0 for a, b in zip(boxes, boxes[1:])), [b.bounds for b in boxes]
+
+
+def test_heatmap_colour_bar_is_labelled_with_integer_ticks():
+    # was: no label, and ticks at 0.25 for counts of leaks
+    fig = figure({"kind": "heatmap", "title": "leaks", "matrix": [[0, 1], [2, 1]],
+                  "clabel": "leaks (count)"})
+    bar = fig.axes[1]
+    assert bar.get_ylabel() == "leaks (count)"
+    assert all(float(t).is_integer() for t in bar.get_yticks())
+
+
+def test_line_legend_sits_beside_the_axes_not_on_the_data():
+    fig = figure({"kind": "line", "x": [1, 2, 3], "series": {f"s{i}": [i, i, i] for i in range(5)}})
+    ax = fig.axes[0]
+    r = _renderer(fig)
+    assert ax.get_legend().get_window_extent(r).x0 >= ax.get_window_extent(r).x1
+
+
+def test_identical_series_are_drawn_once_and_labelled_together():
+    # was: tf32 sat exactly under fp16 in the stall plot and could not be seen
+    fig = figure({"kind": "line", "x": [1, 2], "series": {"fp16": [1, 2], "tf32": [1, 2],
+                                                          "bf16": [1, 1]}})
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels == ["fp16 = tf32", "bf16"]
+
+
+def test_trend_panels_have_integer_runs_dates_and_one_legend_outside():
+    # was: runs on a 0.0 - 1.0 axis, the legend covering max_ulp_error's whole plot
+    fig = figure(SPECS["panels"])
+    axes = [a for a in fig.axes]
+    assert len(axes) == 2
+    assert [t.get_text() for t in axes[-1].get_xticklabels()] == SPECS["panels"]["xticklabels"]
+    assert list(axes[-1].get_xticks()) == [1, 2, 3]
+    r = _renderer(fig)
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["a", "b"]
+    box, title = legend.get_window_extent(r), fig._suptitle.get_window_extent(r)
+    assert not any(box.overlaps(a.get_window_extent(r)) for a in axes) and not box.overlaps(title)
+    assert title.x0 >= 0 and title.x1 <= fig.bbox.width  # was: cut off at the left
+
+
+def test_count_panels_have_integer_ticks_even_when_every_run_had_none():
+    # was: "problems per run" at zero drew ticks at -0.04 ... 0.04
+    fig = figure({**SPECS["panels"], "panels": [{"ylabel": "results", "integer": True,
+                                                 "series": {"errors": [0, 0, 0]}}]})
+    _renderer(fig)
+    ticks = fig.axes[0].get_yticks()
+    assert all(float(t).is_integer() for t in ticks) and 0 in ticks and 1 in ticks
+
+
+# --- outline -------------------------------------------------------------------------------
+
+def test_outline_ranks_problems_first_and_counts_controls_per_family():
+    rs = results() + [Result("causality.check", "known leaky, missed", "pass", expected="fail"),
+                      Result("drift.compare", "broken", "error", codes=["TP-E1"])]
+    assert [r.target for r in outline.findings(rs)] == [
+        "broken", "mypkg.router:route", "torch.sum[fp16,cpu]", "engine pair"]
+    cal = {f.family: f for f in outline.calibration(rs)}
+    assert cal["causality.check"].line() == ("causality.check: 1 of 2 controls reproduced; "
+                                             "missed: known leaky, missed")
+    assert cal["numerics.stall"].line() == "numerics.stall: 1 of 1 control reproduced"
+    assert outline.headline(rs) == ("findings: 1 pass, 1 warn, 1 fail, 1 error; "
+                                    "calibration: 2 of 3 controls reproduced")
+    assert [outline.badge(r).text for r in rs[:3]] == ["OK", "OK", "FAIL"]
+    assert outline.badge(rs[5]).text == "MISSED"
+
+
+# --- evidence ------------------------------------------------------------------------------
+
+def test_evidence_is_summarised_with_lengths_recorded_and_plots_kept_whole():
+    ev = {"leaks": [{"position": i} for i in range(1000)], "n": 3,
+          "nested": {"cuts": list(range(100))}, "plots": [{"kind": "line", "x": list(range(500))}]}
+    out = summarise(ev)
+    assert len(out["leaks"]) == LIMIT and out["leaks"][0] == {"position": 0}
+    assert out["truncated"] == {"leaks": 1000, "nested.cuts": 100}
+    assert len(out["plots"][0]["x"]) == 500 and out["n"] == 3
+    assert len(ev["leaks"]) == 1000  # the Result in memory is never cut
+
+
+def test_dumps_round_trips_with_plain_lists_on_one_line():
+    doc = {"a": [[1, 2], [3, 4]], "t": [{"x": 1}], "s": "x", "e": {}, "n": None}
+    text = dumps(doc)
+    assert json.loads(text) == doc
+    assert '  [1, 2],\n' in text and '{"x": 1}' in text
+
+
+# --- the three files ---------------------------------------------------------------------
+
 def test_write_report_writes_three_files_that_round_trip(tmp_path):
     paths = write_report(tmp_path / "r", results(), {"suite": "test", "seconds": 1.5})
     assert sorted(paths) == ["html", "json", "markdown"]
     loaded, meta = load_results(paths["json"])
-    fields = ("probe", "target", "verdict", "metrics", "codes", "seed", "message", "evidence")
+    fields = ("probe", "target", "verdict", "metrics", "codes", "seed", "message", "evidence",
+              "expected")
     assert [[getattr(r, f) for f in fields] for r in loaded] == \
         [[getattr(r, f) for f in fields] for r in results()]
     assert meta["suite"] == "test"
@@ -59,20 +200,48 @@ def test_write_report_writes_three_files_that_round_trip(tmp_path):
     assert all(p.stat().st_mode & 0o777 == 0o644 for p in paths.values())
 
 
-def test_markdown_summary_lists_findings_first():
+def test_report_json_is_the_document_json_prints_and_cuts_long_evidence(tmp_path):
+    r = Result("causality.check", "t", "fail", evidence={"leaks": list(range(500))})
+    paths = write_report(tmp_path, [r], {"command": "audit", "history_plots": [SPECS["line"]]})
+    doc = json.loads(paths["json"].read_text())
+    doc.pop("report_seconds")
+    assert doc == json.loads(json.dumps(summarised_document([r], {"command": "audit"})))
+    assert list(doc)[:2] == ["schema_version", "command"] and list(doc)[-1] == "results"
+    assert "history_plots" not in doc  # drawn in report.html only
+    assert doc["results"][0]["evidence"]["truncated"] == {"leaks": 500}
+    full = write_report(tmp_path / "full", [r], {}, full_evidence=True)
+    assert len(json.loads(full["json"].read_text())["results"][0]["evidence"]["leaks"]) == 500
+
+
+def test_write_report_says_what_it_draws_and_times_the_whole_run(tmp_path):
+    import time
+    said = []
+    started = time.perf_counter() - 5.0
+    paths = write_report(tmp_path, results(), {}, progress=said.append, started=started)
+    assert said[0] == "drawing 4 plots for report.html"  # the leak map, the flip rate, ...
+    assert [s.split(":")[0] for s in said[1:5]] == [f"plot {i}/4" for i in range(1, 5)]
+    assert said[-1].startswith("wrote report.json (") and "report.html (" in said[-1]
+    assert json.loads(paths["json"].read_text())["seconds"] >= 5.0
+    shown = re.search(r"wall time</th><td>([0-9.]+) s", paths["html"].read_text())
+    assert float(shown.group(1)) >= 5.0
+
+
+def test_markdown_summary_lists_findings_first_in_words():
     md = summary_markdown(results(), {"seconds": 2.0, "suite": "default"})
-    assert "1 pass, 1 warn, 1 fail" in md and "2.0 s" in md
-    findings = md.index("**Findings**")
-    assert md.index("expert_choice") > findings  # the failure is named under Findings
-    assert "`TP-C1` causality leak" in md
+    assert "**2 problems**" not in md and "**1 problem**" in md  # the user's leaky router
+    assert "findings: 1 pass, 1 warn, 1 fail; calibration: 2 of 2 controls reproduced" in md
+    assert md.index("**Findings**") < md.index("mypkg.router:route") < md.index("**Calibration**")
+    assert "- **FAIL** causality.check `mypkg.router:route` [`TP-C1` causality leak]" in md
+    assert "- OK causality.check: 1 of 1 control reproduced" in md
+    assert "| OK | control, known fail | causality.check |" in md
     assert "causal=false, n_leaks=12" in md
-    assert "| ⚠️ | numerics.stall |" in md
+    assert not EMOJI.search(md)  # was: emoji verdicts
 
 
 class _Tags(html.parser.HTMLParser):
     def __init__(self):
         super().__init__()
-        self.srcs, self.scripts, self.links = [], 0, []
+        self.srcs, self.scripts, self.links, self.ids = [], 0, [], []
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
@@ -82,13 +251,30 @@ class _Tags(html.parser.HTMLParser):
             self.scripts += 1
         if tag in ("link", "a") and a.get("href", "").startswith("http"):
             self.links.append(a["href"])
+        if tag == "h2":
+            self.ids.append(a.get("id"))
 
 
-def test_html_is_self_contained_with_embedded_plots():
+def test_html_opens_with_findings_then_calibration_trends_and_the_table():
+    # was: a table in run order first, trends after it
+    page = render_html(results(), {"suite": "default", "history_plots": [SPECS["panels"]]})
+    tags = _Tags()
+    tags.feed(page)
+    assert tags.ids == ["findings", "calibration", "trends", "all"]
+    findings = page[page.index("id='findings'"):page.index("id='calibration'")]
+    assert findings.index("a real leak") < findings.index("watch out: 10 bits") \
+        < findings.index("engine") < len(findings)
+    assert "expert_choice" not in findings  # a reproduced control is not a finding
+    assert "1 problem</span>" in page
+
+
+def test_html_draws_only_what_it_shows_self_contained():
     page = render_html(results(), {"suite": "default"})
     tags = _Tags()
     tags.feed(page)
-    assert len(tags.srcs) == len(SPECS)
+    # the user's leak (map + flip rate), the reveal warning's histogram, the stall family's
+    # bars in calibration; nothing for the reproduced expert_choice control
+    assert len(tags.srcs) == 4
     for src in tags.srcs:
         assert src.startswith("data:image/png;base64,")
         assert base64.b64decode(src.split(",", 1)[1])[:4] == b"\x89PNG"
@@ -96,32 +282,32 @@ def test_html_is_self_contained_with_embedded_plots():
     assert "&lt;script&gt;" in page  # messages are escaped
 
 
-def test_skipped_families_are_named_in_both_summaries():
-    meta = {"skipped": {"gloo": "trainprobes.distributed is not installed in this build"}}
-    assert "Skipped **gloo**: trainprobes.distributed is not installed" in summary_markdown([], meta)
-    assert "skipped gloo</b>: trainprobes.distributed is not installed" in render_html([], meta)
+def test_html_controls_and_findings_look_different_and_use_words_not_emoji():
+    page = render_html(results())
+    assert "class='b b-ok'" in page and "b-fail" in page and "card finding v-fail" in page
+    assert not EMOJI.search(page)
+    assert "seed None" not in page  # was: the deterministic stall card said "seed None"
+
+
+def test_html_results_table_has_sized_columns_and_targets_that_wrap_between_fields():
+    # was: the target column took ~470 px, the message was cut off at 900 px
+    r = Result("distributed.collective", "all_reduce[fp32,sum,gloo,w=4,n=4096]", "pass")
+    page = render_html([r])
+    assert "table-layout:fixed;width:100%" in page and "<colgroup>" in page
+    assert "all_reduce[<wbr>fp32,<wbr>sum,<wbr>gloo" in page
+
+
+def test_skipped_families_and_missing_hardware_are_named():
+    meta = {"skipped": {"gloo": "trainprobes.distributed is not installed in this build"},
+            "not_here": {"nccl": "no CUDA device"}}
+    md, page = summary_markdown([], meta), render_html([], meta)
+    assert "Skipped **gloo**: trainprobes.distributed is not installed" in md
+    assert "skipped gloo</b>: trainprobes.distributed is not installed" in page
+    assert "Not on this machine: nccl (no CUDA device)" in md
+    assert "not on this machine: nccl (no CUDA device)" in page
 
 
 def test_html_survives_a_bad_plot_spec():
-    r = Result("numerics.stall", "t", "pass", evidence={"plots": [{"kind": "pie", "title": "x"}]})
+    r = Result("numerics.stall", "t", "warn", evidence={"plots": [{"kind": "pie", "title": "x"}]})
     page = render_html([r])
     assert "could not be drawn" in page and "plot kind=" in page
-
-
-def test_history_plots_appear_in_html():
-    page = render_html(results(), {"history_plots": [SPECS["line"]]})
-    assert "trends across runs" in page
-    assert len(re.findall(r'src="data:image/png', page)) == len(SPECS) + 1
-
-
-@pytest.mark.parametrize("set_env", [True, False])
-def test_step_summary_appended_only_when_set(tmp_path, set_env):
-    target = tmp_path / "summary.md"
-    target.write_text("earlier step\n")
-    env = {"GITHUB_STEP_SUMMARY": str(target)} if set_env else {}
-    got = append_step_summary("## trainprobes audit", env=env)
-    text = target.read_text()
-    if set_env:
-        assert got == target and text == "earlier step\n## trainprobes audit\n"
-    else:
-        assert got is None and text == "earlier step\n"

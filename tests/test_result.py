@@ -214,7 +214,7 @@ def test_number_reads_numbers_and_names_a_mistyped_one():
     r = _r(metrics={"bias": math.nan, "n": 3, "s": "nan", "b": True})
     assert math.isnan(r.number("bias")) and r.number("n") == 3.0 and r.number("absent") is None
     for name in ("s", "b"):
-        with pytest.raises(InvalidType, match=rf"numerics.bias::t: metric {name}=.* expected a number"):
+        with pytest.raises(InvalidType, match=rf"'numerics.bias::t': metric {name}=.* expected a number"):
             r.number(name)
 
 
@@ -278,6 +278,11 @@ def test_each_probe_reports_only_documented_metrics_and_its_verdict_boolean():
         spec = PROBES[r.probe]
         undocumented = [k for k in r.metrics if not spec.documents(k)]
         assert not undocumented, f"{r.probe} reports undocumented metrics {undocumented}"
+        for k, v in r.metrics.items():  # what thresholds may compare are numbers
+            if spec.is_number(k):
+                assert v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)), k
+            else:
+                assert not isinstance(v, float), f"{r.probe}: {k}={v!r} is a number"
         if spec.flag is not None:
             assert isinstance(r.flag(), bool) and (r.flag() is VERDICT_FLAGS[spec.flag]) == r.passed
         assert Result.from_json(r.to_json()) == r

@@ -123,17 +123,20 @@ def test_prefix_view_matches_known_truncation_verdict(name):
     assert same == r.KNOWN_VERDICTS[name][1]
 
 
-@pytest.mark.parametrize("bad, match", [
-    (torch.randn(4, 8), r"expected a float tensor \[B, T, E\]"),
-    (torch.randint(0, 3, (2, 4, 8)), "expected a float tensor"),
+@pytest.mark.parametrize("bad, exc, match", [
+    (torch.randn(4, 8), ValueError,
+     r"^logits has shape \(4, 8\), expected 3 dimensions \(router logits \[B, T, E\]\)$"),
+    (torch.randint(0, 3, (2, 4, 8)), TypeError,
+     r"^logits has dtype torch.int64, expected a floating-point tensor"),
+    ([[[0.5]]], TypeError, r"^logits has type list, expected a torch.Tensor"),
 ])
-def test_bad_logits_are_named(bad, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_logits_are_named(bad, exc, match):
+    with pytest.raises(exc, match=match):
         r.topk_softmax(bad)
 
 
 def test_bad_arguments_say_what_would_work():
-    with pytest.raises(ValueError, match=r"k=9 must be in \[1, 8\]"):
+    with pytest.raises(ValueError, match=r"k=9 must be an int in \[1, 8\]"):
         r.topk_softmax(logits(), k=9)
     with pytest.raises(ValueError, match="capacity_factor=0"):
         r.capacity_by_position(logits(), capacity_factor=0)

@@ -10,6 +10,8 @@ from trainprobes.validation import (
     check_choice,
     check_int,
     check_number,
+    check_seed,
+    check_tensor,
     check_type,
     parse_choice,
     parse_int,
@@ -100,3 +102,58 @@ def test_every_deliberate_error_derives_from_the_root():
                 errors.SchemaError, errors.DataFileError, errors.CannotJudge, launcher.LaunchError,
                 launcher.WorkerFailed, monitor.DriftAlarm):
         assert issubclass(cls, errors.TrainprobesError), cls
+
+
+def test_check_choice_takes_other_spellings_and_suggests_through_them():
+    spellings = {"float16": "fp16", "half": "fp16"}
+    assert check_choice("half", "dtype", ("fp16", "bf16"), spellings=spellings) == "fp16"
+    assert check_choice(" HALF", "dtype", ("fp16",), spellings=spellings,
+                        normalise=lambda s: s.strip().lower()) == "fp16"
+    with pytest.raises(errors.InvalidArgument,
+                       match=r"^dtype='flaot16' must be one of \('fp16', 'bf16'\); "
+                             r"did you mean 'fp16'\?$"):
+        check_choice("flaot16", "dtype", ("fp16", "bf16"), spellings=spellings)
+
+
+@pytest.mark.parametrize("value", [0, -(2 ** 63), 2 ** 64 - 1, np.int64(7)])
+def test_check_seed_accepts_torch_generator_range(value):
+    import torch
+    assert check_seed(value) == int(value)
+    torch.Generator().manual_seed(check_seed(value))  # torch agrees
+
+
+@pytest.mark.parametrize("value, exc, msg", [
+    (2 ** 64, errors.InvalidArgument, r"^seed=18446744073709551616 is out of range: must be an "
+                                      r"int in \[-2\*\*63, 2\*\*64\) \(a torch.Generator seed\)$"),
+    (-(2 ** 63) - 1, errors.InvalidArgument, "is out of range"),
+    (1.5, errors.InvalidArgument, r"^seed=1.5 must be an int \(a torch.Generator seed\)$"),
+    (None, errors.InvalidArgument, r"^seed=None must be an int"),
+])
+def test_check_seed_refuses_what_torch_would_choke_on(value, exc, msg):
+    with pytest.raises(exc, match=msg):
+        check_seed(value)
+
+
+def test_check_tensor_kind_shape_and_like():
+    import torch
+    x = torch.zeros(2, 3, 8)
+    assert check_tensor(x, "logits", kind="floating", shape=(None, None, 8)) is x
+    assert check_tensor(x, "logits", ndim=3) is x
+    with pytest.raises(errors.InvalidType, match=r"^logits has type list, expected a torch.Tensor$"):
+        check_tensor([1.0], "logits")
+    with pytest.raises(errors.InvalidType,
+                       match=r"^ids has dtype torch.float32, expected an integer tensor$"):
+        check_tensor(x, "ids", kind="integer")
+    with pytest.raises(errors.InvalidType, match=r"has dtype torch.bool, expected a real"):
+        check_tensor(torch.ones(2, dtype=torch.bool), "x", kind="real")
+    with pytest.raises(errors.InvalidArgument,
+                       match=r"^logits has shape \(2, 3, 8\), expected \(\*, \*, 4\) \(\[B, T, E\]\)$"):
+        check_tensor(x, "logits", shape=(None, None, 4), hint="[B, T, E]")
+    with pytest.raises(errors.InvalidArgument, match=r"^x has shape \(2, 3, 8\), expected 2 dimensions$"):
+        check_tensor(x, "x", ndim=2)
+    with pytest.raises(errors.InvalidArgument,
+                       match=r"^inputs\[3\] has shape \(7,\), expected \(8,\) like inputs\[0\]$"):
+        check_tensor(torch.ones(7), "inputs[3]", like=(torch.ones(8), "inputs[0]"))
+    with pytest.raises(errors.InvalidArgument,
+                       match=r"^inputs\[1\] has dtype torch.float16, expected torch.float32 like"):
+        check_tensor(torch.ones(8, dtype=torch.float16), "inputs[1]", like=(torch.ones(8), "inputs[0]"))

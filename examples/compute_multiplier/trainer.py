@@ -14,9 +14,9 @@ target names so the gate can compare variants: `baseline.toml` (fp32, token choi
 `bf16_allreduce.toml`, `expert_choice.toml`. Run from this folder:
 
     trainprobes audit --config baseline.toml --out reports/baseline
-    trainprobes audit --config bf16_allreduce.toml --out reports/bf16
-    trainprobes gate --baseline reports/baseline/<stamp>/report.json \
-                     --candidate reports/bf16/<stamp>/report.json
+    trainprobes audit --config bf16_allreduce.toml --out reports/bf16 --report-only
+    trainprobes gate --baseline reports/baseline/latest/report.json \
+                     --candidate reports/bf16/latest/report.json
 """
 from __future__ import annotations
 

@@ -1,9 +1,50 @@
-"""Per-family finishing of probe Results for reports: plot specs drawn from the evidence.
+"""Per-family finishing of probe Results for reports: plot specs drawn from the evidence,
+and what a stack finding means on this machine.
 
 The probes keep their evidence plain; these functions only read it and append
 `evidence["plots"]` (see trainprobes.report.plots), tolerating a probe that left a field out.
 """
 from __future__ import annotations
+
+from trainprobes.display import format_number
+
+# fp32's 23 mantissa bits: what kernels are expected to keep their partial sums in.
+FP32_MANTISSA_BITS = 23
+
+
+def accumulator_finding(r):
+    """A revealed accumulator of this machine's kernel as a finding: narrower than fp32 is
+    WARN (TP-B3, watch out): a sum of many small terms loses them once the partial sum is
+    2^(bits+1) times larger (fp16 accumulation: 2048 ones sum to 2048, then stop)."""
+    bits = r.metrics.get("accumulator_mantissa_bits")
+    if isinstance(bits, int) and bits < FP32_MANTISSA_BITS \
+            and not r.metrics.get("accumulator_bits_lower_bound"):
+        r.verdict = "warn" if r.verdict == "pass" else r.verdict
+        if "TP-B3" not in r.codes:
+            r.codes.append("TP-B3")
+        r.message = (f"watch out: partial sums keep {bits} mantissa bits, fewer than fp32's "
+                     f"{FP32_MANTISSA_BITS}; long reductions lose small terms. " + r.message)
+    return r
+
+
+def stall_plot(r) -> dict:
+    """What the stall warning is about: the fraction of the true sum each (format,
+    increment) reaches after n adds, one bar per row, red where it is off by more than the
+    tolerance. Every row is drawn, so a format that stalls like another (tf32 and fp16: both
+    10 mantissa bits) is its own bar, not a line hidden under the other's."""
+    rows = r.evidence.get("rows", [])
+    tol = r.metrics.get("rel_tol", 1e-2)
+    n = rows[0]["n"] if rows else 0
+    frac = [row["sequential_sum"] / row["true_sum"] if row["true_sum"] else float("nan")
+            for row in rows]
+    return {"kind": "bars",
+            "title": f"sum of {format_number(n)} adds in each format, as a fraction of the true sum",
+            "labels": [f"{row['format']} + {format_number(row['increment'])}: "
+                       f"{format_number(row['sequential_sum'])} of {format_number(row['true_sum'])}"
+                       for row in rows],
+            "values": frac, "bad": [not abs(f - 1) <= tol for f in frac], "ref": [1.0],
+            "xlabel": "sequential sum / true sum (1 = exact; red: off by more than "
+                      f"{tol:.0%})"}
 
 
 def _pos_cut(leak):
@@ -35,7 +76,8 @@ def leak_map(leaks, seq_len: int, bins: int = 64, counts=None) -> dict | None:
             m[p // width][c // width] += k
     unit = "" if width == 1 else f" (bins of {width})"
     return {"kind": "heatmap", "title": f"leaks: decision position x cut{unit}", "matrix": m,
-            "xlabel": f"cut (future changed after it){unit}", "ylabel": f"decision position{unit}"}
+            "xlabel": f"cut (future changed after it){unit}", "ylabel": f"decision position{unit}",
+            "clabel": "leaks (decisions that changed)"}
 
 
 def causality_result(r, seq_len: int):
@@ -73,9 +115,13 @@ def histogram_spec(values, title: str, xlabel: str, bins: int = 24) -> dict | No
 
 
 def bias_result(r):
-    """Histogram of the per-trial signed relative errors (trainprobes.numerics.bias evidence)."""
+    """Histogram of the per-trial signed relative errors (trainprobes.numerics.bias evidence),
+    with zero and the estimated bias marked: a bias is the whole histogram off zero."""
     spec = histogram_spec(r.evidence.get("errors", []), "signed relative error per trial",
                           "signed relative error (< 0: too small)")
+    bias = r.metrics.get("bias")
+    if spec and isinstance(bias, (int, float)) and not isinstance(bias, bool):
+        spec["marks"] = {"zero": 0.0, f"bias {format_number(bias, digits=3)}": bias}
     if spec:
         r.evidence.setdefault("plots", []).append(spec)
     return r

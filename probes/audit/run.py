@@ -1,28 +1,27 @@
 """Run a suite of checks and write reports/<timestamp>/ (report.json, summary.md,
-report.html), optionally appending one line per run to a history for nightly trends.
+report.html), point reports/latest at it, and optionally append one line per run to a
+history for nightly trends.
 
 A check that raises becomes a Result with verdict "error" and code TP-E1, so one broken
-target never loses the rest of the night's report.
+target never loses the rest of the night's report. A control check (Check.control) must
+give every Result its known verdict (`expected`); one that does not is an error too.
 """
 from __future__ import annotations
 
-import json
+import os
+import shutil
 import sys
+import threading
 import time
 import traceback
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from trainprobes.result import (
-    Result,
-    SchemaError,
-    from_jsonable,
-    repeat_suffix,
-    to_jsonable,
-    write_atomic,
-)
+from trainprobes.audit.history import append_history, history_line, read_history, trend_plots
+from trainprobes.result import Result, environment, repeat_suffix, write_atomic
 
 
 @dataclass
@@ -30,6 +29,10 @@ class Check:
     family: str                                   # "numerics", "causality", "drift", ...
     name: str                                     # what the progress line shows
     run: Callable[[], "Result | list[Result]"]
+    control: bool = False      # its Results are controls: each carries its known `expected`
+    background: bool = False   # mostly waits on other processes (local gloo ranks, a worker
+    #                            process): it runs in a thread of its own beside the others,
+    #                            its Results kept in suite order
 
 
 class Progress:
@@ -40,13 +43,15 @@ class Progress:
         self.stream = sys.stderr if stream is None else stream
         self.tty = (hasattr(self.stream, "isatty") and self.stream.isatty()) if tty is None else tty
 
+    def _bar(self, text: str) -> None:
+        filled = self.width * self.done // max(self.total, 1)
+        bar = "#" * filled + "." * (self.width - filled)
+        self.stream.write(f"\r[{bar}] {self.done}/{self.total} {text}"[:110].ljust(110))
+        self.stream.flush()
+
     def start(self, check: Check) -> None:
         if self.tty:
-            filled = self.width * self.done // max(self.total, 1)
-            bar = "#" * filled + "." * (self.width - filled)
-            self.stream.write(f"\r[{bar}] {self.done}/{self.total} {check.family}: "
-                              f"{check.name}"[:110].ljust(110))
-            self.stream.flush()
+            self._bar(f"{check.family}: {check.name}")
 
     def finish(self, check: Check, results: list[Result], seconds: float) -> None:
         self.done += 1
@@ -55,8 +60,18 @@ class Progress:
             self.stream.write(f"[{self.done}/{self.total}] {check.family}: {check.name} "
                               f"... {verdicts} ({seconds:.1f} s)\n")
             self.stream.flush()
-        elif self.done == self.total:
-            self.stream.write("\r" + " " * 130 + "\r")
+
+    def note(self, text: str) -> None:
+        """A step after the checks (writing the report): on the bar's line, or a log line."""
+        if self.tty:
+            self._bar(text)
+        else:
+            self.stream.write(f"[report] {text}\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\r" + " " * 112 + "\r")
             self.stream.flush()
 
 
@@ -77,119 +92,140 @@ def run_check(check: Check) -> list[Result]:
     if bad:
         return [error_result(check, TypeError(
             f"check {check.name!r} returned {type(bad[0]).__name__}, expected Result"))]
+    unknown = [r.key for r in results if check.control and r.expected is None]
+    if unknown:  # a control without its known verdict would show up as a finding
+        return [error_result(check, ValueError(
+            f"control check {check.name!r} returned {unknown} without a known verdict "
+            f"(Result.expected)"))]
     return results
+
+
+def _timed(check: Check, clock) -> tuple[list[Result], float, float]:
+    t0, c0 = time.perf_counter(), clock()
+    got = run_check(check)
+    return got, time.perf_counter() - t0, clock() - c0
 
 
 def run_suite(checks: list[Check], *, progress: Progress | None = None,
               ) -> tuple[list[Result], list[dict]]:
-    """Run every check; return its Results and per-check timings."""
+    """Run every check; return its Results and per-check timings, in suite order.
+
+    Background checks start first, each in a thread of its own, while the others run here;
+    they are waited for (and shown as done) after the others.
+    """
+    pool = ThreadPoolExecutor(max_workers=max(1, sum(c.background for c in checks)),
+                              thread_name_prefix="trainprobes-audit")
+    pending = {id(c): pool.submit(_timed, c, time.thread_time) for c in checks if c.background}
+    done: dict[int, tuple] = {}
+    try:
+        for check in sorted(checks, key=lambda c: c.background):  # stable: suite order
+            if progress:
+                progress.start(check)
+            if check.background:
+                done[id(check)] = pending[id(check)].result()
+            else:  # cpu_seconds: this process only (gloo ranks run in their own)
+                done[id(check)] = _timed(check, time.process_time)
+            if progress:
+                progress.finish(check, done[id(check)][0], done[id(check)][1])
+    except BaseException:  # Ctrl-C: do not start what has not started
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
     results, timings = [], []
     for check in checks:
-        if progress:
-            progress.start(check)
-        t0, c0 = time.perf_counter(), time.process_time()
-        got = run_check(check)
-        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-        if progress:
-            progress.finish(check, got, dt)
+        got, dt, cpu = done[id(check)]
         for r in got:
             # two entries with one name, or a router in perturb and truncate mode
             r.target += repeat_suffix(r.key, [x.key for x in results])
             results.append(r)
-        # cpu_seconds: this process only (gloo ranks run in their own); wall >> cpu means
-        # the machine was busy with something else
         timings.append({"family": check.family, "name": check.name, "seconds": round(dt, 3),
-                        "cpu_seconds": round(cpu, 3)})
+                        "cpu_seconds": round(cpu, 3), "control": check.control})
     return results, timings
 
 
-# --- history -----------------------------------------------------------------------------
+# --- reports/latest ----------------------------------------------------------------------
 
-HISTORY_FILE = "history.jsonl"
-
-
-def history_line(results: list[Result], meta: dict) -> dict:
-    """One line per run: when, counts, and every numeric metric by result key."""
-    metrics = {}
-    for r in results:
-        for k, v in r.metrics.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                metrics[f"{r.key}::{k}"] = v
-    counts = {v: sum(r.verdict == v for r in results) for v in ("pass", "warn", "fail", "error")}
-    return to_jsonable({"created": meta.get("created"), "report": meta.get("report"),
-                        "counts": counts, "metrics": metrics})
+LATEST = "latest"          # a symlink to the newest run folder, or a copy where links fail
+LATEST_FILE = "LATEST"     # one line, the newest run folder's name: readable on every OS
+_COPY_MARK = ".trainprobes-latest-copy"
 
 
-def append_history(history_dir, results: list[Result], meta: dict) -> Path:
-    """Append one JSON line to DIR/history.jsonl (read-modify-write, atomically)."""
-    path = Path(history_dir) / HISTORY_FILE
-    old = path.read_text(encoding="utf-8") if path.exists() else ""
-    if old and not old.endswith("\n"):
-        old += "\n"  # a torn last line from an older crash stays one bad line, skipped on read
-    return write_atomic(path, old + json.dumps(history_line(results, meta)) + "\n")
-
-
-def read_history(history_dir) -> list[dict]:
-    path = Path(history_dir) / HISTORY_FILE
-    if not path.exists():
-        return []
-    runs = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            doc = from_jsonable(json.loads(line))  # {"$float": "nan"} back to a float
-        except (json.JSONDecodeError, SchemaError):
-            continue
-        if isinstance(doc, dict) and isinstance(doc.get("metrics"), dict):
-            runs.append(doc)
-    return runs
-
-
-# Trends worth plotting across nights: metric names whose growth means trouble.
-TREND_METRICS = ("bias", "mean_log_ratio", "k3_kl", "frac_ratio_outside", "flip_rate",
-                 "max_ulp_error", "n_leaks", "rel_error")
-
-
-def trend_plots(runs: list[dict], max_series: int = 8) -> list[dict]:
-    """Line-plot specs: one per trend metric, a series per result key, x = run index."""
-    if len(runs) < 2:
-        return []
-    plots = []
-    for name in TREND_METRICS:
-        keys = sorted({k for run in runs for k in run["metrics"] if k.endswith(f"::{name}")})
-        if not keys:
-            continue
-        series = {}
-        for k in keys[:max_series]:
-            series[k.rsplit("::", 1)[0]] = [run["metrics"].get(k, "nan") for run in runs]
-        plots.append({"kind": "line", "title": f"{name} across runs", "x": list(range(len(runs))),
-                      "series": series, "xlabel": "run (oldest first)", "ylabel": name})
-    counts = {v: [run.get("counts", {}).get(v, 0) for run in runs] for v in ("fail", "error")}
-    plots.append({"kind": "line", "title": "failures across runs", "x": list(range(len(runs))),
-                  "series": counts, "xlabel": "run (oldest first)", "ylabel": "results"})
-    return plots
+def point_latest(out_root, out_dir) -> Path:
+    """Make out_root/latest name out_dir: a relative symlink where the OS allows one (swapped
+    in atomically), else a folder holding copies of the report files; out_root/LATEST holds
+    the folder's name either way. A `latest` that is neither of these is left alone."""
+    root, out_dir = Path(out_root), Path(out_dir)
+    write_atomic(root / LATEST_FILE, out_dir.name + "\n")
+    link = root / LATEST
+    if link.exists() and not link.is_symlink() and not (link / _COPY_MARK).exists():
+        return root / LATEST_FILE  # someone's own folder named latest: not ours to replace
+    tmp = root / f".{LATEST}.{os.getpid()}.{threading.get_ident()}"
+    try:
+        os.symlink(out_dir.name, tmp, target_is_directory=True)
+        if link.is_dir() and not link.is_symlink():
+            shutil.rmtree(link)  # an earlier copy
+        os.replace(tmp, link)
+    except OSError:  # no symlinks here (Windows without the privilege): copy the files
+        if tmp.is_symlink():
+            tmp.unlink()
+        if link.is_symlink():
+            link.unlink()
+        link.mkdir(exist_ok=True)
+        for f in out_dir.iterdir():
+            if f.is_file():
+                shutil.copyfile(f, link / f.name)
+        (link / _COPY_MARK).write_text(out_dir.name + "\n", encoding="utf-8")
+    return link
 
 
 # --- the whole audit ---------------------------------------------------------------------
+
+def exit_code(results: list[Result], *, skipped: dict | None = None, report_only: bool = False,
+              strict: bool = False) -> int:
+    """2: a check could not run (an error; with strict, also a skipped family or section).
+    1: a finding failed or a control missed its known verdict (unless report_only).
+    0: otherwise: passing and warning findings, controls reproduced (a known-leaky router
+    that leaks is a reproduced control, not a failure)."""
+    if any(r.verdict == "error" for r in results) or (strict and skipped):
+        return 2
+    if report_only:
+        return 0
+    failed = any(r.reproduced is False or (not r.is_control and r.verdict == "fail")
+                 for r in results)
+    return 1 if failed else 0
+
 
 @dataclass
 class AuditOutcome:
     results: list[Result]
     out_dir: Path
     paths: dict
-    seconds: float
+    seconds: float                     # wall time of the run, report writing included
+    skipped: dict = field(default_factory=dict)
 
     @property
     def exit_code(self) -> int:
-        """0 report written; 2 a probe errored (the audit is incomplete)."""
-        return 2 if any(r.verdict == "error" for r in self.results) else 0
+        """The default exit code (see exit_code())."""
+        return exit_code(self.results, skipped=self.skipped)
+
+    def exit_code_with(self, *, report_only: bool = False, strict: bool = False) -> int:
+        return exit_code(self.results, skipped=self.skipped, report_only=report_only,
+                         strict=strict)
 
 
 def run_audit(checks: list[Check], out_root="reports", *, history=None, meta=None,
               progress: Progress | None = None, step_summary: bool = True,
-              stamp: str | None = None) -> AuditOutcome:
-    """Run the suite and write out_root/<UTC timestamp>/ {report.json, summary.md, report.html}."""
+              stamp: str | None = None, full_evidence: bool = False,
+              started: float | None = None) -> AuditOutcome:
+    """Run the suite and write out_root/<UTC timestamp>/ {report.json, summary.md, report.html};
+    out_root/latest then names that folder.
+
+    started: time.perf_counter() when the run began (e.g. the command's start); the reported
+    wall time runs from there to the last file written. Default: now.
+    """
     from trainprobes.report import append_step_summary, write_report
 
+    started = time.perf_counter() if started is None else started
     now = datetime.now(timezone.utc)
     stamp = stamp or now.strftime("%Y%m%dT%H%M%SZ")
     out_dir = Path(out_root) / stamp
@@ -199,16 +235,22 @@ def run_audit(checks: list[Check], out_root="reports", *, history=None, meta=Non
         n += 1
     t0 = time.perf_counter()
     results, timings = run_suite(checks, progress=progress)
-    seconds = time.perf_counter() - t0
-    meta = {"title": "trainprobes audit", **(meta or {}), "created": now.isoformat(),
-            "seconds": round(seconds, 2), "timings": timings,
-            "report": str(out_dir / "report.json")}
+    meta = {"command": "audit", "title": "trainprobes audit", **(meta or {}),
+            "created": now.isoformat(), "check_seconds": round(time.perf_counter() - t0, 2),
+            "seconds": round(time.perf_counter() - started, 2), "environment": environment(),
+            "timings": timings, "report": str(out_dir / "report.json")}
     if history is not None:
         runs = read_history(history) + [history_line(results, meta)]
         meta["history_plots"] = trend_plots(runs)
-    paths = write_report(out_dir, results, meta)
+    paths = write_report(out_dir, results, meta, progress=progress.note if progress else None,
+                         full_evidence=full_evidence, started=started)
+    paths["latest"] = point_latest(out_root, out_dir)
+    seconds = time.perf_counter() - started
     if history is not None:
+        meta["seconds"] = round(seconds, 2)
         paths["history"] = append_history(history, results, meta)
     if step_summary:
         append_step_summary(paths["markdown"].read_text(encoding="utf-8"))
-    return AuditOutcome(results, out_dir, paths, seconds)
+    if progress:
+        progress.close()
+    return AuditOutcome(results, out_dir, paths, seconds, dict(meta.get("skipped") or {}))

@@ -1,17 +1,33 @@
 """The built-in default suite: what `trainprobes audit` runs with no configuration.
 
-Each family builder returns Checks that call the real probes (imported when the check runs)
-and add plot specs (trainprobes.report.plots) to the evidence. A family whose probe module is
-not installed is skipped with a note in the report, never stubbed.
+It has two parts, kept apart in every report and exit code:
+  your stack   what this torch build and this machine actually do: the accumulators of its
+               sum and matmul kernels (and on a GPU: cuBLAS in reduced precision, fp8 GEMM),
+               real gloo (and NCCL) collectives against the emulator. Findings: PASS means
+               fine, WARN means watch out.
+  calibration  controls whose verdict is known from their mechanism: the stall table, the
+               accumulation sites, emulated collectives, the reference routers and MoE
+               blocks, the tiny-LM engine pair. Each Result carries its known verdict
+               (`Result.expected`); reproducing it, pass or fail, is a pass of the harness.
+
+Each family builder returns Checks that call the real probes (imported when the check runs).
+A family whose probe module is not installed is skipped (named in the report), one that
+needs hardware this machine lacks is listed as "not on this machine"; nothing is stubbed.
 """
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
+from typing import Callable
 
 from trainprobes.audit.run import Check
+from trainprobes.validation import check_choice
 
-# Formats in the stall table: the ones training recipes use.
-STALL_FORMATS = ("fp32", "tf32", "fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2")
+STACK, CALIBRATION = "stack", "calibration"
+# Controls run at this seed whatever --seed says: a control is a fixed case with a known
+# verdict, so a miss means this machine or this trainprobes changed, never a 1-in-100 draw
+# of a statistical test (the unbiased ones are tested at alpha 0.01). --seed moves findings.
+CONTROL_SEED = 0
 
 
 def _available(module: str) -> bool:
@@ -21,39 +37,256 @@ def _available(module: str) -> bool:
         return False
 
 
-def stall_plot(rows: list[dict]) -> dict:
-    """Fraction of the true sum that n sequential adds of the increment reach, per format.
+def _cuda() -> str | None:
+    """Why there is no usable CUDA device here, or None when there is one."""
+    import torch
+    try:
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            return None
+    except Exception as e:  # a broken driver: say so, run the rest
+        return f"CUDA unusable: {e}"
+    return "no CUDA device"
 
-    Drawn from each row's exact stall point: the sum climbs by the increment until it
-    reaches `stall_at` and stays there; the measured sum at the row's n is in the table.
-    """
-    grid = [2 ** k for k in range(0, 15)]
-    series = {}
-    for r in rows:
-        inc, stall_at = r["increment_stored"], r["stall_at"]
-        if not inc or r["increment"] != 1.0:
-            continue
-        series[r["format"]] = [min(n * inc, stall_at) / (n * r["increment"]) for n in grid]
-    return {"kind": "line", "title": "sequential sum of n ones / n (stalls at the stall point)",
-            "x": grid, "series": series, "xlabel": "additions n", "ylabel": "fraction of true sum",
-            "logx": True}
+
+def _nccl() -> str | None:
+    why = _cuda()
+    if why:
+        return why
+    import torch.distributed as dist
+    return None if dist.is_available() and dist.is_nccl_available() else "torch built without NCCL"
+
+
+# --- your stack ----------------------------------------------------------------------------
+
+def _reveal_check(label: str, dtype: str, make_fn, device: str = "cpu", **kw) -> Check:
+    def run():
+        from trainprobes.audit.families import accumulator_finding
+        from trainprobes.numerics import reveal as rv
+        r = rv.reveal(make_fn(rv), dtype=dtype, device=device, target=label, **kw)
+        return accumulator_finding(r)
+    return Check("numerics", f"reveal {label}", run)
+
+
+def _sum(rv):
+    return lambda x: x.sum()
+
+
+def _matmul(rv):
+    return rv.matmul_reduction()
+
+
+def reveal_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
+    """The accumulators of this torch build's CPU kernels: torch.sum and torch.matmul in
+    fp16, bf16 and fp32, revealed from crafted inputs (trainprobes.numerics.reveal).
+    Narrower than fp32 is a WARN (TP-B3): sums of many small terms lose them."""
+    return [_reveal_check(f"torch.{op}[{dt},cpu]", dt, make)
+            for op, make in (("sum", _sum), ("matmul", _matmul)) for dt in ("fp16", "bf16", "fp32")]
+
+
+def gpu_kernel_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
+    """The same on the GPU, with this process's reduced-precision settings as they are:
+    torch.matmul in fp16/bf16 (allow_{fp16,bf16}_reduced_precision_reduction) and fp32
+    (allow_tf32: TF32 shows as 10 mantissa bits), and fp8 torch._scaled_mm where the GPU has
+    it (sm89+). Untested where this was written (no GPU): scripts/gpu-check.sh runs them."""
+    import torch
+    m = torch.backends.cuda.matmul
+    flags = {"fp16": f"reduced_precision={m.allow_fp16_reduced_precision_reduction}",
+             "bf16": f"reduced_precision={m.allow_bf16_reduced_precision_reduction}",
+             "fp32": f"allow_tf32={m.allow_tf32}"}
+    checks = [_reveal_check(f"torch.{op}[{dt},cuda,{flags[dt]}]" if op == "matmul" else
+                            f"torch.{op}[{dt},cuda]", dt, make, device="cuda")
+              for op, make in (("sum", _sum), ("matmul", _matmul)) for dt in ("fp16", "bf16", "fp32")]
+    if torch.cuda.get_device_capability(0) >= (8, 9) and hasattr(torch, "_scaled_mm"):
+        checks.append(_reveal_check("torch._scaled_mm[fp8_e4m3fn,cuda,out=bf16]", "fp8_e4m3fn",
+                                    lambda rv: rv.scaled_mm_reduction(), device="cuda",
+                                    output_dtype="bf16"))
+    return checks
+
+
+def _real_collectives(backend: str, world: int, seed: int) -> Check:
+    def run():
+        from trainprobes.distributed import Case, run_collectives
+        cases = [Case("all_reduce", dtype, op, 4096, data, seed)
+                 for dtype in ("fp32", "fp16", "bf16") for op in ("sum", "avg")
+                 for data in ("gradient", "positive")]
+        return run_collectives(cases, backend=backend, world=world, timeout=120.0)
+    return Check("distributed", f"{backend} all_reduce on {world} local ranks", run,
+                 background=True)
+
+
+def gloo_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
+    """Real gloo all-reduces on a few local ranks (one launch, beside the other checks):
+    the emulator's bit-for-bit prediction and the error against fp64, for fp32/fp16/bf16,
+    sum and avg, on gradient-like and same-signed data."""
+    return [_real_collectives("gloo", 2 if quick else 4, seed)]
+
+
+def nccl_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
+    """The same on NCCL, one rank per visible GPU (up to 8). Untested where this was written."""
+    import torch
+    return [_real_collectives("nccl", min(torch.cuda.device_count(), 8), seed)]
+
+
+def isolation_ops_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
+    """This machine's per-op batch-invariance map (trainprobes.isolation.ops): each op alone
+    vs inside batches, bit for bit, fp32 and bf16, small shapes. A variant op is a
+    watch-out (warn, TP-I2; the probe isolation.op_map is advisory in result.PROBES): a fact
+    about the torch build and device (CPU fp32 matmuls are variant), not a bug; the gate
+    still blocks an op that was invariant in the baseline and is variant now."""
+    from trainprobes.isolation.ops import OP_NAMES
+
+    def one(op):
+        def run():
+            from trainprobes.isolation.ops import op_map
+            return op_map([op], sizes=(2, 3, 4, 8) if quick else (2, 3, 4, 7, 8, 16, 32),
+                          trials=2 if quick else 3, seed=seed, quick=True)
+        return Check("isolation", f"batch invariance of torch.{op}", run)
+    return [one(op) for op in OP_NAMES]
+
+
+def isolation_documents_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
+    """The packed-document table of the HF attention implementations present: tiny random
+    Llama and Qwen2-MoE (quick: Llama, and no flex_attention, whose compilation alone takes
+    10-30 s) under each packing convention transformers offers. A correct block-diagonal
+    4-D mask is a control known to isolate (expected pass); the other rows are findings
+    about the installed transformers."""
+    from trainprobes.isolation.hf import available_implementations
+
+    families = ("llama",) if quick else ("llama", "qwen2_moe")
+    impls = [i for i in available_implementations() if not (quick and i == "flex_attention")]
+
+    def one(impl):
+        def run():
+            from trainprobes.isolation.hf import packed_table
+            out = []
+            for row in packed_table(families, [impl], seed=seed):
+                r = row.result
+                r.metrics["by_hand_change"] = row.by_hand
+                if row.convention == "mask_4d":
+                    r.expected = "pass"
+                    r.message = "control, a block-diagonal mask isolates: " + r.message
+                out.append(r)
+            return out
+        return Check("isolation", f"packed documents under {impl} attention", run)
+    return [one(impl) for impl in impls]
+
+
+# --- calibration ---------------------------------------------------------------------------
+
+# Formats in the stall table: the ones training recipes use.
+STALL_FORMATS = ("fp32", "tf32", "fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2")
+STALL_INCREMENTS = (1.0, 1e-3)
+STALL_ADDS = 4096  # past fp16's stall at 2048, so every narrow format shows its stall
+
+
+def stall_expected(formats, increments, n: int, rel_tol: float) -> str:
+    """The stall table's verdict from the stall points alone: WARN when some format stops
+    growing (at its exact stall point) more than rel_tol short of n adds."""
+    import torch
+    from trainprobes.reference.formats import get_format
+    for name in formats:
+        f = get_format(name)
+        for inc in increments:
+            d = f.round(torch.tensor([inc], dtype=torch.float64)).item()
+            if d == 0.0 or f.stall_point(d) < n * inc * (1 - rel_tol):
+                return "warn"
+    return "pass"
 
 
 def stall_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
     def run():
+        from trainprobes.audit.families import stall_plot
         from trainprobes.numerics.stall import stall
-        r = stall(formats=STALL_FORMATS, increments=(1.0, 1e-3), n=2_000 if quick else 10_000)
-        r.evidence["plots"] = [stall_plot(r.evidence.get("rows", []))]
+        r = stall(formats=STALL_FORMATS, increments=STALL_INCREMENTS, n=STALL_ADDS)
+        r.expected = stall_expected(STALL_FORMATS, STALL_INCREMENTS, STALL_ADDS,
+                                    r.metrics.get("rel_tol", 1e-2))
+        r.evidence["plots"] = [stall_plot(r)]
         return r
-    return [Check("numerics", "stall table (sum of ones, 1e-3)", run)]
+    return [Check("numerics", f"stall table (sums of {STALL_ADDS} adds of 1 and 1e-3)", run,
+                  control=True)]
+
+
+def sites_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
+    """The stall where it happens in training, each a known loss in bf16: a 1024-rank
+    all-reduce of 0.001 gradients (stalls at 0.5), 1024 micro-batches accumulated into a
+    bf16 .grad, and SGD at lr 1e-4 whose updates are under half an ulp of the weights."""
+    def run():
+        from trainprobes.numerics import sites
+        out = [sites.collective_site(dtype="bf16", seed=seed),
+               sites.grad_accumulation_site(dtype="bf16", seed=seed),
+               sites.weight_update_site(dtype="bf16", seed=seed, steps=25)]
+        for r in out:
+            r.expected = "fail"
+        return out
+    return [Check("numerics", "accumulation sites (bf16)", run, control=True)]
+
+
+@dataclass(frozen=True)
+class Collective:
+    dtype: str
+    world: int
+    op: str
+    algorithm: str
+    expected: str          # from the mechanism, in `why`
+    why: str
+    rounding: str = "nearest"
+    numel: int = 1024
+
+
+# NCCL-style ring and tree at realistic world sizes, the ncclAvg pre-multiply at a world
+# that is not a power of two, stochastic rounding and fp8 (adds in fp16, saturating cast).
+COLLECTIVES = (
+    Collective("bf16", 1024, "sum", "ring", "fail", "every hop rounds to bf16: small "
+               "gradients stop adding once the partial sum is 2^8 times larger", numel=256),
+    Collective("bf16", 16, "sum", "tree", "pass", "4 levels of round-to-nearest on sums of "
+               "like size: no drift"),
+    Collective("bf16", 128, "sum", "ring", "pass", "stochastic rounding is unbiased",
+               rounding="stochastic"),
+    Collective("bf16", 6, "avg", "ring", "fail", "ncclAvg pre-multiplies by bf16(1/6) = "
+               "0.16699: +0.195%"),
+    Collective("fp16", 8, "avg", "ring", "pass", "1/8 is exact in fp16"),
+    Collective("fp32", 128, "sum", "ring", "pass", "fp32's spacing is far below the "
+               "gradients' size"),
+    Collective("fp8_e4m3fn", 32, "sum", "ring", "fail", "3 mantissa bits: partial sums stall "
+               "within a few hops"),
+)
+
+
+def collectives_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
+    """Bias of emulated all-reduces against the fp64 reference on gradient-like data, and
+    the accumulator of the emulated ring revealed (fp32 keeps 23 bits, bf16 7)."""
+    def one(c: Collective) -> Check:
+        def run():
+            from trainprobes.audit.families import bias_result
+            from trainprobes.numerics.bias import collective_bias
+            w = min(c.world, 64) if quick else c.world
+            r = bias_result(collective_bias(dtype=c.dtype, world=w, numel=c.numel, op=c.op,
+                                            algorithm=c.algorithm, rounding=c.rounding,
+                                            trials=16, seed=seed))
+            r.expected = c.expected
+            r.evidence["known"] = c.why
+            return r
+        extra = "" if c.rounding == "nearest" else f" {c.rounding}"
+        return Check("collectives", f"all_reduce {c.dtype} {c.algorithm} {c.op} w={c.world}{extra}",
+                     run, control=True)
+
+    def ring(dtype: str, expected: str) -> Check:
+        def run():
+            from trainprobes.numerics import reveal as rv
+            r = rv.reveal(rv.collective_reduction(dtype), dtype=dtype, output_dtype=dtype,
+                          target=f"emulated all_reduce[{dtype},ring]", expected_mantissa_bits=23)
+            r.expected = expected
+            return r
+        return Check("collectives", f"reveal emulated all_reduce[{dtype},ring]", run, control=True)
+    return [one(c) for c in COLLECTIVES] + [ring("fp32", "pass"), ring("bf16", "fail")]
 
 
 def causality_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
-    """The reference routers (positive and negative controls) and the tiny MoE block with a
+    """The reference routers (known causal and known leaky) and the tiny MoE block with a
     correct and an off-by-one attention mask, every cut certified, in both modes."""
     T = 32 if quick else 64
 
-    def one(name, fn_path, known, mode, kwargs):
+    def one(name, fn_path, known_causal, mode, kwargs):
         def run():
             import torch
             from trainprobes.audit.families import causality_result
@@ -62,13 +295,9 @@ def causality_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
             x = torch.randn(2, T, 16, generator=torch.Generator().manual_seed(seed))
             r = check(load_target(fn_path), x, mode=mode, cuts="all", seed=seed, **kwargs)
             r.target = f"{fn_path}[{mode}]"
-            r = causality_result(r, T)
-            if known is not None:
-                r.metrics["known_causal"] = known
-                r.metrics["matches_known_verdict"] = r.metrics.get("causal") is known
-                r.message = (f"control, known {'causal' if known else 'leaky'}: " + r.message)
-            return r
-        return Check("causality", f"{name} [{mode}]", run)
+            r.expected = "pass" if known_causal else "fail"
+            return causality_result(r, T)
+        return Check("causality", f"{name} [{mode}]", run, control=True)
 
     from trainprobes.reference.routing import KNOWN_VERDICTS
     checks = []
@@ -82,34 +311,8 @@ def causality_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
     return checks
 
 
-# (dtype, world, op, algorithm, extra): NCCL-style ring and tree at realistic world sizes,
-# the ncclAvg pre-multiply at a world that is not a power of two, stochastic rounding and
-# fp8 (adds in fp16, saturating cast back, as NCCL does).
-COLLECTIVES = (
-    ("bf16", 1024, "sum", "ring", {}),
-    ("bf16", 16, "sum", "tree", {}),
-    ("bf16", 128, "sum", "ring", {"rounding": "stochastic"}),
-    ("bf16", 6, "avg", "ring", {}),
-    ("fp16", 8, "avg", "ring", {}),
-    ("fp32", 128, "sum", "ring", {}),
-    ("fp8_e4m3fn", 32, "sum", "ring", {}),
-)
-
-
-def collectives_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
-    """Bias of emulated all-reduces against the fp64 reference on gradient-like data."""
-    def one(dtype, world, op, algorithm, extra):
-        def run():
-            from trainprobes.audit.families import bias_result
-            from trainprobes.numerics.bias import collective_bias
-            w = min(world, 64) if quick else world
-            return bias_result(collective_bias(dtype=dtype, world=w, numel=1024, op=op,
-                                               algorithm=algorithm, trials=16, seed=seed,
-                                               **extra))
-        label = f"all_reduce {dtype} {algorithm} {op} w={world}" + "".join(
-            f" {v}" for v in extra.values())
-        return Check("collectives", label, run)
-    return [one(*c) for c in COLLECTIVES]
+# What each drift label means as a verdict (trainprobes.drift.compare).
+DRIFT_VERDICT = {"clean": "pass", "noisy": "pass", "heavy-tailed": "warn", "biased": "fail"}
 
 
 def drift_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
@@ -121,83 +324,93 @@ def drift_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
         def run():
             from trainprobes.audit.families import drift_result
             from trainprobes.drift.demo import run_scenario
-            # 16 x 24 tokens per scenario keeps the whole suite under 2 minutes on a laptop
-            # and still gives every scenario its expected verdict at seed 0
+            # 16 x 24 tokens per scenario: every scenario gets its expected label at seed 0
             n, t = (12, 16) if quick else (16, 24)
             r = run_scenario(scenario, n_prompts=n, max_new_tokens=t, seed=seed)
-            if scenario.expect:
-                r.metrics["expected_verdict"] = scenario.expect
-                r.metrics["matches_expected"] = r.metrics.get("drift_verdict") == scenario.expect
-                r.message = f"control, expected {scenario.expect}: {r.message}"
+            r.expected = DRIFT_VERDICT[scenario.expect]
+            label = r.metrics.get("drift_verdict")
+            if label != scenario.expect:
+                r.message += f" (known {scenario.expect}, labelled {label})"
             return drift_result(r)
-        return Check("drift", scenario.name, run)
-    return [one(s) for s in SCENARIOS]
+        return Check("drift", scenario.name, run, control=True)
+    return [one(s) for s in SCENARIOS if s.expect]
 
 
-def gloo_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
-    """Real gloo all-reduces on a few local ranks (one launch): the emulator's bit-for-bit
-    prediction and the error against fp64, for fp32/fp16/bf16, sum and avg."""
-    world = 2 if quick else 4
+# --- the registry ----------------------------------------------------------------------------
 
-    def run():
-        from trainprobes.distributed import Case, run_collectives
-        cases = [Case("all_reduce", dtype, op, 4096, data, seed)
-                 for dtype in ("fp32", "fp16", "bf16") for op in ("sum", "avg")
-                 for data in ("gradient", "positive")]
-        return run_collectives(cases, backend="gloo", world=world, timeout=120.0)
-    return [Check("distributed", f"gloo all_reduce on {world} local ranks", run)]
+@dataclass(frozen=True)
+class Family:
+    part: str                                  # STACK or CALIBRATION
+    module: str                                # must be installed, else the family is skipped
+    build: Callable[..., list]                 # (seed=, quick=) -> [Check]
+    needs: Callable[[], "str | None"] | None = None   # why this machine cannot run it
+    worker: bool = False       # run in a second process beside the others (a second core)
+    default: bool = True       # in the suite without --families (else asked for by name)
 
 
-def sites_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
-    """The stall where it happens in training: a 1024-rank bf16 all-reduce of same-signed
-    gradients, micro-batch accumulation into a bf16 .grad, and bf16 SGD updates."""
-    def run():
-        from trainprobes.numerics.sites import all_sites
-        return all_sites(dtype="bf16", seed=seed)
-    return [Check("numerics", "accumulation sites (bf16)", run)]
-
-
-def reveal_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
-    """Accumulator precision and order of this machine's kernels and of the emulated ring,
-    revealed from crafted inputs: `accumulator_mantissa_bits` is what the gate compares."""
-    def one(label, dtype, make_fn, output_dtype=None):
-        def run():
-            from trainprobes.numerics import reveal as rv
-            kw = {"output_dtype": output_dtype} if output_dtype else {}
-            return rv.reveal(make_fn(rv), dtype=dtype, target=label, **kw)
-        return Check("numerics", f"reveal {label}", run)
-    return [one("torch.sum[fp16]", "fp16", lambda rv: (lambda x: x.sum())),
-            one("torch.sum[bf16]", "bf16", lambda rv: (lambda x: x.sum())),
-            one("torch.matmul[bf16]", "bf16", lambda rv: rv.matmul_reduction()),
-            one("all_reduce[bf16,ring]", "bf16", lambda rv: rv.collective_reduction("bf16"),
-                output_dtype="bf16")]
-
-
+# In run order; the stack first. `needs` is called when the suite is built (through a
+# lambda, so the hardware check it names is looked up then: a test can stand in for a GPU).
+# Not in the default run, only by name: documents (tiny HF models under each attention
+# implementation: importing transformers alone takes several seconds of a 10-second audit).
 FAMILIES = {
-    # family: (module that must exist, builder)
-    "stall": ("trainprobes.numerics.stall", stall_checks),
-    "sites": ("trainprobes.numerics.sites", sites_checks),
-    "reveal": ("trainprobes.numerics.reveal", reveal_checks),
-    "collectives": ("trainprobes.numerics.bias", collectives_checks),
-    "causality": ("trainprobes.causality", causality_checks),
-    "drift": ("trainprobes.drift.demo", drift_checks),
-    "gloo": ("trainprobes.distributed", gloo_checks),
+    "reveal": Family(STACK, "trainprobes.numerics.reveal", reveal_checks),
+    "gpu_kernels": Family(STACK, "trainprobes.numerics.reveal", gpu_kernel_checks,
+                          lambda: _cuda()),
+    "gloo": Family(STACK, "trainprobes.distributed", gloo_checks),
+    "nccl": Family(STACK, "trainprobes.distributed", nccl_checks, lambda: _nccl()),
+    "batch_invariance": Family(STACK, "trainprobes.isolation.ops", isolation_ops_checks),
+    "documents": Family(STACK, "transformers", isolation_documents_checks, default=False),
+    "stall": Family(CALIBRATION, "trainprobes.numerics.stall", stall_checks),
+    "sites": Family(CALIBRATION, "trainprobes.numerics.sites", sites_checks),
+    # the largest calibration family: in a worker process it balances the two cores (gloo's
+    # ranks take the second one for a moment too)
+    "collectives": Family(CALIBRATION, "trainprobes.numerics.bias", collectives_checks,
+                          worker=True),
+    "causality": Family(CALIBRATION, "trainprobes.causality", causality_checks),
+    "drift": Family(CALIBRATION, "trainprobes.drift.demo", drift_checks),
 }
 
 
-def default_suite(*, seed: int = 0, quick: bool = False,
-                  families=None) -> tuple[list[Check], dict[str, str]]:
-    """(checks, skipped): skipped maps a family to why it is not in this run."""
-    names = list(FAMILIES) if families is None else list(families)
-    unknown = [n for n in names if n not in FAMILIES]
-    if unknown:
-        raise ValueError(f"families={unknown!r} are not default-suite families; "
-                         f"choose from {sorted(FAMILIES)}")
+def _names(families) -> list[str]:
+    if families is None:
+        return [name for name, fam in FAMILIES.items() if fam.default]
+    if isinstance(families, str):
+        families = [families]
+    return [check_choice(n, "families", FAMILIES, hint="default-suite families") for n in families]
+
+
+def not_here(families=None) -> dict[str, str]:
+    """Families this machine cannot run (no GPU, no NCCL) and why: not a skip, since there
+    is nothing here for them to check."""
+    out = {}
+    for name in _names(families):
+        fam = FAMILIES[name]
+        why = fam.needs() if fam.needs and _available(fam.module) else None
+        if why:
+            out[name] = why
+    return out
+
+
+def default_suite(*, seed: int = 0, quick: bool = False, families=None,
+                  in_process: bool = False) -> tuple[list[Check], dict[str, str]]:
+    """(checks, skipped): skipped maps a family to why it is not in this run (its probe
+    module is missing). Families this machine has no hardware for: not_here().
+    in_process: build worker families' checks here too (what the worker process does)."""
+    from trainprobes.audit.remote import worker_check
+
+    names = _names(families)
+    absent = not_here(names)
     checks, skipped = [], {}
     for name in names:
-        module, build = FAMILIES[name]
-        if not _available(module):
-            skipped[name] = f"{module} is not installed in this build"
+        fam = FAMILIES[name]
+        family_seed = seed if fam.part == STACK else CONTROL_SEED
+        if not _available(fam.module):
+            skipped[name] = f"{fam.module} is not installed in this build"
+        elif name in absent:
             continue
-        checks.extend(build(seed=seed, quick=quick))
+        elif fam.worker and not in_process:
+            checks.append(worker_check(name, f"{name} (in a worker process)", seed=family_seed,
+                                       quick=quick, control=fam.part == CALIBRATION))
+        else:
+            checks.extend(fam.build(seed=family_seed, quick=quick))
     return checks, skipped

@@ -18,7 +18,7 @@ import enum
 from typing import Callable, NamedTuple, Union
 
 import torch
-from trainprobes.causality.target import Target, differs
+from trainprobes.causality.target import Target, abs_diff, differs
 from trainprobes.errors import TargetError, TrainprobesError
 
 __all__ = ["Kind", "Outputs", "classify_changes", "near_tie", "margins", "NOISE_ULPS"]
@@ -81,10 +81,11 @@ def noise_tol(values: torch.Tensor) -> torch.Tensor:
 
 
 def change_size(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per change: the largest absolute difference over the trailing axes (NaN: infinite)."""
+    """Per change: the largest absolute difference over the trailing axes (to or from NaN
+    or an infinity: infinite; equal infinities: none)."""
     if not len(a):
         return torch.zeros(0, dtype=torch.float64)
-    return (a.double() - b.double()).abs().reshape(len(a), -1).nan_to_num(float("inf")).amax(-1)
+    return abs_diff(a, b).reshape(len(a), -1).amax(-1)
 
 
 def near_tie(where, base: Outputs, changed: Outputs, *, margin_tol: float | None = None) -> torch.Tensor:
@@ -118,7 +119,8 @@ def classify_changes(where, base: Outputs, changed: Outputs, *, fp64: Fp64 = Non
       can be noise; False (a truncated prefix, another packing) sends every change to fp64.
 
     Structural if in fp64 an integer decision still changes, or a float decision (or the
-    scores) still moves by more than 1e-3 of its fp32 move and more than fp64 noise.
+    scores) still moves by more than 1e-3 of its fp32 move and more than fp64 noise (an
+    fp32 move to inf or NaN: more than fp64 noise).
 
     >>> import torch
     >>> from trainprobes.causality.classify import Kind, Outputs, classify_changes
@@ -155,7 +157,9 @@ def classify_changes(where, base: Outputs, changed: Outputs, *, fp64: Fp64 = Non
         d64 = change_size(v0[bi, ti], v1[bi, ti])
         d32 = change_size(w0[bi, ti], w1[bi, ti])
         tol64 = noise_tol(v0[bi, ti].reshape(len(bi), -1)).amax(-1)
-        moved |= d64 > torch.maximum(1e-3 * d32, tol64)
+        # a change to inf or NaN has no size to scale (1e-3 x inf would excuse any fp64
+        # move, an overflowed leak included): there the twin's move alone decides
+        moved |= d64 > torch.maximum(torch.where(d32.isfinite(), 1e-3 * d32, 0.0), tol64)
     kind[ask] = torch.where(moved, int(Kind.STRUCTURAL), int(Kind.NUMERICAL))
     return kind
 

@@ -123,6 +123,15 @@ def _describe(x: torch.Tensor) -> str:
     return f"{x.dtype} tensor of shape {tuple(x.shape)!r}"
 
 
+def abs_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise |a - b| in float64, as `differs` sees equality: equal values (infinities
+    of one sign included) and NaN beside NaN are 0 apart; NaN beside a number, or an
+    infinity beside anything else, is infinitely far (never the largest finite float)."""
+    a64, b64 = a.double(), b.double()
+    d = (a64 - b64).abs().nan_to_num(nan=float("inf"), posinf=float("inf"))
+    return torch.where((a64 == b64) | (a64.isnan() & b64.isnan()), 0.0, d)
+
+
 def differs(a: torch.Tensor, b: torch.Tensor, atol: float) -> torch.Tensor:
     """[B, T] bool: where two decision tensors [B, T, ...] differ. Integers and bools exactly,
     floats beyond atol (NaN equals NaN: a NaN that stays a NaN is not a flip)."""

@@ -1,12 +1,21 @@
-"""`trainprobes audit`: run a suite and write reports/<timestamp>/ with JSON, Markdown, HTML."""
+"""`trainprobes audit`: run a suite and write reports/<timestamp>/ with JSON, Markdown, HTML.
+
+Exit codes (docs/audit.md): 0 no problem; 1 a finding failed or a control missed its known
+verdict; 2 could not run (bad configuration, a check errored; with --strict, a family
+skipped). --report-only: 0 whenever the report was written (2 still means it could not run).
+"""
 from __future__ import annotations
 
-import json
+import os
 import sys
+import time
 from pathlib import Path
 
-HELP = ("run the audit suite (built-in default, or [tool.trainprobes] from pyproject.toml) "
-        "and write report.json, summary.md and report.html")
+from trainprobes.validation import parse_int
+
+HELP = ("run the audit suite (built-in default: your stack, then calibration; or "
+        "[tool.trainprobes] from pyproject.toml) and write report.json, summary.md and "
+        "report.html")
 
 
 def add_arguments(p):
@@ -16,60 +25,101 @@ def add_arguments(p):
     p.add_argument("--default", action="store_true",
                    help="run the built-in default suite even where a config exists")
     p.add_argument("--out", metavar="DIR", default=None,
-                   help="where reports/<timestamp>/ go (default: reports, or the config's out)")
+                   help="where reports/<timestamp>/ go, and reports/latest (default: reports, "
+                        "or the config's out)")
     p.add_argument("--history", metavar="DIR", default=None,
                    help="append a summary line per run to DIR/history.jsonl and plot trends")
     p.add_argument("--families", metavar="A,B", default=None,
-                   help="only these default-suite families (implies --default): stall, sites, "
-                        "reveal, collectives, causality, drift, gloo")
+                   help="only these default-suite families (implies --default): reveal, "
+                        "gpu_kernels, gloo, nccl (your stack); stall, sites, collectives, "
+                        "causality, drift (calibration); batch_invariance and documents run "
+                        "only when named here")
     p.add_argument("--quick", action="store_true", help="a smaller default suite (smoke test)")
-    p.add_argument("--seed", type=int, default=None, help="seed for every random choice (default 0)")
+    p.add_argument("--seed", type=parse_int("seed", min=0), default=None,
+                   help="seed for every random choice (default 0)")
+    p.add_argument("--report-only", action="store_true",
+                   help="exit 0 once the report is written, whatever it found (2 still means "
+                        "it could not run); default: exit 1 on a failing finding or a missed "
+                        "control, as pytest does")
     p.add_argument("--strict", action="store_true",
-                   help="exit 1 when any probe fails (default: exit 0 once the report is written)")
-    p.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="also exit 2 when a family or section was skipped because its probe "
+                        "module is missing (an incomplete audit)")
+    p.add_argument("--full-evidence", action="store_true",
+                   help="keep every probe's evidence whole in report.json (default: long lists "
+                        "cut to their first 32 items, lengths recorded under 'truncated')")
+    p.add_argument("--threads", type=parse_int("threads", min=0), default=1, metavar="N",
                    help="torch intra-op threads while the audit runs (default 1: the suite's "
                         "tensors are small; on a busy 2-core machine 2 threads made the tiny-LM "
                         "scenarios up to ~50x slower, on an idle one it makes no difference); "
                         "0 keeps torch's default")
     p.add_argument("--json", action="store_true",
-                   help="print {report, counts, results} as JSON on stdout")
+                   help="print the report document (what report.json holds: schema_version, "
+                        "command, run facts, results) with its paths and exit code on stdout")
     p.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
 
 
+def _suite(args):
+    """(checks, skipped, not here, suite label, seed, config)."""
+    from trainprobes.audit.config import find_config, suite_from_config
+    from trainprobes.audit.suites import default_suite, not_here
+
+    use_default = args.default or args.families is not None
+    cfg, cfg_path = (None, None) if use_default else find_config(args.config)
+    seed = args.seed if args.seed is not None else (cfg or {}).get("seed", 0)
+    families = [f.strip() for f in args.families.split(",") if f.strip()] \
+        if args.families is not None else None
+    if families == []:
+        from trainprobes.audit.suites import FAMILIES
+        raise ValueError(f"--families {args.families!r} names no family; e.g. --families "
+                         f"reveal,causality (all: {', '.join(FAMILIES)})")
+    if cfg is None:
+        checks, skipped = default_suite(seed=seed, quick=args.quick, families=families)
+        absent = not_here(families)
+        suite = "default" + (" (quick)" if args.quick else "")
+    else:
+        checks, skipped = suite_from_config(cfg, seed=seed, base_dir=cfg_path.parent,
+                                            quick=args.quick)
+        absent = not_here(cfg.get("families")) if cfg.get("defaults") else {}
+        suite = f"{cfg_path}"
+    return checks, skipped, absent, suite, seed, cfg
+
+
+def _started() -> float:
+    """time.perf_counter() at this process's start when the process is the `trainprobes`
+    command (Linux: /proc), so the reported wall time counts Python's start-up and imports
+    as the person waiting did; in any other process (an API call, a test), now."""
+    now = time.perf_counter()
+    prog = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path()
+    main = Path(__file__).resolve().parent.parent / "__main__.py"  # python -m trainprobes
+    if prog.name != "trainprobes" and prog.resolve() != main:
+        return now
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        age = uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
+    except (OSError, ValueError, IndexError, AttributeError):
+        return now
+    return now - age if 0.0 <= age < 3600.0 else now
+
+
 def run(args) -> int:
+    started = _started()
     from trainprobes.audit import Progress, run_audit
-    from trainprobes.audit.config import ConfigError, find_config, suite_from_config
-    from trainprobes.audit.suites import default_suite
-    from trainprobes.report.markdown import counts_line
+    from trainprobes.audit.suites import CONTROL_SEED
+    from trainprobes.commands.options import options_of
+    from trainprobes.errors import ConfigError
 
     try:
-        use_default = args.default or bool(args.families)
-        cfg, cfg_path = (None, None) if use_default else find_config(args.config)
-        seed = args.seed if args.seed is not None else (cfg or {}).get("seed", 0)
-        families = args.families.split(",") if args.families else None
-        if cfg is None:
-            checks, skipped = default_suite(seed=seed, quick=args.quick, families=families)
-            suite = "default" + (" (quick)" if args.quick else "")
-        else:
-            checks, skipped = suite_from_config(cfg, seed=seed, base_dir=cfg_path.parent,
-                                                quick=args.quick)
-            suite = f"{cfg_path}"
+        checks, skipped, absent, suite, seed, cfg = _suite(args)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not checks:
-        print("error: the suite has no checks" + (f" (skipped: {skipped})" if skipped else ""),
-              file=sys.stderr)
+        print("error: the suite has no checks" + (f" (skipped: {skipped})" if skipped else "")
+              + (f" (not on this machine: {absent})" if absent else ""), file=sys.stderr)
         return 2
     out = args.out or (cfg or {}).get("out") or "reports"
     history = args.history or (cfg or {}).get("history")
-    progress = None if args.no_progress else Progress(len(checks))
-    if not args.no_progress:
-        print(f"trainprobes audit: {len(checks)} checks, suite {suite}", file=sys.stderr)
-    if args.threads < 0:
-        print(f"error: --threads={args.threads!r} must be >= 0 (0: torch's default)",
-              file=sys.stderr)
-        return 2
     try:  # before minutes of checks, not after them
         for d in (out, history):
             if d:
@@ -77,45 +127,95 @@ def run(args) -> int:
     except OSError as e:
         print(f"error: --out/--history directory cannot be created: {e}", file=sys.stderr)
         return 2
+    progress = None if args.no_progress else Progress(len(checks))
+    if not args.no_progress:
+        print(f"trainprobes audit: {len(checks)} checks, suite {suite}", file=sys.stderr)
     import torch
     before = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
         outcome = run_audit(checks, out, history=history, progress=progress,
-                            meta={"suite": suite, "seed": seed, "skipped": skipped,
-                                  "torch_threads": torch.get_num_threads()})
+                            full_evidence=args.full_evidence, started=started,
+                            meta={"options": options_of(args), "suite": suite, "seed": seed,
+                                  "skipped": skipped,
+                                  "not_here": absent, "torch_threads": torch.get_num_threads(),
+                                  **({"control_seed": CONTROL_SEED}
+                                     if any(c.control for c in checks) else {})})
     except OSError as e:  # the checks catch their own errors: this is writing the report
         print(f"error: the report cannot be written: {e}", file=sys.stderr)
         return 2
     finally:
         torch.set_num_threads(before)  # the command may run inside a longer process
+    code = outcome.exit_code_with(report_only=args.report_only, strict=args.strict)
     if args.json:
-        print(json.dumps({"report": str(outcome.paths["json"]), "html": str(outcome.paths["html"]),
-                          "counts": {v: sum(r.verdict == v for r in outcome.results)
-                                     for v in ("pass", "warn", "fail", "error")},
-                          "skipped": skipped,
-                          "results": [{"probe": r.probe, "target": r.target, "verdict": r.verdict,
-                                       "codes": r.codes, "message": r.message}
-                                      for r in outcome.results]}, indent=2))
+        print(_json(outcome, code))
     else:
-        family = None
-        for r in outcome.results:
-            fam = r.probe.split(".")[0]
-            if fam != family:  # a header per probe family, with its counts
-                family = fam
-                members = [x for x in outcome.results if x.probe.split(".")[0] == fam]
-                controls = [x.metrics.get("matches_known_verdict", x.metrics.get(
-                    "matches_expected")) for x in members]
-                controls = [c for c in controls if c is not None]
-                print(f"\n== {fam}: {counts_line(members)}" + (
-                    f" (controls with their known verdict: {sum(controls)} of "
-                    f"{len(controls)})" if controls else ""))
-            print(r.summary_line())
-        for fam, why in skipped.items():
-            print(f"SKIP  {fam}: {why}")
-        print(f"\n{counts_line(outcome.results)} in {outcome.seconds:.1f} s")
-        print(f"report: {outcome.paths['html']}")
-    if outcome.exit_code:
-        return outcome.exit_code
-    return 1 if args.strict and any(r.verdict == "fail" for r in outcome.results) else 0
+        print(render(outcome, suite=suite, absent=absent))
+    why = _why(outcome, code)
+    if why:
+        print(why, file=sys.stderr)
+    return code
+
+
+def _json(outcome, code: int) -> str:
+    import json
+
+    from trainprobes.report.evidence import dumps
+    doc = json.loads(outcome.paths["json"].read_text(encoding="utf-8"))
+    return dumps({**{k: v for k, v in doc.items() if k != "results"}, "exit_code": code,
+                  "paths": {k: str(v) for k, v in outcome.paths.items()},
+                  "results": doc["results"]})
+
+
+def _why(outcome, code: int) -> str:
+    """The exit code in a sentence on stderr, naming what caused it."""
+    from trainprobes.report import outline
+    if code == 0:
+        return ""
+    errors = [r for r in outcome.results if r.verdict == "error"]
+    if code == 2 and not errors:
+        return f"exit 2 (--strict): skipped {', '.join(outcome.skipped)}"
+    bad = errors or [r for r in outcome.results if outline.is_problem(r)]
+    names = "; ".join(f"{outline.badge(r).text} {r.probe} {r.target}" for r in bad[:5])
+    more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+    what = "could not run" if code == 2 else "problems"
+    return f"exit {code} ({what}): {names}{more}"
+
+
+def render(outcome, *, suite: str = "", absent: dict | None = None) -> str:
+    """The terminal summary: findings (worst first), one calibration line per family (with
+    the missed controls spelled out), the headline, where the report is."""
+    from trainprobes.report import outline
+    from trainprobes.result import environment
+
+    results = outcome.results
+    lines = []
+    found = outline.findings(results)
+    if found:
+        env = environment()
+        where = f" about this machine (torch {env.get('torch', '?')}, {env.get('device', '?')})" \
+            if suite.startswith("default") else ""
+        lines += ["", f"Findings{where}: PASS fine, WARN watch out, FAIL a problem"]
+        lines += [f"  {outline.badge(r).text:6} {r.probe} {r.target}"
+                  + (f" [{', '.join(r.codes)}]" if r.codes else "") + f": {r.message}"
+                  for r in found]
+    for fam, why in (absent or {}).items():
+        lines.append(f"  not on this machine: {fam} ({why})")
+    fams = outline.calibration(results)
+    if fams:
+        lines += ["", "Calibration: controls with a known verdict (OK: reproduced)"]
+        for f in fams:
+            lines.append(f"  {'OK' if not f.missed else 'MISSED':6} {f.line()}")
+            lines += [f"         {r.target}: expected {r.expected}, got {r.verdict}: {r.message}"
+                      for r in f.missed]
+    for fam, why in outcome.skipped.items():
+        lines.append(f"SKIP  {fam}: {why}")
+    bad = [r for r in results if outline.is_problem(r)]
+    status = f"{len(bad)} problem{'s' if len(bad) != 1 else ''}" if bad else "no problems"
+    lines += ["", f"{status}; {outline.headline(results)}; {outcome.seconds:.1f} s",
+              f"report: {outcome.paths['html']}"]
+    latest = outcome.paths.get("latest")
+    if latest is not None and latest.name == "latest":
+        lines.append(f"latest: {latest / 'report.html'}")
+    return "\n".join(lines)

@@ -1,38 +1,56 @@
 """`trainprobes bias`: is a low-precision all-reduce wrong in one direction (bias) or only noisy?"""
 from __future__ import annotations
 
-import json
 import sys
+
+from trainprobes.commands.options import add_report_options, emit_report, parse_dtype
+from trainprobes.validation import parse_choice, parse_int, parse_number
 
 HELP = ("bias vs variance of an emulated low-precision all-reduce against fp64, "
         "on seeded gradient-like data (exit status 1 when biased)")
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--dtype", default="bf16", help="wire format of the gradients (default: %(default)s)")
-    parser.add_argument("--world", type=int, default=1024, help="number of ranks (default: %(default)s)")
-    parser.add_argument("--numel", type=int, default=256, help="elements per rank (default: %(default)s)")
-    parser.add_argument("--algorithm", default="ring",
-                        help="ring, tree, halving_doubling, hierarchical, sequential, gloo (default: %(default)s)")
-    parser.add_argument("--op", default="sum", choices=("sum", "avg"))
-    parser.add_argument("--avg", default=None, choices=("premul", "divide"),
+    from trainprobes.reference.collectives import OPS
+    from trainprobes.reference.formats import ROUNDING_MODES
+    from trainprobes.reference.schedules import ALGORITHMS
+
+    parser.add_argument("--dtype", type=parse_dtype("dtype"), default="bf16",
+                        help="wire format of the gradients: fp16, bf16, torch.bfloat16, "
+                             "fp8_e4m3fn, ... (default: %(default)s)")
+    parser.add_argument("--world", type=parse_int("world", min=2, hint="a reduction over one "
+                                                  "rank adds nothing"), default=1024,
+                        help="number of ranks (default: %(default)s)")
+    parser.add_argument("--numel", type=parse_int("numel", min=1), default=256,
+                        help="elements per rank (default: %(default)s)")
+    # "order" needs an explicit order= this command cannot pass
+    algorithms = [a for a in ALGORITHMS if a != "order"]
+    parser.add_argument("--algorithm", type=parse_choice("algorithm", algorithms), default="ring",
+                        help=f"{', '.join(algorithms)} (default: %(default)s)")
+    parser.add_argument("--op", type=parse_choice("op", OPS), default="sum")
+    parser.add_argument("--avg", default=None, type=parse_choice("avg", ("premul", "divide")),
                         help="for --op avg: premul (NCCL: inputs times the rounded 1/n) or divide "
                              "(gloo: sum, then / n); default: the algorithm's own")
-    parser.add_argument("--rounding", default="nearest", choices=("nearest", "stochastic", "toward_zero"))
-    parser.add_argument("--accum-dtype", default=None, help="precision of each add before the per-hop rounding")
-    parser.add_argument("--reduce-dtype", default=None,
+    parser.add_argument("--rounding", type=parse_choice("rounding", ROUNDING_MODES),
+                        default="nearest", help="nearest, stochastic or toward_zero")
+    parser.add_argument("--accum-dtype", type=parse_dtype("accum_dtype"), default=None,
+                        help="precision of each add before the per-hop rounding")
+    parser.add_argument("--reduce-dtype", type=parse_dtype("reduce_dtype"), default=None,
                         help="reduce in this format and round once to --dtype at the end (e.g. fp32)")
-    parser.add_argument("--ranks-per-node", type=int, default=None, help="for --algorithm hierarchical")
-    parser.add_argument("--trials", type=int, default=32, help="seeded trials (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--alpha", type=float, default=0.01, help="significance level (default: %(default)s)")
-    parser.add_argument("--scale", type=float, default=1e-3,
+    parser.add_argument("--ranks-per-node", type=parse_int("ranks_per_node", min=1), default=None,
+                        help="for --algorithm hierarchical")
+    parser.add_argument("--trials", type=parse_int("trials", min=3), default=32,
+                        help="seeded trials (default: %(default)s)")
+    parser.add_argument("--seed", type=parse_int("seed", min=0), default=0)
+    parser.add_argument("--alpha", default=0.01, help="significance level (default: %(default)s)",
+                        type=parse_number("alpha", min=0.0, max=1.0, min_open=True, max_open=True))
+    parser.add_argument("--scale", default=1e-3, type=parse_number("scale", min=0.0, min_open=True),
                         help="gradient scale: shared signal ~ N(0, scale^2) (default: %(default)s)")
-    parser.add_argument("--noise", type=float, default=1.0,
+    parser.add_argument("--noise", type=parse_number("noise", min=0.0), default=1.0,
                         help="per-rank noise std as a multiple of scale (default: %(default)s)")
     parser.add_argument("--compare", action="store_true",
                         help="round to nearest, stochastic rounding and fp32 accumulation side by side")
-    parser.add_argument("--json", action="store_true", help="print JSON (an object; a list with --compare)")
+    add_report_options(parser)
 
 
 def _row(r) -> dict:
@@ -61,7 +79,6 @@ def _progress(stream):
 
 def run(args) -> int:
     from trainprobes.numerics.bias import collective_bias, rounding_side_by_side
-    from trainprobes.result import to_jsonable
 
     kwargs = dict(dtype=args.dtype, world=args.world, numel=args.numel, algorithm=args.algorithm, op=args.op,
                   accum_dtype=args.accum_dtype, trials=args.trials, seed=args.seed, alpha=args.alpha,
@@ -70,18 +87,14 @@ def run(args) -> int:
         kwargs["ranks_per_node"] = args.ranks_per_node
     if args.avg is not None:
         kwargs["avg"] = args.avg
-    try:
-        if args.compare:
-            results = rounding_side_by_side(**kwargs)
-        else:
-            results = [collective_bias(rounding=args.rounding, reduce_dtype=args.reduce_dtype, **kwargs)]
-    except (ValueError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    rows = [_row(r) for r in results]
+    if args.compare:
+        results = rounding_side_by_side(**kwargs)
+    else:
+        results = [collective_bias(rounding=args.rounding, reduce_dtype=args.reduce_dtype, **kwargs)]
+    emit_report(args, results)
     if args.json:
-        print(json.dumps(to_jsonable(rows if args.compare else rows[0]), indent=2))
         return _exit_status(results)
+    rows = [_row(r) for r in results]
     conf = f"{1 - args.alpha:.0%} CI"
     head = ("how", "bias", conf, "spread", "p (t)", "p (sign)", "verdict")
     table = [head] + [(r["label"] or r["rounding"], f"{r['bias']:+.3e}" if r["bias"] is not None else "-",

@@ -3,60 +3,76 @@ tokens; without --target, probe the reference routers and print their verdicts."
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+
+from trainprobes.commands.options import add_report_options, emit_report
+from trainprobes.errors import InvalidArgument, TargetError
+from trainprobes.validation import parse_choice, parse_int, parse_number, parse_with
 
 HELP = "find routing/dropping decisions that depend on future tokens (perturb or truncate)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", metavar="PKG.MOD:FN",
-                   help="callable mapping inputs [B, T] (ids) or [B, T, D] (floats) to per-token "
-                        "decisions [B, T, ...]; omitted: run the reference routers")
-    p.add_argument("--mode", choices=("perturb", "truncate"), default="perturb",
+                   help="callable mapping inputs [B, T] (ids) or [B, T, D] (floats, with "
+                        "--hidden D) to per-token decisions [B, T, ...]; found from the current "
+                        "directory as with `python -m`; pkg.mod.fn works too; omitted: run the "
+                        "reference routers")
+    p.add_argument("--mode", type=parse_choice("mode", ("perturb", "truncate")), default="perturb",
                    help="perturb: change tokens after each cut (training view); truncate: run the "
                         "prefix only (inference view, reports mismatch_rate). Default perturb")
-    p.add_argument("--seq-len", type=int, default=256, metavar="T", help="sequence length (256)")
-    p.add_argument("--batch", type=int, default=4, metavar="B", help="sequences per batch (4)")
+    p.add_argument("--seq-len", type=parse_int("seq_len", min=2), default=256, metavar="T",
+                   help="sequence length (256)")
+    p.add_argument("--batch", type=parse_int("batch", min=1), default=4, metavar="B",
+                   help="sequences per batch (4)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--vocab", type=int, metavar="V",
+    src.add_argument("--vocab", type=parse_int("vocab", min=2), metavar="V",
                      help="token-id inputs in [0, V) (the default, V=1000)")
-    src.add_argument("--hidden", type=int, metavar="D", help="float inputs [B, T, D] instead of ids")
+    src.add_argument("--hidden", type=parse_int("hidden", min=1), metavar="D",
+                     help="float inputs [B, T, D] instead of ids (routers and blocks that take "
+                          "hidden states)")
     p.add_argument("--flat", action="store_true",
                    help="the target takes one sequence [T] / [T, D] without a batch axis")
-    p.add_argument("--cuts", default=None, metavar="all|N|c1,c2,...",
+    p.add_argument("--cuts", type=parse_with(str, check_cuts, "cuts"), default=None,
+                   metavar="all|N|c1,c2,...",
                    help="cuts to test: 'all' (full certification), a count to sample, or positions; "
                         "default: a few evenly spaced cuts that catch global leaks")
-    p.add_argument("--trials", type=int, default=1, help="perturbations per cut (1)")
-    p.add_argument("--seed", type=int, default=0, help="seed for inputs and perturbations (0)")
-    p.add_argument("--atol", type=float, default=0.0, help="tolerance for float decisions (0)")
-    p.add_argument("--decision", default=None, metavar="INDEX|NAME",
+    p.add_argument("--trials", type=parse_int("trials", min=1), default=1,
+                   help="perturbations per cut (1)")
+    p.add_argument("--seed", type=parse_int("seed", min=0), default=0,
+                   help="seed for inputs and perturbations (0)")
+    p.add_argument("--atol", type=parse_number("atol", min=0.0), default=0.0,
+                   help="tolerance for float decisions (0)")
+    p.add_argument("--decision", type=_picker, default=None, metavar="INDEX|NAME",
                    help="which part of a tuple/dict/named output is the decision")
-    p.add_argument("--scores", default=None, metavar="INDEX|NAME",
+    p.add_argument("--scores", type=_picker, default=None, metavar="INDEX|NAME",
                    help="which part of the output holds routing scores [B, T, E] (for margins)")
     p.add_argument("--no-fp64", action="store_true", help="never re-run the target in float64")
-    p.add_argument("--max-batch-tokens", type=int, default=65536,
+    p.add_argument("--max-batch-tokens", type=parse_int("max_batch_tokens", min=1), default=65536,
                    help="memory budget for packing perturbed copies into one call (65536)")
-    p.add_argument("--show", type=int, default=10, metavar="N", help="leaks to print (10)")
-    p.add_argument("--json", action="store_true", help="print the Result(s) as JSON")
-    p.add_argument("--output", metavar="FILE", help="also save the Result(s) to a JSON report")
+    p.add_argument("--show", type=parse_int("show", min=0), default=10, metavar="N",
+                   help="leaks to print (10)")
+    add_report_options(p)
 
 
-def _picker(s):
-    if s is None:
-        return None
+def _picker(s: str):
     return int(s) if s.lstrip("-").isdigit() else s
 
 
-def _cuts(s):
-    if s is None or s == "all":
-        return s
-    if s.isdigit():
-        return int(s)
+def check_cuts(value, name: str = "cuts"):
+    """'all', a count (int), or positions [int, ...]."""
+    if value == "all":
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
     try:
-        return [int(c) for c in s.split(",") if c.strip()]
+        cuts = [int(c) for c in str(value).split(",") if c.strip()]
     except ValueError:
-        raise ValueError(f"--cuts {s!r} must be 'all', a count, or positions like 10,20,30") from None
+        cuts = []
+    if not cuts:
+        raise InvalidArgument(f"{name}={value!r} must be 'all', a count, or positions like "
+                              "10,20,30")
+    return cuts
 
 
 def _progress():
@@ -66,78 +82,82 @@ def _progress():
                                      file=sys.stderr, flush=True)
 
 
-def run(args) -> int:
+def _inputs(args):
     import torch
-    from trainprobes.causality import check
-    from trainprobes.result import save_results
-    from trainprobes.targets import TargetError, load_target
-
-    try:
-        cuts = _cuts(args.cuts)
-        for flag in ("seq_len", "batch"):
-            if getattr(args, flag) < 1 or (flag == "seq_len" and args.seq_len < 2):
-                raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)!r} is too small "
-                                 f"(need seq-len >= 2, batch >= 1)")
-        if args.target is None:
-            return _controls(args, cuts)
-        fn = load_target(args.target)
-        g = torch.Generator().manual_seed(args.seed)
-        B, T = (1 if args.flat else args.batch), args.seq_len
-        if args.hidden:
-            x = torch.randn(B, T, args.hidden, generator=g)
-        else:
-            vocab = args.vocab or 1000
-            if vocab < 2:
-                raise ValueError(f"--vocab {vocab!r} must be >= 2")
-            x = torch.randint(0, vocab, (B, T), generator=g)
-        res = check(fn, x[0] if args.flat else x, mode=args.mode, cuts=cuts, trials=args.trials,
-                    seed=args.seed, atol=args.atol, decision=_picker(args.decision),
-                    scores=_picker(args.scores), layout="flat" if args.flat else "batched",
-                    vocab=None if args.hidden else (args.vocab or 1000),
-                    fp64=False if args.no_fp64 else None, max_batch_tokens=args.max_batch_tokens,
-                    target=args.target, progress=_progress())
-    except (TargetError, ValueError) as e:
-        print(f"trainprobes causality: error: {e}", file=sys.stderr)
-        return 2
-    if args.output:
-        save_results(args.output, [res], command="causality")
-    if args.json:
-        print(res.to_json(indent=2))
+    g = torch.Generator().manual_seed(args.seed)
+    B, T = (1 if args.flat else args.batch), args.seq_len
+    if args.hidden:
+        x = torch.randn(B, T, args.hidden, generator=g)
     else:
+        x = torch.randint(0, args.vocab or 1000, (B, T), generator=g)
+    return x[0] if args.flat else x
+
+
+def _first_call(fn, x, args) -> None:
+    """One call before the probe, so a target that cannot take these inputs is told what
+    to pass (ids where it wants floats: --hidden; floats where it wants ids: --vocab)."""
+    try:
+        fn(x)
+    except Exception as e:  # the user's code: any failure on these inputs
+        what = (f"hidden states {list(x.shape)} (float32)" if args.hidden else
+                f"token ids {list(x.shape)} (int64, from --vocab {args.vocab or 1000})")
+        fix = ("if it takes token ids, drop --hidden (and pass --vocab V)" if args.hidden else
+               "if it takes hidden states (floats [B, T, D], e.g. a router), pass --hidden D")
+        flat = "" if args.flat else "; if it takes one sequence without a batch axis, --flat"
+        raise TargetError(f"target={args.target!r} failed on {what}: {type(e).__name__}: {e}; "
+                          f"{fix}{flat}") from e
+
+
+def run(args) -> int:
+    from trainprobes.causality import check
+    from trainprobes.targets import load_target
+
+    if args.target is None:
+        return _controls(args)
+    fn = load_target(args.target, from_cwd=True)
+    x = _inputs(args)
+    _first_call(fn, x, args)
+    res = check(fn, x, mode=args.mode, cuts=args.cuts, trials=args.trials,
+                seed=args.seed, atol=args.atol, decision=args.decision,
+                scores=args.scores, layout="flat" if args.flat else "batched",
+                vocab=None if args.hidden else (args.vocab or 1000),
+                fp64=False if args.no_fp64 else None, max_batch_tokens=args.max_batch_tokens,
+                target=args.target, progress=_progress())
+    emit_report(args, [res])
+    if not args.json:
         print(format_result(res, show=args.show))
     return 1 if res.verdict == "fail" else 0
 
 
-def _controls(args, cuts) -> int:
+def _controls(args) -> int:
     from trainprobes.causality.suite import expected, run_controls
-    from trainprobes.result import save_results
 
     say = (lambda s: print(f"  {s}", file=sys.stderr, flush=True)) if sys.stderr.isatty() else None
-    rows = run_controls(seq_len=args.seq_len, batch=args.batch, seed=args.seed, cuts=cuts,
+    rows = run_controls(seq_len=args.seq_len, batch=args.batch, seed=args.seed, cuts=args.cuts,
                         progress=say)
-    ok = all(res.metrics.get("causal") is expected(ctl, mode) for ctl, mode, res in rows)
-    if args.output:
-        save_results(args.output, [r for _, _, r in rows], command="causality")
+    for ctl, mode, res in rows:  # controls: each key once, with its known verdict
+        res.target = f"{ctl.name}[{mode}]"
+        res.expected = "pass" if expected(ctl, mode) else "fail"
+    good = [res.metrics.get("causal") is expected(ctl, mode) for ctl, mode, res in rows]
+    emit_report(args, [r for _, _, r in rows],
+                controls={"reproduced": sum(good), "of": len(rows)})
     if args.json:
-        print(json.dumps([r.to_dict() for _, _, r in rows], indent=2))
-        return 0 if ok else 1
+        return 0 if all(good) else 1
     w = max(len("target"), *(len(ctl.name) for ctl, _, _ in rows))
     head = (f"{'target':{w}} {'mode':8} {'expected':9} {'verdict':8} {'causal':6} {'n_leaks':>7} "
             f"{'flip_rate':>9} {'mismatch':>8} {'evals':>5}  ok")
     print(f"reference routers and blocks: B={args.batch} T={args.seq_len} seed={args.seed}")
     print(head)
     print("-" * len(head))
-    for ctl, mode, res in rows:
+    for (ctl, mode, res), ok in zip(rows, good):
         m = res.metrics
         exp = "causal" if expected(ctl, mode) else "leaky"
         mm = f"{m['mismatch_rate']:.4f}" if "mismatch_rate" in m else "-"
-        good = "yes" if m.get("causal") is expected(ctl, mode) else "NO"
         print(f"{ctl.name:{w}} {mode:8} {exp:9} {res.verdict:8} {str(m.get('causal')):6} "
               f"{m.get('n_leaks', 0):7d} {m.get('flip_rate', 0):9.4f} {mm:>8} "
-              f"{m.get('n_evaluations', 0):5d}  {good}")
-    print(f"\n{sum(1 for c, md, r in rows if r.metrics.get('causal') is expected(c, md))}"
-          f"/{len(rows)} verdicts as known from the mechanism")
-    return 0 if ok else 1
+              f"{m.get('n_evaluations', 0):5d}  {'yes' if ok else 'NO'}")
+    print(f"\n{sum(good)}/{len(rows)} verdicts as known from the mechanism")
+    return 0 if all(good) else 1
 
 
 def _short(v) -> str:

@@ -1,8 +1,11 @@
 """`trainprobes drift`: compare train and inference log-probs (files) or run the engine-pair demo."""
 from __future__ import annotations
 
-import json
 import sys
+
+from trainprobes.commands.options import add_report_options, emit_report
+from trainprobes.errors import InvalidArgument
+from trainprobes.validation import check_number, parse_int, parse_number, parse_with
 
 HELP = "train/inference log-prob drift: biased, heavy-tailed, noisy or clean"
 
@@ -20,51 +23,102 @@ def add_arguments(p) -> None:
     src.add_argument("--hf-model", metavar="DIR", help="recompute train log-probs for --rollouts with a local HF causal LM (save_pretrained dir)")
     src.add_argument("--demo", action="store_true", help="run the tiny-LM engine pair (fp32/bf16, temperature, top-p) and compare each combination")
     opt = p.add_argument_group("options")
-    opt.add_argument("--alpha", type=float, default=0.01, help="level of the bias test (default 0.01)")
-    opt.add_argument("--clip", type=float, default=2.0, help="C of the ratio band [1/C, C] (default 2)")
-    opt.add_argument("--noise-kl-max", type=float, default=1e-3,
+    opt.add_argument("--intersect-masks", action="store_true",
+                     help="when --train and --infer both carry a 'mask' and they differ, use the "
+                          "tokens both call real (said in the report); without it, differing "
+                          "masks stop the command")
+    opt.add_argument("--alpha", default=0.01, help="level of the bias test (default 0.01)",
+                     type=parse_number("alpha", min=0.0, max=1.0, min_open=True, max_open=True))
+    opt.add_argument("--clip", type=parse_number("clip", min=1.0, min_open=True), default=2.0,
+                     help="C of the ratio band [1/C, C] (default 2)")
+    opt.add_argument("--noise-kl-max", type=parse_number("noise_kl_max", min=0.0), default=1e-3,
                      help="largest k2 KL (nats/token) that sampling noise may explain (default 1e-3)")
-    opt.add_argument("--min-bias", type=float, default=1e-5,
+    opt.add_argument("--min-bias", type=parse_number("min_bias", min=0.0), default=1e-5,
                      help="smallest |mean log-ratio| (nats/token) that fails as biased; a significant "
                           "bias below it is reported only (default 1e-5; 0 fails any significant bias)")
-    opt.add_argument("--clean-tol", type=float, default=1e-3,
+    opt.add_argument("--clean-tol", type=parse_number("clean_tol", min=0.0), default=1e-3,
                      help="largest log-ratio std (nats) called clean (default 1e-3)")
     opt.add_argument("--threshold", action="append", default=[], metavar="METRIC=MAX",
+                     type=parse_with(str, check_threshold, "threshold"),
                      help="fail (TP-D3) when |METRIC| > MAX, e.g. k3_kl=0.001; repeatable")
-    opt.add_argument("--seed", type=int, default=0, help="demo seed (model, prompts, sampling)")
-    opt.add_argument("--demo-prompts", type=int, default=32, help="demo sequences per scenario")
-    opt.add_argument("--demo-tokens", type=int, default=32, help="demo tokens per sequence")
+    opt.add_argument("--seed", type=parse_int("seed", min=0), default=0,
+                     help="demo seed (model, prompts, sampling)")
+    opt.add_argument("--demo-prompts", type=parse_int("demo_prompts", min=2), default=32,
+                     help="demo sequences per scenario")
+    opt.add_argument("--demo-tokens", type=parse_int("demo_tokens", min=1), default=32,
+                     help="demo tokens per sequence")
     out = p.add_argument_group("output")
-    out.add_argument("--json", action="store_true", help="print a JSON report instead of text")
-    out.add_argument("--output", metavar="FILE", help="also save the JSON report here")
+    add_report_options(out)
     out.add_argument("--plot", metavar="PNG", help="histogram of log-ratios and bias by probability")
 
 
-def _thresholds(items) -> dict:
-    from trainprobes.drift.stats import METRICS
+def check_threshold(item, name: str = "threshold") -> tuple:
+    """METRIC=MAX with METRIC one of trainprobes.drift.stats.METRICS: (metric, max)."""
+    import difflib
 
-    out = {}
-    for item in items:
-        name, eq, value = item.partition("=")
-        if not eq or name not in METRICS:
-            raise ValueError(f"--threshold {item!r} must be METRIC=MAX with METRIC one of {sorted(METRICS)}")
-        try:
-            out[name] = float(value)
-        except ValueError:
-            raise ValueError(f"--threshold {item!r}: {value!r} is not a number") from None
-    return out
+    from trainprobes.drift.stats import METRICS
+    metric, eq, value = str(item).partition("=")
+    metric = metric.strip()
+    if not eq or metric not in METRICS:
+        close = difflib.get_close_matches(metric, list(METRICS), n=1)
+        raise InvalidArgument(f"{name}={item!r} must be METRIC=MAX with METRIC one of "
+                              f"{sorted(METRICS)}" + (f"; did you mean {close[0]!r}?" if close else ""))
+    return metric, check_number(_float(value), f"{name} {metric}", min=0.0)
+
+
+def _float(text):
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def load_pair(train_path, infer_path, *, intersect: bool = False):
+    """Both sides' log-probs from files: (train, infer, mask, note). Shapes must match.
+    Masks that differ stop here (the files disagree on which tokens are real), unless
+    intersect: then only tokens both call real are used and `note` says how many were left
+    out. One mask alone is used for both sides."""
+    from trainprobes import drift
+    from trainprobes.errors import DataFileError
+
+    train, tmask = drift.load_logprobs(train_path)
+    infer, imask = drift.load_logprobs(infer_path)
+    if train.shape != infer.shape:
+        raise DataFileError(f"{str(infer_path)!r} has shape {tuple(infer.shape)}, expected "
+                            f"{tuple(train.shape)} like {str(train_path)!r}")
+    if tmask is None or imask is None:
+        return train, infer, (tmask if imask is None else imask), ""
+    differ = tmask != imask
+    n = int(differ.sum())
+    if not n:
+        return train, infer, tmask, ""
+    first = [int(i) for i in differ.nonzero()[0]]
+    where = (f"first at record {first[0]}" + (f", position {first[1]}" if len(first) > 1 else "")
+             + f": train {bool(tmask[tuple(first)])}, infer {bool(imask[tuple(first)])}")
+    if not intersect:
+        raise DataFileError(
+            f"the masks of {str(train_path)!r} and {str(infer_path)!r} differ at {n} of "
+            f"{differ.numel()} positions ({where}): the two sides disagree on which tokens are "
+            "real; fix the files, or pass --intersect-masks to use only tokens both call real")
+    mask = tmask & imask
+    note = (f"masks differed at {n} positions ({where}); {int(tmask.sum() - mask.sum())} train "
+            f"and {int(imask.sum() - mask.sum())} infer tokens outside the intersection were "
+            f"left out (--intersect-masks): {int(mask.sum())} tokens compared")
+    return train, infer, mask, note
 
 
 def _results(args) -> list:
     from trainprobes import drift
 
     kw = dict(alpha=args.alpha, clip=args.clip, noise_kl_max=args.noise_kl_max, min_bias=args.min_bias,
-              clean_tol=args.clean_tol, thresholds=_thresholds(args.threshold) or None)
+              clean_tol=args.clean_tol, thresholds=dict(args.threshold) or None)
+    sources = [k for k in ("demo", "rollouts", "train", "infer") if getattr(args, k)]
     if args.demo:
         from trainprobes.drift.demo import run_demo
 
-        if kw["thresholds"]:
-            raise ValueError("--threshold applies to --train/--infer or --rollouts, not --demo")
+        if len(sources) > 1 or kw["thresholds"]:
+            raise InvalidArgument("--demo runs its own engine pair: it takes no --train/--infer/"
+                                  "--rollouts and no --threshold")
 
         def progress(i, n, name):
             print(f"[{i + 1}/{n}] {name}", file=sys.stderr, flush=True)
@@ -73,28 +127,31 @@ def _results(args) -> list:
         return run_demo(n_prompts=args.demo_prompts, max_new_tokens=args.demo_tokens, seed=args.seed,
                         progress=progress, **options)
     if args.rollouts:
+        if args.train or args.infer:
+            raise InvalidArgument("give --rollouts FILE alone (it holds both sides), or --train "
+                                  "FILE and --infer FILE")
         ro = drift.load_rollouts(args.rollouts)
         train = ro.train_logprobs
         if args.hf_model:
             train = drift.recompute_with_hf(args.hf_model, ro)
         if train is None:
-            raise ValueError(f"{args.rollouts!r} has no train_logprobs; add them or pass --hf-model DIR")
+            raise InvalidArgument(f"{args.rollouts!r} has no train_logprobs; add them or pass "
+                                  "--hf-model DIR")
         return [drift.compare(train, ro.infer_logprobs, mask=ro.mask, target=args.rollouts, **kw)]
     if not (args.train and args.infer):
-        raise ValueError("give --train FILE and --infer FILE, or --rollouts FILE, or --demo")
-    train, tmask = drift.load_logprobs(args.train)
-    infer, imask = drift.load_logprobs(args.infer)
-    if train.shape != infer.shape:
-        raise ValueError(f"{args.infer!r} has shape {tuple(infer.shape)}, expected "
-                         f"{tuple(train.shape)} like {args.train!r}")
-    mask = tmask if imask is None else (imask if tmask is None else tmask & imask)
-    return [drift.compare(train, infer, mask=mask, target=f"{args.train} vs {args.infer}", **kw)]
+        raise InvalidArgument("give --train FILE and --infer FILE, or --rollouts FILE, or --demo"
+                              + (f" (only --{sources[0]} was given)" if sources else ""))
+    train, infer, mask, note = load_pair(args.train, args.infer, intersect=args.intersect_masks)
+    r = drift.compare(train, infer, mask=mask, target=f"{args.train} vs {args.infer}", **kw)
+    if note:
+        r.evidence["masks"] = note
+        r.message += f"; {note}"
+    return [r]
 
 
 def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
+    from trainprobes.display import format_number
+    return format_number(v)
 
 
 def render(results) -> str:
@@ -122,7 +179,7 @@ def plot(results, path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'trainprobes[plots]'") from None
+        raise InvalidArgument("--plot needs matplotlib: pip install 'trainprobes[plots]'") from None
     fig, axes = plt.subplots(len(results), 2, figsize=(10, 2.6 * len(results)), squeeze=False)
     for (a, b), r in zip(axes, results):
         h = r.evidence["log_ratio_histogram"]
@@ -144,21 +201,11 @@ def plot(results, path) -> None:
 
 
 def run(args) -> int:
-    from trainprobes.result import SCHEMA_VERSION, save_results
-
-    try:
-        results = _results(args)
-        if args.plot:
-            plot(results, args.plot)
-    except (ValueError, TypeError, ImportError) as e:
-        print(f"trainprobes drift: error: {e}", file=sys.stderr)
-        return 2
-    if args.output:
-        save_results(args.output, results, command="drift")
-    if args.json:
-        print(json.dumps({"schema_version": SCHEMA_VERSION, "results": [r.to_dict() for r in results]},
-                         indent=2))
-    else:
+    results = _results(args)
+    if args.plot:
+        plot(results, args.plot)
+    emit_report(args, results)
+    if not args.json:
         print(render(results))
     if args.demo:  # the demo succeeds when every scenario shows the drift it is meant to show
         return 0 if all(r.metrics["drift_verdict"] == r.evidence["scenario"]["expect"] for r in results) else 1

@@ -8,6 +8,7 @@
 
 See docs/distributed.md.
 """
+from trainprobes.distributed.case import COLLECTIVES, OPS, Case
 from trainprobes.distributed.launcher import (
                                          LaunchError,
                                          PortInUse,
@@ -22,7 +23,6 @@ from trainprobes.distributed.probe import (
                                          run_collective,
                                          run_collectives,
 )
-from trainprobes.distributed.worker import COLLECTIVES, OPS, Case
 
 __all__ = ["Case", "COLLECTIVES", "OPS", "LaunchError", "PortInUse", "WorkerFailed",
            "WorkerTimeout", "free_port", "launch", "emulate_collective", "result_from_outputs",

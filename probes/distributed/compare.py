@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import torch
+from trainprobes.errors import InvalidArgument
 from trainprobes.reference.formats import get_format
 
 
@@ -19,7 +20,7 @@ def _rows(outputs) -> tuple[torch.Tensor, list[int]]:
     """Stack per-rank outputs (None where a rank got nothing) as float64 [R, N] + rank ids."""
     ranks = [r for r, t in enumerate(outputs) if t is not None]
     if not ranks:
-        raise ValueError("outputs has no tensor on any rank: nothing to compare")
+        raise InvalidArgument("outputs has no tensor on any rank: nothing to compare")
     return torch.stack([outputs[r].reshape(-1).to(torch.float64) for r in ranks]), ranks
 
 
@@ -42,7 +43,7 @@ def bitwise_agreement(real, predicted, dtype: str, show: int = 5) -> dict:
     else:
         p, _ = _rows([predicted[k] for k in ranks])
     if p.shape != r.shape:
-        raise ValueError(f"predicted has shape {tuple(p.shape)}, expected {tuple(r.shape)}")
+        raise InvalidArgument(f"predicted has shape {tuple(p.shape)}, expected {tuple(r.shape)}")
     same = _same_bits(r, p)
     total = same.numel()
     bad = (~same).nonzero()
@@ -88,8 +89,8 @@ def _like(t: torch.Tensor, r: torch.Tensor, name: str) -> torch.Tensor:
     if (t.dim() == 1 or t.shape[0] == 1) and t.numel() == r.shape[1]:
         t = t.reshape(1, -1).expand_as(r)
     if t.shape != r.shape:
-        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(r.shape)} "
-                         f"or ({r.shape[1]},) like the outputs")
+        raise InvalidArgument(f"{name} has shape {tuple(t.shape)}, expected {tuple(r.shape)} "
+                              f"or ({r.shape[1]},) like the outputs")
     return t
 
 

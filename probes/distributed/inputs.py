@@ -7,6 +7,9 @@ predict the result.
 from __future__ import annotations
 
 import torch
+from trainprobes.errors import InvalidArgument
+from trainprobes.reference.formats import get_format
+from trainprobes.validation import check_choice
 
 DATA = {
     "normal": "standard normal values",
@@ -19,14 +22,16 @@ DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "fp16": torch.float16,
 _FP8 = {"fp8_e4m3fn": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype a real backend moves for a format name (fp8 where torch has it)."""
-    if name in DTYPES:
-        return DTYPES[name]
-    if name in _FP8 and hasattr(torch, _FP8[name]):
-        return getattr(torch, _FP8[name])
-    raise ValueError(f"dtype={name!r} is not a type a real collective moves; expected one of "
-                     f"{list(DTYPES) + list(_FP8)}")
+def torch_dtype(name) -> torch.dtype:
+    """The torch dtype a real backend moves for a format (any spelling get_format takes;
+    fp8 where torch has it)."""
+    fmt = get_format(name)
+    if fmt.name in DTYPES:
+        return DTYPES[fmt.name]
+    if fmt.name in _FP8 and hasattr(torch, _FP8[fmt.name]):
+        return getattr(torch, _FP8[fmt.name])
+    raise InvalidArgument(f"dtype={name!r} is not a type a real collective moves; expected one "
+                          f"of {list(DTYPES) + list(_FP8)}")
 
 
 def _generator(seed: int, rank: int) -> torch.Generator:
@@ -36,8 +41,7 @@ def _generator(seed: int, rank: int) -> torch.Generator:
 
 def make_input(data: str, rank: int, numel: int, seed: int) -> torch.Tensor:
     """Rank `rank`'s input as float64 values (cast to the wire dtype by the caller)."""
-    if data not in DATA:
-        raise ValueError(f"data={data!r} is unknown; expected one of {list(DATA)}")
+    check_choice(data, "data", tuple(DATA))
     if data == "ones":
         return torch.ones(numel, dtype=torch.float64)
     g = _generator(seed, rank)

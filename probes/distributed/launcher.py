@@ -10,12 +10,16 @@ Each rank:
      group with the run's timeout (nccl: one GPU per rank, cuda:rank);
   3. runs the task and torch.save()s its return value to a private temp folder (tensors
      sent through a multiprocessing queue live in the sender's shared memory, which dies
-     with it), then reports ("ok", rank) or ("error", rank, traceback) on a queue.
+     with it), then reports ("ok", rank) or ("error", rank, traceback) on a queue. A task
+     returns plain data: tensors, numbers, strings, None, and lists/tuples/dicts of them;
+     the launcher reads it back with torch.load(weights_only=True), which unpickles no
+     objects (anything else is refused on the rank, naming the task).
 The launcher waits until every rank reported or the deadline passed. A rank that raises,
 dies without a word, or outlives the deadline stops the run: every rank's process group is
 killed (SIGKILL), joined, and WorkerFailed / WorkerTimeout names the rank(s), with the
-traceback. A free port is picked automatically (and picked again if the rendezvous finds
-it taken); an explicit port that is taken is refused before any process starts.
+traceback. A free port is picked automatically, and picked again (up to `retries` times) if
+the rendezvous finds it taken or fails before any task ran; an explicit port that is taken
+is refused before any process starts.
 """
 from __future__ import annotations
 
@@ -30,7 +34,8 @@ import time
 import traceback
 from datetime import timedelta
 
-from trainprobes.errors import TrainprobesError
+from trainprobes.errors import InvalidArgument, InvalidType, TrainprobesError
+from trainprobes.validation import check_choice, check_int, check_number
 
 BACKENDS = ("gloo", "nccl")
 _ADDR_IN_USE = ("address already in use", "eaddrinuse", "errno 98")
@@ -44,6 +49,9 @@ class LaunchError(TrainprobesError, RuntimeError):
 
 class WorkerFailed(LaunchError):
     """A rank raised (or died); .rank and .traceback say which and why."""
+
+    port_taken = False  # some rank's error says the rendezvous port was in use
+    rendezvous = False  # it failed while joining the process group, before the task ran
 
     def __init__(self, rank: int, tb: str, world: int):
         self.rank, self.traceback, self.world = rank, tb, world
@@ -86,23 +94,19 @@ def port_is_free(port: int, addr: str = "127.0.0.1") -> bool:
 
 
 def _check_launch(world, backend, timeout, port, addr) -> None:
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(f"world={world!r} must be an int >= 1 (the number of ranks)")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is unknown; expected one of {list(BACKENDS)}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
-    if port is not None and (isinstance(port, bool) or not isinstance(port, int)
-                             or not 0 < port < 65536):
-        raise ValueError(f"port={port!r} must be None (pick a free one) or an int in 1..65535")
+    check_int(world, "world", min=1, hint="the number of ranks")
+    check_choice(backend, "backend", BACKENDS)
+    check_number(timeout, "timeout", min=0, min_open=True, hint="seconds")
+    if port is not None:
+        check_int(port, "port", min=1, max=65535, hint="or None to pick a free one")
     if backend == "nccl":
         import torch
         if not torch.cuda.is_available():
-            raise ValueError("backend='nccl' needs CUDA, and torch.cuda.is_available() is "
-                             "False here; use backend='gloo' (CPU)")
+            raise InvalidArgument("backend='nccl' needs CUDA, and torch.cuda.is_available() is "
+                                  "False here; use backend='gloo' (CPU)")
         if torch.cuda.device_count() < world:
-            raise ValueError(f"world={world!r} with backend='nccl' needs one GPU per rank; "
-                             f"{torch.cuda.device_count()} visible")
+            raise InvalidArgument(f"world={world!r} with backend='nccl' needs one GPU per rank; "
+                                  f"{torch.cuda.device_count()} visible")
     if port is not None and not port_is_free(port, addr):
         raise PortInUse(f"port={port!r} on {addr} is already in use; pass port=None to pick "
                         f"a free one")
@@ -121,16 +125,44 @@ def _rank_main(task, rank, world, backend, addr, port, timeout, args, outdir, q)
                           MASTER_ADDR=addr, MASTER_PORT=str(port))
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        status = "rendezvous"  # until the group is up: the task has not run, retrying is safe
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout))
+        status = "error"
         try:
             out = task(rank, world, *args)
+            _check_plain(out, f"{getattr(task, '__name__', task)}() on rank {rank} returned")
             torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
         finally:
             dist.destroy_process_group()
         q.put(("ok", rank, ""))
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit
-        q.put(("error", rank, traceback.format_exc()))
+        q.put((locals().get("status", "rendezvous"), rank, traceback.format_exc()))
+
+
+_PLAIN = (int, float, bool, str, bytes, type(None))
+
+
+def _check_plain(value, where: str) -> None:
+    """value must be data torch.load(weights_only=True) reads back without unpickling objects:
+    tensors, numbers, strings, None, and lists/tuples/dicts (string or int keys) of them."""
+    import torch
+    if isinstance(value, (torch.Tensor,) + _PLAIN):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_plain(v, f"{where} [{i}]")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, (str, int)):
+                raise InvalidType(f"{where} a dict key {k!r} of type {type(k).__name__}; "
+                                  "a task returns plain data (keys: str or int)")
+            _check_plain(v, f"{where} [{k!r}]")
+        return
+    raise InvalidType(f"{where} a {type(value).__name__}; a task returns plain data (tensors, "
+                      "numbers, strings, None, and lists/tuples/dicts of them) so the launcher "
+                      "reads it back without unpickling objects")
 
 
 def _kill(procs) -> None:
@@ -167,19 +199,27 @@ def _first_cause(procs, q, done, rank, tb, world) -> "WorkerFailed":
     """The failure to report when `rank` raised: a rank that died silently (segfault,
     os._exit) makes its peers raise in the collective, and often their traceback arrives
     first; the dead rank is the cause, so name it, with the peer's error as context."""
-    reported = {rank}
+    reported, tracebacks = {rank}, [tb or ""]
     time.sleep(0.2)  # a rank that died first has exited by now; peers' reports are queued
     while True:
         try:
-            reported.add(q.get_nowait()[1])
+            _, r, other = q.get_nowait()
         except queue_mod.Empty:
             break
+        reported.add(r)
+        tracebacks.append(other or "")
+    failed = None
     for r, p in enumerate(procs):
         if r not in done and r not in reported and not p.is_alive() and p.exitcode not in (0, None):
             last = tb.strip().splitlines()[-1] if tb and tb.strip() else ""
-            return WorkerFailed(r, f"rank {r} exited with code {p.exitcode} without reporting; "
-                                   f"rank {rank} then failed: {last}", world)
-    return WorkerFailed(rank, tb, world)
+            failed = WorkerFailed(r, f"rank {r} exited with code {p.exitcode} without reporting; "
+                                     f"rank {rank} then failed: {last}", world)
+            break
+    failed = failed or WorkerFailed(rank, tb, world)
+    # a taken rendezvous port shows in the rank that binds it, which may report second
+    # (its peers then fail to connect: "Connection closed by peer")
+    failed.port_taken = any(m in t.lower() for t in tracebacks for m in _ADDR_IN_USE)
+    return failed
 
 
 def _run_once(task, world, backend, timeout, args, addr, port, progress):
@@ -214,12 +254,14 @@ def _run_once(task, world, backend, timeout, args, addr, port, progress):
                     if time.monotonic() > deadline:
                         raise WorkerTimeout(sorted(set(range(world)) - done), timeout, world)
                     continue
-            if status == "error":
-                raise _first_cause(procs, q, done, rank, tb, world)
+            if status != "ok":
+                failed = _first_cause(procs, q, done, rank, tb, world)
+                failed.rendezvous = status == "rendezvous" and failed.rank == rank
+                raise failed
             done.add(rank)
             if progress:
                 progress(f"rank {rank} done ({len(done)}/{world})")
-        return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
+        return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=True)
                 for r in range(world)]
     except LaunchError as e:
         e.pids = [p.pid for p in procs]  # so a caller (a test) can check none survived
@@ -236,26 +278,32 @@ def launch(task, world: int, *, backend: str = "gloo", timeout: float = 120.0, a
            progress=None) -> list:
     """Run task(rank, world, *args) on `world` local ranks; return the per-rank results.
 
-    Raises WorkerFailed (a rank raised or died), WorkerTimeout (deadline passed),
-    PortInUse (an explicit port is taken) or ValueError (bad arguments, checked before any
-    process starts). progress: optional callable(str) for human progress lines.
+    Raises WorkerFailed (a rank raised or died; also a task that returned more than plain
+    data), WorkerTimeout (deadline passed), PortInUse (an explicit port is taken) or
+    InvalidArgument (bad arguments, checked before any process starts). progress:
+    optional callable(str) for human progress lines.
     """
     _check_launch(world, backend, timeout, port, addr)
+    check_int(retries, "retries", min=1)
     if not callable(task) or getattr(task, "__name__", "<lambda>") == "<lambda>":
-        raise ValueError(f"task={task!r} must be a module-level function (spawned ranks "
-                         f"import it by name)")
+        raise InvalidArgument(f"task={task!r} must be a module-level function (spawned ranks "
+                              f"import it by name)")
     for attempt in range(retries):
         chosen = port if port is not None else free_port(addr)
         try:
             return _run_once(task, world, backend, timeout, args, addr, chosen, progress)
         except WorkerFailed as e:
-            taken = any(s in e.traceback.lower() for s in _ADDR_IN_USE)
-            if not taken:
-                raise
-            if port is not None or attempt == retries - 1:
+            # a port taken, or a rendezvous that failed before any task ran (a loaded host
+            # drops gloo's pair connections: "Connection closed by peer"): a fresh port
+            taken = e.port_taken or any(m in e.traceback.lower() for m in _ADDR_IN_USE)
+            if taken and (port is not None or attempt == retries - 1):
                 raise PortInUse(f"port {chosen} on {addr} was taken when the ranks tried to "
                                 f"bind it ({retries if port is None else 1} attempt(s)); pass "
                                 f"port=None or another free port") from e
+            if not (taken or e.rendezvous) or port is not None or attempt == retries - 1:
+                raise
             if progress:
-                progress(f"port {chosen} was taken; retrying with another")
+                last = e.traceback.strip().splitlines()[-1] if e.traceback.strip() else ""
+                progress(f"port {chosen} was taken; retrying with another" if taken else
+                         f"rendezvous on port {chosen} failed ({last}); retrying with another")
     raise AssertionError("unreachable")

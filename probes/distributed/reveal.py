@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 import torch
 from trainprobes.distributed.launcher import launch
 from trainprobes.distributed.worker import reveal_task
+from trainprobes.errors import InvalidArgument
 from trainprobes.reference.formats import get_format
 from trainprobes.result import Result
+from trainprobes.validation import check_choice, check_int
 
 REVEAL_DTYPES = ("fp32", "fp16", "bf16", "fp64")
 MAX_WORLD = 255  # counts travel as uint8
@@ -37,7 +39,7 @@ def crafted_values(world: int, dtype: str) -> tuple[float, float]:
     tiny = 2.0 ** -8
     big = tiny * 2.0 ** (fmt.mantissa_bits + (2 * world).bit_length())
     if big > fmt.max_finite:
-        raise ValueError(f"world={world!r} is too large to reveal in dtype={dtype!r} "
+        raise InvalidArgument(f"world={world!r} is too large to reveal in dtype={dtype!r} "
                          f"(the crafted value {big!r} overflows); reveal in 'fp32'")
     return big, tiny
 
@@ -102,16 +104,12 @@ def reveal_order(*, backend: str = "gloo", world: int = 4, numel: int = 1024,
                  dtype: str = "fp32", collective: str = "all_reduce", timeout: float = 120.0,
                  port: int | None = None, progress=None) -> RevealedOrder:
     """Run the crafted pairs on `world` real ranks and read each element's order back."""
-    if collective not in ("all_reduce", "reduce"):
-        raise ValueError(f"collective={collective!r}: the order can be revealed for "
-                         f"'all_reduce' and 'reduce' (reduce_scatter is gloo's all_reduce)")
-    if dtype not in REVEAL_DTYPES:
-        raise ValueError(f"dtype={dtype!r} cannot carry the crafted values; expected one of "
-                         f"{list(REVEAL_DTYPES)}")
-    if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= MAX_WORLD:
-        raise ValueError(f"world={world!r} must be an int in [1, {MAX_WORLD}]")
-    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
-        raise ValueError(f"numel={numel!r} must be an int >= 1")
+    check_choice(collective, "collective", ("all_reduce", "reduce"),
+                 hint="reduce_scatter is gloo's all_reduce")
+    dtype = get_format(dtype).name
+    check_choice(dtype, "dtype", REVEAL_DTYPES, hint="formats that carry the crafted values")
+    check_int(world, "world", min=1, max=MAX_WORLD, hint="counts travel as uint8")
+    check_int(numel, "numel", min=1, hint="elements per rank")
     big, tiny = crafted_values(world, dtype)
     outs = launch(reveal_task, world, backend=backend, timeout=timeout, port=port,
                   args=(numel, dtype, collective, big, tiny, backend), progress=progress)
@@ -134,7 +132,7 @@ def reveal_result(*, backend: str = "gloo", world: int = 4, numel: int = 1024,
     from trainprobes.reference.gloo import gloo_order
     rev = reveal_order(backend=backend, world=world, numel=numel, dtype=dtype,
                        collective=collective, timeout=timeout, port=port, progress=progress)
-    itemsize = {"fp64": 8, "fp32": 4, "fp16": 2, "bf16": 2}[dtype]
+    itemsize = {"fp64": 8, "fp32": 4, "fp16": 2, "bf16": 2}[rev.dtype]
     model = gloo_order(world, numel, itemsize, collective)
     frac = rev.agreement(model)
     bad = (~((canonical(model) == rev.order).all(0) & rev.chain)).nonzero().flatten()

@@ -10,6 +10,24 @@ import subprocess
 import sys
 import time
 
+from trainprobes.errors import TrainprobesError
+
+
+class DeliberateFailure(TrainprobesError, RuntimeError):
+    """What a self-test task raises on purpose, standing in for a rank's real error."""
+
+
+def plain_task(rank: int, world: int) -> dict:
+    """Plain data of every kind the launcher carries back: tensors, numbers, str, None."""
+    import torch
+    return {"rank": rank, "tensor": torch.full((3,), float(rank), dtype=torch.bfloat16),
+            "nested": [None, 1.5, ("a", True)], 7: b"bytes"}
+
+
+def object_task(rank: int, world: int):
+    """Returns an object the launcher must refuse to carry (it would need unpickling)."""
+    return {"rank": rank, "value": DeliberateFailure("not data")}
+
 
 def echo_task(rank: int, world: int) -> dict:
     """Report who ran: rank, world, pid and the rendezvous environment."""
@@ -20,7 +38,7 @@ def echo_task(rank: int, world: int) -> dict:
 
 def raise_task(rank: int, world: int, bad_rank: int) -> int:
     if rank == bad_rank:
-        raise RuntimeError(f"deliberate failure on rank {rank}")
+        raise DeliberateFailure(f"deliberate failure on rank {rank}")
     time.sleep(60)  # the others wait, as ranks blocked in a collective would
     return rank
 
@@ -39,7 +57,7 @@ def exit_then_peers_raise_task(rank: int, world: int, bad_rank: int, code: int =
     if rank == bad_rank:
         os._exit(code)
     time.sleep(0.3)
-    raise RuntimeError(f"rank {rank}: peer {bad_rank} closed the connection")
+    raise DeliberateFailure(f"rank {rank}: peer {bad_rank} closed the connection")
 
 
 def hang_task(rank: int, world: int, pid_dir: str | None = None) -> int:
@@ -51,3 +69,12 @@ def hang_task(rank: int, world: int, pid_dir: str | None = None) -> int:
             f.write(str(child.pid))
     while True:
         time.sleep(1)
+
+
+def gather_task(rank: int, world: int, collective: str) -> list | None:
+    """One bf16 case of `collective`, gathered to rank 0 as the torchrun entry does (raw
+    bytes, no pickling): rank 0 returns every rank's output (None where a rank has none)."""
+    from trainprobes.distributed.case import Case
+    from trainprobes.distributed.worker import _gather_to_root, run_collective
+    case = Case(collective, "bf16", numel=6, root=0).check(world, "gloo")
+    return _gather_to_root(run_collective(case, rank, world, "cpu"), case, rank, world, "cpu")

@@ -13,61 +13,14 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass
 
 import torch
-from trainprobes.distributed.inputs import DATA, DTYPES, reveal_input, torch_dtype, wire_input
+from trainprobes.distributed.case import COLLECTIVES, OPS, Case
+from trainprobes.distributed.inputs import DATA, reveal_input, torch_dtype, wire_input
+from trainprobes.distributed.predict import result_from_outputs
+from trainprobes.validation import parse_choice, parse_int
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "reduce")
-OPS = ("sum", "avg", "max", "min")
-_REDUCING = ("all_reduce", "reduce_scatter", "reduce")
-
-
-@dataclass(frozen=True)
-class Case:
-    """One collective call: what to run, on which data. Validated before any process starts."""
-
-    collective: str = "all_reduce"
-    dtype: str = "fp32"
-    op: str = "sum"
-    numel: int = 4096
-    data: str = "normal"
-    seed: int = 0
-    root: int = 0
-
-    def check(self, world: int, backend: str) -> "Case":
-        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-            raise ValueError(f"world={world!r} must be an int >= 1 (the number of ranks)")
-        if self.collective not in COLLECTIVES:
-            raise ValueError(f"collective={self.collective!r} is unknown; expected one of "
-                             f"{list(COLLECTIVES)}")
-        if self.op not in OPS:
-            raise ValueError(f"op={self.op!r} is unknown; expected one of {list(OPS)}")
-        if self.data not in DATA:
-            raise ValueError(f"data={self.data!r} is unknown; expected one of {list(DATA)}")
-        for name in ("numel", "seed", "root"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "numel" else 0):
-                raise ValueError(f"{name}={v!r} must be an int >= {1 if name == 'numel' else 0}")
-        if self.root >= world:
-            raise ValueError(f"root={self.root!r} must be a rank in [0, {world})")
-        if self.collective == "reduce_scatter" and self.numel % world:
-            raise ValueError(f"numel={self.numel!r} with collective='reduce_scatter' must be "
-                             f"divisible by world={world}, e.g. {world * max(1, self.numel // world)}")
-        if backend == "gloo" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} with backend='gloo': gloo has no float8 "
-                             f"reduction (gloo: 'Invalid scalar type'); use backend='emulated' "
-                             f"or one of {list(DTYPES)}")
-        if backend == "emulated":
-            from trainprobes.reference.formats import get_format
-            get_format(self.dtype)  # any format trainprobes.reference.formats knows
-        else:
-            torch_dtype(self.dtype)
-        return self
-
-    @property
-    def label(self) -> str:
-        return f"{self.collective}[{self.dtype},{self.op},n={self.numel},{self.data}]"
+__all__ = ["Case", "COLLECTIVES", "OPS", "run_collective", "cases_task", "reveal_task"]
 
 
 def _reduce_op(op: str):
@@ -130,20 +83,40 @@ def reveal_task(rank: int, world: int, numel: int, dtype: str, collective: str, 
     return torch.stack(rows) if rows else torch.zeros(0, numel, dtype=torch.uint8)
 
 
+def _gather_to_root(out: torch.Tensor | None, case: Case, rank: int, world: int,
+                    device: str) -> list | None:
+    """Every rank's output at rank 0 as tensors (torch.distributed.gather of raw bytes: no
+    pickling, unlike gather_object), a has-output flag last. A rank without output
+    (reduce off the root) sends zeros and a flag of 0. Returns the list on rank 0, None elsewhere."""
+    import torch.distributed as dist
+    shape = {"reduce_scatter": case.numel // world, "all_gather": case.numel * world}.get(
+        case.collective, case.numel)
+    dtype = torch_dtype(case.dtype)
+    mine = out if out is not None else torch.zeros(shape, dtype=dtype)
+    payload = torch.cat([mine.reshape(-1).contiguous().view(torch.uint8),  # flag last: the
+                         torch.tensor([out is not None], dtype=torch.uint8)]).to(device)  # bytes stay aligned
+    bufs = [torch.empty_like(payload) for _ in range(world)] if rank == 0 else None
+    dist.gather(payload, bufs, dst=0)
+    if rank != 0:
+        return None
+    return [b[:-1].cpu().view(dtype).clone() if bool(b[-1]) else None for b in bufs]
+
+
 def _torchrun_main(argv=None) -> int:
     """Entry under torchrun: one case, results gathered to rank 0, which prints the Result."""
     import torch.distributed as dist
     p = argparse.ArgumentParser(prog="python -m trainprobes.distributed.worker",
                                 description="one real collective under torchrun")
-    p.add_argument("--backend", choices=("gloo", "nccl"),
+    p.add_argument("--backend", type=parse_choice("backend", ("gloo", "nccl")),
                    default="nccl" if torch.cuda.is_available() else "gloo")
-    p.add_argument("--collective", choices=COLLECTIVES, default="all_reduce")
+    p.add_argument("--collective", type=parse_choice("collective", COLLECTIVES),
+                   default="all_reduce")
     p.add_argument("--dtype", default="fp32")
-    p.add_argument("--op", choices=OPS, default="sum")
-    p.add_argument("--numel", type=int, default=4096)
-    p.add_argument("--data", choices=list(DATA), default="normal")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--root", type=int, default=0)
+    p.add_argument("--op", type=parse_choice("op", OPS), default="sum")
+    p.add_argument("--numel", type=parse_int("numel", min=1), default=4096)
+    p.add_argument("--data", type=parse_choice("data", tuple(DATA)), default="normal")
+    p.add_argument("--seed", type=parse_int("seed", min=0), default=0)
+    p.add_argument("--root", type=parse_int("root", min=0), default=0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
@@ -155,17 +128,16 @@ def _torchrun_main(argv=None) -> int:
     local = int(os.environ.get("LOCAL_RANK", rank))
     case = Case(args.collective, args.dtype, args.op, args.numel, args.data, args.seed,
                 args.root).check(world, args.backend)
+    device = f"cuda:{local}" if args.backend == "nccl" else "cpu"
     if args.backend == "nccl":
         torch.cuda.set_device(local)
     dist.init_process_group(args.backend)
     try:
-        out = run_collective(case, rank, world, f"cuda:{local}" if args.backend == "nccl" else "cpu")
-        gathered = [None] * world if rank == 0 else None
-        dist.gather_object(out, gathered, dst=0)
+        gathered = _gather_to_root(run_collective(case, rank, world, device), case, rank, world,
+                                   device)
     finally:
         dist.destroy_process_group()
     if rank == 0:
-        from trainprobes.distributed.probe import result_from_outputs
         res = result_from_outputs(case, gathered, backend=args.backend, world=world)
         print(json.dumps(res.to_dict(), indent=2) if args.json else res.summary_line())
         return 0 if res.passed else 1

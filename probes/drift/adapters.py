@@ -16,14 +16,16 @@ import math
 
 import torch
 from trainprobes.drift.io import Rollouts
+from trainprobes.errors import InvalidArgument, InvalidType, MissingDependency
+from trainprobes.validation import check_int, check_number
 
 
 def _require(package: str, extra: str):
     try:
         return __import__(package)
     except ImportError:
-        raise ImportError(f"this adapter needs {package!r}, which is not installed: "
-                          f"pip install {extra}") from None
+        raise MissingDependency(f"this adapter needs {package!r}, which is not installed: "
+                                f"pip install {extra}") from None
 
 
 @torch.no_grad()
@@ -41,15 +43,16 @@ def hf_token_logprobs(model, input_ids, attention_mask=None, *, temperature: flo
         transformers = _require("transformers", "'trainprobes[hf]'")
         model = transformers.AutoModelForCausalLM.from_pretrained(model, local_files_only=True)
     if not callable(model):
-        raise TypeError(f"model={model!r} must be a transformers causal LM or a local path")
-    if not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"temperature={temperature!r} must be > 0")
+        raise InvalidType(f"model={model!r} must be a transformers causal LM or a local path")
+    check_number(temperature, "temperature", min=0, min_open=True)
+    if batch_size is not None:
+        check_int(batch_size, "batch_size", min=1)
     ids = torch.as_tensor(input_ids, dtype=torch.long)
     if ids.ndim != 2 or ids.shape[1] < 2:
-        raise ValueError(f"input_ids has shape {tuple(ids.shape)}, expected [B, L] with L >= 2")
+        raise InvalidArgument(f"input_ids has shape {tuple(ids.shape)}, expected [B, L] with L >= 2")
     am = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask, dtype=torch.long)
     if am.shape != ids.shape:
-        raise ValueError(f"attention_mask has shape {tuple(am.shape)}, expected {tuple(ids.shape)}")
+        raise InvalidArgument(f"attention_mask has shape {tuple(am.shape)}, expected {tuple(ids.shape)}")
     step = batch_size or ids.shape[0]
     out = []
     for start in range(0, ids.shape[0], step):  # loop over batches
@@ -67,40 +70,41 @@ def vllm_logprobs(request_outputs, *, completion: int = 0) -> Rollouts:
     completion: which of the n completions per request to read. Raises naming the request and
     position when log-probs are missing (generate with SamplingParams(logprobs=0)).
     """
+    check_int(completion, "completion", min=0, hint="which of the n completions per request")
     outs = list(request_outputs)
     if not outs:
-        raise ValueError("request_outputs is empty")
+        raise InvalidArgument("request_outputs is empty")
     rows, prompts = [], []
     for r, req in enumerate(outs):  # loop over requests
         try:
             comp = req.outputs[completion]
         except (AttributeError, IndexError, TypeError):
-            raise ValueError(f"request_outputs[{r}] has no outputs[{completion}]; expected vLLM "
-                             f"RequestOutput objects") from None
+            raise InvalidArgument(f"request_outputs[{r}] has no outputs[{completion}]; expected vLLM "
+                                  f"RequestOutput objects") from None
         ids, lps = list(comp.token_ids), comp.logprobs
         if lps is None:
-            raise ValueError(f"request_outputs[{r}].outputs[{completion}].logprobs is None: generate "
-                             f"with SamplingParams(logprobs=0) to get the sampled tokens' log-probs")
+            raise InvalidArgument(f"request_outputs[{r}].outputs[{completion}].logprobs is None: generate "
+                                  f"with SamplingParams(logprobs=0) to get the sampled tokens' log-probs")
         if len(lps) != len(ids):
-            raise ValueError(f"request_outputs[{r}].outputs[{completion}] has {len(ids)} token_ids but "
-                             f"{len(lps)} logprobs positions")
+            raise InvalidArgument(f"request_outputs[{r}].outputs[{completion}] has {len(ids)} token_ids but "
+                                  f"{len(lps)} logprobs positions")
         vals = []
         for i, (tok, pos) in enumerate(zip(ids, lps)):  # vLLM hands one dict per position
             try:
                 entry = pos[tok]
             except (KeyError, TypeError, IndexError):
-                raise ValueError(f"request_outputs[{r}].outputs[{completion}].logprobs[{i}] has no entry "
-                                 f"for the sampled token {tok}") from None
+                raise InvalidArgument(f"request_outputs[{r}].outputs[{completion}].logprobs[{i}] has no entry "
+                                      f"for the sampled token {tok}") from None
             v = getattr(entry, "logprob", entry)
             if not isinstance(v, (int, float)) or not math.isfinite(v) and v != -math.inf:
-                raise ValueError(f"request_outputs[{r}].outputs[{completion}].logprobs[{i}][{tok}] = "
-                                 f"{v!r} is not a log-prob")
+                raise InvalidArgument(f"request_outputs[{r}].outputs[{completion}].logprobs[{i}][{tok}] = "
+                                      f"{v!r} is not a log-prob")
             vals.append(float(v))
         rows.append((ids, vals))
         prompts.append(list(getattr(req, "prompt_token_ids", None) or []))
     B, T = len(rows), max(len(ids) for ids, _ in rows)
     if T == 0:
-        raise ValueError("no request generated any token")
+        raise InvalidArgument("no request generated any token")
     token_ids = torch.zeros(B, T, dtype=torch.long)
     infer = torch.zeros(B, T)
     mask = torch.zeros(B, T, dtype=torch.bool)
@@ -117,11 +121,11 @@ def recompute_with_hf(model, rollouts: Rollouts, *, temperature: float = 1.0,
     """Train-side log-probs [B, T] for the completion tokens of `rollouts` (which need
     prompt_ids and token_ids), with a HF causal LM over prompt + completion, right-padded."""
     if rollouts.prompt_ids is None or rollouts.token_ids is None:
-        raise ValueError("rollouts need prompt_ids and token_ids to recompute with a model")
+        raise InvalidArgument("rollouts need prompt_ids and token_ids to recompute with a model")
     B, T = rollouts.token_ids.shape
     lens = [len(p) for p in rollouts.prompt_ids]
     if min(lens) < 1:
-        raise ValueError("every rollout needs a non-empty prompt_ids to condition the first token on")
+        raise InvalidArgument("every rollout needs a non-empty prompt_ids to condition the first token on")
     L = max(lens) + T
     ids = torch.full((B, L), pad_id, dtype=torch.long)
     am = torch.zeros(B, L, dtype=torch.long)

@@ -19,37 +19,27 @@ The verdict, from the mechanism (notation in trainprobes.drift.stats):
                <= tail_frac, and those tokens hold >= tail_share_min of sum x^2.
   clean        neither, std(x) <= clean_tol and no ratio outside [1/C, C].
   noisy        neither, but not clean: zero-mean noise (bf16 kernels, reduction order).
+
+Cost: three reads of the tokens (trainprobes.drift.tokens): one for every sum, one to count
+per bin, one to gather the few bins that hold the quantile ranks.
 """
 from __future__ import annotations
 
-import math
-
-import torch
-from trainprobes.drift import inputs, stats
+from trainprobes.drift.inputs import pair
+from trainprobes.drift.stats import (
+    by_position,
+    by_probability,
+    cluster_t,
+    quantiles_and_histogram,
+    sequence_metrics,
+    token_metrics,
+)
+from trainprobes.drift.tokens import Work, token_sums
+from trainprobes.drift.verdict import DRIFT_VERDICTS, check_options, classify, judge
+from trainprobes.power import min_detectable_effect
 from trainprobes.result import Result
 
-DRIFT_VERDICTS = ("clean", "noisy", "biased", "heavy-tailed")
-
-
-def _check_options(alpha, clip, clean_tol, noise_kl_max, tail_frac, tail_share_min, kl_warn, thresholds,
-                   min_bias=0.0):
-    if not (isinstance(alpha, (int, float)) and 0 < alpha < 1):
-        raise ValueError(f"alpha={alpha!r} must be in (0, 1), e.g. 0.01")
-    if not (isinstance(clip, (int, float)) and clip > 1 and math.isfinite(clip)):
-        raise ValueError(f"clip={clip!r} must be a finite ratio > 1 (the band is [1/clip, clip]), e.g. 2.0")
-    for name, v in (("clean_tol", clean_tol), ("noise_kl_max", noise_kl_max), ("kl_warn", kl_warn),
-                    ("min_bias", min_bias)):
-        if not (isinstance(v, (int, float)) and v >= 0):
-            raise ValueError(f"{name}={v!r} must be a number >= 0")
-    for name, v in (("tail_frac", tail_frac), ("tail_share_min", tail_share_min)):
-        if not (isinstance(v, (int, float)) and 0 < v <= 1):
-            raise ValueError(f"{name}={v!r} must be in (0, 1]")
-    if thresholds is not None:
-        if not isinstance(thresholds, dict):
-            raise TypeError(f"thresholds={thresholds!r} must be a dict metric -> max allowed |value|")
-        unknown = [k for k in thresholds if k not in stats.METRICS]
-        if unknown:
-            raise ValueError(f"thresholds names unknown metrics {unknown!r}; known: {sorted(stats.METRICS)}")
+__all__ = ["compare", "classify", "DRIFT_VERDICTS"]
 
 
 def compare(train_logprobs, infer_logprobs, *, mask=None, lengths=None, alpha: float = 0.01,
@@ -74,25 +64,20 @@ def compare(train_logprobs, infer_logprobs, *, mask=None, lengths=None, alpha: f
     Returns a Result (probe "drift.compare"); metrics["biased"] is the bias verdict and
     metrics["drift_verdict"] one of clean / noisy / biased / heavy-tailed. See stats.METRICS.
     """
-    _check_options(alpha, clip, clean_tol, noise_kl_max, tail_frac, tail_share_min, kl_warn, thresholds,
-                   min_bias)
-    train, infer, m, unit = inputs.pair(train_logprobs, infer_logprobs, mask, lengths)
-    x2d = infer - train
-    xz = torch.where(m, x2d, 0.0)
-    if int(torch.count_nonzero(m)) == m.numel():
-        x, tr, inf = x2d.reshape(-1), train.reshape(-1), infer.reshape(-1)
-    else:  # one nonzero, three gathers
-        keep = m.reshape(-1).nonzero().squeeze(1)
-        x, tr, inf = (t.reshape(-1).index_select(0, keep) for t in (x2d, train, infer))
-
-    metrics, evidence = stats.token_metrics(tr, inf, x, clip)
+    thresholds = check_options(alpha=alpha, clip=clip, clean_tol=clean_tol, noise_kl_max=noise_kl_max,
+                               tail_frac=tail_frac, tail_share_min=tail_share_min, kl_warn=kl_warn,
+                               min_bias=min_bias, thresholds=thresholds)
+    layout = pair(train_logprobs, infer_logprobs, mask, lengths)
+    work = Work()  # one set of block buffers for the three passes
+    sums = token_sums(layout, clip, shape=True, work=work)
+    metrics = token_metrics(sums, clip)
+    quantiles, histogram = quantiles_and_histogram(layout, metrics["k1_kl"], metrics["std_log_ratio"],
+                                                   sums.x_min, sums.x_max, work)
+    metrics.update(quantiles)
     # the bias test over units: sums of x and of u = x - x^2/2 per row
-    seq_n = inputs.row_counts(m)
-    seq_sum = xz.sum(1)
-    xz2 = xz * xz
-    seq_u = seq_sum - xz2.sum(1) / 2
-    mean, se, t, p_mean, half, G = (v.item() for v in stats.cluster_t(seq_sum, seq_n, alpha))
-    _, _, t_u, p_excess, _, _ = (v.item() for v in stats.cluster_t(seq_u, seq_n, alpha))
+    seq_sum, seq_n = sums.row_sum, sums.row_n
+    mean, se, t, p_mean, half, G = (v.item() for v in cluster_t(seq_sum, seq_n, alpha))
+    p_excess = cluster_t(seq_sum - sums.row_sq / 2, seq_n, alpha).p.item()
     small_noise = metrics["k2_kl"] <= noise_kl_max
     p_value = max(p_mean, p_excess) if small_noise else p_mean
     metrics.update({
@@ -100,81 +85,14 @@ def compare(train_logprobs, infer_logprobs, *, mask=None, lengths=None, alpha: f
         "t_stat": t, "p_mean": p_mean, "p_excess": p_excess, "p_value": p_value,
         "n_units": int(G), "alpha": alpha, "clip": clip, "noise_kl_max": noise_kl_max,
         "min_bias": min_bias,
+        # what a pass rules out: the smallest |mean log-ratio| the t-test finds with 80% power
+        "min_detectable_bias": min_detectable_effect(se, G - 1, alpha),
     })
-    if unit == "sequence":
-        metrics.update(stats.sequence_metrics(seq_sum, seq_n, clip))
-    evidence["by_probability"] = stats.by_probability(inf, x)
-    if unit == "sequence":
-        evidence["by_position"] = stats.by_position(xz, xz2, m)
-    evidence["test_unit"] = unit
-    return _verdict(metrics, evidence, alpha=alpha, clean_tol=clean_tol, tail_frac=tail_frac,
-                    tail_share_min=tail_share_min, kl_warn=kl_warn, thresholds=thresholds,
-                    probe="drift.compare", target=target)
-
-
-def classify(metrics: dict, *, alpha: float, clean_tol: float, tail_frac: float,
-             tail_share_min: float) -> tuple:
-    """(drift_verdict, biased, heavy_tailed, reason) from the metrics; shared with the monitor."""
-    p = metrics["p_value"]
-    significant = bool(math.isfinite(p) and p < alpha)
-    tiny = abs(metrics["mean_log_ratio"]) < metrics.get("min_bias", 0.0)
-    biased = significant and not tiny
-    frac, share = metrics["frac_ratio_outside"], metrics["tail_share"]
-    heavy = bool(0 < frac <= tail_frac and share >= tail_share_min)
-    mean, lo, hi = metrics["mean_log_ratio"], metrics.get("ci_low"), metrics.get("ci_high")
-    if biased:
-        ci = f" [{lo:.3g}, {hi:.3g}]" if lo is not None else ""
-        why = ("and the excess over the x^2/2 that small sampling noise gives is significant too"
-               if metrics["k2_kl"] <= metrics.get("noise_kl_max", 0.0) else
-               f"and k2 {metrics['k2_kl']:.3g} is too large for rounding noise")
-        reason = (f"mean log-ratio (infer - train) {mean:.3g}{ci} nats/token is not zero-mean noise "
-                  f"(p = {p:.2g} < alpha {alpha:g}, {why})")
-        label = "biased"
-    elif heavy:
-        reason = (f"{frac:.2%} of tokens have an importance ratio outside [1/C, C] and carry "
-                  f"{share:.0%} of the squared log-ratio (max |log-ratio| "
-                  f"{metrics['max_abs_log_ratio']:.3g})")
-        label = "heavy-tailed"
-    elif metrics["std_log_ratio"] <= clean_tol and frac == 0:
-        reason = (f"log-ratios have std {metrics['std_log_ratio']:.2g} <= {clean_tol:g} nats and no "
-                  f"ratio outside the band")
-        if significant:
-            reason += (f"; a significant bias {mean:.2g} nats/token lies below min_bias "
-                       f"{metrics['min_bias']:g} (p = {p:.2g})")
-        label = "clean"
-    else:
-        why = ("bias untestable with one sequence (pass more rows, or lengths=)" if not math.isfinite(p)
-               else "no significant bias" if p >= alpha
-               else f"a significant bias below min_bias {metrics['min_bias']:g} nats/token" if tiny
-               else "mean explained by noise")
-        reason = (f"zero-mean mismatch, {why} (p = {p:.2g}); std {metrics['std_log_ratio']:.3g} nats, "
-                  f"k3 KL(infer||train) {metrics['k3_kl']:.3g}")
-        label = "noisy"
-    return label, biased, heavy, reason
-
-
-def _verdict(metrics, evidence, *, alpha, clean_tol, tail_frac, tail_share_min, kl_warn,
-             thresholds, probe, target) -> Result:
-    label, biased, heavy, reason = classify(metrics, alpha=alpha, clean_tol=clean_tol,
-                                            tail_frac=tail_frac, tail_share_min=tail_share_min)
-    metrics.update({"biased": biased, "heavy_tailed": heavy, "drift_verdict": label})
-    codes, verdict = [], "pass"
-    if biased:
-        codes.append("TP-D1")
-        verdict = "fail"
-    if heavy:
-        codes.append("TP-D2")
-        verdict = "fail" if verdict == "fail" else "warn"
-    over = {k: metrics[k] for k, v in (thresholds or {}).items()
-            if isinstance(metrics.get(k), (int, float)) and not abs(metrics[k]) <= v}
-    if over:
-        codes.append("TP-D3")
-        verdict = "fail"
-        reason += "; over threshold: " + ", ".join(f"{k} = {v:.3g} > {thresholds[k]:g}" for k, v in over.items())
-    elif label == "noisy" and metrics["k3_kl"] > kl_warn:
-        codes.append("TP-D3")
-        verdict = "warn" if verdict == "pass" else verdict
-        reason += f"; k3_kl {metrics['k3_kl']:.3g} > kl_warn {kl_warn:g}"
-    evidence["thresholds"] = dict(thresholds or {})
-    return Result(probe=probe, target=target, verdict=verdict, metrics=metrics, evidence=evidence,
-                  seed=None, codes=codes, message=f"{label}: {reason}")
+    evidence = {"log_ratio_histogram": histogram, "by_probability": by_probability(sums)}
+    if layout.unit == "sequence":
+        metrics.update(sequence_metrics(seq_sum, seq_n, clip))
+        evidence["by_position"] = by_position(sums)
+    evidence["test_unit"] = layout.unit
+    return judge(metrics, evidence, alpha=alpha, clean_tol=clean_tol, tail_frac=tail_frac,
+                 tail_share_min=tail_share_min, kl_warn=kl_warn, thresholds=thresholds,
+                 probe="drift.compare", target=target)

@@ -19,7 +19,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-from trainprobes.drift import inputs
+from trainprobes.drift.inputs import as_tensor, check_logprobs
+from trainprobes.errors import InvalidArgument
+from trainprobes.validation import check_choice, check_number
 
 LEVELS = ("token", "sequence", "geometric")
 
@@ -43,23 +45,22 @@ class Correction:
 
 
 def _log_ratios(train, infer, mask, level):
-    if level not in LEVELS:
-        raise ValueError(f"level={level!r} must be one of {LEVELS}")
-    train = inputs.as_tensor("train_logprobs", train)
-    infer = inputs.as_tensor("infer_logprobs", infer)
+    check_choice(level, "level", LEVELS)
+    train = as_tensor("train_logprobs", train)
+    infer = as_tensor("infer_logprobs", infer)
     if train.shape != infer.shape:
-        raise ValueError(f"infer_logprobs has shape {tuple(infer.shape)}, expected {tuple(train.shape)}")
+        raise InvalidArgument(f"infer_logprobs has shape {tuple(infer.shape)}, expected {tuple(train.shape)}")
     m = torch.ones_like(train, dtype=torch.bool) if mask is None else torch.as_tensor(mask).bool()
     if m.shape != train.shape:
-        raise ValueError(f"mask has shape {tuple(m.shape)}, expected {tuple(train.shape)}")
-    inputs.check_logprobs("train_logprobs", train, m)
-    inputs.check_logprobs("infer_logprobs", infer, m)
+        raise InvalidArgument(f"mask has shape {tuple(m.shape)}, expected {tuple(train.shape)}")
+    check_logprobs("train_logprobs", train, m)
+    check_logprobs("infer_logprobs", infer, m)
     a = torch.where(m, train - infer, 0.0)  # log rho per token
     if level == "token":
         return a, m, a, m
     if train.ndim != 2:
-        raise ValueError(f"level={level!r} needs [B, T] log-probs (rows = sequences), got shape "
-                         f"{tuple(train.shape)}")
+        raise InvalidArgument(f"level={level!r} needs [B, T] log-probs (rows = sequences), got shape "
+                              f"{tuple(train.shape)}")
     n = m.sum(1)
     unit_ok = n > 0
     seq = a.double().sum(1)
@@ -84,8 +85,7 @@ def _broadcast(unit_w, unit_keep, a, m, level):
 def truncated_is(train_logprobs, infer_logprobs, mask=None, *, cap: float = 2.0,
                  level: str = "token") -> Correction:
     """Truncated IS: w = min(rho, cap) at the given level."""
-    if not (isinstance(cap, (int, float)) and cap > 0 and math.isfinite(cap)):
-        raise ValueError(f"cap={cap!r} must be a finite number > 0, e.g. 2.0")
+    check_number(cap, "cap", min=0, min_open=True, hint="e.g. 2.0")
     log_r, keep, a, m = _log_ratios(train_logprobs, infer_logprobs, mask, level)
     clipped = (log_r > math.log(cap)) & keep
     w = torch.exp(log_r.clamp(max=math.log(cap)))
@@ -98,8 +98,10 @@ def truncated_is(train_logprobs, infer_logprobs, mask=None, *, cap: float = 2.0,
 def masked_is(train_logprobs, infer_logprobs, mask=None, *, low: float = 0.5, high: float = 2.0,
               level: str = "token") -> Correction:
     """Masked IS: keep w = rho where low <= rho <= high, drop the token (or sequence) elsewhere."""
-    if not (isinstance(low, (int, float)) and isinstance(high, (int, float)) and 0 <= low < high):
-        raise ValueError(f"band low={low!r}, high={high!r} must satisfy 0 <= low < high, e.g. 0.5, 2.0")
+    check_number(low, "low", min=0, hint="the band's lower ratio, e.g. 0.5")
+    check_number(high, "high", min=0, min_open=True, finite=False, hint="the band's upper ratio, e.g. 2.0")
+    if not low < high:
+        raise InvalidArgument(f"band low={low!r}, high={high!r} must satisfy 0 <= low < high, e.g. 0.5, 2.0")
     log_r, keep, a, m = _log_ratios(train_logprobs, infer_logprobs, mask, level)
     log_low = math.log(low) if low > 0 else -math.inf
     inside = (log_r >= log_low) & (log_r <= math.log(high)) & keep

@@ -46,6 +46,11 @@ def _arrays(path: Path) -> dict:
         raise DriftFileError(f"{str(path)!r} does not exist")
     suffix = path.suffix.lower()
     if suffix == ".npz":
+        with open(path, "rb") as f:  # numpy calls any non-zip file "pickled data"
+            head = f.read(6)
+        if not head.startswith((b"PK\x03\x04", b"\x93NUMPY")):
+            raise DriftFileError(f"{str(path)!r} is not an .npz archive (it starts with {head!r}, "
+                                 f"not a zip header); write it with numpy.savez")
         try:
             with np.load(path, allow_pickle=False) as z:
                 return {k: z[k] for k in z.files}

@@ -2,10 +2,10 @@
 
 Per step it keeps only sums (float64 running moments), fixed-size histograms of the log-ratio
 and one small row of history; no token is stored. Sums per unit (sequence) make the
-cluster-robust bias test of `compare` available at any time:
-    sum_i (S_i - m n_i)^2 = sum S_i^2 - 2 m sum S_i n_i + m^2 sum n_i^2.
+cluster-robust bias test of `compare` available at any time (stats.cluster_t_from_sums).
 Quantiles in the summary come from the histograms (fine bins of 5e-5 nats for |x| < 0.05,
 then 0.01 nats out to |x| < 20), so they are approximate; `compare` gives exact ones.
+One `update` is one read of the step's tokens (trainprobes.drift.tokens.token_sums).
 """
 from __future__ import annotations
 
@@ -14,15 +14,27 @@ from collections import deque
 
 import torch
 from scipy import stats as sps
-from trainprobes.drift import inputs, stats
-from trainprobes.drift.compare import _check_options, _verdict
-from trainprobes.errors import TrainprobesError
+from trainprobes.drift.inputs import pair
+from trainprobes.drift.stats import (
+    QUANTILES,
+    cluster_t_from_sums,
+    nearest_rank,
+    quantile_name,
+    ratio_from_x,
+    ratio_metrics,
+)
+from trainprobes.drift.tokens import Bins, Work, token_sums
+from trainprobes.drift.verdict import check_options, judge
+from trainprobes.errors import InvalidArgument, TrainprobesError
+from trainprobes.validation import check_choice, check_int, check_number, check_type
 
 HISTORY_KEYS = ("n_tokens", "mean_log_ratio", "std_log_ratio", "k3_kl", "chi2_token",
                 "frac_ratio_outside", "max_abs_log_ratio", "ess_token", "mean_abs_prob_diff",
                 "max_abs_prob_diff")
 FINE = (-0.05, 0.05, 2000)
 COARSE = (-20.0, 20.0, 4000)
+# histograms of a = -x over the mirrored ranges, flipped into x order (histc semantics)
+_FINE_A, _COARSE_A = Bins(-FINE[1], -FINE[0], FINE[2]), Bins(-COARSE[1], -COARSE[0], COARSE[2])
 
 
 class DriftAlarm(TrainprobesError, RuntimeError):
@@ -44,6 +56,8 @@ class DriftMonitor:
     DriftAlarm (on_alarm="raise") or records it in `alarms` (on_alarm="record").
     history: how many steps of per-step rows to keep (a deque; None keeps all).
     The other options are those of `compare` and feed the same verdict in `summary()`.
+    Besides its sums the monitor keeps one block of work buffers, 13 bytes per token of its
+    largest step (of at most tokens.BLOCK_ELEMENTS tokens), so steps do not pay page faults.
     """
 
     def __init__(self, *, thresholds: dict | None = None, on_alarm: str = "raise",
@@ -51,14 +65,17 @@ class DriftMonitor:
                  clean_tol: float = 1e-3, noise_kl_max: float = 1e-3, tail_frac: float = 0.01,
                  tail_share_min: float = 0.5, kl_warn: float = 0.01, min_bias: float = 1e-5,
                  target: str = "train vs infer"):
-        _check_options(alpha, clip, clean_tol, noise_kl_max, tail_frac, tail_share_min, kl_warn, None,
-                       min_bias)
-        thresholds = dict(thresholds or {})
+        check_options(alpha=alpha, clip=clip, clean_tol=clean_tol, noise_kl_max=noise_kl_max,
+                      tail_frac=tail_frac, tail_share_min=tail_share_min, kl_warn=kl_warn, min_bias=min_bias)
+        thresholds = dict(check_type(dict, thresholds or {}, "thresholds", hint="a dict metric -> max |value|"))
         unknown = [k for k in thresholds if k not in HISTORY_KEYS]
         if unknown:
-            raise ValueError(f"thresholds names {unknown!r}; per-step metrics are {HISTORY_KEYS}")
-        if on_alarm not in ("raise", "record"):
-            raise ValueError(f"on_alarm={on_alarm!r} must be 'raise' or 'record'")
+            raise InvalidArgument(f"thresholds names {unknown!r}; per-step metrics are {HISTORY_KEYS}")
+        thresholds = {k: check_number(v, f"thresholds[{k!r}]", finite=False, hint="the max allowed |value|")
+                      for k, v in thresholds.items()}
+        check_choice(on_alarm, "on_alarm", ("raise", "record"))
+        if history is not None:
+            check_int(history, "history", min=1, hint="steps of history to keep, or None for all")
         self.thresholds, self.on_alarm, self.target = thresholds, on_alarm, target
         self.options = dict(alpha=alpha, clean_tol=clean_tol, tail_frac=tail_frac,
                             tail_share_min=tail_share_min, kl_warn=kl_warn)
@@ -70,81 +87,37 @@ class DriftMonitor:
         self.x_min, self.x_max, self.max_adp = math.inf, -math.inf, 0.0
         self.fine = torch.zeros(FINE[2], dtype=torch.float64)
         self.coarse = torch.zeros(COARSE[2], dtype=torch.float64)
-        zero = torch.zeros(1)  # where histc puts an exact 0 (the masked-out tokens)
-        self._zero_bin = tuple(int(torch.histc(zero, nb, -hi, -lo).flip(0).argmax())
-                               for lo, hi, nb in (FINE, COARSE))
+        self._work = Work()  # one block of buffers, reused by every step
 
     def update(self, train_logprobs, infer_logprobs, mask=None) -> dict:
         """Add one step ([N] or [B, T], rows = sequences). Returns the step's row of history."""
-        train, infer, m, unit = inputs.pair(train_logprobs, infer_logprobs, mask)
-        # masked-out tokens become a = 0 (and |p diff| = 0): they add nothing to any sum, and
-        # the zeros they put in the histograms are taken out again below. Work in a = log rho
-        # = train - infer = -x, in place where possible: this runs every training step.
-        a = train - infer
-        n_pad = m.numel() - int(torch.count_nonzero(m))  # bool .sum() is ~10x slower
-        if n_pad:
-            pad = ~m
-            a.masked_fill_(pad, 0.0)
-        az = a
-        a = a.reshape(-1)
-        n = a.numel() - n_pad
-        lo, hi = (-v.item() for v in reversed(torch.aminmax(a)))  # extremes of x = -a
-        if n_pad and (lo == 0.0 or hi == 0.0):  # the padding zeros may be posing as extremes
-            lo, hi = (-v.item() for v in reversed(torch.aminmax(a[m.reshape(-1)])))
-        e = torch.expm1(a)
-        row_s = -az.sum(1).double()  # row sums of x
-        row_q = torch.bmm(az.unsqueeze(1), az.unsqueeze(2)).reshape(-1).double()  # row sums of x^2
-        s1, s2 = row_s.sum().item(), row_q.sum().item()
-        se_, see = e.sum().item(), torch.dot(e, e).item()
-        k3, rev = stats.kl_sums(a, e, max(-lo, hi))
-        del e
-        log_c = math.log(self.clip)
-        if max(-lo, hi) > log_c:
-            outside = a.abs() > log_c
-            n_out = int(outside.sum())
-            tail_sq = (a[outside] ** 2).sum().item()
-        else:
-            n_out, tail_sq = 0, 0.0
-        adp = infer.exp().sub_(train.exp()).abs_()
-        if n_pad:
-            adp.masked_fill_(pad, 0.0)
-        adp_sum, adp_max = adp.sum().item(), adp.max().item()
-        del adp
-        # histograms of x = -a: histc of a over the mirrored range, flipped
-        fine = torch.histc(a, FINE[2], -FINE[1], -FINE[0]).flip(0).double()
-        if n_pad:
-            fine[self._zero_bin[0]] -= n_pad
-        if max(-lo, hi) < FINE[1]:  # all inside the fine range: coarse bins are sums of fine ones
-            coarse = torch.zeros(COARSE[2], dtype=torch.float64)
-            start = round((FINE[0] - COARSE[0]) / ((COARSE[1] - COARSE[0]) / COARSE[2]))
-            per = int(round(FINE[2] / ((FINE[1] - FINE[0]) / ((COARSE[1] - COARSE[0]) / COARSE[2]))))
-            coarse[start:start + FINE[2] // per] = fine.view(-1, per).sum(1)
-        else:
-            coarse = torch.histc(a, COARSE[2], -COARSE[1], -COARSE[0]).flip(0).double()
-            if n_pad:
-                coarse[self._zero_bin[1]] -= n_pad
+        t = token_sums(pair(train_logprobs, infer_logprobs, mask), self.clip, bins=(_FINE_A, _COARSE_A),
+                       work=self._work)
+        fine, coarse = (h.counts.flip(0).double() for h in t.histograms)
         self.fine += fine
         self.coarse += coarse
-        n_low = int((a > -COARSE[0]).sum()) if lo < COARSE[0] else 0  # histc drops out-of-range
-        # per-unit sums for the cluster-robust tests
-        k = inputs.row_counts(m).double()
-        used = k > 0
-        S, U, k = row_s[used], (row_s - row_q / 2)[used], k[used]
-        upd = dict(n=n, n_low=n_low, s1=s1, s2=s2, se=se_, see=see, k3=k3, rev=rev, n_out=n_out, tail_sq=tail_sq,
-                   adp=adp_sum, units=int(used.sum()), u_s=S.sum().item(), u_s2=(S * S).sum().item(),
-                   u_sn=(S * k).sum().item(), u_n2=(k * k).sum().item(), v_s=U.sum().item(),
-                   v_s2=(U * U).sum().item(), v_sn=(U * k).sum().item())
+        # per-unit sums for the cluster-robust tests: S_i = sum x, U_i = sum (x - x^2/2)
+        used = t.row_n > 0
+        S, k = t.row_sum[used], t.row_n[used].double()
+        U = S - t.row_sq[used] / 2
+        n = t.n
+        upd = dict(n=n, n_low=t.histograms[1].above, s1=t.s1, s2=t.s2, se=t.se, see=t.see, k3=t.k3, rev=t.rev,
+                   n_out=t.n_out, tail_sq=t.tail_sq, adp=t.adp, units=int(used.sum()),
+                   u_s=S.sum().item(), u_s2=(S * S).sum().item(), u_sn=(S * k).sum().item(),
+                   u_n2=(k * k).sum().item(), v_s=U.sum().item(), v_s2=(U * U).sum().item(),
+                   v_sn=(U * k).sum().item())
         for key, v in upd.items():
             self.sums[key] += v
-        self.x_min, self.x_max = min(self.x_min, lo), max(self.x_max, hi)
-        self.max_adp = max(self.max_adp, adp_max)
-        mean = s1 / n
+        self.x_min, self.x_max = min(self.x_min, t.x_min), max(self.x_max, t.x_max)
+        self.max_adp = max(self.max_adp, t.adp_max)
+        mean = t.s1 / n
+        ratios = ratio_metrics(n, t.se, t.see, t.x_min, t.x_max)
         row = {"step": self.steps, "n_tokens": n, "mean_log_ratio": mean,
-               "std_log_ratio": math.sqrt(max(s2 / n - mean * mean, 0.0)),
-               "k3_kl": max(k3 / n, 0.0), "chi2_token": (2 * se_ + see) / n,
-               "frac_ratio_outside": n_out / n, "max_abs_log_ratio": max(-lo, hi),
-               "ess_token": (n + se_) ** 2 / (n * (n + 2 * se_ + see)) if n + 2 * se_ + see > 0 else 0.0,
-               "mean_abs_prob_diff": adp_sum / n, "max_abs_prob_diff": adp_max}
+               "std_log_ratio": math.sqrt(max(t.s2 / n - mean * mean, 0.0)),
+               "k3_kl": max(t.k3 / n, 0.0), "chi2_token": ratios["chi2_token"],
+               "frac_ratio_outside": t.n_out / n, "max_abs_log_ratio": max(-t.x_min, t.x_max),
+               "ess_token": ratios["ess_token"], "mean_abs_prob_diff": t.adp / n,
+               "max_abs_prob_diff": t.adp_max}
         self.history.append(row)
         self.steps += 1
         for name, limit in self.thresholds.items():
@@ -155,17 +128,11 @@ class DriftMonitor:
                     raise alarm
         return row
 
-    def _cluster(self, s, s2, sn):
-        """Cluster-robust mean, se, p from running unit sums (the formula of stats.cluster_t)."""
-        G, N, n2 = self.sums["units"], self.sums["n"], self.sums["u_n2"]
-        m = s / N
-        ss = max(s2 - 2 * m * sn + m * m * n2, 0.0)
-        se = math.sqrt(G / max(G - 1, 1) * ss) / N
-        df = max(G - 1, 1)
-        t = m / se if se > 0 else (0.0 if m == 0 else math.copysign(math.inf, m))
-        p = float(2 * sps.t.sf(abs(t), df)) if G >= 2 else math.nan
-        half = float(sps.t.ppf(1 - self.options["alpha"] / 2, df)) * se
-        return m, se, t, p, half
+    def _cluster(self, prefix: str):
+        """The cluster-robust test of the unit sums named prefix_s, prefix_s2, prefix_sn."""
+        s = self.sums
+        return cluster_t_from_sums(s[prefix + "_s"], s[prefix + "_s2"], s[prefix + "_sn"], s["u_n2"],
+                                   int(s["units"]), s["n"], self.options["alpha"])
 
     def quantiles(self) -> dict:
         """Approximate ratio quantiles rho_pQ from the histograms (bin midpoints): the coarse
@@ -182,8 +149,8 @@ class DriftMonitor:
         before_f = cum_c[start_f - 1].item()
         cum_f = self.fine.cumsum(0) + before_f
         out = {}
-        for q in stats.QUANTILES:
-            r = n + 1 - stats._nearest_rank(q, n) - self.sums["n_low"]  # rank in ascending x
+        for q in QUANTILES:
+            r = n + 1 - nearest_rank(q, n) - self.sums["n_low"]  # rank in ascending x
             if r <= 0:
                 v = self.x_min
             elif r > cum_c[-1].item():
@@ -195,14 +162,13 @@ class DriftMonitor:
                 b = int(torch.searchsorted(cum_c, torch.tensor(float(r), dtype=torch.float64)))
                 v = lo_c + (b + 0.5) * width_c
             v = min(max(v, self.x_min), self.x_max)
-            out[f"ratio_p{stats._qname(q)}"] = math.exp(-v) if -v < 709 else math.inf
+            out[f"ratio_p{quantile_name(q)}"] = ratio_from_x(v)
         return out
 
     def trend(self, metric: str = "k3_kl") -> dict:
         """Least-squares slope of a per-step metric over the kept history, with its p-value,
         and the mean of the first and last quarter of steps: is the mismatch growing?"""
-        if metric not in HISTORY_KEYS:
-            raise ValueError(f"metric={metric!r} is not a per-step metric; use one of {HISTORY_KEYS}")
+        check_choice(metric, "metric", HISTORY_KEYS, hint="a per-step metric")
         ys = [r[metric] for r in self.history]
         k = len(ys)
         if k < 3:
@@ -218,11 +184,11 @@ class DriftMonitor:
         """A Result over every step so far, with the verdict rules of `compare`."""
         s, n = self.sums, self.sums["n"]
         if n == 0:
-            raise ValueError("summary() before any update(): nothing to summarise")
+            raise InvalidArgument("summary() before any update(): nothing to summarise")
         mean = s["s1"] / n
         m2 = max(s["s2"] / n - mean * mean, 0.0)
-        m, se, t, p_mean, half = self._cluster(s["u_s"], s["u_s2"], s["u_sn"])
-        _, _, _, p_excess, _ = self._cluster(s["v_s"], s["v_s2"], s["v_sn"])
+        m, se, t, p_mean, half, _ = (v.item() for v in self._cluster("u"))
+        p_excess = self._cluster("v").p.item()
         k2 = s["s2"] / n / 2
         metrics = {
             "n_tokens": int(n), "steps": self.steps, "n_units": int(s["units"]),
@@ -231,10 +197,7 @@ class DriftMonitor:
             "p_value": max(p_mean, p_excess) if k2 <= self.noise_kl_max else p_mean,
             "std_log_ratio": math.sqrt(m2), "max_abs_log_ratio": max(-self.x_min, self.x_max),
             "k1_kl": mean, "k2_kl": k2, "k3_kl": max(s["k3"] / n, 0.0), "k3_kl_reverse": s["rev"] / n,
-            "chi2_token": (2 * s["se"] + s["see"]) / n, "mean_ratio": 1 + s["se"] / n,
-            "min_ratio": math.exp(-self.x_max),
-            "max_ratio": math.exp(-self.x_min) if -self.x_min < 709 else math.inf,
-            "ess_token": (n + s["se"]) ** 2 / (n * (n + 2 * s["se"] + s["see"])),
+            **ratio_metrics(n, s["se"], s["see"], self.x_min, self.x_max),
             "frac_ratio_outside": s["n_out"] / n, "n_ratio_outside": int(s["n_out"]),
             "tail_share": s["tail_sq"] / s["s2"] if s["s2"] > 0 else 0.0,
             "mean_abs_prob_diff": s["adp"] / n, "max_abs_prob_diff": self.max_adp,
@@ -250,8 +213,8 @@ class DriftMonitor:
                     "alarms": [{"name": a.name, "value": a.value, "threshold": a.threshold, "step": a.step}
                                for a in self.alarms],
                     "log_ratio_histogram": {"edges": [FINE[0], FINE[1]], "counts": self.fine.long().tolist()}}
-        result = _verdict(metrics, evidence, thresholds=None, probe="drift.monitor", target=self.target,
-                          **self.options)
+        result = judge(metrics, evidence, thresholds=None, probe="drift.monitor", target=self.target,
+                       **self.options)
         if self.alarms:  # per-step alarms stay visible in the summary even when the total is calm
             first = self.alarms[0]
             if "TP-D3" not in result.codes:

@@ -8,18 +8,25 @@ With t ~ q, Schulman's estimators of KL(q || p) = KL(infer || train) are
     k1 = x,  k2 = x^2 / 2,  k3 = (rho - 1) - log rho = expm1(-x) + x  (>= 0),
 and E_q[rho] = 1 exactly, so E[rho^2] - 1 = chi^2(p || q).
 
-Everything is one pass (or a few) over the tokens: sums, dot products, bincounts and an exact
-selection for order statistics; nothing sorts the whole data.
+The sums come from one pass over the tokens (trainprobes.drift.tokens); order statistics from
+a histogram-guided exact selection. Nothing sorts the whole data.
 """
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
+import numpy as np
 import torch
 from scipy import stats as sps
+from trainprobes.drift.inputs import Layout
+from trainprobes.drift.tokens import BLOCK_ELEMENTS, Bins, TokenSums, Work, histogram, x_blocks
+from trainprobes.drift.tokens import order_statistics as select_ranks
 
 QUANTILES = (0.001, 0.01, 0.05, 0.5, 0.95, 0.99, 0.999)
-LN10 = math.log(10.0)
+# exact quantiles: 2048 = 32 x 64 selection bins, so the 64-bin evidence histogram is their sum
+SELECT_BINS = 2048
+EVIDENCE_BINS = 64
 
 # name -> formula and the direction of the divergence it estimates (docs/drift.md repeats this)
 METRICS = {
@@ -31,6 +38,7 @@ METRICS = {
     "p_mean": "two-sided p-value of H0 E[x] = 0, t-test over units (ratio estimator, cluster-robust SE, df = units - 1)",
     "p_excess": "two-sided p-value of H0 E[x - x^2/2] = 0 over units: zero-mean noise in the SAMPLING distribution gives E[x] = E[x^2]/2 + O(x^3)",
     "p_value": "max(p_mean, p_excess): intersection-union test; biased iff p_value < alpha",
+    "min_detectable_bias": "smallest |mean_log_ratio| the t-test detects at alpha with 80% power (trainprobes.power): what a pass rules out",
     "std_log_ratio": "standard deviation of x over tokens",
     "mean_abs_log_ratio": "mean |x|",
     "max_abs_log_ratio": "max |x|",
@@ -57,13 +65,36 @@ METRICS = {
 }
 
 
-def cluster_t(sums: torch.Tensor, counts: torch.Tensor, alpha: float):
+
+class ClusterTest(NamedTuple):
+    """A cluster-robust t-test of a mean over tokens, units as clusters (float64 tensors)."""
+
+    mean: torch.Tensor
+    se: torch.Tensor
+    t: torch.Tensor
+    p: torch.Tensor          # two-sided; NaN with fewer than 2 units
+    half: torch.Tensor       # half-width of the (1 - alpha) interval
+    units: torch.Tensor
+
+
+def _student(m, ss, G, N, alpha: float) -> ClusterTest:
+    """From the ratio estimate m, the residual sum of squares ss = sum (S_i - m n_i)^2, G units
+    and N tokens: cluster-robust variance G/(G-1) * ss / N^2, Student t with G - 1 df."""
+    se = (G / (G - 1).clamp(min=1) * ss).sqrt() / N
+    df = (G - 1).clamp(min=1)
+    t = torch.where(se > 0, m / se, torch.where(m == 0, 0.0, math.inf * m.sign()))
+    p = torch.as_tensor(2 * sps.t.sf(t.abs().numpy(), df.numpy()), dtype=torch.float64)
+    p = torch.where(G >= 2, p, torch.full_like(p, math.nan))
+    half = torch.as_tensor(sps.t.ppf(1 - alpha / 2, df.numpy()), dtype=torch.float64) * se
+    return ClusterTest(m, se, t, p, half, G)
+
+
+def cluster_t(sums: torch.Tensor, counts: torch.Tensor, alpha: float) -> ClusterTest:
     """Mean over tokens with units as independent clusters, vectorised over leading dims.
 
     sums, counts: [..., G] per-unit sums of the statistic and token counts (units with 0
-    tokens are ignored). Ratio estimator m = sum S / sum n; cluster-robust variance
-    G/(G-1) * sum (S_i - m n_i)^2 / (sum n)^2; Student t with G - 1 degrees of freedom.
-    Returns (mean, se, t, p_two_sided, ci_halfwidth, G) as float64 tensors.
+    tokens are ignored). Ratio estimator m = sum S / sum n; residuals S_i - m n_i formed
+    directly (no cancellation).
     """
     sums, counts = sums.double(), counts.double()
     used = counts > 0
@@ -71,166 +102,140 @@ def cluster_t(sums: torch.Tensor, counts: torch.Tensor, alpha: float):
     N = counts.sum(-1)
     m = sums.sum(-1) / N
     resid = torch.where(used, sums - m[..., None] * counts, 0.0)
-    var = G / (G - 1).clamp(min=1) * (resid * resid).sum(-1) / (N * N)
-    se = var.sqrt()
-    df = (G - 1).clamp(min=1)
-    t = torch.where(se > 0, m / se, torch.where(m == 0, 0.0, math.inf * m.sign()))
-    p = torch.as_tensor(2 * sps.t.sf(t.abs().numpy(), df.numpy()), dtype=torch.float64)
-    p = torch.where(G >= 2, p, torch.full_like(p, math.nan))
-    half = torch.as_tensor(sps.t.ppf(1 - alpha / 2, df.numpy()), dtype=torch.float64) * se
-    return m, se, t, p, half, G
+    return _student(m, (resid * resid).sum(-1), G, N, alpha)
 
 
-def order_statistics(x: torch.Tensor, ranks: list, lo: float, hi: float, bins: int = 2048) -> list:
-    """Exact order statistics x_(k) (1-based ranks) without a full sort.
-
-    1. bin every value: idx = floor((x - lo) * bins / (hi - lo)), clamped to [-1, bins]
-    2. count per bin (bincount) and find the bin holding each rank from the running count
-    3. gather only the values of those bins and select inside them (kthvalue)
-    The same idx decides counting and gathering, so float rounding at bin edges cannot
-    misplace a rank.
-    """
-    n = x.numel()
-    if n <= 1 << 16 or not hi > lo:
-        s = x.sort().values
-        return [s[k - 1].item() for k in ranks]
-    idx = ((x - lo) * (bins / (hi - lo))).floor_().clamp_(-1, bins).add_(1).int()
-    cum = torch.bincount(idx, minlength=bins + 2).cumsum(0)
-    want = torch.searchsorted(cum, torch.tensor(ranks, dtype=cum.dtype)).clamp_(max=bins + 1)
-    table = torch.zeros(bins + 2, dtype=torch.bool)
-    table[want] = True
-    sel = table[idx]
-    xs, bs = x[sel], idx[sel]
-    out = []
-    for k, b in zip(ranks, want.tolist()):
-        below = int(cum[b - 1]) if b > 0 else 0
-        out.append(torch.kthvalue(xs[bs == b], k - below).values.item())
-    return out
+def cluster_t_from_sums(s: float, s2: float, sn: float, n2: float, G: int, N: float,
+                        alpha: float) -> ClusterTest:
+    """cluster_t from running sums over units (a stream keeps no unit): s = sum S_i,
+    s2 = sum S_i^2, sn = sum S_i n_i, n2 = sum n_i^2, via
+    sum (S_i - m n_i)^2 = s2 - 2 m sn + m^2 n2."""
+    f = lambda v: torch.tensor(float(v), dtype=torch.float64)  # noqa: E731
+    m = s / N
+    return _student(f(m), f(max(s2 - 2 * m * sn + m * m * n2, 0.0)), f(G), f(N), alpha)
 
 
-def kl_sums(a: torch.Tensor, e: torch.Tensor, max_abs: float) -> tuple:
-    """(sum k3, sum reverse k3) over tokens from a = log rho = -x and e = expm1(a) = rho - 1.
-
-    k3 = e - a elementwise, reverse = 1 - rho + rho log rho = -(e - a) + e a. Near rho = 1 these
-    cancel in float32 (expm1(a) - a loses every digit for |a| ~ 1e-7), so for max |a| < 1e-3
-    use their series from raw power sums instead:
-      k3 = a^2/2 + a^3/6 + a^4/24 + O(a^5),  reverse = a^2/2 + a^3/3 + a^4/8 + O(a^5).
-    """
-    if max_abs < 1e-3:
-        a2 = a * a
-        s2, s3, s4 = a2.sum().item(), torch.dot(a2, a).item(), torch.dot(a2, a2).item()
-        return s2 / 2 + s3 / 6 + s4 / 24, s2 / 2 + s3 / 3 + s4 / 8
-    k3 = (e - a).sum().item()  # elementwise, so rounding errors are random, not cancelling
-    return k3, -k3 + torch.dot(e, a).item()
-
-
-def _nearest_rank(q: float, n: int) -> int:
+def nearest_rank(q: float, n: int) -> int:
+    """The nearest-rank definition of the q-quantile of n values: rank ceil(q n) in [1, n]."""
     return min(n, max(1, math.ceil(q * n)))
 
 
-def token_metrics(train: torch.Tensor, infer: torch.Tensor, x: torch.Tensor, clip: float) -> tuple:
-    """Token-level metrics over flat real tokens. Returns (metrics, evidence)."""
-    n = x.numel()
-    log_c = math.log(clip)
-    xmin, xmax = (v.item() for v in torch.aminmax(x))
-    mean = x.sum().item() / n
-    d = x - mean
-    d2 = d * d
-    m2 = d2.sum().item() / n
-    m3 = torch.dot(d2, d).item() / n
-    m4 = torch.dot(d2, d2).item() / n
-    ax = x.abs()
-    outside = ax > log_c
-    n_out = int(outside.sum())
-    sq_total = (m2 + mean * mean) * n
-    tail_sq = (x[outside] ** 2).sum().item() if n_out else 0.0
-    a = x.neg()  # log rho
-    e = torch.expm1(a)  # rho - 1, accurate near rho = 1
-    se_ = e.sum().item()
-    see = torch.dot(e, e).item()
-    k3_sum, rev_sum = kl_sums(a, e, max(-xmin, xmax))
-    del a
-    pt, pi = train.exp(), infer.exp()
-    adp = (pi - pt).abs_()
-    st, si = pt.sum().item(), pi.sum().item()
-    ctt = torch.dot(pt, pt).item() / n - (st / n) ** 2
-    cii = torch.dot(pi, pi).item() / n - (si / n) ** 2
-    cti = torch.dot(pt, pi).item() / n - st * si / n / n
-    pearson = cti / math.sqrt(ctt * cii) if ctt > 0 and cii > 0 else math.nan
-    metrics = {
-        "n_tokens": n,
-        "std_log_ratio": math.sqrt(max(m2, 0.0)),
-        "mean_abs_log_ratio": ax.sum().item() / n,
-        "max_abs_log_ratio": max(-xmin, xmax),
-        "k1_kl": mean,
-        "k2_kl": (m2 + mean * mean) / 2,
-        "k3_kl": max(k3_sum / n, 0.0),
-        "k3_kl_reverse": rev_sum / n + 0.0,  # + 0.0: no "-0" in reports
-        "chi2_token": (2 * se_ + see) / n,
-        "excess_kurtosis": m4 / (m2 * m2) - 3 if m2 > 0 else 0.0,
-        "skewness": m3 / m2 ** 1.5 if m2 > 0 else 0.0,
-        "mean_ratio": 1 + se_ / n,
-        "min_ratio": math.exp(-xmax),
-        "max_ratio": math.exp(-xmin) if -xmin < 709 else math.inf,
-        "ess_token": (n + se_) ** 2 / (n * (n + 2 * se_ + see)) if n + 2 * se_ + see > 0 else 0.0,
-        "frac_ratio_outside": n_out / n,
-        "n_ratio_outside": n_out,
-        "tail_share": tail_sq / sq_total if sq_total > 0 else 0.0,
-        "mean_abs_prob_diff": adp.sum().item() / n,
-        "max_abs_prob_diff": adp.max().item(),
-        "prob_pearson": max(-1.0, min(1.0, pearson)) if math.isfinite(pearson) else pearson,
-    }
-    # exact quantiles of rho: rho_(k) = exp(-x_(n + 1 - k)); the bulk range keeps bins fine
-    std = metrics["std_log_ratio"]
-    lo, hi = max(xmin, mean - 10 * std), min(xmax, mean + 10 * std)
-    ranks = [n + 1 - _nearest_rank(q, n) for q in QUANTILES]
-    xq = order_statistics(x, ranks, lo, hi)
-    for q, v in zip(QUANTILES, xq):
-        metrics[f"ratio_p{_qname(q)}"] = math.exp(-v) if -v < 709 else math.inf
-    hist_lo, hist_hi = (lo, hi) if hi > lo else (lo - 1e-12, hi + 1e-12)
-    counts = torch.histc(x, bins=64, min=hist_lo, max=hist_hi)
-    evidence = {"log_ratio_histogram": {"edges": torch.linspace(hist_lo, hist_hi, 65).tolist(),
-                                        "counts": counts.long().tolist(),
-                                        "below": int((x < hist_lo).sum()),
-                                        "above": int((x > hist_hi).sum())}}
-    return metrics, evidence
-
-
-def _qname(q: float) -> str:
+def quantile_name(q: float) -> str:
+    """0.001 -> "0.1": the percent in the metric key ratio_p{name}."""
     return f"{q * 100:g}"
 
 
-def by_probability(infer: torch.Tensor, x: torch.Tensor, buckets: int = 10) -> list:
+def ratio_from_x(v: float) -> float:
+    """rho = exp(-x), inf past float64's range."""
+    return math.exp(-v) if -v < 709 else math.inf
+
+
+def order_statistics(x: torch.Tensor, ranks: list, lo: float, hi: float, bins: int = SELECT_BINS) -> list:
+    """Exact order statistics x_(k) (1-based ranks) of a flat tensor without a full sort:
+    bin by histc over [lo, hi], then select inside the bins that hold the ranks."""
+    n = x.numel()
+    if n <= 1 << 16 or not np.float32(hi) > np.float32(lo):
+        s = x.sort().values
+        return [s[k - 1].item() for k in ranks]
+    x = x.contiguous()
+
+    def blocks():
+        return ((x[i:i + BLOCK_ELEMENTS], None, 0) for i in range(0, n, BLOCK_ELEMENTS))  # loop over blocks
+    return select_ranks(blocks, ranks, histogram(blocks(), Bins(lo, hi, bins)))
+
+
+def quantiles_and_histogram(layout: Layout, mean: float, std: float, x_min: float, x_max: float,
+                            work: Work | None = None) -> tuple:
+    """Exact ratio quantiles rho_(k) = exp(-x_(n + 1 - k)) and the 64-bin histogram of x over
+    the bulk range [max(x_min, mean - 10 std), min(x_max, mean + 10 std)] (widened by 1e-12
+    when empty). Two passes: counts in 2048 bins, then a selection inside the bins holding
+    the ranks. work: buffers shared with the caller's other passes.
+    Returns (metrics, histogram evidence)."""
+    n = layout.n_tokens
+    lo, hi = max(x_min, mean - 10 * std), min(x_max, mean + 10 * std)
+    if not hi > lo:
+        lo, hi = lo - 1e-12, hi + 1e-12
+    if not np.float32(hi) > np.float32(lo):  # still one float32: widen by one float32 step each side
+        lo = float(np.nextafter(np.float32(lo), np.float32(-np.inf)))
+        hi = float(np.nextafter(np.float32(hi), np.float32(np.inf)))
+    work = work or Work()
+    hist = histogram(x_blocks(layout, work), Bins(lo, hi, SELECT_BINS), work)
+    ranks = [n + 1 - nearest_rank(q, n) for q in QUANTILES]
+    xq = select_ranks(lambda: x_blocks(layout, work), ranks, hist, work)
+    metrics = {f"ratio_p{quantile_name(q)}": ratio_from_x(v) for q, v in zip(QUANTILES, xq)}
+    counts = hist.counts.view(EVIDENCE_BINS, SELECT_BINS // EVIDENCE_BINS).sum(1)
+    evidence = {"edges": torch.linspace(lo, hi, EVIDENCE_BINS + 1).tolist(), "counts": counts.tolist(),
+                "below": hist.below, "above": hist.above}
+    return metrics, evidence
+
+
+def token_metrics(s: TokenSums, clip: float) -> dict:
+    """Token-level metrics from the sums of one pass (with shape=True)."""
+    n, sh = s.n, s.shape
+    mo = sh.moments
+    mean, m2, m3, m4 = mo.mean, mo.m2 / n, mo.m3 / n, mo.m4 / n
+    sq_total = (m2 + mean * mean) * n
+    p = sh.p
+    ctt = p["tt"] / n - (p["t"] / n) ** 2
+    cii = p["ii"] / n - (p["i"] / n) ** 2
+    cti = p["ti"] / n - p["t"] * p["i"] / n / n
+    pearson = cti / math.sqrt(ctt * cii) if ctt > 0 and cii > 0 else math.nan
+    return {
+        "n_tokens": n,
+        "std_log_ratio": math.sqrt(max(m2, 0.0)),
+        "mean_abs_log_ratio": sh.abs_sum / n,
+        "max_abs_log_ratio": max(-s.x_min, s.x_max),
+        "k1_kl": mean,
+        "k2_kl": (m2 + mean * mean) / 2,
+        "k3_kl": max(s.k3 / n, 0.0),
+        "k3_kl_reverse": s.rev / n + 0.0,  # + 0.0: no "-0" in reports
+        "skewness": m3 / m2 ** 1.5 if m2 > 0 else 0.0,
+        "excess_kurtosis": m4 / (m2 * m2) - 3 if m2 > 0 else 0.0,
+        **ratio_metrics(n, s.se, s.see, s.x_min, s.x_max),
+        "frac_ratio_outside": s.n_out / n,
+        "n_ratio_outside": s.n_out,
+        "tail_share": s.tail_sq / sq_total if sq_total > 0 else 0.0,
+        "mean_abs_prob_diff": s.adp / n,
+        "max_abs_prob_diff": s.adp_max,
+        "prob_pearson": max(-1.0, min(1.0, pearson)) if math.isfinite(pearson) else pearson,
+    }
+
+
+def ratio_metrics(n: float, se: float, see: float, x_min: float, x_max: float) -> dict:
+    """Importance-ratio metrics from sum e and sum e^2 (e = rho - 1) and the extremes of x."""
+    return {
+        "chi2_token": (2 * se + see) / n,
+        "mean_ratio": 1 + se / n,
+        "min_ratio": math.exp(-x_max),
+        "max_ratio": ratio_from_x(x_min),
+        "ess_token": (n + se) ** 2 / (n * (n + 2 * se + see)) if n + 2 * se + see > 0 else 0.0,
+    }
+
+
+def by_probability(s: TokenSums) -> list:
     """Bias and spread of x by the inference probability of the token, in half-decades:
     bucket b holds p in (10^-(b+1)/2, 10^-b/2], the last one everything smaller."""
-    idx = (infer * (-2.0 / LN10)).floor_().clamp_(0, buckets - 1).int()
-    n = torch.bincount(idx, minlength=buckets).double()
-    # float32 accumulators (index_add_ is one pass; bincount with weights copies to float64):
-    # this table is evidence, not a gated metric
-    s1 = torch.zeros(buckets).index_add_(0, idx, x).double()
-    s2 = torch.zeros(buckets).index_add_(0, idx, x * x).double()
+    sh = s.shape
+    B = sh.bucket_n.numel()
     rows = []
-    for b in range(buckets):
-        k = int(n[b])
+    for b, (k, s1, s2) in enumerate(zip(sh.bucket_n.tolist(), sh.bucket_s1.tolist(), sh.bucket_s2.tolist())):
         if k == 0:
             continue
-        mean = (s1[b] / k).item()
-        var = max((s2[b] / k).item() - mean * mean, 0.0)
-        rows.append({"p_high": 10 ** (-b / 2), "p_low": 0.0 if b == buckets - 1 else 10 ** (-(b + 1) / 2),
-                     "n": k, "mean_log_ratio": mean, "std_log_ratio": math.sqrt(var)})
+        mean = s1 / k
+        std = math.sqrt(max(s2 / k - mean * mean, 0.0))
+        rows.append({"p_high": 10 ** (-b / 2), "p_low": 0.0 if b == B - 1 else 10 ** (-(b + 1) / 2),
+                     "n": k, "mean_log_ratio": mean, "std_log_ratio": std})
     return rows
 
 
-def by_position(xz: torch.Tensor, xz2: torch.Tensor, mask: torch.Tensor, groups: int = 16) -> list:
-    """Bias and spread of x by position in the sequence, in up to `groups` equal spans
-    (xz: x with padding zeroed, xz2 = xz * xz)."""
-    T = xz.shape[1]
-    n = mask.view(torch.uint8).sum(0, dtype=torch.int32).double()
-    s1 = xz.sum(0).double()
-    s2 = xz2.sum(0).double()
+def by_position(s: TokenSums, groups: int = 16) -> list:
+    """Bias and spread of x by position in the sequence, in up to `groups` equal spans."""
+    sh = s.shape
+    T = sh.col_sum.numel()
     edges = torch.linspace(0, T, min(groups, T) + 1).round().long().tolist()
+    n, s1, s2 = sh.col_n.double(), sh.col_sum, sh.col_sq
     rows = []
-    for a, b in zip(edges[:-1], edges[1:]):
+    for a, b in zip(edges[:-1], edges[1:]):  # loop over spans
         k = int(n[a:b].sum())
         if b <= a or k == 0:
             continue

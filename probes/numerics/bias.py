@@ -21,8 +21,11 @@ from typing import Callable
 
 import torch
 from scipy import stats
-from trainprobes.reference.formats import get_format
+from trainprobes.errors import InvalidArgument
+from trainprobes.power import min_detectable_effect
+from trainprobes.reference.formats import ROUNDING_MODES, get_format
 from trainprobes.result import Result
+from trainprobes.validation import check_choice, check_int, check_number, check_seed
 
 
 def signed_relative_error(low, ref) -> float:
@@ -32,7 +35,7 @@ def signed_relative_error(low, ref) -> float:
     low = torch.as_tensor(low).to(torch.float64).reshape(-1)
     ref = torch.as_tensor(ref).to(torch.float64).reshape(-1)
     if low.shape != ref.shape:
-        raise ValueError(f"low has {low.numel()} elements, ref has {ref.numel()}: the callable and "
+        raise InvalidArgument(f"low has {low.numel()} elements, ref has {ref.numel()}: the callable and "
                          "its reference must return the same shape")
     denom = ref.abs().sum()
     if denom == 0 or not torch.isfinite(low).all():
@@ -42,13 +45,13 @@ def signed_relative_error(low, ref) -> float:
 
 def error_stats(errors, *, alpha: float = 0.01, min_effect: float = 0.0) -> dict:
     """Bias, confidence interval, spread and tests for per-trial signed errors (finite only)."""
-    if not 0 < alpha < 1:
-        raise ValueError(f"alpha={alpha!r} must lie in (0, 1), e.g. 0.01")
+    check_number(alpha, "alpha", min=0, max=1, min_open=True, max_open=True, hint="e.g. 0.01")
+    check_number(min_effect, "min_effect", min=0)
     e = torch.as_tensor(errors, dtype=torch.float64).reshape(-1)
     e = e[torch.isfinite(e)]
     n = e.numel()
     if n < 3:
-        raise ValueError(f"only {n} finite trial errors; need at least 3 (raise trials=)")
+        raise InvalidArgument(f"only {n} finite trial errors; need at least 3 (raise trials=)")
     mean, std = e.mean().item(), e.std().item()
     sem = std / math.sqrt(n)
     if std == 0.0:  # every trial made the same error: no spread to test against
@@ -80,9 +83,9 @@ def bias_probe(fn: Callable, reference: Callable, make_inputs: Callable, *, tria
     t-th of `trials` seeds drawn from `seed` (listed in the evidence), so any trial replays.
     progress(done, total) is called after each trial.
     """
-    if not isinstance(trials, int) or trials < 3:
-        raise ValueError(f"trials={trials!r} must be an int >= 3 (32 or more for a useful test)")
-    seeds = torch.randint(0, 2**62, (trials,), generator=torch.Generator().manual_seed(int(seed))).tolist()
+    check_int(trials, "trials", min=3, hint="32 or more for a useful test")
+    check_number(alpha, "alpha", min=0, max=1, min_open=True, max_open=True, hint="e.g. 0.01")
+    seeds = torch.randint(0, 2**62, (trials,), generator=torch.Generator().manual_seed(check_seed(seed))).tolist()
     errors, nonfinite, zero_ref = [], 0, 0
     for t, s in enumerate(seeds):
         inputs = make_inputs(torch.Generator().manual_seed(s))
@@ -115,12 +118,15 @@ def bias_probe(fn: Callable, reference: Callable, make_inputs: Callable, *, tria
     s = error_stats(finite, alpha=alpha, min_effect=min_effect)
     s["nonfinite_trials"] = nonfinite
     s["zero_reference_trials"] = zero_ref
+    # what "unbiased" rules out: the smallest |bias| the t-test finds with 80% power
+    s["min_detectable_bias"] = min_detectable_effect(s["std"] / math.sqrt(s["trials"]), s["trials"] - 1, alpha)
     biased = s["biased"]
     direction = "too small" if s["bias"] < 0 else "too large"
     msg = (f"bias {s['bias']:+.3g} ({s['confidence']:.0%} CI [{s['ci_low']:+.3g}, {s['ci_high']:+.3g}]), "
            f"spread {s['std']:.3g}, p={s['p_value']:.2g}: ")
     msg += (f"biased, results {direction} on average; this compounds over steps" if biased
-            else "no bias detected at alpha=" + f"{alpha:g}")
+            else "no bias detected at alpha=" + f"{alpha:g}"
+            + f" (rules out |bias| > {max(s['min_detectable_bias'], min_effect):.3g} at 80% power)")
     signed = s["positive_trials"] + s["negative_trials"]
     if s["p_value"] < alpha and s["p_sign"] >= alpha and 2 * 0.5 ** signed >= alpha:
         msg += f"; too few non-zero trials ({signed}) for the sign test to confirm at alpha={alpha:g}"
@@ -141,10 +147,8 @@ def bias_probe(fn: Callable, reference: Callable, make_inputs: Callable, *, tria
 def _check_scale_noise(scale, noise) -> None:
     # scale 0 makes every reference sum 0 (no relative error exists); NaN/inf make every
     # trial non-finite, which would read as a biased reduction (TP-B1) instead of bad input
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale={scale!r} must be a finite number > 0, e.g. 1e-3")
-    if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not math.isfinite(noise) or noise < 0:
-        raise ValueError(f"noise={noise!r} must be a finite number >= 0 (a multiple of scale), e.g. 1.0")
+    check_number(scale, "scale", min=0, min_open=True, hint="e.g. 1e-3")
+    check_number(noise, "noise", min=0, hint="a multiple of scale, e.g. 1.0")
 
 
 def gradient_like(world: int, numel: int, *, generator: torch.Generator, scale: float = 1e-3,
@@ -152,10 +156,8 @@ def gradient_like(world: int, numel: int, *, generator: torch.Generator, scale: 
     """Per-rank tensors shaped like data-parallel gradients: one signal shared by all ranks
     plus independent per-rank noise (std noise * scale), rounded to `fmt` when given (ranks
     hold their gradients in the wire format)."""
-    if not isinstance(world, int) or world < 1:
-        raise ValueError(f"world={world!r} must be an int >= 1")
-    if not isinstance(numel, int) or numel < 1:
-        raise ValueError(f"numel={numel!r} must be an int >= 1")
+    check_int(world, "world", min=1, hint="the number of ranks")
+    check_int(numel, "numel", min=1, hint="elements per rank")
     _check_scale_noise(scale, noise)
     signal = torch.randn(numel, generator=generator, dtype=torch.float64) * scale
     x = signal + torch.randn(world, numel, generator=generator, dtype=torch.float64) * (noise * scale)
@@ -182,13 +184,14 @@ def collective_bias(*, dtype="bf16", world: int = 1024, numel: int = 256, algori
     from trainprobes.reference.schedules import ALGORITHMS
 
     # checked here so a typo fails before any data is made
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm={algorithm!r} is unknown; expected one of {list(ALGORITHMS)}")
-    if op not in OPS:
-        raise ValueError(f"op={op!r} is unknown; expected one of {list(OPS)}")
+    check_choice(algorithm, "algorithm", ALGORITHMS)
+    check_choice(op, "op", OPS)
+    check_choice(rounding, "rounding", ROUNDING_MODES)
     _check_scale_noise(scale, noise)
     fmt = get_format(dtype)
-    wire = get_format(reduce_dtype) if reduce_dtype is not None else fmt
+    wire = get_format(reduce_dtype, "reduce_dtype") if reduce_dtype is not None else fmt
+    if accum_dtype is not None:
+        get_format(accum_dtype, "accum_dtype")
 
     def make(g):
         # the rounding seed comes from the trial's generator too: one seed replays a trial
@@ -205,7 +208,7 @@ def collective_bias(*, dtype="bf16", world: int = 1024, numel: int = 256, algori
     def ref(inputs):
         return all_reduce(inputs[0], op=op, dtype="fp64", algorithm=algorithm, **collective_kwargs)[0]
 
-    how = fmt.name + (f",accum={get_format(accum_dtype).name}" if accum_dtype is not None else "") \
+    how = fmt.name + (f",accum={get_format(accum_dtype, 'accum_dtype').name}" if accum_dtype is not None else "") \
         + (f",reduce_in={wire.name}" if wire is not fmt else "")
     target = f"all_reduce[{how},{algorithm},{op},{rounding},w={world},n={numel}]"
     res = bias_probe(low, ref, make, trials=trials, seed=seed, alpha=alpha, min_effect=min_effect,

@@ -15,8 +15,10 @@ import math
 from typing import Callable
 
 import torch
-from trainprobes.reference.formats import get_format
+from trainprobes.errors import InvalidArgument
+from trainprobes.reference.formats import ROUNDING_MODES, get_format
 from trainprobes.result import Result
+from trainprobes.validation import check_choice, check_int, check_number, check_seed, check_type
 
 DEFAULT_VARIANTS = (("fp64", {"dtype": "fp64"}), ("fp16", {"dtype": "fp16"}), ("bf16", {"dtype": "bf16"}),
                     ("bf16 stochastic", {"dtype": "bf16", "rounding": "stochastic"}),
@@ -37,7 +39,7 @@ def _run(X, y, *, steps, lr, dtype, rounding, algorithm, seed, progress=None, **
     world, _, features = X.shape
     w = torch.zeros(features, dtype=torch.float64)
     losses = []
-    g_seed = torch.Generator().manual_seed(int(seed))
+    g_seed = torch.Generator().manual_seed(seed)
     for step in range(steps):
         r = X @ w - y                                   # (world, per_rank) residuals
         losses.append(0.5 * (r ** 2).mean().item())
@@ -69,12 +71,17 @@ def impact(*, variants=DEFAULT_VARIANTS, world: int = 512, per_rank: int = 8, fe
     """
     variants = list(variants)
     if not variants:
-        raise ValueError(f"variants={variants!r} is empty; pass (label, {{'dtype': 'bf16'}}) pairs")
+        raise InvalidArgument(f"variants={variants!r} is empty; pass (label, {{'dtype': 'bf16'}}) pairs")
     for label, v in variants:
-        get_format(v.get("dtype", "fp64"))
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps={steps!r} must be an int >= 1")
-    g = torch.Generator().manual_seed(int(seed))
+        check_type(dict, v, f"variants[{label!r}]", hint="{'dtype': ..., 'rounding': ...}")
+        get_format(v.get("dtype", "fp64"), f"variants[{label!r}]['dtype']")
+        check_choice(v.get("rounding", "nearest"), f"variants[{label!r}]['rounding']",
+                     ROUNDING_MODES)
+    check_int(steps, "steps", min=1)
+    check_int(world, "world", min=1, hint="the number of ranks")
+    check_number(lr, "lr", min=0, min_open=True)
+    check_number(tol, "tol", min=0)
+    g = torch.Generator().manual_seed(check_seed(seed))
     X, y = _problem(world, per_rank, features, noise, g)
     curves = {}
     for label, v in variants:

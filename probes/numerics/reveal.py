@@ -32,15 +32,17 @@ import math
 from typing import Callable
 
 import torch
+from trainprobes.errors import InvalidArgument, TargetError
 from trainprobes.reference.formats import Format, get_format
 from trainprobes.result import Result
+from trainprobes.validation import check_int
 
 
 def _call(fn, x: torch.Tensor) -> float:
     out = fn(x)
     out = torch.as_tensor(out)
     if out.numel() == 0:
-        raise ValueError("fn returned an empty tensor; it must return the reduction of its input")
+        raise TargetError("fn returned an empty tensor; it must return the reduction of its input")
     return out.reshape(-1)[0].double().item()
 
 
@@ -72,7 +74,7 @@ def _span(fn, fmt: Format, out_fmt: Format, n: int, device, max_exponent=None) -
             break
         top -= 1
     if top - t < 2:
-        raise ValueError(f"fn keeps no useful range of powers of two (2^{t} .. 2^{top}); "
+        raise TargetError(f"fn keeps no useful range of powers of two (2^{t} .. 2^{top}); "
                          f"max_exponent={max_exponent!r}")
     return t, top - t
 
@@ -88,20 +90,19 @@ def reveal_order(fn: Callable, n: int, *, dtype="fp16", device="cpu", output_dty
     input format's range to see the order (the tree is then None).
     """
     fmt = get_format(dtype)
-    if not isinstance(n, int) or n < 3:
-        raise ValueError(f"n={n!r} must be an int >= 3")
+    check_int(n, "n", min=3, hint="the length of the crafted vectors")
     out_fmt = _output_format(fn, fmt, n, device, output_dtype)
     t, s = _span(fn, fmt, out_fmt, n, device, max_exponent)
     d, M = 2.0 ** t, 2.0 ** (t + s)
     if n - 2 > 2 ** (out_fmt.mantissa_bits + 1):
-        raise ValueError(f"n={n!r} is too large: {n - 2} * d must be exact in the output "
+        raise InvalidArgument(f"n={n!r} is too large: {n - 2} * d must be exact in the output "
                          f"{out_fmt.name}; use n <= {2 ** (out_fmt.mantissa_bits + 1) + 2}")
     sizes = torch.zeros(n, n, dtype=torch.int64)
     for i in range(n):
         for j in range(i + 1, n):
             out = _call(fn, _vector(fmt, n, device, d, at={i: M, j: -M}))
             if not math.isfinite(out):
-                raise ValueError(f"fn returned {out!r} for x[{i}]=2^{t + s}, x[{j}]=-2^{t + s}: its "
+                raise TargetError(f"fn returned {out!r} for x[{i}]=2^{t + s}, x[{j}]=-2^{t + s}: its "
                                  f"accumulator overflowed (narrower range than {fmt.name}); pass "
                                  "max_exponent=<k> to keep the crafted values below 2^k")
             sizes[i, j] = sizes[j, i] = round(n - out / d)
@@ -240,7 +241,7 @@ def _output_format(fn, fmt: Format, n: int, device, output_dtype=None) -> Format
     try:
         out = torch.as_tensor(fn(_vector(fmt, n, device, 0.0)))
     except (NotImplementedError, RuntimeError, TypeError) as e:
-        raise ValueError(f"fn cannot reduce a {fmt.name} tensor of {n} elements on device={str(device)!r}: "
+        raise TargetError(f"fn cannot reduce a {fmt.name} tensor of {n} elements on device={str(device)!r}: "
                          f"{e}") from e
     try:
         return get_format(out.dtype)
@@ -354,7 +355,7 @@ def scaled_mm_reduction(out_dtype=torch.bfloat16, width: int = 16):
     def fn(x):
         n = x.numel()
         if n % 16:
-            raise ValueError(f"n={n!r}: torch._scaled_mm needs a multiple of 16")
+            raise InvalidArgument(f"n={n!r}: torch._scaled_mm needs a multiple of 16")
         a = torch.zeros(16, n, dtype=torch.float32, device=x.device)
         a[0] = x.float()  # exact: x holds fp8 values; build in fp32, convert once
         a = a.to(x.dtype)

@@ -13,9 +13,11 @@ TP-B2 when it exceeds `tol`.
 from __future__ import annotations
 
 import torch
+from trainprobes.errors import InvalidArgument
 from trainprobes.numerics.bias import signed_relative_error
 from trainprobes.reference.formats import get_format
 from trainprobes.result import Result
+from trainprobes.validation import check_int, check_number, check_seed
 
 
 def _verdict(lost: float, tol: float):
@@ -30,9 +32,10 @@ def collective_site(*, world: int = 1024, numel: int = 256, dtype="bf16", grad: 
     from trainprobes.reference.collectives import all_reduce
 
     fmt = get_format(dtype)
-    if not isinstance(world, int) or world < 1:
-        raise ValueError(f"world={world!r} must be an int >= 1")
-    g = torch.Generator().manual_seed(int(seed))
+    check_int(world, "world", min=1, hint="the number of ranks")
+    check_int(numel, "numel", min=1, hint="elements per rank")
+    check_number(tol, "tol", min=0)
+    g = torch.Generator().manual_seed(check_seed(seed))
     x = (grad * (1 + spread * torch.randn(world, numel, generator=g, dtype=torch.float64))).abs()
     x = fmt.round(x)
     ranks = list(x.unbind(0))
@@ -61,10 +64,10 @@ def grad_accumulation_site(*, micro_batches: int = 1024, dtype="bf16", features:
     (captured by a tensor hook before they are accumulated)."""
     fmt = get_format(dtype)
     if fmt.torch_dtype is None:
-        raise ValueError(f"dtype={dtype!r} has no torch dtype for autograd; use fp16, bf16 or fp32")
-    if not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1")
-    g = torch.Generator().manual_seed(int(seed))
+        raise InvalidArgument(f"dtype={dtype!r} has no torch dtype for autograd; use fp16, bf16 or fp32")
+    check_int(micro_batches, "micro_batches", min=1)
+    check_number(tol, "tol", min=0)
+    g = torch.Generator().manual_seed(check_seed(seed))
     w_true = torch.randn(features, generator=g, dtype=torch.float64)
     xs = torch.randn(micro_batches, batch, features, generator=g, dtype=torch.float64)
     ys = (xs @ w_true).to(fmt.torch_dtype)
@@ -103,12 +106,12 @@ def weight_update_site(*, dtype="bf16", lr: float = 1e-4, steps: int = 100, nume
     |lr * grad| <= ulp(w)/2, and the update mass lost over all steps."""
     fmt = get_format(dtype)
     if fmt.torch_dtype is None:
-        raise ValueError(f"dtype={dtype!r} has no torch dtype for torch.optim; use fp16, bf16 or fp32")
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps={steps!r} must be an int >= 1")
-    if not (lr > 0):
-        raise ValueError(f"lr={lr!r} must be > 0")
-    g = torch.Generator().manual_seed(int(seed))
+        raise InvalidArgument(f"dtype={dtype!r} has no torch dtype for torch.optim; use fp16, bf16 or fp32")
+    check_int(steps, "steps", min=1)
+    check_int(numel, "numel", min=1)
+    check_number(lr, "lr", min=0, min_open=True)
+    check_number(tol, "tol", min=0)
+    g = torch.Generator().manual_seed(check_seed(seed))
     w0 = fmt.round(torch.randn(numel, generator=g, dtype=torch.float64))
     grad = fmt.round(grad_scale * torch.randn(numel, generator=g, dtype=torch.float64))
     p = torch.nn.Parameter(w0.to(fmt.torch_dtype))

@@ -10,22 +10,19 @@ from __future__ import annotations
 import math
 
 import torch
-from trainprobes.reference.formats import FORMATS, ROUNDING_MODES, get_format
+from trainprobes.display import format_number
+from trainprobes.errors import InvalidArgument
+from trainprobes.reference.formats import FORMAT_NAMES, ROUNDING_MODES, get_format
 from trainprobes.result import Result
+from trainprobes.validation import check_bool, check_choice, check_int, check_number, check_seed
 
 DEFAULT_FORMATS = ("fp32", "tf32", "fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2", "fp8_e4m3fnuz",
                    "fp8_e5m2fnuz", "fp6_e2m3fn", "fp6_e3m2fn", "fp4_e2m1fn")
 
 
 def _num(x: float) -> str:
-    """A number as a person writes it: 2048, 0.001, 1.5e-05, inf."""
-    if isinstance(x, float) and math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    if x == int(x) and abs(x) < 1e15:
-        return str(int(x))
-    return f"{x:.6g}"
+    """A number as a person writes it: 2048, 0.001, 1.5e-05, inf (the one number format)."""
+    return format_number(x, digits=6)
 
 
 def sequential_sums(fmt, increments, n: int, *, rounding: str = "nearest",
@@ -37,16 +34,15 @@ def sequential_sums(fmt, increments, n: int, *, rounding: str = "nearest",
     Returns (sums, steps_moved): the final sums and, per increment, how many adds changed
     the accumulator (n when it never stalled).
     """
-    f = get_format(fmt)
-    if rounding not in ROUNDING_MODES:
-        raise ValueError(f"rounding={rounding!r} is not a rounding mode; expected one of {ROUNDING_MODES}")
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"n={n!r} must be a positive int (the number of additions)")
+    f = get_format(fmt, "fmt")
+    check_choice(rounding, "rounding", ROUNDING_MODES)
+    check_int(n, "n", min=1, hint="the number of additions")
+    check_bool(saturate, "saturate")
     gen = None
     if rounding == "stochastic":
         if seed is None:
-            raise ValueError("rounding='stochastic' needs seed=<int>")
-        gen = torch.Generator().manual_seed(int(seed))
+            raise InvalidArgument("rounding='stochastic' needs seed=<int>")
+        gen = torch.Generator().manual_seed(check_seed(seed))
     d = f.round(torch.as_tensor(increments, dtype=torch.float64).reshape(-1), saturate=saturate)
     acc = torch.zeros_like(d)
     moved = torch.zeros(d.shape, dtype=torch.int64)
@@ -132,13 +128,13 @@ def stall_table(formats=DEFAULT_FORMATS, increments=(1.0,), n: int = 10_000, *,
     """
     if isinstance(formats, str):
         formats = [formats]
-    fmts = [get_format(f) for f in formats]
+    fmts = [get_format(f, f"formats[{i}]") for i, f in enumerate(formats)]
     if not fmts:
-        raise ValueError(f"formats={formats!r} is empty; pass at least one of {sorted(FORMATS)}")
-    incs = [float(x) for x in increments]
-    bad = [x for x in incs if not math.isfinite(x) or x == 0.0]
-    if not incs or bad:
-        raise ValueError(f"increments={increments!r}: need finite non-zero values, e.g. [1.0, 1e-3]")
+        raise InvalidArgument(f"formats={formats!r} is empty; pass at least one of {FORMAT_NAMES}")
+    incs = [check_number(x, f"increments[{i}]", hint="finite and non-zero, e.g. 1e-3")
+            for i, x in enumerate(increments)]
+    if not incs or 0.0 in incs:
+        raise InvalidArgument(f"increments={increments!r}: need finite non-zero values, e.g. [1.0, 1e-3]")
     rows = []
     for f in fmts:
         sums, moved = sequential_sums(f, incs, n, rounding=rounding, saturate=saturate, seed=seed)

@@ -1,67 +1,63 @@
-"""summary.md: what a person reads first in the morning (and in $GITHUB_STEP_SUMMARY)."""
+"""summary.md: what a person reads first in the morning (and in $GITHUB_STEP_SUMMARY).
+
+Findings first (problems, then how many passed), one calibration line per family, then one
+row per Result. Verdicts are words (PASS, WARN, FAIL, ERROR; OK and MISSED for controls), not
+emoji, so the file reads the same in a terminal, a log and a browser.
+"""
 from __future__ import annotations
 
-from collections import Counter
-
+import trainprobes.report.outline as outline
+from trainprobes.display import format_number
 from trainprobes.result import CODES, Result
-
-ICONS = {"pass": "✅", "warn": "⚠️", "fail": "❌", "error": "💥"}
-# Metrics worth a column when present, in this order; others stay in report.json.
-KEY_METRICS = ("causal", "n_leaks", "flip_rate", "mismatch_rate", "bias", "bias_se",
-               "p_value", "mean_log_ratio", "k3_kl", "frac_ratio_outside",
-               "accumulator_mantissa_bits", "stall_point", "max_ulp_error",
-               "bitwise_match_fraction", "rel_error")
-
-
-def fmt_value(v) -> str:
-    if isinstance(v, bool):
-        return str(v).lower()
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
-
-
-def key_metrics(r: Result, limit: int = 4) -> str:
-    shown = [k for k in KEY_METRICS if k in r.metrics][:limit]
-    if not shown:
-        shown = [k for k, v in r.metrics.items() if isinstance(v, (int, float))][:limit]
-    return ", ".join(f"{k}={fmt_value(r.metrics[k])}" for k in shown)
-
-
-def counts_line(results: list[Result]) -> str:
-    c = Counter(r.verdict for r in results)
-    return ", ".join(f"{c[v]} {v}" for v in ("pass", "warn", "fail", "error") if c[v])
 
 
 def _cell(s) -> str:
     return str(s).replace("|", "\\|").replace("\n", " ")
 
 
+def _line(r: Result) -> str:
+    codes = ", ".join(f"`{c}` {CODES.get(c, '')}" for c in r.codes)
+    kind = f" ({outline.known(r)}, got {r.verdict})" if r.is_control else ""
+    return (f"- **{outline.badge(r).text}** {r.probe} `{r.target}`{kind}"
+            + (f" [{codes}]" if codes else "") + f": {r.message}")
+
+
 def summary_markdown(results: list[Result], meta: dict | None = None) -> str:
     meta = meta or {}
     title = meta.get("title", "trainprobes audit")
     lines = [f"## {title}", ""]
-    bits = [counts_line(results) or "no results"]
-    if "seconds" in meta:
-        bits.append(f"{meta['seconds']:.1f} s")
+    bad = [r for r in results if outline.is_problem(r)]
+    bits = [f"**{len(bad)} problem{'s' if len(bad) != 1 else ''}**" if bad else "**no problems**",
+            outline.headline(results) or "no results"]
+    if isinstance(meta.get("seconds"), (int, float)):
+        bits.append(f"{format_number(round(meta['seconds'], 1))} s")
     if "suite" in meta:
         bits.append(f"suite: {meta['suite']}")
     lines += [" · ".join(bits), ""]
     for fam, why in (meta.get("skipped") or {}).items():
         lines += [f"Skipped **{fam}**: {why}", ""]
-    bad = [r for r in results if r.verdict in ("fail", "error")]
-    if bad:
-        lines.append("**Findings**")
+    if meta.get("not_here"):
+        lines += ["Not on this machine: " + "; ".join(f"{k} ({v})" for k, v in
+                                                      meta["not_here"].items()), ""]
+    found = outline.findings(results)
+    watch = [r for r in found if r.verdict == "warn"]
+    if bad or watch:
+        lines += ["**Findings**", ""]
+        lines += [_line(r) for r in sorted(bad + watch, key=outline.rank)]
         lines.append("")
-        for r in bad:
-            codes = ", ".join(f"`{c}` {CODES.get(c, '')}" for c in r.codes)
-            lines.append(f"- {ICONS[r.verdict]} **{r.probe}** `{r.target}`"
-                         + (f" ({codes})" if codes else "") + f": {r.message}")
+    passed = sum(r.verdict == "pass" for r in found)
+    if passed:
+        lines += [f"{passed} finding{'s' if passed != 1 else ''} passed.", ""]
+    fams = outline.calibration(results)
+    if fams:
+        lines += ["**Calibration** (controls with a known verdict)", ""]
+        lines += [f"- {'OK' if not f.missed else '**MISSED**'} {f.line()}" for f in fams]
         lines.append("")
-    lines += ["| | probe | target | codes | key metrics | seed |", "|---|---|---|---|---|---|"]
+    lines += ["| result | kind | probe | target | codes | key metrics | seed |",
+              "|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append("| " + " | ".join(_cell(x) for x in (
-            ICONS[r.verdict], r.probe, f"`{r.target}`", " ".join(r.codes), key_metrics(r),
-            "" if r.seed is None else r.seed)) + " |")
+            outline.badge(r).text, outline.known(r), r.probe, f"`{r.target}`", " ".join(r.codes),
+            outline.key_metrics(r), "" if r.seed is None else r.seed)) + " |")
     lines.append("")
     return "\n".join(lines)

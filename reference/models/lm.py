@@ -22,6 +22,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from trainprobes.errors import InvalidArgument
+from trainprobes.validation import (
+    check_choice,
+    check_int,
+    check_number,
+    check_seed,
+    check_tensor,
+    check_type,
+)
 
 LOGPROB_MODES = ("raw", "processed")
 
@@ -43,9 +52,11 @@ class TinyLM(torch.nn.Module):
     def __init__(self, config: LMConfig = LMConfig(), seed: int = 0):
         super().__init__()
         c = self.config = config
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_len"):
+            check_int(getattr(c, name), name, min=1)
         if c.d_model % c.n_heads:
-            raise ValueError(f"d_model={c.d_model!r} must be a multiple of n_heads={c.n_heads!r}")
-        g = torch.Generator().manual_seed(seed)
+            raise InvalidArgument(f"d_model={c.d_model!r} must be a multiple of n_heads={c.n_heads!r}")
+        g = torch.Generator().manual_seed(check_seed(seed))
 
         def w(*shape, std):
             return torch.nn.Parameter(torch.randn(*shape, generator=g) * std)
@@ -98,30 +109,32 @@ class TinyLM(torch.nn.Module):
         return self.ln_f(h) @ self.head.T, new_cache
 
 
+_ENGINE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def _check_dtype(name, dtype):
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        raise ValueError(f"{name}={dtype!r} is not a float dtype; use torch.float32 or torch.bfloat16")
+    check_choice(dtype, name, _ENGINE_DTYPES, hint="use torch.float32 or torch.bfloat16")
 
 
 def _check_sampling(temperature, top_p):
-    if not (isinstance(temperature, (int, float)) and temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature={temperature!r} must be a finite number > 0 (greedy is not "
-                         f"a distribution: use a small temperature such as 1e-3)")
-    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"top_p={top_p!r} must be in (0, 1]")
+    check_number(temperature, "temperature", min=0, min_open=True,
+                 hint="greedy is not a distribution: use a small temperature such as 1e-3")
+    check_number(top_p, "top_p", min=0, max=1, min_open=True)
 
 
 def _token_list(name, seqs, vocab_size):
-    if not isinstance(seqs, (list, tuple)) or not seqs:
-        raise ValueError(f"{name} must be a non-empty list of 1-D token id tensors, got {type(seqs).__name__}")
+    check_type((list, tuple), seqs, name, hint="a non-empty list of 1-D token id tensors")
+    if not seqs:
+        raise InvalidArgument(f"{name}=[] is empty; pass a non-empty list of 1-D token id tensors")
     out = []
     for i, s in enumerate(seqs):
         s = torch.as_tensor(s, dtype=torch.long)
         if s.ndim != 1 or s.numel() == 0:
-            raise ValueError(f"{name}[{i}] has shape {tuple(s.shape)}, expected a non-empty 1-D tensor")
+            raise InvalidArgument(f"{name}[{i}] has shape {tuple(s.shape)}, expected a non-empty "
+                                  f"1-D tensor")
         if int(s.min()) < 0 or int(s.max()) >= vocab_size:
-            raise ValueError(f"{name}[{i}] has token ids outside [0, {vocab_size}): "
-                             f"min {int(s.min())}, max {int(s.max())}")
+            raise InvalidArgument(f"{name}[{i}] has token ids outside [0, {vocab_size}): "
+                                  f"min {int(s.min())}, max {int(s.max())}")
         out.append(s)
     return out
 
@@ -163,16 +176,17 @@ def generate(model: TinyLM, prompts, *, max_new_tokens: int = 32, temperature: f
     """
     _check_dtype("dtype", dtype)
     _check_sampling(temperature, top_p)
-    if logprobs not in LOGPROB_MODES:
-        raise ValueError(f"logprobs={logprobs!r} must be one of {LOGPROB_MODES}")
-    if not (isinstance(batch_size, int) and batch_size >= 1):
-        raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
+    check_choice(logprobs, "logprobs", LOGPROB_MODES)
+    check_int(batch_size, "batch_size", min=1)
+    check_seed(seed)
     c = model.config
     prompts = _token_list("prompts", prompts, c.vocab_size)
     longest = max(len(p) for p in prompts)
-    if not (isinstance(max_new_tokens, int) and 1 <= max_new_tokens <= c.max_len - longest):
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be in [1, {c.max_len - longest}] "
-                         f"(max_len {c.max_len} minus the longest prompt {longest})")
+    check_int(max_new_tokens, "max_new_tokens", min=1, max=max(1, c.max_len - longest),
+              hint=f"max_len {c.max_len} minus the longest prompt {longest}")
+    if longest >= c.max_len:
+        raise InvalidArgument(f"prompts: the longest prompt has {longest} tokens, leaving no room "
+                              f"below max_len={c.max_len}")
     engine = _cast(model, dtype)
     gen = torch.Generator().manual_seed(seed)
     toks, lps, masks = [], [], []
@@ -220,17 +234,14 @@ def train_logprobs(model: TinyLM, prompts, completions, mask=None, *, dtype=torc
     c = model.config
     prompts = _token_list("prompts", prompts, c.vocab_size)
     completions = torch.as_tensor(completions, dtype=torch.long)
-    if completions.ndim != 2 or completions.shape[0] != len(prompts):
-        raise ValueError(f"completions has shape {tuple(completions.shape)}, expected "
-                         f"({len(prompts)}, T): one row per prompt")
+    check_tensor(completions, "completions", shape=(len(prompts), None), hint="one row per prompt")
     B, T = completions.shape
     mask = torch.ones(B, T, dtype=torch.bool) if mask is None else torch.as_tensor(mask, dtype=torch.bool)
-    if mask.shape != completions.shape:
-        raise ValueError(f"mask has shape {tuple(mask.shape)}, expected {tuple(completions.shape)} like completions")
+    check_tensor(mask, "mask", like=(completions.to(torch.bool), "completions"))
     lens = [len(p) for p in prompts]
     L = max(lens) + T
     if L > c.max_len:
-        raise ValueError(f"prompt+completion length {L} exceeds max_len={c.max_len}")
+        raise InvalidArgument(f"prompt+completion length {L} exceeds max_len={c.max_len}")
     ids = torch.zeros(B, L, dtype=torch.long)
     key_mask = torch.zeros(B, L, dtype=torch.bool)
     for b, p in enumerate(prompts):  # right padding: prompt, completion, pad
@@ -257,6 +268,10 @@ def _cast(model: TinyLM, dtype) -> TinyLM:
 def random_prompts(n: int, *, vocab_size: int = LMConfig.vocab_size, min_len: int = 2,
                    max_len: int = 12, seed: int = 0) -> list:
     """`n` prompts of varied lengths (so left and right padding really differ), no EOS."""
-    g = torch.Generator().manual_seed(seed)
+    check_int(n, "n", min=1)
+    check_int(vocab_size, "vocab_size", min=2, hint="token 0 is EOS, prompts use 1..")
+    check_int(min_len, "min_len", min=1)
+    check_int(max_len, "max_len", min=min_len, hint="at least min_len")
+    g = torch.Generator().manual_seed(check_seed(seed))
     lens = torch.randint(min_len, max_len + 1, (n,), generator=g)
     return [torch.randint(1, vocab_size, (int(k),), generator=g) for k in lens]

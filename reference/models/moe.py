@@ -14,7 +14,9 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from trainprobes.errors import InvalidArgument
 from trainprobes.reference.routing import topk_softmax
+from trainprobes.validation import check_int, check_tensor
 
 __all__ = ["MoEOutput", "TinyMoEBlock", "causal_block", "off_by_one_block"]
 
@@ -35,10 +37,12 @@ class TinyMoEBlock(nn.Module):
                  d_ff: int = 128, vocab: int | None = None, off_by_one: bool = False,
                  seed: int = 0, dtype: torch.dtype = torch.float32):
         super().__init__()
+        for name, value in (("d_model", d_model), ("n_heads", n_heads), ("n_experts", n_experts),
+                            ("d_ff", d_ff)):
+            check_int(value, name, min=1)
         if d_model % n_heads:
-            raise ValueError(f"d_model={d_model!r} must be divisible by n_heads={n_heads!r}")
-        if not 1 <= k <= n_experts:
-            raise ValueError(f"k={k!r} must be in [1, n_experts={n_experts}]")
+            raise InvalidArgument(f"d_model={d_model!r} must be divisible by n_heads={n_heads!r}")
+        check_int(k, "k", min=1, max=n_experts, hint=f"experts per token, n_experts={n_experts}")
         self.d_model, self.n_heads, self.k, self.off_by_one = d_model, n_heads, k, off_by_one
         g = torch.Generator().manual_seed(seed)
 
@@ -60,17 +64,15 @@ class TinyMoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> MoEOutput:
         if self.embed is not None:
-            if x.dtype != torch.long or x.dim() != 2:
-                raise ValueError(f"x has dtype {x.dtype} and shape {tuple(x.shape)!r}, expected "
-                                 f"token ids [B, T] (long) for a block with an embedding")
+            check_tensor(x, "x", kind="integer", ndim=2,
+                         hint="token ids [B, T] for a block with an embedding")
             if x.numel() and (x.min() < 0 or x.max() >= self.embed.shape[0]):
-                raise ValueError(f"token ids must be in [0, {self.embed.shape[0]}), got "
-                                 f"[{int(x.min())}, {int(x.max())}]")
+                raise InvalidArgument(f"token ids must be in [0, {self.embed.shape[0]}), got "
+                                      f"[{int(x.min())}, {int(x.max())}]")
             h = self.embed[x]
         else:
-            if not x.is_floating_point() or x.dim() != 3 or x.shape[-1] != self.d_model:
-                raise ValueError(f"x has dtype {x.dtype} and shape {tuple(x.shape)!r}, expected "
-                                 f"float [B, T, {self.d_model}]")
+            check_tensor(x, "x", kind="floating", shape=(None, None, self.d_model),
+                         hint=f"hidden states [B, T, {self.d_model}]")
             h = x.to(self.qkv.dtype)
         B, T, D = h.shape
         H = self.n_heads

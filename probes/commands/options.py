@@ -1,0 +1,109 @@
+"""Option types shared by the commands and the audit config: argparse `type=` callables
+built on trainprobes.validation, so a bad option is refused before any work (exit 2, with
+argparse's usage line), and the one dtype resolver every face uses.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+
+from trainprobes.errors import InvalidArgument
+from trainprobes.validation import parse_with
+
+# Spellings get_format may not know (yet): torch's and numpy's module prefixes, and
+# ml_dtypes' "floatN_..." names of the fp4/fp6 formats ("float6_e2m3fn" -> "fp6_e2m3fn").
+# ml_dtypes' float8_e4m3 (IEEE-like, with inf) is NOT fp8_e4m3fn: it stays unknown.
+_PREFIXES = ("torch.", "numpy.", "np.", "ml_dtypes.", "jnp.", "jax.numpy.")
+
+
+def _spellings(text: str):
+    yield text
+    bare = text
+    for p in _PREFIXES:
+        if bare.lower().startswith(p):
+            bare = bare[len(p):]
+            yield bare
+            break
+    if bare.lower().startswith(("float4_", "float6_")):
+        yield "fp" + bare[len("float"):]
+
+
+def _known_names() -> list[str]:
+    from trainprobes.reference.formats import ALIASES, FORMATS
+    return sorted(set(FORMATS) | set(ALIASES))
+
+
+def check_dtype(value, name: str = "dtype", *, allowed=None, hint: str | None = None) -> str:
+    """The canonical format name (trainprobes.reference.formats) of any spelling: fp16,
+    float16, half, torch.float16, bf16, bfloat16, torch.bfloat16, fp8_e4m3fn,
+    torch.float8_e4m3fn, e4m3, float6_e2m3fn, ... allowed: canonical names that may be
+    used here (e.g. what a backend can reduce); hint says why."""
+    from trainprobes.reference.formats import get_format
+
+    fmt = None
+    if isinstance(value, str):
+        for text in _spellings(value.strip()):
+            try:
+                fmt = get_format(text)
+                break
+            except (ValueError, TypeError, KeyError):
+                continue
+    if fmt is None:
+        close = difflib.get_close_matches(str(value).lower(), _known_names(), n=1)
+        maybe = f"; did you mean {close[0]!r}?" if close else ""
+        from trainprobes.reference.formats import FORMATS
+        raise InvalidArgument(f"{name}={value!r} is not a known number format{maybe} (known: "
+                              f"{', '.join(FORMATS)}; torch and ml_dtypes spellings such as "
+                              "torch.bfloat16 or float8_e4m3fn work too)")
+    if allowed is not None and fmt.name not in allowed:
+        spelled = "" if value == fmt.name else f" ({fmt.name})"
+        raise InvalidArgument(f"{name}={value!r}{spelled} cannot be used here"
+                              + (f": {hint}" if hint else "") + f"; usable: {', '.join(allowed)}")
+    return fmt.name
+
+
+def parse_dtype(metavar: str = "dtype", **kwargs):
+    """`type=parse_dtype("dtype")`: any spelling of a format, normalised to its name."""
+    return parse_with(str, check_dtype, metavar, **kwargs)
+
+
+def parse_list(item, metavar: str):
+    """`type=parse_list(parse_dtype("formats"), "formats")`: comma-separated items, each
+    parsed by the `type=` callable `item`; at least one."""
+    def parse(text: str):
+        parts = [t.strip() for t in text.split(",") if t.strip()]
+        if not parts:
+            raise argparse.ArgumentTypeError(f"{metavar}={text!r} is empty; give one or more, "
+                                             "separated by commas")
+        return [item(t) for t in parts]
+    parse.__name__ = metavar
+    return parse
+
+
+# --- output: one report shape for every command ----------------------------------------
+
+def add_report_options(parser) -> None:
+    """--json and --output: the report document (trainprobes.result.report_document)."""
+    parser.add_argument("--json", action="store_true",
+                        help="print the report as JSON instead of text: {schema_version, "
+                             "command, options, results: [...]}, the document --output writes "
+                             "and `trainprobes gate` reads (docs/gate.md)")
+    parser.add_argument("--output", metavar="FILE",
+                        help="also save that report to FILE (e.g. a gate baseline)")
+
+
+def options_of(args) -> dict:
+    """The parsed options, for the report (what ran, to rerun it)."""
+    return {k: v for k, v in vars(args).items()
+            if not k.startswith("_") and k not in ("json", "output", "command")}
+
+
+def emit_report(args, results, **extra) -> None:
+    """Save (--output) and print (--json) the report of `results`, one shape for all."""
+    from trainprobes.result import dumps_report, save_results
+
+    meta = {"command": args.command, "options": options_of(args), **extra}
+    if getattr(args, "output", None):
+        save_results(args.output, results, **meta)
+    if args.json:
+        print(dumps_report(results, **meta))

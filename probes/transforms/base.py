@@ -1,0 +1,157 @@
+"""What every transform shares: the rank context, a step's output, how a batch is split
+and how the pieces of a split batch are weighted.
+
+A transform is a small frozen dataclass (its fields are its options, recorded in every
+Result) with four methods:
+
+    check(step, world, batch, model)  before any rank starts: refuse what cannot run
+    setup(step, ctx)                  on each rank, once: build and wrap the model
+    run(state, step, batch, ctx)      on each rank, per trial: one transformed step on the
+                                      global batch -> StepOutput(loss, {name: full gradient})
+    dtypes()                          the precisions it adds (a hook's wire dtype, ...)
+
+Splitting a batch into P pieces (ranks x micro-batches) changes what "the loss" means. The
+normalisation names it: piece i of the global batch gets the weight
+    token-weighted  n_i / N       (n_i its loss units, N the batch's): the single-device
+                                   token mean, whatever the split (transformers'
+                                   num_items_in_batch)
+    mean-of-means   1 / P          each piece's own mean, averaged (the classic recipe;
+                                   equal to the above only when every n_i is equal)
+    sum             1              the pieces' losses summed (right for sum losses)
+so the transformed gradient is sum_i w_i grad(loss(piece i)).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, NamedTuple
+
+import torch
+from trainprobes.errors import InvalidArgument
+from trainprobes.transforms.step import TrainingStep, count_tokens, rows
+from trainprobes.validation import check_choice, check_int
+
+NORMALIZATIONS = ("token-weighted", "mean-of-means", "sum")
+
+__all__ = ["NORMALIZATIONS", "RankContext", "StepOutput", "Transform", "piece_weights", "split"]
+
+
+class RankContext(NamedTuple):
+    """Where a transform runs: this rank, the world, the device, the backend."""
+
+    rank: int
+    world: int
+    device: torch.device
+    backend: str
+
+
+class StepOutput(NamedTuple):
+    """What one transformed step returns on one rank: the loss it would log (None where
+    this rank has none, a non-last pipeline stage) and {name: full gradient} of the
+    parameters it holds."""
+
+    loss: torch.Tensor | None
+    grads: dict
+
+
+def split(batch: dict, parts: int) -> list:
+    """`parts` equal pieces of the samples of a batch, in order."""
+    n = next(iter(batch.values())).shape[0]
+    size = n // parts
+    return [rows(batch, slice(i * size, (i + 1) * size)) for i in range(parts)]
+
+
+def piece_weights(step: TrainingStep, batch: dict, pieces: list, normalization: str) -> list:
+    """The weight of each piece's loss (module docstring)."""
+    if normalization == "token-weighted":
+        total = count_tokens(batch, step.tokens)
+        return [count_tokens(p, step.tokens) / total for p in pieces]
+    if normalization == "mean-of-means":
+        return [1.0 / len(pieces)] * len(pieces)
+    return [1.0] * len(pieces)
+
+
+def check_divisible(batch: dict, world: int, parts: int, what: str) -> None:
+    n = next(iter(batch.values())).shape[0]
+    if n % (world * parts):
+        raise InvalidArgument(
+            f"the batch holds {n} samples, not divisible by world={world} x {what}={parts} "
+            f"= {world * parts}: every rank and micro-batch needs an equal share (make "
+            f"batch(generator) return a multiple of {world * parts} samples)")
+
+
+class Transform:
+    """Base of the transforms: options are the dataclass fields."""
+
+    name: ClassVar[str] = "transform"
+
+    @property
+    def options(self) -> dict:
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = getattr(v, "__qualname__", None) or repr(v) if callable(v) else v
+        return out
+
+    @property
+    def label(self) -> str:
+        """name(option=value, ...) with the options that differ from their defaults."""
+        changed = []
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.default is not dataclasses.MISSING and v == f.default:
+                continue
+            changed.append(f"{f.name}={_text(self.options[f.name])}")
+        return f"{self.name}({','.join(changed)})" if changed else self.name
+
+    def dtypes(self) -> tuple:
+        """Precisions (format names) the transform adds to the model's own."""
+        return ()
+
+    def weight_dtype(self) -> torch.dtype | None:
+        """The dtype the transform casts the weights to for compute, in place of the
+        model's (the truth's weights are rounded to it first: that is its contract)."""
+        return None
+
+    def check(self, step: TrainingStep, world: int, batch: dict, model: torch.nn.Module) -> None:
+        pass
+
+    def setup(self, step: TrainingStep, ctx: RankContext):
+        raise NotImplementedError
+
+    def run(self, state, step: TrainingStep, batch: dict, ctx: RankContext) -> StepOutput:
+        raise NotImplementedError
+
+    def teardown(self, state) -> None:
+        pass
+
+
+def _text(v) -> str:
+    """An option value as it is written on the command line (plan a:b;c:d, split a+b|c)."""
+    if isinstance(v, dict):
+        return ";".join(f"{k}:{x}" for k, x in v.items())
+    if isinstance(v, (tuple, list)):
+        return "|".join(_text(x) if isinstance(x, (tuple, list)) else str(x) for x in v) \
+            if any(isinstance(x, (tuple, list)) for x in v) else "+".join(map(str, v))
+    return str(v)
+
+
+def check_normalization(value) -> str:
+    return check_choice(value, "normalization", NORMALIZATIONS,
+                        hint="how the losses of a split batch's pieces are combined")
+
+
+def check_parts(value, name: str) -> int:
+    return check_int(value, name, min=1)
+
+
+def zero_grads(model: torch.nn.Module) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
+def reduce_loss(value: torch.Tensor, ctx: RankContext) -> torch.Tensor:
+    """The loss summed over ranks (each rank's share already weighted)."""
+    import torch.distributed as dist
+    out = value.detach().clone().reshape(1)
+    dist.all_reduce(out)
+    return out.reshape(())

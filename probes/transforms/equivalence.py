@@ -1,0 +1,232 @@
+"""The transforms.equivalence probe: does a parallel transform compute the single-device step?
+
+    probe(step, transform, world=2, trials=16, seed=0, ...)  -> Result
+    run_probes([Probe(...), ...], world=2, backend="gloo")   -> [Result], one set of ranks
+
+1. Before any rank starts (prepare): the step is checked (trainprobes.transforms.step:
+   deterministic model and batch factories, a scalar loss), the transform checks its
+   options against the model and the batch (divisibility, a pipeline split that covers
+   the model, a plan naming real modules), everything the ranks need must pickle, and the
+   fp64 truth of every trial is computed here.
+2. The ranks (trainprobes.distributed.launcher: reaped on crash, hang or silent death) run
+   the transform's steps on the trials' batches (trainprobes.transforms.worker) and hand
+   rank 0's gathered tensors back.
+3. trainprobes.transforms.judge compares every parameter's gradient and the loss with the
+   truth: exact / noise / biased / inconsistent / wrong, the metric `equivalent`, the scale
+   with its CI, the worst parameter, and what a pass rules out.
+"""
+from __future__ import annotations
+
+import math
+import pickle
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+from trainprobes.errors import InvalidArgument, InvalidType, TargetError, TrainprobesError
+from trainprobes.result import Result
+from trainprobes.transforms.base import Transform
+from trainprobes.transforms.judge import LOSS, Judgement, Observed, default_noise_tol, judge, lowest_precision
+from trainprobes.transforms.step import TrainingStep, Truth, check_step, single_device
+from trainprobes.transforms.tolerances import compare_tolerances
+from trainprobes.transforms.worker import DTYPES, RankCase, resolve_step
+from trainprobes.validation import check_choice, check_int, check_number
+
+PROBE = "transforms.equivalence"
+CODES = {"biased": "TP-T1", "inconsistent": "TP-T2", "wrong": "TP-T3"}
+FORMAT_OF = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+__all__ = ["Probe", "probe", "run_probes", "prepare", "finish", "PROBE"]
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One probe: a step, a transform and how to judge it.
+
+    step: a TrainingStep, or "pkg.mod:attr" naming one (or a factory of one).
+    trials: seeded batches (each trial's seed is drawn from `seed` and recorded).
+    alpha: false-positive rate of the whole verdict (Bonferroni over its tests).
+    min_effect: smallest relative scale error / signed bias called biased.
+    noise_tol: largest per-trial relative error called rounding noise (None: by dtype).
+    replica_tol: largest relative disagreement between replicas (0: bit for bit).
+    target: the Result's target (None: "<step>[<transform>]").
+    expected: for a control, the Result verdict it is known to get ("pass" / "fail").
+    tolerances: also record what a 5% loss tolerance, rtol 1e-5 on gradients and a
+        bitwise loss comparison against the single-device step in its own dtype say.
+    """
+
+    step: object
+    transform: Transform
+    trials: int = 16
+    seed: int = 0
+    alpha: float = 0.01
+    min_effect: float = 1e-6
+    noise_tol: float | None = None
+    replica_tol: float = 0.0
+    target: str | None = None
+    expected: str | None = None
+    tolerances: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.transform, Transform):
+            raise InvalidType(f"transform={self.transform!r} must be a trainprobes.transforms "
+                              f"transform (DDP(), FSDP2(), TensorParallel(plan), Pipeline(), "
+                              f"Accumulation(), Custom(fn))")
+        check_int(self.trials, "trials", min=4, hint="seeded batches; 16 or more for a useful test")
+        check_int(self.seed, "seed", min=0)
+        check_number(self.alpha, "alpha", min=0, max=1, min_open=True, max_open=True, hint="e.g. 0.01")
+        check_number(self.min_effect, "min_effect", min=0, hint="e.g. 1e-6")
+        if self.noise_tol is not None:
+            check_number(self.noise_tol, "noise_tol", min=0, min_open=True, hint="e.g. 1e-4")
+        check_number(self.replica_tol, "replica_tol", min=0)
+        if self.expected is not None:
+            check_choice(self.expected, "expected", ("pass", "fail"))
+
+
+class Prepared(NamedTuple):
+    probe: Probe
+    step: TrainingStep
+    seeds: list
+    dtype: str
+    truth: Truth | None    # the fp64 single-device step
+    base: Truth | None     # the single-device step in the model's own dtype
+
+
+def _seeds(seed: int, trials: int) -> list:
+    return torch.randint(0, 2**62, (trials,), generator=torch.Generator().manual_seed(int(seed))).tolist()
+
+
+def prepare(p: Probe, world: int, *, truth: bool = True) -> Prepared:
+    """Step 1 of the module docstring (raises InvalidArgument / InvalidType / TargetError)."""
+    step = resolve_step(p.step)
+    seeds = _seeds(p.seed, p.trials)
+    batch = check_step(step, seeds[0])
+    model = step.model()
+    p.transform.check(step, world, batch, model)
+    own = {FORMAT_OF.get(q.dtype, str(q.dtype)) for q in model.parameters() if q.is_floating_point()}
+    dtype = lowest_precision(tuple(own) + tuple(p.transform.dtypes()))
+    for what, obj in (("step", p.step), ("transform", p.transform)):
+        try:
+            pickle.dumps(obj)
+        except Exception as e:  # noqa: BLE001 - any pickling failure means the ranks cannot get it
+            raise InvalidArgument(
+                f"{what}={obj!r} cannot be sent to the ranks ({type(e).__name__}: {e}): use "
+                f"module-level functions (or functools.partial of them), not lambdas or local "
+                f"functions, for the model, batch, loss and custom step") from None
+    ref, base = references(step, seeds, p.transform) if truth else (None, None)
+    if ref is not None:
+        check_truth(ref, step)
+    return Prepared(p, step, seeds, dtype, ref, base)
+
+
+def check_truth(ref: Truth, step: TrainingStep) -> None:
+    """A truth the probe can compare with: finite, and a gradient somewhere."""
+    bad = [n for n, g in ref.grads.items() if not torch.isfinite(g).all()]
+    if bad or not torch.isfinite(ref.loss).all():
+        raise InvalidArgument(f"the fp64 single-device step of {step.name!r} is not finite "
+                              f"({bad[:3] or 'the loss'}): the truth itself overflows or meets NaN")
+    norms = torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in ref.grads.values()]).sum(0)
+    zero = int((norms == 0).sum())
+    if zero > len(norms) - 3:
+        raise InvalidArgument(f"the fp64 gradient of {step.name!r} is exactly zero on {zero} of "
+                              f"{len(norms)} trials: nothing to compare (does the loss depend on "
+                              f"the parameters through the batch?)")
+
+
+def references(step: TrainingStep, seeds: list, transform: Transform) -> tuple:
+    """(fp64 truth, single device in the model's dtype), both with the weights the transform
+    computes with (trainprobes.transforms.base.Transform.weight_dtype)."""
+    w = transform.weight_dtype()
+    return single_device(step, seeds, param_dtype=w), single_device(step, seeds, fp64=False, param_dtype=w)
+
+
+def observed(out: dict, step: TrainingStep) -> Observed:
+    """Rank 0's gathered tensors (trainprobes.transforms.worker.gather) by parameter and rank."""
+    layout = [(n, tuple(q.shape)) for n, q in step.model().named_parameters() if q.requires_grad]
+    mask, codes = out["mask"], out["codes"]
+    grads, dtypes = {n: {} for n, _ in layout}, {}
+    for r, flat in enumerate(out["flat"]):
+        at = 0
+        for i, (n, shape) in enumerate(layout):
+            if not mask[r, i]:
+                continue
+            k = math.prod(shape)
+            grads[n][r] = flat[:, at:at + k]
+            at += k
+            if n not in dtypes and codes[r, i] >= 0:
+                dtypes[n] = DTYPES[int(codes[r, i])]
+    losses = {r: out["loss"][r] for r in range(out["loss"].shape[0]) if out["has_loss"][r]}
+    loss_codes = [int(c) for c in out["codes"][:, len(layout)] if c >= 0]
+    dtypes[LOSS] = DTYPES[loss_codes[0]] if loss_codes else torch.float32
+    return Observed(grads, dtypes, losses)
+
+
+def finish(prep: Prepared, out: dict, *, world: int, backend: str) -> Result:
+    """Step 3 of the module docstring: the Result of one probe."""
+    p, t = prep.probe, prep.probe.transform
+    truth, base = (prep.truth, prep.base) if prep.truth is not None else references(
+        prep.step, prep.seeds, t)
+    obs = observed(out, prep.step)
+    noise_tol = p.noise_tol if p.noise_tol is not None else default_noise_tol(prep.dtype)
+    j: Judgement = judge(truth, obs, alpha=p.alpha, min_effect=p.min_effect, noise_tol=noise_tol,
+                         replica_tol=p.replica_tol, base=base)
+    target = p.target or f"{prep.step.name}[{t.label},w={world}]"
+    metrics = {**j.metrics, "transform": t.name, "world": world, "dtype": prep.dtype,
+               "backend": backend}
+    evidence = {**j.evidence, "transform": t.label, "transform_options": t.options,
+                "step": prep.step.name, "trial_seeds": prep.seeds,
+                "rank_step_seconds": out["seconds"].tolist()}
+    if p.tolerances:
+        evidence["tolerances"] = compare_tolerances(base, obs)
+    return Result(probe=PROBE, target=target, verdict="pass" if j.equivalent else "fail",
+                  metrics=metrics, evidence=evidence, seed=p.seed,
+                  codes=[CODES[j.kind]] if j.kind in CODES else [], message=j.message,
+                  expected=p.expected)
+
+
+_RAISED = (InvalidArgument, InvalidType, TargetError)
+
+
+def _rank_error(e) -> TrainprobesError | None:
+    """A rank that refused its inputs (InvalidArgument ...) is a bad input, not a crash."""
+    last = e.traceback.strip().splitlines()[-1] if e.traceback.strip() else ""
+    for cls in _RAISED:
+        prefix = f"{cls.__module__}.{cls.__name__}: "
+        if last.startswith(prefix):
+            return cls(f"{last[len(prefix):]} (raised on rank {e.rank})")
+    return None
+
+
+def run_probes(probes: list, *, world: int = 2, backend: str = "gloo", timeout: float = 600.0,
+               port: int | None = None, progress: Callable | None = None) -> list:
+    """Every probe on one set of `world` ranks; one Result each, in order."""
+    from trainprobes.distributed.launcher import WorkerFailed, launch
+    from trainprobes.transforms.worker import cases_task
+    world = check_int(world, "world", min=1, hint="the number of ranks")
+    backend = check_choice(backend, "backend", ("gloo", "nccl"))
+    if not probes:
+        raise InvalidArgument("probes=[] holds nothing to run")
+    prepared = []
+    for i, p in enumerate(probes):
+        if not isinstance(p, Probe):
+            raise InvalidType(f"probes[{i}]={p!r} must be a trainprobes.transforms.Probe")
+        if progress:
+            progress(f"checking and computing the fp64 truth of {p.target or p.transform.label}")
+        prepared.append(prepare(p, world))
+    cases = [RankCase(pr.probe.step, pr.probe.transform, pr.seeds) for pr in prepared]
+    try:
+        outs = launch(cases_task, world, backend=backend, timeout=timeout, args=(cases, backend),
+                      port=port, progress=progress)
+    except WorkerFailed as e:
+        refused = _rank_error(e)
+        if refused is not None:
+            raise refused from e
+        raise
+    return [finish(pr, out, world=world, backend=backend) for pr, out in zip(prepared, outs[0]["cases"])]
+
+
+def probe(step, transform: Transform, *, world: int = 2, backend: str = "gloo", timeout: float = 600.0,
+          progress: Callable | None = None, **options) -> Result:
+    """One probe (Probe's fields as keyword options) on `world` fresh ranks."""
+    return run_probes([Probe(step, transform, **options)], world=world, backend=backend,
+                      timeout=timeout, progress=progress)[0]

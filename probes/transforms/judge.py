@@ -1,0 +1,372 @@
+"""The verdict: a transformed step's gradients and loss against the single-device step.
+
+Two references per trial t (a seeded batch), both computed on one process:
+    r  the truth: the step in float64;
+    b  the step as the model is given, in its own dtype (fp32, say), on one device.
+g is the transform's gradient of parameter p (from the lowest rank that returned it). Per
+trial, for x in (g, b) against r:
+    scale_t(x)     = sum_p <x_p, r_p> / sum_p |r_p|^2       the least-squares scale of x on r
+    signed_t(x)    = sum sign(r) (x - r) / sum |r|           trainprobes.numerics.bias's signed
+                                                             relative error (< 0: too small)
+    rel_t(x)       = |x - r| / |r|,   residual_t = |g - scale_t r| / |r|
+    loss_rel_t(x)  = (L_x - L_r) / |L_r|
+    scale_{t,p}(x) = <x_p, r_p> / |r_p|^2                    per parameter
+The model's own arithmetic is biased against fp64 by itself (fp32 rounds systematically:
+~1e-8 on the zoo's models, larger on deep ones), and that is not the transform's doing. So
+the tests of "biased" are PAIRED: each takes the transform's statistic minus the single
+device's on the same batch (scale_t(g) - scale_t(b), ...), which cancels the model's own
+rounding and leaves what the transform adds. Magnitudes (scale, its CI, relative errors)
+are reported against the fp64 truth.
+
+Verdict kinds, in this order:
+  wrong         a gradient or the loss is inf/NaN;
+  inconsistent  ranks that hold the same parameter (a replica) or report the loss disagree
+                (beyond replica_tol, relative; 0: any bit);
+  exact         every gradient and loss equals the truth cast to the transform's dtype, bit
+                for bit, on every trial;
+  biased        a systematic signed difference: one of the paired t-tests of mean 0 over
+                trials, on the scale, the signed relative error, the loss and every
+                parameter's scale, rejects at alpha / m (Bonferroni over the m tests, so the
+                false-positive rate of the whole verdict is at most alpha) with
+                |mean| >= min_effect (a floor under which a significant effect is reported,
+                not failed); CIs are Student-t, as trainprobes.numerics.bias.error_stats's;
+  wrong         no test rejects but the transform adds a large difference: max over trials
+                of |g - b| / |r| or of the loss's over noise_tol (more than rounding in the
+                transform's dtype explains);
+  noise         none of the above: zero-mean differences of rounding size.
+A pass states what it rules out: the smallest scale error and signed relative bias the
+trials would have detected at the same level with 80% power (trainprobes.power).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from scipy import stats
+from trainprobes.power import POWER, min_detectable_effect
+
+KINDS = ("exact", "noise", "biased", "inconsistent", "wrong")
+EQUIVALENT = ("exact", "noise")
+LOSS = "<loss>"
+# largest per-trial relative error still called rounding noise, by the lowest precision
+# in play (deep models in low precision may need more: pass noise_tol=)
+NOISE_TOL = {"fp64": 1e-10, "fp32": 1e-4, "tf32": 1e-2, "fp16": 1e-2, "bf16": 5e-2}
+PRECISION_ORDER = ("fp64", "fp32", "tf32", "fp16", "bf16")
+
+__all__ = ["KINDS", "EQUIVALENT", "Observed", "Judgement", "judge", "NOISE_TOL", "lowest_precision"]
+
+
+def lowest_precision(names) -> str:
+    """The least precise of the format names (unknown names rank as fp8: least precise)."""
+    order = {n: i for i, n in enumerate(PRECISION_ORDER)}
+    return max(names, key=lambda n: order.get(n, len(order)))
+
+
+def default_noise_tol(dtype: str) -> float:
+    return NOISE_TOL.get(dtype, 0.25)
+
+
+class Observed(NamedTuple):
+    """What the ranks returned, per parameter: {name: {rank: [trials, numel] float64}}, the
+    original dtype of each gradient, and the loss per reporting rank {rank: [trials]}."""
+
+    grads: dict
+    dtypes: dict
+    losses: dict
+
+
+@dataclass
+class Judgement:
+    kind: str
+    metrics: dict
+    evidence: dict
+    message: str
+    worst_parameter: str
+    tests: dict = field(default_factory=dict)
+
+    @property
+    def equivalent(self) -> bool:
+        return self.kind in EQUIVALENT
+
+
+def t_tests(errors: torch.Tensor) -> tuple:
+    """Two-sided one-sample t-tests of mean 0 down each column of [trials, K], over each
+    column's finite entries (a trial where a statistic does not exist, a parameter whose
+    fp64 gradient is zero, is left out): (mean, standard error, p, count). A column with no
+    spread has p = 0 if its mean is not 0; one with fewer than 3 finite trials p = NaN."""
+    finite = torch.isfinite(errors)
+    n = finite.sum(0).double()
+    x = torch.where(finite, errors, torch.zeros_like(errors))
+    mean = x.sum(0) / n.clamp(min=1)
+    dev = torch.where(finite, errors - mean, torch.zeros_like(errors))
+    sd = ((dev * dev).sum(0) / (n - 1).clamp(min=1)).sqrt()
+    se = sd / n.clamp(min=1).sqrt()
+    t = torch.where(se > 0, mean / se, torch.zeros_like(mean))
+    df = (n - 1).clamp(min=1)
+    p = torch.as_tensor(2 * stats.t.sf(t.abs().numpy(), df.numpy()), dtype=torch.float64)
+    p = torch.where(se > 0, p, (mean == 0).double())
+    p = torch.where(n >= 3, p, torch.full_like(p, math.nan))
+    return mean, se, p, n
+
+
+def mean_ci(x: torch.Tensor, alpha: float) -> dict | None:
+    """Mean, Student-t (1 - alpha) CI and spread over the finite trials (the interval of
+    trainprobes.numerics.bias.error_stats); NaN with fewer than 3."""
+    x = x[torch.isfinite(x)]
+    n = x.numel()
+    if n < 3:
+        return {"bias": math.nan, "ci_low": math.nan, "ci_high": math.nan, "std": math.nan, "n": max(n, 1)}
+    mean, std = x.mean().item(), x.std().item()
+    half = float(stats.t.ppf(1 - alpha / 2, n - 1)) * std / math.sqrt(n)
+    return {"bias": mean, "ci_low": mean - half, "ci_high": mean + half, "std": std, "n": n}
+
+
+def _replicas(obs: Observed, replica_tol: float) -> list:
+    rows = []
+    for name, by_rank in obs.grads.items():
+        ranks = sorted(by_rank)
+        first = by_rank[ranks[0]]
+        ref = first.abs().max().item() or 1.0
+        for r in ranks[1:]:
+            d = (by_rank[r] - first).abs().max().item()
+            if not d <= replica_tol * ref:
+                rows.append({"parameter": name, "ranks": [ranks[0], r], "max_difference": d,
+                             "relative": d / ref})
+    ranks = sorted(obs.losses)
+    for r in ranks[1:]:
+        a, b = obs.losses[ranks[0]], obs.losses[r]
+        d = (a - b).abs().max().item()
+        ref = a.abs().max().item() or 1.0
+        if not d <= replica_tol * ref:
+            rows.append({"parameter": LOSS, "ranks": [ranks[0], r], "max_difference": d,
+                         "relative": d / ref})
+    return sorted(rows, key=lambda x: -x["relative"])
+
+
+def _exact(g: dict, r: dict, obs: Observed, loss, truth_loss) -> bool:
+    for name, x in g.items():
+        dt = obs.dtypes.get(name) or torch.float32
+        if not torch.equal(x, r[name].to(dt).double()):
+            return False
+    if loss is not None:
+        dt = obs.dtypes.get(LOSS) or torch.float32
+        if not torch.equal(loss, truth_loss.to(dt).double()):
+            return False
+    return True
+
+
+class Against(NamedTuple):
+    """One set of gradients (and its loss) against the truth, per trial (module docstring)."""
+
+    scale: torch.Tensor       # [T]
+    signed: torch.Tensor      # [T]
+    rel: torch.Tensor         # [T]
+    residual: torch.Tensor    # [T]
+    p_scale: torch.Tensor     # [T, P], NaN where r_p = 0
+    p_rel: torch.Tensor       # [T, P]
+    loss_rel: torch.Tensor | None
+    rr: torch.Tensor          # [T, P] |r_p|^2
+
+
+def against(x: dict, r: dict, loss, truth_loss) -> Against:
+    names = list(r)
+    dot = torch.stack([(x[n] * r[n]).sum(1) for n in names], 1)
+    rr = torch.stack([(r[n] * r[n]).sum(1) for n in names], 1)
+    xx = torch.stack([(x[n] * x[n]).sum(1) for n in names], 1)
+    err2 = torch.stack([((x[n] - r[n]) ** 2).sum(1) for n in names], 1)
+    sgn = torch.stack([(torch.sign(r[n]) * (x[n] - r[n])).sum(1) for n in names], 1)
+    ar = torch.stack([r[n].abs().sum(1) for n in names], 1)
+    RR = rr.sum(1)
+    scale = dot.sum(1) / RR  # NaN on a trial whose fp64 gradient is zero (left out of tests)
+    residual = ((xx.sum(1) - 2 * scale * dot.sum(1) + scale ** 2 * RR).clamp(min=0) / RR).sqrt()
+    loss_rel = None if loss is None else (loss - truth_loss) / truth_loss.abs()
+    return Against(scale, sgn.sum(1) / ar.sum(1), _relative(err2.sum(1), RR), residual, dot / rr,
+                   (err2 / rr).sqrt(), loss_rel, rr)
+
+
+def _relative(err2: torch.Tensor, ref2: torch.Tensor) -> torch.Tensor:
+    """sqrt(err2 / ref2), and where the reference is zero: 0 if the error is, else inf (a
+    difference from a zero gradient is never rounding)."""
+    out = (err2 / ref2).sqrt()
+    return torch.where(ref2 > 0, out, torch.where(err2 == 0, torch.zeros_like(out),
+                                                  torch.full_like(out, math.inf)))
+
+
+def judge(truth, obs: Observed, *, alpha: float, min_effect: float, noise_tol: float,
+          replica_tol: float = 0.0, base=None) -> Judgement:
+    """The verdict (module docstring) of one probe: truth and base are step.Truth (base the
+    single-device step in the model's dtype; None: the tests compare with the truth alone)."""
+    names = list(truth.grads)
+    T = truth.loss.numel()
+    g = {n: obs.grads[n][min(obs.grads[n])] for n in names}
+    r = {n: truth.grads[n].reshape(T, -1) for n in names}
+    loss = obs.losses[min(obs.losses)] if obs.losses else None
+
+    nonfinite = [n for n in names if not torch.isfinite(g[n]).all()]
+    if loss is not None and not torch.isfinite(loss).all():
+        nonfinite.append(LOSS)
+    replicas = _replicas(obs, replica_tol)
+
+    a = against(g, r, loss, truth.loss)
+    b = None
+    if base is not None:
+        bg = {n: base.grads[n].reshape(T, -1).double() for n in names}
+        if all(bool(torch.isfinite(v).all()) for v in bg.values()) and bool(torch.isfinite(base.loss).all()):
+            b = against(bg, r, base.loss.double() if loss is not None else None, truth.loss)
+            added = _relative(torch.stack([((g[n] - bg[n]) ** 2).sum(1) for n in names], 1).sum(1),
+                              a.rr.sum(1))
+            added_loss = None if loss is None else ((loss - base.loss.double()) / truth.loss.abs()).abs()
+    if b is None:
+        added = a.rel
+        added_loss = None if loss is None else a.loss_rel.abs()
+
+    def paired(x, y):
+        return x if y is None else x - y
+
+    # the family of tests (paired: transform minus single device), Bonferroni over its size;
+    # NaN marks a trial where a statistic does not exist (a zero fp64 gradient)
+    shift = 1.0 if b is None else 0.0
+    cols = {"scale": paired(a.scale, b and b.scale) - shift,
+            "signed_relative_error": paired(a.signed, b and b.signed)}
+    if a.loss_rel is not None:
+        cols["loss"] = paired(a.loss_rel, b and b.loss_rel)
+    if len(names) > 1:
+        for i, n in enumerate(names):
+            cols[n] = paired(a.p_scale[:, i], b and b.p_scale[:, i]) - shift
+    mean, se, p, count = t_tests(torch.stack(list(cols.values()), 1))
+    keep = [k for k, pv in zip(cols, p.tolist()) if not math.isnan(pv)]  # >= 3 trials measured
+    m = max(len(keep), 1)
+    level = alpha / m
+    significant = [k for k, pv, mu in zip(cols, p.tolist(), mean.tolist())
+                   if k in keep and pv < level and abs(mu) >= min_effect]
+    tests = {k: {"mean": mu, "se": s_, "p": pv, "trials": int(c), "significant": k in significant}
+             for k, mu, s_, pv, c in zip(cols, mean.tolist(), se.tolist(), p.tolist(), count.tolist())}
+
+    s_scale, s_signed = mean_ci(a.scale - 1, alpha), mean_ci(a.signed, alpha)
+    mde_scale = min_detectable_effect(tests["scale"]["se"], tests["scale"]["trials"] - 1, level)
+    mde_signed = min_detectable_effect(tests["signed_relative_error"]["se"],
+                                       tests["signed_relative_error"]["trials"] - 1, level)
+    metrics = {
+        "trials": T, "alpha": alpha, "alpha_per_test": level, "tests": m, "paired": b is not None,
+        "min_effect": min_effect, "noise_tol": noise_tol, "replica_tol": replica_tol, "power": POWER,
+        "scale": 1 + s_scale["bias"], "scale_ci_low": 1 + s_scale["ci_low"],
+        "scale_ci_high": 1 + s_scale["ci_high"], "scale_error": s_scale["bias"],
+        "scale_error_se": s_scale["std"] / math.sqrt(s_scale["n"]),
+        "added_scale_error": tests["scale"]["mean"], "added_scale_error_p": tests["scale"]["p"],
+        "signed_relative_error": s_signed["bias"], "signed_relative_error_ci_low": s_signed["ci_low"],
+        "signed_relative_error_ci_high": s_signed["ci_high"],
+        "signed_relative_error_se": s_signed["std"] / math.sqrt(s_signed["n"]),
+        "added_signed_relative_error": tests["signed_relative_error"]["mean"],
+        "added_signed_relative_error_p": tests["signed_relative_error"]["p"],
+        "max_relative_error": float(a.rel.max()), "mean_relative_error": float(a.rel.mean()),
+        "max_added_error": float(added.max()), "mean_residual": float(a.residual.mean()),
+        "min_detectable_scale_error": mde_scale, "min_detectable_relative_bias": mde_signed,
+        "n_parameters": len(names), "n_biased_parameters": sum(1 for k in significant if k in r),
+        "n_inconsistent": len(replicas), "loss_reported": loss is not None,
+    }
+    if b is not None:
+        metrics["single_device_max_relative_error"] = float(b.rel.max())
+    if a.loss_rel is not None:
+        s_loss = mean_ci(a.loss_rel, alpha)
+        metrics.update({"loss_relative_error": s_loss["bias"],
+                        "loss_relative_error_se": s_loss["std"] / math.sqrt(s_loss["n"]),
+                        "loss_scale": 1 + s_loss["bias"], "loss_scale_ci_low": 1 + s_loss["ci_low"],
+                        "loss_scale_ci_high": 1 + s_loss["ci_high"],
+                        "max_loss_relative_error": float(a.loss_rel.abs().nan_to_num(0.0).max()),
+                        "max_added_loss_error": float(added_loss.max())})
+        if "loss" in tests:
+            metrics["added_loss_error"] = tests["loss"]["mean"]
+            metrics["added_loss_error_p"] = tests["loss"]["p"]
+            metrics["min_detectable_loss_error"] = min_detectable_effect(
+                tests["loss"]["se"], tests["loss"]["trials"] - 1, level)
+
+    table = []
+    for i, n in enumerate(names):
+        col = tests.get(n)
+        ps = a.p_scale[:, i]
+        table.append({"parameter": n, "numel": int(r[n].shape[1]), "ranks": sorted(obs.grads[n]),
+                      "scale": float(ps.mean()),
+                      "scale_se": float(ps.std() / math.sqrt(T)) if T > 1 else math.nan,
+                      "p": None if col is None else col["p"], "biased": n in significant,
+                      "max_relative_error": float(a.p_rel[:, i].max()),
+                      "mean_relative_error": float(a.p_rel[:, i].mean())})
+    evidence = {"parameters": table, "tests": tests, "replica_disagreements": replicas[:20],
+                "per_trial": {"scale": a.scale.tolist(), "signed_relative_error": a.signed.tolist(),
+                              "relative_error": a.rel.tolist(), "added_error": added.tolist(),
+                              "loss_relative_error": None if a.loss_rel is None else a.loss_rel.tolist()}}
+    kind, where, msg = _verdict(names, metrics, tests, table, significant, replicas, nonfinite,
+                                _exact(g, r, obs, loss, truth.loss), noise_tol, alpha, level)
+    metrics["transform_verdict"] = kind
+    metrics["equivalent"] = kind in EQUIVALENT
+    metrics["worst_parameter"] = where
+    return Judgement(kind, metrics, evidence, msg, where, tests)
+
+
+def _verdict(names, metrics, tests, table, significant, replicas, nonfinite, exact, noise_tol,
+             alpha, level) -> tuple:
+    """(kind, worst parameter, message) in the order of the module docstring."""
+    T, m = metrics["trials"], metrics["tests"]
+
+    def worst(key):
+        rows = [x for x in table if not math.isnan(x[key])]
+        return max(rows, key=lambda x: x[key])["parameter"] if rows else names[0]
+
+    loss = metrics["loss_reported"]
+    if nonfinite:
+        return "wrong", nonfinite[0], (
+            f"wrong: non-finite values (inf/NaN) in {nonfinite[:4]}: an overflow in a narrow "
+            f"format (fp16 loss scaling, a compression hook) or NaN in the data")
+    if replicas:
+        bad = sorted({x["parameter"] for x in replicas})
+        return "inconsistent", replicas[0]["parameter"], (
+            f"inconsistent: ranks {replicas[0]['ranks']} hold different values for replicated "
+            f"{bad[:4]} (max difference {replicas[0]['max_difference']:.3g}, "
+            f"{replicas[0]['relative']:.1%} of it): a reduction missing over the group that "
+            f"replicates it (sequence-parallel LayerNorm weights, a bias of a row-parallel "
+            f"layer) or rank-dependent computation (an unsynchronised dropout seed)")
+    if exact:
+        return "exact", worst("max_relative_error"), (
+            f"exact: every gradient{' and the loss' if loss else ''} equal the fp64 single-device "
+            f"step rounded to the transform's dtype, bit for bit, on all {T} trials")
+    if significant:
+        params = [k for k in significant if k in {x["parameter"] for x in table}]
+        where = max(params, key=lambda k: abs(tests[k]["mean"])) if params else (
+            LOSS if significant == ["loss"] else worst("mean_relative_error"))
+        parts = []
+        if "scale" in significant or "signed_relative_error" in significant:
+            parts.append(f"gradients scaled by {metrics['scale']:.4g} ({1 - alpha:.0%} CI "
+                         f"[{metrics['scale_ci_low']:.4g}, {metrics['scale_ci_high']:.4g}]), signed "
+                         f"relative error {metrics['signed_relative_error']:+.3g}")
+        if params:
+            scale_of = {x["parameter"]: x["scale"] for x in table}
+            shown = ", ".join(f"{k} x{scale_of[k]:.4g}" for k in
+                              sorted(params, key=lambda k: -abs(tests[k]["mean"]))[:4])
+            parts.append(f"in {len(params)} of {len(names)} parameters ({shown})")
+        if "loss" in significant:
+            parts.append(f"loss x{metrics['loss_scale']:.4g} (CI [{metrics['loss_scale_ci_low']:.4g}, "
+                         f"{metrics['loss_scale_ci_high']:.4g}])")
+        rest = (f"; beyond the scale a residual of {metrics['mean_residual']:.2g} remains"
+                if metrics["mean_residual"] > noise_tol else "")
+        return "biased", where, (
+            "biased: " + "; ".join(parts) + rest + f" (p < {level:.2g} per test against the single "
+            f"device: a normalisation, a missing or repeated scaling, or a reduction in a narrow "
+            f"format)")
+    added_loss = metrics.get("max_added_loss_error", 0.0)
+    if metrics["max_added_error"] > noise_tol or added_loss > noise_tol:
+        where = worst("max_relative_error")
+        return "wrong", where, (
+            f"wrong: the transform moves the gradients by up to {metrics['max_added_error']:.3g} "
+            f"(relative; the loss by {added_loss:.3g}) from the single-device step, more than "
+            f"rounding explains (noise_tol {noise_tol:g}), with no consistent sign or scale "
+            f"(worst: {where}): look for the wrong data shard, an unsynchronised random seed "
+            f"(dropout) or a stale or missing reduction")
+    unseen = "" if loss else "; the step reports no loss, so loss-level bugs are not checked"
+    low = max(metrics["min_detectable_scale_error"], metrics["min_effect"])
+    low_signed = max(metrics["min_detectable_relative_bias"], metrics["min_effect"])
+    return "noise", worst("max_relative_error"), (
+        f"noise: zero-mean differences (max relative error {metrics['max_relative_error']:.2g} "
+        f"against fp64, {metrics['max_added_error']:.2g} added by the transform <= noise_tol "
+        f"{noise_tol:g}); rules out a scale error > {low:.2g} and a signed relative bias > "
+        f"{low_signed:.2g} ({POWER:.0%} power at alpha {alpha:g}/{m} per test, {T} trials){unseen}")

@@ -1,0 +1,194 @@
+"""The single-device definition of a training step, and its fp64 truth.
+
+A user describes one step as three callables (a TrainingStep):
+
+    model()            -> torch.nn.Module, the same initial weights on every call
+    batch(generator)   -> {name: tensor}, every tensor with the sample axis first;
+                          batch["input"] (input_key) is what the model is called on
+    loss(output, batch) -> a scalar tensor: the loss of the WHOLE batch as one device
+                          computes it (e.g. a token mean over batch["mask"])
+
+and optionally tokens(batch) -> how many loss units a (piece of a) batch holds, which the
+token-weighted normalisation of split batches uses (default: batch["mask"].sum() where the
+batch has a "mask", else the number of samples).
+
+The truth of a trial is that step in float64 on one process: the model's weights cast to
+fp64 (after rounding them to the transform's parameter dtype where that is its contract,
+FSDP2's param_dtype), the batch's floating tensors cast to fp64, one forward, one backward.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Mapping, NamedTuple
+
+import torch
+from trainprobes.errors import InvalidArgument, InvalidType
+
+__all__ = ["TrainingStep", "Truth", "rows", "count_tokens", "check_step", "single_device"]
+
+
+@dataclass(frozen=True)
+class TrainingStep:
+    """model(), batch(generator), loss(output, batch) and optionally tokens(batch)."""
+
+    model: Callable
+    batch: Callable
+    loss: Callable
+    tokens: Callable | None = None
+    input_key: str = "input"
+    name: str = "step"
+
+    def __post_init__(self):
+        for field in ("model", "batch", "loss"):
+            if not callable(getattr(self, field)):
+                raise InvalidType(f"{field}={getattr(self, field)!r} must be callable "
+                                  f"(see trainprobes.transforms.TrainingStep)")
+        if self.tokens is not None and not callable(self.tokens):
+            raise InvalidType(f"tokens={self.tokens!r} must be None or callable(batch) -> count")
+
+    def forward(self, model, batch):
+        return model(batch[self.input_key])
+
+    def count(self, batch) -> float:
+        return count_tokens(batch, self.tokens)
+
+
+class Truth(NamedTuple):
+    """The fp64 single-device step over the trials: loss [trials], grads {name: [trials, *shape]}."""
+
+    loss: torch.Tensor
+    grads: dict
+
+
+def rows(batch: Mapping, index) -> dict:
+    """The samples `index` (a slice or an index tensor) of every tensor of the batch."""
+    return {k: v[index] for k, v in batch.items()}
+
+
+def count_tokens(batch: Mapping, tokens: Callable | None = None) -> float:
+    """Loss units in a (piece of a) batch: tokens(batch), else mask.sum(), else samples."""
+    if tokens is not None:
+        n = tokens(batch)
+    elif "mask" in batch:
+        n = batch["mask"].sum()
+    else:
+        n = next(iter(batch.values())).shape[0]
+    return float(n.item() if isinstance(n, torch.Tensor) else n)
+
+
+def _as_batch(b, name: str = "batch") -> dict:
+    if not isinstance(b, Mapping) or not b:
+        raise InvalidType(f"{name}(generator) returned {type(b).__name__}; it must return a "
+                          f"non-empty dict of tensors, e.g. {{'input': x, 'target': y}}")
+    bad = [k for k, v in b.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if bad:
+        raise InvalidType(f"{name}(generator) returned a dict whose entries {bad!r} are not "
+                          f"str -> tensor; every entry must be a tensor with the sample axis first")
+    sizes = {k: (v.shape[0] if v.dim() else None) for k, v in b.items()}
+    first = next(iter(sizes.values()))
+    odd = {k: s for k, s in sizes.items() if s != first or s is None}
+    if odd:
+        raise InvalidArgument(f"{name}(generator) returned tensors with different sample counts "
+                              f"{sizes!r}: every tensor needs the sample axis first, of one size")
+    return dict(b)
+
+
+def _first_difference(a: torch.nn.Module, b: torch.nn.Module) -> str | None:
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    if list(pa) != list(pb):
+        return f"parameter names differ ({list(pa)[:4]}... vs {list(pb)[:4]}...)"
+    for name, p in pa.items():
+        q = pb[name]
+        if p.shape != q.shape or p.dtype != q.dtype:
+            return f"{name!r} is {tuple(p.shape)} {p.dtype} then {tuple(q.shape)} {q.dtype}"
+        if not torch.equal(p.detach(), q.detach()):
+            return f"{name!r} holds different values"
+    return None
+
+
+def check_step(step: TrainingStep, seed: int) -> dict:
+    """Refuse a step the probe cannot judge, before any rank starts; return trial 0's batch.
+
+    1. model() twice: the same parameter names, shapes, dtypes and bits (ranks and the
+       truth each build their own copy, so a factory that draws new weights breaks both);
+    2. batch(generator) twice with one seed: a dict of tensors with a common sample axis
+       and the same bits (every rank draws the batch from the trial's seed);
+    3. the loss of that batch is a finite scalar that depends on the parameters.
+    """
+    if not isinstance(step, TrainingStep):
+        raise InvalidType(f"step={step!r} must be a trainprobes.transforms.TrainingStep")
+    m1, m2 = step.model(), step.model()
+    if not isinstance(m1, torch.nn.Module):
+        raise InvalidType(f"model={step.model!r} returned {type(m1).__name__}, not a torch.nn.Module")
+    if not any(p.requires_grad for p in m1.parameters()):
+        raise InvalidArgument(f"model={step.model!r} returned a module with no trainable parameter")
+    diff = _first_difference(m1, m2)
+    if diff:
+        raise InvalidArgument(f"model={step.model!r} returned different initial weights on two calls "
+                              f"({diff}): seed inside the factory (torch.manual_seed or a "
+                              f"Generator) so every rank and the fp64 truth start from one model")
+    b1 = _as_batch(step.batch(torch.Generator().manual_seed(seed)))
+    b2 = _as_batch(step.batch(torch.Generator().manual_seed(seed)))
+    if step.input_key not in b1:
+        raise InvalidArgument(f"batch(generator) returned keys {sorted(b1)}; the model is called "
+                              f"on batch[{step.input_key!r}] (input_key=)")
+    same = set(b1) == set(b2) and all(b1[k].shape == b2[k].shape and torch.equal(b1[k], b2[k])
+                                      for k in b1)
+    if not same:
+        raise InvalidArgument(f"batch={step.batch!r} returned different batches for one seed: draw "
+                              f"every random number from the generator it is given")
+    n = step.count(b1)
+    if not (math.isfinite(n) and n > 0):
+        raise InvalidArgument(f"the batch holds {n!r} loss units (tokens=/mask): need > 0")
+    out = step.forward(m1, b1)
+    loss = step.loss(out, b1)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.dim() != 0:
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) \
+            else type(loss).__name__
+        raise InvalidArgument(f"loss={step.loss!r} returned {what}; it must return a scalar "
+                              f"(0-dim) tensor: the loss of the whole batch (reduce with .mean() "
+                              f"or a token mean)")
+    if not loss.requires_grad:
+        raise InvalidArgument(f"loss={step.loss!r} returned a tensor that does not depend on the "
+                              f"model's parameters (requires_grad is False)")
+    if not torch.isfinite(loss.detach()).all():
+        raise InvalidArgument(f"loss={step.loss!r} is {loss.item()!r} on trial 0's batch")
+    return b1
+
+
+def _to_fp64(batch: Mapping) -> dict:
+    return {k: (v.double() if v.is_floating_point() else v) for k, v in batch.items()}
+
+
+def fp64_model(step: TrainingStep, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The factory's model in float64, its weights first rounded to param_dtype if given."""
+    m = step.model()
+    with torch.no_grad():
+        for p in m.parameters():
+            if param_dtype is not None and p.is_floating_point():
+                p.copy_(p.to(param_dtype).to(p.dtype))
+    return m.double()
+
+
+def grads_of(model: torch.nn.Module, loss: torch.Tensor) -> dict:
+    """{name: gradient} of every trainable parameter (zeros where the loss does not reach it)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    gs = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+    return {n: (torch.zeros_like(p) if g is None else g) for (n, p), g in zip(named, gs)}
+
+
+def single_device(step: TrainingStep, seeds: list, *, fp64: bool = True,
+                  param_dtype: torch.dtype | None = None) -> Truth:
+    """The single-device step on every trial's batch: in float64 (the truth), or with
+    fp64=False in the model's own dtype (what parity tests compare against)."""
+    model = fp64_model(step, param_dtype) if fp64 else step.model()
+    losses, grads = [], {}
+    for s in seeds:
+        b = step.batch(torch.Generator().manual_seed(int(s)))
+        b = _to_fp64(b) if fp64 else b
+        loss = step.loss(step.forward(model, b), b)
+        for n, g in grads_of(model, loss).items():
+            grads.setdefault(n, []).append(g.detach())
+        losses.append(loss.detach().reshape(()))
+    return Truth(torch.stack(losses), {n: torch.stack(v) for n, v in grads.items()})

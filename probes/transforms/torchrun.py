@@ -1,0 +1,66 @@
+"""One transform probe under torchrun, across as many nodes as the user trains on:
+
+    torchrun --nproc-per-node 2 -m trainprobes.transforms.torchrun \\
+        --target mypkg.train:step --transform "fsdp2:reduce_dtype=bf16" --json
+
+Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT; every rank runs the
+transformed steps (trainprobes.transforms.worker), rank 0 gathers the gradients, computes the
+fp64 truth and prints the Result. Exit 0 when equivalent, 1 when not, 2 on bad usage.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from trainprobes.transforms.base import RankContext
+from trainprobes.transforms.equivalence import Probe, finish, prepare
+from trainprobes.transforms.registry import parse_transform
+from trainprobes.transforms.worker import RankCase, device_of, run_case
+
+
+def main(argv=None) -> int:
+    """Entry under torchrun: one probe; rank 0 computes the truth and prints the Result."""
+    p = argparse.ArgumentParser(prog="python -m trainprobes.transforms.torchrun",
+                                description="one transform probe under torchrun")
+    p.add_argument("--target", required=True, metavar="PKG.MOD:STEP")
+    p.add_argument("--transform", default="ddp", metavar="NAME[:OPTIONS]")
+    p.add_argument("--backend", choices=("gloo", "nccl"),
+                   default="nccl" if torch.cuda.is_available() else "gloo")
+    p.add_argument("--trials", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--alpha", type=float, default=0.01)
+    p.add_argument("--min-effect", type=float, default=1e-6)
+    p.add_argument("--noise-tol", type=float, default=None)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        print(f"environment variables {missing} are not set: run under torchrun, or use "
+              f"`trainprobes transforms` to launch local ranks", file=sys.stderr)
+        return 2
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    probe = Probe(args.target, parse_transform(args.transform), trials=args.trials, seed=args.seed,
+                  alpha=args.alpha, min_effect=args.min_effect, noise_tol=args.noise_tol)
+    prep = prepare(probe, world, truth=False)  # every rank refuses bad inputs before any step
+    ctx = RankContext(rank, world, device_of(args.backend, local), args.backend)
+    if args.backend == "nccl":
+        torch.cuda.set_device(local)
+    dist.init_process_group(args.backend)
+    try:
+        out = run_case(RankCase(probe.step, probe.transform, prep.seeds), ctx)
+    finally:
+        dist.destroy_process_group()
+    if rank != 0:
+        return 0
+    res = finish(prep, out, world=world, backend=args.backend)
+    print(json.dumps(res.to_dict(), indent=2) if args.json else res.summary_line())
+    return 0 if res.metrics.get("equivalent") is True else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""What each rank runs: the transform's steps on every trial, gathered to rank 0 as plain
+tensors (no pickled objects travel back: the launcher reads the results weights-only).
+
+Launched locally by trainprobes.distributed.launcher (cases_task), or under torchrun by
+trainprobes.transforms.torchrun (which owns the probe; this module only runs steps).
+
+Per case, each rank:
+  1. builds the transform (setup) once, then for every trial seed draws the global batch,
+     runs one transformed step and checks what it returned: known parameter names, full
+     shapes, and (after trial 0, all ranks together) every parameter returned by some rank;
+  2. sends rank 0 what it returned: which parameters (a mask), their dtypes, its loss per
+     trial and one flat float64 tensor [trials, elements] of its gradients.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import NamedTuple
+
+import torch
+from trainprobes.errors import InvalidArgument
+from trainprobes.transforms.base import RankContext, Transform
+from trainprobes.transforms.step import TrainingStep
+
+DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+__all__ = ["RankCase", "cases_task", "run_case", "resolve_step"]
+
+
+class RankCase(NamedTuple):
+    """One probe as the ranks see it: the step (or the import path of a factory of one),
+    the transform, the trial seeds."""
+
+    step: object
+    transform: Transform
+    seeds: list
+
+
+def resolve_step(spec) -> TrainingStep:
+    """A TrainingStep, or "pkg.mod:attr" naming one or a no-argument factory of one."""
+    if isinstance(spec, TrainingStep):
+        return spec
+    from trainprobes.errors import InvalidType, TargetError
+    if not isinstance(spec, str):
+        raise InvalidType(f"step={spec!r} must be a trainprobes.transforms.TrainingStep or "
+                          f"'package.module:attr' naming one (or a function returning one)")
+    from trainprobes.targets import load_target
+    obj = load_target(spec, callable_required=False)
+    if not isinstance(obj, TrainingStep) and callable(obj):
+        obj = obj()
+    if not isinstance(obj, TrainingStep):
+        raise TargetError(f"target={spec!r} is a {type(obj).__name__}; it must be a "
+                          f"trainprobes.transforms.TrainingStep or a function returning one")
+    return obj
+
+
+def device_of(backend: str, local_rank: int) -> torch.device:
+    return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+
+
+def _checked(out, names: dict, shapes: dict, ctx: RankContext, label: str, trial: int) -> dict:
+    unknown = [n for n in out.grads if n not in names]
+    if unknown:
+        raise InvalidArgument(f"the step ({label}) returned gradients for {unknown[:5]}, which are not "
+                              f"parameters of the model (its names: {list(names)[:6]}...); use "
+                              f"the names of model.named_parameters()")
+    for n, g in out.grads.items():
+        if not isinstance(g, torch.Tensor) or tuple(g.shape) != shapes[n]:
+            got = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
+            raise InvalidArgument(f"the step ({label}) returned a gradient for {n!r} of shape {got} "
+                                  f"on rank {ctx.rank}, trial {trial}; the parameter is "
+                                  f"{shapes[n]}: gather shards to the full gradient "
+                                  f"(trainprobes.transforms.gather.full_gradients)")
+    return out.grads
+
+
+def _coverage(mask: torch.Tensor, names: list, ctx: RankContext, label: str) -> None:
+    """Every parameter returned by at least one rank (all ranks raise alike)."""
+    import torch.distributed as dist
+    union = mask.to(ctx.device, torch.float32)
+    dist.all_reduce(union, op=dist.ReduceOp.MAX)
+    missing = [n for n, m in zip(names, union.cpu().tolist()) if not m]
+    if missing:
+        raise InvalidArgument(f"the step ({label}) returned no gradient for {len(missing)} "
+                              f"parameter(s) on any rank, e.g. {missing[:5]}: return every "
+                              f"parameter's full gradient from the rank(s) that hold it")
+
+
+def run_case(case: RankCase, ctx: RankContext) -> dict | None:
+    """Steps 1-2 of the module docstring; rank 0 returns the gathered outputs."""
+    step = resolve_step(case.step)
+    t = case.transform
+    layout = [(n, tuple(p.shape)) for n, p in step.model().named_parameters() if p.requires_grad]
+    names = {n: i for i, (n, _) in enumerate(layout)}
+    shapes = dict(layout)
+    state = t.setup(step, ctx)
+    kept, losses, mask, codes, seconds, loss_code = None, [], None, None, 0.0, -1
+    for trial, seed in enumerate(case.seeds):
+        batch = {k: v.to(ctx.device) for k, v in step.batch(torch.Generator().manual_seed(int(seed))).items()}
+        start = time.perf_counter()
+        out = t.run(state, step, batch, ctx)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        seconds += time.perf_counter() - start
+        grads = _checked(out, names, shapes, ctx, t.label, trial)
+        returned = torch.tensor([n in grads for n in names], dtype=torch.bool)
+        if trial == 0:
+            mask = returned
+            _coverage(mask, list(names), ctx, t.label)
+            kept = {n: [] for n in names if n in grads}
+            codes = torch.tensor([DTYPES.index(grads[n].dtype) if n in grads and grads[n].dtype in DTYPES
+                                  else -1 for n in names])
+        elif not torch.equal(returned, mask):
+            raise InvalidArgument(f"the step ({t.label}) returned other parameters on trial {trial} "
+                                  f"than on trial 0 (rank {ctx.rank})")
+        for n in kept:
+            kept[n].append(grads[n].detach().to("cpu", torch.float64).reshape(-1))
+        losses.append(math.nan if out.loss is None else float(out.loss.detach().double().item()))
+        if out.loss is not None and out.loss.dtype in DTYPES:
+            loss_code = DTYPES.index(out.loss.dtype)
+    t.teardown(state)
+    T = len(case.seeds)
+    flat = torch.cat([torch.stack(v) for v in kept.values()], dim=1) if kept else torch.zeros(T, 0,
+                                                                                             dtype=torch.float64)
+    has_loss = not all(math.isnan(x) for x in losses)
+    return gather(mask, torch.cat([codes, torch.tensor([loss_code])]), flat,
+                  torch.tensor(losses, dtype=torch.float64), has_loss, seconds,
+                  [math.prod(s) for _, s in layout], ctx)
+
+
+def gather(mask, codes, flat, losses, has_loss: bool, seconds: float, numels: list,
+           ctx: RankContext) -> dict | None:
+    """Every rank's outputs to rank 0, as tensors: one all_gather of the small metadata and
+    the losses, then one send per rank of its flat gradients. codes: each parameter's
+    gradient dtype (an index into DTYPES, -1 none), then the loss's."""
+    import torch.distributed as dist
+    P, T = mask.numel(), losses.numel()
+    meta = torch.cat([mask.double(), codes.double(), torch.tensor([float(has_loss), seconds],
+                                                                   dtype=torch.float64), losses])
+    meta = meta.to(ctx.device)
+    everyone = [torch.empty_like(meta) for _ in range(ctx.world)]
+    dist.all_gather(everyone, meta)
+    everyone = [m.cpu() for m in everyone]
+    if ctx.rank != 0:
+        if flat.shape[1]:
+            dist.send(flat.to(ctx.device).contiguous(), 0)
+        return None
+    flats = [flat]
+    for r in range(1, ctx.world):
+        size = sum(n for n, m in zip(numels, everyone[r][:P].tolist()) if m)
+        buf = torch.empty(T, size, dtype=torch.float64, device=ctx.device)
+        if size:
+            dist.recv(buf, r)
+        flats.append(buf.cpu())
+    return {"mask": torch.stack([m[:P] for m in everyone]).bool(),
+            "codes": torch.stack([m[P:2 * P + 1] for m in everyone]).long(),
+            "has_loss": torch.stack([m[2 * P + 1] for m in everyone]).bool(),
+            "seconds": torch.stack([m[2 * P + 2] for m in everyone]),
+            "loss": torch.stack([m[2 * P + 3:] for m in everyone]),
+            "flat": flats}
+
+
+def cases_task(rank: int, world: int, cases: list, backend: str) -> dict:
+    """Launcher task: every case in order on this rank (one process group for all)."""
+    ctx = RankContext(rank, world, device_of(backend, rank), backend)
+    # the ranks share this machine's cores: torch's default (all of them, per rank) makes
+    # their thread pools spin against each other (a toy DDP step took 0.6 s instead of 4 ms)
+    if backend == "gloo":
+        import os
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    out = [run_case(c, ctx) for c in cases]
+    return {"cases": out if rank == 0 else []}

@@ -1,0 +1,47 @@
+"""The gate on transforms Results: equivalent -> not equivalent blocks, coded by the
+candidate's kind; a scale or loss error that grows is judged like bias; a candidate that
+lost (or mistyped) its `equivalent` cannot be judged."""
+import pytest
+from trainprobes.gate import compare
+from trainprobes.result import Result
+
+
+def result(kind, scale_error=1e-9, se=1e-9, loss_error=1e-9, equivalent=None, **extra):
+    eq = kind in ("exact", "noise") if equivalent is None else equivalent
+    metrics = {"equivalent": eq, "transform_verdict": kind, "scale": 1 + scale_error, "trials": 16,
+               "scale_error": scale_error,
+               "scale_error_se": se, "loss_relative_error": loss_error, "loss_relative_error_se": se,
+               "min_effect": 1e-6, "worst_parameter": "0.weight", **extra}
+    if equivalent == "drop":
+        del metrics["equivalent"]
+    codes = {"biased": ["TP-T1"], "inconsistent": ["TP-T2"], "wrong": ["TP-T3"]}.get(kind, [])
+    return Result(probe="transforms.equivalence", target="trainer.fsdp2", metrics=metrics,
+                  verdict="fail" if eq is False else "pass", codes=codes)
+
+
+def codes(base, cand):
+    return sorted(r.code for r in compare([base], [cand]).blocking)
+
+
+@pytest.mark.parametrize("kind, code", [("biased", "TP-T1"), ("inconsistent", "TP-T2"), ("wrong", "TP-T3")])
+def test_a_transform_that_stops_being_equivalent_blocks(kind, code):
+    assert code in codes(result("noise"), result(kind))
+    assert code in codes(result("exact"), result(kind))
+
+
+def test_equivalent_to_equivalent_passes_and_exact_to_noise_is_not_a_regression():
+    assert codes(result("noise"), result("noise", scale_error=2e-9)) == []
+    assert codes(result("exact", scale_error=0.0, se=0.0), result("noise", scale_error=3e-8, se=1e-8)) == []
+
+
+def test_a_scale_that_grows_is_judged_like_bias():
+    base = result("biased", scale_error=0.25, se=0.001)
+    assert codes(base, result("biased", scale_error=0.25 + 1e-4, se=0.001)) == []
+    assert "TP-T4" in codes(base, result("biased", scale_error=0.5, se=0.001))
+    assert "TP-T4" in codes(result("biased", loss_error=0.1, se=1e-3), result("biased", loss_error=1.0, se=1e-3))
+
+
+def test_a_candidate_without_the_verdict_boolean_cannot_be_judged():
+    for broken in ("drop", "yes"):
+        report = compare([result("noise")], [result("noise", equivalent=broken)])
+        assert report.exit_code == 2 and "equivalent" in report.cannot_judge

@@ -1,0 +1,86 @@
+"""trainprobes.transforms.step: what a single-device step must be, checked before any rank
+starts, and the fp64 truth."""
+import functools
+
+import pytest
+import torch
+from trainprobes.errors import InvalidArgument, InvalidType
+from trainprobes.reference.bugs import data
+from trainprobes.transforms.step import TrainingStep, check_step, count_tokens, single_device
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+BATCH = functools.partial(data.documents, data.full(4, 4))
+
+
+def good() -> TrainingStep:
+    return TrainingStep(model=functools.partial(data.mlp, seed=3), batch=BATCH, loss=data.loss)
+
+
+def fresh_model():
+    return torch.nn.Linear(data.D, data.O)  # new random weights on every call
+
+
+def vector_loss(output, batch):
+    return (output - batch["target"]).pow(2).mean(-1)
+
+
+def detached_loss(output, batch):
+    return data.loss(output.detach(), batch)
+
+
+def drifting_batch(generator):
+    b = BATCH(generator)
+    b["input"] = b["input"] + torch.randn(1)  # ignores the generator
+    return b
+
+
+def ragged_batch(generator):
+    b = BATCH(generator)
+    b["mask"] = b["mask"][:2]
+    return b
+
+
+def test_a_good_step_passes_and_returns_trial_0s_batch():
+    b = check_step(good(), 7)
+    assert torch.equal(b["input"], BATCH(torch.Generator().manual_seed(7))["input"])
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"model": fresh_model}, "different initial weights on two calls"),
+    ({"loss": vector_loss}, r"must return a scalar \(0-dim\) tensor"),
+    ({"loss": detached_loss}, "does not depend on the model's parameters"),
+    ({"batch": drifting_batch}, "different batches for one seed"),
+    ({"batch": ragged_batch}, "different sample counts"),
+    ({"input_key": "x"}, r"called on batch\['x'\]"),
+])
+def test_bad_steps_are_refused_naming_what_to_fix(change, match):
+    step = TrainingStep(**{**dict(model=good().model, batch=BATCH, loss=data.loss), **change})
+    with pytest.raises(InvalidArgument, match=match):
+        check_step(step, 0)
+
+
+def test_a_step_needs_callables():
+    with pytest.raises(InvalidType, match="model=3 must be callable"):
+        TrainingStep(model=3, batch=BATCH, loss=data.loss)
+
+
+def test_the_truth_is_the_fp64_step_and_rounds_weights_to_the_contract():
+    step = good()
+    truth = single_device(step, [1, 2])
+    m = data.mlp(seed=3).double()
+    b = {k: (v.double() if v.is_floating_point() else v) for k, v in BATCH(torch.Generator().manual_seed(2)).items()}
+    data.loss(m(b["input"]), b).backward()
+    assert truth.loss.dtype == torch.float64
+    assert torch.equal(truth.grads["2.weight"][1], m[2].weight.grad)
+    rounded = single_device(step, [2], param_dtype=torch.bfloat16)
+    assert not torch.equal(rounded.grads["2.weight"][0], m[2].weight.grad)
+    same = single_device(step, [2], fp64=False)
+    assert same.loss.dtype == torch.float32
+
+
+def test_tokens_default_to_the_mask_then_the_samples():
+    b = data.documents(data.Layout((1, 3), (1.0, 1.0), 4), torch.Generator())
+    assert count_tokens(b) == 4.0
+    assert count_tokens({"input": torch.zeros(5, 2)}) == 5.0
+    assert count_tokens(b, lambda x: 11) == 11.0
