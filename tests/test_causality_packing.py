@@ -36,7 +36,9 @@ def drive(sizer, cost, n_tasks, measure=None):
 
 def noisy(cost, seed, sigma=0.3, cold=3.0):
     """Timings as a shared machine gives them: noise only adds time, and the first call at a
-    new size (the baseline's size excepted) pays for warming up."""
+    new size (the baseline's size excepted) pays for warming up (measured on this CPU at 1.0x
+    to 1.8x a warm call for the benchmark's router, attention router and MoE block; 3.0 here
+    leaves a margin for other machines)."""
     rng, seen = random.Random(seed), {1}
 
     def measure(rows):

@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 from trainprobes.causality.classify import REPRODUCTIONS, Judge, Kind, Outputs, change_size
 from trainprobes.causality.inputs import Perturbed
-from trainprobes.causality.packing import START, Sizer
+from trainprobes.causality.packing import ALL_AT_ONCE, START, Sizer
 from trainprobes.causality.records import Flips, Isolation, ScoreChanges
 from trainprobes.causality.target import Target, differs
 from trainprobes.errors import TargetError
@@ -109,7 +109,8 @@ class Cuts:
         if not self.packing:
             return 0
         self.sizer = Sizer(cap, baseline_s=self.baseline_s, fixed=fixed)
-        return min(fixed or START, blocks - 2, n_tasks)
+        first = fixed or (n_tasks if n_tasks <= ALL_AT_ONCE else START)
+        return min(first, blocks - 2, n_tasks)
 
     def fold(self, part: list, R: torch.Tensor) -> tuple[Isolation | None, int]:
         """The first packed call, with the determinism and isolation checks folded in (see

@@ -9,12 +9,16 @@ cut judged), and only the target's calls are timed, never the probe's own work a
 
 A call of n + 1 copies of the inputs (n perturbed ones and the control) costs t: t / n per
 copy; a size's cost is its fastest call, since noise only adds time. The first call carries
-START copies beside the two check rows: the same call size as n = START + 1, so it is the
-first sample of that size. The loop's cost per cut is a call alone: the baseline call (the
-first call, so at most an overestimate) until a cut is timed alone.
+START copies beside the two check rows (all the cuts if there are at most ALL_AT_ONCE: one
+call), the same call size as n = START + 1, so it is the first sample of that size; it is
+small, so a target that packing slows does not pay for a big first call. The loop's cost
+per cut is a call alone: the baseline call (the first call, so at most an overestimate)
+until a cut is timed alone.
   1. A size that costs under CLEAR_WIN of a call alone per copy pays, even if that call alone
-     is the baseline's (the first call, so it may include warming up); otherwise, after
-     SAMPLES calls of that size, ALONE_SAMPLES cuts run alone, timed, before going on.
+     is the baseline's (the first call, so it may include warming up); otherwise
+     ALONE_SAMPLES cuts run alone, timed, before going on (useful work, and cheaper than a
+     second big call on a superlinear target), after a second call of that size only if
+     its first call already looked cheaper than the baseline (it may yet be a clear win).
   2. Grow (n doubles, never past the memory budget) while the size pays (cheaper than a call
      alone) and beats the smaller sizes: at once if by a clear margin (CLEAR), else after
      SAMPLES calls and within TOLERANCE (TIGHT where packing saves less than half).
@@ -28,7 +32,8 @@ reproducible evaluation counts.
 """
 from __future__ import annotations
 
-START = 8          # copies in the first packed call: the default check's 8 cuts fit in it
+START = 4          # copies in the first packed call beside the checks (all the cuts if they
+ALL_AT_ONCE = 8    # are no more than this: the default check's 8 cuts take one call)
 GROWTH = 2
 SAMPLES = 2        # calls timed at a size before it is called slower
 CLEAR = 0.6        # one call this far below every smaller size: grow at once
@@ -37,7 +42,7 @@ ALONE_SAMPLES = 2  # else cuts are timed alone (their fastest: the loop's cost p
 TOLERANCE = 0.25   # timing noise allowed before a bigger size counts as slower, while packing
 TIGHT = 0.10       # saves at least half of a call alone; TIGHT where it saves less
 SAME = 0.10        # sizes this close to the best cost the same: the biggest is kept
-WORSE = 4.0        # a first call this many times the best: slower, warming up or not
+WORSE = 2.0        # a first call this many times the best: slower, warming up or not
 
 
 class Sizer:
@@ -86,11 +91,15 @@ class Sizer:
         smaller = min((c for n, c in self.per_copy.items() if n < self.want), default=float("inf"))
         alone = min(self.alone_s, default=self.baseline_s)
         if cost > CLEAR_WIN * alone:  # not a clear win: is it cheaper than a call alone at all?
-            if k < SAMPLES and cost <= WORSE * alone:
-                return  # one more call of this size first (the first one warms up)
-            if len(self.alone_s) < ALONE_SAMPLES:
-                self.need_alone = True  # and time cuts alone
+            # a size that looks cheaper than the baseline gets its second call first (it may
+            # turn out a clear win); one that does not, cuts timed alone first (useful work)
+            if k < SAMPLES and cost < alone and not self.alone_s:
                 return
+            if len(self.alone_s) < ALONE_SAMPLES:
+                self.need_alone = True
+                return
+            if k < SAMPLES and cost <= WORSE * alone:
+                return  # one more call of this size (the first one warms up)
         tolerance = TOLERANCE if cost < alone / 2 else TIGHT
         better = cost <= CLEAR * smaller or k >= SAMPLES and cost <= smaller * (1 + tolerance)
         if cost < alone and better and self.want < self.cap:
