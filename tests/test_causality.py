@@ -147,6 +147,34 @@ def test_small_leak_at_near_ties_is_not_excused(mode):
     assert res.verdict in ("warn", "fail") and res.metrics["n_unverified"] + res.metrics["n_leaks"] > 0
 
 
+def reordered_sum(x, leak=0.0):
+    """[B, T, 1] -> [B, T]: 2**24 + the sum of sigmoid(x) up to each position, causal, but
+    summed (float32, in order) bias first or last as the row's last input says: the future
+    picks the reduction order, and terms < 1 vanish beside 2**24 only when added after it
+    (up to ~T ulps on a large output, as data-dependent tiling does). leak: a real one."""
+    w = torch.sigmoid(x[..., 0])
+    T = w.shape[1]
+    terms = torch.tril(torch.ones(T, T, dtype=w.dtype)) * w[:, None, :]  # future terms exactly 0
+    terms = torch.cat([torch.full_like(terms[..., :1], 2.0 ** 24), terms], -1)
+    terms = torch.where((x[:, -1, 0] > 0)[:, None, None], terms.flip(-1), terms)
+    acc = torch.zeros_like(terms[..., 0])
+    for k in range(terms.shape[-1]):  # a sequential float32 sum (torch's would round less)
+        acc = acc + terms[..., k]
+    return acc + leak * x[:, -1:, 0]
+
+
+def test_reduction_order_noise_on_a_large_output_is_not_a_leak():
+    x = torch.randn(2, 256, 1, generator=torch.Generator().manual_seed(0))
+    res = check(reordered_sum, x)  # the plain function's twin runs it in float64: no move
+    assert res.verdict == "pass" and res.metrics["n_numerical"] > 0 and res.metrics["n_structural"] == 0
+    res = check(reordered_sum, x, fp64=False)  # beyond 32 ulps, within T: cannot be settled
+    assert res.verdict == "warn" and res.metrics["n_unverified"] > 0 and res.metrics["n_structural"] == 0
+    # a real leak: within reduction noise the twin shows it, beyond it no twin is needed
+    assert check(lambda x: reordered_sum(x, 100.0), x).verdict == "fail"
+    res = check(lambda x: reordered_sum(x, 4096.0), x, fp64=False)
+    assert res.verdict == "fail" and res.metrics["n_structural"] > 0
+
+
 # -- nondeterminism -----------------------------------------------------------------------
 
 def noisy_scores(x):

@@ -19,9 +19,10 @@ Algorithm (perturb mode):
      flipped packed cuts are re-run alone and must match exactly, else packing stops (the
      target is batch-variant) and every later cut runs alone.
   5. Classify every flip (b, t, c) (classify.py). At the inputs' shape a deterministic target
-     can change a decision at t <= c only if data flows from the future: structural, unless
-     the routing margin (runner-up gap of `scores`, or the size of a float change) is within
-     rounding noise; then the fp64 twin decides (a precision-scaling test), or it stays
+     can change a decision at t <= c only if data flows from the future (or the future
+     reordered a reduction): structural, unless the routing margin (runner-up gap of
+     `scores`, or the size of a float change) is within reduction noise (max(32, T) ulps);
+     then the fp64 twin decides (a precision-scaling test), or it stays
      "unverified". The first flipped cuts are re-run once more: a flip that does not repeat
      is nondeterminism (TP-C2), not a leak.
   6. With `scores`, score changes at t <= c where the decision held are judged the same way.
@@ -76,7 +77,7 @@ def check(fn: Callable, inputs: torch.Tensor, *, mode: str = "perturb", cuts=Non
     pack: True (copies per call chosen by measuring, up to max_batch_tokens), False (every
       call at the inputs' shape), or a number of copies per call (reproducible evaluations).
     margin_tol: absolute score gap below which a flip may be rounding noise; default
-      32 ulps of the score's magnitude.
+      max(32, T) ulps of the score's magnitude (a reordered reduction over T positions).
     """
     mode = check_choice(mode, "mode", MODES)
     trials = check_int(trials, "trials", min=1, hint="perturbations per cut")

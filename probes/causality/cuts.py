@@ -240,8 +240,8 @@ class Cuts:
     def _score_changes(self, sc, c, xc, flipped, same_shape, trial) -> bool:
         """Scores at positions <= c that moved while the decision did not: the future reaches
         the router even where this sample crossed no tie (an off-by-one mask shows up here
-        at every cut). Same shape: a change beyond 32 ulps is structural, a smaller one goes
-        to the fp64 scaling test. Shape changed (truncate): only the fp64 test can tell, so
+        at every cut). Same shape: a change beyond reduction noise (max(32, T) ulps) is
+        structural, a smaller one goes to the fp64 scaling test. Shape changed (truncate): only the fp64 test can tell, so
         without a twin score changes are not judged."""
         s0 = self.judge.base.scores[:, :sc.shape[1]]
         ds = differs(s0, sc, 0.0) & ~flipped
