@@ -16,7 +16,9 @@ scripts/gpu-check.sh.
 3. Accumulator reveal on GPU kernels (trainprobes.numerics.reveal, device="cuda"): torch.matmul
    in fp16 and bf16 with allow_fp16/bf16_reduced_precision_reduction off and on, and fp8
    torch._scaled_mm where the GPU has it (sm89+).
-3. Isolation (trainprobes.isolation): the per-op batch-invariance map on the GPU and the
+4. Causality (trainprobes.causality) on CUDA tensors: every reference router, both modes,
+   every cut, its known verdict.
+5. Isolation (trainprobes.isolation): the per-op batch-invariance map on the GPU and the
    packed-document table with flash_attention_2 (where flash_attn is installed) beside sdpa.
 Without CUDA it exits 2 and says so: nothing is checked, nothing passes. --allow-cpu runs
 the same code paths on the CPU (gloo, device="cpu") to check the script itself; that
@@ -149,6 +151,26 @@ def matmul_checks(report: dict, device: str) -> None:
     _check(report, "scaled_mm_fp8", fp8)
 
 
+def causality_checks(report: dict, device: str) -> None:
+    def routers():
+        import torch
+        from trainprobes.causality import check
+        from trainprobes.reference import routing
+        x = torch.randn(2, 64, 16, generator=torch.Generator().manual_seed(0)).to(device)
+        rows, wrong = [], []
+        for name, known in routing.KNOWN_VERDICTS.items():
+            for mode, causal in zip(("perturb", "truncate"), known):
+                r = check(getattr(routing, name), x, mode=mode, cuts="all", decision=0, scores=1)
+                rows.append({"router": name, "mode": mode, "causal": r.metrics["causal"],
+                             "known": causal, "n_evaluations": r.metrics["n_evaluations"]})
+                if r.metrics["causal"] is not causal:
+                    wrong.append(f"{name}[{mode}]: {r.summary_line()}")
+        if wrong:
+            raise AssertionError("verdicts differ from the known ones on " + device + ": " + "; ".join(wrong))
+        return {"rows": rows}
+    _check(report, "causality_routers", routers)
+
+
 def isolation_checks(report: dict, device: str) -> None:
     """trainprobes.isolation on the device: the per-op batch-invariance map (small shapes)
     and the packed-document table of tiny HF models under every attention implementation
@@ -198,11 +220,13 @@ def main(argv=None) -> int:
         nccl_checks(report, "nccl", sorted({1, min(n, 8)}))
         transform_checks(report, "nccl", min(n, 8))
         matmul_checks(report, "cuda")
+        causality_checks(report, "cuda")
         isolation_checks(report, "cuda")
     else:
         nccl_checks(report, "gloo", [3])
         transform_checks(report, "gloo", 2)
         matmul_checks(report, "cpu")
+        causality_checks(report, "cpu")
         isolation_checks(report, "cpu")
     report["seconds"] = round(time.perf_counter() - started, 1)
     failed = [k for k, v in report["checks"].items() if v["status"] != "ok"]

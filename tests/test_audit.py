@@ -334,12 +334,12 @@ def test_the_op_map_is_a_default_watch_out_and_documents_runs_only_when_named():
     never fail; documents imports transformers (seconds of a 10-second audit): by name only."""
     from trainprobes.audit.suites import default_suite
     checks, _ = default_suite(quick=True)
-    assert "batch invariance of torch.mm" in {c.name for c in checks}
+    assert "batch invariance of torch.mm on cpu" in {c.name for c in checks}
     assert not any("packed documents" in c.name for c in checks)
     ops, skipped = default_suite(quick=True, families=["batch_invariance"])
     assert skipped == {} and {c.family for c in ops} == {"isolation"}
     assert not any(c.control for c in ops)  # findings about this machine
-    (mm,) = [c for c in ops if c.name == "batch invariance of torch.mm"]
+    (mm,) = [c for c in ops if c.name == "batch invariance of torch.mm on cpu"]
     results = run_suite([mm])[0]
     assert results and {r.probe for r in results} == {"isolation.op_map"}
     for r in results:
@@ -347,6 +347,17 @@ def test_the_op_map_is_a_default_watch_out_and_documents_runs_only_when_named():
         assert (r.codes == ["TP-I2"]) is (r.metrics["batch_invariant"] is False)
     docs, _ = default_suite(quick=True, families=["documents"])
     assert docs and all("packed documents" in c.name for c in docs)
+
+
+def test_on_a_gpu_machine_the_op_map_covers_the_gpu_too(monkeypatch):
+    # an inference engine runs the GPU's kernels: mapping only the CPU there would say
+    # nothing about them (what the first GPU run of the audit did)
+    from trainprobes.audit import suites
+    monkeypatch.setattr(suites, "_cuda", lambda: None)
+    names = {c.name for c in suites.isolation_ops_checks(quick=True)}
+    assert {"batch invariance of torch.mm on cpu", "batch invariance of torch.mm on cuda"} <= names
+    monkeypatch.setattr(suites, "_cuda", lambda: "no CUDA device")
+    assert not any(n.endswith("on cuda") for n in {c.name for c in suites.isolation_ops_checks()})
 
 
 def test_controls_run_at_their_own_seed_whatever_seed_says():

@@ -46,7 +46,7 @@ def test_config_mistakes_name_the_key(section, entry, match):
 def test_ops_family_one_check_per_op_and_results_per_shape_and_dtype(monkeypatch):
     checks = isolation_ops_checks(quick=True)
     assert {c.family for c in checks} == {"isolation"}
-    emb = [c for c in checks if c.name.endswith("torch.embedding")]
+    emb = [c for c in checks if c.name.endswith("torch.embedding on cpu")]
     results = emb[0].run()
     assert [r.evidence["dtype"] for r in results] == ["fp32", "bf16"]
     assert all(r.metrics["batch_invariant"] is True for r in results)  # a gather: invariant

@@ -135,13 +135,16 @@ def isolation_ops_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
     still blocks an op that was invariant in the baseline and is variant now."""
     from trainprobes.isolation.ops import OP_NAMES
 
-    def one(op):
+    # on a GPU machine the GPU's kernels are what an inference engine runs: map both
+    devices = ["cpu"] if _cuda() else ["cpu", "cuda"]
+
+    def one(op, device):
         def run():
             from trainprobes.isolation.ops import op_map
             return op_map([op], sizes=(2, 3, 4, 8) if quick else (2, 3, 4, 7, 8, 16, 32),
-                          trials=2 if quick else 3, seed=seed, quick=True)
-        return Check("isolation", f"batch invariance of torch.{op}", run)
-    return [one(op) for op in OP_NAMES]
+                          trials=2 if quick else 3, seed=seed, quick=True, device=device)
+        return Check("isolation", f"batch invariance of torch.{op} on {device}", run)
+    return [one(op, d) for d in devices for op in OP_NAMES]
 
 
 def isolation_documents_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:

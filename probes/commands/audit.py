@@ -13,6 +13,15 @@ from pathlib import Path
 
 from trainprobes.validation import parse_int
 
+
+def _families() -> str:
+    """The --families help, from the suite itself (so it cannot go stale)."""
+    from trainprobes.audit.suites import FAMILIES, STACK
+    part = {True: [], False: []}
+    for name, f in FAMILIES.items():
+        part[f.part == STACK].append(name + ("" if f.default else " (only when named)"))
+    return f"{', '.join(part[True])} (your stack); {', '.join(part[False])} (calibration)"
+
 HELP = ("run the audit suite (built-in default: your stack, then calibration; or "
         "[tool.trainprobes] from pyproject.toml) and write report.json, summary.md and "
         "report.html")
@@ -30,10 +39,7 @@ def add_arguments(p):
     p.add_argument("--history", metavar="DIR", default=None,
                    help="append a summary line per run to DIR/history.jsonl and plot trends")
     p.add_argument("--families", metavar="A,B", default=None,
-                   help="only these default-suite families (implies --default): reveal, "
-                        "gpu_kernels, gloo, nccl (your stack); stall, sites, collectives, "
-                        "causality, drift (calibration); batch_invariance and documents run "
-                        "only when named here")
+                   help=f"only these default-suite families (implies --default): {_families()}")
     p.add_argument("--quick", action="store_true", help="a smaller default suite (smoke test)")
     p.add_argument("--seed", type=parse_int("seed", min=0), default=None,
                    help="seed for every random choice (default 0)")

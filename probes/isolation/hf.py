@@ -202,7 +202,8 @@ def by_hand(model: PackedModel, tokens: torch.Tensor, packing: Packing, seed: in
     g = torch.Generator().manual_seed(seed + 1)
     first = packing.lengths[0][0]
     x2 = tokens.clone()
-    x2[:, :first] = (x2[:, :first] + torch.randint(1, VOCAB, x2[:, :first].shape, generator=g)) % VOCAB
+    shift = torch.randint(1, VOCAB, x2[:, :first].shape, generator=g).to(x2.device)
+    x2[:, :first] = (x2[:, :first] + shift) % VOCAB
     with torch.no_grad():
         a, b = model(tokens, packing), model(x2, packing)
     return float((a[:, first:] - b[:, first:]).abs().max())
