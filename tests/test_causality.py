@@ -163,6 +163,7 @@ def reordered_sum(x, leak=0.0):
     return acc + leak * x[:, -1:, 0]
 
 
+@pytest.mark.slow
 def test_reduction_order_noise_on_a_large_output_is_not_a_leak():
     x = torch.randn(2, 256, 1, generator=torch.Generator().manual_seed(0))
     res = check(reordered_sum, x)  # the plain function's twin runs it in float64: no move
