@@ -138,6 +138,7 @@ _TRANSFORM = (
     "signed_relative_error_ci_low", "signed_relative_error_ci_high", "signed_relative_error_se",
     "added_signed_relative_error", "added_signed_relative_error_p", "max_relative_error",
     "mean_relative_error", "max_added_error", "mean_residual", "min_detectable_scale_error",
+    "min_detectable_parameter_scale_error",
     "min_detectable_relative_bias", "n_parameters", "n_biased_parameters", "n_inconsistent",
     "loss_reported", "single_device_max_relative_error", "loss_relative_error",
     "loss_relative_error_se", "loss_scale", "loss_scale_ci_low", "loss_scale_ci_high",

@@ -92,13 +92,15 @@ def transform_checks(report: dict, backend: str, world: int) -> None:
     from trainprobes.transforms.demo import SP_PLAN, TP_PLAN, step
 
     def builtins():
+        bf16_fsdp = FSDP2(param_dtype="bf16", reduce_dtype="bf16")
         transforms = [DDP(), DDP(hook="fp16"), DDP(hook="bf16"), Accumulation(),
-                      Accumulation(normalization="mean-of-means"), FSDP2(),
-                      FSDP2(param_dtype="bf16", reduce_dtype="bf16")]
+                      Accumulation(normalization="mean-of-means"), FSDP2(), bf16_fsdp]
         if world >= 2:
             transforms += [TensorParallel(plan=TP_PLAN), TensorParallel(plan=SP_PLAN), Pipeline()]
-        results = run_probes([Probe(step, t, trials=16) for t in transforms], world=world,
-                             backend=backend, timeout=300)
+        # 96 trials for FSDP2's bf16 reduction: its NCCL PreMulSum bias (+0.195% at world 3)
+        # sits below what 16 trials resolve in bf16 (~0.4%)
+        results = run_probes([Probe(step, t, trials=96 if t is bf16_fsdp else 16)
+                              for t in transforms], world=world, backend=backend, timeout=300)
         rows = [{"transform": r.evidence["transform"], **{k: r.metrics.get(k) for k in (
             "transform_verdict", "equivalent", "scale", "scale_ci_low", "scale_ci_high",
             "worst_parameter", "max_added_error", "dtype")}} for r in results]

@@ -2,8 +2,11 @@
 equivalent to the single-device step with the normalisation that matches the loss, and a
 mean-of-means normalisation over uneven documents is biased. One set of ranks for all."""
 import pytest
+import torch
+from trainprobes.errors import InvalidArgument
 from trainprobes.transforms import DDP, FSDP2, Accumulation, Pipeline, Probe, TensorParallel, run_probes
 from trainprobes.transforms.demo import SP_PLAN, TP_PLAN, step
+from trainprobes.transforms.step import TrainingStep
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -55,6 +58,33 @@ def test_every_parameter_and_the_loss_are_compared(results):
 def test_a_pass_says_what_it_rules_out(results):
     r = results[0]
     assert 0 < r.metrics["min_detectable_scale_error"] < 1e-5
-    assert "rules out a scale error >" in r.message
+    assert "rules out a scale error of the whole gradient >" in r.message
     assert results[2].metrics["min_detectable_scale_error"] > r.metrics["min_detectable_scale_error"]
     assert results[5].metrics["scale_error_se"] < results[6].metrics["scale_error_se"]  # fp32 vs bf16 reduce
+
+
+class Spare(torch.nn.Module):
+    """The identity, with a trainable parameter the loss never reaches (.grad stays None)."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return x
+
+
+def spare_model():
+    return torch.nn.Sequential(*step.model(), Spare())
+
+
+SPARE = TrainingStep(model=spare_model, batch=step.batch, loss=step.loss, tokens=step.tokens, name="spare")
+
+
+def test_a_parameter_the_loss_never_reaches_has_a_zero_gradient():
+    ts = [DDP(find_unused_parameters=True), FSDP2(), TensorParallel(plan=TP_PLAN), Pipeline(schedule="1f1b")]
+    for t, r in zip(ts, run_probes([Probe(SPARE, t, trials=4) for t in ts], world=2)):
+        assert r.metrics["transform_verdict"] == "noise", (t.label, r.message)
+        assert r.metrics["n_parameters"] == 9
+    with pytest.raises(InvalidArgument, match=r"find_unused_parameters=true"):
+        run_probes([Probe(SPARE, DDP(), trials=4)], world=2)

@@ -102,3 +102,17 @@ def test_the_result_carries_what_ran_and_a_control_its_known_verdict():
 def test_a_step_that_is_not_a_training_step_is_refused(no_ranks):
     with pytest.raises(InvalidType, match="TrainingStep"):
         run_probes([Probe(object(), DDP())])
+
+
+def nan_logged_loss(model, batch, ctx):
+    """Right gradients (every rank the whole batch), a logged loss that is NaN every trial."""
+    loss = data.loss(model(batch["input"]), batch)
+    loss.backward()
+    return {"loss": loss.detach() * float("nan"), "grads": {n: p.grad for n, p in model.named_parameters()}}
+
+
+@pytest.mark.slow
+def test_a_loss_that_is_nan_on_every_trial_is_wrong_not_missing():
+    r = probe(MLP, Custom(nan_logged_loss), world=2, trials=4)
+    assert r.metrics["transform_verdict"] == "wrong" and r.metrics["loss_reported"] is True
+    assert "<loss>" in r.message and "reports no loss" not in r.message

@@ -48,7 +48,7 @@ def test_rounding_noise_is_noise_and_says_what_it_rules_out():
     assert j.kind == "noise" and j.equivalent and j.metrics["equivalent"] is True
     assert abs(j.metrics["scale"] - 1) < 1e-6
     assert j.metrics["min_detectable_scale_error"] < 1e-6
-    assert "rules out a scale error >" in j.message
+    assert "rules out a scale error of the whole gradient >" in j.message
 
 
 def test_the_truth_rounded_to_fp32_is_exact():
@@ -163,3 +163,57 @@ def test_a_gradient_where_the_truth_has_none_is_never_rounding():
     grads["0.weight"][5] = 1e-3
     j = run(truth, observed(grads, truth.loss), base)
     assert j.kind == "wrong" and math.isinf(j.metrics["max_added_error"])
+
+
+def small_parameter_case(seed, ln_scale=1.0, rel=2e-3, trials=16):
+    """A 4000-element weight and an 8-element LayerNorm bias, bf16-sized noise on both."""
+    g = torch.Generator().manual_seed(seed)
+    grads = {n: torch.randn(trials, k, generator=g, dtype=torch.float64)
+             for n, k in (("w", 4000), ("ln.bias", 8))}
+    loss = 2.0 + 0.1 * torch.randn(trials, generator=g, dtype=torch.float64)
+    truth = Truth(loss, grads)
+    base = Truth(loss, {n: noisy(r, g, rel) for n, r in grads.items()})
+    obs = {n: noisy(r, g, rel) for n, r in grads.items()}
+    obs["ln.bias"] = noisy(ln_scale * grads["ln.bias"], g, rel)
+    return run(truth, observed(obs, loss), base, noise_tol=5e-2)
+
+
+def test_a_pass_states_what_it_rules_out_in_its_least_resolved_parameter():
+    j = small_parameter_case(0)
+    whole, one = j.metrics["min_detectable_scale_error"], j.metrics["min_detectable_parameter_scale_error"]
+    assert j.kind == "noise" and one > 10 * whole
+    assert f"in any one parameter > {one:.2g} (least resolved: ln.bias)" in j.message
+    # honest: a scale error in that parameter at 1.5x the stated bound is caught most of the time
+    caught = sum(small_parameter_case(s, 1 + 1.5 * one).kind == "biased" for s in range(1, 31))
+    assert caught >= 24
+
+
+def test_a_small_significant_scale_is_written_so_it_does_not_read_as_one():
+    truth, base, g = make()
+    j = run(truth, observed({n: noisy(r * (1 + 2e-5), g, 1e-7) for n, r in truth.grads.items()},
+                            noisy(truth.loss, g)), base)
+    assert j.kind == "biased"
+    assert "gradients scaled by 1+2e-05" in j.message and "x1+2e-05" in j.message
+    assert " x1 " not in j.message and "[1, 1]" not in j.message
+
+
+def two_replicas(edit):
+    truth, base, g = make()
+    grads = {n: noisy(r, g).float().double() for n, r in truth.grads.items()}
+    obs = observed(grads, noisy(truth.loss, g), ranks=(0, 1))
+    x = obs.grads["0.bias"][1].clone()
+    x[3, 5] = edit(x[3, 5])
+    obs.grads["0.bias"][1] = x
+    return run(truth, obs, base)
+
+
+def test_a_nan_on_one_replica_is_wrong_not_a_disagreement():
+    j = two_replicas(lambda v: math.nan)
+    assert j.kind == "wrong" and j.worst_parameter == "0.bias" and "nan" not in j.message.replace("NaN", "")
+
+
+def test_replicas_one_rounding_apart_are_named_as_rounding_not_a_missing_reduction():
+    j = two_replicas(lambda v: torch.nextafter(v.float(), torch.tensor(10.0)).double())
+    assert j.kind == "inconsistent" and "rounding-sized" in j.message and "0.0%" not in j.message
+    far = two_replicas(lambda v: v + 1.0)
+    assert far.kind == "inconsistent" and "a reduction missing" in far.message

@@ -21,6 +21,21 @@ def fresh_model():
     return torch.nn.Linear(data.D, data.O)  # new random weights on every call
 
 
+class Projected(torch.nn.Sequential):
+    """Seeded weights, an unseeded fixed projection buffer: every rank would hold another."""
+
+    def __init__(self):
+        super().__init__(*data.mlp(seed=3))
+        self.register_buffer("projection", torch.randn(data.D, data.D))
+
+    def forward(self, x):
+        return super().forward(x @ self.projection)
+
+
+def dropout_model():
+    return torch.nn.Sequential(torch.nn.Dropout(0.1), *data.mlp(seed=3))
+
+
 def vector_loss(output, batch):
     return (output - batch["target"]).pow(2).mean(-1)
 
@@ -48,6 +63,8 @@ def test_a_good_step_passes_and_returns_trial_0s_batch():
 
 @pytest.mark.parametrize("change, match", [
     ({"model": fresh_model}, "different initial weights on two calls"),
+    ({"model": Projected}, "buffer 'projection' holds different values"),
+    ({"model": dropout_model}, r"not deterministic.*dropout"),
     ({"loss": vector_loss}, r"must return a scalar \(0-dim\) tensor"),
     ({"loss": detached_loss}, "does not depend on the model's parameters"),
     ({"batch": drifting_batch}, "different batches for one seed"),
@@ -84,3 +101,14 @@ def test_tokens_default_to_the_mask_then_the_samples():
     assert count_tokens(b) == 4.0
     assert count_tokens({"input": torch.zeros(5, 2)}) == 5.0
     assert count_tokens(b, lambda x: 11) == 11.0
+
+
+def test_the_single_device_base_computes_with_the_weights_the_truth_rounds_to():
+    # the paired tests subtract the base: a base on unrounded weights charged bf16 weight
+    # rounding to a transform that computes exactly in fp32 with bf16 weights ("biased")
+    step = good()
+    truth = single_device(step, [1, 2], param_dtype=torch.bfloat16)
+    base = single_device(step, [1, 2], fp64=False, param_dtype=torch.bfloat16)
+    assert base.loss.dtype == torch.float32
+    for n, r in truth.grads.items():
+        assert torch.allclose(base.grads[n].double(), r, rtol=1e-5, atol=1e-7), n

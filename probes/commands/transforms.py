@@ -13,6 +13,7 @@ import json
 import sys
 
 from trainprobes.commands.options import add_report_options, options_of
+from trainprobes.transforms.options import add_probe_options
 from trainprobes.validation import parse_choice, parse_int, parse_number
 
 HELP = ("judge parallel transforms (DDP, FSDP2, TP, PP, accumulation, custom) against the fp64 "
@@ -31,15 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "'pp:schedule=gpipe,micro_batches=4,split=0+1|2+3+4', or JSON after the "
                         "colon; repeat for several (default: ddp). --list shows them all")
     p.add_argument("--world", type=parse_int("world", min=1), default=2, help="ranks (default 2)")
-    p.add_argument("--trials", type=parse_int("trials", min=4), default=16,
-                   help="seeded batches (default 16)")
-    p.add_argument("--seed", type=parse_int("seed", min=0), default=0, help="(default 0)")
-    p.add_argument("--alpha", type=parse_number("alpha", min=0, max=1, min_open=True, max_open=True),
-                   default=0.01, help="false-positive rate of a verdict (default 0.01)")
-    p.add_argument("--min-effect", type=parse_number("min-effect", min=0), default=1e-6,
-                   help="smallest relative scale error called biased (default 1e-6)")
-    p.add_argument("--noise-tol", type=parse_number("noise-tol", min=0, min_open=True), default=None,
-                   help="largest relative error called rounding noise (default: by dtype)")
+    add_probe_options(p)
     p.add_argument("--backend", type=parse_choice("backend", ("gloo", "nccl")), default="gloo",
                    help="gloo (CPU) or nccl (one GPU per rank) (default gloo)")
     p.add_argument("--timeout", type=parse_number("timeout", min=0, min_open=True), default=600.0,

@@ -74,6 +74,19 @@ class PortInUse(LaunchError):
     """The rendezvous port is taken."""
 
 
+def torchrun_ranks(local_command: str) -> "tuple[int, int, int] | None":
+    """(rank, world, local rank) from torchrun's environment; None, said on stderr with the
+    command that launches local ranks instead, when a variable is missing."""
+    import sys
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        print(f"environment variables {missing} are not set: run under torchrun, or use "
+              f"`{local_command}` to launch local ranks", file=sys.stderr)
+        return None
+    rank = int(os.environ["RANK"])
+    return rank, int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", rank))
+
+
 def free_port(addr: str = "127.0.0.1") -> int:
     """A port the OS says is free now (bind to 0). Another process may take it before the
     rendezvous binds it: launch() retries with a new one when that happens."""

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
 from trainprobes.distributed.case import COLLECTIVES, OPS, Case
 from trainprobes.distributed.inputs import DATA, reveal_input, torch_dtype, wire_input
+from trainprobes.distributed.launcher import torchrun_ranks
 from trainprobes.distributed.predict import result_from_outputs
 from trainprobes.validation import parse_choice, parse_int
 
@@ -119,13 +119,10 @@ def _torchrun_main(argv=None) -> int:
     p.add_argument("--root", type=parse_int("root", min=0), default=0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        print(f"environment variables {missing} are not set: run under torchrun, or use "
-              f"`trainprobes collectives` to launch local ranks", file=sys.stderr)
+    ranks = torchrun_ranks("trainprobes collectives")
+    if ranks is None:
         return 2
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", rank))
+    rank, world, local = ranks
     case = Case(args.collective, args.dtype, args.op, args.numel, args.data, args.seed,
                 args.root).check(world, args.backend)
     device = f"cuda:{local}" if args.backend == "nccl" else "cpu"

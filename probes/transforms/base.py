@@ -144,6 +144,18 @@ def check_parts(value, name: str) -> int:
     return check_int(value, name, min=1)
 
 
+def with_zeros(module: torch.nn.Module, grads: dict, ctx: RankContext, held=None) -> dict:
+    """grads, plus a zero gradient for every trainable parameter of `module` (held: a
+    predicate on the name, the parameters this rank holds) the loss did not reach: PyTorch
+    leaves .grad None there, which is a zero gradient, as the truth's is (an unused
+    parameter is not a parameter the transform forgot)."""
+    out = dict(grads)
+    for n, p in module.named_parameters():
+        if p.requires_grad and n not in out and (held is None or held(n)):
+            out[n] = torch.zeros(tuple(p.shape), dtype=p.dtype, device=ctx.device)
+    return out
+
+
 def zero_grads(model: torch.nn.Module) -> None:
     for p in model.parameters():
         p.grad = None

@@ -32,6 +32,7 @@ from trainprobes.transforms.base import (
     piece_weights,
     reduce_loss,
     split,
+    with_zeros,
     zero_grads,
 )
 from trainprobes.validation import check_bool, check_choice
@@ -55,6 +56,21 @@ def bf16_allreduce_hook(process_group, bucket):
         buffer.copy_(fut.value()[0])
         return buffer
     return fut.then(decompress)
+
+
+def _forward(ddp, step, piece, ctx: RankContext):
+    """DDP's forward; its refusal of parameters the loss did not reach (raised on the next
+    forward, its advice on a line the launcher does not show) named as an option to set."""
+    try:
+        return step.forward(ddp, piece)
+    except RuntimeError as e:
+        if "find_unused_parameters" not in str(e):
+            raise
+        from trainprobes.errors import InvalidArgument
+        raise InvalidArgument(f"DDP found parameters that received no gradient on rank {ctx.rank} (the "
+                              f"loss does not reach them): pass find_unused_parameters=True "
+                              f"(ddp:find_unused_parameters=true), or freeze them "
+                              f"(requires_grad=False)") from e
 
 
 @dataclass(frozen=True)
@@ -100,11 +116,11 @@ class DDP(Transform):
         for j, i in enumerate(mine):
             sync = ddp.no_sync() if j < self.parts - 1 else contextlib.nullcontext()
             with sync:
-                loss = step.loss(step.forward(ddp, pieces[i]), pieces[i])
+                loss = step.loss(_forward(ddp, step, pieces[i], ctx), pieces[i])
                 (loss * (weights[i] * ctx.world)).backward()
             logged = logged + weights[i] * loss.detach()
-        grads = {n: p.grad.detach().clone() for n, p in ddp.module.named_parameters()
-                 if p.grad is not None}
+        grads = with_zeros(ddp.module, {n: p.grad.detach().clone() for n, p in
+                                        ddp.module.named_parameters() if p.grad is not None}, ctx)
         zero_grads(ddp.module)
         return StepOutput(reduce_loss(torch.as_tensor(logged, device=ctx.device), ctx), grads)
 

@@ -35,7 +35,8 @@ Verdict kinds, in this order:
                 transform's dtype explains);
   noise         none of the above: zero-mean differences of rounding size.
 A pass states what it rules out: the smallest scale error and signed relative bias the
-trials would have detected at the same level with 80% power (trainprobes.power).
+trials would have detected at the same level with 80% power (trainprobes.power), of the
+whole gradient and of the least resolved parameter (a small one resolves far less).
 """
 from __future__ import annotations
 
@@ -204,8 +205,9 @@ def judge(truth, obs: Observed, *, alpha: float, min_effect: float, noise_tol: f
     r = {n: truth.grads[n].reshape(T, -1) for n in names}
     loss = obs.losses[min(obs.losses)] if obs.losses else None
 
-    nonfinite = [n for n in names if not torch.isfinite(g[n]).all()]
-    if loss is not None and not torch.isfinite(loss).all():
+    # on any rank: a NaN on one replica is a NaN, not a disagreement between replicas
+    nonfinite = [n for n in names if not all(bool(torch.isfinite(v).all()) for v in obs.grads[n].values())]
+    if not all(bool(torch.isfinite(v).all()) for v in obs.losses.values()):
         nonfinite.append(LOSS)
     replicas = _replicas(obs, replica_tol)
 
@@ -248,6 +250,12 @@ def judge(truth, obs: Observed, *, alpha: float, min_effect: float, noise_tol: f
     mde_scale = min_detectable_effect(tests["scale"]["se"], tests["scale"]["trials"] - 1, level)
     mde_signed = min_detectable_effect(tests["signed_relative_error"]["se"],
                                        tests["signed_relative_error"]["trials"] - 1, level)
+    # the whole gradient's resolution says nothing of a small parameter's (8 LayerNorm
+    # elements among 100k weights): each parameter's own, and the least resolved one
+    mde_param = {n: min_detectable_effect(tests[n]["se"], tests[n]["trials"] - 1, level)
+                 for n in names if n in tests}
+    resolved = {n: v for n, v in mde_param.items() if not math.isnan(v)}
+    weakest = max(resolved, key=resolved.get) if resolved else None
     metrics = {
         "trials": T, "alpha": alpha, "alpha_per_test": level, "tests": m, "paired": b is not None,
         "min_effect": min_effect, "noise_tol": noise_tol, "replica_tol": replica_tol, "power": POWER,
@@ -263,6 +271,7 @@ def judge(truth, obs: Observed, *, alpha: float, min_effect: float, noise_tol: f
         "max_relative_error": float(a.rel.max()), "mean_relative_error": float(a.rel.mean()),
         "max_added_error": float(added.max()), "mean_residual": float(a.residual.mean()),
         "min_detectable_scale_error": mde_scale, "min_detectable_relative_bias": mde_signed,
+        "min_detectable_parameter_scale_error": resolved[weakest] if weakest else mde_scale,
         "n_parameters": len(names), "n_biased_parameters": sum(1 for k in significant if k in r),
         "n_inconsistent": len(replicas), "loss_reported": loss is not None,
     }
@@ -290,6 +299,7 @@ def judge(truth, obs: Observed, *, alpha: float, min_effect: float, noise_tol: f
                       "scale": float(ps.mean()),
                       "scale_se": float(ps.std() / math.sqrt(T)) if T > 1 else math.nan,
                       "p": None if col is None else col["p"], "biased": n in significant,
+                      "min_detectable_scale_error": mde_param.get(n, math.nan),
                       "max_relative_error": float(a.p_rel[:, i].max()),
                       "mean_relative_error": float(a.p_rel[:, i].mean())})
     evidence = {"parameters": table, "tests": tests, "replica_disagreements": replicas[:20],
@@ -297,15 +307,21 @@ def judge(truth, obs: Observed, *, alpha: float, min_effect: float, noise_tol: f
                               "relative_error": a.rel.tolist(), "added_error": added.tolist(),
                               "loss_relative_error": None if a.loss_rel is None else a.loss_rel.tolist()}}
     kind, where, msg = _verdict(names, metrics, tests, table, significant, replicas, nonfinite,
-                                _exact(g, r, obs, loss, truth.loss), noise_tol, alpha, level)
+                                _exact(g, r, obs, loss, truth.loss), noise_tol, alpha, level, weakest)
     metrics["transform_verdict"] = kind
     metrics["equivalent"] = kind in EQUIVALENT
     metrics["worst_parameter"] = where
     return Judgement(kind, metrics, evidence, msg, where, tests)
 
 
+def _scale(x: float) -> str:
+    """A scale factor as text: 4 digits, or 1 plus its error where 4 digits read 1 (a
+    significant 1 + 5e-8 must not print as "x1")."""
+    return f"{x:.4g}" if not math.isfinite(x) or abs(x - 1) >= 5e-4 else f"1{x - 1:+.3g}"
+
+
 def _verdict(names, metrics, tests, table, significant, replicas, nonfinite, exact, noise_tol,
-             alpha, level) -> tuple:
+             alpha, level, weakest=None) -> tuple:
     """(kind, worst parameter, message) in the order of the module docstring."""
     T, m = metrics["trials"], metrics["tests"]
 
@@ -320,12 +336,17 @@ def _verdict(names, metrics, tests, table, significant, replicas, nonfinite, exa
             f"format (fp16 loss scaling, a compression hook) or NaN in the data")
     if replicas:
         bad = sorted({x["parameter"] for x in replicas})
-        return "inconsistent", replicas[0]["parameter"], (
-            f"inconsistent: ranks {replicas[0]['ranks']} hold different values for replicated "
-            f"{bad[:4]} (max difference {replicas[0]['max_difference']:.3g}, "
-            f"{replicas[0]['relative']:.1%} of it): a reduction missing over the group that "
-            f"replicates it (sequence-parallel LayerNorm weights, a bias of a row-parallel "
-            f"layer) or rank-dependent computation (an unsynchronised dropout seed)")
+        top = replicas[0]
+        why = (f"rounding-sized (<= noise_tol {noise_tol:g}): the replicas reduce in different orders "
+               f"or formats, so they drift apart step by step (pass replica_tol= to accept it)"
+               if top["relative"] <= noise_tol else
+               "a reduction missing over the group that replicates it (sequence-parallel "
+               "LayerNorm weights, a bias of a row-parallel layer) or rank-dependent computation "
+               "(an unsynchronised dropout seed)")
+        return "inconsistent", top["parameter"], (
+            f"inconsistent: ranks {top['ranks']} hold different values for replicated "
+            f"{bad[:4]} (max difference {top['max_difference']:.3g}, {top['relative']:.2g} of the "
+            f"largest value): {why}")
     if exact:
         return "exact", worst("max_relative_error"), (
             f"exact: every gradient{' and the loss' if loss else ''} equal the fp64 single-device "
@@ -336,17 +357,17 @@ def _verdict(names, metrics, tests, table, significant, replicas, nonfinite, exa
             LOSS if significant == ["loss"] else worst("mean_relative_error"))
         parts = []
         if "scale" in significant or "signed_relative_error" in significant:
-            parts.append(f"gradients scaled by {metrics['scale']:.4g} ({1 - alpha:.0%} CI "
-                         f"[{metrics['scale_ci_low']:.4g}, {metrics['scale_ci_high']:.4g}]), signed "
+            parts.append(f"gradients scaled by {_scale(metrics['scale'])} ({1 - alpha:.0%} CI "
+                         f"[{_scale(metrics['scale_ci_low'])}, {_scale(metrics['scale_ci_high'])}]), signed "
                          f"relative error {metrics['signed_relative_error']:+.3g}")
         if params:
             scale_of = {x["parameter"]: x["scale"] for x in table}
-            shown = ", ".join(f"{k} x{scale_of[k]:.4g}" for k in
+            shown = ", ".join(f"{k} x{_scale(scale_of[k])}" for k in
                               sorted(params, key=lambda k: -abs(tests[k]["mean"]))[:4])
             parts.append(f"in {len(params)} of {len(names)} parameters ({shown})")
         if "loss" in significant:
-            parts.append(f"loss x{metrics['loss_scale']:.4g} (CI [{metrics['loss_scale_ci_low']:.4g}, "
-                         f"{metrics['loss_scale_ci_high']:.4g}])")
+            parts.append(f"loss x{_scale(metrics['loss_scale'])} (CI [{_scale(metrics['loss_scale_ci_low'])}, "
+                         f"{_scale(metrics['loss_scale_ci_high'])}])")
         rest = (f"; beyond the scale a residual of {metrics['mean_residual']:.2g} remains"
                 if metrics["mean_residual"] > noise_tol else "")
         return "biased", where, (
@@ -365,8 +386,12 @@ def _verdict(names, metrics, tests, table, significant, replicas, nonfinite, exa
     unseen = "" if loss else "; the step reports no loss, so loss-level bugs are not checked"
     low = max(metrics["min_detectable_scale_error"], metrics["min_effect"])
     low_signed = max(metrics["min_detectable_relative_bias"], metrics["min_effect"])
+    low_param = max(metrics["min_detectable_parameter_scale_error"], metrics["min_effect"])
+    one = (f", and in any one parameter > {low_param:.2g} (least resolved: {weakest})"
+           if weakest is not None and low_param > low else "")
     return "noise", worst("max_relative_error"), (
         f"noise: zero-mean differences (max relative error {metrics['max_relative_error']:.2g} "
         f"against fp64, {metrics['max_added_error']:.2g} added by the transform <= noise_tol "
-        f"{noise_tol:g}); rules out a scale error > {low:.2g} and a signed relative bias > "
-        f"{low_signed:.2g} ({POWER:.0%} power at alpha {alpha:g}/{m} per test, {T} trials){unseen}")
+        f"{noise_tol:g}); rules out a scale error of the whole gradient > {low:.2g}{one}, and a "
+        f"signed relative bias > {low_signed:.2g} ({POWER:.0%} power at alpha {alpha:g}/{m} per "
+        f"test, {T} trials){unseen}")

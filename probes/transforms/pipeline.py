@@ -29,6 +29,7 @@ from trainprobes.transforms.base import (
     check_parts,
     piece_weights,
     split,
+    with_zeros,
     zero_grads,
 )
 from trainprobes.transforms.step import rows
@@ -103,7 +104,7 @@ class Pipeline(Transform):
         built = [pp.PipelineStage(torch.nn.Sequential(OrderedDict((c, getattr(model, c)) for c in plan[s])),
                                   s, count, ctx.device) for s in ids]
         state = {"model": model, "first": 0 in ids, "last": count - 1 in ids, "batch": None,
-                 "weights": None}
+                 "weights": None, "children": {c for s in ids for c in plan[s]}}
 
         def loss_fn(output, index):
             # the micro-batch's sample indices (the schedule split them like the input)
@@ -126,7 +127,9 @@ class Pipeline(Transform):
         target = torch.arange(n, device=ctx.device) if state["last"] else None
         state["schedule"].step(*args, target=target, losses=losses)
         model = state["model"]
-        grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+        grads = with_zeros(model, {k: p.grad.detach().clone() for k, p in model.named_parameters()
+                                   if p.grad is not None}, ctx,
+                           held=lambda k: k.split(".", 1)[0] in state["children"])
         zero_grads(model)
         loss = torch.stack([x.detach() for x in losses]).sum() / self.micro_batches if losses else None
         return StepOutput(loss, grads)

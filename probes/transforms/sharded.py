@@ -28,6 +28,7 @@ from trainprobes.transforms.base import (
     piece_weights,
     reduce_loss,
     split,
+    with_zeros,
     zero_grads,
 )
 from trainprobes.transforms.gather import full_gradients
@@ -94,7 +95,7 @@ class FSDP2(Transform):
         mine = pieces[ctx.rank]
         loss = step.loss(step.forward(model, mine), mine)
         (loss * (weights[ctx.rank] * ctx.world)).backward()
-        grads = full_gradients(model)
+        grads = with_zeros(model, full_gradients(model), ctx)
         zero_grads(model)
         logged = (weights[ctx.rank] * loss.detach()).float()
         return StepOutput(reduce_loss(logged, ctx), grads)

@@ -95,26 +95,37 @@ def _as_batch(b, name: str = "batch") -> dict:
 
 
 def _first_difference(a: torch.nn.Module, b: torch.nn.Module) -> str | None:
-    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    """The first parameter or buffer (a fixed projection, positional table, running
+    statistics) that differs between two calls of the factory."""
+    for kind in ("parameter", "buffer"):
+        found = _differs(dict(getattr(a, f"named_{kind}s")()), dict(getattr(b, f"named_{kind}s")()), kind)
+        if found:
+            return found
+    return None
+
+
+def _differs(pa: dict, pb: dict, kind: str) -> str | None:
     if list(pa) != list(pb):
-        return f"parameter names differ ({list(pa)[:4]}... vs {list(pb)[:4]}...)"
+        return f"{kind} names differ ({list(pa)[:4]}... vs {list(pb)[:4]}...)"
     for name, p in pa.items():
         q = pb[name]
         if p.shape != q.shape or p.dtype != q.dtype:
             return f"{name!r} is {tuple(p.shape)} {p.dtype} then {tuple(q.shape)} {q.dtype}"
         if not torch.equal(p.detach(), q.detach()):
-            return f"{name!r} holds different values"
+            return f"{kind} {name!r} holds different values"
     return None
 
 
 def check_step(step: TrainingStep, seed: int) -> dict:
     """Refuse a step the probe cannot judge, before any rank starts; return trial 0's batch.
 
-    1. model() twice: the same parameter names, shapes, dtypes and bits (ranks and the
-       truth each build their own copy, so a factory that draws new weights breaks both);
+    1. model() twice: the same parameter and buffer names, shapes, dtypes and bits (ranks
+       and the truth each build their own copy, so a factory that draws new weights or
+       buffers breaks both);
     2. batch(generator) twice with one seed: a dict of tensors with a common sample axis
        and the same bits (every rank draws the batch from the trial's seed);
-    3. the loss of that batch is a finite scalar that depends on the parameters.
+    3. the loss of that batch is a finite scalar that depends on the parameters, and a
+       second forward gives the same loss (no dropout: the probe compares one function).
     """
     if not isinstance(step, TrainingStep):
         raise InvalidType(f"step={step!r} must be a trainprobes.transforms.TrainingStep")
@@ -154,21 +165,44 @@ def check_step(step: TrainingStep, seed: int) -> dict:
                               f"model's parameters (requires_grad is False)")
     if not torch.isfinite(loss.detach()).all():
         raise InvalidArgument(f"loss={step.loss!r} is {loss.item()!r} on trial 0's batch")
+    with torch.no_grad():
+        again = step.loss(step.forward(m2, b1), b1)
+    if not _same_value(loss.detach(), again.detach()):
+        raise InvalidArgument(
+            f"the step is not deterministic: one model and one batch gave the losses "
+            f"{loss.item()!r} and {again.item()!r} (dropout or other randomness in train mode?). "
+            f"The truth, the single device and every rank must compute one function: build the "
+            f"model with dropout off (p=0, or model.eval() in the factory)")
     return b1
+
+
+def _same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit on the CPU; elsewhere within 1e-3 relative (GPU kernels may reduce in
+    another order on every call, dropout moves a loss by far more)."""
+    if a.device.type == "cpu":
+        return torch.equal(a, b)
+    return bool(((a - b).abs() <= 1e-3 * a.abs()).all())
 
 
 def _to_fp64(batch: Mapping) -> dict:
     return {k: (v.double() if v.is_floating_point() else v) for k, v in batch.items()}
 
 
+def rounded_model(step: TrainingStep, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The factory's model, its floating weights rounded to param_dtype if given (kept in
+    their own dtype)."""
+    m = step.model()
+    if param_dtype is not None:
+        with torch.no_grad():
+            for p in m.parameters():
+                if p.is_floating_point():
+                    p.copy_(p.to(param_dtype).to(p.dtype))
+    return m
+
+
 def fp64_model(step: TrainingStep, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """The factory's model in float64, its weights first rounded to param_dtype if given."""
-    m = step.model()
-    with torch.no_grad():
-        for p in m.parameters():
-            if param_dtype is not None and p.is_floating_point():
-                p.copy_(p.to(param_dtype).to(p.dtype))
-    return m.double()
+    return rounded_model(step, param_dtype).double()
 
 
 def grads_of(model: torch.nn.Module, loss: torch.Tensor) -> dict:
@@ -181,8 +215,11 @@ def grads_of(model: torch.nn.Module, loss: torch.Tensor) -> dict:
 def single_device(step: TrainingStep, seeds: list, *, fp64: bool = True,
                   param_dtype: torch.dtype | None = None) -> Truth:
     """The single-device step on every trial's batch: in float64 (the truth), or with
-    fp64=False in the model's own dtype (what parity tests compare against)."""
-    model = fp64_model(step, param_dtype) if fp64 else step.model()
+    fp64=False in the model's own dtype (what parity tests compare against); both with the
+    weights rounded to param_dtype first where given (the base must compute with the
+    weights the transform and the truth compute with, or the paired tests charge the
+    weights' rounding to the transform)."""
+    model = fp64_model(step, param_dtype) if fp64 else rounded_model(step, param_dtype)
     losses, grads = [], {}
     for s in seeds:
         b = step.batch(torch.Generator().manual_seed(int(s)))

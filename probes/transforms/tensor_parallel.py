@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import torch
 from trainprobes.errors import InvalidArgument
-from trainprobes.transforms.base import RankContext, StepOutput, Transform, zero_grads
+from trainprobes.transforms.base import RankContext, StepOutput, Transform, with_zeros, zero_grads
 from trainprobes.transforms.gather import full_gradients
 from trainprobes.validation import check_choice, check_int
 
@@ -121,6 +121,6 @@ class TensorParallel(Transform):
                                   f"{state['shape']}; end the plan with a rowwise layer")
         loss = step.loss(out, batch)
         loss.backward()
-        grads = full_gradients(model)
+        grads = with_zeros(model, full_gradients(model), ctx)
         zero_grads(model)
         return StepOutput(loss.detach(), grads)

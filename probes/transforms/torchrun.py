@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
 import torch.distributed as dist
+from trainprobes.distributed.launcher import torchrun_ranks
 from trainprobes.transforms.base import RankContext
 from trainprobes.transforms.equivalence import Probe, finish, prepare
+from trainprobes.transforms.options import add_probe_options
 from trainprobes.transforms.registry import parse_transform
 from trainprobes.transforms.worker import RankCase, device_of, run_case
+from trainprobes.validation import parse_choice
 
 
 def main(argv=None) -> int:
@@ -28,22 +30,15 @@ def main(argv=None) -> int:
                                 description="one transform probe under torchrun")
     p.add_argument("--target", required=True, metavar="PKG.MOD:STEP")
     p.add_argument("--transform", default="ddp", metavar="NAME[:OPTIONS]")
-    p.add_argument("--backend", choices=("gloo", "nccl"),
+    p.add_argument("--backend", type=parse_choice("backend", ("gloo", "nccl")),
                    default="nccl" if torch.cuda.is_available() else "gloo")
-    p.add_argument("--trials", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--alpha", type=float, default=0.01)
-    p.add_argument("--min-effect", type=float, default=1e-6)
-    p.add_argument("--noise-tol", type=float, default=None)
+    add_probe_options(p)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        print(f"environment variables {missing} are not set: run under torchrun, or use "
-              f"`trainprobes transforms` to launch local ranks", file=sys.stderr)
+    ranks = torchrun_ranks("trainprobes transforms")
+    if ranks is None:
         return 2
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", rank))
+    rank, world, local = ranks
     probe = Probe(args.target, parse_transform(args.transform), trials=args.trials, seed=args.seed,
                   alpha=args.alpha, min_effect=args.min_effect, noise_tol=args.noise_tol)
     prep = prepare(probe, world, truth=False)  # every rank refuses bad inputs before any step

@@ -95,6 +95,7 @@ def run_case(case: RankCase, ctx: RankContext) -> dict | None:
     shapes = dict(layout)
     state = t.setup(step, ctx)
     kept, losses, mask, codes, seconds, loss_code = None, [], None, None, 0.0, -1
+    has_loss = None
     for trial, seed in enumerate(case.seeds):
         batch = {k: v.to(ctx.device) for k, v in step.batch(torch.Generator().manual_seed(int(seed))).items()}
         start = time.perf_counter()
@@ -113,6 +114,14 @@ def run_case(case: RankCase, ctx: RankContext) -> dict | None:
         elif not torch.equal(returned, mask):
             raise InvalidArgument(f"the step ({t.label}) returned other parameters on trial {trial} "
                                   f"than on trial 0 (rank {ctx.rank})")
+        # whether this rank reports a loss is what it returns (None or not), never its value:
+        # a loss that is NaN on every trial is a NaN loss, not a missing one
+        if has_loss is None:
+            has_loss = out.loss is not None
+        elif has_loss != (out.loss is not None):
+            raise InvalidArgument(f"the step ({t.label}) returned a loss on some trials and None on "
+                                  f"others (trial {trial}, rank {ctx.rank}): return it on every trial "
+                                  f"or never")
         for n in kept:
             kept[n].append(grads[n].detach().to("cpu", torch.float64).reshape(-1))
         losses.append(math.nan if out.loss is None else float(out.loss.detach().double().item()))
@@ -122,9 +131,8 @@ def run_case(case: RankCase, ctx: RankContext) -> dict | None:
     T = len(case.seeds)
     flat = torch.cat([torch.stack(v) for v in kept.values()], dim=1) if kept else torch.zeros(T, 0,
                                                                                              dtype=torch.float64)
-    has_loss = not all(math.isnan(x) for x in losses)
     return gather(mask, torch.cat([codes, torch.tensor([loss_code])]), flat,
-                  torch.tensor(losses, dtype=torch.float64), has_loss, seconds,
+                  torch.tensor(losses, dtype=torch.float64), bool(has_loss), seconds,
                   [math.prod(s) for _, s in layout], ctx)
 
 
