@@ -152,7 +152,7 @@ PROBES = {
         "causal", "deterministic", "n_nondeterministic", "n_leaks", "n_structural",
         "n_numerical", "n_unverified", "n_unconfirmed", "n_flips", "n_score_leaks",
         "n_score_numerical", "flip_rate", "n_compared", "n_cuts", "trials", "batch_isolated",
-        "batch_invariant", "packed", "n_evaluations", "tokens_evaluated",
+        "batch_invariant", "packed", "n_evaluations", "n_confirmations", "tokens_evaluated",
         "evaluations_to_first_flip", "first_leak_position", "min_leak_distance",
         "max_leak_distance", "fp64", "mismatch_rate", "inference_mismatch_rate"),
         ("deterministic", "batch_isolated", "batch_invariant", "packed", "fp64")),

@@ -8,6 +8,8 @@
 #      Report: reports/gpu-check.json (or $1).
 #   2. every pytest test marked `gpu` in the repo.
 #   3. the default audit on this machine (its GPU families included); report beside $1.
+#   4. benchmarks/bench_causality.py on the GPU: full causality certification vs a per-cut
+#      loop (the batching gain), its section in reports/causality-benchmark.md.
 # Every part runs even when an earlier one fails; the exit status is 1 if any failed.
 # Without CUDA it fails (exit 2): nothing is checked, so nothing may pass.
 set -uo pipefail
@@ -18,4 +20,5 @@ rc=$?
 if [ "$rc" -eq 2 ]; then exit 2; fi
 timeout 90 python -m pytest -q -m gpu -p no:cacheprovider tests || rc=1
 timeout 120 python -m trainprobes audit --no-progress --out "$(dirname "$out")/gpu-audit" || rc=1
+timeout 240 python benchmarks/bench_causality.py --device cuda --repeats 3 || rc=1
 exit $(( rc != 0 ))

@@ -5,7 +5,7 @@ import importlib
 
 import pytest
 import torch
-from trainprobes.causality.classify import Kind, Outputs, classify_changes, margins, near_tie
+from trainprobes.causality.classify import Kind, Outputs, classify_changes, margins, near_tie, reduction_ulps
 
 EPS = torch.finfo(torch.float32).eps
 
@@ -36,6 +36,30 @@ def test_a_large_change_at_the_same_shape_is_structural_without_asking_fp64():
         raise AssertionError("fp64 asked though no change was near a tie")
     kind = classify_changes(where_of(before, after), Outputs(before), Outputs(after), fp64=twin)
     assert Kind.labels(kind) == ["structural"]
+
+
+def test_reduction_noise_on_a_large_output_goes_to_fp64_not_straight_to_structural():
+    """Same shape, a sum of T = 256 terms at 2**24 reordered: it moves by up to ~T ulps, far
+    beyond a near-tie's 32. Without a twin: unverified (not structural); with one: what the
+    twin shows. Beyond T ulps no reordering explains it: structural without asking."""
+    T, big = 256, 2.0 ** 24
+    ulp = big * EPS
+    before = torch.full((1, T), big)
+    after = before.clone()
+    after[0, 10], after[0, 20] = big + 100 * ulp, big + 4 * T * ulp  # noise-sized, beyond it
+    where = where_of(before, after)
+    assert reduction_ulps(T) == T and reduction_ulps(4) == 32
+    assert Kind.labels(classify_changes(where, Outputs(before), Outputs(after))) == ["unverified", "structural"]
+    b64 = before.double()
+    still = (Outputs(b64), Outputs(b64))  # fp64 does not move: rounding noise
+    moved = (Outputs(b64), Outputs(after.double()))  # fp64 moves as much: a dependence
+    assert Kind.labels(classify_changes(where, Outputs(before), Outputs(after), fp64=still)) == \
+        ["numerical", "structural"]
+    assert Kind.labels(classify_changes(where, Outputs(before), Outputs(after), fp64=moved)) == \
+        ["structural", "structural"]
+    # a twin with kernels substituted may lack the leak: it settles near-ties only
+    kind = classify_changes(where, Outputs(before), Outputs(after), fp64=still, twin_settles_reduction=False)
+    assert Kind.labels(kind) == ["unverified", "structural"]
 
 
 @pytest.mark.parametrize("fp64_moves, want", [(0.0, "numerical"), (1e-6, "structural")])

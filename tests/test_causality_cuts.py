@@ -43,7 +43,7 @@ def test_out_of_memory_halves_the_chunk_and_packing_goes_on():
 
 
 def test_a_refusal_that_only_mentions_memory_stops_packing():
-    res = check(refuses_over(20, RuntimeError), X, cuts="all")  # halving would fit
+    res = check(refuses_over(4, RuntimeError), X, cuts="all")  # halving would fit
     assert res.metrics["packed"] is False and "out of memory" in res.evidence["packing_error"]
     assert res.metrics["causal"] is False
 

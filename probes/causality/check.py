@@ -3,26 +3,34 @@
 `check(fn, inputs)` asks: does the decision for token t depend on tokens after t?
 
 Algorithm (perturb mode):
-  1. Run the target twice on the inputs. Different decisions (or scores, bit for bit):
-     nondeterministic (TP-C2); stop, since no flip could then be told from a leak.
-  2. Batch isolation: replace the even rows, compare the odd rows (TP-C3 if they move).
-  3. For each cut c, x_c = x with every position > c replaced by other values (same length, same
-     batch shape). Decisions at positions <= c must not change. If the target is
-     batch-isolated, many x_c are packed into one call, chunked to max_batch_tokens, with an
-     unperturbed copy of x as a control; otherwise one call per cut, at the inputs' shape.
-  4. Packing must compute what a call alone computes: the control must reproduce the baseline,
-     and the first flipped packed cuts are re-run alone and must match exactly; else packing
-     stops (the target is batch-variant) and every later cut runs alone (cuts.py).
+  1. Run the target on the inputs x: the baseline.
+  2. For each cut c, x_c = x with every position > c replaced by other values (same length, same
+     batch shape). Decisions at positions <= c must not change.
+  3. The second call folds the checks into the first packed call (cuts.py): x with its even
+     rows replaced (isolation), an unperturbed copy of x (the control), and the first x_c.
+     The control must reproduce the baseline bit for bit (determinism: else no flip could be
+     told from a leak) and so must the odd isolation rows (batch isolation: packing is sound
+     only for a batch-isolated target). Only then are the copies judged, so a global leak shows
+     at the second evaluation. If anything moved, nothing is judged from that call: the checks
+     run as separate calls (x again: TP-C2 if it differs; the isolation rows alone: TP-C3 if
+     they move beyond rounding noise) and every cut runs alone at the inputs' shape.
+  4. Later cuts are packed as many to a call as measurement says pays (packing.py; the memory
+     budget max_batch_tokens is an upper bound), each call with a control copy; the first
+     flipped packed cuts are re-run alone and must match exactly, else packing stops (the
+     target is batch-variant) and every later cut runs alone.
   5. Classify every flip (b, t, c) (classify.py). At the inputs' shape a deterministic target
-     can change a decision at t <= c only if data flows from the future: structural, unless
-     the routing margin (runner-up gap of `scores`, or the size of a float change) is within
-     rounding noise; then the fp64 twin decides (a precision-scaling test), or it stays
+     can change a decision at t <= c only if data flows from the future (or the future
+     reordered a reduction): structural, unless the routing margin (runner-up gap of
+     `scores`, or the size of a float change) is within reduction noise (max(32, T) ulps);
+     then the fp64 twin decides (a precision-scaling test), or it stays
      "unverified". The first flipped cuts are re-run once more: a flip that does not repeat
      is nondeterminism (TP-C2), not a leak.
   6. With `scores`, score changes at t <= c where the decision held are judged the same way.
-Truncate mode runs the prefix x[:, :c+1] (the inference view); shapes differ, so every flip
-goes to the fp64 twin. The share of earlier decisions that differ is the train/inference
-decision mismatch. The Result is assembled in summary.py.
+Truncate mode runs the prefix x[:, :c+1] (the inference view) one call per cut, after the
+same folded checks (without copies); shapes differ, so every flip goes to the fp64 twin. The
+share of earlier decisions that differ is the train/inference decision mismatch. With
+pack=False or layout="flat" the checks are separate calls and nothing is packed. The Result
+is assembled in summary.py.
 """
 from __future__ import annotations
 
@@ -30,14 +38,21 @@ from typing import Callable
 
 import torch
 from trainprobes.causality.classify import Judge, Kind, Nondeterministic, Outputs
-from trainprobes.causality.cuts import Cuts
-from trainprobes.causality.inputs import MODES, Perturbed, as_batched, replacements, resolve_cuts
+from trainprobes.causality.cuts import Cuts, timed_call
+from trainprobes.causality.inputs import (
+    MODES,
+    Perturbed,
+    as_batched,
+    replacements,
+    resolve_cuts,
+    spread_first,
+)
 from trainprobes.causality.records import NOT_TESTED, Findings, Isolation
 from trainprobes.causality.summary import Setup, nondeterministic, summarise
 from trainprobes.causality.target import Picker, Target, differs
 from trainprobes.errors import TargetError
 from trainprobes.result import Result
-from trainprobes.validation import check_bool, check_choice, check_int, check_number
+from trainprobes.validation import check_choice, check_int, check_number
 
 __all__ = ["check", "resolve_cuts", "MODES"]
 
@@ -45,7 +60,7 @@ __all__ = ["check", "resolve_cuts", "MODES"]
 def check(fn: Callable, inputs: torch.Tensor, *, mode: str = "perturb", cuts=None, trials: int = 1,
           seed: int = 0, atol: float = 0.0, decision: Picker = None, scores: Picker = None,
           layout: str = "batched", vocab: int | None = None, fp64=None,
-          margin_tol: float | None = None, pack: bool = True, max_batch_tokens: int = 65536,
+          margin_tol: float | None = None, pack: bool | int = True, max_batch_tokens: int = 65536,
           max_verify: int | None = None, max_leaks: int = 200, target: str | None = None,
           progress: Callable[[int, int], None] | None = None) -> Result:
     """Probe fn for decisions that depend on future tokens. Returns a Result (probe
@@ -59,14 +74,17 @@ def check(fn: Callable, inputs: torch.Tensor, *, mode: str = "perturb", cuts=Non
       used for margins) out of fn's output: None (the output), an index, a name, or a
       callable. Integer decisions are compared exactly, float decisions with atol.
     fp64: None (auto twin), False, or a callable computing the same thing in float64.
+    pack: True (copies per call chosen by measuring, up to max_batch_tokens), False (every
+      call at the inputs' shape), or a number of copies per call (reproducible evaluations).
     margin_tol: absolute score gap below which a flip may be rounding noise; default
-      32 ulps of the score's magnitude.
+      max(32, T) ulps of the score's magnitude (a reordered reduction over T positions).
     """
     mode = check_choice(mode, "mode", MODES)
     trials = check_int(trials, "trials", min=1, hint="perturbations per cut")
     atol = check_number(atol, "atol", min=0, finite=False)
     seed = check_int(seed, "seed")
-    pack = check_bool(pack, "pack")
+    if not isinstance(pack, bool):
+        pack = check_int(pack, "pack", min=1, hint="True (copies per call measured), False, or copies per call")
     max_batch_tokens = check_int(max_batch_tokens, "max_batch_tokens", min=1)
     max_leaks = check_int(max_leaks, "max_leaks", min=0, hint="leak records kept in the evidence")
     if max_verify is not None:
@@ -86,23 +104,29 @@ def check(fn: Callable, inputs: torch.Tensor, *, mode: str = "perturb", cuts=Non
                   cuts=cut_list, trials=trials, max_leaks=max_leaks)
     common = dict(probe="causality.check", target=name, seed=seed)
 
-    judge = Judge(tgt, x, atol=atol, margin_tol=margin_tol, fp64=fp64, max_verify=max_verify)
+    base, baseline_s = timed_call(tgt, x)
+    judge = Judge(tgt, x, base, atol=atol, margin_tol=margin_tol, fp64=fp64, max_verify=max_verify)
+    run = Cuts(judge, tgt, Perturbed(x, R), atol=atol, baseline_s=baseline_s, progress=progress)
+    tasks = [(c, i) for c in cut_list for i in range(trials)]
     try:
-        _deterministic(judge)
-        iso = _batch_isolation(judge, R, layout)
-        run = Cuts(judge, tgt, Perturbed(x, R), atol=atol, batch_invariant=iso.batch_invariant,
-                   pack_error=iso.error, progress=progress)
-        tasks = [(c, i) for c in cut_list for i in range(trials)]
-        run.plan_packing(pack=pack, isolated=iso.isolated, mode=mode,
-                         max_batch_tokens=max_batch_tokens, n_tasks=len(tasks))
-        run.run(tasks, mode)
+        copies = run.plan(pack=pack, mode=mode, layout=layout, max_batch_tokens=max_batch_tokens,
+                          n_tasks=len(tasks))
+        iso, done = None, 0
+        if copies is not None:  # determinism and isolation ride along in the first call
+            tasks = spread_first(tasks, copies)
+            iso, done = run.fold(tasks[:copies], R)
+        if iso is None:  # as separate calls: no fold, or the fold moved and must say why
+            _deterministic(judge)
+            iso = run.after_checks(_batch_isolation(judge, R, layout))
+        run.run(tasks, mode, start=done)
     except Nondeterministic as e:
         return nondeterministic(common, setup, name, e.where, e.count, tgt.n_evaluations,
                                 tgt.tokens_evaluated)
     found = Findings(base=judge.base, isolation=iso, flips=run.flips, score_changes=run.score_changes,
                      batch_invariant=run.batch_invariant, packed=run.packed,
-                     packing_error=run.pack_error, first_flip_eval=run.first_flip_eval,
-                     fp64_status=judge.fp64_status, n_evaluations=tgt.n_evaluations,
+                     packing_error=run.pack_error, packing=run.packing_evidence(),
+                     first_flip_eval=run.first_flip_eval, fp64_status=judge.fp64_status,
+                     n_evaluations=tgt.n_evaluations, n_confirmations=judge.confirmations,
                      tokens_evaluated=tgt.tokens_evaluated)
     return summarise(common, setup, found)
 

@@ -1,11 +1,15 @@
 """Is a changed output a leak or rounding noise? Routing margins, the fp64 twin, reproduction.
 
 A deterministic target run at the same shape can change an output only if data reached it
-from what was perturbed: such a change is *structural*, unless it sits within rounding noise
-of a tie (a routing margin, or a float change, within 32 ulps of its magnitude). A near-tie,
-or any change where the shape or kernel path differed (a truncated prefix), goes to the fp64
-twin, a precision-scaling test: rounding noise shrinks by ~2^-29 from fp32 to fp64, a real
-dependence does not. Without a twin a near-tie stays *unverified*: never excused, never a pass.
+from what was perturbed, or if what was perturbed changed the order of a reduction (tiling by
+tokens per expert, a row-wide max taken for stability): reordering a sum of T terms moves it
+by up to ~T eps of the terms' magnitude (gamma_T, Higham), far beyond an ulp or two on a
+large-magnitude output. So a change is *structural* without further test only beyond
+reduction noise: max(32, T) ulps of its magnitude, T the positions of the row (for a routing
+decision, its margin beyond that). A change within it, or any change where the shape or kernel
+path differed (a truncated prefix), goes to the fp64 twin, a precision-scaling test: rounding
+noise shrinks by ~2^-29 from fp32 to fp64, a real dependence does not. Without a twin such a
+change stays *unverified*: never excused, never a pass. (A near-tie: within 32 ulps.)
 
 Public: `classify_changes` (pure: the outputs in, one `Kind` per change out), `Kind`, `Outputs`,
 `margins`. `Judge` wraps it for one probe run: the baseline, a lazily built fp64 twin, the
@@ -21,7 +25,7 @@ import torch
 from trainprobes.causality.target import Target, abs_diff, differs
 from trainprobes.errors import TargetError, TrainprobesError
 
-__all__ = ["Kind", "Outputs", "classify_changes", "near_tie", "margins", "NOISE_ULPS"]
+__all__ = ["Kind", "Outputs", "classify_changes", "near_tie", "margins", "reduction_ulps", "NOISE_ULPS"]
 
 NOISE_ULPS = 32  # a score gap within 32 ulps of its magnitude is "near a tie"
 REPRODUCTIONS = 3  # flipped cuts re-run to tell nondeterminism from a leak
@@ -74,10 +78,16 @@ def margins(scores: torch.Tensor, decision: torch.Tensor) -> torch.Tensor:
     return (top.gather(-1, (k - 1)[..., None]) - top.gather(-1, k[..., None]))[..., 0].abs()
 
 
-def noise_tol(values: torch.Tensor) -> torch.Tensor:
-    """Rounding noise allowed for each value: NOISE_ULPS ulps of its magnitude (at least 1)."""
+def noise_tol(values: torch.Tensor, ulps: float = NOISE_ULPS) -> torch.Tensor:
+    """Rounding noise allowed for each value: `ulps` ulps of its magnitude (at least 1)."""
     eps = torch.finfo(values.dtype).eps if values.is_floating_point() else 0.0
-    return NOISE_ULPS * eps * values.double().abs().clamp_min(1.0)
+    return ulps * eps * values.double().abs().clamp_min(1.0)
+
+
+def reduction_ulps(length: int) -> int:
+    """Ulps a reduction of `length` terms may move by when its order changes: ~length eps of
+    the magnitude (never fewer than a near-tie's NOISE_ULPS)."""
+    return max(NOISE_ULPS, int(length))
 
 
 def change_size(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -88,26 +98,29 @@ def change_size(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return abs_diff(a, b).reshape(len(a), -1).amax(-1)
 
 
-def near_tie(where, base: Outputs, changed: Outputs, *, margin_tol: float | None = None) -> torch.Tensor:
+def near_tie(where, base: Outputs, changed: Outputs, *, margin_tol: float | None = None,
+             ulps: float = NOISE_ULPS) -> torch.Tensor:
     """[n] bool: whether each change sits within rounding noise of a tie. With scores: the
-    baseline's routing margin within margin_tol (default 32 ulps of the largest score).
-    Without: a float decision whose change is within 32 ulps of its magnitude. An integer
+    baseline's routing margin within margin_tol (default `ulps` ulps of the largest score).
+    Without: a float decision whose change is within `ulps` ulps of its magnitude. An integer
     decision without scores is never near a tie (nothing says how close it was)."""
     b, t = where
     y0, s0 = base
     if s0 is not None:
         m = margins(s0[b, t][:, None], y0[b, t][:, None])[:, 0]
         tol = (torch.full_like(m, margin_tol) if margin_tol is not None else
-               noise_tol(s0[b, t].reshape(len(b), -1).amax(-1)))
+               noise_tol(s0[b, t].reshape(len(b), -1).amax(-1), ulps))
         return m <= tol
     before = y0[b, t]
     if before.is_floating_point():
-        return change_size(before, changed.decision[b, t]) <= noise_tol(before.reshape(len(b), -1)).amax(-1)
+        tol = noise_tol(before.reshape(len(b), -1), ulps).amax(-1)
+        return change_size(before, changed.decision[b, t]) <= tol
     return torch.zeros(len(b), dtype=torch.bool)
 
 
 def classify_changes(where, base: Outputs, changed: Outputs, *, fp64: Fp64 = None, atol: float = 0.0,
-             margin_tol: float | None = None, same_shape: bool = True) -> torch.Tensor:
+             margin_tol: float | None = None, same_shape: bool = True,
+             twin_settles_reduction: bool = True) -> torch.Tensor:
     """One `Kind` per change: [n] long tensor of Kind values (STRUCTURAL, NUMERICAL, UNVERIFIED).
 
     where: (batch, position) index tensors of the changes, as `mask.nonzero(as_tuple=True)`.
@@ -115,8 +128,13 @@ def classify_changes(where, base: Outputs, changed: Outputs, *, fp64: Fp64 = Non
       (slice the baseline to a truncated run's length first).
     fp64: the same two runs computed in float64, as a pair (base64, changed64) of `Outputs`,
       or a callable returning that pair (or None), called only if some change needs it.
-    same_shape: True when both runs had the same shape and kernel path, so only near-ties
-      can be noise; False (a truncated prefix, another packing) sends every change to fp64.
+    same_shape: True when both runs had the same shape, so only changes within reduction
+      noise (max(32, T) ulps, T = base.decision.shape[1]; a routing margin that small) can
+      be noise; False (a truncated prefix, another packing) sends every change to fp64.
+      Without a twin, changes within reduction noise are unverified, larger ones structural.
+    twin_settles_reduction: False for a twin that may lack the leak (kernels substituted):
+      it then settles near-ties (32 ulps) only, and same-shape changes between a near-tie
+      and reduction noise stay unverified.
 
     Structural if in fp64 an integer decision still changes, or a float decision (or the
     scores) still moves by more than 1e-3 of its fp32 move and more than fp64 noise (an
@@ -139,10 +157,16 @@ def classify_changes(where, base: Outputs, changed: Outputs, *, fp64: Fp64 = Non
     if not len(b):
         return kind
     tiny = near_tie(where, base, changed, margin_tol=margin_tol)
-    ask = tiny if same_shape else torch.ones(len(b), dtype=torch.bool)
+    # reordered reductions: T terms over the row's positions (the margin_tol override stands)
+    noisy = tiny | near_tie(where, base, changed, margin_tol=margin_tol,
+                            ulps=reduction_ulps(base.decision.shape[1]))
+    if not same_shape:
+        ask = torch.ones(len(b), dtype=torch.bool)
+    else:
+        ask = noisy if twin_settles_reduction else tiny
+    kind[noisy] = Kind.UNVERIFIED
     if not ask.any():
         return kind
-    kind[ask & tiny] = Kind.UNVERIFIED
     pair = fp64() if callable(fp64) else fp64
     if pair is None:
         return kind
@@ -177,16 +201,17 @@ class Judge:
     lazily, checked to really compute in float64), a budget of verification calls, and the
     re-runs of flipped inputs that tell nondeterminism from a leak."""
 
-    def __init__(self, tgt: Target, x: torch.Tensor, *, atol: float, margin_tol: float | None,
-                 fp64, max_verify: int | None):
+    def __init__(self, tgt: Target, x: torch.Tensor, base: Outputs, *, atol: float,
+                 margin_tol: float | None, fp64, max_verify: int | None):
         self.tgt, self.x, self.atol, self.margin_tol = tgt, x, atol, margin_tol
-        self.base = Outputs(*tgt(x))
+        self.base = base  # the target's outputs on x
         self._fp64_fn = tgt.fp64(fp64)
         self._fp64_base: Outputs | None = None
         self._fp64_last = None
         self.fp64_status = "not needed" if fp64 is not False else "disabled"
         self.verify_left = max_verify if max_verify is not None else float("inf")
         self.reproduced = 0  # flipped inputs seen again on a second call
+        self.confirmations = 0  # evaluations spent re-checking flips: re-runs, the fp64 twin
 
     def base_at(self, n: int) -> Outputs:
         """The baseline over the first n positions (a truncated run's length)."""
@@ -199,6 +224,7 @@ class Judge:
         time, so the first REPRODUCTIONS flipped inputs are each re-run once."""
         if self.reproduced >= REPRODUCTIONS:
             return
+        self.confirmations += 1
         y2, s2 = self.tgt(xc)
         # as the first determinism check: decisions within atol, scores bit for bit
         moved = differs(out.decision, y2, self.atol)
@@ -218,10 +244,12 @@ class Judge:
         if self._fp64_base is None and not self._start_fp64():
             return None
         self.verify_left -= 1
+        self.confirmations += 1
         self._fp64_last = (xc, Outputs(*self.tgt(xc, self._fp64_fn)))
         return self._fp64_last[1]
 
     def _start_fp64(self) -> bool:
+        self.confirmations += 1
         try:
             base = Outputs(*self.tgt(self.x, self._fp64_fn))
         except TargetError as e:

@@ -69,6 +69,18 @@ def as_batched(inputs, layout: str) -> torch.Tensor:
     return x.detach()
 
 
+def spread_first(tasks: list, k: int) -> list:
+    """tasks reordered so that the first k are spread evenly over all of them (the first
+    packed call then holds early and late cuts alike, as the default cuts do), the rest in
+    their order."""
+    n = len(tasks)
+    if not 0 < k < n:
+        return tasks
+    first = sorted({(2 * j + 1) * n // (2 * k) for j in range(k)})
+    chosen = set(first)
+    return [tasks[j] for j in first] + [t for j, t in enumerate(tasks) if j not in chosen]
+
+
 class Perturbed:
     """Copies of x with every position after a cut replaced: `perturbed(c, i)` takes trial
     i's replacement values. Same length, same batch shape: capacity that depends on the

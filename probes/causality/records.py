@@ -60,7 +60,9 @@ class Findings:
     batch_invariant: bool = True
     packed: bool = False
     packing_error: str | None = None
+    packing: dict | None = None  # how many copies went into a call, as measured (packing.py)
     first_flip_eval: int | None = None  # evaluations spent when anything first moved
     fp64_status: str = "not needed"
     n_evaluations: int = 0
+    n_confirmations: int = 0  # of those, spent re-checking flips (re-runs, the fp64 twin)
     tokens_evaluated: int = 0

@@ -45,7 +45,7 @@ def tally_flips(found: Findings, T: int, max_leaks: int) -> Tally:
     mg = margins(s0, y0) if s0 is not None else None
     counts = torch.zeros(N_KINDS, dtype=torch.long)
     tally = Tally(counts=[], by_position=torch.zeros(T, dtype=torch.long))
-    for f in found.flips:
+    for f in sorted(found.flips, key=lambda f: (f.cut, f.trial)):  # as cuts were given
         counts += torch.bincount(f.kind, minlength=N_KINDS)
         tally.n_inference += int((f.position == f.cut).sum())
         leak = (f.kind == Kind.STRUCTURAL) | (f.kind == Kind.UNCONFIRMED)  # map, distances, rate
@@ -70,7 +70,7 @@ def tally_flips(found: Findings, T: int, max_leaks: int) -> Tally:
 def tally_scores(found: Findings, max_leaks: int) -> Tally:
     counts = torch.zeros(N_KINDS, dtype=torch.long)
     tally = Tally(counts=[])
-    for s in found.score_changes:
+    for s in sorted(found.score_changes, key=lambda s: (s.cut, s.trial)):
         counts += torch.bincount(s.kind, minlength=N_KINDS)
         _add(tally.leak_map, s.position[s.kind == Kind.STRUCTURAL], offset=s.cut)
         for k in (s.kind != Kind.NUMERICAL).nonzero().flatten()[:max_leaks - len(tally.leaks)].tolist():
@@ -137,7 +137,8 @@ def _metrics(setup, found: Findings, flips: Tally, scores: Tally, compared, *, c
         "deterministic": True, "batch_isolated": found.isolation.isolated,
         "batch_invariant": found.batch_invariant,
         "packed": found.packed and found.batch_invariant,
-        "n_evaluations": found.n_evaluations, "tokens_evaluated": found.tokens_evaluated,
+        "n_evaluations": found.n_evaluations, "n_confirmations": found.n_confirmations,
+        "tokens_evaluated": found.tokens_evaluated,
         "evaluations_to_first_flip": found.first_flip_eval,
         "first_leak_position": min((r["position"] for r in flips.leaks), default=None),
         "min_leak_distance": min(flips.distances, default=None),
@@ -162,7 +163,7 @@ def _evidence(setup: Setup, found: Findings, flips: Tally, scores: Tally, compar
         "batch_isolation_moved": found.isolation.moved,
         "batch_isolation_numerical": found.isolation.numerical,
         "batch_isolation_unverified": found.isolation.unverified,
-        "packing_error": found.packing_error,
+        "packing_error": found.packing_error, "packing": found.packing,
         "score_leaks": scores.leaks,
         "score_leak_map": [[c, p, n] for (c, p), n in sorted(scores.leak_map.items())],
     }
