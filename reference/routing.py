@@ -146,7 +146,8 @@ def capacity_by_position(logits: torch.Tensor, k: int = 1, capacity_factor: floa
     second slots). Causal under perturbation; capacity depends on T, so truncation differs."""
     def by_position(top_values, probs):
         B, T, k_ = top_values.shape
-        return -torch.arange(T * k_, dtype=torch.float64).expand(B, T * k_).reshape(B, T, k_)
+        return -torch.arange(T * k_, dtype=torch.float64, device=top_values.device).expand(
+            B, T * k_).reshape(B, T, k_)
     return _drop(logits, k, capacity_factor, by_position)
 
 
@@ -157,8 +158,8 @@ def capacity_gshard_order(logits: torch.Tensor, k: int = 2, capacity_factor: flo
     takes the slot an earlier token's second choice would have had."""
     def k_major(top_values, probs):
         B, T, k_ = top_values.shape
-        j = torch.arange(k_, dtype=torch.float64)[None, :]
-        t = torch.arange(T, dtype=torch.float64)[:, None]
+        j = torch.arange(k_, dtype=torch.float64, device=top_values.device)[None, :]
+        t = torch.arange(T, dtype=torch.float64, device=top_values.device)[:, None]
         return -(j * T + t).expand(B, T, k_)
     return _drop(logits, k, capacity_factor, k_major)
 
