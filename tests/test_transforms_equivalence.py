@@ -116,3 +116,29 @@ def test_a_loss_that_is_nan_on_every_trial_is_wrong_not_missing():
     r = probe(MLP, Custom(nan_logged_loss), world=2, trials=4)
     assert r.metrics["transform_verdict"] == "wrong" and r.metrics["loss_reported"] is True
     assert "<loss>" in r.message and "reports no loss" not in r.message
+
+
+def test_the_single_device_base_runs_where_the_ranks_compute(monkeypatch):
+    # GPU kernels round differently from CPU ones (tensor cores truncate partial sums): a
+    # CPU base under NCCL charged that to the transform (FSDP2 bf16 on one H200 rank: biased)
+    from trainprobes.transforms import DDP, equivalence
+    from trainprobes.transforms.demo import step
+    seen = []
+    real = equivalence.single_device
+
+    def spy(*a, device="cpu", **kw):
+        seen.append((kw.get("fp64", True), device))
+        return real(*a, **kw)  # run on the CPU here; the device is what is checked
+    monkeypatch.setattr(equivalence, "single_device", spy)
+    equivalence.prepare(equivalence.Probe(step, DDP(), trials=4), 2, device=equivalence.base_device("nccl"))
+    assert seen == [(True, "cpu"), (False, "cuda")]  # the fp64 truth stays on the CPU
+    assert equivalence.base_device("gloo") == "cpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_base_on_cuda_comes_back_on_the_cpu():
+    from trainprobes.transforms.demo import step
+    from trainprobes.transforms.step import single_device
+    t = single_device(step, [1, 2], fp64=False, device="cuda")
+    assert t.loss.device.type == "cpu" and all(g.device.type == "cpu" for g in t.grads.values())

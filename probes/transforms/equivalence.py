@@ -96,7 +96,7 @@ def _seeds(seed: int, trials: int) -> list:
     return torch.randint(0, 2**62, (trials,), generator=torch.Generator().manual_seed(int(seed))).tolist()
 
 
-def prepare(p: Probe, world: int, *, truth: bool = True) -> Prepared:
+def prepare(p: Probe, world: int, *, truth: bool = True, device: str = "cpu") -> Prepared:
     """Step 1 of the module docstring (raises InvalidArgument / InvalidType / TargetError)."""
     step = resolve_step(p.step)
     seeds = _seeds(p.seed, p.trials)
@@ -113,7 +113,7 @@ def prepare(p: Probe, world: int, *, truth: bool = True) -> Prepared:
                 f"{what}={obj!r} cannot be sent to the ranks ({type(e).__name__}: {e}): use "
                 f"module-level functions (or functools.partial of them), not lambdas or local "
                 f"functions, for the model, batch, loss and custom step") from None
-    ref, base = references(step, seeds, p.transform) if truth else (None, None)
+    ref, base = references(step, seeds, p.transform, device) if truth else (None, None)
     if ref is not None:
         check_truth(ref, step)
     return Prepared(p, step, seeds, dtype, ref, base)
@@ -133,11 +133,17 @@ def check_truth(ref: Truth, step: TrainingStep) -> None:
                               f"the parameters through the batch?)")
 
 
-def references(step: TrainingStep, seeds: list, transform: Transform) -> tuple:
-    """(fp64 truth, single device in the model's dtype), both with the weights the transform
-    computes with (trainprobes.transforms.base.Transform.weight_dtype)."""
+def base_device(backend: str) -> str:
+    """Where the single-device base runs: the device the transform's ranks compute on."""
+    return "cuda" if backend == "nccl" else "cpu"
+
+
+def references(step: TrainingStep, seeds: list, transform: Transform, device: str = "cpu") -> tuple:
+    """(fp64 truth, single device in the model's dtype on `device`), both with the weights
+    the transform computes with (trainprobes.transforms.base.Transform.weight_dtype)."""
     w = transform.weight_dtype()
-    return single_device(step, seeds, param_dtype=w), single_device(step, seeds, fp64=False, param_dtype=w)
+    return (single_device(step, seeds, param_dtype=w),
+            single_device(step, seeds, fp64=False, param_dtype=w, device=device))
 
 
 def observed(out: dict, step: TrainingStep) -> Observed:
@@ -165,7 +171,7 @@ def finish(prep: Prepared, out: dict, *, world: int, backend: str) -> Result:
     """Step 3 of the module docstring: the Result of one probe."""
     p, t = prep.probe, prep.probe.transform
     truth, base = (prep.truth, prep.base) if prep.truth is not None else references(
-        prep.step, prep.seeds, t)
+        prep.step, prep.seeds, t, base_device(backend))
     obs = observed(out, prep.step)
     noise_tol = p.noise_tol if p.noise_tol is not None else default_noise_tol(prep.dtype)
     j: Judgement = judge(truth, obs, alpha=p.alpha, min_effect=p.min_effect, noise_tol=noise_tol,
@@ -212,7 +218,7 @@ def run_probes(probes: list, *, world: int = 2, backend: str = "gloo", timeout: 
             raise InvalidType(f"probes[{i}]={p!r} must be a trainprobes.transforms.Probe")
         if progress:
             progress(f"checking and computing the fp64 truth of {p.target or p.transform.label}")
-        prepared.append(prepare(p, world))
+        prepared.append(prepare(p, world, device=base_device(backend)))
     cases = [RankCase(pr.probe.step, pr.probe.transform, pr.seeds) for pr in prepared]
     try:
         outs = launch(cases_task, world, backend=backend, timeout=timeout, args=(cases, backend),

@@ -213,19 +213,22 @@ def grads_of(model: torch.nn.Module, loss: torch.Tensor) -> dict:
 
 
 def single_device(step: TrainingStep, seeds: list, *, fp64: bool = True,
-                  param_dtype: torch.dtype | None = None) -> Truth:
+                  param_dtype: torch.dtype | None = None, device: str = "cpu") -> Truth:
     """The single-device step on every trial's batch: in float64 (the truth), or with
     fp64=False in the model's own dtype (what parity tests compare against); both with the
     weights rounded to param_dtype first where given (the base must compute with the
     weights the transform and the truth compute with, or the paired tests charge the
-    weights' rounding to the transform)."""
-    model = fp64_model(step, param_dtype) if fp64 else rounded_model(step, param_dtype)
+    weights' rounding to the transform). device: where it runs (the base runs on the
+    transform's device: GPU and CPU kernels round differently, and that difference is not
+    the transform's); the result is on the CPU."""
+    model = (fp64_model(step, param_dtype) if fp64 else rounded_model(step, param_dtype)).to(device)
     losses, grads = [], {}
     for s in seeds:
         b = step.batch(torch.Generator().manual_seed(int(s)))
         b = _to_fp64(b) if fp64 else b
+        b = {k: v.to(device) for k, v in b.items()}
         loss = step.loss(step.forward(model, b), b)
         for n, g in grads_of(model, loss).items():
-            grads.setdefault(n, []).append(g.detach())
-        losses.append(loss.detach().reshape(()))
+            grads.setdefault(n, []).append(g.detach().cpu())
+        losses.append(loss.detach().reshape(()).cpu())
     return Truth(torch.stack(losses), {n: torch.stack(v) for n, v in grads.items()})
