@@ -92,6 +92,24 @@ def test_integer_decisions_are_near_a_tie_only_by_their_routing_margin():
         ["structural", "structural"]
 
 
+def test_a_float_decision_with_scores_is_near_a_tie_by_its_own_change_too():
+    # hidden states judged beside router scores (an MoE block returning (hidden, logits)):
+    # an ulp of change in the hidden state is rounding noise whatever the router's margin,
+    # and a large change at a near-tie of the router may be a noise flip of an expert
+    hidden = torch.tensor([[[1.0, 2.0], [1.0, 2.0]]])
+    after = hidden.clone()
+    after[0, 0, 0] += EPS          # one ulp
+    after[0, 1, 0] += 0.5          # a real change
+    scores = torch.tensor([[[0.7, 0.2, 0.1], [0.7, 0.2, 0.1]]])  # far from a tie at any k
+    where = where_of(hidden, after)
+    kind = classify_changes(where, Outputs(hidden, scores), Outputs(after, scores))
+    assert Kind.labels(kind) == ["unverified", "structural"]
+    tied = torch.tensor([[[0.5, 0.5 - EPS, 0.0], [0.5, 0.5 - EPS, 0.0]]])
+    assert margins(tied, hidden).tolist() == [[EPS, EPS]]  # hidden states: the nearest tie at any k
+    kind = classify_changes(where, Outputs(hidden, tied), Outputs(after, tied))
+    assert Kind.labels(kind) == ["unverified", "unverified"]
+
+
 def test_another_shape_sends_every_change_to_fp64():
     before = torch.tensor([[1.0, 2.0]])
     after = torch.tensor([[1.5, 2.5]])  # large changes, as a shape-dependent kernel can make

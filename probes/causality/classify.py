@@ -62,11 +62,14 @@ def margins(scores: torch.Tensor, decision: torch.Tensor) -> torch.Tensor:
     """[B, T] routing margin: the gap between the k-th and (k+1)-th best score, where k is
     the number of experts the decision picks per token ([B, T] ids: 1; [B, T, k] ids: k;
     a [B, T, E] mask: its count of picks). A flip at a large margin cannot be rounding noise
-    in the scores."""
+    in the scores. A float decision not over the experts (hidden states [B, T, D], D != E)
+    does not say k: the nearest tie at any k, the smallest gap between adjacent scores."""
     s = scores.reshape(*scores.shape[:2], -1).double()
     E = s.shape[-1]
     if E < 2:
         return torch.full(s.shape[:2], float("inf"), dtype=torch.float64)
+    if decision.is_floating_point() and decision.dim() > 2 and decision.shape[-1] != E:
+        return s.sort(dim=-1).values.diff(dim=-1).amin(-1)
     if decision.dim() == 2:
         k = torch.ones(s.shape[:2], dtype=torch.long)
     elif not decision.is_floating_point() and decision.shape[-1] != E or decision.dim() > 3:
@@ -102,20 +105,23 @@ def near_tie(where, base: Outputs, changed: Outputs, *, margin_tol: float | None
              ulps: float = NOISE_ULPS) -> torch.Tensor:
     """[n] bool: whether each change sits within rounding noise of a tie. With scores: the
     baseline's routing margin within margin_tol (default `ulps` ulps of the largest score).
-    Without: a float decision whose change is within `ulps` ulps of its magnitude. An integer
-    decision without scores is never near a tie (nothing says how close it was)."""
+    A float decision (with scores or without): also when its change is within `ulps` ulps of
+    its magnitude (a value, not only a choice: the router's margin says nothing about an ulp
+    of rounding in a hidden state). An integer decision without scores is never near a tie
+    (nothing says how close it was)."""
     b, t = where
     y0, s0 = base
+    tie = torch.zeros(len(b), dtype=torch.bool)
     if s0 is not None:
         m = margins(s0[b, t][:, None], y0[b, t][:, None])[:, 0]
         tol = (torch.full_like(m, margin_tol) if margin_tol is not None else
                noise_tol(s0[b, t].reshape(len(b), -1).amax(-1), ulps))
-        return m <= tol
+        tie |= m <= tol
     before = y0[b, t]
     if before.is_floating_point():
         tol = noise_tol(before.reshape(len(b), -1), ulps).amax(-1)
-        return change_size(before, changed.decision[b, t]) <= tol
-    return torch.zeros(len(b), dtype=torch.bool)
+        tie |= change_size(before, changed.decision[b, t]) <= tol
+    return tie
 
 
 def classify_changes(where, base: Outputs, changed: Outputs, *, fp64: Fp64 = None, atol: float = 0.0,
