@@ -237,6 +237,18 @@ def test_batch_order_priority_is_a_batch_leak_even_with_two_rows(batch):
     assert res.verdict == "fail"
 
 
+def test_structural_batch_moves_fail_though_others_are_unverified():
+    """Regression: one unverified move (within rounding, no twin) left isolation unknown
+    (verdict warn) though other moves were far beyond rounding."""
+    strength = torch.logspace(-9, 0, 16)[None, :, None]
+
+    def shared(x):
+        return x + strength * x.mean(0, keepdim=True)
+    res = check(shared, torch.randn(4, 16, 8, generator=torch.Generator().manual_seed(0)), fp64=False)
+    assert res.evidence["batch_isolation_unverified"] > 0
+    assert res.metrics["batch_isolated"] is False and "TP-C3" in res.codes and res.verdict == "fail"
+
+
 def _batch_rounded(x):
     """Causal and per-sequence in exact arithmetic, but rounded by a factor taken from the
     whole batch (as a grouped expert matmul tiled by tokens per expert): other rows move

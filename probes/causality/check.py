@@ -174,6 +174,7 @@ def _batch_isolation(judge: Judge, R: torch.Tensor, layout: str) -> Isolation:
         structural = kind == Kind.STRUCTURAL
         moved = torch.zeros_like(moved)
         moved[b[structural], t[structural]] = True
-    isolated = not bool(moved.any()) if unverified == 0 else None
+    # a move beyond rounding settles it, whatever other moves could not be judged
+    isolated = False if moved.any() else (None if unverified else True)
     where = [[2 * b + 1, t] for b, t in moved.nonzero()[:10].tolist()]
     return Isolation(isolated, where, numerical, unverified)
