@@ -237,6 +237,20 @@ def test_batch_order_priority_is_a_batch_leak_even_with_two_rows(batch):
     assert res.verdict == "fail"
 
 
+def _batch_temperature(x):
+    """Top-2 of each token's own logits (per sequence), but the weights are softened by a
+    temperature taken from the whole batch: other rows move the weights, never the choice."""
+    return x.topk(2, -1).indices, (x / x.std()).softmax(-1)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_a_batch_leak_in_the_scores_alone_is_a_batch_leak(pack):
+    """Regression: the isolation check compared decisions only, so scores moved by the other
+    rows (where no expert flipped) left the target batch-isolated."""
+    res = check(_batch_temperature, logits(B=2, T=16), decision=0, scores=1, pack=pack)
+    assert res.metrics["batch_isolated"] is False and "TP-C3" in res.codes
+
+
 def test_structural_batch_moves_fail_though_others_are_unverified():
     """Regression: one unverified move (within rounding, no twin) left isolation unknown
     (verdict warn) though other moves were far beyond rounding."""

@@ -146,10 +146,12 @@ def _batch_isolation(judge: Judge, R: torch.Tensor, layout: str) -> Isolation:
     """Replace the even rows, the odd rows must not move. Watching the odd rows means every
     watched row has a replaced row before it (and, past B=2, after it): batch-major priority
     (capacity granted in flattened order, row 0 first) makes a row depend on the rows before
-    it, which row 0 has none of. Moves are judged like flips at the inputs' shape: a kernel
-    whose tiling depends on the data of the whole batch (grouped expert matmuls sized by
-    tokens per expert, as HF MoE models run them) moves other rows by an ulp or so: that is
-    batch-variant arithmetic, not a sequence reading another."""
+    it, which row 0 has none of. Moves of decisions, and of
+    scores where the decision held (a batch-wide temperature moves the weights, never the
+    top-k), are judged like flips at the inputs' shape: a kernel whose tiling depends on the
+    data of the whole batch (grouped expert matmuls sized by tokens per expert, as HF MoE
+    models run them) moves other rows by an ulp or so: that is batch-variant arithmetic, not
+    a sequence reading another."""
     if layout != "batched":
         return NOT_TESTED
     x, (y0, _) = judge.x, judge.base
@@ -161,20 +163,37 @@ def _batch_isolation(judge: Judge, R: torch.Tensor, layout: str) -> Isolation:
         except TargetError as e:  # takes one sequence only: probe one call per cut
             return Isolation(None, [], error=str(e))
         return Isolation(True if not differs(y0, yi[:1], judge.atol).any() else None, [])
-    xi = x.clone()
-    xi[0::2] = R[0, 0::2].to(x.device)
+    where, counts = [], torch.zeros(len(Kind), dtype=torch.long)
+    for replaced in [0]:
+        xi = x.clone()
+        xi[replaced::2] = R[0, replaced::2].to(x.device)
+        where += _isolation_moves(judge, xi, 1 - replaced, counts)
+    numerical, unverified = int(counts[Kind.NUMERICAL]), int(counts[Kind.UNVERIFIED])
+    isolated = False if where else (None if unverified else True)
+    return Isolation(isolated, where[:10], numerical, unverified)
+
+
+def _isolation_moves(judge: Judge, xi: torch.Tensor, first: int, counts: torch.Tensor) -> list:
+    """Run xi and judge the moves of the rows first, first + 2, ... (decisions, then scores
+    where the decision held) against the baseline; counts += their kinds. The structural
+    moves: [[row, position], ...]."""
+    y0, s0 = judge.base
     out = Outputs(*judge.tgt(xi))
-    moved = differs(y0[1::2], out.decision[1::2], judge.atol)
-    numerical = unverified = 0
-    if moved.any():
-        judge.reproduce(xi, out)
-        b, t = moved.nonzero(as_tuple=True)
-        kind = judge.flips(xi, (2 * b + 1, t), out)
-        numerical, unverified = int((kind == Kind.NUMERICAL).sum()), int((kind == Kind.UNVERIFIED).sum())
-        structural = kind == Kind.STRUCTURAL
-        moved = torch.zeros_like(moved)
-        moved[b[structural], t[structural]] = True
-    # a move beyond rounding settles it, whatever other moves could not be judged
-    isolated = False if moved.any() else (None if unverified else True)
-    where = [[2 * b + 1, t] for b, t in moved.nonzero()[:10].tolist()]
-    return Isolation(isolated, where, numerical, unverified)
+    rows = torch.arange(first, len(xi), 2)
+    moved = differs(y0[rows], out.decision[rows], judge.atol)
+    smoved = (differs(s0[rows], out.scores[rows], 0.0) & ~moved if s0 is not None
+              else torch.zeros_like(moved))
+    if not (moved.any() or smoved.any()):
+        return []
+    judge.reproduce(xi, out)
+    where = []
+    for m, kinds_of in ((moved, lambda w: judge.flips(xi, w, out)),
+                        (smoved, lambda w: judge.score_changes(xi, w, out.scores))):
+        if not m.any():
+            continue
+        k, t = m.nonzero(as_tuple=True)
+        kind = kinds_of((rows[k], t))
+        counts += torch.bincount(kind, minlength=len(Kind))
+        where += [[int(b), int(p)] for b, p in zip(rows[k][kind == Kind.STRUCTURAL].tolist(),
+                                                   t[kind == Kind.STRUCTURAL].tolist())]
+    return where
