@@ -237,6 +237,20 @@ def test_batch_order_priority_is_a_batch_leak_even_with_two_rows(batch):
     assert res.verdict == "fail"
 
 
+def _capacity_last_row_first(x):
+    """As _capacity_in_batch_order, but the last row of the batch is served first."""
+    return _capacity_in_batch_order(x.flip(0)).flip(0)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_priority_to_the_last_row_is_a_batch_leak_with_two_rows(pack):
+    """Regression: with two rows only row 1 was watched, and it has no row after it: a
+    target serving the last row first was called batch-isolated."""
+    x = torch.randn(2, 32, 2, generator=torch.Generator().manual_seed(5))
+    res = check(_capacity_last_row_first, x, cuts="all", pack=pack)
+    assert res.metrics["batch_isolated"] is False and "TP-C3" in res.codes
+
+
 def _batch_temperature(x):
     """Top-2 of each token's own logits (per sequence), but the weights are softened by a
     temperature taken from the whole batch: other rows move the weights, never the choice."""
@@ -345,7 +359,8 @@ def test_full_certification_adds_nothing_on_top_of_one_evaluation_per_cut():
     assert res.metrics["n_evaluations"] == 1 + calls + alone_calls
     assert res.metrics["tokens_evaluated"] == loop_tokens + (calls + 1) * 2 * 64
     alone = check(r.topk_softmax, x, cuts="all", decision=0, pack=False)
-    assert alone.metrics["n_evaluations"] == 3 + 63  # baseline, repeat, isolation, one per cut
+    # baseline, repeat, isolation (two calls with two rows: each row watched), one per cut
+    assert alone.metrics["n_evaluations"] == 4 + 63
 
 
 def test_a_budget_too_small_to_pack_well_runs_one_call_per_cut():

@@ -146,7 +146,8 @@ def _batch_isolation(judge: Judge, R: torch.Tensor, layout: str) -> Isolation:
     """Replace the even rows, the odd rows must not move. Watching the odd rows means every
     watched row has a replaced row before it (and, past B=2, after it): batch-major priority
     (capacity granted in flattened order, row 0 first) makes a row depend on the rows before
-    it, which row 0 has none of. Moves of decisions, and of
+    it, which row 0 has none of. With two rows, row 1 has nothing after it, so a second call
+    replaces row 1 and watches row 0 (priority to the last row). Moves of decisions, and of
     scores where the decision held (a batch-wide temperature moves the weights, never the
     top-k), are judged like flips at the inputs' shape: a kernel whose tiling depends on the
     data of the whole batch (grouped expert matmuls sized by tokens per expert, as HF MoE
@@ -164,7 +165,7 @@ def _batch_isolation(judge: Judge, R: torch.Tensor, layout: str) -> Isolation:
             return Isolation(None, [], error=str(e))
         return Isolation(True if not differs(y0, yi[:1], judge.atol).any() else None, [])
     where, counts = [], torch.zeros(len(Kind), dtype=torch.long)
-    for replaced in [0]:
+    for replaced in ([0, 1] if x.shape[0] == 2 else [0]):
         xi = x.clone()
         xi[replaced::2] = R[0, replaced::2].to(x.device)
         where += _isolation_moves(judge, xi, 1 - replaced, counts)
