@@ -56,3 +56,22 @@ def test_a_score_leak_without_a_flipped_decision_is_named_as_such():
 def test_brief_abridges_float_vectors_only():
     assert brief([1, 2, 3]) == "[1, 2, 3]"
     assert brief([0.5] * 8) == "[0.5, 0.5, 0.5, ...] (8 values)"
+
+
+def test_the_message_and_first_leak_name_leaks_not_unverified_flips_and_survive_max_leaks_0():
+    """Regression: a score leak with max_leaks=0 (no records kept) crashed the message with
+    IndexError; first_leak_position and the message's first leak counted unverified flips."""
+    s = ScoreChanges(4, 0, torch.tensor([1, 1]), torch.tensor([0, 4]), torch.tensor([1e-7, 0.25], dtype=torch.float64),
+                     torch.tensor([int(Kind.UNVERIFIED), int(Kind.STRUCTURAL)]))
+    for max_leaks in (0, 200):
+        st = setup()
+        st.max_leaks = max_leaks
+        res = summarise(COMMON, st, Findings(base=BASE, isolation=Isolation(True, []), score_changes=[s]))
+        assert res.metrics["causal"] is False
+        assert ("first at position 4" in res.message) == (max_leaks > 0)
+    f = flips(4, [Kind.UNVERIFIED, Kind.STRUCTURAL], [0, 3])
+    res = summarise(COMMON, setup(), Findings(base=BASE, isolation=Isolation(True, []), flips=[f]))
+    assert res.metrics["first_leak_position"] == 3 and "first at position 3" in res.message
+    f = flips(4, [Kind.UNVERIFIED], [1])
+    res = summarise(COMMON, setup(), Findings(base=BASE, isolation=Isolation(True, []), flips=[f]))
+    assert res.verdict == "warn" and res.metrics["first_leak_position"] is None

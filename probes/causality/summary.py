@@ -140,7 +140,9 @@ def _metrics(setup, found: Findings, flips: Tally, scores: Tally, compared, *, c
         "n_evaluations": found.n_evaluations, "n_confirmations": found.n_confirmations,
         "tokens_evaluated": found.tokens_evaluated,
         "evaluations_to_first_flip": found.first_flip_eval,
-        "first_leak_position": min((r["position"] for r in flips.leaks), default=None),
+        # from the counts, not the records: those stop at max_leaks and hold unverified flips
+        "first_leak_position": (int(flips.by_position.nonzero()[0]) if flips.by_position.any()
+                                else None),
         "min_leak_distance": min(flips.distances, default=None),
         "max_leak_distance": max(flips.distances, default=None),
         "fp64": found.fp64_status,
@@ -174,13 +176,13 @@ def _message(setup: Setup, found: Findings, flips: Tally, scores: Tally, metrics
             "decisions that differ in the inference view (prefix only)")
     n_leaks, n_compared = metrics["n_leaks"], metrics["n_compared"]
     if not metrics["causal"] and not n_leaks:
-        sl = scores.leaks[0]
+        sl = _first_leak(scores.leaks)
         msg = (f"routing scores at {metrics['n_score_leaks']} (batch, position, cut) depend on "
-               f"later tokens though no decision flipped in this sample (it will at a near-tie); "
-               f"first at position {sl['position']} (cut {sl['cut']}, batch {sl['batch']}), "
-               f"change {sl['change']:.3g}")
+               f"later tokens though no decision flipped in this sample (it will at a near-tie)"
+               + (f"; first at position {sl['position']} (cut {sl['cut']}, batch {sl['batch']}), "
+                  f"change {sl['change']:.3g}" if sl else ""))
     elif not metrics["causal"]:
-        first = flips.leaks[0] if flips.leaks else None
+        first = _first_leak(flips.leaks)
         n_unconf = metrics["n_unconfirmed"]
         msg = (f"{n_leaks} {what} of {n_compared} compared"
                + (f"; first at position {first['position']} (cut {first['cut']}, batch "
@@ -199,6 +201,12 @@ def _message(setup: Setup, found: Findings, flips: Tally, scores: Tally, metrics
         msg += (f"; decisions of one sequence change with another in the batch "
                 f"(at {found.isolation.moved[:3]})")
     return msg
+
+
+def _first_leak(records: list) -> dict | None:
+    """The first record of a leak (records hold unverified changes too, and may be none at
+    all: max_leaks=0)."""
+    return next((r for r in records if r["kind"] in ("structural", "unconfirmed")), None)
 
 
 def brief(v) -> str:
