@@ -49,6 +49,11 @@ def test_mixtral_gate_in_flat_layout_and_block():
     cfg = MixtralConfig(hidden_size=32, intermediate_size=64, num_local_experts=8,
                         num_experts_per_tok=2)
     block = mixtral.MixtralSparseMoeBlock(cfg).eval()
+    # built alone, the block's weights are never initialised (torch.empty; a PreTrainedModel
+    # would run _init_weights): its output was NaN, and NaN never flips
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=cfg.initializer_range)
+    assert block(X).isfinite().all()
     # the gate takes the flattened token list [T, D] and returns (logits, weights, ids)
     res = check(block.gate, X[0], layout="flat", cuts="all", decision=2, scores=0)
     assert res.verdict == "pass" and res.evidence["layout"] == "flat"

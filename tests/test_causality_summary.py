@@ -75,3 +75,13 @@ def test_the_message_and_first_leak_name_leaks_not_unverified_flips_and_survive_
     f = flips(4, [Kind.UNVERIFIED], [1])
     res = summarise(COMMON, setup(), Findings(base=BASE, isolation=Isolation(True, []), flips=[f]))
     assert res.verdict == "warn" and res.metrics["first_leak_position"] is None
+
+
+def test_nan_decisions_cannot_pass():
+    """Regression: an HF MoE block built alone (weights from torch.empty) returned all-NaN
+    hidden states; a NaN that stays a NaN is no flip, so the check passed having compared
+    nothing."""
+    nan = Outputs(torch.full((2, T, 3), float("nan")), None)
+    res = summarise(COMMON, setup(), Findings(base=nan, isolation=Isolation(True, [])))
+    assert res.verdict == "warn" and "are NaN" in res.message
+    assert res.evidence["nan_decisions"] == 2 * T

@@ -114,13 +114,29 @@ def summarise(common: dict, setup: Setup, found: Findings) -> Result:
     codes = [] if causal else ["TP-C1"]
     if found.isolation.isolated is False:
         codes.append("TP-C3")
-    verdict = "fail" if codes else ("warn" if n_unver else "pass")
+    # a NaN that stays a NaN is no flip, so NaN decisions (uninitialised weights: HF blocks
+    # built alone start from torch.empty) are never compared: no pass can rest on them
+    n_nan = _nan_decisions(found)
+    verdict = "fail" if codes else ("warn" if n_unver or n_nan else "pass")
     if n_unver and "TP-C1" not in codes:
         codes.append("TP-C1")
     metrics = _metrics(setup, found, flips, scores, compared, causal=causal, n_unver=n_unver)
     evidence = _evidence(setup, found, flips, scores, compared)
+    evidence["nan_decisions"] = n_nan
+    message = _message(setup, found, flips, scores, metrics)
+    if n_nan:
+        message += (f"; {n_nan} of {found.base.decision.shape[0] * T} baseline decisions are NaN "
+                    f"and cannot show a flip (are the weights initialised?)")
     return Result(**common, verdict=verdict, codes=codes, metrics=metrics, evidence=evidence,
-                  message=_message(setup, found, flips, scores, metrics))
+                  message=message)
+
+
+def _nan_decisions(found: Findings) -> int:
+    """(batch, position) whose baseline decision holds a NaN."""
+    y0 = found.base.decision
+    if not y0.is_floating_point():
+        return 0
+    return int(y0.isnan().reshape(*y0.shape[:2], -1).any(-1).sum())
 
 
 def _metrics(setup, found: Findings, flips: Tally, scores: Tally, compared, *, causal, n_unver) -> dict:
