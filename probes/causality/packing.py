@@ -25,7 +25,8 @@ overestimate) and the cuts timed alone (which run right after a packed call, on 
   3. A size that does not beat them gets SAMPLES calls (the first call at a new size pays for
      warming up) unless it is clearly worse (WORSE times the best cost so far, and not a clear
      win over a call alone: a GPU's first call at a new shape can cost several warm ones);
-     then settle on the best size if it pays, else one call per cut for every later cut.
+     then settle on the best size if it pays by a margin (PAYS), else one call per cut for
+     every later cut.
      Where packing saves more than half, of the sizes within SAME of the best the biggest
      is kept: timing noise should not cost calls.
 `fixed` skips all of this: that many copies per call (capped by the budget), for
@@ -44,6 +45,9 @@ TOLERANCE = 0.25   # timing noise allowed before a bigger size counts as slower,
 TIGHT = 0.10       # saves at least half of a call alone; TIGHT where it saves less
 SAME = 0.10        # sizes this close to the best cost the same: the biggest is kept
 WORSE = 2.0        # a first call this many times the best: slower, warming up or not
+PAYS = 0.9         # settle on packing only below this share of a call alone per copy: a
+                   # smaller gain is within the noise of the few calls timed, while a loss
+                   # would be paid on every later cut
 
 
 class Sizer:
@@ -125,7 +129,7 @@ class Sizer:
         best = self.per_copy[self.want]
         if best < alone / 2:  # of sizes that cost the same, the biggest: noise should not cost calls
             self.want = max(n for n, c in self.per_copy.items() if c <= best * (1 + SAME))
-        self.state = "pack" if self.per_copy[self.want] < alone else "alone"
+        self.state = "pack" if self.per_copy[self.want] < PAYS * alone else "alone"
         self.why = (f"settled on {self.per_copy[self.want] * 1e3:.3g} ms per copy at "
                     f"{self.want} copies per call vs {alone * 1e3:.3g} ms per call alone: "
                     + ("packed" if self.state == "pack" else "packing does not pay, one call per cut"))
