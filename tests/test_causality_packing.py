@@ -125,3 +125,70 @@ def test_the_probe_measures_its_target(fake_clock, profile, states):
         assert max(packing["sizes"]) >= 64
     assert fake_clock.now <= 1.05 * cost(1) * 256  # the loop: baseline + 255 cuts alone
     assert res.metrics["n_evaluations"] == 1 + len(packing["sizes"]) + 255 - sum(packing["sizes"])
+
+
+def test_the_baseline_counts_as_a_call_alone():
+    """Cuts timed alone right after a packed call run on cold caches: a size 10% dearer per
+    copy than the baseline call must not look like a win against them."""
+    s = Sizer(127, baseline_s=1.0)
+    s.packed(START, 2, (START + 1) * 1.1)
+    while s.next() == 0 and len(s.alone_s) < 5:
+        s.alone(1.8)  # cold
+    for _ in range(3):
+        if s.state != "grow":
+            break
+        s.packed(s.next(), 1, s.next() * 1.1)
+    assert s.state == "alone", s.evidence()
+
+
+def test_a_size_clearly_worse_than_a_smaller_one_gets_no_second_call():
+    s = Sizer(127, baseline_s=1.0)
+    s.packed(START, 2, (START + 1) * 0.5)
+    s.packed(START + 1, 1, (START + 1) * 0.5)
+    s.alone(1.0)
+    s.alone(1.0)
+    assert s.next() == 2 * (START + 1)
+    s.packed(s.next(), 1, 2 * (START + 1) * 1.5)  # 3x the smaller size per copy
+    assert s.state == "pack" and s.want == START + 1 and s.sizes == [START, START + 1, 2 * (START + 1)]
+
+
+def test_a_slow_first_call_that_still_pays_gets_a_second_look():
+    """On a GPU the first call at a new shape can cost several warm ones; while it is still a
+    clear win over a call alone it is called again before the size is judged."""
+    s = Sizer(127, baseline_s=1.0)
+    s.packed(START, 2, (START + 1) * 0.05)
+    n = s.next()
+    assert n == 2 * (START + 1)
+    s.packed(n, 1, n * 0.15)  # cold: 3x the smaller size per copy, still < CLEAR_WIN
+    assert s.state == "grow" and s.next() == n
+    s.packed(n, 1, n * 0.025)  # warm
+    assert s.state == "grow" and s.next() == 2 * n
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_quick_equality_checks_leave_nan_and_atol_to_differs(pack):
+    """Copies are screened by plain equality (packed: !=, alone: torch.equal); a NaN that stays
+    a NaN, or a move within atol, fails that screen and must still be no flip, while a move
+    beyond atol at position 12 from the last position is one, found at every cut from 12 on."""
+    x = torch.randn(2, 40, 3, generator=torch.Generator().manual_seed(0))
+
+    def fn(x):
+        y = x.clone()
+        y[:, :5] = float("nan")  # NaN at every call
+        y[:, 5:10] = 1.0 + 1e-4 * x[:, -1:, :]  # moves within atol with the future
+        y[:, 12] += x[:, -1]  # a leak beyond atol
+        return y
+    res = check(fn, x, cuts="all", atol=1e-2, pack=pack, fp64=False, max_leaks=10_000)
+    assert res.metrics["packed"] is pack
+    leaks = res.evidence["leaks"]
+    assert {lk["position"] for lk in leaks} == {12} and len(leaks) == 2 * (40 - 1 - 12)
+
+
+def test_a_gain_within_timing_noise_is_not_settled_on():
+    """Every size measures 0.95 of a call alone per copy: cheaper, but by less than the noise
+    of the few calls timed, and a loss there would be paid on every later cut."""
+    cost = lambda rows: 1.0 if rows == 1 else 0.95 * (rows - 1)  # noqa: E731
+    s = Sizer(31, baseline_s=cost(1))
+    spent = drive(s, cost, 511)
+    assert s.state == "alone" and "does not pay" in s.why, s.evidence()
+    assert spent <= 1.0 * cost(1) * 511

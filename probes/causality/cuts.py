@@ -32,7 +32,7 @@ from trainprobes.causality.classify import REPRODUCTIONS, Judge, Kind, Outputs, 
 from trainprobes.causality.inputs import Perturbed
 from trainprobes.causality.packing import ALL_AT_ONCE, START, Sizer
 from trainprobes.causality.records import Flips, Isolation, ScoreChanges
-from trainprobes.causality.target import Target, differs
+from trainprobes.causality.target import Target, differs, same
 from trainprobes.errors import TargetError
 
 MIN_CHUNK = 8  # pack only if a call holds >= 8 copies: the control then adds <= 1/8
@@ -125,7 +125,7 @@ class Cuts:
         while True:
             t0, confirming = time.perf_counter(), self.confirming_s
             try:
-                out = Outputs(*self.tgt(torch.cat([iso, x] + [self.perturbed(c, i) for c, i in part])))
+                out = Outputs(*self.tgt(self.perturbed.batch(part, [iso, x])))
                 break
             except TargetError as e:
                 if not (out_of_memory(e) and part):
@@ -180,6 +180,10 @@ class Cuts:
     def run(self, tasks: list, mode: str, start: int = 0) -> None:
         """Evaluate the (cut, trial) pairs from tasks[start]: packed while packing holds and
         pays, else one call each."""
+        with torch.no_grad():  # once for every call (Target skips its own then)
+            self._run(tasks, mode, start)
+
+    def _run(self, tasks: list, mode: str, start: int) -> None:
         j = start
         if start and self.progress is not None:
             self.progress(start, len(tasks))
@@ -217,12 +221,15 @@ class Cuts:
         """The flips of out (the run of xc) against the baseline at positions <= c, classified
         (None if no decision flipped); score changes where the decision held are recorded on
         the side."""
-        y0 = self.judge.base.decision[:, :out.decision.shape[1]]
+        y0, s0 = self.judge.base.decision[:, :out.decision.shape[1]], self.judge.base.scores
+        if same(y0[:, :c + 1], out.decision[:, :c + 1]) and (
+                out.scores is None or same(s0[:, :c + 1], out.scores[:, :c + 1])):
+            return None  # the common case, one pass each: nothing at or before the cut moved
         d = differs(y0, out.decision, self.atol)
         d[:, c + 1:] = False
         flipped = bool(d.any())
         if not flipped and (out.scores is None or not self._scores_moved(out.scores, c)):
-            return None  # the common case, kept cheap: nothing at or before the cut moved
+            return None  # within atol, or a NaN that stayed a NaN
         t0 = time.perf_counter()
         if flipped:
             self.note_flip()
@@ -261,11 +268,12 @@ class Cuts:
             self.flips.append(flips)
 
     def alone(self, c: int, trial: int = 0) -> None:
-        """The perturbed input run alone at the inputs' shape (timed for the sizer)."""
-        t0, confirming = time.perf_counter(), self.confirming_s
+        """The perturbed input run alone at the inputs' shape (timed while the sizer decides)."""
+        timing = self.sizer is not None and self.sizer.deciding()
+        t0, confirming = time.perf_counter() if timing else 0.0, self.confirming_s
         xc = self.perturbed(c, trial)
         self._keep(self.judged(Outputs(*self.tgt(xc)), c, xc, trial=trial))
-        if self.sizer is not None:
+        if timing:
             self.sizer.alone(self._since(t0, confirming))
 
     def truncated(self, c: int) -> None:
@@ -297,9 +305,8 @@ class Cuts:
         """One packed call for the (cut, trial) pairs of part, with the control in front.
         False if nothing was judged from it (packing stopped, or the chunk shrank)."""
         t0, confirming = time.perf_counter(), self.confirming_s
-        x = self.perturbed.x
         try:
-            out = Outputs(*self.tgt(torch.cat([x] + [self.perturbed(c, i) for c, i in part])))
+            out = Outputs(*self.tgt(self.perturbed.batch(part, [self.perturbed.x])))
         except TargetError as e:
             if out_of_memory(e) and self.sizer.shrink(len(part)):
                 return False  # memory budget too generous for this target: retry smaller
@@ -311,7 +318,8 @@ class Cuts:
         y0, s0 = self.judge.base
         # the control must reproduce the baseline (scores bit for bit): else the packed call
         # computes differently from the inputs' shape, and packing stops
-        if differs(out.decision[:self.B], y0, self.atol).any() or (
+        dec = out.decision[:self.B]
+        if not same(dec, y0) and differs(dec, y0, self.atol).any() or (
                 out.scores is not None and not torch.equal(out.scores[:self.B], s0)):
             self.batch_invariant = self.packing = False
             return False
@@ -324,24 +332,36 @@ class Cuts:
         y0, s0 = self.judge.base
         self.packed = True
         outs = out.decision[skip:].reshape(len(part), *y0.shape)
-        # every copy against the baseline at once: [copies, B, T], then positions <= its cut
-        moved = differs(outs.flatten(0, 1), y0.repeat(len(part), *[1] * (y0.dim() - 1)),
-                        self.atol).view(len(part), *y0.shape[:2])
-        scs = None
-        if out.scores is not None:
-            scs = out.scores[skip:].reshape(len(part), *s0.shape)
-            moved |= differs(scs.flatten(0, 1), s0.repeat(len(part), *[1] * (s0.dim() - 1)),
-                             0.0).view(len(part), *s0.shape[:2])
+        scs = out.scores[skip:].reshape(len(part), *s0.shape) if out.scores is not None else None
+        # every copy against the baseline at once, [copies, B, T], positions <= its cut: a
+        # screen by != in the outputs' own dtype (one pass, a superset of what differs finds:
+        # it also flags a NaN that stayed a NaN, and changes within atol), then differs on
+        # the few copies it flags
+        moved = _unequal(outs, y0)
+        if scs is not None:
+            moved |= _unequal(scs, s0)
         cuts = torch.tensor([c for c, _ in part])
         moved &= (self.pos[None, :] <= cuts[:, None])[:, None, :]
         for n in moved.flatten(1).any(1).nonzero().flatten().tolist():
             c, i = part[n]
-            if not self._packed_copy(c, i, Outputs(outs[n], scs[n] if scs is not None else None)):
+            copy = Outputs(outs[n], scs[n] if scs is not None else None)
+            if not self._changed(copy, c):
+                continue
+            if not self._packed_copy(c, i, copy):
                 # packing changed the answer: batch-variant; the rest of this chunk alone
                 self.batch_invariant = self.packing = False
                 for c2, i2 in part[n + 1:]:
                     self.alone(c2, i2)
                 break
+
+    def _changed(self, out: Outputs, c: int) -> bool:
+        """Whether a decision (beyond atol) or a score (any bit) at or before c differs from
+        the baseline."""
+        y0, s0 = self.judge.base
+        d = differs(y0, out.decision, self.atol)
+        if out.scores is not None:
+            d |= differs(s0, out.scores, 0.0)
+        return bool(d[:, :c + 1].any())
 
     def _packed_copy(self, c: int, i: int, out: Outputs) -> bool:
         """Judge one packed copy that moved at or before its cut; False if re-running it
@@ -354,3 +374,9 @@ class Cuts:
             return True
         d = differs(self.judge.base.decision, out.decision, self.atol) & (self.pos <= c)
         return self.confirm(self.perturbed(c, i), c, d, out, i)
+
+
+def _unequal(outs: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """[copies, B, T] bool: where each copy [copies, B, T, ...] is not equal to base [B, T, ...]."""
+    ne = outs != base[None]
+    return ne.flatten(3).any(-1) if ne.dim() > 3 else ne

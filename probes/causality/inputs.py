@@ -44,7 +44,10 @@ def replacements(x: torch.Tensor, trials: int, vocab: int | None, g: torch.Gener
         shift = torch.randint(1, V, (trials, *x.shape), generator=g)
         return (x[None] + shift) % V
     flat = x.double().reshape(-1, x.shape[-1]) if x.dim() > 2 else x.double().reshape(-1, 1)
-    mean, std = flat.mean(0), flat.std(0).nan_to_num(1.0)
+    # two passes of sum: torch's mean/std over the outer axis take ~8 ms on 2 threads for a
+    # [512, 64] input (0.01 ms on one), a tenth of a full certification of a cheap target
+    mean = flat.sum(0) / flat.shape[0]
+    std = ((flat - mean).square().sum(0) / (flat.shape[0] - 1)).sqrt().nan_to_num(1.0)
     std = torch.where(std > 0, std, torch.ones_like(std))
     z = torch.randn((trials, *x.shape), generator=g, dtype=torch.float64)
     z = z * (std if x.dim() > 2 else std[0]) + (mean if x.dim() > 2 else mean[0])
@@ -83,13 +86,32 @@ def spread_first(tasks: list, k: int) -> list:
 
 class Perturbed:
     """Copies of x with every position after a cut replaced: `perturbed(c, i)` takes trial
-    i's replacement values. Same length, same batch shape: capacity that depends on the
-    number of tokens is left alone."""
+    i's replacement values; `batch(part, head)` packs many into one call. Same length, same
+    batch shape: capacity that depends on the number of tokens is left alone. Every call
+    returns a fresh tensor (a target may keep its input, and the fp64 twin's answer is
+    cached by the input's identity)."""
 
     def __init__(self, x: torch.Tensor, R: torch.Tensor):
         self.x, self.R = x, R.to(x.device)
         self.pos = torch.arange(x.shape[1], device=x.device)
+        self.B, self.T = x.shape[:2]
 
     def __call__(self, c: int, i: int) -> torch.Tensor:
-        m = (self.pos > c).view(1, -1, *([1] * (self.x.dim() - 2)))
-        return torch.where(m, self.R[i], self.x)
+        # two slices joined: a third of the cost of a masked select over the whole input
+        return torch.cat([self.x[:, :c + 1], self.R[i, :, c + 1:]], 1)
+
+    def batch(self, part: list, head: list[torch.Tensor]) -> torch.Tensor:
+        """[*head, x_c for (c, i) in part] along the batch axis, built in one pass: the
+        copies are written by one masked select straight into the packed call's tensor."""
+        x, n, rows = self.x, len(part), sum(h.shape[0] for h in head)
+        out = torch.empty((rows + n * self.B, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        k = 0
+        for h in head:
+            out[k:k + h.shape[0]] = h
+            k += h.shape[0]
+        cuts = torch.tensor([c for c, _ in part], device=x.device)
+        late = (self.pos[None, :] > cuts[:, None]).view(n, 1, self.T, *[1] * (x.dim() - 2))
+        trials = {i for _, i in part}
+        R = self.R[trials.pop()][None] if len(trials) == 1 else self.R[[i for _, i in part]]
+        torch.where(late, R, x[None], out=out[rows:].view(n, *x.shape))
+        return out

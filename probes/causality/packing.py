@@ -12,8 +12,8 @@ copy; a size's cost is its fastest call, since noise only adds time. The first c
 START copies beside the two check rows (all the cuts if there are at most ALL_AT_ONCE: one
 call), the same call size as n = START + 1, so it is the first sample of that size; it is
 small, so a target that packing slows does not pay for a big first call. The loop's cost
-per cut is a call alone: the baseline call (the first call, so at most an overestimate)
-until a cut is timed alone.
+per cut is a call alone: the fastest of the baseline call (the first call, so at most an
+overestimate) and the cuts timed alone (which run right after a packed call, on cold caches).
   1. A size that costs under CLEAR_WIN of a call alone per copy pays, even if that call alone
      is the baseline's (the first call, so it may include warming up); otherwise
      ALONE_SAMPLES cuts run alone, timed, before going on (useful work, and cheaper than a
@@ -23,10 +23,12 @@ until a cut is timed alone.
      alone) and beats the smaller sizes: at once if by a clear margin (CLEAR), else after
      SAMPLES calls and within TOLERANCE (TIGHT where packing saves less than half).
   3. A size that does not beat them gets SAMPLES calls (the first call at a new size pays for
-     warming up) unless it is clearly worse (WORSE times the cost); then settle on the best
-     size if it pays, else one call per cut for every later cut. Where packing saves more
-     than half, of the sizes within SAME of the best the biggest is kept: timing noise
-     should not cost calls.
+     warming up) unless it is clearly worse (WORSE times the best cost so far, and not a clear
+     win over a call alone: a GPU's first call at a new shape can cost several warm ones);
+     then settle on the best size if it pays by a margin (PAYS), else one call per cut for
+     every later cut.
+     Where packing saves more than half, of the sizes within SAME of the best the biggest
+     is kept: timing noise should not cost calls.
 `fixed` skips all of this: that many copies per call (capped by the budget), for
 reproducible evaluation counts.
 """
@@ -43,6 +45,9 @@ TOLERANCE = 0.25   # timing noise allowed before a bigger size counts as slower,
 TIGHT = 0.10       # saves at least half of a call alone; TIGHT where it saves less
 SAME = 0.10        # sizes this close to the best cost the same: the biggest is kept
 WORSE = 2.0        # a first call this many times the best: slower, warming up or not
+PAYS = 0.9         # settle on packing only below this share of a call alone per copy: a
+                   # smaller gain is within the noise of the few calls timed, while a loss
+                   # would be paid on every later cut
 
 
 class Sizer:
@@ -65,6 +70,10 @@ class Sizer:
 
     def next(self) -> int:
         return 0 if self.state == "alone" or self.need_alone else self.want
+
+    def deciding(self) -> bool:
+        """Whether timings still count: once settled, calls are no longer timed."""
+        return self.state == "grow"
 
     def packed(self, copies: int, overhead: int, seconds: float) -> None:
         """A packed call of `copies` perturbed copies and `overhead` unperturbed ones (the
@@ -89,7 +98,10 @@ class Sizer:
             return
         cost, k = self.per_copy[self.want], self.samples[self.want]
         smaller = min((c for n, c in self.per_copy.items() if n < self.want), default=float("inf"))
-        alone = min(self.alone_s, default=self.baseline_s)
+        # a call alone: its fastest timing, the baseline's included (a call alone too; cuts
+        # timed right after a big packed call run on cold caches, which favoured packing)
+        alone = min([*self.alone_s, self.baseline_s])
+        best = min(smaller, alone)
         if cost > CLEAR_WIN * alone:  # not a clear win: is it cheaper than a call alone at all?
             # a size that looks cheaper than the baseline gets its second call first (it may
             # turn out a clear win); one that does not, cuts timed alone first (useful work)
@@ -98,14 +110,17 @@ class Sizer:
             if len(self.alone_s) < ALONE_SAMPLES:
                 self.need_alone = True
                 return
-            if k < SAMPLES and cost <= WORSE * alone:
+            if k < SAMPLES and cost <= WORSE * best:
                 return  # one more call of this size (the first one warms up)
         tolerance = TOLERANCE if cost < alone / 2 else TIGHT
         better = cost <= CLEAR * smaller or k >= SAMPLES and cost <= smaller * (1 + tolerance)
         if cost < alone and better and self.want < self.cap:
             self.want = min(self.want * GROWTH, self.cap)
-        elif k < SAMPLES and cost <= WORSE * min(smaller, alone):
-            return  # not clearly worse (a first call may be slow from warming up): one more
+        elif k < SAMPLES and (cost <= WORSE * best or cost <= CLEAR_WIN * alone):
+            # not clearly worse (a first call may be slow from warming up; on a GPU a new
+            # shape's first call can cost several warm ones, and one still a clear win
+            # over a call alone is worth a second look): one more
+            return
         else:
             self._settle(alone)
 
@@ -114,7 +129,7 @@ class Sizer:
         best = self.per_copy[self.want]
         if best < alone / 2:  # of sizes that cost the same, the biggest: noise should not cost calls
             self.want = max(n for n, c in self.per_copy.items() if c <= best * (1 + SAME))
-        self.state = "pack" if self.per_copy[self.want] < alone else "alone"
+        self.state = "pack" if self.per_copy[self.want] < PAYS * alone else "alone"
         self.why = (f"settled on {self.per_copy[self.want] * 1e3:.3g} ms per copy at "
                     f"{self.want} copies per call vs {alone * 1e3:.3g} ms per call alone: "
                     + ("packed" if self.state == "pack" else "packing does not pay, one call per cut"))
