@@ -27,7 +27,6 @@ Waivers name a code, a target (exact, or an fnmatch pattern) and a reason, and e
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from datetime import date, timedelta
@@ -36,7 +35,7 @@ from pathlib import Path
 
 from trainprobes.display import format_number
 from trainprobes.errors import CannotJudge, InvalidType
-from trainprobes.result import CODES, PROBES, VERDICT_FLAGS, Result, SchemaError, load_results
+from trainprobes.result import CODES, PROBES, VERDICT_FLAGS, Result, SchemaError, load_results, strict_json
 from trainprobes.validation import check_number
 
 # The estimates the gate tests, as probes name them: (code, metric, label). Each Result also
@@ -181,7 +180,7 @@ def load_waivers(path) -> list[Waiver]:
         raise CannotJudge(f"waivers file {str(path)!r} cannot be read: {e}") from e
     try:
         if path.suffix == ".json":
-            doc = json.loads(text)
+            doc = strict_json(text)
         else:
             from trainprobes import _toml
             doc = _toml.loads(text)

@@ -455,7 +455,7 @@ class Result:
     @classmethod
     def from_json(cls, text: str) -> "Result":
         try:
-            return cls.from_dict(json.loads(text))
+            return cls.from_dict(strict_json(text))
         except json.JSONDecodeError as e:
             raise SchemaError(f"not valid JSON: {e}") from e
 
@@ -522,6 +522,20 @@ def save_results(path, results: list[Result], **meta) -> Path:
     return write_atomic(path, dumps_report(results, **meta) + "\n")
 
 
+def _no_duplicate_keys(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    dup = sorted({k for k in keys if keys.count(k) > 1})
+    if dup:
+        # json keeps the last silently: a hand-edited report could hide a field's first value
+        raise json.JSONDecodeError(f"key(s) {dup} appear twice in one object", "", 0)
+    return dict(pairs)
+
+
+def strict_json(text: str):
+    """json.loads, refusing an object that names a key twice (JSONDecodeError)."""
+    return json.loads(text, object_pairs_hook=_no_duplicate_keys)
+
+
 def load_results(path) -> tuple[list[Result], dict]:
     """Read a report written by save_results. Raises SchemaError with the path on any fault."""
     path = Path(path)
@@ -532,9 +546,9 @@ def load_results(path) -> tuple[list[Result], dict]:
     except (OSError, UnicodeDecodeError) as e:
         raise SchemaError(f"report {str(path)!r} cannot be read: {e}") from e
     try:
-        doc = json.loads(text)
+        doc = strict_json(text)
     except json.JSONDecodeError as e:
-        raise SchemaError(f"report {str(path)!r} is not valid JSON (truncated?): {e}") from e
+        raise SchemaError(f"report {str(path)!r} is not valid JSON (truncated, or edited?): {e}") from e
     if not isinstance(doc, dict) or not isinstance(doc.get("results"), list):
         raise SchemaError(f"report {str(path)!r} has no 'results' list"
                           + (" (it is a single Result: save reports with save_results or a "

@@ -679,3 +679,16 @@ def test_reports_with_no_result_in_common_cannot_pass():
     assert rep.exit_code == 2 and "nothing to compare" in rep.cannot_judge
     # a new failure still blocks (exit 1) rather than being hidden behind "cannot judge"
     assert compare([], [CAUSAL(False, target="c")], today=TODAY).exit_code == 1
+
+
+def test_a_key_written_twice_in_one_object_cannot_judge(tmp_path):
+    # json keeps the last value silently: an edit that appends "causal": true after the real
+    # "causal": false would otherwise pass unseen
+    base, cand = tmp_path / "a.json", tmp_path / "b.json"
+    save_results(base, [CAUSAL(True, target="x")])
+    save_results(cand, [CAUSAL(True, target="x")])
+    text = cand.read_text().replace('"causal": true', '"causal": false, "causal": true', 1)
+    assert text != cand.read_text()
+    cand.write_text(text)
+    rep = gate_files(base, cand)
+    assert rep.exit_code == 2 and "appear twice" in rep.cannot_judge
