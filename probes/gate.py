@@ -272,6 +272,7 @@ def check_judgeable(r: Result, side: str) -> None:
                               f"other code ({r.codes}) or broken threshold explains it (was "
                               "the report edited?)")
     _check_labels(r, where, measured)
+    _check_derived(r, where)
     if spec is not None and measured:
         missing = [n for n in spec.needs if n not in r.metrics]
         if missing:
@@ -293,6 +294,28 @@ def check_judgeable(r: Result, side: str) -> None:
         if v is not None and not isinstance(v, bool):
             raise CannotJudge(f"{where}: metric {name}={v!r} is mistyped: a "
                               f"{type(v).__name__}, expected true or false")
+
+
+# Metrics a probe derives from one estimate: (probe, shown, estimate, offset): shown =
+# offset + estimate (trainprobes.transforms.judge: scale = 1 + scale_error). The gate reads the
+# estimate; an edit of the shown value alone (or of the estimate alone) cannot be judged.
+DERIVED = (("transforms.equivalence", "scale", "scale_error", 1.0),)
+
+
+def _check_derived(r: Result, where: str) -> None:
+    for probe, shown, est, offset in DERIVED:
+        if r.probe != probe:
+            continue
+        a, b = _number(r, shown, where), _number(r, est, where)
+        if a is None or b is None or (math.isnan(a) and math.isnan(b)):
+            continue
+        if not abs(a - (offset + b)) <= 1e-9 * max(1.0, abs(a)):
+            raise CannotJudge(f"{where}: metric {shown}={a!r} is not {offset:g} + {est}={b!r}, "
+                              "as the probe writes it (was the report edited?)")
+        lo, hi = _number(r, f"{shown}_ci_low", where), _number(r, f"{shown}_ci_high", where)
+        if None not in (lo, hi) and not math.isnan(lo + hi + a) and not lo <= a <= hi:
+            raise CannotJudge(f"{where}: metric {shown}={a!r} lies outside its CI "
+                              f"[{lo!r}, {hi!r}] (was the report edited?)")
 
 
 def _check_labels(r: Result, where: str, measured: bool) -> None:

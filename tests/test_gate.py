@@ -692,3 +692,19 @@ def test_a_key_written_twice_in_one_object_cannot_judge(tmp_path):
     cand.write_text(text)
     rep = gate_files(base, cand)
     assert rep.exit_code == 2 and "appear twice" in rep.cannot_judge
+
+
+@pytest.mark.parametrize("edit", [
+    {"scale": 1.2},                                          # the shown scale alone
+    {"scale_error": 0.2},                                    # the estimate alone
+    {"scale": 1.2, "scale_error": 0.2},                      # both, outside the CI
+])
+def test_a_transform_scale_edited_apart_from_its_estimate_cannot_judge(edit):
+    def tr(**m):
+        metrics = {"equivalent": True, "transform_verdict": "noise", "scale": 1.0, "scale_error": 0.0,
+                   "scale_ci_low": 0.999, "scale_ci_high": 1.001, "scale_error_se": 1e-4, "trials": 16, **m}
+        return R("transforms.equivalence", "t", "pass", [], **metrics)
+    assert compare([tr()], [tr()], today=TODAY).exit_code == 0
+    rep = compare([tr()], [tr(**edit)], today=TODAY)
+    assert rep.exit_code == 2 and ("is not 1 + scale_error" in rep.cannot_judge
+                                   or "outside its CI" in rep.cannot_judge)
