@@ -18,6 +18,7 @@ import os
 import platform
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -523,12 +524,12 @@ def save_results(path, results: list[Result], **meta) -> Path:
 
 
 def _no_duplicate_keys(pairs: list) -> dict:
-    keys = [k for k, _ in pairs]
-    dup = sorted({k for k in keys if keys.count(k) > 1})
-    if dup:
+    d = dict(pairs)
+    if len(d) != len(pairs):
         # json keeps the last silently: a hand-edited report could hide a field's first value
+        dup = sorted(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
         raise json.JSONDecodeError(f"key(s) {dup} appear twice in one object", "", 0)
-    return dict(pairs)
+    return d
 
 
 def strict_json(text: str):

@@ -29,6 +29,7 @@ import queue as queue_mod
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -77,7 +78,6 @@ class PortInUse(LaunchError):
 def torchrun_ranks(local_command: str) -> "tuple[int, int, int] | None":
     """(rank, world, local rank) from torchrun's environment; None, said on stderr with the
     command that launches local ranks instead, when a variable is missing."""
-    import sys
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         print(f"environment variables {missing} are not set: run under torchrun, or use "

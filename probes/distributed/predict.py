@@ -8,6 +8,8 @@ trainprobes.distributed.worker (rank 0 judges what it gathered); it imports neit
 """
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from trainprobes.distributed.case import Case
 from trainprobes.distributed.compare import bitwise_agreement, error_vs_reference, mismatch_report
@@ -94,15 +96,23 @@ def ref_rows(reference: list, outputs: list):
                         if t is not None])
 
 
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.blake2b(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(),
+                           digest_size=16).hexdigest()
+
+
 def distinct(outputs: list, reference: list) -> list:
-    """outputs with None for every rank whose output and reference equal an earlier rank's."""
-    kept, out = [], []
+    """outputs with None for every rank whose output and reference equal an earlier rank's.
+    Ranks are matched by a digest of their bytes (then confirmed with torch.equal), so a
+    world of distinct outputs (reduce_scatter at thousands of ranks) costs one pass, not W^2."""
+    first, out = {}, []
     for r, t in enumerate(outputs):
-        same = t is None or any(torch.equal(t, outputs[k]) and torch.equal(reference[r], reference[k])
-                                for k in kept)
+        if t is None:
+            out.append(None)
+            continue
+        k = first.setdefault((_digest(t), _digest(reference[r])), r)
+        same = k != r and torch.equal(t, outputs[k]) and torch.equal(reference[r], reference[k])
         out.append(None if same else t)
-        if not same:
-            kept.append(r)
     return out
 
 
