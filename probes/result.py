@@ -198,11 +198,6 @@ PROBES = {
 }
 
 
-def probe_metrics(probe: str) -> ProbeMetrics | None:
-    """The registry entry of a probe, or None for a probe that documents nothing here."""
-    return PROBES.get(probe)
-
-
 # --- JSON: exact, and standard --------------------------------------------------------
 
 # JSON has no NaN or infinity (RFC 8259 section 6), so a non-finite float is written as a
