@@ -184,7 +184,7 @@ def load_waivers(path) -> list[Waiver]:
         else:
             from trainprobes import _toml
             doc = _toml.loads(text)
-    except Exception as e:  # json.JSONDecodeError, TOMLDecodeError
+    except Exception as e:  # json.JSONDecodeError, DuplicateKeys, TOMLDecodeError
         raise CannotJudge(f"waivers file {str(path)!r} is not valid "
                           f"{'JSON' if path.suffix == '.json' else 'TOML'}: {e}") from e
     try:

@@ -452,7 +452,7 @@ class Result:
     def from_json(cls, text: str) -> "Result":
         try:
             return cls.from_dict(strict_json(text))
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, DuplicateKeys) as e:
             raise SchemaError(f"not valid JSON: {e}") from e
 
     def summary_line(self) -> str:
@@ -518,17 +518,21 @@ def save_results(path, results: list[Result], **meta) -> Path:
     return write_atomic(path, dumps_report(results, **meta) + "\n")
 
 
+class DuplicateKeys(ValueError):
+    """A JSON object names a key twice (strict_json)."""
+
+
 def _no_duplicate_keys(pairs: list) -> dict:
     d = dict(pairs)
     if len(d) != len(pairs):
         # json keeps the last silently: a hand-edited report could hide a field's first value
         dup = sorted(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
-        raise json.JSONDecodeError(f"key(s) {dup} appear twice in one object", "", 0)
+        raise DuplicateKeys(f"key(s) {dup} appear twice in one object")
     return d
 
 
 def strict_json(text: str):
-    """json.loads, refusing an object that names a key twice (JSONDecodeError)."""
+    """json.loads, refusing an object that names a key twice (DuplicateKeys)."""
     return json.loads(text, object_pairs_hook=_no_duplicate_keys)
 
 
@@ -543,7 +547,7 @@ def load_results(path) -> tuple[list[Result], dict]:
         raise SchemaError(f"report {str(path)!r} cannot be read: {e}") from e
     try:
         doc = strict_json(text)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, DuplicateKeys) as e:
         raise SchemaError(f"report {str(path)!r} is not valid JSON (truncated, or edited?): {e}") from e
     if not isinstance(doc, dict) or not isinstance(doc.get("results"), list):
         raise SchemaError(f"report {str(path)!r} has no 'results' list"
