@@ -41,13 +41,16 @@ from dataclasses import asdict, dataclass
 
 import torch
 from trainprobes.errors import InvalidArgument, InvalidType
-from trainprobes.reference.fastround import fits, round_nearest, rounder
+from trainprobes.reference import fp8codes
+from trainprobes.reference.fastround import fits, round_nearest
 from trainprobes.reference.formats import ROUNDING_MODES, Format, get_format
 from trainprobes.reference.schedules import BLOCK, SequentialSchedule, get_schedule
+from trainprobes.reference.scratch import Scratch
 from trainprobes.reference.stochastic import (
     StochasticRounder,
     add_then_round,
     round_input,
+    source,
     sr_storage,
     supported,
 )
@@ -176,10 +179,12 @@ class _Arithmetic:
             if seed is None:
                 raise InvalidArgument("rounding='stochastic' needs seed=<int>, got seed=None")
             seed = check_seed(seed)
-            self.gen = torch.Generator(device=device).manual_seed(seed)
+            self.src = source(seed, device)
+            self.gen = self.src.generator
         else:
-            self.gen = None
+            self.src = self.gen = None
         self.seed = seed
+        self.scratch = Scratch()  # temporaries reused by every block of this call
         # Native torch arithmetic is exact where (a + b) in the native type is one correct
         # rounding: fp16/bf16 (via fp32 opmath), fp32 and fp64; an accumulator of fp32 or
         # wider for a 16-bit wire adds nothing (innocuous double rounding, 24 >= 2p + 2).
@@ -188,17 +193,11 @@ class _Arithmetic:
         self.native = (_NATIVE.get(self.wire.name)
                        if rounding == "nearest" and not self.sat_inputs and not self.sat_adds
                        and self.accum.name in wider.get(self.wire.name, ()) else None)
-        # NCCL's fp8 add: fp8 values held in fp16 (e4m3fn and e5m2 embed exactly), a native
-        # fp16 add and the __NV_SATFINITE cast done as a saturating round-to-nearest in
-        # float32 (reference/fastround.py; torch's own fp8 casts are scalar loops on CPU).
-        # Checked against Format.round on all 65,536 pairs of each type in
-        # tests/test_collectives.py.
-        self.fp8_dtype = (self.wire.torch_dtype
-                          if self.wire.name in ("fp8_e4m3fn", "fp8_e5m2")
-                          and self.accum.name == "fp16" and self.sat_adds
-                          and rounding == "nearest" and fast else None)
-        if self.fp8_dtype is not None:
-            self.fp8_add_round = rounder(self.wire, torch.float32, saturate=True)
+        # NCCL's fp8 add (fp16 add, __NV_SATFINITE cast) on one-byte codes: an exact input
+        # cast and a lookup in the table of every pair (reference/fp8codes.py). Checked
+        # against Format.round on all 65,536 pairs of each type in the tests.
+        self.codes = (self.wire.name in fp8codes.TORCH_FP8 and self.accum.name == "fp16"
+                      and self.sat_adds and rounding == "nearest" and fast)
         # Stochastic rounding of formats float32 holds, on float32 values with integer bit
         # arithmetic and few random bits (reference/stochastic.py); the accumulator rounding,
         # if any, must be a float32 round-to-nearest too.
@@ -207,7 +206,7 @@ class _Arithmetic:
                    and (self.accum is self.wire or fits(self.accum, torch.float32)) else None)
         self.sr_inputs = (StochasticRounder(self.wire, self.sat_inputs) if self.sr is not None
                           else None)
-        self.work = (self.native or (torch.float16 if self.fp8_dtype is not None
+        self.work = (self.native or (torch.uint8 if self.codes
                                      else sr_storage(self.wire) if self.sr is not None
                                      else torch.float64))
         self.name = ("native_" + self.wire.name if self.native is not None
@@ -215,12 +214,19 @@ class _Arithmetic:
                      else "emulated")
 
     def cast(self, t: torch.Tensor) -> torch.Tensor:
-        """A flat input rounded once to the wire format, in the working dtype."""
-        return self._rounded(t).to(self.work)
+        """A flat input rounded once to the wire format, in the working dtype (a new tensor:
+        stochastic rounding works in reused buffers)."""
+        r = self._rounded(t)
+        return r.to(self.work, copy=self.sr is not None)
+
+    def values(self, t: torch.Tensor) -> torch.Tensor:
+        """float64 values of a tensor in the working dtype (fp8 codes decoded)."""
+        return fp8codes.decode(t, self.wire) if self.codes else t.to(torch.float64)
 
     def _rounded(self, t: torch.Tensor) -> torch.Tensor:
-        """A flat input rounded once to the wire format, in a float dtype that holds the
-        wire's values exactly (the working dtype, or wider: stack() narrows on the copy)."""
+        """A flat input rounded once to the wire format, as fp8 codes or in a float dtype
+        that holds the wire's values exactly (the working dtype, or wider: stack() narrows
+        on the copy)."""
         if self.native is not None:
             if t.dtype == self.native:
                 return t
@@ -229,12 +235,12 @@ class _Arithmetic:
             if t.dtype == torch.float64 and self.native in (torch.float16, torch.bfloat16):
                 return _fp64_to_narrow(t, self.native)
             return t.to(self.native)  # single rounding: fp32 -> 16-bit, any -> wider
-        if self.fp8_dtype is not None:
+        if self.codes:
             if t.dtype not in (torch.float64, torch.float32):  # fp16/bf16 widen exactly
                 t = t.to(torch.float32 if t.is_floating_point() else torch.float64)
-            return round_nearest(t, self.wire, saturate=self.sat_inputs)
+            return fp8codes.encode(t, self.wire, self.sat_inputs, self.scratch)
         if self.sr is not None:
-            return round_input(t, self.sr_inputs, self.gen)
+            return round_input(t, self.sr_inputs, self.src, self.scratch)
         t = t.to(torch.float64)
         if self.fast and self.rounding == "nearest" and fits(self.wire, t.dtype):
             return round_nearest(t, self.wire, saturate=self.sat_inputs)
@@ -271,29 +277,30 @@ class _Arithmetic:
         if self.native is not None:
             return a + b
         if self.sr is not None:
-            return add_then_round(a.to(torch.float32), b.to(torch.float32), self.sr,
-                                  None if self.accum is self.wire else self.accum,
-                                  self.gen).to(self.work)
-        if self.fp8_dtype is not None:
-            # NCCL: an fp16 add, then the __NV_SATFINITE cast to fp8. The exact sum in fp32
-            # rounded once to fp8 gives the same bits (fp16 then fp8 rounding is innocuous,
-            # 11 >= 2 * 4 + 2; checked on every pair of values in the tests).
-            s = a.to(torch.float32).add_(b.to(torch.float32))
-            return self.fp8_add_round(s, overwrite=True).to(torch.float16)
+            s = add_then_round(a, b, self.sr, None if self.accum is self.wire else self.accum,
+                               self.src, self.scratch)
+            return s.to(self.work, copy=True)  # s may live in the scratch buffers
+        if self.codes:
+            return fp8codes.add(a, b, self.wire)
         return self._to_wire(a + b)
 
     def scale(self, x: torch.Tensor, s: float) -> torch.Tensor:
         """x * s with s already a wire-format value: one rounding of the exact product."""
         if self.native is not None:
             return x * torch.tensor(s, dtype=self.native)
-        q = self.wire.round(x.to(torch.float64) * s, self.rounding, saturate=self.sat_adds,
+        q = self.wire.round(self.values(x) * s, self.rounding, saturate=self.sat_adds,
                             generator=self.gen)
-        return q.to(self.work)
+        return self._to_work(q)
 
     def divide(self, x: torch.Tensor, n: int) -> torch.Tensor:
         """x / n rounded once to the wire format (gloo's AVG divides after the sum)."""
-        q = x.to(torch.float64) / n
-        return self.wire.round(q, self.rounding, saturate=self.sat_adds, generator=self.gen)
+        q = self.values(x) / n
+        return self._to_work(self.wire.round(q, self.rounding, saturate=self.sat_adds,
+                                             generator=self.gen))
+
+    def _to_work(self, q: torch.Tensor) -> torch.Tensor:
+        """Wire-format values (float64) in the working dtype: exact."""
+        return fp8codes.encode_exact(q, self.wire) if self.codes else q.to(self.work)
 
 
 # ---------------------------------------------------------------- the collectives
@@ -329,6 +336,7 @@ def _reduce_world(collective, inputs, *, op, dtype, accum_dtype, algorithm, roun
                                 order=order, itemsize=itemsize)
     x = arith.stack(tensors)
     if op in ("max", "min"):
+        x = arith.values(x)
         total = x.amax(0) if op == "max" else x.amin(0)  # exact; NaN propagates
     else:
         if op == "avg" and avg == "premul":
@@ -337,7 +345,7 @@ def _reduce_world(collective, inputs, *, op, dtype, accum_dtype, algorithm, roun
         total = schedule.reduce(x, arith.add)
         if op == "avg" and avg == "divide":
             total = arith.divide(total, world)
-    total = total.to(torch.float64)
+    total = arith.values(total)
 
     def info() -> CollectiveInfo:
         given = [t for t in tensors if t.is_floating_point()]
@@ -346,7 +354,7 @@ def _reduce_world(collective, inputs, *, op, dtype, accum_dtype, algorithm, roun
         finite_in = torch.stack([torch.isfinite(t.reshape(-1)) if t.is_floating_point()
                                  else torch.ones(numel, dtype=torch.bool, device=t.device)
                                  for t in tensors])
-        overflow = int((finite_in & ~torch.isfinite(arith.stack(tensors))).sum())
+        overflow = int((finite_in & ~torch.isfinite(arith.values(arith.stack(tensors)))).sum())
         return CollectiveInfo(
             collective=collective, op=op, dtype=arith.wire.name, accum_dtype=arith.accum.name,
             algorithm=algorithm, avg=avg, rounding=rounding,
@@ -436,7 +444,7 @@ def all_gather(inputs, *, dtype="fp64", rounding="nearest", seed=None, saturate=
     dim 0 (0-d inputs are stacked). No arithmetic, so no order. One shared tensor."""
     tensors = _as_world(inputs)
     arith = _Arithmetic(dtype, None, rounding, saturate, seed, tensors[0].device)
-    rows = arith.stack(tensors).to(torch.float64)
+    rows = arith.values(arith.stack(tensors))
     shape = tensors[0].shape
     out = rows.reshape((len(tensors),) + tuple(shape))
     out = out if len(shape) == 0 else out.flatten(0, 1)
@@ -448,5 +456,5 @@ def broadcast(inputs, *, root=0, dtype="fp64", rounding="nearest", seed=None, sa
     tensors = _as_world(inputs)
     root = check_int(root, "root", min=0, max=len(tensors) - 1, hint="a rank")
     arith = _Arithmetic(dtype, None, rounding, saturate, seed, tensors[0].device)
-    out = arith.stack([tensors[root]])[0].to(torch.float64).reshape(tensors[root].shape)
+    out = arith.values(arith.stack([tensors[root]])[0]).reshape(tensors[root].shape)
     return [out] * len(tensors)

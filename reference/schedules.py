@@ -77,10 +77,12 @@ class _Schedule:
 
 # Elements per vectorised step. Orders depend on an element's chunk, never on its position
 # inside the chunk, so long vectors are reduced block by block: temporaries stay in cache
-# and no hop allocates a full-size tensor. Fixed (not tuned per machine) so that
-# stochastic rounding consumes its generator in the same order everywhere: same seed,
-# same bits.
-BLOCK = 1 << 16
+# and no hop allocates a full-size tensor. 2^18 (1 MB of float32): stochastic rounding runs
+# ~25 torch ops per add, whose fixed cost (~2 us each) 2^16 did not amortise (1.7x the fp64
+# reference at 2^16, 1.2x at 2^18, no gain past it; benchmarks/bench_collectives.py).
+# Fixed (not tuned per machine) so that stochastic rounding consumes its generator in the
+# same order everywhere: same seed, same bits.
+BLOCK = 1 << 18
 
 
 def _blocked(x: torch.Tensor, fn, rows: int) -> torch.Tensor:

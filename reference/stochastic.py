@@ -9,10 +9,12 @@ bits of s's float32 pattern. So one uniform d-bit integer K decides exactly: add
 which carries one spacing up exactly when L + K >= 2^d, with probability L / 2^d = frac
 (the same distribution, unbiased); sign-magnitude bits make it work for either sign, and
 a carry into the exponent is the right next value.
-K comes from 64-bit words of the torch.Generator (mt19937), cut into 16-bit lanes (d <= 16)
-or 32-bit lanes (d <= 22, masked to d bits): one word serves 4 (or 2) roundings, where
-Format.round spends one 53-bit draw on each. Same generator and seed, same bits; the bits
-differ from Format.round's (other random numbers), not the distribution.
+K comes from 64-bit words cut into 16-bit lanes (d <= 16) or 32-bit lanes (d <= 22, masked
+to d bits): one word serves 4 (or 2) roundings, where Format.round spends one 53-bit draw on
+each. The words come from a Source: on CPU numpy's SFC64 seeded with the collective's seed
+(about half the time per word of torch's mt19937, which was a third of a bf16 all-reduce),
+elsewhere the torch.Generator itself. Same seed, same bits; the bits differ from
+Format.round's (other random numbers), not the distribution.
 
 Elements outside that case take Format.round itself, on just those elements, with the same
 generator: values below the format's smallest normal when its exponent range is narrower
@@ -27,25 +29,58 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from trainprobes.errors import InvalidArgument
 from trainprobes.reference.fastround import fits, rounder
 from trainprobes.reference.formats import Format
+from trainprobes.reference.scratch import Scratch, any_nonzero
 
 _SIGN32 = -(1 << 31)
+_ROW = 256  # inexact_sums searches rows of this many elements
 
 
-def random_bits(n: int, bits: int, generator: torch.Generator, device) -> torch.Tensor:
-    """n uniform integers of `bits` bits (int32), from full 64-bit words of the generator:
-    16-bit lanes for bits <= 16, 32-bit lanes otherwise (each lane of a uniform word is
-    uniform and independent of the others)."""
-    lanes = 4 if bits <= 16 else 2
-    words = torch.empty(-(-n // lanes), dtype=torch.int64, device=device)
-    words.random_(-(1 << 63), None, generator=generator)  # the full 64-bit range
-    if lanes == 4:  # unsigned 16-bit lanes widen without sign: no mask needed at 16 bits
-        k = words.view(torch.uint16)[:n].to(torch.int32)
-        return k if bits == 16 else k.bitwise_and_((1 << bits) - 1)
-    return words.view(torch.int32)[:n].bitwise_and((1 << bits) - 1)
+@dataclass(frozen=True)
+class Source:
+    """The random numbers of one stochastic rounding: `generator` draws Format.round's
+    uniforms (the slow paths), `lanes` the fast path's 64-bit words (a numpy BitGenerator
+    or the same torch.Generator)."""
+
+    generator: torch.Generator
+    lanes: object
+
+
+def source(seed: int, device) -> Source:
+    """The Source of a seed: numpy's SFC64 for the lanes on CPU, torch's generator (Philox
+    on CUDA) on other devices, where numpy's words would have to be copied over."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    cpu = torch.device(device).type == "cpu"
+    return Source(generator, np.random.SFC64(seed) if cpu else generator)
+
+
+def as_source(generator) -> Source:
+    """A Source, from a Source or a torch.Generator (then used for everything)."""
+    return generator if isinstance(generator, Source) else Source(generator, generator)
+
+
+def random_bits(n: int, bits: int, lanes, device, out: torch.Tensor | None = None) \
+        -> torch.Tensor:
+    """n uniform integers of `bits` bits (int32; written into `out` when given), from full
+    64-bit words of `lanes` (a numpy BitGenerator, CPU only, or a torch.Generator): 16-bit
+    lanes for bits <= 16, 32-bit lanes otherwise (each lane of a uniform word is uniform
+    and independent of the others)."""
+    lanes_per_word = 4 if bits <= 16 else 2
+    count = -(-n // lanes_per_word)
+    if isinstance(lanes, np.random.BitGenerator):
+        words = torch.from_numpy(lanes.random_raw(count).view(np.int64)).to(device)
+    else:
+        words = torch.empty(count, dtype=torch.int64, device=device)
+        words.random_(-(1 << 63), None, generator=lanes)  # the full 64-bit range
+    out = torch.empty(n, dtype=torch.int32, device=device) if out is None else out.view(-1)
+    if lanes_per_word == 4:  # unsigned 16-bit lanes widen without sign: no mask at 16 bits
+        out.copy_(words.view(torch.uint16)[:n])
+        return out if bits == 16 else out.bitwise_and_((1 << bits) - 1)
+    return out.copy_(words.view(torch.int32)[:n]).bitwise_and_((1 << bits) - 1)
 
 
 @dataclass(frozen=True)
@@ -63,12 +98,17 @@ class StochasticRounder:
         object.__setattr__(self, "normal_bits", None if self.fmt.min_exponent <= -126
                            else (self.fmt.min_exponent + 127) << 23)
 
-    def __call__(self, s: torch.Tensor, generator: torch.Generator,
-                 fix: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """s (float32) rounded to fmt, as float32. fix = (indices into s flattened, their
-        float64 values): elements whose true value float32 could not hold."""
+    def __call__(self, s: torch.Tensor, generator,
+                 fix: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 scratch: Scratch | None = None) -> torch.Tensor:
+        """s (float32) rounded to fmt, as float32, with a Source (or a torch.Generator).
+        fix = (indices into s flattened, their float64 values): elements whose true value
+        float32 could not hold. With `scratch` the result may live in its buffers."""
+        src = as_source(generator)
+        generator = src.generator
         flat = s.reshape(-1)
-        out = self.round_with(flat, random_bits(flat.numel(), self.d, generator, s.device))
+        k = None if scratch is None else scratch.get("k", flat.shape, torch.int32, s.device)
+        out = self.round_with(flat, random_bits(flat.numel(), self.d, src.lanes, s.device, k))
         if self.normal_bits is not None:  # below fmt's smallest normal: d grows, slow path
             mag = flat.view(torch.int32) & ~_SIGN32
             low = (mag < self.normal_bits).logical_and_(mag != 0)
@@ -116,15 +156,6 @@ def supported(fmt: Format) -> bool:
         fmt.min_exponent >= -126 and fits(fmt, torch.float64)
 
 
-def _any_nonzero(t: torch.Tensor) -> bool:
-    """Whether t has an element that is not 0 (NaN counts), in one min/max pass (faster
-    than Tensor.any on floats)."""
-    if not t.numel():
-        return False
-    lo, hi = torch.aminmax(t)
-    return not (float(lo) == 0.0 and float(hi) == 0.0)
-
-
 def sr_storage(fmt: Format) -> torch.dtype:
     """The narrowest torch dtype that holds every value of fmt: the collectives store the
     stochastically rounded values in it (half the memory of float32 for 16-bit formats)."""
@@ -143,35 +174,71 @@ def two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return s, e
 
 
+def inexact_sums(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor,
+                 scratch: Scratch) -> torch.Tensor | None:
+    """Flat indices of the sums s = fl(a + b) that are not exact (NaN and inf included),
+    or None when all are, in fewer passes than two_sum. When fl(a + b) = a + b + err with
+    err != 0, the subtraction of the larger operand is exact (Fast2Sum: |a| >= |b| gives
+    fl(s - a) = s - a = b + err), so (s - a) - b and (s - b) - a are both 0 only when
+    err = 0. A min and max per row of 256 find the few rows to search (no nonzero() over
+    all)."""
+    n = s.numel()
+    body = n - n % _ROW
+    dirty = torch.zeros(body // _ROW, dtype=torch.bool, device=s.device)
+    tail = []
+    for x, y, name in ((a, b, "d1"), (b, a, "d2")):
+        d = torch.sub(s, x, out=scratch.get(name, s.shape, s.dtype, s.device)).sub_(y)
+        d = d.reshape(-1)
+        if body:
+            rows = d[:body].view(-1, _ROW)  # (aminmax with dim= is ~20x slower)
+            dirty.logical_or_(rows.amax(1) != 0).logical_or_(rows.amin(1) != 0)  # NaN != 0
+        tail.append(d[body:] != 0)
+    rows = dirty.nonzero().reshape(-1)
+    last = (tail[0] | tail[1]).nonzero().reshape(-1) + body
+    if not rows.numel() and not last.numel():
+        return None
+    idx = (rows[:, None] * _ROW + torch.arange(_ROW, device=s.device)).reshape(-1)
+    d1, d2 = (scratch.get(name, s.shape, s.dtype, s.device).reshape(-1).index_select(0, idx)
+              for name in ("d1", "d2"))
+    return torch.cat([idx[(d1 != 0) | (d2 != 0)], last])
+
+
 def add_then_round(a: torch.Tensor, b: torch.Tensor, wire: StochasticRounder,
-                   accum: Format | None, generator: torch.Generator) -> torch.Tensor:
-    """wire(accum(a + b)) for float32 tensors a, b holding wire values: the exact sum
-    rounded to nearest in `accum` (None: no accumulator rounding), then stochastically to
-    the wire format. float32 result."""
-    s, err = two_sum(a, b)
+                   accum: Format | None, generator, scratch: Scratch | None = None) \
+        -> torch.Tensor:
+    """wire(accum(a + b)) for tensors a, b holding wire values: the exact sum rounded to
+    nearest in `accum` (None: no accumulator rounding), then stochastically to the wire
+    format. float32 result, which may live in `scratch` (a new Scratch when None)."""
+    scratch = Scratch() if scratch is None else scratch
+    shape, device = a.shape, a.device
+    a = scratch.get("a", shape, torch.float32, device).copy_(a)
+    b = scratch.get("b", shape, torch.float32, device).copy_(b)
+    s = torch.add(a, b, out=scratch.get("s", shape, torch.float32, device))
     fix = None
-    if _any_nonzero(err):  # float32 lost bits of some sums: float64 holds them exactly
-        idx = err.reshape(-1).nonzero().reshape(-1)
+    idx = inexact_sums(a, b, s, scratch)
+    if idx is not None:  # float32 lost bits of some sums: float64 holds them exactly
         exact = (a.reshape(-1).index_select(0, idx).to(torch.float64)
                  + b.reshape(-1).index_select(0, idx).to(torch.float64))
         fix = (idx, exact if accum is None else rounder(accum, torch.float64)(exact))
     if accum is not None:
         s = rounder(accum, torch.float32)(s, overwrite=True)
-    return wire(s, generator, fix)
+    return wire(s, generator, fix, scratch)
 
 
-def round_input(x: torch.Tensor, wire: StochasticRounder,
-                generator: torch.Generator) -> torch.Tensor:
+def round_input(x: torch.Tensor, wire: StochasticRounder, generator,
+                scratch: Scratch | None = None) -> torch.Tensor:
     """A flat input (any real dtype) rounded once, stochastically, to the wire format, as
-    float32: values float32 cannot hold exactly are rounded from float64."""
+    float32 (which may live in `scratch`): values float32 cannot hold exactly are rounded
+    from float64."""
     if x.dtype in (torch.float32, torch.float16, torch.bfloat16):
-        return wire(x.to(torch.float32), generator)
+        return wire(x.to(torch.float32), generator, None, scratch)
+    scratch = Scratch() if scratch is None else scratch
     x64 = x.to(torch.float64)
-    s = x64.to(torch.float32)
+    s = scratch.get("s", x.shape, torch.float32, x.device).copy_(x64)
     fix = None
-    lost = s.to(torch.float64).sub_(x64)  # 0 where float32 holds x (NaN: NaN - NaN)
-    if _any_nonzero(lost):
+    lost = scratch.get("lost", x.shape, torch.float64, x.device).copy_(s).sub_(x64)
+    if any_nonzero(lost):  # float32 cannot hold some of x (NaN: NaN - NaN)
         lost = lost.ne_(0).logical_and_(~torch.isnan(x64))
         idx = lost.nonzero().reshape(-1)
         fix = (idx, x64.index_select(0, idx))
-    return wire(s, generator, fix)
+    return wire(s, generator, fix, scratch)

@@ -2,16 +2,21 @@
 Format.round given the same uniforms, the same distribution, Format.round where it must."""
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from trainprobes.reference.formats import FORMATS
+from trainprobes.reference.scratch import Scratch
 from trainprobes.reference.stochastic import (
     StochasticRounder,
     add_then_round,
+    as_source,
+    inexact_sums,
     random_bits,
     round_input,
+    source,
     sr_storage,
     supported,
     two_sum,
@@ -105,8 +110,10 @@ def test_float64_inputs_float32_cannot_hold_keep_their_low_bits():
     assert abs((r > 1).double().mean().item() - 0.5) < 0.01
 
 
-def test_lanes_are_uniform_and_seeded():
-    g = torch.Generator().manual_seed(5)
+@pytest.mark.parametrize("make", [lambda seed: torch.Generator().manual_seed(seed),
+                                  lambda seed: source(seed, "cpu").lanes])
+def test_lanes_are_uniform_and_seeded(make):
+    g = make(5)
     k16 = random_bits(100_000, 16, g, "cpu")
     k21 = random_bits(100_000, 21, g, "cpu")
     assert k16.dtype == torch.int32 and int(k16.min()) >= 0 and int(k16.max()) < 2 ** 16
@@ -114,7 +121,35 @@ def test_lanes_are_uniform_and_seeded():
     for k, d in ((k16, 16), (k21, 21)):
         for bit in (0, d - 1):  # every bit of a lane is a fair coin
             assert abs(((k >> bit) & 1).double().mean().item() - 0.5) < 0.01
-    assert torch.equal(random_bits(1000, 16, torch.Generator().manual_seed(5), "cpu"), k16[:1000])
+    assert torch.equal(random_bits(1000, 16, make(5), "cpu"), k16[:1000])
+    out = torch.full((1000,), -1, dtype=torch.int32)  # into a given buffer: the same bits
+    assert random_bits(1000, 16, make(5), "cpu", out) is not None and torch.equal(out, k16[:1000])
+
+
+def test_cpu_sources_draw_lanes_from_numpy_and_uniforms_from_torch():
+    src = source(3, "cpu")
+    assert isinstance(src.lanes, np.random.SFC64) and isinstance(src.generator, torch.Generator)
+    assert torch.equal(src.generator.get_state(), torch.Generator().manual_seed(3).get_state())
+    plain = as_source(torch.Generator().manual_seed(3))
+    assert plain.lanes is plain.generator and as_source(src) is src
+
+
+def test_inexact_sums_are_the_ones_two_sum_finds():
+    # bf16 values of every size, so float32 loses the low bits of some sums; a length that
+    # is not a multiple of the 256-element rows, and NaN / inf, which count as inexact
+    g = torch.Generator().manual_seed(7)
+    n = 256 * 40 + 77
+    a = (torch.randn(n, generator=g) * torch.exp2(torch.randint(-30, 30, (n,), generator=g)
+                                                   .float())).bfloat16().float()
+    b = torch.randn(n, generator=g).bfloat16().float()
+    a[[5, 300, n - 3]] = torch.tensor([math.nan, math.inf, -math.inf])
+    err = two_sum(a, b)[1]
+    want = (err != 0) | err.isnan()
+    got = inexact_sums(a, b, a + b, Scratch())
+    assert got is not None and want[: 256 * 40].any() and want[256 * 40:].any()
+    assert sorted(got.tolist()) == want.nonzero().reshape(-1).tolist()
+    exact = torch.tensor([1.0, 3.0, -0.5], dtype=torch.float32)
+    assert inexact_sums(exact, exact, exact + exact, Scratch()) is None
 
 
 @pytest.mark.parametrize("name", NAMES)

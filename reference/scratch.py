@@ -1,0 +1,31 @@
+"""Reused temporaries and a cheap zero test for the emulated collectives' hot loops."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class Scratch:
+    """Buffers reused from one call to the next: a collective makes hundreds of calls of
+    one size, and a fresh temporary of a block's size costs page faults on every call. A
+    tensor got here is overwritten by the next get() of its name: never return it."""
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
+        n, device = math.prod(shape), torch.device(device)  # "cpu" != torch.device("cpu")
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
+            buf = self._buffers[name] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n].view(shape)
+
+
+def any_nonzero(t: torch.Tensor) -> bool:
+    """Whether t has an element that is not 0 (NaN counts), in one min/max pass (faster
+    than Tensor.any on floats)."""
+    if not t.numel():
+        return False
+    lo, hi = torch.aminmax(t)
+    return not (float(lo) == 0.0 and float(hi) == 0.0)
