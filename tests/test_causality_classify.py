@@ -62,6 +62,18 @@ def test_reduction_noise_on_a_large_output_goes_to_fp64_not_straight_to_structur
     assert Kind.labels(kind) == ["unverified", "structural"]
 
 
+def test_a_near_tie_is_judged_at_the_scores_largest_magnitude_not_their_largest_value():
+    # top-2 routing over logits [5, -1000 + 1 ulp, -1000]: the 2nd and 3rd choices are one
+    # ulp of 1000 apart, a rounding tie; 32 ulps of the largest *value* (5) is too tight
+    ulp = 1000 * EPS
+    scores = torch.tensor([[[5.0, -1000.0 + ulp, -1000.0]]])
+    ids = torch.tensor([[[0, 1]]])
+    where = (torch.tensor([0]), torch.tensor([0]))
+    assert near_tie(where, Outputs(ids, scores), Outputs(torch.tensor([[[0, 2]]]), scores)).item()
+    far = torch.tensor([[[5.0, -990.0, -1000.0]]])  # 10 apart: no rounding explains a flip
+    assert not near_tie(where, Outputs(ids, far), Outputs(ids, far)).item()
+
+
 @pytest.mark.parametrize("fp64_moves, want", [(0.0, "numerical"), (1e-6, "structural")])
 def test_a_near_tie_goes_to_the_fp64_scaling_test(fp64_moves, want):
     before = torch.tensor([[1.0, 2.0]])

@@ -104,7 +104,8 @@ def change_size(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def near_tie(where, base: Outputs, changed: Outputs, *, margin_tol: float | None = None,
              ulps: float = NOISE_ULPS) -> torch.Tensor:
     """[n] bool: whether each change sits within rounding noise of a tie. With scores: the
-    baseline's routing margin within margin_tol (default `ulps` ulps of the largest score).
+    baseline's routing margin within margin_tol (default `ulps` ulps of the largest score
+    magnitude: logits of -1000 round at 1000's ulp however small the largest value is).
     A float decision (with scores or without): also when its change is within `ulps` ulps of
     its magnitude (a value, not only a choice: the router's margin says nothing about an ulp
     of rounding in a hidden state). An integer decision without scores is never near a tie
@@ -115,7 +116,7 @@ def near_tie(where, base: Outputs, changed: Outputs, *, margin_tol: float | None
     if s0 is not None:
         m = margins(s0[b, t][:, None], y0[b, t][:, None])[:, 0]
         tol = (torch.full_like(m, margin_tol) if margin_tol is not None else
-               noise_tol(s0[b, t].reshape(len(b), -1).amax(-1), ulps))
+               noise_tol(s0[b, t].reshape(len(b), -1).abs().amax(-1), ulps))
         tie |= m <= tol
     before = y0[b, t]
     if before.is_floating_point():
