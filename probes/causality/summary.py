@@ -118,8 +118,11 @@ def summarise(common: dict, setup: Setup, found: Findings) -> Result:
     # built alone start from torch.empty) are never compared: no pass can rest on them
     n_nan = _nan_decisions(found)
     verdict = "fail" if codes else ("warn" if n_unver or n_nan else "pass")
-    if n_unver and "TP-C1" not in codes:
+    # what stayed unsettled names its check: flips and scores TP-C1, batch moves TP-C3
+    if n_unver - found.isolation.unverified and "TP-C1" not in codes:
         codes.append("TP-C1")
+    if found.isolation.unverified and "TP-C3" not in codes:
+        codes.append("TP-C3")
     metrics = _metrics(setup, found, flips, scores, compared, causal=causal, n_unver=n_unver)
     evidence = _evidence(setup, found, flips, scores, compared)
     evidence["nan_decisions"] = n_nan
@@ -210,9 +213,14 @@ def _message(setup: Setup, found: Findings, flips: Tally, scores: Tally, metrics
         msg = (f"no {what} in {n_compared} compared over {len(setup.cuts)} cuts"
                + (f" ({n_num} flips within rounding noise of a tie, excused by re-runs)"
                   if n_num else ""))
-        if metrics["n_unverified"]:
-            msg += (f"; {metrics['n_unverified']} flips at near-ties could not be settled (no "
-                    f"fp64 twin: pass fp64= or scores=)")
+        n_moves = found.isolation.unverified
+        n_flips = metrics["n_unverified"] - n_moves
+        unsettled = [f"{n_flips} flips at near-ties"] if n_flips else []
+        unsettled += [f"{n_moves} moves of a row when other rows changed, within rounding "
+                      f"noise"] if n_moves else []
+        if unsettled:
+            msg += (f"; {' and '.join(unsettled)} could not be settled (no fp64 twin: pass "
+                    f"fp64= or scores=)")
     if found.isolation.isolated is False:
         msg += (f"; decisions of one sequence change with another in the batch "
                 f"(at {found.isolation.moved[:3]})")
