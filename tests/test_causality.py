@@ -265,6 +265,23 @@ def test_a_batch_leak_in_the_scores_alone_is_a_batch_leak(pack):
     assert res.metrics["batch_isolated"] is False and "TP-C3" in res.codes
 
 
+def _batch_temperature_per_position(x):
+    """Top-2 of each token's logits, weights softened by a per-position temperature over
+    the batch: causal, but other rows move the scores (never the choice)."""
+    return x.topk(2, -1).indices, (x / x.std(dim=(0, 2), keepdim=True)).softmax(-1)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_one_sequence_is_not_called_isolated_when_a_second_row_moves_its_scores(pack):
+    """Regression: with B=1 the second-row check compared decisions only."""
+    x = logits(B=1, T=16)
+    res = check(_batch_temperature_per_position, x, decision=0, scores=1, pack=pack)
+    assert res.metrics["batch_isolated"] is None and res.metrics["packed"] is False
+    assert res.verdict == "pass"  # causal: nothing leaks from later tokens
+    res = check(r.topk_softmax, x, decision=0, scores=1, pack=pack)
+    assert res.metrics["batch_isolated"] is True
+
+
 def test_structural_batch_moves_fail_though_others_are_unverified():
     """Regression: one unverified move (within rounding, no twin) left isolation unknown
     (verdict warn) though other moves were far beyond rounding."""

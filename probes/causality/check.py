@@ -37,7 +37,14 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from trainprobes.causality.classify import Judge, Kind, Nondeterministic, Outputs
+from trainprobes.causality.classify import (
+    Judge,
+    Kind,
+    Nondeterministic,
+    Outputs,
+    noise_tol,
+    reduction_ulps,
+)
 from trainprobes.causality.cuts import Cuts, timed_call
 from trainprobes.causality.inputs import (
     MODES,
@@ -49,7 +56,7 @@ from trainprobes.causality.inputs import (
 )
 from trainprobes.causality.records import NOT_TESTED, Findings, Isolation
 from trainprobes.causality.summary import Setup, nondeterministic, summarise
-from trainprobes.causality.target import Picker, Target, differs
+from trainprobes.causality.target import Picker, Target, abs_diff, differs
 from trainprobes.errors import TargetError
 from trainprobes.result import Result
 from trainprobes.validation import check_choice, check_int, check_number
@@ -160,10 +167,16 @@ def _batch_isolation(judge: Judge, R: torch.Tensor, layout: str) -> Isolation:
         # one sequence: add a second row. If row 0 moves, the cause (another row, or the
         # batch shape) cannot be told apart: isolation stays unknown and nothing is packed.
         try:
-            yi, _ = judge.tgt(torch.cat([x, R[0].to(x.device)]))
+            yi, si = judge.tgt(torch.cat([x, R[0].to(x.device)]))
         except TargetError as e:  # takes one sequence only: probe one call per cut
             return Isolation(None, [], error=str(e))
-        return Isolation(True if not differs(y0, yi[:1], judge.atol).any() else None, [])
+        moved = differs(y0, yi[:1], judge.atol).any()
+        s0 = judge.base.scores
+        if s0 is not None and not moved:  # scores too (a batch-wide temperature), beyond
+            # what a batch-shape-dependent reduction order can move them
+            tol = noise_tol(s0, reduction_ulps(x.shape[1]))
+            moved = bool((abs_diff(s0, si[:1]) > tol).any())
+        return Isolation(None if moved else True, [])
     where, counts = [], torch.zeros(len(Kind), dtype=torch.long)
     for replaced in ([0, 1] if x.shape[0] == 2 else [0]):
         xi = x.clone()
