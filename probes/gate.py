@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from datetime import date, timedelta
 from fnmatch import fnmatchcase
 from pathlib import Path
+from typing import NamedTuple
 
 from trainprobes.display import format_number
 from trainprobes.errors import CannotJudge, InvalidType
@@ -210,13 +211,43 @@ FLAG_LABELS = {
 }
 # Booleans beside the verdict one whose bad value carries its own code and never passes:
 # (metric, bad value, code). drift.verdict.judge: heavy_tailed -> TP-D2 (warn);
-# causality.summary: batch_isolated False -> TP-C3 (fail).
+# causality.summary: batch_isolated False -> TP-C3 (fail); isolation.documents: causal
+# False (its within-document causality check leaked) -> TP-C1 (fail).
 SIDE_FLAGS = {
     "drift.compare": (("heavy_tailed", True, "TP-D2"),),
     "causality.check": (("batch_isolated", False, "TP-C3"),),
+    "isolation.documents": (("causal", False, "TP-C1"),),
 }
 # The probes' own floors (ESTIMATES): growth below one is not a regression, so they must be finite.
 FLOORS = ("min_effect", "min_bias")
+
+
+class Counts(NamedTuple):
+    """What a probe's verdict boolean says of counts it reports beside it (each a number, or
+    a list counted by its length): with the good value every count in `zero` is 0; with the
+    bad value at least one in `positive` is above 0 (empty: the Result cannot show it)."""
+    zero: tuple
+    positive: tuple = ()
+
+
+_BATCH = Counts(("frac_rows_differ", "breaking_sizes"), ("frac_rows_differ", "breaking_sizes"))
+COUNTS = {
+    # causality.summary: causal = n_leaks == 0 and n_score_leaks == 0
+    "causality.check": Counts(("n_leaks", "n_score_leaks"), ("n_leaks", "n_score_leaks")),
+    # isolation.documents: isolated = False if n_leaks, None if n_unverified or
+    # n_blind_tokens, else True
+    "isolation.documents": Counts(("n_leaks", "n_unverified", "n_blind_tokens"), ("n_leaks",)),
+    # isolation.batch: batch_invariant = no batch size at which a row differs (breaking_sizes)
+    "isolation.batch_invariance": _BATCH, "isolation.op_map": _BATCH,
+    # isolation.end_to_end: invariant = no token differs at any size (d > 0, no atol); the
+    # Result shows the largest size only, so a variant one need not show it
+    "isolation.end_to_end": Counts(("frac_tokens_differ", "max_abs_diff")),
+    # transforms.judge: replicas that disagree (n_inconsistent) make it inconsistent or wrong
+    "transforms.equivalence": Counts(("n_inconsistent",)),
+}
+# Counts a probe reports as the sum of others: (probe, total, parts). causality.summary:
+# n_leaks = structural + unconfirmed flips (the CLI shows all three side by side).
+SUMS = (("causality.check", "n_leaks", ("n_structural", "n_unconfirmed")),)
 
 
 def _number(r: Result, name: str, side: str) -> float | None:
@@ -240,6 +271,8 @@ def check_judgeable(r: Result, side: str) -> None:
     - a probe with a verdict boolean (result.PROBES) reports it, as true/false (None only
       beside fail/error), and the verdict agrees: the bad value never passes, and a fail
       with the good value is explained by another code or a broken configured threshold;
+    - its labels, side booleans and counts agree with that boolean (FLAG_LABELS,
+      SIDE_FLAGS, COUNTS, SUMS): `causal` true beside leaks cannot be judged;
     - the numbers PROBES says the probe reports whenever it measured are present;
     - every metric in NUMBERS, and every metric PROBES documents as a number, that is
       present is a number (NaN is a number; None where a probe had nothing to report).
@@ -272,6 +305,8 @@ def check_judgeable(r: Result, side: str) -> None:
                               f"other code ({r.codes}) or broken threshold explains it (was "
                               "the report edited?)")
     _check_labels(r, where, measured)
+    if spec is not None and spec.flag is not None and measured:
+        _check_counts(r, where, spec.flag)
     _check_derived(r, where)
     if spec is not None and measured:
         missing = [n for n in spec.needs if n not in r.metrics]
@@ -316,6 +351,49 @@ def _check_derived(r: Result, where: str) -> None:
         if None not in (lo, hi) and not math.isnan(lo + hi + a) and not lo <= a <= hi:
             raise CannotJudge(f"{where}: metric {shown}={a!r} lies outside its CI "
                               f"[{lo!r}, {hi!r}] (was the report edited?)")
+
+
+def _count(r: Result, name: str, where: str) -> float:
+    """A count the verdict boolean must agree with: a number, or a list's length."""
+    if name not in r.metrics:
+        raise CannotJudge(f"{where}: metric {name!r} missing: probe {r.probe!r} always reports "
+                          "it beside its verdict boolean, which must agree with it")
+    v = r.metrics[name]
+    if isinstance(v, list):
+        return float(len(v))
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise CannotJudge(f"{where}: metric {name}={v!r} is mistyped: a {type(v).__name__}, "
+                          "expected a number (or a list)")
+    return float(v)
+
+
+def _check_counts(r: Result, where: str, flag: str) -> None:
+    """The verdict boolean agrees with the counts the probe derives it from (COUNTS, SUMS):
+    `causal` true beside leaks, or false beside none, was edited (or the probe is broken).
+    Only for a Result that measured (its boolean is true or false)."""
+    for probe, total, parts in SUMS:
+        if r.probe == probe:
+            got = [_count(r, n, where) for n in (total, *parts)]
+            if not got[0] == sum(got[1:]):
+                raise CannotJudge(f"{where}: metric {total}={r.metrics[total]!r} is not the sum "
+                                  f"of {' + '.join(parts)} ({' + '.join(format_number(v) for v in got[1:])}), "
+                                  "as the probe writes it (was the report edited?)")
+    rule = COUNTS.get(r.probe)
+    if rule is None:
+        return
+    good = r.metrics[flag] is VERDICT_FLAGS[flag]
+    if good:
+        above = [n for n in rule.zero if _count(r, n, where) > 0]
+        if above:
+            raise CannotJudge(f"{where}: metric {flag}={r.metrics[flag]} contradicts "
+                              + ", ".join(f"{n}={r.metrics[n]!r}" for n in above)
+                              + f": the probe sets {flag}={r.metrics[flag]} only when "
+                              f"{', '.join(rule.zero)} are all 0 (was the report edited?)")
+    elif rule.positive and not any(_count(r, n, where) > 0 for n in rule.positive):
+        raise CannotJudge(f"{where}: metric {flag}={r.metrics[flag]} but "
+                          + ", ".join(f"{n}={r.metrics[n]!r}" for n in rule.positive)
+                          + f": the probe sets {flag}={r.metrics[flag]} only when one of them "
+                          "is above 0 (was the report edited?)")
 
 
 def _check_labels(r: Result, where: str, measured: bool) -> None:
