@@ -27,6 +27,7 @@ Waivers name a code, a target (exact, or an fnmatch pattern) and a reason, and e
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from datetime import date, timedelta
@@ -36,6 +37,7 @@ from typing import NamedTuple
 
 from trainprobes.display import format_number
 from trainprobes.errors import CannotJudge, InvalidType
+from trainprobes.markup import md_code, md_text
 from trainprobes.result import CODES, PROBES, VERDICT_FLAGS, Result, SchemaError, load_results, strict_json
 from trainprobes.validation import check_number
 
@@ -539,10 +541,11 @@ def _compare_pair(b: Result, c: Result, alpha: float, rel_tol: float) -> list[Re
                     f"{flag} = {good}", f"{flag} = {not good}", c.message)
     for code, name, label, floor in ESTIMATES:
         eb, ec = estimate(b, name, "baseline"), estimate(c, name, "candidate")
+        shown = label if label == name else f"{label} ({name})"
         if eb and not ec and name in c.metrics:
             # NaN (or without a finite standard error): skipping the test would pass a
             # candidate whose estimate cannot be shown not to have grown
-            add(code, f"{label} `{name}` cannot be tested in the candidate: the value is NaN, "
+            add(code, f"{shown} cannot be tested in the candidate: the value is NaN, "
                 "or its standard error is NaN, infinite or has no source", f"{eb[0]:.4g} ± {eb[1]:.2g} (SE)",
                 f"{_fmt(c.metrics.get(name))} ± {_fmt(standard_error(c, name))} (SE)",
                 c.message)
@@ -559,7 +562,7 @@ def _compare_pair(b: Result, c: Result, alpha: float, rel_tol: float) -> list[Re
                 ratio = abs(ec[0]) / abs(eb[0]) if eb[0] else math.inf
                 times = (f"{ratio:,.0f}x" if ratio >= 100 else f"{ratio:.3g}x") \
                     if math.isfinite(ratio) else "from zero"
-                add(code, f"{label} `{name}` significantly larger in magnitude ({times})",
+                add(code, f"{shown} significantly larger in magnitude ({times})",
                     f"{eb[0]:.4g} ± {eb[1]:.2g} (SE)", f"{ec[0]:.4g} ± {ec[1]:.2g} (SE)",
                     f"one-sided z = {_fmt(z)}, p = {p:.2g} < alpha = {alpha}")
     bb = _number(b, "accumulator_mantissa_bits", "baseline")
@@ -595,7 +598,7 @@ def _duplicates(side: str, results: list[Result]) -> str | None:
     # keeping either of two Results under one key would let a failing duplicate pass unseen
     return (f"{side} holds more than one Result for {len(dups)} key(s), e.g. {dups[0]!r}: "
             "Results are matched by probe::target, so each needs its own target (give each "
-            "audit entry its own `name`)")
+            "audit entry its own name)")
 
 
 def _problems(base: dict, cand: dict) -> list[str]:
@@ -693,7 +696,7 @@ def gate_files(baseline_path, candidate_path, waivers_path=None, *, alpha: float
             raise CannotJudge(f"candidate: {e}") from e
         if not baseline:
             raise CannotJudge(f"baseline {str(baseline_path)!r} holds no results: nothing to "
-                              "compare against; regenerate it with `trainprobes audit`")
+                              "compare against; regenerate it with 'trainprobes audit'")
     except CannotJudge as e:
         return GateReport(cannot_judge=str(e))
     return compare(baseline, candidate, waivers=waivers, alpha=alpha, rel_tol=rel_tol,
@@ -702,14 +705,17 @@ def gate_files(baseline_path, candidate_path, waivers_path=None, *, alpha: float
 
 # --- Markdown verdict --------------------------------------------------------------------
 
-def _cell(s: str) -> str:
-    return str(s).replace("|", "\\|").replace("\n", " ")
+def _toml_string(s: str) -> str:
+    """s as a TOML basic string: JSON's escapes are TOML's (quotes, backslashes, control
+    characters), so a target with a quote or a newline cannot break the waiver snippet."""
+    return json.dumps(s, ensure_ascii=False)
 
 
 def render_markdown(report: GateReport) -> str:
-    """The verdict a reviewer reads in a PR: what regressed, by how much, evidence, waiver."""
+    """The verdict a reviewer reads in a PR: what regressed, by how much, evidence, waiver.
+    Every text from the reports or the waivers goes through trainprobes.markup."""
     if report.cannot_judge is not None:
-        lines = report.cannot_judge.splitlines()
+        lines = [md_text(x) for x in report.cannot_judge.splitlines()]
         body = lines[0] if len(lines) == 1 else "\n".join(
             [lines[0], ""] + [f"- {x}" for x in lines[1:]])
         return ("## trainprobes gate: CANNOT JUDGE (exit 2)\n\n"
@@ -725,30 +731,32 @@ def render_markdown(report: GateReport) -> str:
         lines.append("| code | probe | target | what | baseline | candidate | evidence |")
         lines.append("|---|---|---|---|---|---|---|")
         for r in blocking:
-            lines.append("| " + " | ".join(_cell(x) for x in (
-                f"`{r.code}`", r.probe, f"`{r.target}`", r.what, r.baseline, r.candidate,
-                r.evidence)) + " |")
+            lines.append("| " + " | ".join(
+                [md_code(r.code, table=True), md_text(r.probe), md_code(r.target, table=True)]
+                + [md_text(x) for x in (r.what, r.baseline, r.candidate, r.evidence)]) + " |")
         lines.append("\nTo waive one, add to the waivers file (and say why):\n")
         lines.append("```toml")
         r = blocking[0]
-        lines += ["[[waiver]]", f'code = "{r.code}"', f'target = "{r.target}"',
+        lines += ["[[waiver]]", f"code = {_toml_string(r.code)}", f"target = {_toml_string(r.target)}",
                   'reason = "<why this regression is accepted>"',
                   f'expires = "{(date.today() + timedelta(days=30)).isoformat()}"', "```\n"]
     if waived:
         lines.append("### Waived\n")
         for r in waived:
             w = r.waived_by
-            lines.append(f"- `{r.code}` {r.probe} `{r.target}`: {r.what}. Waived until "
-                         f"{w.expires.isoformat()}: {w.reason}")
+            lines.append(f"- {md_code(r.code)} {md_text(r.probe)} {md_code(r.target)}: "
+                         f"{md_text(r.what)}. Waived until {w.expires.isoformat()}: "
+                         f"{md_text(w.reason)}")
         lines.append("")
     if report.expired_waivers:
         lines.append("### Expired waivers (not applied)\n")
         for w in report.expired_waivers:
-            lines.append(f"- `{w.code}` `{w.target}` expired {w.expires.isoformat()}: {w.reason}")
+            lines.append(f"- {md_code(w.code)} {md_code(w.target)} expired "
+                         f"{w.expires.isoformat()}: {md_text(w.reason)}")
         lines.append("")
     if report.unused_waivers:
         lines.append("### Unused waivers (nothing matched; remove them)\n")
         for w in report.unused_waivers:
-            lines.append(f"- `{w.code}` `{w.target}` (until {w.expires.isoformat()})")
+            lines.append(f"- {md_code(w.code)} {md_code(w.target)} (until {w.expires.isoformat()})")
         lines.append("")
     return "\n".join(lines)

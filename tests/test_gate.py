@@ -854,3 +854,60 @@ def test_a_transform_whose_replicas_disagree_cannot_be_edited_equivalent(monkeyp
     assert rep.exit_code == 2 and f"equivalent=True contradicts n_inconsistent={n}" in rep.cannot_judge
     _without(monkeypatch, "COUNTS", real.probe)
     assert compare([edited], [edited], today=TODAY).exit_code == 0
+
+
+# --- names that hold markup in the Markdown verdict ---------------------------------------
+
+NASTY = "</td><script>alert(1)</script> | col | `tick` \"q\"\n# heading [x](javascript:1) <!--"
+
+
+def _markdown_tables_and_markup(md: str):
+    """Through a CommonMark + GFM-table parser: each table row's cell texts (code spans
+    included), the kinds of every inline token (links, raw HTML, code spans, ...), the code
+    spans and all the text."""
+    from markdown_it import MarkdownIt
+    rows, kinds, cell, codes, text = [], set(), None, [], ""
+    for tok in MarkdownIt("commonmark").enable("table").parse(md):
+        if tok.type == "tr_open":
+            rows.append([])
+        elif tok.type in ("td_open", "th_open"):
+            cell = ""
+        elif tok.type in ("td_close", "th_close"):
+            rows[-1].append(cell)
+            cell = None
+        elif tok.type == "inline":
+            kinds |= {c.type for c in tok.children}
+            codes += [c.content for c in tok.children if c.type == "code_inline"]
+            text += "".join(c.content for c in tok.children) + "\n"
+            if cell is not None:
+                cell += "".join(c.content for c in tok.children if c.type in ("text", "code_inline"))
+    return rows, kinds, codes, text
+
+
+def test_markdown_verdict_shows_names_with_markup_as_written(tmp_path, capsys, monkeypatch):
+    # was: a target holding `|`, a backtick or a newline broke the table and the waiver
+    # snippet, and its HTML reached the job summary raw
+    base, cand, waivers = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "w.toml"
+    save_results(base, [CAUSAL(True, target=NASTY), CAUSAL(True, target="x" + NASTY)])
+    save_results(cand, [CAUSAL(False, target=NASTY), CAUSAL(False, target="x" + NASTY)])
+    waivers.write_text('[[waiver]]\ncode = "TP-C1"\ntarget = "old </td>| `"\n'
+                       'reason = "</li><script>1</script> | [x](y)"\nexpires = 2000-01-01\n')
+    summary = tmp_path / "step.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    args = ["gate", "--baseline", str(base), "--candidate", str(cand), "--waivers", str(waivers)]
+    assert main(args) == 1
+    md = summary.read_text()
+    assert capsys.readouterr().out.strip() == md.strip()
+    rows, kinds, codes, text = _markdown_tables_and_markup(md)
+    assert kinds <= {"text", "code_inline", "strong_open", "strong_close", "softbreak"}, kinds
+    assert len(rows) == 3 and {len(r) for r in rows} == {7}  # the table kept its shape
+    shown = NASTY.replace("\n", " ")
+    assert [r[2] for r in rows[1:]] == [shown, "x" + shown]
+    assert "old </td>| `" in codes and " expired 2000-01-01: </li><script>1</script> | [x](y)" in text
+    # the waiver snippet it prints is valid TOML that names the target exactly: pasted into
+    # the waivers file, it waives that regression
+    snippet = md.split("```toml\n", 1)[1].split("```", 1)[0]
+    waivers.write_text(snippet.replace("<why this regression is accepted>", "accepted"))
+    rep = gate_files(base, cand, waivers)
+    assert [(r.target, r.waived_by is not None) for r in rep.regressions] == [
+        (NASTY, True), ("x" + NASTY, False)]
