@@ -252,6 +252,23 @@ COUNTS = {
 SUMS = (("causality.check", "n_leaks", ("n_structural", "n_unconfirmed")),)
 
 
+class Significance(NamedTuple):
+    """A verdict boolean a probe derives from its own test: bad exactly when the p-value is
+    below alpha (a NaN one is not) and |estimate| reaches the floor."""
+    p: str
+    alpha: str
+    estimate: str
+    floor: str
+
+
+TESTS = {
+    # numerics.bias.error_stats: biased = p_value < alpha and |bias| >= min_effect
+    "numerics.bias": Significance("p_value", "alpha", "bias", "min_effect"),
+    # drift.verdict.classify: biased = p_value < alpha and not |mean_log_ratio| < min_bias
+    "drift.compare": Significance("p_value", "alpha", "mean_log_ratio", "min_bias"),
+}
+
+
 def _number(r: Result, name: str, side: str) -> float | None:
     try:
         return r.number(name)
@@ -273,8 +290,8 @@ def check_judgeable(r: Result, side: str) -> None:
     - a probe with a verdict boolean (result.PROBES) reports it, as true/false (None only
       beside fail/error), and the verdict agrees: the bad value never passes, and a fail
       with the good value is explained by another code or a broken configured threshold;
-    - its labels, side booleans and counts agree with that boolean (FLAG_LABELS,
-      SIDE_FLAGS, COUNTS, SUMS): `causal` true beside leaks cannot be judged;
+    - its labels, side booleans, counts and test agree with that boolean (FLAG_LABELS,
+      SIDE_FLAGS, COUNTS, SUMS, TESTS): `causal` true beside leaks cannot be judged;
     - the numbers PROBES says the probe reports whenever it measured are present;
     - every metric in NUMBERS, and every metric PROBES documents as a number, that is
       present is a number (NaN is a number; None where a probe had nothing to report).
@@ -370,9 +387,9 @@ def _count(r: Result, name: str, where: str) -> float:
 
 
 def _check_counts(r: Result, where: str, flag: str) -> None:
-    """The verdict boolean agrees with the counts the probe derives it from (COUNTS, SUMS):
-    `causal` true beside leaks, or false beside none, was edited (or the probe is broken).
-    Only for a Result that measured (its boolean is true or false)."""
+    """The verdict boolean agrees with the counts or the test the probe derives it from
+    (COUNTS, SUMS, TESTS): `causal` true beside leaks, or false beside none, was edited (or
+    the probe is broken). Only for a Result that measured (its boolean is true or false)."""
     for probe, total, parts in SUMS:
         if r.probe == probe:
             got = [_count(r, n, where) for n in (total, *parts)]
@@ -380,6 +397,9 @@ def _check_counts(r: Result, where: str, flag: str) -> None:
                 raise CannotJudge(f"{where}: metric {total}={r.metrics[total]!r} is not the sum "
                                   f"of {' + '.join(parts)} ({' + '.join(format_number(v) for v in got[1:])}), "
                                   "as the probe writes it (was the report edited?)")
+    test = TESTS.get(r.probe)
+    if test is not None:
+        _check_test(r, where, flag, test)
     rule = COUNTS.get(r.probe)
     if rule is None:
         return
@@ -396,6 +416,30 @@ def _check_counts(r: Result, where: str, flag: str) -> None:
                           + ", ".join(f"{n}={r.metrics[n]!r}" for n in rule.positive)
                           + f": the probe sets {flag}={r.metrics[flag]} only when one of them "
                           "is above 0 (was the report edited?)")
+
+
+def _check_test(r: Result, where: str, flag: str, test: Significance) -> None:
+    """The verdict boolean is what the probe's own test says (TESTS): `biased` false beside
+    p < alpha and a bias past the floor was edited. An estimate of NaN is left alone (the two
+    probes read it differently); the growth rules judge it."""
+    got = {}
+    for name in test:
+        v = _number(r, name, where)
+        if v is None:
+            raise CannotJudge(f"{where}: metric {name!r} missing: probe {r.probe!r} always "
+                              f"reports it beside {flag}, which must agree with its test")
+        got[name] = v
+    p, alpha, est, floor = (got[n] for n in test)
+    if math.isnan(est):
+        return
+    bad = p < alpha and abs(est) >= floor
+    if bad != (r.metrics[flag] is not VERDICT_FLAGS[flag]):
+        raise CannotJudge(
+            f"{where}: metric {flag}={r.metrics[flag]} contradicts its test: {test.p}="
+            f"{format_number(p)} {'<' if p < alpha else 'is not below'} {test.alpha}="
+            f"{format_number(alpha)} and |{test.estimate}|={format_number(abs(est))} "
+            f"{'>=' if abs(est) >= floor else '<'} {test.floor}={format_number(floor)}, so the "
+            f"probe writes {flag}={bad} (was the report edited?)")
 
 
 def _check_labels(r: Result, where: str, measured: bool) -> None:

@@ -27,10 +27,12 @@ def R(probe="custom.probe", target="t", verdict="pass", codes=(), **metrics):
 
 
 def BIAS(bias=1e-4, std=1e-4, trials=100, target="t", **kw):
-    """A numerics.bias Result as the probe writes it: biased, verdict and code agree."""
+    """A numerics.bias Result as the probe writes it: biased, verdict, code and its test
+    (p_value against alpha, min_effect: gate.TESTS) agree."""
     biased = kw.pop("biased", False)
+    test = {"p_value": 1e-6 if biased else 0.5, "alpha": 0.01, "min_effect": 0.0}
     return R("numerics.bias", target, "fail" if biased else "pass", ["TP-B1"] if biased else [],
-             bias=bias, std=std, trials=trials, biased=biased, **kw)
+             bias=bias, std=std, trials=trials, biased=biased, **{**test, **kw})
 
 
 def CAUSAL(causal=True, target="t", verdict=None, codes=None, **kw):
@@ -44,9 +46,11 @@ def CAUSAL(causal=True, target="t", verdict=None, codes=None, **kw):
 
 
 def DRIFT(mean, se, biased=False, codes=(), verdict=None, **kw):
+    """A drift.compare Result whose `biased` agrees with its test (gate.TESTS)."""
     codes = list(codes) + (["TP-D1"] if biased else [])
+    test = {"p_value": 1e-6 if biased else 0.5, "alpha": 0.01, "min_bias": 0.0}
     return R("drift.compare", "t", verdict or ("fail" if codes else "pass"), codes,
-             mean_log_ratio=mean, se_mean=se, biased=biased, **kw)
+             mean_log_ratio=mean, se_mean=se, biased=biased, **{**test, **kw})
 
 
 # (name, baseline, candidate, expected codes)
@@ -717,13 +721,14 @@ def test_a_transform_scale_edited_apart_from_its_estimate_cannot_judge(edit):
                                    or "outside its CI" in rep.cannot_judge)
 
 
-# --- the verdict boolean against the counts the probe derives it from (COUNTS, SUMS) ------
+# --- the verdict boolean against the counts or test it is derived from (COUNTS, SUMS, TESTS)
 
 @pytest.fixture(scope="module")
 def written():
     """Results as the probes write them, on tiny reference targets (~0.1 s in all)."""
     import torch
     from trainprobes.causality import check
+    from trainprobes.drift import compare as drift_compare
     from trainprobes.isolation import batch_invariance, documents
     from trainprobes.isolation.controls import (
         VOCAB,
@@ -737,11 +742,13 @@ def written():
     )
     from trainprobes.isolation.end_to_end import end_to_end
     from trainprobes.isolation.ops import _as_map_entry
+    from trainprobes.numerics.bias import collective_bias
     from trainprobes.reference import routing
 
     x = torch.randn(2, 12, 8, generator=torch.Generator().manual_seed(0))
     ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(0))
     seqs = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(1))
+    lp = -torch.rand(8, 24, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3
 
     def lm(t):  # exact integer logits: batch-invariant
         return torch.log_softmax(integer_rows(0, VOCAB)[:, :VOCAB][t][:, :-1], -1).gather(
@@ -762,6 +769,9 @@ def written():
         "variant op": _as_map_entry(batch_invariance(split_by_batch, integer_rows(), sizes=(2,))),
         "invariant engine": end_to_end(lm, seqs, sizes=(2,)),
         "variant engine": end_to_end(batch_sized_lm, seqs, sizes=(2,)),
+        "biased average": collective_bias(world=6, numel=64, trials=8, op="avg"),  # bf16(1/6)
+        "fp32 sum": collective_bias(world=8, numel=64, trials=8, dtype="fp32"),
+        "biased drift": drift_compare(lp, lp - 0.05),
     }
 
 
@@ -794,6 +804,13 @@ COUNT_EDITS = [
      "batch_invariant=False but frac_rows_differ=0.0, breaking_sizes=[]"),
     ("variant engine", {"batch_invariant": True, **PASSING}, "COUNTS",
      "batch_invariant=True contradicts frac_tokens_differ=1.0"),
+    ("biased average", {"biased": False, **PASSING}, "TESTS",
+     "biased=False contradicts its test: p_value=1.218e-06 < alpha=0.01 and |bias|=0.001959 "
+     ">= min_effect=0, so the probe writes biased=True"),
+    ("fp32 sum", {"biased": True, "verdict": "fail", "codes": ["TP-B1"]}, "TESTS",
+     "p_value=0.5315 is not below alpha=0.01"),
+    ("biased drift", {"biased": False, "drift_verdict": "noisy", **PASSING}, "TESTS",
+     "|mean_log_ratio|=0.05 >= min_bias=1e-05, so the probe writes biased=True"),
 ]
 
 
@@ -809,7 +826,8 @@ def _without(monkeypatch, table: str, probe: str) -> None:
                          ids=[f"{c[0]}: {', '.join(c[1])}" for c in COUNT_EDITS])
 def test_a_verdict_boolean_its_counts_contradict_cannot_judge(written, monkeypatch, which, edit,
                                                              table, match):
-    # was: a report edited to `causal: true` beside 34 leaks (or `false` beside none) passed
+    # was: a report edited to `causal: true` beside 34 leaks (or `false` beside none), or to
+    # `biased: false` beside p = 1e-6, passed
     real = written[which]
     assert compare([real], [real], today=TODAY).exit_code == 0  # as the probe wrote it: judged
     edited = _edit(real, **edit)
@@ -824,7 +842,9 @@ def test_a_verdict_boolean_its_counts_contradict_cannot_judge(written, monkeypat
 @pytest.mark.parametrize("which,count", [("causal router", "n_score_leaks"),
                                          ("isolated documents", "n_blind_tokens"),
                                          ("invariant batch", "breaking_sizes"),
-                                         ("invariant engine", "frac_tokens_differ")])
+                                         ("invariant engine", "frac_tokens_differ"),
+                                         ("biased average", "p_value"),
+                                         ("biased drift", "min_bias")])
 @pytest.mark.parametrize("fault", ["deleted", "mistyped"])
 def test_a_count_the_verdict_boolean_rests_on_deleted_or_mistyped_cannot_judge(written, which,
                                                                              count, fault):
@@ -835,7 +855,8 @@ def test_a_count_the_verdict_boolean_rests_on_deleted_or_mistyped_cannot_judge(w
         d["metrics"][count] = "0"
     rep = compare([written[which]], [Result.from_dict(d)], today=TODAY)
     assert rep.exit_code == 2 and count in rep.cannot_judge
-    assert ("missing" if fault == "deleted" else "mistyped") in rep.cannot_judge
+    assert ("missing" in rep.cannot_judge if fault == "deleted" else
+            "mistyped" in rep.cannot_judge or "expected a number" in rep.cannot_judge)
 
 
 @pytest.mark.slow
