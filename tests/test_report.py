@@ -334,48 +334,11 @@ def nasty_results():
     return out
 
 
-class _Page(html.parser.HTMLParser):
-    """Start tags and the text of every <td>/<th> (by row) and <code>."""
-
-    def __init__(self):
-        super().__init__(convert_charrefs=True)
-        self.tags, self.rows, self.code, self.text = [], [], [], ""
-        self._cell = self._code = False
-
-    def handle_starttag(self, tag, attrs):
-        self.tags.append(tag)
-        if tag == "tr":
-            self.rows.append([])
-        elif tag in ("td", "th"):
-            self.rows[-1].append("")
-            self._cell = True
-        elif tag == "code":
-            self.code.append("")
-            self._code = True
-
-    def handle_endtag(self, tag):
-        self._cell = self._cell and tag not in ("td", "th")
-        self._code = self._code and tag != "code"
-
-    def handle_data(self, data):
-        self.text += data
-        if self._cell:
-            self.rows[-1][-1] += data
-        if self._code:
-            self.code[-1] += data
-
-
-def _page(html_text: str) -> _Page:
-    p = _Page()
-    p.feed(html_text)
-    return p
-
-
-def test_summary_markdown_shows_names_with_markup_as_written_in_its_table(tmp_path):
+def test_summary_markdown_shows_names_with_markup_as_written_in_its_table(html_page):
     from markdown_it import MarkdownIt
     rs = nasty_results()
     md = summary_markdown(rs, {"title": "nightly </h2><script>x</script>", "suite": "a|b"})
-    page = _page(MarkdownIt("commonmark").enable("table").render(md))  # raw HTML would pass
+    page = html_page(MarkdownIt("commonmark").enable("table").render(md))  # raw HTML would pass
     assert "script" not in page.tags and "a" not in page.tags and "img" not in page.tags
     assert set(page.tags) <= {"h2", "p", "strong", "ul", "li", "code", "table", "thead",
                               "tbody", "tr", "th", "td"}, set(page.tags)
@@ -388,16 +351,16 @@ def test_summary_markdown_shows_names_with_markup_as_written_in_its_table(tmp_pa
     assert listed and all(r.message.replace("\n", " ") in page.text for r in listed)
 
 
-def test_html_report_shows_names_with_markup_as_text_and_draws_every_plot(tmp_path):
+def test_html_report_shows_names_with_markup_as_text_and_draws_every_plot(tmp_path, html_page):
     rs = nasty_results()
     paths = write_report(tmp_path, rs, {"title": "nightly </title><script>x</script>"})
     text = paths["html"].read_text()
-    page = _page(text)
+    page = html_page(text)
     assert "script" not in page.tags and "a" not in page.tags
     assert "could not be drawn" not in text  # a$x$b and c$\frac{$d are not mathtext
     assert page.tags.count("img") >= 1
     last = text.rindex("<table class='results'>")
-    rows = _page(text[last:]).rows
+    rows = html_page(text[last:]).rows
     results_rows = [r for r in rows if len(r) == 6]  # the others: each Result's metrics (2)
     assert len(results_rows) == len(rs) + 1 and {len(r) for r in rows} == {6, 2}
     for r, name in zip(results_rows[1:], NASTY):
