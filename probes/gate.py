@@ -325,8 +325,8 @@ def check_judgeable(r: Result, side: str) -> None:
                               "the report edited?)")
     _check_labels(r, where, measured)
     if spec is not None and spec.flag is not None and measured:
-        _check_counts(r, where, spec.flag)
-    _check_derived(r, where)
+        _check_flag_evidence(r, side, spec.flag)
+    _check_derived(r, side)
     if spec is not None and measured:
         missing = [n for n in spec.needs if n not in r.metrics]
         if missing:
@@ -356,17 +356,18 @@ def check_judgeable(r: Result, side: str) -> None:
 DERIVED = (("transforms.equivalence", "scale", "scale_error", 1.0),)
 
 
-def _check_derived(r: Result, where: str) -> None:
+def _check_derived(r: Result, side: str) -> None:
+    where = f"{side} {r.key!r}"
     for probe, shown, est, offset in DERIVED:
         if r.probe != probe:
             continue
-        a, b = _number(r, shown, where), _number(r, est, where)
+        a, b = _number(r, shown, side), _number(r, est, side)
         if a is None or b is None or (math.isnan(a) and math.isnan(b)):
             continue
         if not abs(a - (offset + b)) <= 1e-9 * max(1.0, abs(a)):
             raise CannotJudge(f"{where}: metric {shown}={a!r} is not {offset:g} + {est}={b!r}, "
                               "as the probe writes it (was the report edited?)")
-        lo, hi = _number(r, f"{shown}_ci_low", where), _number(r, f"{shown}_ci_high", where)
+        lo, hi = _number(r, f"{shown}_ci_low", side), _number(r, f"{shown}_ci_high", side)
         if None not in (lo, hi) and not math.isnan(lo + hi + a) and not lo <= a <= hi:
             raise CannotJudge(f"{where}: metric {shown}={a!r} lies outside its CI "
                               f"[{lo!r}, {hi!r}] (was the report edited?)")
@@ -386,10 +387,11 @@ def _count(r: Result, name: str, where: str) -> float:
     return float(v)
 
 
-def _check_counts(r: Result, where: str, flag: str) -> None:
+def _check_flag_evidence(r: Result, side: str, flag: str) -> None:
     """The verdict boolean agrees with the counts or the test the probe derives it from
     (COUNTS, SUMS, TESTS): `causal` true beside leaks, or false beside none, was edited (or
     the probe is broken). Only for a Result that measured (its boolean is true or false)."""
+    where = f"{side} {r.key!r}"
     for probe, total, parts in SUMS:
         if r.probe == probe:
             got = [_count(r, n, where) for n in (total, *parts)]
@@ -399,7 +401,7 @@ def _check_counts(r: Result, where: str, flag: str) -> None:
                                   "as the probe writes it (was the report edited?)")
     test = TESTS.get(r.probe)
     if test is not None:
-        _check_test(r, where, flag, test)
+        _check_test(r, side, flag, test)
     rule = COUNTS.get(r.probe)
     if rule is None:
         return
@@ -418,13 +420,13 @@ def _check_counts(r: Result, where: str, flag: str) -> None:
                           "is above 0 (was the report edited?)")
 
 
-def _check_test(r: Result, where: str, flag: str, test: Significance) -> None:
+def _check_test(r: Result, side: str, flag: str, test: Significance) -> None:
     """The verdict boolean is what the probe's own test says (TESTS): `biased` false beside
     p < alpha and a bias past the floor was edited. An estimate of NaN is left alone (the two
     probes read it differently); the growth rules judge it."""
-    got = {}
+    where, got = f"{side} {r.key!r}", {}
     for name in test:
-        v = _number(r, name, where)
+        v = _number(r, name, side)
         if v is None:
             raise CannotJudge(f"{where}: metric {name!r} missing: probe {r.probe!r} always "
                               f"reports it beside {flag}, which must agree with its test")
