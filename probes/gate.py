@@ -27,14 +27,17 @@ Waivers name a code, a target (exact, or an fnmatch pattern) and a reason, and e
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from datetime import date, timedelta
 from fnmatch import fnmatchcase
 from pathlib import Path
+from typing import NamedTuple
 
 from trainprobes.display import format_number
 from trainprobes.errors import CannotJudge, InvalidType
+from trainprobes.markup import md_code, md_text
 from trainprobes.result import CODES, PROBES, VERDICT_FLAGS, Result, SchemaError, load_results, strict_json
 from trainprobes.validation import check_number
 
@@ -210,13 +213,60 @@ FLAG_LABELS = {
 }
 # Booleans beside the verdict one whose bad value carries its own code and never passes:
 # (metric, bad value, code). drift.verdict.judge: heavy_tailed -> TP-D2 (warn);
-# causality.summary: batch_isolated False -> TP-C3 (fail).
+# causality.summary: batch_isolated False -> TP-C3 (fail); isolation.documents: causal
+# False (its within-document causality check leaked) -> TP-C1 (fail).
 SIDE_FLAGS = {
     "drift.compare": (("heavy_tailed", True, "TP-D2"),),
     "causality.check": (("batch_isolated", False, "TP-C3"),),
+    "isolation.documents": (("causal", False, "TP-C1"),),
 }
 # The probes' own floors (ESTIMATES): growth below one is not a regression, so they must be finite.
 FLOORS = ("min_effect", "min_bias")
+
+
+class Counts(NamedTuple):
+    """What a probe's verdict boolean says of counts it reports beside it (each a number, or
+    a list counted by its length): with the good value every count in `zero` is 0; with the
+    bad value at least one in `positive` is above 0 (empty: the Result cannot show it)."""
+    zero: tuple
+    positive: tuple = ()
+
+
+_BATCH = Counts(("frac_rows_differ", "breaking_sizes"), ("frac_rows_differ", "breaking_sizes"))
+COUNTS = {
+    # causality.summary: causal = n_leaks == 0 and n_score_leaks == 0
+    "causality.check": Counts(("n_leaks", "n_score_leaks"), ("n_leaks", "n_score_leaks")),
+    # isolation.documents: isolated = False if n_leaks, None if n_unverified or
+    # n_blind_tokens, else True
+    "isolation.documents": Counts(("n_leaks", "n_unverified", "n_blind_tokens"), ("n_leaks",)),
+    # isolation.batch: batch_invariant = no batch size at which a row differs (breaking_sizes)
+    "isolation.batch_invariance": _BATCH, "isolation.op_map": _BATCH,
+    # isolation.end_to_end: invariant = no token differs at any size (d > 0, no atol); the
+    # Result shows the largest size only, so a variant one need not show it
+    "isolation.end_to_end": Counts(("frac_tokens_differ", "max_abs_diff")),
+    # transforms.judge: replicas that disagree (n_inconsistent) make it inconsistent or wrong
+    "transforms.equivalence": Counts(("n_inconsistent",)),
+}
+# Counts a probe reports as the sum of others: (probe, total, parts). causality.summary:
+# n_leaks = structural + unconfirmed flips (the CLI shows all three side by side).
+SUMS = (("causality.check", "n_leaks", ("n_structural", "n_unconfirmed")),)
+
+
+class Significance(NamedTuple):
+    """A verdict boolean a probe derives from its own test: bad exactly when the p-value is
+    below alpha (a NaN one is not) and |estimate| reaches the floor."""
+    p: str
+    alpha: str
+    estimate: str
+    floor: str
+
+
+TESTS = {
+    # numerics.bias.error_stats: biased = p_value < alpha and |bias| >= min_effect
+    "numerics.bias": Significance("p_value", "alpha", "bias", "min_effect"),
+    # drift.verdict.classify: biased = p_value < alpha and not |mean_log_ratio| < min_bias
+    "drift.compare": Significance("p_value", "alpha", "mean_log_ratio", "min_bias"),
+}
 
 
 def _number(r: Result, name: str, side: str) -> float | None:
@@ -240,6 +290,8 @@ def check_judgeable(r: Result, side: str) -> None:
     - a probe with a verdict boolean (result.PROBES) reports it, as true/false (None only
       beside fail/error), and the verdict agrees: the bad value never passes, and a fail
       with the good value is explained by another code or a broken configured threshold;
+    - its labels, side booleans, counts and test agree with that boolean (FLAG_LABELS,
+      SIDE_FLAGS, COUNTS, SUMS, TESTS): `causal` true beside leaks cannot be judged;
     - the numbers PROBES says the probe reports whenever it measured are present;
     - every metric in NUMBERS, and every metric PROBES documents as a number, that is
       present is a number (NaN is a number; None where a probe had nothing to report).
@@ -272,7 +324,9 @@ def check_judgeable(r: Result, side: str) -> None:
                               f"other code ({r.codes}) or broken threshold explains it (was "
                               "the report edited?)")
     _check_labels(r, where, measured)
-    _check_derived(r, where)
+    if spec is not None and spec.flag is not None and measured:
+        _check_flag_evidence(r, side, spec.flag)
+    _check_derived(r, side)
     if spec is not None and measured:
         missing = [n for n in spec.needs if n not in r.metrics]
         if missing:
@@ -302,20 +356,92 @@ def check_judgeable(r: Result, side: str) -> None:
 DERIVED = (("transforms.equivalence", "scale", "scale_error", 1.0),)
 
 
-def _check_derived(r: Result, where: str) -> None:
+def _check_derived(r: Result, side: str) -> None:
+    where = f"{side} {r.key!r}"
     for probe, shown, est, offset in DERIVED:
         if r.probe != probe:
             continue
-        a, b = _number(r, shown, where), _number(r, est, where)
+        a, b = _number(r, shown, side), _number(r, est, side)
         if a is None or b is None or (math.isnan(a) and math.isnan(b)):
             continue
         if not abs(a - (offset + b)) <= 1e-9 * max(1.0, abs(a)):
             raise CannotJudge(f"{where}: metric {shown}={a!r} is not {offset:g} + {est}={b!r}, "
                               "as the probe writes it (was the report edited?)")
-        lo, hi = _number(r, f"{shown}_ci_low", where), _number(r, f"{shown}_ci_high", where)
+        lo, hi = _number(r, f"{shown}_ci_low", side), _number(r, f"{shown}_ci_high", side)
         if None not in (lo, hi) and not math.isnan(lo + hi + a) and not lo <= a <= hi:
             raise CannotJudge(f"{where}: metric {shown}={a!r} lies outside its CI "
                               f"[{lo!r}, {hi!r}] (was the report edited?)")
+
+
+def _count(r: Result, name: str, where: str) -> float:
+    """A count the verdict boolean must agree with: a number, or a list's length."""
+    if name not in r.metrics:
+        raise CannotJudge(f"{where}: metric {name!r} missing: probe {r.probe!r} always reports "
+                          "it beside its verdict boolean, which must agree with it")
+    v = r.metrics[name]
+    if isinstance(v, list):
+        return float(len(v))
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise CannotJudge(f"{where}: metric {name}={v!r} is mistyped: a {type(v).__name__}, "
+                          "expected a number (or a list)")
+    return float(v)
+
+
+def _check_flag_evidence(r: Result, side: str, flag: str) -> None:
+    """The verdict boolean agrees with the counts or the test the probe derives it from
+    (COUNTS, SUMS, TESTS): `causal` true beside leaks, or false beside none, was edited (or
+    the probe is broken). Only for a Result that measured (its boolean is true or false)."""
+    where = f"{side} {r.key!r}"
+    for probe, total, parts in SUMS:
+        if r.probe == probe:
+            got = [_count(r, n, where) for n in (total, *parts)]
+            if not got[0] == sum(got[1:]):
+                raise CannotJudge(f"{where}: metric {total}={r.metrics[total]!r} is not the sum "
+                                  f"of {' + '.join(parts)} ({' + '.join(format_number(v) for v in got[1:])}), "
+                                  "as the probe writes it (was the report edited?)")
+    test = TESTS.get(r.probe)
+    if test is not None:
+        _check_test(r, side, flag, test)
+    rule = COUNTS.get(r.probe)
+    if rule is None:
+        return
+    good = r.metrics[flag] is VERDICT_FLAGS[flag]
+    if good:
+        above = [n for n in rule.zero if _count(r, n, where) > 0]
+        if above:
+            raise CannotJudge(f"{where}: metric {flag}={r.metrics[flag]} contradicts "
+                              + ", ".join(f"{n}={r.metrics[n]!r}" for n in above)
+                              + f": the probe sets {flag}={r.metrics[flag]} only when "
+                              f"{', '.join(rule.zero)} are all 0 (was the report edited?)")
+    elif rule.positive and not any(_count(r, n, where) > 0 for n in rule.positive):
+        raise CannotJudge(f"{where}: metric {flag}={r.metrics[flag]} but "
+                          + ", ".join(f"{n}={r.metrics[n]!r}" for n in rule.positive)
+                          + f": the probe sets {flag}={r.metrics[flag]} only when one of them "
+                          "is above 0 (was the report edited?)")
+
+
+def _check_test(r: Result, side: str, flag: str, test: Significance) -> None:
+    """The verdict boolean is what the probe's own test says (TESTS): `biased` false beside
+    p < alpha and a bias past the floor was edited. An estimate of NaN is left alone (the two
+    probes read it differently); the growth rules judge it."""
+    where, got = f"{side} {r.key!r}", {}
+    for name in test:
+        v = _number(r, name, side)
+        if v is None:
+            raise CannotJudge(f"{where}: metric {name!r} missing: probe {r.probe!r} always "
+                              f"reports it beside {flag}, which must agree with its test")
+        got[name] = v
+    p, alpha, est, floor = (got[n] for n in test)
+    if math.isnan(est):
+        return
+    bad = p < alpha and abs(est) >= floor
+    if bad != (r.metrics[flag] is not VERDICT_FLAGS[flag]):
+        raise CannotJudge(
+            f"{where}: metric {flag}={r.metrics[flag]} contradicts its test: {test.p}="
+            f"{format_number(p)} {'<' if p < alpha else 'is not below'} {test.alpha}="
+            f"{format_number(alpha)} and |{test.estimate}|={format_number(abs(est))} "
+            f"{'>=' if abs(est) >= floor else '<'} {test.floor}={format_number(floor)}, so the "
+            f"probe writes {flag}={bad} (was the report edited?)")
 
 
 def _check_labels(r: Result, where: str, measured: bool) -> None:
@@ -461,10 +587,11 @@ def _compare_pair(b: Result, c: Result, alpha: float, rel_tol: float) -> list[Re
                     f"{flag} = {good}", f"{flag} = {not good}", c.message)
     for code, name, label, floor in ESTIMATES:
         eb, ec = estimate(b, name, "baseline"), estimate(c, name, "candidate")
+        shown = label if label == name else f"{label} ({name})"
         if eb and not ec and name in c.metrics:
             # NaN (or without a finite standard error): skipping the test would pass a
             # candidate whose estimate cannot be shown not to have grown
-            add(code, f"{label} `{name}` cannot be tested in the candidate: the value is NaN, "
+            add(code, f"{shown} cannot be tested in the candidate: the value is NaN, "
                 "or its standard error is NaN, infinite or has no source", f"{eb[0]:.4g} ± {eb[1]:.2g} (SE)",
                 f"{_fmt(c.metrics.get(name))} ± {_fmt(standard_error(c, name))} (SE)",
                 c.message)
@@ -481,7 +608,7 @@ def _compare_pair(b: Result, c: Result, alpha: float, rel_tol: float) -> list[Re
                 ratio = abs(ec[0]) / abs(eb[0]) if eb[0] else math.inf
                 times = (f"{ratio:,.0f}x" if ratio >= 100 else f"{ratio:.3g}x") \
                     if math.isfinite(ratio) else "from zero"
-                add(code, f"{label} `{name}` significantly larger in magnitude ({times})",
+                add(code, f"{shown} significantly larger in magnitude ({times})",
                     f"{eb[0]:.4g} ± {eb[1]:.2g} (SE)", f"{ec[0]:.4g} ± {ec[1]:.2g} (SE)",
                     f"one-sided z = {_fmt(z)}, p = {p:.2g} < alpha = {alpha}")
     bb = _number(b, "accumulator_mantissa_bits", "baseline")
@@ -517,7 +644,7 @@ def _duplicates(side: str, results: list[Result]) -> str | None:
     # keeping either of two Results under one key would let a failing duplicate pass unseen
     return (f"{side} holds more than one Result for {len(dups)} key(s), e.g. {dups[0]!r}: "
             "Results are matched by probe::target, so each needs its own target (give each "
-            "audit entry its own `name`)")
+            "audit entry its own name)")
 
 
 def _problems(base: dict, cand: dict) -> list[str]:
@@ -615,7 +742,7 @@ def gate_files(baseline_path, candidate_path, waivers_path=None, *, alpha: float
             raise CannotJudge(f"candidate: {e}") from e
         if not baseline:
             raise CannotJudge(f"baseline {str(baseline_path)!r} holds no results: nothing to "
-                              "compare against; regenerate it with `trainprobes audit`")
+                              "compare against; regenerate it with 'trainprobes audit'")
     except CannotJudge as e:
         return GateReport(cannot_judge=str(e))
     return compare(baseline, candidate, waivers=waivers, alpha=alpha, rel_tol=rel_tol,
@@ -624,14 +751,17 @@ def gate_files(baseline_path, candidate_path, waivers_path=None, *, alpha: float
 
 # --- Markdown verdict --------------------------------------------------------------------
 
-def _cell(s: str) -> str:
-    return str(s).replace("|", "\\|").replace("\n", " ")
+def _toml_string(s: str) -> str:
+    """s as a TOML basic string: JSON's escapes are TOML's (quotes, backslashes, control
+    characters), so a target with a quote or a newline cannot break the waiver snippet."""
+    return json.dumps(s, ensure_ascii=False)
 
 
 def render_markdown(report: GateReport) -> str:
-    """The verdict a reviewer reads in a PR: what regressed, by how much, evidence, waiver."""
+    """The verdict a reviewer reads in a PR: what regressed, by how much, evidence, waiver.
+    Every text from the reports or the waivers goes through trainprobes.markup."""
     if report.cannot_judge is not None:
-        lines = report.cannot_judge.splitlines()
+        lines = [md_text(x) for x in report.cannot_judge.splitlines()]
         body = lines[0] if len(lines) == 1 else "\n".join(
             [lines[0], ""] + [f"- {x}" for x in lines[1:]])
         return ("## trainprobes gate: CANNOT JUDGE (exit 2)\n\n"
@@ -647,30 +777,32 @@ def render_markdown(report: GateReport) -> str:
         lines.append("| code | probe | target | what | baseline | candidate | evidence |")
         lines.append("|---|---|---|---|---|---|---|")
         for r in blocking:
-            lines.append("| " + " | ".join(_cell(x) for x in (
-                f"`{r.code}`", r.probe, f"`{r.target}`", r.what, r.baseline, r.candidate,
-                r.evidence)) + " |")
+            lines.append("| " + " | ".join(
+                [md_code(r.code, table=True), md_text(r.probe), md_code(r.target, table=True)]
+                + [md_text(x) for x in (r.what, r.baseline, r.candidate, r.evidence)]) + " |")
         lines.append("\nTo waive one, add to the waivers file (and say why):\n")
         lines.append("```toml")
         r = blocking[0]
-        lines += ["[[waiver]]", f'code = "{r.code}"', f'target = "{r.target}"',
+        lines += ["[[waiver]]", f"code = {_toml_string(r.code)}", f"target = {_toml_string(r.target)}",
                   'reason = "<why this regression is accepted>"',
                   f'expires = "{(date.today() + timedelta(days=30)).isoformat()}"', "```\n"]
     if waived:
         lines.append("### Waived\n")
         for r in waived:
             w = r.waived_by
-            lines.append(f"- `{r.code}` {r.probe} `{r.target}`: {r.what}. Waived until "
-                         f"{w.expires.isoformat()}: {w.reason}")
+            lines.append(f"- {md_code(r.code)} {md_text(r.probe)} {md_code(r.target)}: "
+                         f"{md_text(r.what)}. Waived until {w.expires.isoformat()}: "
+                         f"{md_text(w.reason)}")
         lines.append("")
     if report.expired_waivers:
         lines.append("### Expired waivers (not applied)\n")
         for w in report.expired_waivers:
-            lines.append(f"- `{w.code}` `{w.target}` expired {w.expires.isoformat()}: {w.reason}")
+            lines.append(f"- {md_code(w.code)} {md_code(w.target)} expired "
+                         f"{w.expires.isoformat()}: {md_text(w.reason)}")
         lines.append("")
     if report.unused_waivers:
         lines.append("### Unused waivers (nothing matched; remove them)\n")
         for w in report.unused_waivers:
-            lines.append(f"- `{w.code}` `{w.target}` (until {w.expires.isoformat()})")
+            lines.append(f"- {md_code(w.code)} {md_code(w.target)} (until {w.expires.isoformat()})")
         lines.append("")
     return "\n".join(lines)

@@ -120,3 +120,33 @@ def test_hand_written_dtype_spellings_resolve_to_one_format():
     # ml_dtypes' float8_e4m3 (IEEE-like, with infinities) is another format: not e4m3fn
     with pytest.raises(ValueError, match="float8_e4m3"):
         check_dtype("float8_e4m3")
+
+
+def test_help_imports_no_torch_and_still_lists_every_choice():
+    # was ~1.1 s: building the parser imported torch for stall's, bias's and collectives'
+    # choices, so `trainprobes --help` and `trainprobes gate --help` paid for it too
+    import subprocess
+    import sys
+    code = ("import contextlib, io, sys\n"
+            "from trainprobes.cli import COMMANDS, main\n"
+            "out = io.StringIO()\n"
+            "with contextlib.redirect_stdout(out):\n"
+            "    codes = [main([*c, '--help']) for c in [[]] + [[c] for c in COMMANDS]]\n"
+            "print(codes, sorted(m for m in ('torch', 'numpy', 'scipy') if m in sys.modules))\n"
+            "print(out.getvalue())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**__import__("os").environ, "COLUMNS": "200"})
+    first, text = done.stdout.split("\n", 1)
+    assert first == f"{[0] * (len(COMMANDS) + 1)} []", done.stderr  # exit 0, nothing heavy
+    for listed in ("nearest, stochastic or toward_zero", "(default: fp32,tf32,fp16,bf16,fp8_e4m3fn",
+                   "ring, tree, halving_doubling, hierarchical, sequential, gloo (default: ring)",
+                   "gradient: heavy-tailed, gradient-like"):
+        assert listed in text
+
+
+def test_help_choice_tables_equal_the_ones_the_probes_use():
+    import importlib
+
+    from trainprobes.commands import choices
+    for here, module, there in choices.SOURCES:
+        assert getattr(choices, here) == getattr(importlib.import_module(module), there), (here, module)

@@ -27,21 +27,30 @@ def R(probe="custom.probe", target="t", verdict="pass", codes=(), **metrics):
 
 
 def BIAS(bias=1e-4, std=1e-4, trials=100, target="t", **kw):
-    """A numerics.bias Result as the probe writes it: biased, verdict and code agree."""
+    """A numerics.bias Result as the probe writes it: biased, verdict, code and its test
+    (p_value against alpha, min_effect: gate.TESTS) agree."""
     biased = kw.pop("biased", False)
+    test = {"p_value": 1e-6 if biased else 0.5, "alpha": 0.01, "min_effect": 0.0}
     return R("numerics.bias", target, "fail" if biased else "pass", ["TP-B1"] if biased else [],
-             bias=bias, std=std, trials=trials, biased=biased, **kw)
+             bias=bias, std=std, trials=trials, biased=biased, **{**test, **kw})
 
 
-def CAUSAL(causal=True, target="t", **kw):
-    return R("causality.check", target, "pass" if causal else "fail", [] if causal else ["TP-C1"],
-             causal=causal, **kw)
+def CAUSAL(causal=True, target="t", verdict=None, codes=None, **kw):
+    """A causality.check Result as the probe writes it: verdict, code and the leak counts
+    agree with `causal` (gate.COUNTS, gate.SUMS)."""
+    n = kw.pop("n_leaks", 0 if causal else 1)
+    counts = {"n_leaks": n, "n_structural": n, "n_unconfirmed": 0, "n_score_leaks": 0}
+    return R("causality.check", target, verdict or ("pass" if causal else "fail"),
+             ([] if causal else ["TP-C1"]) if codes is None else codes, causal=causal,
+             **counts, **kw)
 
 
 def DRIFT(mean, se, biased=False, codes=(), verdict=None, **kw):
+    """A drift.compare Result whose `biased` agrees with its test (gate.TESTS)."""
     codes = list(codes) + (["TP-D1"] if biased else [])
+    test = {"p_value": 1e-6 if biased else 0.5, "alpha": 0.01, "min_bias": 0.0}
     return R("drift.compare", "t", verdict or ("fail" if codes else "pass"), codes,
-             mean_log_ratio=mean, se_mean=se, biased=biased, **kw)
+             mean_log_ratio=mean, se_mean=se, biased=biased, **{**test, **kw})
 
 
 # (name, baseline, candidate, expected codes)
@@ -372,7 +381,8 @@ def test_every_result_field_deleted_or_mistyped_cannot_judge(tmp_path, side, fau
 GATED = [
     ("numerics.bias", BIAS(target="x"), ["biased", "bias", "std", "trials"]),
     ("drift.compare", DRIFT(1e-5, 1e-6), ["biased", "mean_log_ratio", "se_mean"]),
-    ("causality.check", CAUSAL(target="x"), ["causal"]),
+    ("causality.check", CAUSAL(target="x"),
+     ["causal", "n_leaks", "n_score_leaks", "n_structural", "n_unconfirmed"]),
     ("numerics.reveal", R("numerics.reveal", accumulator_mantissa_bits=10),
      ["accumulator_mantissa_bits"]),
     ("distributed.collective", R("distributed.collective", bias=0.1, bias_z=1.0), ["bias", "bias_z"]),
@@ -448,7 +458,7 @@ def test_a_verdict_change_with_its_code_is_reported_as_that():
 
 
 def test_fails_explained_by_another_code_or_a_threshold_are_judged():
-    batch_leak = R("causality.check", verdict="fail", codes=["TP-C3"], causal=True)
+    batch_leak = CAUSAL(True, verdict="fail", codes=["TP-C3"])
     over = BIAS()
     over.verdict, over.codes = "fail", ["TP-B1"]
     over.evidence["thresholds"] = {"fail_above": {"p_value": 0.5}, "broken": ["p_value ..."]}
@@ -608,7 +618,8 @@ def test_a_non_finite_floor_cannot_judge(side, floor):
 
 def _transform(kind, equivalent, verdict="pass", codes=()):
     return R("transforms.equivalence", "t", verdict, codes, equivalent=equivalent,
-             transform_verdict=kind, scale=1.0, scale_error=0.0, scale_error_se=1e-8, trials=16)
+             transform_verdict=kind, scale=1.0, scale_error=0.0, scale_error_se=1e-8, trials=16,
+             n_inconsistent=int(kind == "inconsistent"))
 
 
 CONTRADICTIONS = [
@@ -642,15 +653,14 @@ def test_labels_that_agree_are_judged():
             DRIFT(1e-5, 1e-5, drift_verdict="heavy-tailed", heavy_tailed=True, codes=["TP-D2"],
                   verdict="warn"),
             DRIFT(1e-2, 1e-5, biased=True, drift_verdict="biased", heavy_tailed=False),
-            R("causality.check", "t", "fail", ["TP-C3"], causal=True, batch_isolated=False)]
+            CAUSAL(True, verdict="fail", codes=["TP-C3"], batch_isolated=False)]
     for r in rows:
         assert compare([r], [r], today=TODAY).exit_code == 0, r
 
 
 def test_a_waiver_for_one_code_does_not_hide_another_new_one():
     # the TP-C1 waiver (leaks accepted) also hid the router's new batch-isolation leak (TP-C3)
-    cand = R("causality.check", "t", "fail", ["TP-C1", "TP-C3"], causal=False,
-             batch_isolated=False)
+    cand = CAUSAL(False, codes=["TP-C1", "TP-C3"], batch_isolated=False)
     waiver = Waiver("TP-C1", "t", "accepted for the ablation", date(2027, 1, 1))
     rep = compare([CAUSAL(batch_isolated=True)], [cand], waivers=[waiver], today=TODAY)
     assert [(r.code, r.waived_by is not None) for r in rep.regressions] == [
@@ -702,9 +712,223 @@ def test_a_key_written_twice_in_one_object_cannot_judge(tmp_path):
 def test_a_transform_scale_edited_apart_from_its_estimate_cannot_judge(edit):
     def tr(**m):
         metrics = {"equivalent": True, "transform_verdict": "noise", "scale": 1.0, "scale_error": 0.0,
-                   "scale_ci_low": 0.999, "scale_ci_high": 1.001, "scale_error_se": 1e-4, "trials": 16, **m}
+                   "scale_ci_low": 0.999, "scale_ci_high": 1.001, "scale_error_se": 1e-4, "trials": 16,
+                   "n_inconsistent": 0, **m}
         return R("transforms.equivalence", "t", "pass", [], **metrics)
     assert compare([tr()], [tr()], today=TODAY).exit_code == 0
     rep = compare([tr()], [tr(**edit)], today=TODAY)
     assert rep.exit_code == 2 and ("is not 1 + scale_error" in rep.cannot_judge
                                    or "outside its CI" in rep.cannot_judge)
+
+
+# --- the verdict boolean against the counts or test it is derived from (COUNTS, SUMS, TESTS)
+
+@pytest.fixture(scope="module")
+def written():
+    """Results as the probes write them, on tiny reference targets (~0.1 s in all)."""
+    import torch
+    from trainprobes.causality import check
+    from trainprobes.drift import compare as drift_compare
+    from trainprobes.isolation import batch_invariance, documents
+    from trainprobes.isolation.controls import (
+        VOCAB,
+        bidirectional,
+        block_diagonal,
+        causal_over_row,
+        exact_matmul,
+        integer_rows,
+        rounding_noise,
+        split_by_batch,
+    )
+    from trainprobes.isolation.end_to_end import end_to_end
+    from trainprobes.isolation.ops import _as_map_entry
+    from trainprobes.numerics.bias import collective_bias
+    from trainprobes.reference import routing
+
+    x = torch.randn(2, 12, 8, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(0))
+    seqs = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(1))
+    lp = -torch.rand(8, 24, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3
+
+    def lm(t):  # exact integer logits: batch-invariant
+        return torch.log_softmax(integer_rows(0, VOCAB)[:, :VOCAB][t][:, :-1], -1).gather(
+            2, t[:, 1:, None])[..., 0]
+
+    def batch_sized_lm(t):  # reads the batch size: variant
+        return lm(t) + 1e-3 * t.shape[0]
+    return {
+        "causal router": check(routing.topk_softmax, x, decision=0),
+        "leaky router": check(routing.expert_choice, x, decision=0),
+        "isolated documents": documents(block_diagonal(), ids, [4, 6], vocab=VOCAB, causal=False),
+        "leaking documents": documents(causal_over_row(), ids, [4, 6], vocab=VOCAB, causal=False),
+        "unsettled documents": documents(rounding_noise(), ids, [4, 6], vocab=VOCAB, fp64=False,
+                                         causal=False),
+        "a document reading its future": documents(bidirectional(), ids, [10], vocab=VOCAB, cuts=[4]),
+        "invariant batch": batch_invariance(exact_matmul, integer_rows(), sizes=(2,)),
+        "variant batch": batch_invariance(split_by_batch, integer_rows(), sizes=(2,)),
+        "variant op": _as_map_entry(batch_invariance(split_by_batch, integer_rows(), sizes=(2,))),
+        "invariant engine": end_to_end(lm, seqs, sizes=(2,)),
+        "variant engine": end_to_end(batch_sized_lm, seqs, sizes=(2,)),
+        "biased average": collective_bias(world=6, numel=64, trials=8, op="avg"),  # bf16(1/6)
+        "fp32 sum": collective_bias(world=8, numel=64, trials=8, dtype="fp32"),
+        "biased drift": drift_compare(lp, lp - 0.05),
+    }
+
+
+def _edit(r: Result, **changes) -> Result:
+    """r through its JSON, as a hand edit would change it: verdict and codes, else metrics."""
+    d = json.loads(r.to_json())
+    for k, v in changes.items():
+        (d if k in ("verdict", "codes") else d["metrics"])[k] = v
+    return Result.from_dict(d)
+
+
+PASSING = {"verdict": "pass", "codes": []}
+# (real Result, edit, the gate table holding the rule, what the gate says)
+COUNT_EDITS = [
+    ("leaky router", {"causal": True, **PASSING}, "COUNTS", "causal=True contradicts n_leaks=34"),
+    ("leaky router", {"causal": True, "n_leaks": 0, **PASSING}, "SUMS",
+     "n_leaks=0 is not the sum of n_structural + n_unconfirmed (34 + 0)"),
+    ("causal router", {"causal": False, "verdict": "fail", "codes": ["TP-C1"]}, "COUNTS",
+     "causal=False but n_leaks=0, n_score_leaks=0"),
+    ("leaking documents", {"isolated": True, **PASSING}, "COUNTS", "isolated=True contradicts n_leaks=1"),
+    ("unsettled documents", {"isolated": True, **PASSING}, "COUNTS",
+     "isolated=True contradicts n_unverified=2"),
+    ("isolated documents", {"isolated": False, "verdict": "fail", "codes": ["TP-I1"]}, "COUNTS",
+     "isolated=False but n_leaks=0"),
+    ("a document reading its future", PASSING, "SIDE_FLAGS", "causal=False goes with code TP-C1"),
+    ("variant batch", {"batch_invariant": True, **PASSING}, "COUNTS",
+     "batch_invariant=True contradicts frac_rows_differ=1.0, breaking_sizes=[2, 6]"),
+    ("variant op", {"batch_invariant": True, **PASSING}, "COUNTS", "frac_rows_differ=1.0"),
+    ("invariant batch", {"batch_invariant": False, "verdict": "fail", "codes": ["TP-I2"]}, "COUNTS",
+     "batch_invariant=False but frac_rows_differ=0.0, breaking_sizes=[]"),
+    ("variant engine", {"batch_invariant": True, **PASSING}, "COUNTS",
+     "batch_invariant=True contradicts frac_tokens_differ=1.0"),
+    ("biased average", {"biased": False, **PASSING}, "TESTS",
+     "biased=False contradicts its test: p_value=1.218e-06 < alpha=0.01 and |bias|=0.001959 "
+     ">= min_effect=0, so the probe writes biased=True"),
+    ("fp32 sum", {"biased": True, "verdict": "fail", "codes": ["TP-B1"]}, "TESTS",
+     "p_value=0.5315 is not below alpha=0.01"),
+    ("biased drift", {"biased": False, "drift_verdict": "noisy", **PASSING}, "TESTS",
+     "|mean_log_ratio|=0.05 >= min_bias=1e-05, so the probe writes biased=True"),
+]
+
+
+def _without(monkeypatch, table: str, probe: str) -> None:
+    """Switch the gate's rule for probe off (to show the edit passed without it)."""
+    import trainprobes.gate as gate
+    rules = getattr(gate, table)
+    monkeypatch.setattr(gate, table, {k: v for k, v in rules.items() if k != probe}
+                        if isinstance(rules, dict) else tuple(x for x in rules if x[0] != probe))
+
+
+@pytest.mark.parametrize("which,edit,table,match", COUNT_EDITS,
+                         ids=[f"{c[0]}: {', '.join(c[1])}" for c in COUNT_EDITS])
+def test_a_verdict_boolean_its_counts_contradict_cannot_judge(written, monkeypatch, which, edit,
+                                                             table, match):
+    # was: a report edited to `causal: true` beside 34 leaks (or `false` beside none), or to
+    # `biased: false` beside p = 1e-6, passed
+    real = written[which]
+    assert compare([real], [real], today=TODAY).exit_code == 0  # as the probe wrote it: judged
+    edited = _edit(real, **edit)
+    for side, pair in (("candidate", ([real], [edited])), ("baseline", ([edited], [real]))):
+        rep = compare(*pair, today=TODAY)
+        assert rep.exit_code == 2 and rep.cannot_judge.startswith(f"{side} {real.key!r}")
+        assert match in rep.cannot_judge, rep.cannot_judge
+    _without(monkeypatch, table, real.probe)
+    assert compare([edited], [edited], today=TODAY).exit_code == 0  # the rule is what stops it
+
+
+@pytest.mark.parametrize("which,count", [("causal router", "n_score_leaks"),
+                                         ("isolated documents", "n_blind_tokens"),
+                                         ("invariant batch", "breaking_sizes"),
+                                         ("invariant engine", "frac_tokens_differ"),
+                                         ("biased average", "p_value"),
+                                         ("biased drift", "min_bias")])
+@pytest.mark.parametrize("fault", ["deleted", "mistyped"])
+def test_a_count_the_verdict_boolean_rests_on_deleted_or_mistyped_cannot_judge(written, which,
+                                                                             count, fault):
+    d = json.loads(written[which].to_json())
+    if fault == "deleted":
+        del d["metrics"][count]
+    else:
+        d["metrics"][count] = "0"
+    rep = compare([written[which]], [Result.from_dict(d)], today=TODAY)
+    assert rep.exit_code == 2 and count in rep.cannot_judge
+    assert ("missing" in rep.cannot_judge if fault == "deleted" else
+            "mistyped" in rep.cannot_judge or "expected a number" in rep.cannot_judge)
+
+
+@pytest.mark.slow
+def test_a_transform_whose_replicas_disagree_cannot_be_edited_equivalent(monkeypatch):
+    # ~5 s: two gloo ranks run the zoo's sequence-parallel LayerNorm bug (replicas drift apart)
+    from trainprobes.reference.bugs import bug
+    from trainprobes.transforms import Custom, Probe, run_probes
+    from trainprobes.transforms.zoo import step_of
+
+    b = bug("sp_layernorm")
+    (real,) = run_probes([Probe(step_of(b), Custom(b.buggy, title=b.name), 4, 0)], world=2)
+    n = real.metrics["n_inconsistent"]
+    assert real.codes == ["TP-T2"] and n > 0
+    edited = _edit(real, equivalent=True, transform_verdict="noise", **PASSING)
+    rep = compare([real], [edited], today=TODAY)
+    assert rep.exit_code == 2 and f"equivalent=True contradicts n_inconsistent={n}" in rep.cannot_judge
+    _without(monkeypatch, "COUNTS", real.probe)
+    assert compare([edited], [edited], today=TODAY).exit_code == 0
+
+
+# --- names that hold markup in the Markdown verdict ---------------------------------------
+
+NASTY = "</td><script>alert(1)</script> | col | `tick` \"q\"\n# heading [x](javascript:1) <!--"
+
+
+def _markdown_tables_and_markup(md: str):
+    """Through a CommonMark + GFM-table parser: each table row's cell texts (code spans
+    included), the kinds of every inline token (links, raw HTML, code spans, ...), the code
+    spans and all the text."""
+    from markdown_it import MarkdownIt
+    rows, kinds, cell, codes, text = [], set(), None, [], ""
+    for tok in MarkdownIt("commonmark").enable("table").parse(md):
+        if tok.type == "tr_open":
+            rows.append([])
+        elif tok.type in ("td_open", "th_open"):
+            cell = ""
+        elif tok.type in ("td_close", "th_close"):
+            rows[-1].append(cell)
+            cell = None
+        elif tok.type == "inline":
+            kinds |= {c.type for c in tok.children}
+            codes += [c.content for c in tok.children if c.type == "code_inline"]
+            text += "".join(c.content for c in tok.children) + "\n"
+            if cell is not None:
+                cell += "".join(c.content for c in tok.children if c.type in ("text", "code_inline"))
+    return rows, kinds, codes, text
+
+
+def test_markdown_verdict_shows_names_with_markup_as_written(tmp_path, capsys, monkeypatch):
+    # was: a target holding `|`, a backtick or a newline broke the table and the waiver
+    # snippet, and its HTML reached the job summary raw
+    base, cand, waivers = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "w.toml"
+    save_results(base, [CAUSAL(True, target=NASTY), CAUSAL(True, target="x" + NASTY)])
+    save_results(cand, [CAUSAL(False, target=NASTY), CAUSAL(False, target="x" + NASTY)])
+    waivers.write_text('[[waiver]]\ncode = "TP-C1"\ntarget = "old </td>| `"\n'
+                       'reason = "</li><script>1</script> | [x](y)"\nexpires = 2000-01-01\n')
+    summary = tmp_path / "step.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    args = ["gate", "--baseline", str(base), "--candidate", str(cand), "--waivers", str(waivers)]
+    assert main(args) == 1
+    md = summary.read_text()
+    assert capsys.readouterr().out.strip() == md.strip()
+    rows, kinds, codes, text = _markdown_tables_and_markup(md)
+    assert kinds <= {"text", "code_inline", "strong_open", "strong_close", "softbreak"}, kinds
+    assert len(rows) == 3 and {len(r) for r in rows} == {7}  # the table kept its shape
+    shown = NASTY.replace("\n", " ")
+    assert [r[2] for r in rows[1:]] == [shown, "x" + shown]
+    assert "old </td>| `" in codes and " expired 2000-01-01: </li><script>1</script> | [x](y)" in text
+    # the waiver snippet it prints is valid TOML that names the target exactly: pasted into
+    # the waivers file, it waives that regression
+    snippet = md.split("```toml\n", 1)[1].split("```", 1)[0]
+    waivers.write_text(snippet.replace("<why this regression is accepted>", "accepted"))
+    rep = gate_files(base, cand, waivers)
+    assert [(r.target, r.waived_by is not None) for r in rep.regressions] == [
+        (NASTY, True), ("x" + NASTY, False)]

@@ -4,14 +4,19 @@ import pytest
 from trainprobes.gate import compare
 from trainprobes.result import Result
 
-NEEDS = {"isolation.documents": {"n_leaks": 0, "max_leak": 0.0},
-         "isolation.batch_invariance": {"max_abs_diff": 0.0},
-         "isolation.end_to_end": {"max_abs_diff": 0.0},
-         "isolation.op_map": {"max_abs_diff": 0.0}}
+
+def needs(probe, value):
+    """The metrics the gate reads beside the verdict boolean, agreeing with its value (gate.COUNTS)."""
+    bad = value is False
+    return {"isolation.documents": {"n_leaks": int(bad), "max_leak": float(bad), "n_unverified": 0,
+                                    "n_blind_tokens": 0},
+            "isolation.end_to_end": {"max_abs_diff": float(bad), "frac_tokens_differ": bad / 4},
+            }.get(probe, {"max_abs_diff": float(bad), "frac_rows_differ": bad / 4,
+                          "breaking_sizes": [2] if bad else []})
 
 
 def res(probe, metric, value, verdict="pass", codes=()):
-    return Result(probe, "t", verdict, metrics={metric: value, **NEEDS.get(probe, {})},
+    return Result(probe, "t", verdict, metrics={metric: value, **needs(probe, value)},
                   codes=list(codes))
 
 

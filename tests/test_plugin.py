@@ -25,7 +25,8 @@ from trainprobes.result import Result
 @pytest.mark.causality
 def test_router(trainprobes, i):
     trainprobes.record(Result("causality.check", f"router{{i}}", "{verdict}",
-                              metrics={{"causal": {causal}, "n_leaks": {leaks}}},
+                              metrics={{"causal": {causal}, "n_leaks": {leaks}, "n_structural": {leaks},
+                                       "n_unconfirmed": 0, "n_score_leaks": 0}},
                               codes={codes}, seed=i))
 '''
 
@@ -117,7 +118,9 @@ def test_junit_xml_carries_results(pytester):
 
 def _baseline(path, n=2):
     save_results(path, [Result("causality.check", f"router{i} @ test_mod.py::test_router[{i}]",
-                               "pass", metrics={"causal": True, "n_leaks": 0}) for i in range(n)])
+                               "pass", metrics={"causal": True, "n_leaks": 0, "n_structural": 0,
+                                                "n_unconfirmed": 0, "n_score_leaks": 0})
+                        for i in range(n)])
 
 
 def test_baseline_regression_fails_the_session(pytester):

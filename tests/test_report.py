@@ -311,3 +311,58 @@ def test_html_survives_a_bad_plot_spec():
     r = Result("numerics.stall", "t", "warn", evidence={"plots": [{"kind": "pie", "title": "x"}]})
     page = render_html([r])
     assert "could not be drawn" in page and "plot kind=" in page
+
+
+# --- names that hold markup: shown as written, never a tag, a link or a broken table ------
+
+NASTY = ["</td><script>alert(1)</script>", "a | b | c", "`tick` and ``two``", "line\n# heading",
+         "[x](javascript:alert(1))", "<!-- the rest", "c$\\frac{$d", "a$x$b"]  # even: controls
+
+
+def nasty_results():
+    """Findings and controls (with CI plots) whose targets, messages and metric names hold
+    markup: each name in a target, a message and a waiver-like reason."""
+    out = []
+    for i, name in enumerate(NASTY):
+        control = i % 2 == 0
+        out.append(Result("numerics.bias", name, "fail" if i % 3 == 0 else "pass",
+                          metrics={"biased": i % 3 == 0, "bias": 1e-3 * i, "ci_low": 0.0,
+                                   "ci_high": 1e-2, f"m|{i}": 1.0},
+                          codes=["TP-B1"] if i % 3 == 0 else [], seed=i,
+                          expected=("fail" if i % 3 == 0 else "pass") if control else None,
+                          message=f"said: {name}"))
+    return out
+
+
+def test_summary_markdown_shows_names_with_markup_as_written_in_its_table(html_page):
+    from markdown_it import MarkdownIt
+    rs = nasty_results()
+    md = summary_markdown(rs, {"title": "nightly </h2><script>x</script>", "suite": "a|b"})
+    page = html_page(MarkdownIt("commonmark").enable("table").render(md))  # raw HTML would pass
+    assert "script" not in page.tags and "a" not in page.tags and "img" not in page.tags
+    assert set(page.tags) <= {"h2", "p", "strong", "ul", "li", "code", "table", "thead",
+                              "tbody", "tr", "th", "td"}, set(page.tags)
+    table = [r for r in page.rows if len(r) == 7]
+    assert len(page.rows) == len(rs) + 1 == len(table)  # every row 7 cells: the shape held
+    shown = [name.replace("\n", " ") for name in NASTY]
+    assert [r[3] for r in table[1:]] == shown and set(shown) <= set(page.code)  # as code
+    assert "nightly </h2><script>x</script>" in page.text and "suite: a|b" in page.text
+    listed = [r for r in rs if r.verdict == "fail" and not r.is_control]
+    assert listed and all(r.message.replace("\n", " ") in page.text for r in listed)
+
+
+def test_html_report_shows_names_with_markup_as_text_and_draws_every_plot(tmp_path, html_page):
+    rs = nasty_results()
+    paths = write_report(tmp_path, rs, {"title": "nightly </title><script>x</script>"})
+    text = paths["html"].read_text()
+    page = html_page(text)
+    assert "script" not in page.tags and "a" not in page.tags
+    assert "could not be drawn" not in text  # a$x$b and c$\frac{$d are not mathtext
+    assert page.tags.count("img") >= 1
+    last = text.rindex("<table class='results'>")
+    rows = html_page(text[last:]).rows
+    results_rows = [r for r in rows if len(r) == 6]  # the others: each Result's metrics (2)
+    assert len(results_rows) == len(rs) + 1 and {len(r) for r in rows} == {6, 2}
+    for r, name in zip(results_rows[1:], NASTY):
+        assert r[3].startswith(name)  # the target, then its probe and seed
+    assert all(r.message in page.text for r in rs)

@@ -11,7 +11,8 @@ def result(kind, scale_error=1e-9, se=1e-9, loss_error=1e-9, equivalent=None, **
     metrics = {"equivalent": eq, "transform_verdict": kind, "scale": 1 + scale_error, "trials": 16,
                "scale_error": scale_error,
                "scale_error_se": se, "loss_relative_error": loss_error, "loss_relative_error_se": se,
-               "min_effect": 1e-6, "worst_parameter": "0.weight", **extra}
+               "min_effect": 1e-6, "worst_parameter": "0.weight",
+               "n_inconsistent": int(kind == "inconsistent"), **extra}
     if equivalent == "drop":
         del metrics["equivalent"]
     codes = {"biased": ["TP-T1"], "inconsistent": ["TP-T2"], "wrong": ["TP-T3"]}.get(kind, [])

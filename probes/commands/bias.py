@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 
+from trainprobes.commands.choices import ALGORITHMS, OPS, ROUNDING_MODES
 from trainprobes.commands.options import add_report_options, emit_report, parse_dtype
 from trainprobes.validation import parse_choice, parse_int, parse_number
 
@@ -11,10 +12,6 @@ HELP = ("bias vs variance of an emulated low-precision all-reduce against fp64, 
 
 
 def add_arguments(parser) -> None:
-    from trainprobes.reference.collectives import OPS
-    from trainprobes.reference.formats import ROUNDING_MODES
-    from trainprobes.reference.schedules import ALGORITHMS
-
     parser.add_argument("--dtype", type=parse_dtype("dtype"), default="bf16",
                         help="wire format of the gradients: fp16, bf16, torch.bfloat16, "
                              "fp8_e4m3fn, ... (default: %(default)s)")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 
+from trainprobes.commands.choices import ALGORITHMS, COLLECTIVES, DATA, OPS
 from trainprobes.commands.options import (
     add_report_options,
     check_dtype,
@@ -19,10 +20,6 @@ _NA = "not applicable: --backend emulated runs no real collective to compare wit
 
 
 def add_arguments(parser) -> None:
-    from trainprobes.distributed.inputs import DATA
-    from trainprobes.distributed.worker import COLLECTIVES, OPS
-    from trainprobes.reference.schedules import ALGORITHMS
-
     parser.add_argument("--backend", type=parse_choice("backend", BACKENDS), default="gloo",
                         help="gloo: CPU ranks; nccl: one GPU per rank; emulated: no processes. "
                              "A real backend runs or the command stops with exit 2, never "

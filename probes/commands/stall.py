@@ -1,6 +1,7 @@
 """`trainprobes stall`: where a running sum in each format stops moving, and why."""
 from __future__ import annotations
 
+from trainprobes.commands.choices import ROUNDING_MODES, STALL_FORMATS
 from trainprobes.commands.options import add_report_options, emit_report, parse_dtype, parse_list
 from trainprobes.validation import parse_choice, parse_int, parse_number
 
@@ -8,12 +9,9 @@ HELP = "sum n copies of an increment in each format; show where and why the sum 
 
 
 def add_arguments(parser) -> None:
-    from trainprobes.numerics.stall import DEFAULT_FORMATS
-    from trainprobes.reference.formats import ROUNDING_MODES
-
     parser.add_argument("--formats", type=parse_list(parse_dtype("formats"), "--formats"),
-                        default=list(DEFAULT_FORMATS), metavar="A,B",
-                        help=f"comma-separated formats (default: {','.join(DEFAULT_FORMATS)})")
+                        default=list(STALL_FORMATS), metavar="A,B",
+                        help=f"comma-separated formats (default: {','.join(STALL_FORMATS)})")
     parser.add_argument("--increments", default=[1.0], metavar="X,Y",
                         type=parse_list(parse_number("increment"), "--increments"),
                         help="comma-separated increments, e.g. 1,1e-3 (default: 1)")

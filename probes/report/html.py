@@ -12,11 +12,11 @@ Plots are drawn only where the page shows them.
 """
 from __future__ import annotations
 
-import html
 from typing import Callable
 
 import trainprobes.report.outline as outline
 from trainprobes.display import format_number
+from trainprobes.markup import html_text
 from trainprobes.report.plots import have_matplotlib, png_data_uri
 from trainprobes.result import CODES, Result
 
@@ -51,8 +51,7 @@ details table{margin:.3em 0}
 """
 
 
-def _e(s) -> str:
-    return html.escape(str(s), quote=True)
+_e = html_text  # every text from a Result or the run's facts, in text and attributes alike
 
 
 class Page:

@@ -25,6 +25,8 @@ import base64
 import io
 import math
 
+from trainprobes.markup import plot_text
+
 KINDS = ("line", "hist", "ci", "heatmap", "bars", "panels")
 DPI = 96
 SMALL, MID, BIG = 8, 9, 10  # points: ticks and legends, axis labels, titles
@@ -55,7 +57,7 @@ def _series_merged(series: dict) -> dict:
     merged: dict = {}
     for label, ys in series.items():
         key = tuple("nan" if y != y else y for y in _floats(ys))
-        merged.setdefault(key, []).append(str(label))
+        merged.setdefault(key, []).append(plot_text(label))
     return {" = ".join(labels): list(key) for key, labels in merged.items()}
 
 
@@ -77,7 +79,7 @@ def _xticks(ax, spec: dict, x) -> None:
     if labels:
         step = max(1, math.ceil(len(x) / 8))  # never more than 8 labels along the axis
         ax.set_xticks(x[::step])
-        ax.set_xticklabels([str(s) for s in labels[::step]], fontsize=SMALL)
+        ax.set_xticklabels([plot_text(s) for s in labels[::step]], fontsize=SMALL)
     elif all(float(v).is_integer() for v in x):
         _integer_ticks(ax.xaxis)
 
@@ -124,7 +126,7 @@ def _draw(fig, spec: dict) -> None:
         ax.barh(pos, [v if math.isfinite(v) else 0.0 for v in vals],
                 color=["#c33" if b else "#4a7" for b in bad])
         ax.set_yticks(pos)
-        ax.set_yticklabels([str(s) for s in spec["labels"]], fontsize=SMALL)
+        ax.set_yticklabels([plot_text(s) for s in spec["labels"]], fontsize=SMALL)
         for ref in spec.get("ref", ()):
             ax.axvline(float(ref), color="grey", lw=0.8, ls="--")
         if spec.get("logx"):
@@ -133,21 +135,22 @@ def _draw(fig, spec: dict) -> None:
         m = [_floats(row) for row in spec["matrix"]]
         im = ax.imshow(m, aspect="auto", origin="lower", interpolation="nearest", cmap="magma")
         bar = fig.colorbar(im, ax=ax)
-        bar.set_label(str(spec.get("clabel", "count")), fontsize=MID)
+        bar.set_label(plot_text(spec.get("clabel", "count")), fontsize=MID)
         if all(v.is_integer() for row in m for v in row):
             _integer_ticks(bar.ax.yaxis)
         _integer_ticks(ax.xaxis)
         _integer_ticks(ax.yaxis)
-    ax.set_title(str(spec.get("title", "")), fontsize=BIG)
-    ax.set_xlabel(str(spec.get("xlabel", "")), fontsize=MID)
-    ax.set_ylabel(str(spec.get("ylabel", "")), fontsize=MID)
+    ax.set_title(plot_text(spec.get("title", "")), fontsize=BIG)
+    ax.set_xlabel(plot_text(spec.get("xlabel", "")), fontsize=MID)
+    ax.set_ylabel(plot_text(spec.get("ylabel", "")), fontsize=MID)
     ax.tick_params(labelsize=SMALL)
 
 
 def _marks(ax, marks: dict) -> None:
     """Labelled vertical lines (zero, the estimate), the axis widened to show them."""
     for i, (label, x) in enumerate(marks.items()):
-        ax.axvline(float(x), color=("black", "C3", "C2")[i % 3], lw=1.0, ls="--", label=label)
+        ax.axvline(float(x), color=("black", "C3", "C2")[i % 3], lw=1.0, ls="--",
+                   label=plot_text(label))
     if marks:
         ax.legend(fontsize=SMALL, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
 
@@ -162,7 +165,7 @@ def _draw_ci(ax, spec: dict) -> None:
     ax.errorbar(est, pos, xerr=err, fmt="o", capsize=3)
     ax.axvline(0.0, color="grey", lw=0.8)
     ax.set_yticks(pos)
-    ax.set_yticklabels([str(s) for s in spec.get("labels", pos)], fontsize=SMALL)
+    ax.set_yticklabels([plot_text(s) for s in spec.get("labels", pos)], fontsize=SMALL)
     nz = [abs(v) for v in est + lo + hi if v != 0.0 and v == v]
     if nz and max(nz) / min(nz) > 100:
         lt = min(nz)
@@ -183,13 +186,13 @@ def _draw_panels(fig, spec: dict) -> None:
     """Small multiples sharing the x axis (runs) and one legend beside them."""
     panels = spec["panels"]
     x = _floats(spec["x"])
-    labels = list(dict.fromkeys(str(k) for p in panels for k in p["series"]))
+    labels = list(dict.fromkeys(plot_text(k) for p in panels for k in p["series"]))
     cmap = [f"C{i % 10}" for i in range(len(labels))]
     colors = dict(zip(labels, cmap))
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
     for ax, panel in zip(axes, panels):
-        _lines(ax, x, {str(k): v for k, v in panel["series"].items()}, colors)
-        ax.set_ylabel(str(panel.get("ylabel", "")), fontsize=SMALL)
+        _lines(ax, x, {plot_text(k): v for k, v in panel["series"].items()}, colors)
+        ax.set_ylabel(plot_text(panel.get("ylabel", "")), fontsize=SMALL)
         ax.tick_params(labelsize=SMALL)
         _few_ticks(ax.yaxis, 4)
         ax.yaxis.get_offset_text().set_fontsize(SMALL)
@@ -200,8 +203,8 @@ def _draw_panels(fig, spec: dict) -> None:
             _integer_ticks(ax.yaxis)
             ax.yaxis.set_major_formatter("{x:.0f}")
     _xticks(axes[-1], spec, x)
-    axes[-1].set_xlabel(str(spec.get("xlabel", "run")), fontsize=MID)
-    fig.suptitle(str(spec.get("title", "")), fontsize=BIG)
+    axes[-1].set_xlabel(plot_text(spec.get("xlabel", "run")), fontsize=MID)
+    fig.suptitle(plot_text(spec.get("title", "")), fontsize=BIG)
     handles = {h.get_label(): h for ax in axes for h in ax.get_lines()}
     shown = [k for k in labels if k in handles]
     # below the panels: never on the data, never on the title, whatever the labels' length
@@ -221,7 +224,7 @@ def size_of(spec: dict) -> tuple[float, float]:
         n = len(spec.get("estimate", spec.get("values", ())))
         return 7.5, 1.2 + 0.28 * n
     if kind == "panels":
-        labels = list(dict.fromkeys(str(k) for p in spec["panels"] for k in p["series"]))
+        labels = list(dict.fromkeys(plot_text(k) for p in spec["panels"] for k in p["series"]))
         rows = math.ceil(len(labels) / _legend_columns(labels))
         return 8.0, 1.0 + 1.4 * len(spec["panels"]) + 0.19 * rows
     if kind == "line" and len(spec.get("series", ())) > 1 or kind == "hist" and spec.get("marks"):
