@@ -13,13 +13,20 @@ class Scratch:
 
     def __init__(self):
         self._buffers: dict[str, torch.Tensor] = {}
+        self._views: dict[tuple, torch.Tensor] = {}  # tiny tensors: get() is the cost
 
     def get(self, name: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
+        key = (name, tuple(shape), dtype, device)
+        view = self._views.get(key)
+        if view is not None:
+            return view
         n, device = math.prod(shape), torch.device(device)  # "cpu" != torch.device("cpu")
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
             buf = self._buffers[name] = torch.empty(n, dtype=dtype, device=device)
-        return buf[:n].view(shape)
+            self._views = {k: v for k, v in self._views.items() if k[0] != name}
+        view = self._views[key] = buf[:n].view(shape)
+        return view
 
 
 def any_nonzero(t: torch.Tensor) -> bool:

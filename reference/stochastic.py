@@ -38,6 +38,7 @@ from trainprobes.reference.scratch import Scratch, any_nonzero
 
 _SIGN32 = -(1 << 31)
 _ROW = 256  # inexact_sums searches rows of this many elements
+_SMALL = 16 * _ROW  # and below this many, all of them at once
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,9 @@ def inexact_sums(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor,
     err = 0. A min and max per row of 256 find the few rows to search (no nonzero() over
     all)."""
     n = s.numel()
+    if n <= _SMALL:  # a few elements: the fewest ops (two_sum), then a plain search
+        err = two_sum(a, b)[1].reshape(-1)
+        return err.nonzero().reshape(-1) if any_nonzero(err) else None  # NaN is nonzero
     body = n - n % _ROW
     dirty = torch.zeros(body // _ROW, dtype=torch.bool, device=s.device)
     tail = []
