@@ -13,6 +13,9 @@ def test_a_name_reuses_its_buffer_while_it_fits_and_is_remade_otherwise():
     assert b.shape == (2, 3) and b.data_ptr() == a.data_ptr()
     c = s.get("x", (10, 10), torch.float32, "cpu")  # larger: a new buffer
     assert c.numel() == 100 and c.data_ptr() != a.data_ptr()
+    # the views cached for the old buffer are dropped: a shape seen before now lives in
+    # the new buffer, so a name never holds two buffers at once
+    assert s.get("x", (2, 3), torch.float32, "cpu").data_ptr() == c.data_ptr()
     d = s.get("x", (4,), torch.int32, "cpu")  # another dtype: a new buffer
     assert d.dtype == torch.int32
     other = s.get("y", (4,), torch.int32, "cpu")  # names never share
