@@ -34,7 +34,8 @@ def pick(output: Any, picker: Picker, what: str, name: str) -> torch.Tensor | No
                           f"({type(output).__name__}): {e}") from None
     if not isinstance(part, torch.Tensor):
         hint = (f"; it returned a {type(output).__name__}: pass {what}=0 (an index), a name, "
-                f"or a callable that picks the tensor" if picker is None else "")
+                f"or a callable that picks the tensor (command line: --{what} 0 or a name)"
+                if picker is None else "")
         raise TargetError(f"target {name!r}: {what} is a {type(part).__name__}, expected a "
                           f"Tensor[B, T, ...]{hint}")
     return part
