@@ -335,7 +335,7 @@ def _reduce_world(collective, inputs, *, op, dtype, accum_dtype, algorithm, roun
         schedule = get_schedule(algorithm, world, numel, ranks_per_node=ranks_per_node,
                                 order=order, itemsize=itemsize)
     x = arith.stack(tensors)
-    if op in ("max", "min"):
+    if op in ("max", "min"):  # on the values (fp8 codes do not sort as their values)
         x = arith.values(x)
         total = x.amax(0) if op == "max" else x.amin(0)  # exact; NaN propagates
     else:
@@ -345,7 +345,7 @@ def _reduce_world(collective, inputs, *, op, dtype, accum_dtype, algorithm, roun
         total = schedule.reduce(x, arith.add)
         if op == "avg" and avg == "divide":
             total = arith.divide(total, world)
-    total = arith.values(total)
+        total = arith.values(total)  # once: max/min's total is values already
 
     def info() -> CollectiveInfo:
         given = [t for t in tensors if t.is_floating_point()]

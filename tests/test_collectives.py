@@ -1,10 +1,12 @@
 """Collectives: fp64 reference, exact low-precision emulation, avg modes, NaN/Inf, bad input."""
+import functools
 import math
 
 import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from trainprobes.reference import collectives
 from trainprobes.reference.collectives import (
     _Arithmetic,
     _fp64_to_narrow,
@@ -319,6 +321,45 @@ def test_e4m3fn_input_overflow_is_nan_unless_saturated():
     x = [torch.tensor([500.0]), torch.tensor([1.0])]
     assert math.isnan(all_reduce(x, dtype="fp8_e4m3fn")[0][0])
     assert all_reduce(x, dtype="fp8_e4m3fn", saturate=True)[0].tolist() == [448.0]
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3fn", "fp8_e5m2"])
+@pytest.mark.parametrize("op, avg", [("sum", None), ("avg", "premul"), ("avg", "divide"),
+                                     ("max", None), ("min", None)])
+def test_fp8_collectives_end_to_end_are_format_rounds_bits(monkeypatch, fmt, op, avg):
+    # the whole collective on fp8 codes (decoded once, at the end) against the definition
+    # (fast=False: float64 values, Format.round after every add), every saturate setting,
+    # values at ties, past max, subnormal, -0, NaN and inf. max/min decoded the codes twice:
+    # max of [1, 2] and [0.5, 3] gave [0.0020, 0.0059], not [1, 3] (448: IndexError)
+    f = get_format(fmt)
+    g = torch.Generator().manual_seed(3)
+    special = torch.tensor([0.0, -0.0, math.nan, math.inf, -math.inf, f.max_finite,
+                            -f.max_finite, 464.0, 61440.0, 1e6, f.smallest_subnormal / 2,
+                            -f.smallest_subnormal * 1.5, 1.0625, 1.0625 + 2 ** -40])
+    x = torch.randn(3, 42, generator=g, dtype=torch.float64) * 50
+    x[:, :special.numel()] = special[torch.randperm(special.numel(), generator=g)]
+    calls = [(all_reduce, {}), (all_reduce, {"algorithm": "tree"}), (reduce, {"root": 1}),
+             (reduce_scatter, {"algorithm": "hierarchical", "ranks_per_node": 3})]
+    for saturate in (None, True, False):
+        for fn, kw in calls:
+            kw = dict(kw, op=op, avg=avg, dtype=fmt, saturate=saturate, return_info=True)
+            outs = {}
+            for fast in (True, False):
+                monkeypatch.setattr(collectives, "_Arithmetic",
+                                    functools.partial(_Arithmetic, fast=fast))
+                outs[fast] = fn(list(x), **kw)
+            (got, got_info), (want, want_info) = outs[True], outs[False]
+            assert got_info.arithmetic == ("nccl_fp8" if saturate is not False else "emulated")
+            assert got_info.to_dict() == dict(want_info.to_dict(),
+                                              arithmetic=got_info.arithmetic)
+            for a, b in zip(got, want):
+                assert (a is None and b is None) or _same_bits(a, b), (fn.__name__, saturate)
+    for fn in (all_gather, broadcast):
+        for saturate in (None, True, False):
+            monkeypatch.setattr(collectives, "_Arithmetic", _Arithmetic)
+            got = fn(list(x), dtype=fmt, saturate=saturate)[0]
+            assert _same_bits(got, f.round(x if fn is all_gather else x[0], saturate=bool(saturate))
+                              .reshape(got.shape))
 
 
 # ---------------------------------------------------------------- stochastic rounding
