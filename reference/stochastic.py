@@ -55,7 +55,8 @@ def source(seed: int, device) -> Source:
     on CUDA) on other devices, where numpy's words would have to be copied over."""
     generator = torch.Generator(device=device).manual_seed(seed)
     cpu = torch.device(device).type == "cpu"
-    return Source(generator, np.random.SFC64(seed) if cpu else generator)
+    # torch reads a seed modulo 2^64 (manual_seed(-1) is 2^64 - 1); numpy refuses negatives
+    return Source(generator, np.random.SFC64(seed % (1 << 64)) if cpu else generator)
 
 
 def as_source(generator) -> Source:

@@ -374,6 +374,17 @@ def test_stochastic_rounding_is_seeded():
     assert info.seed == 5 and info.rounding == "stochastic"
 
 
+def test_stochastic_rounding_takes_every_seed_torch_takes():
+    # a negative seed (valid for torch.Generator: -1 means 2^64 - 1) reached numpy's SFC64
+    # as it was: "ValueError: expected non-negative integer"
+    x = list(torch.randn(3, 100, generator=torch.Generator().manual_seed(0)))
+    a = all_reduce(x, dtype="bf16", rounding="stochastic", seed=-1)[0]
+    assert torch.equal(a, all_reduce(x, dtype="bf16", rounding="stochastic", seed=-1)[0])
+    assert torch.equal(a, all_reduce(x, dtype="bf16", rounding="stochastic", seed=2**64 - 1)[0])
+    assert not torch.equal(a, all_reduce(x, dtype="bf16", rounding="stochastic", seed=1)[0])
+    all_reduce(x, dtype="fp8_e4m3fn", rounding="stochastic", seed=-2**63)
+
+
 def test_stochastic_rounding_removes_the_stall():
     # 1024 ranks of 1 in bf16: nearest stalls at 256; stochastic rounding is unbiased
     # (past 256 an add of 1 becomes +2 w.p. 1/2, past 512 +4 w.p. 1/4: sd ~ 45 per element,
