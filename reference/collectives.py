@@ -307,8 +307,9 @@ class _Arithmetic:
 
 
 def _reduce_world(collective, inputs, *, op, dtype, accum_dtype, algorithm, rounding, seed,
-                  avg, ranks_per_node, saturate, order, schedule=None):
-    """Validate, round, reduce. Returns (flat float64 result, info-maker, tensors)."""
+                  avg, ranks_per_node, saturate, order, schedule=None, count_overflow=False):
+    """Validate, round, reduce. Returns (flat float64 result, info-maker, tensors); the
+    info-maker counts overflowed inputs only with count_overflow (return_info)."""
     tensors = _as_world(inputs)
     check_choice(op, "op", OPS)
     if order is not None:
@@ -335,6 +336,12 @@ def _reduce_world(collective, inputs, *, op, dtype, accum_dtype, algorithm, roun
         schedule = get_schedule(algorithm, world, numel, ranks_per_node=ranks_per_node,
                                 order=order, itemsize=itemsize)
     x = arith.stack(tensors)
+    overflow = None
+    if count_overflow:  # on the rounding used: stochastic rounding would draw anew
+        finite_in = torch.stack([torch.isfinite(t.reshape(-1)) if t.is_floating_point()
+                                 else torch.ones(numel, dtype=torch.bool, device=t.device)
+                                 for t in tensors])
+        overflow = int((finite_in & ~torch.isfinite(arith.values(x))).sum())
     if op in ("max", "min"):  # on the values (fp8 codes do not sort as their values)
         x = arith.values(x)
         total = x.amax(0) if op == "max" else x.amin(0)  # exact; NaN propagates
@@ -351,10 +358,6 @@ def _reduce_world(collective, inputs, *, op, dtype, accum_dtype, algorithm, roun
         given = [t for t in tensors if t.is_floating_point()]
         nan_in = sum(int(torch.isnan(t).sum()) for t in given)
         inf_in = sum(int(torch.isinf(t).sum()) for t in given)
-        finite_in = torch.stack([torch.isfinite(t.reshape(-1)) if t.is_floating_point()
-                                 else torch.ones(numel, dtype=torch.bool, device=t.device)
-                                 for t in tensors])
-        overflow = int((finite_in & ~torch.isfinite(arith.values(arith.stack(tensors)))).sum())
         return CollectiveInfo(
             collective=collective, op=op, dtype=arith.wire.name, accum_dtype=arith.accum.name,
             algorithm=algorithm, avg=avg, rounding=rounding,
@@ -382,7 +385,8 @@ def all_reduce(inputs, *, op="sum", dtype="fp64", accum_dtype=None, algorithm="r
     total, info, tensors = _reduce_world(
         "all_reduce", inputs, op=op, dtype=dtype, accum_dtype=accum_dtype,
         algorithm=algorithm, rounding=rounding, seed=seed, avg=avg,
-        ranks_per_node=ranks_per_node, saturate=saturate, order=order)
+        ranks_per_node=ranks_per_node, saturate=saturate, order=order,
+        count_overflow=return_info)
     out = total.reshape(tensors[0].shape)
     outs = [out] * len(tensors)
     return (outs, info()) if return_info else outs
@@ -405,7 +409,8 @@ def reduce_scatter(inputs, *, op="sum", dtype="fp64", accum_dtype=None, algorith
     total, info, _ = _reduce_world(
         "reduce_scatter", tensors, op=op, dtype=dtype, accum_dtype=accum_dtype,
         algorithm=algorithm, rounding=rounding, seed=seed, avg=avg,
-        ranks_per_node=ranks_per_node, saturate=saturate, order=order)
+        ranks_per_node=ranks_per_node, saturate=saturate, order=order,
+        count_overflow=return_info)
     outs = list(total.reshape(shape).chunk(world, 0))
     return (outs, info()) if return_info else outs
 
@@ -433,7 +438,7 @@ def reduce(inputs, *, root=0, op="sum", dtype="fp64", accum_dtype=None, algorith
     total, info, _ = _reduce_world(
         "reduce", tensors, op=op, dtype=dtype, accum_dtype=accum_dtype, algorithm=algorithm,
         rounding=rounding, seed=seed, avg=avg, ranks_per_node=ranks_per_node,
-        saturate=saturate, order=order, schedule=schedule)
+        saturate=saturate, order=order, schedule=schedule, count_overflow=return_info)
     outs = [None] * world
     outs[root] = total.reshape(tensors[0].shape)
     return (outs, info()) if return_info else outs

@@ -385,6 +385,15 @@ def test_stochastic_rounding_takes_every_seed_torch_takes():
     all_reduce(x, dtype="fp8_e4m3fn", rounding="stochastic", seed=-2**63)
 
 
+def test_overflow_inputs_counts_the_rounding_the_collective_used():
+    # 65519 rounds stochastically to 65504 or to 65536 (inf in fp16) w.p. 15/32: info must
+    # count the inputs that overflowed in this reduction, not in a second draw of them
+    x = [torch.full((4000,), 65519.0)]
+    out, info = all_reduce(x, dtype="fp16", rounding="stochastic", seed=3, return_info=True)
+    n = int(torch.isinf(out[0]).sum())
+    assert 1000 < n < 3000 and info.overflow_inputs == info.inf_outputs == n
+
+
 def test_stochastic_rounding_removes_the_stall():
     # 1024 ranks of 1 in bf16: nearest stalls at 256; stochastic rounding is unbiased
     # (past 256 an add of 1 becomes +2 w.p. 1/2, past 512 +4 w.p. 1/4: sd ~ 45 per element,
