@@ -130,6 +130,8 @@ class StochasticRounder:
         lies in fmt's normal range (elsewhere __call__ takes Format.round itself)."""
         mask = (1 << self.d) - 1
         out = k.add_(s.view(torch.int32)).bitwise_and_(~mask).view(torch.float32)
+        if not self.fmt.negative_zero:  # fnuz: no -0 (its code is NaN); only -0 gives -0
+            out.add_(0.0)  # -0 + 0 = +0, any other value + 0 is itself: one pass
         return self._specials(s, out)
 
     def _specials(self, s: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
