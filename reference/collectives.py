@@ -341,7 +341,8 @@ def _reduce_world(collective, inputs, *, op, dtype, accum_dtype, algorithm, roun
         finite_in = torch.stack([torch.isfinite(t.reshape(-1)) if t.is_floating_point()
                                  else torch.ones(numel, dtype=torch.bool, device=t.device)
                                  for t in tensors])
-        overflow = int((finite_in & ~torch.isfinite(arith.values(x))).sum())
+        finite_out = torch.isfinite(x if x.is_floating_point() else arith.values(x))
+        overflow = int(torch.count_nonzero(finite_out.logical_not_().logical_and_(finite_in)))
     if op in ("max", "min"):  # on the values (fp8 codes do not sort as their values)
         x = arith.values(x)
         total = x.amax(0) if op == "max" else x.amin(0)  # exact; NaN propagates
@@ -356,14 +357,15 @@ def _reduce_world(collective, inputs, *, op, dtype, accum_dtype, algorithm, roun
 
     def info() -> CollectiveInfo:
         given = [t for t in tensors if t.is_floating_point()]
-        nan_in = sum(int(torch.isnan(t).sum()) for t in given)
-        inf_in = sum(int(torch.isinf(t).sum()) for t in given)
+        nan_in = sum(int(torch.count_nonzero(torch.isnan(t))) for t in given)
+        inf_in = sum(int(torch.count_nonzero(torch.isinf(t))) for t in given)
         return CollectiveInfo(
             collective=collective, op=op, dtype=arith.wire.name, accum_dtype=arith.accum.name,
             algorithm=algorithm, avg=avg, rounding=rounding,
             saturate=arith.sat_adds, arithmetic=arith.name, seed=arith.seed, world=world,
             numel=numel, nan_inputs=nan_in, inf_inputs=inf_in, overflow_inputs=overflow,
-            nan_outputs=int(torch.isnan(total).sum()), inf_outputs=int(torch.isinf(total).sum()))
+            nan_outputs=int(torch.count_nonzero(torch.isnan(total))),
+            inf_outputs=int(torch.count_nonzero(torch.isinf(total))))
 
     return total, info, tensors
 
