@@ -362,6 +362,37 @@ def test_fp8_collectives_end_to_end_are_format_rounds_bits(monkeypatch, fmt, op,
                               .reshape(got.shape))
 
 
+def _device_gives_the_cpus_results(device):
+    """The collectives on `device` tensors: the CPU's bits on every deterministic path, a
+    seeded and unbiased stochastic rounding."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3001, generator=g, dtype=torch.float64) * 300
+    x[0, :8] = torch.tensor([math.nan, math.inf, -math.inf, -0.0, 464.0, 61440.0, 1e-9,
+                             1.0625 + 2 ** -40])
+    for dtype in ("fp8_e4m3fn", "fp8_e5m2", "bf16", "fp16", "tf32", "fp8_e4m3fnuz"):
+        for op, saturate, src in ((op, sat, src) for op in ("sum", "avg", "max")
+                                  for sat in (None, True) for src in (torch.float64, torch.float32)):
+            kw = dict(dtype=dtype, op=op, saturate=saturate, return_info=True)
+            want, want_info = all_reduce(list(x.to(src)), **kw)
+            got, got_info = all_reduce(list(x.to(src).to(device)), **kw)
+            assert got[0].device.type == torch.device(device).type
+            assert _same_bits(got[0].cpu(), want[0]) and got_info == want_info, (dtype, op, saturate)
+    y = torch.full((32, 20_000), (1 + 2 ** -9) * 2 ** -3, dtype=torch.float64, device=device)
+    for dtype in ("bf16", "fp8_e4m3fn", "tf32"):
+        a, b, c = (all_reduce(list(y), dtype=dtype, rounding="stochastic", seed=s)[0]
+                   for s in (1, 1, 2))
+        assert torch.equal(a, b) and not torch.equal(a, c)
+        assert abs(a.mean().item() - float(y[:, 0].sum())) < 5 * a.std().item() / math.sqrt(a.numel())
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_give_the_cpus_bits_and_a_seeded_unbiased_stochastic_rounding():
+    # CUDA paths no CPU test runs: the fp8 add/decode tables and torch's float32 -> fp8 cast
+    # on the device, stochastic rounding's lanes from the CUDA generator (Philox; a uint16
+    # view of its int64 words), Scratch buffers there
+    _device_gives_the_cpus_results("cuda")
+
+
 # ---------------------------------------------------------------- stochastic rounding
 
 
