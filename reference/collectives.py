@@ -151,6 +151,21 @@ def _round_to_odd_fp32(x: torch.Tensor) -> torch.Tensor:
     return torch.where(inexact, (bits - past) | 1, bits).view(torch.float32)
 
 
+def _int64_to_odd_fp64(x: torch.Tensor) -> torch.Tensor:
+    """int64 -> float64 with round-to-odd where float64 cannot hold the integer (|x| > 2^53),
+    so that the wire rounding after it (any format of <= 51 bits, nearest or toward zero)
+    is ONE correct rounding of x, as _round_to_odd_fp32 does for float64 -> float32."""
+    f = x.to(torch.float64)
+    top = f == 2.0 ** 63  # 2^63 - 1 and its neighbours round up out of int64's range
+    d = x - f.clamp(max=2.0 ** 63 - 1024).to(torch.int64)  # exact: |d| <= 1024
+    inexact = (d != 0) | top
+    if not bool(inexact.any()):
+        return f
+    past = torch.where(x < 0, d > 0, d < 0) | top  # |f| > |x|
+    bits = f.view(torch.int64)
+    return torch.where(inexact, (bits - past.to(torch.int64)) | 1, bits).view(torch.float64)
+
+
 def _fp64_to_narrow(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """float64 -> fp16/bf16 in ONE rounding (torch's direct cast goes through fp32 twice)."""
     return _round_to_odd_fp32(x).to(dtype)
@@ -227,17 +242,18 @@ class _Arithmetic:
         """A flat input rounded once to the wire format, as fp8 codes or in a float dtype
         that holds the wire's values exactly (the working dtype, or wider: stack() narrows
         on the copy)."""
+        if not t.is_floating_point():  # integers: float64, rounded to odd past 2^53
+            t = _int64_to_odd_fp64(t) if t.dtype == torch.int64 and self.wire.name != "fp64" \
+                else t.to(torch.float64)
         if self.native is not None:
             if t.dtype == self.native:
                 return t
-            if not t.is_floating_point():
-                t = t.to(torch.float64)
             if t.dtype == torch.float64 and self.native in (torch.float16, torch.bfloat16):
                 return _fp64_to_narrow(t, self.native)
             return t.to(self.native)  # single rounding: fp32 -> 16-bit, any -> wider
         if self.codes:
             if t.dtype not in (torch.float64, torch.float32):  # fp16/bf16 widen exactly
-                t = t.to(torch.float32 if t.is_floating_point() else torch.float64)
+                t = t.to(torch.float32)
             return fp8codes.encode(t, self.wire, self.sat_inputs, self.scratch)
         if self.sr is not None:
             return round_input(t, self.sr_inputs, self.src, self.scratch)

@@ -309,6 +309,35 @@ def test_fp64_inputs_are_rounded_to_narrow_wire_formats(fmt, value, want):
     assert all_reduce(x, dtype=fmt)[0].tolist() == [want]
 
 
+@pytest.mark.parametrize("dtype, rounding, value, want", [
+    # float64 holds 53 bits: the +1 was lost to a first rounding, leaving a tie (to even)
+    ("bf16", "nearest", 2 ** 60 + 2 ** 52 + 1, 2.0 ** 60 + 2 ** 53),
+    ("fp32", "nearest", 2 ** 60 + 2 ** 36 + 1, 2.0 ** 60 + 2 ** 37),
+    ("tf32", "nearest", 2 ** 60 + 2 ** 49 + 1, 2.0 ** 60 + 2 ** 50),
+    ("bf16", "toward_zero", 2 ** 60 + 2 ** 53 - 1, 2.0 ** 60),  # float64 rounds it up first
+    ("fp64", "nearest", 2 ** 60 + 2 ** 7 + 1, 2.0 ** 60 + 2 ** 8),  # the reference: RNE once
+])
+@pytest.mark.parametrize("sign", [1, -1])
+def test_int64_inputs_past_2_53_are_rounded_once(dtype, rounding, value, want, sign):
+    x = [torch.tensor([sign * value, 3], dtype=torch.int64)] * 2
+    for fn in (all_gather, broadcast):
+        assert fn(x, dtype=dtype, rounding=rounding)[0].tolist()[0] == sign * want
+    if rounding == "nearest":
+        assert all_reduce([x[0], torch.zeros(2, dtype=torch.int64)], dtype=dtype)[0][0] == sign * want
+
+
+def test_int64_at_the_ends_of_its_range():
+    # float64 rounds 2^63 - 1 up to 2^63, which int64 cannot hold (the exactness check)
+    ends = [torch.tensor([2 ** 63 - 1, -2 ** 63, 2 ** 63 - 512, 2 ** 63 - 513, -2 ** 63 + 1])]
+    below = 2.0 ** 63 - 2.0 ** 55  # bf16's largest value under 2^63
+    assert broadcast(ends, dtype="bf16")[0].tolist() == [2.0 ** 63, -2.0 ** 63] + [2.0 ** 63] * 2 \
+        + [-2.0 ** 63]
+    assert broadcast(ends, dtype="bf16", rounding="toward_zero")[0].tolist() == \
+        [below, -2.0 ** 63, below, below, -below]
+    assert broadcast(ends, dtype="fp64")[0].tolist() == [2.0 ** 63, -2.0 ** 63, 2.0 ** 63,
+                                                         2.0 ** 63 - 1024, -2.0 ** 63]
+
+
 def test_fp16_overflow_is_inf_and_reported():
     x = [torch.tensor([60000.0, 1.0, float("nan")]), torch.tensor([60000.0, 1e6, 1.0])]
     out, info = all_reduce(x, dtype="fp16", return_info=True)
