@@ -151,6 +151,21 @@ def _round_to_odd_fp32(x: torch.Tensor) -> torch.Tensor:
     return torch.where(inexact, (bits - past) | 1, bits).view(torch.float32)
 
 
+def _int64_to_odd_fp64(x: torch.Tensor) -> torch.Tensor:
+    """int64 -> float64 with round-to-odd where float64 cannot hold the integer (|x| > 2^53),
+    so that the wire rounding after it (any format of <= 51 bits, nearest or toward zero)
+    is ONE correct rounding of x, as _round_to_odd_fp32 does for float64 -> float32."""
+    f = x.to(torch.float64)
+    top = f == 2.0 ** 63  # 2^63 - 1 and its neighbours round up out of int64's range
+    d = x - f.clamp(max=2.0 ** 63 - 1024).to(torch.int64)  # exact: |d| <= 1024
+    inexact = (d != 0) | top
+    if not bool(inexact.any()):
+        return f
+    past = torch.where(x < 0, d > 0, d < 0) | top  # |f| > |x|
+    bits = f.view(torch.int64)
+    return torch.where(inexact, (bits - past.to(torch.int64)) | 1, bits).view(torch.float64)
+
+
 def _fp64_to_narrow(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """float64 -> fp16/bf16 in ONE rounding (torch's direct cast goes through fp32 twice)."""
     return _round_to_odd_fp32(x).to(dtype)
@@ -227,17 +242,18 @@ class _Arithmetic:
         """A flat input rounded once to the wire format, as fp8 codes or in a float dtype
         that holds the wire's values exactly (the working dtype, or wider: stack() narrows
         on the copy)."""
+        if not t.is_floating_point():  # integers: float64, rounded to odd past 2^53
+            t = _int64_to_odd_fp64(t) if t.dtype == torch.int64 and self.wire.name != "fp64" \
+                else t.to(torch.float64)
         if self.native is not None:
             if t.dtype == self.native:
                 return t
-            if not t.is_floating_point():
-                t = t.to(torch.float64)
             if t.dtype == torch.float64 and self.native in (torch.float16, torch.bfloat16):
                 return _fp64_to_narrow(t, self.native)
             return t.to(self.native)  # single rounding: fp32 -> 16-bit, any -> wider
         if self.codes:
             if t.dtype not in (torch.float64, torch.float32):  # fp16/bf16 widen exactly
-                t = t.to(torch.float32 if t.is_floating_point() else torch.float64)
+                t = t.to(torch.float32)
             return fp8codes.encode(t, self.wire, self.sat_inputs, self.scratch)
         if self.sr is not None:
             return round_input(t, self.sr_inputs, self.src, self.scratch)
@@ -307,8 +323,9 @@ class _Arithmetic:
 
 
 def _reduce_world(collective, inputs, *, op, dtype, accum_dtype, algorithm, rounding, seed,
-                  avg, ranks_per_node, saturate, order, schedule=None):
-    """Validate, round, reduce. Returns (flat float64 result, info-maker, tensors)."""
+                  avg, ranks_per_node, saturate, order, schedule=None, count_overflow=False):
+    """Validate, round, reduce. Returns (flat float64 result, info-maker, tensors); the
+    info-maker counts overflowed inputs only with count_overflow (return_info)."""
     tensors = _as_world(inputs)
     check_choice(op, "op", OPS)
     if order is not None:
@@ -335,7 +352,14 @@ def _reduce_world(collective, inputs, *, op, dtype, accum_dtype, algorithm, roun
         schedule = get_schedule(algorithm, world, numel, ranks_per_node=ranks_per_node,
                                 order=order, itemsize=itemsize)
     x = arith.stack(tensors)
-    if op in ("max", "min"):
+    overflow = None
+    if count_overflow:  # on the rounding used: stochastic rounding would draw anew
+        finite_in = torch.stack([torch.isfinite(t.reshape(-1)) if t.is_floating_point()
+                                 else torch.ones(numel, dtype=torch.bool, device=t.device)
+                                 for t in tensors])
+        finite_out = torch.isfinite(x if x.is_floating_point() else arith.values(x))
+        overflow = int(torch.count_nonzero(finite_out.logical_not_().logical_and_(finite_in)))
+    if op in ("max", "min"):  # on the values (fp8 codes do not sort as their values)
         x = arith.values(x)
         total = x.amax(0) if op == "max" else x.amin(0)  # exact; NaN propagates
     else:
@@ -345,22 +369,19 @@ def _reduce_world(collective, inputs, *, op, dtype, accum_dtype, algorithm, roun
         total = schedule.reduce(x, arith.add)
         if op == "avg" and avg == "divide":
             total = arith.divide(total, world)
-    total = arith.values(total)
+        total = arith.values(total)  # once: max/min's total is values already
 
     def info() -> CollectiveInfo:
         given = [t for t in tensors if t.is_floating_point()]
-        nan_in = sum(int(torch.isnan(t).sum()) for t in given)
-        inf_in = sum(int(torch.isinf(t).sum()) for t in given)
-        finite_in = torch.stack([torch.isfinite(t.reshape(-1)) if t.is_floating_point()
-                                 else torch.ones(numel, dtype=torch.bool, device=t.device)
-                                 for t in tensors])
-        overflow = int((finite_in & ~torch.isfinite(arith.values(arith.stack(tensors)))).sum())
+        nan_in = sum(int(torch.count_nonzero(torch.isnan(t))) for t in given)
+        inf_in = sum(int(torch.count_nonzero(torch.isinf(t))) for t in given)
         return CollectiveInfo(
             collective=collective, op=op, dtype=arith.wire.name, accum_dtype=arith.accum.name,
             algorithm=algorithm, avg=avg, rounding=rounding,
             saturate=arith.sat_adds, arithmetic=arith.name, seed=arith.seed, world=world,
             numel=numel, nan_inputs=nan_in, inf_inputs=inf_in, overflow_inputs=overflow,
-            nan_outputs=int(torch.isnan(total).sum()), inf_outputs=int(torch.isinf(total).sum()))
+            nan_outputs=int(torch.count_nonzero(torch.isnan(total))),
+            inf_outputs=int(torch.count_nonzero(torch.isinf(total))))
 
     return total, info, tensors
 
@@ -382,7 +403,8 @@ def all_reduce(inputs, *, op="sum", dtype="fp64", accum_dtype=None, algorithm="r
     total, info, tensors = _reduce_world(
         "all_reduce", inputs, op=op, dtype=dtype, accum_dtype=accum_dtype,
         algorithm=algorithm, rounding=rounding, seed=seed, avg=avg,
-        ranks_per_node=ranks_per_node, saturate=saturate, order=order)
+        ranks_per_node=ranks_per_node, saturate=saturate, order=order,
+        count_overflow=return_info)
     out = total.reshape(tensors[0].shape)
     outs = [out] * len(tensors)
     return (outs, info()) if return_info else outs
@@ -405,7 +427,8 @@ def reduce_scatter(inputs, *, op="sum", dtype="fp64", accum_dtype=None, algorith
     total, info, _ = _reduce_world(
         "reduce_scatter", tensors, op=op, dtype=dtype, accum_dtype=accum_dtype,
         algorithm=algorithm, rounding=rounding, seed=seed, avg=avg,
-        ranks_per_node=ranks_per_node, saturate=saturate, order=order)
+        ranks_per_node=ranks_per_node, saturate=saturate, order=order,
+        count_overflow=return_info)
     outs = list(total.reshape(shape).chunk(world, 0))
     return (outs, info()) if return_info else outs
 
@@ -433,7 +456,7 @@ def reduce(inputs, *, root=0, op="sum", dtype="fp64", accum_dtype=None, algorith
     total, info, _ = _reduce_world(
         "reduce", tensors, op=op, dtype=dtype, accum_dtype=accum_dtype, algorithm=algorithm,
         rounding=rounding, seed=seed, avg=avg, ranks_per_node=ranks_per_node,
-        saturate=saturate, order=order, schedule=schedule)
+        saturate=saturate, order=order, schedule=schedule, count_overflow=return_info)
     outs = [None] * world
     outs[root] = total.reshape(tensors[0].shape)
     return (outs, info()) if return_info else outs

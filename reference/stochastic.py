@@ -56,7 +56,8 @@ def source(seed: int, device) -> Source:
     on CUDA) on other devices, where numpy's words would have to be copied over."""
     generator = torch.Generator(device=device).manual_seed(seed)
     cpu = torch.device(device).type == "cpu"
-    return Source(generator, np.random.SFC64(seed) if cpu else generator)
+    # torch reads a seed modulo 2^64 (manual_seed(-1) is 2^64 - 1); numpy refuses negatives
+    return Source(generator, np.random.SFC64(seed % (1 << 64)) if cpu else generator)
 
 
 def as_source(generator) -> Source:
@@ -130,6 +131,8 @@ class StochasticRounder:
         lies in fmt's normal range (elsewhere __call__ takes Format.round itself)."""
         mask = (1 << self.d) - 1
         out = k.add_(s.view(torch.int32)).bitwise_and_(~mask).view(torch.float32)
+        if not self.fmt.negative_zero:  # fnuz: no -0 (its code is NaN); only -0 gives -0
+            out.add_(0.0)  # -0 + 0 = +0, any other value + 0 is itself: one pass
         return self._specials(s, out)
 
     def _specials(self, s: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

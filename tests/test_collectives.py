@@ -1,10 +1,12 @@
 """Collectives: fp64 reference, exact low-precision emulation, avg modes, NaN/Inf, bad input."""
+import functools
 import math
 
 import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from trainprobes.reference import collectives
 from trainprobes.reference.collectives import (
     _Arithmetic,
     _fp64_to_narrow,
@@ -307,6 +309,35 @@ def test_fp64_inputs_are_rounded_to_narrow_wire_formats(fmt, value, want):
     assert all_reduce(x, dtype=fmt)[0].tolist() == [want]
 
 
+@pytest.mark.parametrize("dtype, rounding, value, want", [
+    # float64 holds 53 bits: the +1 was lost to a first rounding, leaving a tie (to even)
+    ("bf16", "nearest", 2 ** 60 + 2 ** 52 + 1, 2.0 ** 60 + 2 ** 53),
+    ("fp32", "nearest", 2 ** 60 + 2 ** 36 + 1, 2.0 ** 60 + 2 ** 37),
+    ("tf32", "nearest", 2 ** 60 + 2 ** 49 + 1, 2.0 ** 60 + 2 ** 50),
+    ("bf16", "toward_zero", 2 ** 60 + 2 ** 53 - 1, 2.0 ** 60),  # float64 rounds it up first
+    ("fp64", "nearest", 2 ** 60 + 2 ** 7 + 1, 2.0 ** 60 + 2 ** 8),  # the reference: RNE once
+])
+@pytest.mark.parametrize("sign", [1, -1])
+def test_int64_inputs_past_2_53_are_rounded_once(dtype, rounding, value, want, sign):
+    x = [torch.tensor([sign * value, 3], dtype=torch.int64)] * 2
+    for fn in (all_gather, broadcast):
+        assert fn(x, dtype=dtype, rounding=rounding)[0].tolist()[0] == sign * want
+    if rounding == "nearest":
+        assert all_reduce([x[0], torch.zeros(2, dtype=torch.int64)], dtype=dtype)[0][0] == sign * want
+
+
+def test_int64_at_the_ends_of_its_range():
+    # float64 rounds 2^63 - 1 up to 2^63, which int64 cannot hold (the exactness check)
+    ends = [torch.tensor([2 ** 63 - 1, -2 ** 63, 2 ** 63 - 512, 2 ** 63 - 513, -2 ** 63 + 1])]
+    below = 2.0 ** 63 - 2.0 ** 55  # bf16's largest value under 2^63
+    assert broadcast(ends, dtype="bf16")[0].tolist() == [2.0 ** 63, -2.0 ** 63] + [2.0 ** 63] * 2 \
+        + [-2.0 ** 63]
+    assert broadcast(ends, dtype="bf16", rounding="toward_zero")[0].tolist() == \
+        [below, -2.0 ** 63, below, below, -below]
+    assert broadcast(ends, dtype="fp64")[0].tolist() == [2.0 ** 63, -2.0 ** 63, 2.0 ** 63,
+                                                         2.0 ** 63 - 1024, -2.0 ** 63]
+
+
 def test_fp16_overflow_is_inf_and_reported():
     x = [torch.tensor([60000.0, 1.0, float("nan")]), torch.tensor([60000.0, 1e6, 1.0])]
     out, info = all_reduce(x, dtype="fp16", return_info=True)
@@ -321,6 +352,76 @@ def test_e4m3fn_input_overflow_is_nan_unless_saturated():
     assert all_reduce(x, dtype="fp8_e4m3fn", saturate=True)[0].tolist() == [448.0]
 
 
+@pytest.mark.parametrize("fmt", ["fp8_e4m3fn", "fp8_e5m2"])
+@pytest.mark.parametrize("op, avg", [("sum", None), ("avg", "premul"), ("avg", "divide"),
+                                     ("max", None), ("min", None)])
+def test_fp8_collectives_end_to_end_are_format_rounds_bits(monkeypatch, fmt, op, avg):
+    # the whole collective on fp8 codes (decoded once, at the end) against the definition
+    # (fast=False: float64 values, Format.round after every add), every saturate setting,
+    # values at ties, past max, subnormal, -0, NaN and inf. max/min decoded the codes twice:
+    # max of [1, 2] and [0.5, 3] gave [0.0020, 0.0059], not [1, 3] (448: IndexError)
+    f = get_format(fmt)
+    g = torch.Generator().manual_seed(3)
+    special = torch.tensor([0.0, -0.0, math.nan, math.inf, -math.inf, f.max_finite,
+                            -f.max_finite, 464.0, 61440.0, 1e6, f.smallest_subnormal / 2,
+                            -f.smallest_subnormal * 1.5, 1.0625, 1.0625 + 2 ** -40])
+    x = torch.randn(3, 42, generator=g, dtype=torch.float64) * 50
+    x[:, :special.numel()] = special[torch.randperm(special.numel(), generator=g)]
+    calls = [(all_reduce, {}), (all_reduce, {"algorithm": "tree"}), (reduce, {"root": 1}),
+             (reduce_scatter, {"algorithm": "hierarchical", "ranks_per_node": 3})]
+    for saturate in (None, True, False):
+        for fn, kw in calls:
+            kw = dict(kw, op=op, avg=avg, dtype=fmt, saturate=saturate, return_info=True)
+            outs = {}
+            for fast in (True, False):
+                monkeypatch.setattr(collectives, "_Arithmetic",
+                                    functools.partial(_Arithmetic, fast=fast))
+                outs[fast] = fn(list(x), **kw)
+            (got, got_info), (want, want_info) = outs[True], outs[False]
+            assert got_info.arithmetic == ("nccl_fp8" if saturate is not False else "emulated")
+            assert got_info.to_dict() == dict(want_info.to_dict(),
+                                              arithmetic=got_info.arithmetic)
+            for a, b in zip(got, want):
+                assert (a is None and b is None) or _same_bits(a, b), (fn.__name__, saturate)
+    for fn in (all_gather, broadcast):
+        for saturate in (None, True, False):
+            monkeypatch.setattr(collectives, "_Arithmetic", _Arithmetic)
+            got = fn(list(x), dtype=fmt, saturate=saturate)[0]
+            assert _same_bits(got, f.round(x if fn is all_gather else x[0], saturate=bool(saturate))
+                              .reshape(got.shape))
+
+
+def _device_gives_the_cpus_results(device):
+    """The collectives on `device` tensors: the CPU's bits on every deterministic path, a
+    seeded and unbiased stochastic rounding."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3001, generator=g, dtype=torch.float64) * 300
+    x[0, :8] = torch.tensor([math.nan, math.inf, -math.inf, -0.0, 464.0, 61440.0, 1e-9,
+                             1.0625 + 2 ** -40])
+    for dtype in ("fp8_e4m3fn", "fp8_e5m2", "bf16", "fp16", "tf32", "fp8_e4m3fnuz"):
+        for op, saturate, src in ((op, sat, src) for op in ("sum", "avg", "max")
+                                  for sat in (None, True) for src in (torch.float64, torch.float32)):
+            kw = dict(dtype=dtype, op=op, saturate=saturate, return_info=True)
+            want, want_info = all_reduce(list(x.to(src)), **kw)
+            got, got_info = all_reduce(list(x.to(src).to(device)), **kw)
+            assert got[0].device.type == torch.device(device).type
+            assert _same_bits(got[0].cpu(), want[0]) and got_info == want_info, (dtype, op, saturate)
+    y = torch.full((32, 20_000), (1 + 2 ** -9) * 2 ** -3, dtype=torch.float64, device=device)
+    for dtype in ("bf16", "fp8_e4m3fn", "tf32"):
+        a, b, c = (all_reduce(list(y), dtype=dtype, rounding="stochastic", seed=s)[0]
+                   for s in (1, 1, 2))
+        assert torch.equal(a, b) and not torch.equal(a, c)
+        assert abs(a.mean().item() - float(y[:, 0].sum())) < 5 * a.std().item() / math.sqrt(a.numel())
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_give_the_cpus_bits_and_a_seeded_unbiased_stochastic_rounding():
+    # CUDA paths no CPU test runs: the fp8 add/decode tables and torch's float32 -> fp8 cast
+    # on the device, stochastic rounding's lanes from the CUDA generator (Philox; a uint16
+    # view of its int64 words), Scratch buffers there
+    _device_gives_the_cpus_results("cuda")
+
+
 # ---------------------------------------------------------------- stochastic rounding
 
 
@@ -331,6 +432,26 @@ def test_stochastic_rounding_is_seeded():
     c = all_reduce(x, dtype="bf16", rounding="stochastic", seed=6)
     assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
     assert info.seed == 5 and info.rounding == "stochastic"
+
+
+def test_stochastic_rounding_takes_every_seed_torch_takes():
+    # a negative seed (valid for torch.Generator: -1 means 2^64 - 1) reached numpy's SFC64
+    # as it was: "ValueError: expected non-negative integer"
+    x = list(torch.randn(3, 100, generator=torch.Generator().manual_seed(0)))
+    a = all_reduce(x, dtype="bf16", rounding="stochastic", seed=-1)[0]
+    assert torch.equal(a, all_reduce(x, dtype="bf16", rounding="stochastic", seed=-1)[0])
+    assert torch.equal(a, all_reduce(x, dtype="bf16", rounding="stochastic", seed=2**64 - 1)[0])
+    assert not torch.equal(a, all_reduce(x, dtype="bf16", rounding="stochastic", seed=1)[0])
+    all_reduce(x, dtype="fp8_e4m3fn", rounding="stochastic", seed=-2**63)
+
+
+def test_overflow_inputs_counts_the_rounding_the_collective_used():
+    # 65519 rounds stochastically to 65504 or to 65536 (inf in fp16) w.p. 15/32: info must
+    # count the inputs that overflowed in this reduction, not in a second draw of them
+    x = [torch.full((4000,), 65519.0)]
+    out, info = all_reduce(x, dtype="fp16", rounding="stochastic", seed=3, return_info=True)
+    n = int(torch.isinf(out[0]).sum())
+    assert 1000 < n < 3000 and info.overflow_inputs == info.inf_outputs == n
 
 
 def test_stochastic_rounding_removes_the_stall():
