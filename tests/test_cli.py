@@ -122,6 +122,16 @@ def test_hand_written_dtype_spellings_resolve_to_one_format():
         check_dtype("float8_e4m3")
 
 
+@pytest.mark.parametrize("typed, suggested", [
+    ("fp8", "'fp8_e4m3fn' or 'fp8_e5m2' or 'fp8_e4m3fnuz' or 'fp8_e5m2fnuz'"),
+    ("FP6", "'fp6_e2m3fn' or 'fp6_e3m2fn'"), ("bfloat17", "'bfloat16'")])
+def test_a_format_family_without_its_variant_suggests_its_members(typed, suggested):
+    # 'fp8' is nearest to 'fp4' by spelling: a hurried user means an fp8 format
+    from trainprobes.commands.options import check_dtype
+    with pytest.raises(ValueError, match=f"did you mean {suggested}\\?"):
+        check_dtype(typed)
+
+
 def test_help_imports_no_torch_and_still_lists_every_choice():
     # was ~1.1 s: building the parser imported torch for stall's, bias's and collectives'
     # choices, so `trainprobes --help` and `trainprobes gate --help` paid for it too

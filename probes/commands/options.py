@@ -49,9 +49,14 @@ def check_dtype(value, name: str = "dtype", *, allowed=None, hint: str | None = 
             except (ValueError, TypeError, KeyError):
                 continue
     if fmt is None:
-        close = difflib.get_close_matches(str(value).lower(), _known_names(), n=1)
-        maybe = f"; did you mean {close[0]!r}?" if close else ""
         from trainprobes.reference.formats import FORMATS
+        typed = str(value).strip().lower()
+        # a family typed without its variant (fp8, fp6) means one of its members, not the
+        # nearest spelling ('fp8' is closest to 'fp4')
+        family = [n for n in FORMATS if typed and n.startswith(typed + "_")]
+        close = family or difflib.get_close_matches(typed, _known_names(), n=1)
+        maybe = (f"; did you mean {' or '.join(repr(n) for n in family)}?" if family
+                 else f"; did you mean {close[0]!r}?" if close else "")
         raise InvalidArgument(f"{name}={value!r} is not a known number format{maybe} (known: "
                               f"{', '.join(FORMATS)}; torch and ml_dtypes spellings such as "
                               "torch.bfloat16 or float8_e4m3fn work too)")
