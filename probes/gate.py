@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from datetime import date, timedelta
 from fnmatch import fnmatchcase
@@ -155,7 +156,7 @@ def parse_waivers(doc, source: str = "waivers") -> list[Waiver]:
         if w["code"] not in CODES:
             raise ValueError(f"{where} code={w['code']!r} is not a known code; "
                              f"known: {', '.join(sorted(CODES))}")
-        if not str(w["target"]).strip("*? "):
+        if not _names_something(str(w["target"])):
             raise ValueError(f"{where} target={w['target']!r} matches every target: a waiver "
                              "names what it excuses (an exact target or a pattern with a name "
                              "in it, e.g. 'all_reduce[bf16*')")
@@ -172,6 +173,16 @@ def parse_waivers(doc, source: str = "waivers") -> list[Waiver]:
             exp = exp.date()
         out.append(Waiver(str(w["code"]), str(w["target"]), str(w["reason"]), exp))
     return out
+
+
+def _names_something(pattern: str) -> bool:
+    """Whether a waiver's target holds a letter or digit outside fnmatch's wildcards and
+    [...] classes. "*:*", "*.*", "*::*" or "[a-z]*" name nothing, yet match every
+    probe::target key (Waiver.matches tries the key too), so they would excuse anything.
+    Without * or ? it is a name (a target may be "[x]") and matches one length only."""
+    if "*" not in pattern and "?" not in pattern:
+        return bool(pattern.strip())
+    return any(ch.isalnum() for ch in re.sub(r"\[!?\]?[^\]]*\]|[*?]", "", pattern))
 
 
 def load_waivers(path) -> list[Waiver]:
@@ -274,6 +285,15 @@ def _number(r: Result, name: str, side: str) -> float | None:
         return r.number(name)
     except InvalidType as e:
         raise CannotJudge(f"{side} {e}") from None
+    except OverflowError:  # a JSON integer past float's range: no probe writes one
+        raise CannotJudge(f"{side} {r.key!r}: metric {name}={_short(r.metrics[name])} is too "
+                          "large for a float (was the report edited?)") from None
+
+
+def _short(v) -> str:
+    """repr of v, its middle cut: a 400-digit integer must not flood the verdict."""
+    s = repr(v)
+    return s if len(s) <= 40 else f"{s[:18]}...{s[-18:]} ({len(s)} characters)"
 
 
 def _threshold_broken(r: Result) -> bool:
@@ -384,7 +404,16 @@ def _count(r: Result, name: str, where: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise CannotJudge(f"{where}: metric {name}={v!r} is mistyped: a {type(v).__name__}, "
                           "expected a number (or a list)")
-    return float(v)
+    try:
+        x = float(v)
+    except OverflowError:
+        x = math.inf
+    # NaN > 0 is False and a negative part balances a sum: either would let a verdict
+    # boolean agree with counts that no probe writes
+    if not (math.isfinite(x) and x >= 0):
+        raise CannotJudge(f"{where}: metric {name}={_short(v)} is not a count (finite and "
+                          "0 or more), as the probe writes it (was the report edited?)")
+    return x
 
 
 def _check_flag_evidence(r: Result, side: str, flag: str) -> None:
@@ -432,6 +461,9 @@ def _check_test(r: Result, side: str, flag: str, test: Significance) -> None:
                               f"reports it beside {flag}, which must agree with its test")
         got[name] = v
     p, alpha, est, floor = (got[n] for n in test)
+    if not 0 < alpha < 1:  # NaN, 0 or below: `p < alpha` is never true, so never biased
+        raise CannotJudge(f"{where}: metric {test.alpha}={alpha!r} is not a significance "
+                          "level in (0, 1), as the probe writes it (was the report edited?)")
     if math.isnan(est):
         return
     bad = p < alpha and abs(est) >= floor
@@ -479,7 +511,13 @@ def standard_error(r: Result, name: str, side: str = "") -> float | None:
     SE makes z = 0 (or inf/inf = NaN), so any growth would pass untested."""
     from statistics import NormalDist
 
+    spec = PROBES.get(r.probe)
+
     def num(n):
+        # only what the probe writes: an added `bias_se` (read first) on numerics.bias, whose
+        # SE is std / sqrt(trials), would hide any growth behind a made-up standard error
+        if spec is not None and not spec.documents(n):
+            return None
         return _number(r, n, side)
     se = num(f"{name}_se")
     if se is None:

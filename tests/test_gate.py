@@ -670,7 +670,9 @@ def test_a_waiver_for_one_code_does_not_hide_another_new_one():
 
 # --- nothing compared, nothing excused wholesale -----------------------------------------
 
-@pytest.mark.parametrize("target", ["*", "**", "?*", " * "])
+@pytest.mark.parametrize("target", ["*", "**", "?*", " * ",
+    # no name in them: each matched every probe::target key (or every collective)
+    "*:*", "*::*", "*.*", "[a-z]*", "*[*", "*]", "*,*", "*=*", "[!_]*"])
 def test_a_waiver_that_matches_every_target_is_refused(target):
     doc = {"waiver": [{"code": "TP-G1", "target": target, "reason": "r", "expires": "2027-01-01"}]}
     with pytest.raises(ValueError, match="matches every target"):
@@ -932,3 +934,54 @@ def test_markdown_verdict_shows_names_with_markup_as_written(tmp_path, capsys, m
     rep = gate_files(base, cand, waivers)
     assert [(r.target, r.waived_by is not None) for r in rep.regressions] == [
         (NASTY, True), ("x" + NASTY, False)]
+
+
+# --- counts, tests and standard errors a report cannot bend ------------------------------
+
+@pytest.mark.parametrize("edit,match", [
+    # causal=true beside a count of NaN: NaN > 0 is False, so the contradiction went unseen
+    ({"n_score_leaks": math.nan}, "n_score_leaks=nan"),
+    # n_leaks = n_structural + n_unconfirmed holds, and no count is above 0
+    ({"n_leaks": -1, "n_structural": 0, "n_unconfirmed": -1}, "n_leaks=-1"),
+    ({"n_score_leaks": -math.inf}, "n_score_leaks=-inf"),
+])
+def test_a_count_that_is_not_a_count_cannot_judge(edit, match):
+    cand = CAUSAL(True)
+    cand.metrics.update(edit)
+    rep = compare([CAUSAL(True)], [cand], today=TODAY)
+    assert rep.exit_code == 2, rep.regressions
+    assert match in rep.cannot_judge and "not a count" in rep.cannot_judge
+
+
+@pytest.mark.parametrize("name", ["n_leaks", "bias"])
+def test_a_number_too_large_for_a_float_cannot_judge_not_a_traceback(tmp_path, capsys, name):
+    # JSON integers are unbounded; float(10**400) raised OverflowError out of the gate (exit 1)
+    base, cand = tmp_path / "a.json", tmp_path / "b.json"
+    save_results(base, [CAUSAL(True), BIAS()])
+    doc = json.loads(base.read_text())
+    doc["results"][0 if name == "n_leaks" else 1]["metrics"][name] = 10 ** 400
+    if name == "n_leaks":
+        doc["results"][0]["metrics"]["n_structural"] = 10 ** 400
+    cand.write_text(json.dumps(doc))
+    assert main(["gate", "--baseline", str(base), "--candidate", str(cand)]) == 2
+    out = capsys.readouterr().out
+    assert f"metric {name}=100000000000000000...000" in out and "(401 characters)" in out
+
+
+@pytest.mark.parametrize("alpha", [math.nan, 0.0, -1.0, 1.0, 2.0])
+def test_a_biased_test_at_an_alpha_no_probe_writes_cannot_judge(alpha):
+    # p_value = 1e-9 and a bias past the floor: biased. alpha edited to NaN (or 0, or
+    # below) made `p < alpha` False, so biased=false and a pass agreed with the "test"
+    rep = compare([BIAS()], [BIAS(p_value=1e-9, alpha=alpha)], today=TODAY)
+    assert rep.exit_code == 2 and "alpha" in rep.cannot_judge
+
+
+@pytest.mark.parametrize("extra", [{"bias_se": 1e3}, {"se_mean": 1e3}, {"bias_z": 1e-9}])
+def test_a_standard_error_its_probe_does_not_write_is_not_read(extra):
+    # numerics.bias's SE is std / sqrt(trials); an undocumented bias_se (read first) hid a
+    # 20x larger bias behind a huge standard error (both biased: only TP-G2 can block)
+    base, cand = BIAS(1e-4, 1e-5, biased=True), BIAS(2e-3, 1e-3, biased=True)
+    assert [r.code for r in compare([base], [cand], today=TODAY).blocking] == ["TP-G2"]
+    cand.metrics.update(extra)
+    assert [r.code for r in compare([base], [cand], today=TODAY).blocking] == ["TP-G2"]
+    assert standard_error(cand, "bias") == pytest.approx(1e-4)
