@@ -24,11 +24,13 @@ __all__ = ["md_text", "md_code", "html_text", "plot_text"]
 #   < &       raw HTML and autolinks (6.6, 6.5), entities (2.5): unless a space follows,
 #             as none of those can begin with one ("p = 0 < alpha" stays as written);
 #   |         a table cell's end (GFM 4.10; harmless elsewhere);
+#   $         GitHub's math ($...$, $$...$$, $`...`$ in comments and job summaries: LaTeX,
+#             so "$\huge{PASSED}$" drew a headline); GitHub's docs escape it as \$;
 #   ](        the end of an inline link or image's text (6.3); a reference link needs a
 #             definition at the start of a line, which text kept on one line cannot write;
 #   _         only where it can open or close emphasis: not between two letters or digits
 #             (6.2: intraword _ never does), so metric names such as n_leaks read as written.
-_MD_SPECIAL = re.compile(r"[\\`*~|]|[<&](?!\s)|\](?=\()|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z])")
+_MD_SPECIAL = re.compile(r"[\\`*~|$]|[<&](?!\s)|\](?=\()|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z])")
 # A line ending (2.1): inline text that held one would start a new block.
 _LINE_END = re.compile(r"\r\n|\r|\n")
 
