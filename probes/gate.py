@@ -668,6 +668,16 @@ def _compare_pair(b: Result, c: Result, alpha: float, rel_tol: float) -> list[Re
         for code in [x for x in c.codes if x not in covered]:
             add(code, f"verdict went from {b.verdict} to fail ({CODES[code]})",
                 b.verdict, c.verdict, c.message)
+    elif b.verdict == c.verdict == "fail":
+        # A Result that already failed (a known leak, accepted) must not hide a new way to
+        # fail: a code the baseline did not carry is a regression of its own (TP-C3 beside
+        # the known TP-C1; a biased transform now wrong, TP-T3).
+        covered = {r.code for r in regs} | set(b.codes)
+        if regs:  # as above: TP-D3 is reported as TP-G3, TP-B3 by its own rule
+            covered |= {"TP-D3", "TP-B3"} | ({spec.code} if spec is not None else set())
+        for code in [x for x in c.codes if x not in covered]:
+            add(code, f"fails with a new code ({CODES[code]}); the baseline failed with "
+                f"{', '.join(b.codes)} only", ", ".join(b.codes), ", ".join(c.codes), c.message)
     return regs
 
 

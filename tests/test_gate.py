@@ -668,6 +668,16 @@ def test_a_waiver_for_one_code_does_not_hide_another_new_one():
     assert rep.exit_code == 1
 
 
+def test_a_result_that_already_failed_still_blocks_a_new_code():
+    # a router whose known leak (TP-C1) fails in the baseline hid its new batch-isolation
+    # leak (TP-C3): only a verdict going from pass/warn to fail was read for codes
+    base = CAUSAL(False, n_leaks=4, batch_isolated=True)
+    cand = CAUSAL(False, n_leaks=4, codes=["TP-C1", "TP-C3"], batch_isolated=False)
+    rep = compare([base], [cand], today=TODAY)
+    assert [r.code for r in rep.blocking] == ["TP-C3"] and "new code" in rep.blocking[0].what
+    assert compare([base], [base], today=TODAY).exit_code == 0  # the same codes: no news
+
+
 # --- nothing compared, nothing excused wholesale -----------------------------------------
 
 @pytest.mark.parametrize("target", ["*", "**", "?*", " * ",
