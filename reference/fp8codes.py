@@ -22,7 +22,7 @@ import functools
 import torch
 from trainprobes.reference.fastround import round_nearest, rounder
 from trainprobes.reference.formats import Format
-from trainprobes.reference.scratch import Scratch, any_nonzero
+from trainprobes.reference.scratch import Scratch, any_nonzero, float32_copy
 
 # fp8 formats torch stores natively (the others have no torch dtype to cast with)
 TORCH_FP8 = ("fp8_e4m3fn", "fp8_e5m2")
@@ -56,12 +56,11 @@ def encode(x: torch.Tensor, fmt: Format, saturate: bool,
            scratch: Scratch | None = None) -> torch.Tensor:
     """Format.round(x, "nearest", saturate=saturate) of a float32/float64 tensor, as codes
     (temporaries in `scratch` when given)."""
-    scratch = Scratch() if scratch is None else scratch
-    s = x
+    s, exact = x, True
     if x.dtype != torch.float32:
-        s = scratch.get("s", x.shape, torch.float32, x.device).copy_(x)
-        lost = scratch.get("lost", x.shape, x.dtype, x.device).copy_(s).sub_(x)
-    if x.numel() and (s is x or not any_nonzero(lost)):  # x is float32 (no NaN)
+        s, lost = float32_copy(x, Scratch() if scratch is None else scratch)
+        exact = not any_nonzero(lost)  # NaN counts as lost
+    if x.numel() and exact:  # s holds x exactly
         lo, hi = torch.aminmax(s)
         if -fmt.max_finite <= float(lo) and float(hi) <= fmt.max_finite:  # NaN fails too
             return encode_exact(s, fmt)  # one rounding, nothing to overflow

@@ -1,4 +1,5 @@
-"""Reused temporaries and a cheap zero test for the emulated collectives' hot loops."""
+"""Reused temporaries, a cheap zero test and a float32 copy that says what it lost, for the
+emulated collectives' hot loops."""
 from __future__ import annotations
 
 import math
@@ -36,3 +37,10 @@ def any_nonzero(t: torch.Tensor) -> bool:
         return False
     lo, hi = torch.aminmax(t)
     return not (float(lo) == 0.0 and float(hi) == 0.0)
+
+
+def float32_copy(x: torch.Tensor, scratch: Scratch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, lost) for a float64 x: s = x rounded to float32 and lost = s - x in float64 (0
+    where float32 holds x; NaN where x is NaN), both in scratch's buffers "s" and "lost"."""
+    s = scratch.get("s", x.shape, torch.float32, x.device).copy_(x)
+    return s, scratch.get("lost", x.shape, torch.float64, x.device).copy_(s).sub_(x)

@@ -34,7 +34,7 @@ import torch
 from trainprobes.errors import InvalidArgument
 from trainprobes.reference.fastround import fits, rounder
 from trainprobes.reference.formats import Format
-from trainprobes.reference.scratch import Scratch, any_nonzero
+from trainprobes.reference.scratch import Scratch, any_nonzero, float32_copy
 
 _SIGN32 = -(1 << 31)
 _ROW = 256  # inexact_sums searches rows of this many elements
@@ -191,22 +191,18 @@ def inexact_sums(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor,
         err = two_sum(a, b)[1].reshape(-1)
         return err.nonzero().reshape(-1) if any_nonzero(err) else None  # NaN is nonzero
     body = n - n % _ROW
+    diffs = [torch.sub(s, x, out=scratch.get(name, s.shape, s.dtype, s.device)).sub_(y)
+             .reshape(-1) for x, y, name in ((a, b, "d1"), (b, a, "d2"))]
     dirty = torch.zeros(body // _ROW, dtype=torch.bool, device=s.device)
-    tail = []
-    for x, y, name in ((a, b, "d1"), (b, a, "d2")):
-        d = torch.sub(s, x, out=scratch.get(name, s.shape, s.dtype, s.device)).sub_(y)
-        d = d.reshape(-1)
-        if body:
-            rows = d[:body].view(-1, _ROW)  # (aminmax with dim= is ~20x slower)
-            dirty.logical_or_(rows.amax(1) != 0).logical_or_(rows.amin(1) != 0)  # NaN != 0
-        tail.append(d[body:] != 0)
+    for d in diffs:  # body > 0: n > _SMALL
+        rows = d[:body].view(-1, _ROW)  # (aminmax with dim= is ~20x slower)
+        dirty.logical_or_(rows.amax(1) != 0).logical_or_(rows.amin(1) != 0)  # NaN != 0
     rows = dirty.nonzero().reshape(-1)
-    last = (tail[0] | tail[1]).nonzero().reshape(-1) + body
+    last = ((diffs[0][body:] != 0) | (diffs[1][body:] != 0)).nonzero().reshape(-1) + body
     if not rows.numel() and not last.numel():
         return None
     idx = (rows[:, None] * _ROW + torch.arange(_ROW, device=s.device)).reshape(-1)
-    d1, d2 = (scratch.get(name, s.shape, s.dtype, s.device).reshape(-1).index_select(0, idx)
-              for name in ("d1", "d2"))
+    d1, d2 = (d.index_select(0, idx) for d in diffs)
     return torch.cat([idx[(d1 != 0) | (d2 != 0)], last])
 
 
@@ -241,9 +237,8 @@ def round_input(x: torch.Tensor, wire: StochasticRounder, generator,
         return wire(x.to(torch.float32), generator, None, scratch)
     scratch = Scratch() if scratch is None else scratch
     x64 = x.to(torch.float64)
-    s = scratch.get("s", x.shape, torch.float32, x.device).copy_(x64)
+    s, lost = float32_copy(x64, scratch)
     fix = None
-    lost = scratch.get("lost", x.shape, torch.float64, x.device).copy_(s).sub_(x64)
     if any_nonzero(lost):  # float32 cannot hold some of x (NaN: NaN - NaN)
         lost = lost.ne_(0).logical_and_(~torch.isnan(x64))
         idx = lost.nonzero().reshape(-1)

@@ -2,7 +2,7 @@
 import math
 
 import torch
-from trainprobes.reference.scratch import Scratch, any_nonzero
+from trainprobes.reference.scratch import Scratch, any_nonzero, float32_copy
 
 
 def test_a_name_reuses_its_buffer_while_it_fits_and_is_remade_otherwise():
@@ -30,3 +30,11 @@ def test_any_nonzero():
     assert any_nonzero(torch.tensor([0.0, -3.0]))
     assert any_nonzero(torch.tensor([0.0, math.nan]))
     assert any_nonzero(torch.tensor([0, 0, 7], dtype=torch.int64))
+
+
+def test_float32_copy_says_what_float32_lost():
+    x = torch.tensor([1.5, 1 + 2.0 ** -40, math.nan, -0.0, 1e300], dtype=torch.float64)
+    s, lost = float32_copy(x, Scratch())
+    assert s.dtype == torch.float32 and torch.equal(s[:2], torch.tensor([1.5, 1.0]))
+    assert lost[0] == 0 and lost[1] == -(2.0 ** -40) and lost[2].isnan() and lost[3] == 0
+    assert lost[4].isinf()  # past float32's range: nothing of x is held
