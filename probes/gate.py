@@ -656,28 +656,25 @@ def _compare_pair(b: Result, c: Result, alpha: float, rel_tol: float) -> list[Re
             f"{bb:g} bits", f"{cb:g} bits", c.message)
     if "TP-D3" in c.codes and "TP-D3" not in b.codes:
         add("TP-G3", "drift went over its threshold", b.verdict, c.verdict, c.message)
-    if b.passed and c.verdict == "fail":
-        # Any other verdict that worsened is reported as that, with the probe's own codes
-        # (check_judgeable made sure a fail carries one and its metrics agree). Codes a rule
-        # above already reported (the flag's or estimate's code, TP-D3 as TP-G3, TP-B3) are
-        # not repeated; any other is its own regression, so a waiver of one (TP-C1) does not
-        # hide another that is new (TP-C3).
-        covered = {r.code for r in regs}
+    # Any other verdict that worsened is reported as that, with the probe's own codes
+    # (check_judgeable made sure a fail carries one and its metrics agree), and a Result
+    # that already failed (a known leak, accepted) must not hide a new way to fail (TP-C3
+    # beside the known TP-C1; a biased transform now wrong, TP-T3). Codes a rule above
+    # already reported (the flag's or estimate's code, TP-D3 as TP-G3, TP-B3) are not
+    # repeated; any other is its own regression, so a waiver of one (TP-C1) does not hide
+    # another that is new (TP-C3).
+    if c.verdict == "fail" and (b.passed or b.verdict == "fail"):
+        covered = {r.code for r in regs} | (set(b.codes) if b.verdict == "fail" else set())
         if regs:
             covered |= {"TP-D3", "TP-B3"} | ({spec.code} if spec is not None else set())
         for code in [x for x in c.codes if x not in covered]:
-            add(code, f"verdict went from {b.verdict} to fail ({CODES[code]})",
-                b.verdict, c.verdict, c.message)
-    elif b.verdict == c.verdict == "fail":
-        # A Result that already failed (a known leak, accepted) must not hide a new way to
-        # fail: a code the baseline did not carry is a regression of its own (TP-C3 beside
-        # the known TP-C1; a biased transform now wrong, TP-T3).
-        covered = {r.code for r in regs} | set(b.codes)
-        if regs:  # as above: TP-D3 is reported as TP-G3, TP-B3 by its own rule
-            covered |= {"TP-D3", "TP-B3"} | ({spec.code} if spec is not None else set())
-        for code in [x for x in c.codes if x not in covered]:
-            add(code, f"fails with a new code ({CODES[code]}); the baseline failed with "
-                f"{', '.join(b.codes)} only", ", ".join(b.codes), ", ".join(c.codes), c.message)
+            if b.passed:
+                add(code, f"verdict went from {b.verdict} to fail ({CODES[code]})",
+                    b.verdict, c.verdict, c.message)
+            else:
+                add(code, f"fails with a new code ({CODES[code]}); the baseline failed with "
+                    f"{', '.join(b.codes)} only", ", ".join(b.codes), ", ".join(c.codes),
+                    c.message)
     return regs
 
 
