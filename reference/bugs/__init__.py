@@ -68,8 +68,11 @@ def _docs(layout, **kw):
     return functools.partial(data.documents, layout, **kw)
 
 
-def _ratio(layout, pieces, loss=False):
-    return data.normalisation_ratio(layout, pieces, [1 / len(pieces)] * len(pieces), loss)
+def _equal_weights(layout, pieces) -> Analytic:
+    """The gradient and loss scales of averaging `pieces` with equal weights over `layout`."""
+    weights = [1 / len(pieces)] * len(pieces)
+    return Analytic(*(data.normalisation_ratio(layout, pieces, weights, loss)
+                      for loss in (False, True)))
 
 
 _MLP = functools.partial(data.mlp)
@@ -78,8 +81,7 @@ ZOO = (
         "huggingface/transformers PR #34191", "https://github.com/huggingface/transformers/pull/34191",
         "biased", ("weight",), accumulation.mean_of_means, data.linear_model,
         _docs(accumulation.LAYOUT),
-        Analytic(_ratio(accumulation.LAYOUT, accumulation.PIECES),
-                 _ratio(accumulation.LAYOUT, accumulation.PIECES, loss=True))),
+        _equal_weights(accumulation.LAYOUT, accumulation.PIECES)),
     Bug("partial_window", "a partial last accumulation window divided by the full window size",
         "modelscope/ms-swift PR #10084", "https://github.com/modelscope/ms-swift/pull/10084",
         "biased", ("0.weight", "0.bias", "2.weight", "2.bias"), accumulation.partial_window, _MLP,
@@ -103,8 +105,7 @@ ZOO = (
         "NVIDIA/Megatron-LM #7452", "https://github.com/NVIDIA/Megatron-LM/issues/7452",
         "biased", ("weight",), parallel.dp_local_tokens, data.linear_model,
         _docs(parallel.LOCAL_LAYOUT),
-        Analytic(_ratio(parallel.LOCAL_LAYOUT, parallel.LOCAL_PIECES),
-                 _ratio(parallel.LOCAL_LAYOUT, parallel.LOCAL_PIECES, loss=True))),
+        _equal_weights(parallel.LOCAL_LAYOUT, parallel.LOCAL_PIECES)),
     Bug("doubled_expert_grads", "expert gradient buffer doubled at every micro-batch (EP = DP)",
         "NVIDIA/Megatron-LM #6660", "https://github.com/NVIDIA/Megatron-LM/issues/6660",
         "biased", ("experts.0.weight", "experts.0.bias", "experts.1.weight", "experts.1.bias"),
