@@ -3,8 +3,8 @@
 Each subcommand lives in probes/commands/<name>.py with HELP, add_arguments(parser) and
 run(args) -> int (the exit code). Options are parsed by argparse `type=` callables
 (trainprobes.validation, trainprobes.commands.options), so a bad one stops before any work.
-A run that raises one of trainprobes' own errors (or a probe's ValueError/TypeError about
-its arguments) exits 2 with the message; exit codes: 0 fine, 1 a finding, 2 could not run.
+What a run raises is mapped once, by trainprobes.exits: 2 with the message for bad usage or
+a machine that cannot run the request, 3 with one line and a log file for anything else.
 """
 from __future__ import annotations
 
@@ -51,29 +51,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit code (never raises SystemExit)."""
-    from trainprobes.errors import TrainprobesError
+    """Run the command line; returns the exit code (trainprobes.exits: 0 pass, 1 a finding,
+    2 bad usage or cannot judge, 3 an internal error); never raises SystemExit."""
+    import time
 
+    from trainprobes.exits import guarded
+
+    started = time.perf_counter()
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # usage error (2), --help or --version (0)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    try:
-        return int(args._run(args) or 0)
-    except (TrainprobesError, ValueError, TypeError) as e:
-        # refused on purpose (a bad target, a data file, a combination of options), or a
-        # probe's own argument check: the message says what was passed and what works
-        print(f"trainprobes {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        # `trainprobes ... | head`: the reader left; no traceback, and no second error
-        # when Python flushes stdout at exit.
-        import os
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
+    args._started = started  # the audit reports its wall time from here
+
+    def run() -> int:
+        from trainprobes.commands.options import check_outputs
+        check_outputs(args)  # before minutes of work, not after them
+        return args._run(args)
+
+    return guarded(f"trainprobes {args.command}", run)
 
 
 if __name__ == "__main__":

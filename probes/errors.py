@@ -42,3 +42,8 @@ class CannotJudge(TrainprobesError):
 
 class MissingDependency(TrainprobesError, ImportError):
     """An optional package a feature needs is not installed; the message says what to install."""
+
+
+class OutputExists(TrainprobesError, FileExistsError):
+    """A file trainprobes was asked to write exists, and replacing it was not allowed
+    (a baseline or a report someone else wrote): exit 2, never a silent overwrite."""

@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from trainprobes.errors import CannotJudge, InvalidArgument, InvalidType, SchemaError
+from trainprobes.errors import CannotJudge, InvalidArgument, InvalidType, OutputExists, SchemaError
 from trainprobes.validation import check_choice, check_type
 
 # 2: non-finite floats are {"$float": "nan"} (1 wrote the strings "nan", "inf", "-inf",
@@ -471,13 +471,17 @@ def repeat_suffix(key: str, earlier_keys) -> str:
     return f" #{n + 1}" if n else ""
 
 
-def write_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write text to path via a temp file in the same folder and a rename.
+def write_atomic(path: str | os.PathLike, text: "str | bytes", *, replace: bool = True) -> Path:
+    """Write text (or bytes) to path via a temp file in the same folder and a rename.
 
-    A crash midway leaves the old file (or none), never half a file.
+    A crash midway leaves the old file (or none), never half a file. replace=False never
+    replaces an existing file, even one another process created meanwhile: the temp file is
+    hard-linked into place (link(2) fails on an existing name), else OutputExists.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if not replace and path.exists():
+        raise OutputExists(f"{str(path)!r} exists; pass --force to replace it, or name a new file")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         # mkstemp makes the file 0600; a report is meant to be read by others, so give it
@@ -485,11 +489,20 @@ def write_atomic(path: str | os.PathLike, text: str) -> Path:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode("utf-8") if isinstance(text, str) else text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise OutputExists(f"{str(path)!r} was created by someone else while this run "
+                                   f"wrote it; it is left as it is (pass --force to replace "
+                                   f"it)") from None
+            os.unlink(tmp)
     except BaseException:
         try:
             os.unlink(tmp)
@@ -513,9 +526,10 @@ def dumps_report(results: list[Result], **meta) -> str:
     return json.dumps(report_document(results, **meta), indent=2, allow_nan=False)
 
 
-def save_results(path, results: list[Result], **meta) -> Path:
-    """Write a report (report_document's shape), atomically."""
-    return write_atomic(path, dumps_report(results, **meta) + "\n")
+def save_results(path, results: list[Result], *, replace: bool = True, **meta) -> Path:
+    """Write a report (report_document's shape), atomically; replace=False refuses to replace
+    an existing file (OutputExists)."""
+    return write_atomic(path, dumps_report(results, **meta) + "\n", replace=replace)
 
 
 class DuplicateKeys(ValueError):

@@ -318,7 +318,7 @@ def test_a_worker_that_fails_is_an_error_naming_its_family():
     from trainprobes.audit.remote import worker_check
     (r,) = run_suite([worker_check("nope", "nope (worker)", seed=0, quick=True,
                                    control=True)])[0]
-    assert r.verdict == "error" and "worker process for 'nope' exited 1" in r.message
+    assert r.verdict == "error" and "worker process for 'nope' exited 2" in r.message  # an unknown family: bad usage
     assert "families='nope' must be one of" in r.message
 
 

@@ -178,6 +178,20 @@ def point_latest(out_root, out_dir) -> Path:
     return link
 
 
+def claim_folder(root: Path, stamp: str) -> Path:
+    """A new folder root/stamp (or stamp-1, stamp-2, ...), created now: mkdir is atomic, so
+    audits started in the same second each get their own and none writes into another's."""
+    root.mkdir(parents=True, exist_ok=True)
+    for n in range(10_000):
+        out_dir = root / (stamp if n == 0 else f"{stamp}-{n}")
+        try:
+            out_dir.mkdir()
+            return out_dir
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{str(root)!r} holds 10,000 runs named {stamp!r}-N; clean it up")
+
+
 # --- the whole audit ---------------------------------------------------------------------
 
 def exit_code(results: list[Result], *, skipped: dict | None = None, report_only: bool = False,
@@ -228,13 +242,16 @@ def run_audit(checks: list[Check], out_root="reports", *, history=None, meta=Non
     started = time.perf_counter() if started is None else started
     now = datetime.now(timezone.utc)
     stamp = stamp or now.strftime("%Y%m%dT%H%M%SZ")
-    out_dir = Path(out_root) / stamp
-    n = 1
-    while out_dir.exists():  # two runs in one second must not overwrite each other
-        out_dir = Path(out_root) / f"{stamp}-{n}"
-        n += 1
+    out_dir = claim_folder(Path(out_root), stamp)
     t0 = time.perf_counter()
-    results, timings = run_suite(checks, progress=progress)
+    try:
+        results, timings = run_suite(checks, progress=progress)
+    except BaseException:  # interrupted: leave no empty run folder behind
+        try:
+            out_dir.rmdir()
+        except OSError:
+            pass
+        raise
     meta = {"command": "audit", "title": "trainprobes audit", **(meta or {}),
             "created": now.isoformat(), "check_seconds": round(time.perf_counter() - t0, 2),
             "seconds": round(time.perf_counter() - started, 2), "environment": environment(),

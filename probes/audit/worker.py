@@ -39,4 +39,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainprobes.exits import guarded
+    sys.exit(guarded("trainprobes.audit.worker", main))

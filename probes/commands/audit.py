@@ -6,7 +6,6 @@ skipped). --report-only: 0 whenever the report was written (2 still means it cou
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -90,26 +89,10 @@ def _suite(args):
     return checks, skipped, absent, suite, seed, cfg
 
 
-def _started() -> float:
-    """time.perf_counter() at this process's start when the process is the `trainprobes`
-    command (Linux: /proc), so the reported wall time counts Python's start-up and imports
-    as the person waiting did; in any other process (an API call, a test), now."""
-    now = time.perf_counter()
-    prog = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path()
-    main = Path(__file__).resolve().parent.parent / "__main__.py"  # python -m trainprobes
-    if prog.name != "trainprobes" and prog.resolve() != main:
-        return now
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        age = uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
-    except (OSError, ValueError, IndexError, AttributeError):
-        return now
-    return now - age if 0.0 <= age < 3600.0 else now
-
-
 def run(args) -> int:
-    started = _started()
+    # the wall time is the command's own: from trainprobes.cli.main (torch's import
+    # included), never the process's age, which an exec'ing shell (`sleep 8 && ...`) inflates
+    started = getattr(args, "_started", None) or time.perf_counter()
     from trainprobes.audit import Progress, run_audit
     from trainprobes.audit.suites import CONTROL_SEED
     from trainprobes.commands.options import options_of

@@ -75,7 +75,11 @@ def _progress(stream):
 
 
 def run(args) -> int:
+    from trainprobes.budget import NEEDS, check_fits
     from trainprobes.numerics.bias import collective_bias, rounding_side_by_side
+
+    check_fits(NEEDS["bias"] * args.world * args.numel, f"--world {args.world} --numel "
+               f"{args.numel}", fix="lower --numel or --world (the trials run one at a time)")
 
     kwargs = dict(dtype=args.dtype, world=args.world, numel=args.numel, algorithm=args.algorithm, op=args.op,
                   accum_dtype=args.accum_dtype, trials=args.trials, seed=args.seed, alpha=args.alpha,

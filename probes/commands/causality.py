@@ -109,9 +109,16 @@ def _first_call(fn, x, args) -> None:
 
 
 def run(args) -> int:
+    from trainprobes.budget import NEEDS, check_fits
     from trainprobes.causality import check
     from trainprobes.targets import load_target
 
+    check_fits(NEEDS["causality_float" if args.hidden else "causality_ids"] * args.batch
+               * args.seq_len * (args.hidden or 1),
+               f"--batch {args.batch} --seq-len {args.seq_len}"
+               + (f" --hidden {args.hidden}" if args.hidden else ""),
+               fix="lower --seq-len or --batch (a leak shows at the sequence lengths you "
+                   "train with; the target's own memory comes on top)")
     if args.target is None:
         return _controls(args)
     fn = load_target(args.target, from_cwd=True)

@@ -8,6 +8,7 @@ from trainprobes.commands.options import (
     add_report_options,
     check_dtype,
     emit_report,
+    parse_backend,
     parse_dtype,
 )
 from trainprobes.errors import InvalidArgument
@@ -20,7 +21,7 @@ _NA = "not applicable: --backend emulated runs no real collective to compare wit
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--backend", type=parse_choice("backend", BACKENDS), default="gloo",
+    parser.add_argument("--backend", type=parse_backend(BACKENDS), default="gloo",
                         help="gloo: CPU ranks; nccl: one GPU per rank; emulated: no processes. "
                              "A real backend runs or the command stops with exit 2, never "
                              "falls back to emulation (default: %(default)s)")
@@ -62,8 +63,14 @@ def add_arguments(parser) -> None:
 
 def check_backend(args) -> None:
     """An explicitly requested backend runs as asked or the command stops here, naming why:
-    never a silent fallback to emulation."""
+    never a silent fallback to emulation. A run this machine's memory cannot hold stops here
+    too (the fp64 reference and the emulator hold every rank's data in this process)."""
+    from trainprobes.budget import NEEDS, check_fits
     from trainprobes.distributed.inputs import DTYPES
+
+    check_fits(NEEDS["emulated_collective"] * args.world * args.numel,
+               f"--world {args.world} --numel {args.numel}",
+               fix="lower --numel (the bias shows at a few thousand elements per rank) or --world")
 
     if args.reveal:
         from trainprobes.distributed.reveal import MAX_WORLD, REVEAL_DTYPES
@@ -79,10 +86,7 @@ def check_backend(args) -> None:
                          "emulated (NCCL's fp8 arithmetic, no processes) or nccl on GPUs")
     if args.backend == "nccl":
         import torch
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0:
-            raise InvalidArgument("--backend nccl needs CUDA GPUs, and torch.cuda.is_available() "
-                                  "is False here; use --backend gloo (CPU ranks) or emulated")
+        n = torch.cuda.device_count()  # parse_backend refused nccl where there is no GPU
         if args.world > n:
             raise InvalidArgument(f"--backend nccl --world {args.world} needs one GPU per rank "
                                   f"and this machine has {n}; pass --world {n} or fewer")

@@ -173,7 +173,7 @@ def render(results) -> str:
     return "\n".join(lines)
 
 
-def plot(results, path) -> None:
+def plot(results, path, *, replace: bool = True) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -196,14 +196,19 @@ def plot(results, path) -> None:
         b.set_ylabel("mean log-ratio")
         b.axhline(0, color="k", lw=0.5)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    import io
+
+    from trainprobes.result import write_atomic
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
+    write_atomic(path, buf.getvalue(), replace=replace)
 
 
 def run(args) -> int:
     results = _results(args)
     if args.plot:
-        plot(results, args.plot)
+        plot(results, args.plot, replace=args.force)
     emit_report(args, results)
     if not args.json:
         print(render(results))

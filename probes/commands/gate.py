@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+from trainprobes.commands.options import add_force_option
 from trainprobes.display import append_step_summary
 from trainprobes.validation import parse_number
 
@@ -29,7 +30,9 @@ def add_arguments(p):
                    help="print the verdict as JSON: {schema_version, command, exit_code, "
                         "compared, cannot_judge, regressions, expired_waivers, unused_waivers}")
     p.add_argument("--markdown", metavar="FILE",
-                   help="also write the Markdown verdict to FILE (e.g. a PR comment)")
+                   help="also write the Markdown verdict to FILE (e.g. a PR comment); an "
+                        "existing FILE is refused unless --force")
+    add_force_option(p)
 
 
 def run(args) -> int:
@@ -45,6 +48,6 @@ def run(args) -> int:
     else:
         print(md)
     if args.markdown:
-        write_atomic(args.markdown, md)
+        write_atomic(args.markdown, md, replace=args.force)
     append_step_summary(md)
     return report.exit_code

@@ -58,6 +58,7 @@ def _common(p, json_too: bool = True) -> None:
 
 
 def add_arguments(parser) -> None:
+    from trainprobes.commands.options import parse_device
     from trainprobes.validation import parse_choice, parse_int, parse_number
     sub = parser.add_subparsers(dest="isolation_command", metavar="SUBCOMMAND", required=True)
 
@@ -108,7 +109,8 @@ def add_arguments(parser) -> None:
     o.add_argument("--dtype", type=_names, default=["fp32", "bf16"], help="formats (fp32,bf16)")
     o.add_argument("--sizes", type=_ints("--sizes", 2), default=None, help="batch sizes (2,3,4,7,8,16,32)")
     o.add_argument("--rows", type=parse_int("--rows", min=1), default=8, help="pool rows per op (8)")
-    o.add_argument("--device", default="cpu", help="torch device (cpu)")
+    o.add_argument("--device", type=parse_device, default="cpu",
+                   help="torch device this machine has: cpu, cuda, cuda:1, mps (cpu)")
     o.add_argument("--quick", action="store_true", help="small shapes only")
     _common(o)
 

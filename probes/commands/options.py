@@ -94,13 +94,56 @@ def add_report_options(parser) -> None:
                              "command, options, results: [...]}, the document --output writes "
                              "and `trainprobes gate` reads (docs/gate.md)")
     parser.add_argument("--output", metavar="FILE",
-                        help="also save that report to FILE (e.g. a gate baseline)")
+                        help="also save that report to FILE (e.g. a gate baseline); an "
+                             "existing FILE is refused unless --force")
+    add_force_option(parser)
+
+
+def add_force_option(parser) -> None:
+    parser.add_argument("--force", action="store_true",
+                        help="replace files this command writes (--output, --plot, "
+                             "--markdown) when they exist (default: refuse, exit 2)")
+
+
+# The options that name a file a command writes, checked before any work (check_outputs).
+WRITES = {"output": "--output", "plot": "--plot", "markdown": "--markdown"}
+
+
+def check_writable(path, flag: str, *, force: bool = False) -> None:
+    """Refuse, before any work, a file `flag` cannot write: a folder, a path under a file,
+    a folder that cannot be created or written, or an existing file without --force."""
+    import os
+    from pathlib import Path
+
+    from trainprobes.errors import OutputExists
+    p = Path(path)
+    if p.is_dir():
+        raise InvalidArgument(f"{flag} {str(p)!r} is a folder; name a file in it, e.g. "
+                              f"{str(p / ('report.json' if flag == '--output' else 'out.png'))!r}")
+    if p.exists() and not force:
+        raise OutputExists(f"{flag} {str(p)!r} exists (a baseline or report someone wrote?); "
+                           f"pass --force to replace it, or name a new file")
+    folder = p.parent
+    while not folder.exists():  # the first folder that exists: the rest will be created
+        folder = folder.parent
+    if not folder.is_dir():
+        raise InvalidArgument(f"{flag} {str(p)!r}: {str(folder)!r} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InvalidArgument(f"{flag} {str(p)!r}: the folder {str(folder)!r} is not writable")
+
+
+def check_outputs(args) -> None:
+    """check_writable for every file option the parsed `args` names."""
+    for attr, flag in WRITES.items():
+        value = getattr(args, attr, None)
+        if isinstance(value, str) and value:
+            check_writable(value, flag, force=bool(getattr(args, "force", False)))
 
 
 def options_of(args) -> dict:
     """The parsed options, for the report (what ran, to rerun it)."""
     return {k: v for k, v in vars(args).items()
-            if not k.startswith("_") and k not in ("json", "output", "command")}
+            if not k.startswith("_") and k not in ("json", "output", "force", "command")}
 
 
 def emit_report(args, results, **extra) -> None:
@@ -109,6 +152,57 @@ def emit_report(args, results, **extra) -> None:
 
     meta = {"command": args.command, "options": options_of(args), **extra}
     if getattr(args, "output", None):
-        save_results(args.output, results, **meta)
+        save_results(args.output, results, replace=bool(getattr(args, "force", False)), **meta)
     if args.json:
         print(dumps_report(results, **meta))
+
+
+# --- devices: a requested one runs here or the command stops (exit 2), never a fallback ---
+
+def parse_device(text: str) -> str:
+    """argparse type for --device: 'cpu' (no torch import), or a torch device this machine
+    has ('cuda', 'cuda:1', 'mps'); otherwise InvalidArgument saying what is here."""
+    text = str(text).strip()
+    if text == "cpu":
+        return text
+    import torch
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"device={text!r} is not a torch device; e.g. cpu, "
+                                         f"cuda, cuda:0") from None
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0 or (dev.index or 0) >= n:
+            raise argparse.ArgumentTypeError(
+                f"device={text!r}: this machine has {n} CUDA device(s) visible to torch "
+                f"{torch.__version__}" + ("" if n else "; use --device cpu"))
+    elif dev.type == "mps":
+        if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+            raise argparse.ArgumentTypeError(f"device={text!r}: MPS is not available here; "
+                                             f"use --device cpu")
+    elif dev.type != "cpu":
+        raise argparse.ArgumentTypeError(f"device={text!r}: only cpu, cuda and mps are "
+                                         f"supported")
+    return text
+
+
+def parse_backend(choices) -> "callable":
+    """argparse type for --backend: one of `choices`; 'nccl' only where torch sees a GPU
+    and was built with NCCL (checked at parse time, before any process starts)."""
+    from trainprobes.validation import parse_choice
+    choose = parse_choice("backend", choices)
+
+    def parse(text: str) -> str:
+        name = choose(text)
+        if name == "nccl":
+            import torch
+            import torch.distributed as dist
+            if not torch.cuda.is_available():
+                raise argparse.ArgumentTypeError("backend 'nccl' needs CUDA, and torch.cuda."
+                                                 "is_available() is False here; use gloo (CPU)")
+            if not (dist.is_available() and dist.is_nccl_available()):
+                raise argparse.ArgumentTypeError(f"backend 'nccl': torch {torch.__version__} "
+                                                 f"was built without NCCL; use gloo")
+        return name
+    return parse

@@ -12,9 +12,9 @@ import argparse
 import json
 import sys
 
-from trainprobes.commands.options import add_report_options, options_of
+from trainprobes.commands.options import add_report_options, options_of, parse_backend
 from trainprobes.transforms.options import add_probe_options
-from trainprobes.validation import parse_choice, parse_int, parse_number
+from trainprobes.validation import parse_int, parse_number
 
 HELP = ("judge parallel transforms (DDP, FSDP2, TP, PP, accumulation, custom) against the fp64 "
         "single-device step: exact, noise, biased, inconsistent or wrong")
@@ -33,8 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "colon; repeat for several (default: ddp). --list shows them all")
     p.add_argument("--world", type=parse_int("world", min=1), default=2, help="ranks (default 2)")
     add_probe_options(p)
-    p.add_argument("--backend", type=parse_choice("backend", ("gloo", "nccl")), default="gloo",
-                   help="gloo (CPU) or nccl (one GPU per rank) (default gloo)")
+    p.add_argument("--backend", type=parse_backend(("gloo", "nccl")), default=None,
+                   help="gloo (CPU) or nccl (one GPU per rank), for --target (default gloo; "
+                        "the zoo always runs on 2 gloo ranks)")
     p.add_argument("--timeout", type=parse_number("timeout", min=0, min_open=True), default=600.0,
                    help="seconds before every rank is stopped (default 600)")
     p.add_argument("--list", action="store_true", help="list the transforms, their options and the zoo")
@@ -98,12 +99,15 @@ def run(args) -> int:
     if args.target is None:
         if args.transform:
             raise InvalidArgument("--transform needs --target (the zoo runs its own steps)")
+        if args.backend not in (None, "gloo"):
+            raise InvalidArgument(f"--backend {args.backend} needs --target: the zoo runs its "
+                                  f"published bugs on 2 gloo ranks")
         return _zoo(args)
     from trainprobes.transforms import Probe, parse_transform, run_probes
     transforms = [parse_transform(t) for t in (args.transform or ["ddp"])]
     probes = [Probe(args.target, t, trials=args.trials, seed=args.seed, alpha=args.alpha,
                     min_effect=args.min_effect, noise_tol=args.noise_tol) for t in transforms]
-    results = run_probes(probes, world=args.world, backend=args.backend, timeout=args.timeout,
+    results = run_probes(probes, world=args.world, backend=args.backend or "gloo", timeout=args.timeout,
                          progress=_progress(args))
     _emit(args, results)
     if not args.json:

@@ -142,4 +142,5 @@ def _torchrun_main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_torchrun_main())
+    from trainprobes.exits import guarded
+    sys.exit(guarded("trainprobes.distributed.worker", _torchrun_main))
