@@ -15,7 +15,7 @@ if __name__ != "trainprobes":
     raise ImportError(f"this folder is the package 'trainprobes'; import trainprobes, not {__name__!r} "
                       f"(pip install -e . in the checkout makes it importable)")
 
-__version__ = "0.2.1"
+from trainprobes._version import __version__  # noqa: E402
 
 _SUBPACKAGES = ("audit", "causality", "distributed", "drift", "numerics", "reference", "report")
 __all__ = ["Result", "__version__", *_SUBPACKAGES]

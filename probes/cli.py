@@ -29,7 +29,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from trainprobes import __version__
+    from trainprobes._version import __version__
 
     parser = _Parser(
         prog="trainprobes",

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from trainprobes import exits
 from trainprobes.cli import COMMANDS, main
 from trainprobes.errors import InvalidArgument, OutputExists

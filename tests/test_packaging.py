@@ -164,3 +164,16 @@ def test_arrows_point_faces_to_probes_to_reference():
             continue
         bad = {m for m in _imports(path) if m.split(".")[1:2] and m.split(".")[1] in FACES}
         assert not bad, f"{path.relative_to(REPO)} imports the faces {sorted(bad)}"
+
+
+def test_a_folder_named_trainprobes_in_the_cwd_does_not_shadow_the_command(tmp_path):
+    # a clone named trainprobes, run from its parent: Python makes the folder a namespace
+    # package that wins over an editable install's finder; the command must still work
+    import subprocess
+    import sys
+    (tmp_path / "trainprobes" / "docs").mkdir(parents=True)
+    for argv in (["--version"], ["stall", "--json"]):
+        p = subprocess.run([sys.executable, "-m", "trainprobes", *argv], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode in (0, 1) and "Traceback" not in p.stderr, p.stderr
+        assert p.stdout.strip()
