@@ -259,3 +259,21 @@ def test_three_concurrent_audits_keep_three_reports_and_their_own_wall_time(tmp_
     # the 3 s the shell slept before exec'ing the audit are not the audit's
     assert docs[0]["seconds"] <= first_wall - 2.5, (docs[0]["seconds"], first_wall)
     assert (out / "latest").resolve().name in {Path(r).parent.name for r in reports}
+
+
+@pytest.mark.slow
+def test_a_full_disk_exits_2_and_keeps_no_partial_run(tmp_path):
+    full = tmp_path / "full"
+    full.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(full)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        p = subprocess.run([sys.executable, "-m", "trainprobes", "audit", "--families", "stall",
+                            "--no-progress", "--out", str(full / "r")],
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 2, p.stderr
+        assert "No space left" in p.stderr and "Traceback" not in p.stderr
+        assert [d for d in (full / "r").iterdir() if d.name != "LATEST"] == []
+    finally:
+        subprocess.run(["umount", str(full)], capture_output=True)

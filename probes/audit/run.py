@@ -259,8 +259,12 @@ def run_audit(checks: list[Check], out_root="reports", *, history=None, meta=Non
     if history is not None:
         runs = read_history(history) + [history_line(results, meta)]
         meta["history_plots"] = trend_plots(runs)
-    paths = write_report(out_dir, results, meta, progress=progress.note if progress else None,
-                         full_evidence=full_evidence, started=started)
+    try:
+        paths = write_report(out_dir, results, meta, progress=progress.note if progress else None,
+                             full_evidence=full_evidence, started=started)
+    except OSError:  # a full disk: no run folder that looks whole but lacks a file
+        shutil.rmtree(out_dir, ignore_errors=True)
+        raise
     paths["latest"] = point_latest(out_root, out_dir)
     seconds = time.perf_counter() - started
     if history is not None:

@@ -132,7 +132,8 @@ def run(args) -> int:
                                   **({"control_seed": CONTROL_SEED}
                                      if any(c.control for c in checks) else {})})
     except OSError as e:  # the checks catch their own errors: this is writing the report
-        print(f"error: the report cannot be written: {e}", file=sys.stderr)
+        print(f"error: the report cannot be written, so none was kept (latest still names "
+              f"the last whole run): {e}", file=sys.stderr)
         return 2
     finally:
         torch.set_num_threads(before)  # the command may run inside a longer process
