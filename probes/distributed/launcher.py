@@ -106,8 +106,47 @@ def port_is_free(port: int, addr: str = "127.0.0.1") -> bool:
     return True
 
 
-def _check_launch(world, backend, timeout, port, addr) -> None:
+class TooManyRanks(InvalidArgument):
+    """More local ranks than this machine's cores or memory can hold."""
+
+
+# A gloo rank forked from the torch-preloaded forkserver measured 36 MB PSS (160 MB RSS,
+# most of it shared with the server) on torch 2.13 CPU; gloo's buffers and a task's tensors
+# come on top, so plan on 100 MB.
+RANK_BYTES = 100 * 2**20
+
+
+def local_rank_cap(max_local_ranks: int | None = None) -> tuple[int, str]:
+    """(the most local ranks this machine runs, why): 4 per core, at least 8 (gloo ranks
+    mostly wait on each other, so a few per core is fine; hundreds only thrash), and what
+    80% of the available memory holds at RANK_BYTES each. max_local_ranks replaces the core
+    cap, never the memory one."""
+    from trainprobes.budget import SHARE, available_bytes, human
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    by_cores = max(8, 4 * cores) if max_local_ranks is None else max_local_ranks
+    have = available_bytes()
+    by_memory = max(1, int(SHARE * have // RANK_BYTES))
+    if by_memory < by_cores:
+        return by_memory, (f"{human(have)} available memory holds {by_memory} ranks at "
+                           f"~{human(RANK_BYTES)} each")
+    why = (f"{cores} core(s) x 4, at least 8" if max_local_ranks is None
+           else f"max_local_ranks={max_local_ranks}")
+    return by_cores, why
+
+
+def _check_launch(world, backend, timeout, port, addr, max_local_ranks=None) -> None:
     check_int(world, "world", min=1, hint="the number of ranks")
+    if max_local_ranks is not None:
+        check_int(max_local_ranks, "max_local_ranks", min=1)
+    cap, why = local_rank_cap(max_local_ranks)
+    if world > cap:
+        raise TooManyRanks(f"world={world!r} local ranks is more than this machine runs ({cap}: "
+                           f"{why}); run more ranks across machines under torchrun (python -m "
+                           f"trainprobes.distributed.worker), or use the emulated backend, "
+                           f"which models thousands of ranks in one process")
     check_choice(backend, "backend", BACKENDS)
     check_number(timeout, "timeout", min=0, min_open=True, hint="seconds")
     if port is not None:
@@ -125,12 +164,48 @@ def _check_launch(world, backend, timeout, port, addr) -> None:
                         f"a free one")
 
 
-def _rank_main(task, rank, world, backend, addr, port, timeout, args, outdir, q):
+def _die_with(launcher_pid: int, deadline_s: float) -> None:
+    """Kill this rank's process group (itself and whatever its task started) when the
+    launcher dies, even by SIGKILL, or when the rank outlives its deadline. The rank's parent
+    is the forkserver, not the launcher, so PR_SET_PDEATHSIG alone (Linux) is not enough: a
+    watchdog thread also polls the launcher's pid."""
+    import threading
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    end = time.monotonic() + deadline_s
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def watch():
+        while alive(launcher_pid) and time.monotonic() < end:
+            time.sleep(0.25)
+        try:
+            os.killpg(0, signal.SIGKILL)
+        finally:
+            os._exit(137)
+
+    threading.Thread(target=watch, name="trainprobes-watchdog", daemon=True).start()
+
+
+def _rank_main(task, rank, world, backend, addr, port, timeout, args, outdir, q,
+               launcher_pid=None):
     """Body of one spawned rank (module docstring, steps 1-3)."""
     try:
         os.setpgrp()
     except OSError:
         pass
+    if launcher_pid is not None:
+        _die_with(launcher_pid, timeout + 30.0)
     try:
         import torch
         import torch.distributed as dist
@@ -241,15 +316,18 @@ def _run_once(task, world, backend, timeout, args, addr, port, progress):
     q = ctx.Queue()
     outdir = tempfile.mkdtemp(prefix="trainprobes-dist-")
     procs = []
-    try:
+    deadline = time.monotonic() + timeout  # start-up counts: a machine too busy to start
+    try:                                    # the ranks in time is a timeout too
         for r in range(world):
+            if time.monotonic() > deadline:
+                raise WorkerTimeout(list(range(r, world)), timeout, world)
             p = ctx.Process(target=_rank_main, name=f"trainprobes-rank{r}",
-                            args=(task, r, world, backend, addr, port, timeout, args, outdir, q))
+                            args=(task, r, world, backend, addr, port, timeout, args, outdir, q,
+                                  os.getpid()))
             p.start()
             procs.append(p)
         if progress:
             progress(f"started {world} {backend} ranks on {addr}:{port} (timeout {timeout}s)")
-        deadline = time.monotonic() + timeout
         done: set[int] = set()
         while len(done) < world:
             try:
@@ -288,15 +366,16 @@ def _run_once(task, world, backend, timeout, args, addr, port, progress):
 
 def launch(task, world: int, *, backend: str = "gloo", timeout: float = 120.0, args=(),
            port: int | None = None, addr: str = "127.0.0.1", retries: int = 3,
-           progress=None) -> list:
+           progress=None, max_local_ranks: int | None = None) -> list:
     """Run task(rank, world, *args) on `world` local ranks; return the per-rank results.
 
     Raises WorkerFailed (a rank raised or died; also a task that returned more than plain
     data), WorkerTimeout (deadline passed), PortInUse (an explicit port is taken) or
-    InvalidArgument (bad arguments, checked before any process starts). progress:
-    optional callable(str) for human progress lines.
+    InvalidArgument (bad arguments, checked before any process starts), TooManyRanks (more
+    ranks than local_rank_cap(max_local_ranks) allows). progress: optional callable(str) for
+    human progress lines. Every rank dies with this process, even when it is SIGKILLed.
     """
-    _check_launch(world, backend, timeout, port, addr)
+    _check_launch(world, backend, timeout, port, addr, max_local_ranks)
     check_int(retries, "retries", min=1)
     if not callable(task) or getattr(task, "__name__", "<lambda>") == "<lambda>":
         raise InvalidArgument(f"task={task!r} must be a module-level function (spawned ranks "
