@@ -114,3 +114,34 @@ def test_bias_compare_json_is_one_report_with_three_results(capsys):
     doc = _doc(capsys, "bias")
     assert rc in (0, 1) and [r["evidence"]["label"] for r in doc["results"]] == [
         "round to nearest", "stochastic rounding", "fp32 accumulation"]
+
+
+def test_bias_issue_21_case_confirms_itself_and_passes(capsys):
+    # seed 0 gave p = 0.0097 on 32 trials of an unbiased reduction and failed; a borderline
+    # stage now runs 32 more trials, which do not confirm it
+    rc = main(["bias", "--dtype", "bf16", "--world", "64", "--rounding", "stochastic", "--json"])
+    (r,) = _doc(capsys, "bias")["results"]
+    assert rc == 0 and r["metrics"]["biased"] is False and len(r["evidence"]["stages"]) == 2
+    assert r["metrics"]["min_effect"] == 2.0**-12  # u/16 of bf16
+    assert main(["bias", "--dtype", "bf16", "--world", "64", "--rounding", "stochastic",
+                 "--no-confirm", "--json"]) == 1
+    capsys.readouterr()
+
+
+def test_bias_min_effect_flag_is_the_floor(capsys):
+    # NCCL's premultiply: +0.195% = u/2 of bf16, over the default floor, under a floor of 1%
+    argv = ["bias", "--world", "3", "--numel", "64", "--op", "avg", "--avg", "premul", "--trials", "8"]
+    assert main(argv + ["--min-effect", "0.01", "--json"]) == 0
+    m = _doc(capsys, "bias")["results"][0]["metrics"]
+    assert m["min_effect"] == 0.01 and m["p_value"] < 0.01 and m["biased"] is False
+    assert main(argv + ["--min-effect", "-1"]) == 2
+    assert "min_effect=-1.0" in capsys.readouterr().err
+
+
+def test_bias_compare_is_holm_corrected(capsys):
+    rc = main(["bias", "--world", "8", "--numel", "8", "--trials", "5", "--compare", "--json"])
+    rs = _doc(capsys, "bias")["results"]
+    assert rc in (0, 1)
+    for r in rs:
+        assert r["evidence"]["multiple_testing"] == {"method": "holm", "tests": 3}
+        assert r["metrics"]["p_value"] >= r["evidence"]["p_unadjusted"]

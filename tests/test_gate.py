@@ -817,8 +817,8 @@ COUNT_EDITS = [
     ("variant engine", {"batch_invariant": True, **PASSING}, "COUNTS",
      "batch_invariant=True contradicts frac_tokens_differ=1.0"),
     ("biased average", {"biased": False, **PASSING}, "TESTS",
-     "biased=False contradicts its test: p_value=1.218e-06 < alpha=0.01 and |bias|=0.001959 "
-     ">= min_effect=0, so the probe writes biased=True"),
+     "biased=False contradicts its test: p_value=1.218e-05 < alpha=0.01 and |bias|=0.001959 "
+     ">= min_effect=0.0002441, so the probe writes biased=True"),
     ("fp32 sum", {"biased": True, "verdict": "fail", "codes": ["TP-B1"]}, "TESTS",
      "p_value=0.5315 is not below alpha=0.01"),
     ("biased drift", {"biased": False, "drift_verdict": "noisy", **PASSING}, "TESTS",

@@ -41,12 +41,19 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=parse_int("seed", min=0), default=0)
     parser.add_argument("--alpha", default=0.01, help="significance level (default: %(default)s)",
                         type=parse_number("alpha", min=0.0, max=1.0, min_open=True, max_open=True))
+    parser.add_argument("--min-effect", default=None, type=parse_number("min_effect", min=0.0),
+                        help="smallest |bias| called biased (default: u/16 of --dtype, "
+                             "u its unit roundoff: bf16 2.4e-4, fp16 3.1e-5, fp32 3.7e-9)")
+    parser.add_argument("--no-confirm", dest="confirm", action="store_false",
+                        help="judge the first trials alone (default: a borderline p, "
+                             "alpha/10 <= p < alpha, runs as many trials again before failing)")
     parser.add_argument("--scale", default=1e-3, type=parse_number("scale", min=0.0, min_open=True),
                         help="gradient scale: shared signal ~ N(0, scale^2) (default: %(default)s)")
     parser.add_argument("--noise", type=parse_number("noise", min=0.0), default=1.0,
                         help="per-rank noise std as a multiple of scale (default: %(default)s)")
     parser.add_argument("--compare", action="store_true",
-                        help="round to nearest, stochastic rounding and fp32 accumulation side by side")
+                        help="round to nearest, stochastic rounding and fp32 accumulation side by "
+                             "side (three tests, Holm-Bonferroni corrected)")
     add_report_options(parser)
 
 
@@ -83,7 +90,8 @@ def run(args) -> int:
 
     kwargs = dict(dtype=args.dtype, world=args.world, numel=args.numel, algorithm=args.algorithm, op=args.op,
                   accum_dtype=args.accum_dtype, trials=args.trials, seed=args.seed, alpha=args.alpha,
-                  scale=args.scale, noise=args.noise, progress=_progress(sys.stderr))
+                  min_effect=args.min_effect, confirm=args.confirm, scale=args.scale,
+                  noise=args.noise, progress=_progress(sys.stderr))
     if args.ranks_per_node is not None:
         kwargs["ranks_per_node"] = args.ranks_per_node
     if args.avg is not None:

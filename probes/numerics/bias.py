@@ -73,19 +73,48 @@ def error_stats(errors, *, alpha: float = 0.01, min_effect: float = 0.0) -> dict
             "alpha": alpha, "min_effect": min_effect, "biased": biased}
 
 
-def bias_probe(fn: Callable, reference: Callable, make_inputs: Callable, *, trials: int = 32,
-               seed: int = 0, alpha: float = 0.01, min_effect: float = 0.0,
-               target: str = "callable", progress: Callable | None = None) -> Result:
-    """Run fn and reference on `trials` seeded inputs and judge the bias of fn.
+def default_min_effect(dtype) -> float:
+    """The practical-significance floor for results held in `dtype`: u / 16 = 2^-(p+4),
+    u = 2^-p the format's unit roundoff (bf16 2.4e-4, fp16 3.1e-5, fp32 3.7e-9,
+    fp8_e4m3fn 3.9e-3).
 
-    make_inputs(generator) -> inputs; fn(inputs) and reference(inputs) -> tensors of the same
-    shape (fn in low precision, reference in fp64). Trial t uses a generator seeded with the
-    t-th of `trials` seeds drawn from `seed` (listed in the evidence), so any trial replays.
-    progress(done, total) is called after each trial.
-    """
-    check_int(trials, "trials", min=3, hint="32 or more for a useful test")
+    Why u / 16: a relative bias b of every reduced gradient is a learning rate off by a
+    factor 1 + b. The smallest mechanism of a format's own arithmetic that biases every
+    result is one rounding of a constant to it (NCCL's premultiply by the rounded 1/n),
+    which moves results by that constant's relative rounding error: up to u, and u/4 to
+    u/2 for most n (bf16(1/3) and bf16(1/6): u/2). A stall (a ring at a large world) is
+    many u. A 16th of u stays under all of these but for a constant that happens to lie
+    within u/16 of a representable value, and is far below any learning rate's tuning
+    resolution; a bias under it is significant only because enough trials resolve it."""
+    return get_format(dtype).unit_roundoff / 16
+
+
+# Two-stage confirmation (docs/numerics.md, "Bias vs variance"):
+#   1. stage 1: `trials` seeded trials, t-test p1;
+#   2. p1 < alpha/10 fails and p1 >= alpha passes; in between, `trials` more trials with
+#      fresh seeds (the same seeded stream, continued) and the t-test on all of them, p2;
+#   3. the reduction fails when p2 < alpha too.
+# Its p-value, the smallest level at which it fails, is p* = min(10 p1, max(p1, p2)). It
+# is valid: at any level x it rejects with probability x/10 + P(x/10 <= p1 < x, p2 < x)
+# <= x under "no bias", so p* < alpha keeps the false-positive rate at or below alpha
+# (design_alpha: 0.0029 at alpha = 0.01 for normal statistics; measured rates in the docs).
+CONFIRM_FACTOR = 10
+
+
+def design_alpha(alpha: float) -> float:
+    """Type-I error of the two-stage design at level alpha for normal test statistics and
+    equal stages: P(|Z1| > z_(a/20)) + P(z_(a/2) < |Z1| <= z_(a/20), |Z1 + Z2| / sqrt(2) > z_(a/2))."""
+    from scipy import integrate
     check_number(alpha, "alpha", min=0, max=1, min_open=True, max_open=True, hint="e.g. 0.01")
-    seeds = torch.randint(0, 2**62, (trials,), generator=torch.Generator().manual_seed(check_seed(seed))).tolist()
+    lo, hi = stats.norm.isf(alpha / 2), stats.norm.isf(alpha / (2 * CONFIRM_FACTOR))
+    c = math.sqrt(2) * lo
+
+    def continue_and_confirm(z1):  # density of Z1 times P(|z1 + Z2| > c), Z2 ~ N(0, 1)
+        return stats.norm.pdf(z1) * (stats.norm.sf(c - z1) + stats.norm.cdf(-c - z1))
+    return alpha / CONFIRM_FACTOR + 2 * integrate.quad(continue_and_confirm, lo, hi)[0]
+
+
+def _run_trials(fn, reference, make_inputs, seeds, progress, done: int, total: int):
     errors, nonfinite, zero_ref = [], 0, 0
     for t, s in enumerate(seeds):
         inputs = make_inputs(torch.Generator().manual_seed(s))
@@ -99,7 +128,36 @@ def bias_probe(fn: Callable, reference: Callable, make_inputs: Callable, *, tria
                 nonfinite += 1
         errors.append(err)
         if progress is not None:
-            progress(t + 1, trials)
+            progress(done + t + 1, total)
+    return errors, nonfinite, zero_ref
+
+
+def bias_probe(fn: Callable, reference: Callable, make_inputs: Callable, *, trials: int = 32,
+               seed: int = 0, alpha: float = 0.01, min_effect: float = 0.0, confirm: bool = True,
+               target: str = "callable", progress: Callable | None = None,
+               tests: int = 1) -> Result:
+    """Run fn and reference on `trials` seeded inputs and judge the bias of fn.
+
+    make_inputs(generator) -> inputs; fn(inputs) and reference(inputs) -> tensors of the same
+    shape (fn in low precision, reference in fp64). Trial t uses a generator seeded with the
+    t-th seed drawn from `seed` (listed in the evidence), so any trial replays.
+    progress(done, total) is called after each trial.
+
+    min_effect: the smallest |bias| called biased. 0 here: a callable's format is unknown,
+    so pass the floor of the format its results are held in (default_min_effect(dtype)).
+    confirm: a borderline stage 1 (alpha/10 <= p < alpha) runs `trials` more trials before
+    it fails (two-stage design above); False judges stage 1 alone at alpha.
+    tests: the size of the family this test is corrected in (Holm, rounding_side_by_side):
+    stage 2 then also runs from alpha/(10 tests), so the design's p-value is exact at every
+    level the correction may ask for.
+    """
+    check_int(trials, "trials", min=3, hint="32 or more for a useful test")
+    check_number(alpha, "alpha", min=0, max=1, min_open=True, max_open=True, hint="e.g. 0.01")
+    check_number(min_effect, "min_effect", min=0, hint="e.g. default_min_effect('bf16')")
+    check_int(tests, "tests", min=1, hint="the number of tests corrected together")
+    stream = torch.Generator().manual_seed(check_seed(seed))
+    seeds = torch.randint(0, 2**62, (trials,), generator=stream).tolist()
+    errors, nonfinite, zero_ref = _run_trials(fn, reference, make_inputs, seeds, progress, 0, trials)
     finite = [e for e in errors if not math.isnan(e)]
     evidence = {"errors": errors, "trial_seeds": seeds}
     if len(finite) < 3 and zero_ref >= nonfinite:
@@ -116,17 +174,58 @@ def bias_probe(fn: Callable, reference: Callable, make_inputs: Callable, *, tria
                       codes=["TP-B1"], message=f"{nonfinite} of {trials} trials gave inf/NaN "
                       "(overflow, or NaN in the inputs): no bias can be measured")
     s = error_stats(finite, alpha=alpha, min_effect=min_effect)
+    p1, p2 = s["p_value"], None
+    stages = [{"trials": trials, "finite_trials": s["trials"], "bias": s["bias"], "std": s["std"],
+               "p_value": p1}]
+    if confirm and alpha / (CONFIRM_FACTOR * tests) <= p1 < alpha:
+        more = torch.randint(0, 2**62, (trials,), generator=stream).tolist()
+        e2, nf2, zr2 = _run_trials(fn, reference, make_inputs, more, progress, trials, 2 * trials)
+        seeds += more
+        errors += e2
+        nonfinite, zero_ref = nonfinite + nf2, zero_ref + zr2
+        s = error_stats([e for e in errors if not math.isnan(e)], alpha=alpha, min_effect=min_effect)
+        p2 = s["p_value"]
+        stages.append({"trials": 2 * trials, "finite_trials": s["trials"], "bias": s["bias"],
+                       "std": s["std"], "p_value": p2})
+    if not confirm:
+        design = "one stage: t-test at alpha"
+        p = p1
+    else:
+        design = (f"two stages: fail at p1 < alpha/{CONFIRM_FACTOR}, pass at p1 >= alpha, else "
+                  f"{trials} more trials and fail at p2 < alpha (pooled); "
+                  f"p = min({CONFIRM_FACTOR} p1, max(p1, p2))")
+        p = min(CONFIRM_FACTOR * p1, max(p1, p2)) if p2 is not None else \
+            (min(1.0, CONFIRM_FACTOR * p1) if p1 < alpha else p1)
+    s["p_value"] = p
+    s["biased"] = p < alpha and abs(s["bias"]) >= min_effect
     s["nonfinite_trials"] = nonfinite
     s["zero_reference_trials"] = zero_ref
     # what "unbiased" rules out: the smallest |bias| the t-test finds with 80% power
     s["min_detectable_bias"] = min_detectable_effect(s["std"] / math.sqrt(s["trials"]), s["trials"] - 1, alpha)
-    biased = s["biased"]
+    evidence.update({"stages": stages, "design": design, "p_design": p})
+    verdict, codes, msg = _judgement(s, stages, len(errors))
+    return Result(probe="numerics.bias", target=target, verdict=verdict, metrics=s,
+                  evidence=evidence, seed=seed, codes=codes, message=msg)
+
+
+def _judgement(s: dict, stages: list, run: int, note: str = "") -> tuple[str, list, str]:
+    """(verdict, codes, message) from a bias Result's metrics (s["biased"] already set)."""
+    alpha, min_effect, biased = s["alpha"], s["min_effect"], s["biased"]
     direction = "too small" if s["bias"] < 0 else "too large"
     msg = (f"bias {s['bias']:+.3g} ({s['confidence']:.0%} CI [{s['ci_low']:+.3g}, {s['ci_high']:+.3g}]), "
-           f"spread {s['std']:.3g}, p={s['p_value']:.2g}: ")
-    msg += (f"biased, results {direction} on average; this compounds over steps" if biased
-            else "no bias detected at alpha=" + f"{alpha:g}"
-            + f" (rules out |bias| > {max(s['min_detectable_bias'], min_effect):.3g} at 80% power)")
+           f"spread {s['std']:.3g}, p={s['p_value']:.2g}{note}: ")
+    if biased:
+        msg += f"biased, results {direction} on average; this compounds over steps"
+    elif s["p_value"] < alpha:
+        msg += (f"a significant bias below the floor min_effect={min_effect:.3g}, which does not "
+                "matter; no bias that does")
+    else:
+        msg += ("no bias detected at alpha=" + f"{alpha:g}"
+                + f" (rules out |bias| > {max(s['min_detectable_bias'], min_effect):.3g} at 80% power)")
+    if len(stages) == 2:
+        msg += (f"; stage 1 ({stages[0]['trials']} trials) was borderline (p={stages[0]['p_value']:.2g})"
+                f", {stages[1]['trials']} trials " + ("confirm it" if s["p_value"] < alpha else
+                                                      "do not confirm it"))
     signed = s["positive_trials"] + s["negative_trials"]
     if s["p_value"] < alpha and s["p_sign"] >= alpha and 2 * 0.5 ** signed >= alpha:
         msg += f"; too few non-zero trials ({signed}) for the sign test to confirm at alpha={alpha:g}"
@@ -134,14 +233,12 @@ def bias_probe(fn: Callable, reference: Callable, make_inputs: Callable, *, tria
         msg += ("; the sign test disagrees (" + ("the median is off but the mean is not"
                 if s["p_sign"] < alpha else "a few large errors move the mean, most trials do not")
                 + ")")
-    if nonfinite:
-        msg += f"; {nonfinite} of {trials} trials gave inf/NaN and were left out"
-    if zero_ref:
-        msg += f"; {zero_ref} of {trials} trials had a zero reference and were left out"
-    verdict = "fail" if biased else ("warn" if nonfinite or zero_ref else "pass")
-    codes = ["TP-B1"] if biased else []
-    return Result(probe="numerics.bias", target=target, verdict=verdict, metrics=s,
-                  evidence=evidence, seed=seed, codes=codes, message=msg)
+    if s["nonfinite_trials"]:
+        msg += f"; {s['nonfinite_trials']} of {run} trials gave inf/NaN and were left out"
+    if s["zero_reference_trials"]:
+        msg += f"; {s['zero_reference_trials']} of {run} trials had a zero reference and were left out"
+    verdict = "fail" if biased else ("warn" if s["nonfinite_trials"] or s["zero_reference_trials"] else "pass")
+    return verdict, (["TP-B1"] if biased else []), msg
 
 
 def _check_scale_noise(scale, noise) -> None:
@@ -168,7 +265,8 @@ def gradient_like(world: int, numel: int, *, generator: torch.Generator, scale: 
 
 def collective_bias(*, dtype="bf16", world: int = 1024, numel: int = 256, algorithm: str = "ring",
                     op: str = "sum", rounding: str = "nearest", accum_dtype=None, reduce_dtype=None,
-                    trials: int = 32, seed: int = 0, alpha: float = 0.01, min_effect: float = 0.0,
+                    trials: int = 32, seed: int = 0, alpha: float = 0.01,
+                    min_effect: float | None = None, confirm: bool = True, tests: int = 1,
                     scale: float = 1e-3, noise: float = 1.0, progress: Callable | None = None,
                     **collective_kwargs) -> Result:
     """Bias of the emulated all_reduce of `dtype` gradients against the fp64 reduction of the
@@ -179,6 +277,8 @@ def collective_bias(*, dtype="bf16", world: int = 1024, numel: int = 256, algori
     a correctly rounded bf16/fp16 add. reduce_dtype: run the whole reduction in this wire
     format (e.g. "fp32", as Megatron's grad_reduce_in_fp32 or NCCL NVLS .acc::f32 do) and
     round the result once to `dtype`.
+    min_effect: None is default_min_effect(dtype), the floor of the format the results are
+    held in; confirm, tests: as bias_probe's.
     """
     from trainprobes.reference.collectives import OPS, all_reduce
     from trainprobes.reference.schedules import ALGORITHMS
@@ -192,6 +292,8 @@ def collective_bias(*, dtype="bf16", world: int = 1024, numel: int = 256, algori
     wire = get_format(reduce_dtype, "reduce_dtype") if reduce_dtype is not None else fmt
     if accum_dtype is not None:
         get_format(accum_dtype, "accum_dtype")
+    if min_effect is None:
+        min_effect = default_min_effect(fmt)
 
     def make(g):
         # the rounding seed comes from the trial's generator too: one seed replays a trial
@@ -212,7 +314,7 @@ def collective_bias(*, dtype="bf16", world: int = 1024, numel: int = 256, algori
         + (f",reduce_in={wire.name}" if wire is not fmt else "")
     target = f"all_reduce[{how},{algorithm},{op},{rounding},w={world},n={numel}]"
     res = bias_probe(low, ref, make, trials=trials, seed=seed, alpha=alpha, min_effect=min_effect,
-                     target=target, progress=progress)
+                     confirm=confirm, tests=tests, target=target, progress=progress)
     res.evidence.update({"dtype": fmt.name, "accum_dtype": accum_dtype, "reduce_dtype": wire.name,
                          "world": world, "numel": numel, "algorithm": algorithm, "op": op,
                          "rounding": rounding, "scale": scale, "noise": noise})
@@ -226,12 +328,44 @@ SIDE_BY_SIDE = (("round to nearest", {}), ("stochastic rounding", {"rounding": "
 def rounding_side_by_side(*, progress: Callable | None = None, **kwargs) -> list[Result]:
     """collective_bias three ways on the same seeded data: round to nearest in the wire
     format, stochastic rounding, and the reduction in fp32 rounded once at the end.
-    Each Result's evidence["label"] names the row."""
+    Each Result's evidence["label"] names the row. The three tests are one family: their
+    p-values are Holm-adjusted (holm) so that the chance of any false "biased" among them
+    stays at or below alpha."""
     out = []
     for label, extra in SIDE_BY_SIDE:
-        r = collective_bias(**{**kwargs, **extra},
+        r = collective_bias(**{**kwargs, **extra}, tests=len(SIDE_BY_SIDE),
                             progress=None if progress is None else
                             (lambda d, t, label=label: progress(label, d, t)))
         r.evidence["label"] = label
         out.append(r)
-    return out
+    return holm(out)
+
+
+def holm(results: list[Result]) -> list[Result]:
+    """Holm-Bonferroni over bias Results of one command, in place: the k-th smallest of m
+    p-values becomes max over j <= k of min(1, (m - j + 1) p_(j)) (step-down, valid under
+    any dependence: the rows share their seeded data), and `biased` is judged again on it
+    at the Results' alpha. A Result that measured nothing counts as p = 1. The p-value
+    before adjustment is in evidence["p_unadjusted"]."""
+    m = len(results)
+    alphas = {r.metrics.get("alpha") for r in results if r.metrics.get("biased") is not None}
+    if len(alphas) > 1:
+        raise InvalidArgument(f"holm: the Results were tested at different alphas {sorted(alphas)}")
+
+    def p_of(r):
+        return r.metrics["p_value"] if r.metrics.get("biased") is not None else 1.0
+    running = 0.0
+    for k, r in enumerate(sorted(results, key=p_of)):
+        p = p_of(r)
+        running = max(running, min(1.0, (m - k) * p))
+        if r.metrics.get("biased") is None:
+            continue
+        s = r.metrics
+        r.evidence["p_unadjusted"] = p
+        r.evidence["multiple_testing"] = {"method": "holm", "tests": m}
+        s["p_value"] = running
+        s["biased"] = running < s["alpha"] and abs(s["bias"]) >= s["min_effect"]
+        r.verdict, r.codes, r.message = _judgement(
+            s, r.evidence.get("stages", []), len(r.evidence.get("errors", [])),
+            note=f" (Holm over {m} tests; {p:.2g} before)")
+    return results
