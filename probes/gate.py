@@ -38,6 +38,7 @@ from typing import NamedTuple
 
 from trainprobes.display import format_number
 from trainprobes.errors import CannotJudge, InvalidType
+from trainprobes.gate_rules import check_consistent
 from trainprobes.markup import md_code, md_text
 from trainprobes.result import CODES, PROBES, VERDICT_FLAGS, Result, SchemaError, load_results, strict_json
 from trainprobes.validation import check_number
@@ -368,6 +369,9 @@ def check_judgeable(r: Result, side: str) -> None:
         if v is not None and not isinstance(v, bool):
             raise CannotJudge(f"{where}: metric {name}={v!r} is mistyped: a "
                               f"{type(v).__name__}, expected true or false")
+    # last: the probe's figures against each other (a bias x1000 beside its own CI), once
+    # every field is known to be present and well typed
+    check_consistent(r, side)
 
 
 # Metrics a probe derives from one estimate: (probe, shown, estimate, offset): shown =

@@ -26,13 +26,52 @@ def R(probe="custom.probe", target="t", verdict="pass", codes=(), **metrics):
     return Result(probe, target, verdict, metrics=metrics, codes=list(codes))
 
 
-def BIAS(bias=1e-4, std=1e-4, trials=100, target="t", **kw):
-    """A numerics.bias Result as the probe writes it: biased, verdict, code and its test
-    (p_value against alpha, min_effect: gate.TESTS) agree."""
-    biased = kw.pop("biased", False)
-    test = {"p_value": 1e-6 if biased else 0.5, "alpha": 0.01, "min_effect": 0.0}
-    return R("numerics.bias", target, "fail" if biased else "pass", ["TP-B1"] if biased else [],
-             bias=bias, std=std, trials=trials, biased=biased, **{**test, **kw})
+def BIAS(bias=1e-4, std=1e-3, trials=100, target="t", biased=None, min_effect=0.0, **edits):
+    """A numerics.bias Result written by the probe (bias_probe, one stage) on trials whose
+    signed errors have that mean and spread, so its CI, rms, p-values and per-trial errors agree
+    (gate_rules). biased: what the caller expects the probe to find (checked). edits: metrics
+    set afterwards, as a hand edit would."""
+    import torch
+    from trainprobes.numerics.bias import bias_probe
+    z = torch.randn(trials, generator=torch.Generator().manual_seed(trials), dtype=torch.float64)
+    errors = iter((bias + std * (z - z.mean()) / z.std()).tolist())
+    r = bias_probe(lambda one: one + next(errors), lambda one: one,
+                   lambda g: torch.ones(1, dtype=torch.float64), trials=trials, confirm=False,
+                   min_effect=min_effect, target=target)
+    assert biased is None or r.metrics["biased"] is biased, r.message
+    r.metrics.update(edits)
+    return r
+
+
+def REVEAL(dtype="fp16", target="t"):
+    """A numerics.reveal Result of the emulated ring all-reduce in dtype (fp16: 10 mantissa
+    bits, fp32: 23), as the probe writes it."""
+    from trainprobes.numerics.reveal import collective_reduction, reveal
+    return reveal(collective_reduction(dtype), n=8, dtype=dtype, output_dtype=dtype, target=target)
+
+
+def STALL(formats=("fp32",), n=100, target="t"):
+    """A numerics.stall Result as the probe writes it (fp32 + 1 100 times: pass; fp16 3000
+    times: stalls at 2048, warn TP-B2)."""
+    from trainprobes.numerics.stall import stall
+    r = stall(formats, n=n)
+    r.target = target
+    return r
+
+
+def COLLECTIVE(mismatch=False, target="t"):
+    """A distributed.collective Result of a 4-rank gloo bf16 all-reduce as the probe writes
+    it, the real outputs stood in by the emulator's (mismatch: one element off, TP-B4)."""
+    from trainprobes.distributed.case import Case
+    from trainprobes.distributed.predict import emulate, result_from_outputs
+    case = Case("all_reduce", "bf16", "sum", 64, "normal", 0, 0).check(4, "gloo")
+    outs = emulate(case, 4, "gloo")
+    if mismatch:
+        outs = [o.clone() for o in outs]
+        outs[1][3] += 1.0
+    r = result_from_outputs(case, outs, backend="gloo", world=4)
+    r.target = target
+    return r
 
 
 def CAUSAL(causal=True, target="t", verdict=None, codes=None, **kw):
@@ -45,18 +84,30 @@ def CAUSAL(causal=True, target="t", verdict=None, codes=None, **kw):
              **counts, **kw)
 
 
-def DRIFT(mean, se, biased=False, codes=(), verdict=None, **kw):
-    """A drift.compare Result whose `biased` agrees with its test (gate.TESTS)."""
+def DRIFT(mean, se, biased=False, codes=(), verdict=None, units=50, **kw):
+    """A drift.compare Result whose test figures are the probe's for that mean and standard
+    error over `units` units (trainprobes.drift.stats._student: t_stat, p_mean, CI), and
+    whose `biased` agrees with its test (gate.TESTS). p_excess (the other half of the
+    intersection-union test) is 1e-6 for a biased one, else 0.5."""
+    import torch
+    from trainprobes.drift.stats import _student
+    f = lambda v: torch.tensor(float(v), dtype=torch.float64)  # noqa: E731
+    n_tok = 1000.0
+    ss = se * se * n_tok * n_tok * (units - 1) / units
+    m, se_, t, p_mean, half, _ = (v.item() for v in _student(f(mean), f(ss), f(units), f(n_tok), 0.01))
     codes = list(codes) + (["TP-D1"] if biased else [])
-    test = {"p_value": 1e-6 if biased else 0.5, "alpha": 0.01, "min_bias": 0.0}
+    p_excess = 1e-6 if biased else 0.5
+    test = {"p_value": max(p_mean, p_excess), "alpha": 0.01, "min_bias": 0.0}
+    stats = {"t_stat": t, "p_mean": p_mean, "p_excess": p_excess, "ci_low": m - half,
+             "ci_high": m + half, "n_units": units, "k2_kl": 0.0, "noise_kl_max": 1e-3}
     return R("drift.compare", "t", verdict or ("fail" if codes else "pass"), codes,
-             mean_log_ratio=mean, se_mean=se, biased=biased, **{**test, **kw})
+             mean_log_ratio=mean, se_mean=se_, biased=biased, **{**test, **stats, **kw})
 
 
 # (name, baseline, candidate, expected codes)
 CASES = [
     ("causal now leaks", CAUSAL(), CAUSAL(False, n_leaks=4), ["TP-C1"]),
-    ("bias significantly larger", BIAS(1e-4, 1e-4), BIAS(2e-3, 1e-3, biased=True), ["TP-G2"]),
+    ("bias significantly larger", BIAS(1e-4, 1e-3), BIAS(2e-3, 1e-3, biased=True), ["TP-G2"]),
     ("bias flips sign and grows", R(bias=1e-4, bias_se=1e-5), R(bias=-2e-3, bias_se=1e-4),
      ["TP-G2"]),
     ("bias from CI only", R(bias=0.0, ci_low=-1e-5, ci_high=1e-5, confidence=0.99),
@@ -65,15 +116,14 @@ CASES = [
     ("drift grows past its floor", DRIFT(5e-7, 1e-9, min_bias=1e-5),
      DRIFT(2e-5, 1e-8, min_bias=1e-5), ["TP-G3"]),
     ("drift over threshold", DRIFT(1e-5, 1e-5), DRIFT(1e-5, 1e-5, codes=["TP-D3"]), ["TP-G3"]),
-    ("accumulator precision lower", R("numerics.reveal", accumulator_mantissa_bits=23),
-     R("numerics.reveal", accumulator_mantissa_bits=10), ["TP-B3"]),
+    ("accumulator precision lower", REVEAL("fp32"), REVEAL("fp16"), ["TP-B3"]),
     ("probe errored", BIAS(), R("numerics.bias", verdict="error", codes=["TP-E1"]), ["TP-E1"]),
     # NaN is a measurement (an overflow): an estimate that cannot be shown not to have grown
-    ("bias became NaN", BIAS(1e-4, 1e-4), BIAS(math.nan, 1e-4), ["TP-G2"]),
+    # (on a probe that may write one: numerics.bias never does, test_a_nan_bias_...)
+    ("bias became NaN", R(bias=1e-4, bias_se=1e-5), R(bias=math.nan, bias_se=1e-5), ["TP-G2"]),
     ("bias SE became NaN", R(bias=1e-4, bias_se=1e-5), R(bias=1e-3, bias_se=math.nan), ["TP-G2"]),
     ("drift SE became NaN", DRIFT(-1e-3, 1e-4), DRIFT(-5e-2, math.nan), ["TP-G3"]),
-    ("other verdict went to fail", R("numerics.stall"),
-     R("numerics.stall", "t", "fail", ["TP-B2"]), ["TP-B2"]),
+    ("other verdict went to fail", R(), R(verdict="fail", codes=["TP-B2"]), ["TP-B2"]),
     ("baseline errored, candidate fails", R(verdict="error", codes=["TP-E1"]),
      R(verdict="fail", codes=["TP-B2"]), ["TP-B2"]),
 ]
@@ -89,8 +139,7 @@ CLEAN = [
     ("bias grows but stays under the probe's min_effect", R(bias=1e-6, bias_se=1e-9, min_effect=1e-4),
      R(bias=5e-6, bias_se=1e-9, min_effect=1e-4)),
     ("still causal", CAUSAL(), CAUSAL()),
-    ("precision higher", R("numerics.reveal", accumulator_mantissa_bits=10),
-     R("numerics.reveal", accumulator_mantissa_bits=23)),
+    ("precision higher", REVEAL("fp16"), REVEAL("fp32")),
     ("leaky in both (not a regression)", CAUSAL(False), CAUSAL(False)),
     ("nondeterministic in both", R("causality.check", "t", "fail", ["TP-C2"], causal=None),
      R("causality.check", "t", "fail", ["TP-C2"], causal=None)),
@@ -383,9 +432,8 @@ GATED = [
     ("drift.compare", DRIFT(1e-5, 1e-6), ["biased", "mean_log_ratio", "se_mean"]),
     ("causality.check", CAUSAL(target="x"),
      ["causal", "n_leaks", "n_score_leaks", "n_structural", "n_unconfirmed"]),
-    ("numerics.reveal", R("numerics.reveal", accumulator_mantissa_bits=10),
-     ["accumulator_mantissa_bits"]),
-    ("distributed.collective", R("distributed.collective", bias=0.1, bias_z=1.0), ["bias", "bias_z"]),
+    ("numerics.reveal", REVEAL(), ["accumulator_mantissa_bits"]),
+    ("distributed.collective", COLLECTIVE(), ["bias", "bias_z"]),
 ]
 
 
@@ -424,8 +472,9 @@ def test_bias_edited_to_a_string_is_mistyped_not_nan(tmp_path):
 @pytest.mark.parametrize("side", ["baseline", "candidate"])
 def test_verdict_edited_to_fail_is_unexplained_not_a_probe_error(side):
     # was: TP-E1 "probe error" for a verdict edited from pass to fail
-    edited = R("numerics.stall", verdict="fail")
-    base, cand = (edited, R("numerics.stall")) if side == "baseline" else (R("numerics.stall"), edited)
+    edited = STALL()
+    edited.verdict = "fail"
+    base, cand = (edited, STALL()) if side == "baseline" else (STALL(), edited)
     rep = compare([base], [cand], today=TODAY)
     assert rep.exit_code == 2 and "TP-E1" not in rep.to_markdown()
     assert rep.cannot_judge.startswith(f"{side} 'numerics.stall::t': verdict 'fail' carries no code")
@@ -451,8 +500,7 @@ def test_a_verdict_that_its_boolean_does_not_explain_cannot_judge(result, match)
 
 
 def test_a_verdict_change_with_its_code_is_reported_as_that():
-    rep = compare([R("numerics.stall")], [R("numerics.stall", verdict="fail", codes=["TP-B2"])],
-                  today=TODAY)
+    rep = compare([R()], [R(verdict="fail", codes=["TP-B2"])], today=TODAY)
     (reg,) = rep.regressions
     assert reg.code == "TP-B2" and reg.what == "verdict went from pass to fail (accumulation stall)"
 
@@ -468,7 +516,7 @@ def test_fails_explained_by_another_code_or_a_threshold_are_judged():
 
 
 def test_the_issue_repro_two_results_emptied_no_longer_pass(tmp_path):
-    results = [BIAS(target="a"), CAUSAL(target="b"), R("numerics.stall", target="c")]
+    results = [BIAS(target="a"), CAUSAL(target="b"), STALL(target="c")]
 
     def empty(doc):
         doc["metrics"] = {}
@@ -566,7 +614,7 @@ def test_real_probe_results_are_judgeable_every_verdict_path():
 @pytest.mark.parametrize("side", ["baseline", "candidate"])
 def test_any_documented_number_mistyped_cannot_judge(tmp_path, side):
     # a metric no rule reads is still part of the Result the gate vouches for
-    stall = R("numerics.stall", rows=3, rows_over_tolerance=0, **{"sequential_sum[fp16,1]": 2048.0})
+    stall = STALL(("fp16",), n=3000)
     rep = _edited(tmp_path, side, lambda r: r["metrics"].update({"sequential_sum[fp16,1]": "2048"}),
                   [stall])
     assert rep.exit_code == 2
@@ -576,8 +624,11 @@ def test_any_documented_number_mistyped_cannot_judge(tmp_path, side):
 # --- review-gate: what still passed when it should not -----------------------------------
 
 INF_SE = [
-    ("bias std became inf", BIAS(1e-4, 1e-4), BIAS(0.5, math.inf), ["TP-G2"]),
-    ("bias and std became inf", BIAS(1e-4, 1e-4), BIAS(math.inf, math.inf), ["TP-G2"]),
+    # (a probe without a rule: numerics.bias never writes an infinite std beside a finite CI)
+    ("bias std became inf", R(bias=1e-4, std=1e-4, trials=100), R(bias=0.5, std=math.inf, trials=100),
+     ["TP-G2"]),
+    ("bias and std became inf", R(bias=1e-4, std=1e-4, trials=100),
+     R(bias=math.inf, std=math.inf, trials=100), ["TP-G2"]),
     ("bias CI became infinite", R(bias=0.0, ci_low=-1e-5, ci_high=1e-5),
      R(bias=1e-3, ci_low=-math.inf, ci_high=math.inf), ["TP-G2"]),
     ("drift se_mean became inf", DRIFT(-1e-3, 1e-4), DRIFT(-5e-2, math.inf), ["TP-G3"]),
@@ -827,11 +878,14 @@ COUNT_EDITS = [
 
 
 def _without(monkeypatch, table: str, probe: str) -> None:
-    """Switch the gate's rule for probe off (to show the edit passed without it)."""
+    """Switch the gate's rule for probe off (to show the edit passed without it), and the
+    probe's consistency rule (gate_rules.RULES), which catches some of these edits too."""
     import trainprobes.gate as gate
+    import trainprobes.gate_rules as gate_rules
     rules = getattr(gate, table)
     monkeypatch.setattr(gate, table, {k: v for k, v in rules.items() if k != probe}
                         if isinstance(rules, dict) else tuple(x for x in rules if x[0] != probe))
+    monkeypatch.setattr(gate_rules, "RULES", {k: v for k, v in gate_rules.RULES.items() if k != probe})
 
 
 @pytest.mark.parametrize("which,edit,table,match", COUNT_EDITS,
