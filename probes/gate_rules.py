@@ -190,7 +190,7 @@ def _bias(rd: Reader) -> None:
 
     if rd.m.get("biased") is None:  # nothing measured: too few finite trials (verdict fail)
         trials, nonfinite = rd.count("trials"), rd.count("nonfinite_trials")
-        if not trials - nonfinite < 3:
+        if not (nonfinite <= trials and trials - nonfinite < 3):
             rd.fail(f"biased=None (nothing measured) but only {nonfinite} of {trials} trials are "
                     "non-finite: the probe measures whenever 3 are finite")
         return
@@ -474,22 +474,37 @@ def _drift(rd: Reader) -> None:
 # --- the other probes: their metrics against each other -----------------------------------
 
 def _causality(rd: Reader) -> None:
-    """trainprobes.causality.summary: leaks are confirmed flips; counts are bounded by what
-    was compared. (causal against n_leaks, n_leaks as a sum: gate.COUNTS, gate.SUMS.)"""
+    """trainprobes.causality.summary: every leak is a flip, flips are bounded by what was
+    compared, flip_rate is n_leaks / n_compared, a pass has nothing unverified. (causal
+    against n_leaks, n_leaks as a sum: gate.COUNTS, gate.SUMS.)"""
     n_leaks = rd.count("n_leaks", optional=True)
-    flips = rd.count("n_flips", optional=True)
-    if None not in (n_leaks, flips) and n_leaks > flips:
-        rd.fail(f"n_leaks={n_leaks} exceeds n_flips={flips}: a leak is a flip")
+    flips, num = rd.count("n_flips", optional=True), rd.count("n_numerical", optional=True)
+    unver = rd.count("n_unverified", optional=True)
+    if None not in (n_leaks, flips, num, unver) and not n_leaks + num <= flips <= n_leaks + num + unver:
+        rd.fail(f"n_flips={flips} is not n_leaks + n_numerical ({n_leaks} + {num}) plus at most "
+                f"n_unverified={unver} flips, as the probe counts them")
     compared = rd.count("n_compared", optional=True)
+    if None not in (compared, flips) and flips > compared:
+        rd.fail(f"n_flips={flips} exceeds n_compared={compared}")
     rate = rd.opt("flip_rate")
-    if None not in (compared, flips, rate) and compared:
-        rd.agree("flip_rate", rate, flips / compared, "n_flips / n_compared")
+    if None not in (compared, n_leaks, rate):
+        rd.agree("flip_rate", rate, n_leaks / compared if compared else 0.0, "n_leaks / n_compared")
+    if unver and rd.r.verdict == "pass":
+        rd.fail(f"verdict 'pass' beside n_unverified={unver}: unverified flips warn")
     first = rd.opt("first_leak_position")
     if n_leaks is not None and "first_leak_position" in rd.m and (first is None) != (n_leaks == 0):
         rd.fail(f"first_leak_position={first!r} beside n_leaks={n_leaks}")
-    lo, hi = rd.opt("min_leak_distance"), rd.opt("max_leak_distance")
+    lo, hi = rd.count("min_leak_distance", optional=True), rd.count("max_leak_distance", optional=True)
     if None not in (lo, hi) and lo > hi:
-        rd.fail(f"min_leak_distance={_fmt(lo)} > max_leak_distance={_fmt(hi)}")
+        rd.fail(f"min_leak_distance={lo} > max_leak_distance={hi}")
+    evals = rd.count("n_evaluations", optional=True)
+    for name in ("n_confirmations", "evaluations_to_first_flip"):
+        v = rd.count(name, optional=True)
+        if None not in (v, evals) and v > evals:
+            rd.fail(f"{name}={v} exceeds n_evaluations={evals}")
+    if rd.flag("packed", optional=True) and rd.flag("batch_invariant", optional=True) is False:
+        rd.fail("packed=True beside batch_invariant=False: the probe packs only a batch-invariant "
+                "target")
     if rd.flag("deterministic", optional=True) is False and rd.r.verdict == "pass":
         rd.fail("deterministic=False beside a pass: a nondeterministic target fails with TP-C2")
 
@@ -531,11 +546,20 @@ def _reveal(rd: Reader) -> None:
         rd.fail(f"accumulator_mantissa_bits={bits} (lower bound: {lower}) is not where "
                 f"evidence['precision_trace'] first leaves 1 ({len(values)} steps, "
                 f"{ones} of them 1)")
-    n, fan_in = rd.count("n", optional=True), rd.count("fan_in", optional=True)
-    if None not in (n, fan_in) and fan_in > n:
+    n, fan_in = rd.count("n"), rd.count("fan_in", optional=True)
+    if fan_in is not None and fan_in > n:
         rd.fail(f"fan_in={fan_in} exceeds n={n}")
+    tree = rd.ev.get("tree")
+    if tree is not None and _leaf_count(tree) != n:
+        rd.fail(f"metric n={n} is not the {_leaf_count(tree)} inputs of the order in "
+                "evidence['tree']")
     if rd.r.verdict == "pass" and rd.r.codes:
         rd.fail(f"verdict 'pass' with codes {rd.r.codes}")
+
+
+def _leaf_count(tree) -> int:
+    """Inputs in a revealed order: a nested list whose leaves are input positions."""
+    return sum(_leaf_count(t) for t in tree) if isinstance(tree, list) else 1
 
 
 def _stall(rd: Reader) -> None:
@@ -586,8 +610,26 @@ def _transform(rd: Reader) -> None:
         for k, code in codes.items():
             rd.codes_agree(code, kind == k, f"transform_verdict={kind!r}")
     inc = rd.count("n_inconsistent", optional=True)
-    if kind == "inconsistent" and inc == 0:
+    if inc is not None and kind is not None and (kind == "inconsistent") > (inc > 0):
         rd.fail("transform_verdict='inconsistent' beside n_inconsistent=0")
+    if inc and kind not in (None, "inconsistent", "wrong"):
+        rd.fail(f"transform_verdict={kind!r} beside n_inconsistent={inc}: replicas that "
+                "disagree make a transform inconsistent (or wrong)")
+    paired = rd.flag("paired", optional=True)
+    if paired is not None and paired != ("single_device_max_relative_error" in rd.m):
+        rd.fail(f"paired={paired} {'without' if paired else 'beside'} "
+                "single_device_max_relative_error: the probe pairs with a single-device base "
+                "exactly when it reports that base's error")
+    loss = rd.flag("loss_reported", optional=True)
+    if loss is not None and loss != rd.has("loss_relative_error"):
+        rd.fail(f"loss_reported={loss} {'without' if loss else 'beside'} loss_relative_error")
+    trials = rd.count("trials", optional=True)
+    per_trial = rd.ev.get("per_trial")
+    if isinstance(per_trial, dict) and isinstance(per_trial.get("scale"), list) and \
+            "per_trial.scale" not in (rd.ev.get("truncated") or {}) and trials is not None \
+            and len(per_trial["scale"]) != trials:
+        rd.fail(f"metric trials={trials} but evidence per_trial holds "
+                f"{len(per_trial['scale'])} trials")
     for shown, est in (("loss_scale", "loss_relative_error"), ("scale", "scale_error")):
         a, b = rd.opt(shown), rd.opt(est)
         if None not in (a, b):
@@ -597,10 +639,8 @@ def _transform(rd: Reader) -> None:
         if None not in (v, lo, hi) and not math.isnan(v):
             rd.agree(name, v, (lo + hi) / 2, f"the centre of [{name}_ci_low, {name}_ci_high]",
                      tiny=REL * (abs(hi) + abs(lo)))
-    for se_name in ("scale_error_se", "signed_relative_error_se", "loss_relative_error_se"):
-        se = rd.opt(se_name)
-        if se is not None and se < 0:
-            rd.fail(f"metric {se_name}={_fmt(se)} is negative")
+    _transform_errors(rd)
+    _transform_tests(rd)
     mx, mean = rd.opt("max_relative_error"), rd.opt("mean_relative_error")
     if None not in (mx, mean) and not 0 <= mean <= mx * (1 + REL):
         rd.fail(f"mean_relative_error={_fmt(mean)} beside max_relative_error={_fmt(mx)}")
@@ -611,6 +651,113 @@ def _transform(rd: Reader) -> None:
     if known is not None and matches is not None and kind is not None and matches != (known == kind):
         rd.fail(f"matches_known_verdict={matches} beside known_verdict={known!r}, "
                 f"transform_verdict={kind!r}")
+
+
+def _transform_tests(rd: Reader) -> None:
+    """judge: evidence['tests'] is the family of t-tests the metrics' added errors, their
+    p-values and n_biased_parameters are copied from; a test is significant exactly when its
+    p is below alpha_per_test and |mean| reaches min_effect."""
+    tests, table = rd.ev.get("tests"), rd.ev.get("parameters")
+    if not isinstance(tests, dict):
+        return
+    per_test, floor = rd.opt("alpha_per_test"), rd.opt("min_effect")
+    for key, added in (("scale", "added_scale_error"),
+                       ("signed_relative_error", "added_signed_relative_error"),
+                       ("loss", "added_loss_error")):
+        t = tests.get(key)
+        if isinstance(t, dict) and rd.opt(added) is not None:
+            rd.agree(added, rd.num(added), rd.field(t, "mean", f"evidence['tests'][{key!r}]"),
+                     f"evidence['tests'][{key!r}]['mean']")
+            if rd.opt(f"{added}_p") is not None:
+                rd.agree(f"{added}_p", rd.num(f"{added}_p"),
+                         rd.field(t, "p", f"evidence['tests'][{key!r}]"),
+                         f"evidence['tests'][{key!r}]['p']")
+    for key, t in tests.items():
+        if not isinstance(t, dict) or None in (per_test, floor) or t.get("p") is None:
+            continue
+        p, mean = rd.field(t, "p", "tests"), rd.field(t, "mean", "tests")
+        want = p < per_test and abs(mean) >= floor
+        if t.get("significant") is not want:
+            rd.fail(f"evidence['tests'][{key!r}] significant={t.get('significant')!r} beside "
+                    f"p={_fmt(p)}, |mean|={_fmt(abs(mean))}, alpha_per_test={_fmt(per_test)}, "
+                    f"min_effect={_fmt(floor)}")
+    if isinstance(table, list):
+        names = [row.get("parameter") for row in table if isinstance(row, dict)]
+        npar = rd.count("n_parameters", optional=True)
+        if npar is not None and "parameters" not in (rd.ev.get("truncated") or {}) \
+                and npar != len(names):
+            rd.fail(f"n_parameters={npar} but evidence['parameters'] lists {len(names)}")
+        weakest, whole = rd.opt("min_detectable_parameter_scale_error"), rd.opt("min_detectable_scale_error")
+        each = [rd.as_number(row.get("min_detectable_scale_error"), "parameters[...]")
+                for row in table if isinstance(row, dict)
+                and row.get("min_detectable_scale_error") is not None]
+        each = [v for v in each if not math.isnan(v)]
+        if weakest is not None and (each or whole is not None) and \
+                "parameters" not in (rd.ev.get("truncated") or {}):
+            rd.agree("min_detectable_parameter_scale_error", weakest,
+                     max(each) if each else whole, "the least resolved parameter's")
+        nb = rd.count("n_biased_parameters", optional=True)
+        want = sum(1 for n in names if isinstance(tests.get(n), dict)
+                   and tests[n].get("significant") is True)
+        if nb is not None and "parameters" not in (rd.ev.get("truncated") or {}) and nb != want:
+            rd.fail(f"n_biased_parameters={nb} but evidence['tests'] holds {want} significant "
+                    "parameter test(s)")
+
+
+def _transform_errors(rd: Reader) -> None:
+    """judge.mean_ci: each CI is its estimate -/+ t(1 - alpha/2, k - 1) x its standard error,
+    k the trials with a finite value (at most trials); without a single-device base (paired
+    False) the t-tests run on the same columns, so the added errors are the errors and the
+    smallest detectable scale error is the 80%-power effect of scale_error_se."""
+    from scipy import stats
+
+    from trainprobes.power import min_detectable_effect
+
+    alpha, trials = rd.opt("alpha"), rd.count("trials", optional=True)
+    tests, per_test = rd.count("tests", optional=True), rd.opt("alpha_per_test")
+    if None not in (alpha, tests, per_test) and tests:
+        rd.agree("alpha_per_test", per_test, alpha / tests, "alpha / tests")
+    finite = {}  # estimate -> the trials its CI says were finite
+    for est, se_name, ci in (("scale_error", "scale_error_se", "scale"),
+                             ("signed_relative_error", "signed_relative_error_se",
+                              "signed_relative_error"),
+                             ("loss_relative_error", "loss_relative_error_se", "loss_scale")):
+        se, lo, hi = rd.opt(se_name), rd.opt(f"{ci}_ci_low"), rd.opt(f"{ci}_ci_high")
+        if se is not None and se < 0:
+            rd.fail(f"metric {se_name}={_fmt(se)} is negative")
+        if None in (se, lo, hi, alpha, trials) or not 0 < alpha < 1 or math.isnan(se + lo + hi):
+            continue
+        if se == 0:
+            if lo != hi:
+                rd.fail(f"{ci} CI [{_fmt(lo)}, {_fmt(hi)}] has a width, {se_name}=0 has none")
+            continue
+        # scale's CI is 1 + the error's: its width is known to a few ulps of 1
+        half, ulps = (hi - lo) / 2, 4 * 2.0 ** -52 * max(abs(lo), abs(hi))
+        k = next((k for k in range(trials, 2, -1)
+                  if close(half, float(stats.t.ppf(1 - alpha / 2, k - 1)) * se, 1e-7, ulps)), None)
+        if k is None:
+            rd.fail(f"the {ci} CI [{_fmt(lo)}, {_fmt(hi)}] is not {ci} -/+ t(1 - alpha/2, k - 1) "
+                    f"x {se_name}={_fmt(se)} for any k <= trials={trials}")
+        finite[est] = (se, k)
+    if rd.flag("paired", optional=True) is not False or per_test is None or not 0 < per_test < 1:
+        return
+    for est, added, mde_name in (("scale_error", "added_scale_error", "min_detectable_scale_error"),
+                                 ("signed_relative_error", "added_signed_relative_error",
+                                  "min_detectable_relative_bias"),
+                                 ("loss_relative_error", "added_loss_error",
+                                  "min_detectable_loss_error")):
+        e, a = rd.opt(est), rd.opt(added)
+        if est not in finite or None in (e, a) or math.isnan(e):
+            continue
+        se, k = finite[est]
+        rd.agree(added, a, e, f"{est} (no single-device base: the same trials)", tiny=1e-15)
+        p = rd.opt(f"{added}_p")
+        if p is not None:
+            _p_agree(rd, f"{added}_p", p, _t_p(e, se, k - 1), f"the t-test of {est}")
+        mde = rd.opt(mde_name)
+        if mde is not None:
+            rd.agree(mde_name, mde, min_detectable_effect(se, k - 1, per_test),
+                     f"the 80%-power effect of its standard error at alpha_per_test", rel=1e-6)
 
 
 def _documents(rd: Reader) -> None:
