@@ -467,6 +467,29 @@ def _drift(rd: Reader) -> None:
         rd.fail(f"|mean_log_ratio|={_fmt(abs(mean))}, mean_abs_log_ratio={_fmt(mabs)}, "
                 f"max_abs_log_ratio={_fmt(mx)}: a mean is at most its mean magnitude, at most "
                 "the largest")
+    # the ratio rho = exp(-x): its quantiles are ordered and lie in [min_ratio, max_ratio]
+    qs = [rd.opt(f"ratio_p{q}") for q in ("0.1", "1", "5", "50", "95", "99", "99.9")]
+    lo_r, hi_r = rd.opt("min_ratio"), rd.opt("max_ratio")
+    chain = [v for v in [lo_r, *qs, hi_r] if v is not None]
+    if any(b < a * (1 - 1e-6) for a, b in zip(chain, chain[1:])):
+        rd.fail(f"min_ratio, ratio_p0.1 ... ratio_p99.9, max_ratio = {[_fmt(v) for v in chain]} "
+                "are not in order, as quantiles of one distribution are")
+    if None not in (lo_r, hi_r, mx) and lo_r > 0 and math.isfinite(hi_r):
+        rd.agree("max_abs_log_ratio", mx, max(-math.log(lo_r), math.log(hi_r)),
+                 "the larger of |log min_ratio| and |log max_ratio|", rel=1e-5)
+    for name in ("tail_share", "ess_token", "ess_seq", "frac_seq_ratio_outside",
+                 "frac_seq_geo_ratio_outside", "frac_ratio_outside"):
+        v = rd.opt(name)
+        if v is not None and not 0 <= v <= 1 * (1 + 1e-9):
+            rd.fail(f"metric {name}={_fmt(v)} is not a fraction")
+    pm, px = rd.opt("mean_abs_prob_diff"), rd.opt("max_abs_prob_diff")
+    if None not in (pm, px) and not 0 <= pm <= px * (1 + 1e-5):
+        rd.fail(f"mean_abs_prob_diff={_fmt(pm)} beside max_abs_prob_diff={_fmt(px)}")
+    seqs = rd.count("n_sequences", optional=True)
+    if n_tok is not None and units > n_tok:
+        rd.fail(f"n_units={units} exceeds n_tokens={_fmt(n_tok)}: a unit holds tokens")
+    if None not in (seqs, n_tok) and seqs > n_tok:
+        rd.fail(f"n_sequences={seqs} exceeds n_tokens={_fmt(n_tok)}")
     if rd.opt("n_units") is not None and units < 1:
         rd.fail("n_units=0: the probe tests over at least one unit")
 
@@ -505,8 +528,7 @@ def _causality(rd: Reader) -> None:
     if rd.flag("packed", optional=True) and rd.flag("batch_invariant", optional=True) is False:
         rd.fail("packed=True beside batch_invariant=False: the probe packs only a batch-invariant "
                 "target")
-    if rd.flag("deterministic", optional=True) is False and rd.r.verdict == "pass":
-        rd.fail("deterministic=False beside a pass: a nondeterministic target fails with TP-C2")
+    _deterministic(rd, "causal")
 
 
 def _reveal(rd: Reader) -> None:
@@ -760,8 +782,21 @@ def _transform_errors(rd: Reader) -> None:
                      f"the 80%-power effect of its standard error at alpha_per_test", rel=1e-6)
 
 
+def _deterministic(rd: Reader, flag: str) -> None:
+    """A probe that measured (its verdict boolean true or false) found the target
+    deterministic: a nondeterministic one returns early with the boolean None (TP-C2)."""
+    if rd.m.get(flag) is not None and rd.flag("deterministic", optional=True) is False:
+        rd.fail(f"deterministic=False beside {flag}={rd.m[flag]}: the probe judges only a "
+                f"deterministic target (else {flag}=None, TP-C2)")
+
+
 def _documents(rd: Reader) -> None:
-    """trainprobes.isolation.documents: a structural leak has a size (max_leak)."""
+    """trainprobes.isolation.documents: a structural leak has a size (max_leak); its
+    within-document causality check fails with TP-C1 exactly when causal is false."""
+    _deterministic(rd, "isolated")
+    causal = rd.flag("causal", optional=True)
+    if causal is not None:
+        rd.codes_agree("TP-C1", causal is False, f"causal={causal}")
     n_leaks, worst = rd.count("n_leaks", optional=True), rd.opt("max_leak")
     if None not in (n_leaks, worst) and (n_leaks > 0) != (worst > 0):
         rd.fail(f"max_leak={_fmt(worst)} beside n_leaks={n_leaks}: leaks have a size, and only leaks")
@@ -773,6 +808,10 @@ def _documents(rd: Reader) -> None:
 def _batch(rd: Reader) -> None:
     """trainprobes.isolation.batch: the figures over every batch are those of evidence
     by_size; a row differs when some output moves by more than atol."""
+    _deterministic(rd, "batch_invariant")
+    if rd.flag("companion_dependent", optional=True) and rd.m.get("batch_invariant") is True:
+        rd.fail("companion_dependent=True beside batch_invariant=True: a row that changes with "
+                "its companions differs from itself alone")
     mx, mean = rd.opt("max_abs_diff"), rd.opt("mean_abs_diff")
     frac_rows, frac_out = rd.opt("frac_rows_differ"), rd.opt("frac_outputs_differ")
     atol = rd.opt("atol") or 0.0
