@@ -3,7 +3,9 @@
 Exit codes (`GateReport.exit_code`): 0 no unwaived regression, 1 at least one, 2 the gate
 cannot judge. It fails closed: a report that is missing, corrupt or of another schema, or
 any Result that does not explain its own verdict or lacks (or mistypes) a metric a rule
-reads (check_judgeable), is "cannot judge", naming the report side, the key and the field.
+reads (check_judgeable), or whose figures contradict one another as its probe derives them
+(trainprobes.gate_rules: a bias beside its own CI, a collective's bias_z beside its ulp errors),
+is "cannot judge", naming the report side, the key and the field.
 
 Regressions, each with a code from trainprobes.result.CODES so a reviewer can search and waive it:
   TP-G1  a probe present in the baseline is missing from the candidate;
@@ -315,7 +317,8 @@ def check_judgeable(r: Result, side: str) -> None:
       SIDE_FLAGS, COUNTS, SUMS, TESTS): `causal` true beside leaks cannot be judged;
     - the numbers PROBES says the probe reports whenever it measured are present;
     - every metric in NUMBERS, and every metric PROBES documents as a number, that is
-      present is a number (NaN is a number; None where a probe had nothing to report).
+      present is a number (NaN is a number; None where a probe had nothing to report);
+    - its figures agree with one another as its probe derives them (gate_rules.RULES).
     """
     if r.verdict == "error":
         return  # it measured nothing; the candidate's error is TP-E1
