@@ -29,20 +29,17 @@ Waivers name a code, a target (exact, or an fnmatch pattern) and a reason, and e
 """
 from __future__ import annotations
 
-import json
 import math
-import re
 from dataclasses import dataclass, field
-from datetime import date, timedelta
-from fnmatch import fnmatchcase
-from pathlib import Path
+from datetime import date
 from typing import NamedTuple
 
 from trainprobes.display import format_number
 from trainprobes.errors import CannotJudge, InvalidType
+from trainprobes.gate_render import render_markdown
 from trainprobes.gate_rules import check_consistent
-from trainprobes.markup import md_code, md_text
-from trainprobes.result import CODES, PROBES, VERDICT_FLAGS, Result, SchemaError, load_results, strict_json
+from trainprobes.gate_waivers import Waiver, load_waivers, parse_waivers, waiver_dict  # noqa: F401 (the public API)
+from trainprobes.result import CODES, PROBES, VERDICT_FLAGS, Result, SchemaError, load_results
 from trainprobes.validation import check_number
 
 # The estimates the gate tests, as probes name them: (code, metric, label). Each Result also
@@ -55,20 +52,6 @@ ESTIMATES = (("TP-G2", "bias", "bias", "min_effect"),
              ("TP-T4", "loss_relative_error", "transform loss error", "min_effect"))
 # trainprobes.transforms: `equivalent` True -> False blocks, coded by the candidate's kind
 TRANSFORM_CODES = {"biased": "TP-T1", "inconsistent": "TP-T2", "wrong": "TP-T3"}
-
-
-@dataclass(frozen=True)
-class Waiver:
-    code: str
-    target: str
-    reason: str
-    expires: date
-
-    def matches(self, code: str, result_key: str, target: str) -> bool:
-        # Equality first: targets like "all_reduce[bf16,ring]" hold fnmatch's [...] classes.
-        return code == self.code and (self.target in (target, result_key)
-                                      or fnmatchcase(target, self.target)
-                                      or fnmatchcase(result_key, self.target))
 
 
 @dataclass
@@ -113,101 +96,16 @@ class GateReport:
         def reg(r):
             d = {k: getattr(r, k) for k in ("code", "probe", "target", "what", "baseline",
                                               "candidate", "evidence")}
-            d["waived_by"] = None if r.waived_by is None else _waiver_dict(r.waived_by)
+            d["waived_by"] = None if r.waived_by is None else waiver_dict(r.waived_by)
             return d
         return {"exit_code": self.exit_code, "compared": self.compared,
                 "cannot_judge": self.cannot_judge,
                 "regressions": [reg(r) for r in self.regressions],
-                "expired_waivers": [_waiver_dict(w) for w in self.expired_waivers],
-                "unused_waivers": [_waiver_dict(w) for w in self.unused_waivers]}
+                "expired_waivers": [waiver_dict(w) for w in self.expired_waivers],
+                "unused_waivers": [waiver_dict(w) for w in self.unused_waivers]}
 
     def to_markdown(self) -> str:
         return render_markdown(self)
-
-
-def _waiver_dict(w: Waiver) -> dict:
-    return {"code": w.code, "target": w.target, "reason": w.reason,
-            "expires": w.expires.isoformat()}
-
-
-# --- waivers -----------------------------------------------------------------------------
-
-def parse_waivers(doc, source: str = "waivers") -> list[Waiver]:
-    """Waivers from a parsed document: {"waiver": [{code, target, reason, expires}, ...]}.
-
-    A bare list of waiver objects is accepted too. Every field is required: a waiver
-    without an expiry is a permanent hole in the gate.
-    """
-    if isinstance(doc, dict):
-        items = doc.get("waiver", doc.get("waivers"))
-        if items is None:
-            raise ValueError(f"{source}: expected a [[waiver]] table list (TOML) or "
-                             f'{{"waivers": [...]}} (JSON), found keys {sorted(doc)!r}')
-    else:
-        items = doc
-    if not isinstance(items, list):
-        raise ValueError(f"{source}: waivers={items!r} must be a list of tables")
-    out = []
-    for i, w in enumerate(items):
-        where = f"{source}: waiver[{i}]"
-        if not isinstance(w, dict):
-            raise ValueError(f"{where}={w!r} must be a table with code, target, reason, expires")
-        missing = [k for k in ("code", "target", "reason", "expires") if not w.get(k)]
-        if missing:
-            raise ValueError(f"{where} is missing {missing!r}; every waiver needs code, "
-                             "target, reason and expires (YYYY-MM-DD)")
-        if w["code"] not in CODES:
-            raise ValueError(f"{where} code={w['code']!r} is not a known code; "
-                             f"known: {', '.join(sorted(CODES))}")
-        if not _names_something(str(w["target"])):
-            raise ValueError(f"{where} target={w['target']!r} matches every target: a waiver "
-                             "names what it excuses (an exact target or a pattern with a name "
-                             "in it, e.g. 'all_reduce[bf16*')")
-        exp = w["expires"]
-        if isinstance(exp, str):
-            try:
-                exp = date.fromisoformat(exp)
-            except ValueError:
-                raise ValueError(f"{where} expires={w['expires']!r} is not a date; "
-                                 "write YYYY-MM-DD") from None
-        if not isinstance(exp, date):
-            raise ValueError(f"{where} expires={exp!r} is not a date; write YYYY-MM-DD")
-        if hasattr(exp, "date"):  # a TOML datetime: keep the day
-            exp = exp.date()
-        out.append(Waiver(str(w["code"]), str(w["target"]), str(w["reason"]), exp))
-    return out
-
-
-def _names_something(pattern: str) -> bool:
-    """Whether a waiver's target holds a letter or digit outside fnmatch's wildcards and
-    [...] classes. "*:*", "*.*", "*::*" or "[a-z]*" name nothing, yet match every
-    probe::target key (Waiver.matches tries the key too), so they would excuse anything.
-    Without * or ? it is a name (a target may be "[x]") and matches one length only."""
-    if "*" not in pattern and "?" not in pattern:
-        return bool(pattern.strip())
-    return any(ch.isalnum() for ch in re.sub(r"\[!?\]?[^\]]*\]|[*?]", "", pattern))
-
-
-def load_waivers(path) -> list[Waiver]:
-    """Read waivers from a .toml or .json file. Raises CannotJudge when it cannot."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise CannotJudge(f"waivers file {str(path)!r} cannot be read: {e}") from e
-    try:
-        if path.suffix == ".json":
-            doc = strict_json(text)
-        else:
-            from trainprobes import _toml
-            doc = _toml.loads(text)
-    except Exception as e:  # json.JSONDecodeError, DuplicateKeys, TOMLDecodeError
-        raise CannotJudge(f"waivers file {str(path)!r} is not valid "
-                          f"{'JSON' if path.suffix == '.json' else 'TOML'}: {e}") from e
-    try:
-        return parse_waivers(doc, source=str(path))
-    except ValueError as e:
-        raise CannotJudge(str(e)) from e
 
 
 # --- reading metrics, failing closed -----------------------------------------------------
@@ -799,62 +697,3 @@ def gate_files(baseline_path, candidate_path, waivers_path=None, *, alpha: float
         return GateReport(cannot_judge=str(e))
     return compare(baseline, candidate, waivers=waivers, alpha=alpha, rel_tol=rel_tol,
                    today=today)
-
-
-# --- Markdown verdict --------------------------------------------------------------------
-
-def _toml_string(s: str) -> str:
-    """s as a TOML basic string: JSON's escapes are TOML's (quotes, backslashes, control
-    characters), so a target with a quote or a newline cannot break the waiver snippet."""
-    return json.dumps(s, ensure_ascii=False)
-
-
-def render_markdown(report: GateReport) -> str:
-    """The verdict a reviewer reads in a PR: what regressed, by how much, evidence, waiver.
-    Every text from the reports or the waivers goes through trainprobes.markup."""
-    if report.cannot_judge is not None:
-        lines = [md_text(x) for x in report.cannot_judge.splitlines()]
-        body = lines[0] if len(lines) == 1 else "\n".join(
-            [lines[0], ""] + [f"- {x}" for x in lines[1:]])
-        return ("## trainprobes gate: CANNOT JUDGE (exit 2)\n\n"
-                f"{body}\n\nThe gate fails closed: fix the report and rerun.\n")
-    lines = []
-    blocking, waived = report.blocking, report.waived
-    head = "BLOCKED" if blocking else "PASSED"
-    lines.append(f"## trainprobes gate: {head} (exit {report.exit_code})\n")
-    lines.append(f"{report.compared} probe(s) compared; {len(blocking)} regression(s), "
-                 f"{len(waived)} waived.\n")
-    if blocking:
-        lines.append("### Regressions\n")
-        lines.append("| code | probe | target | what | baseline | candidate | evidence |")
-        lines.append("|---|---|---|---|---|---|---|")
-        for r in blocking:
-            lines.append("| " + " | ".join(
-                [md_code(r.code, table=True), md_text(r.probe), md_code(r.target, table=True)]
-                + [md_text(x) for x in (r.what, r.baseline, r.candidate, r.evidence)]) + " |")
-        lines.append("\nTo waive one, add to the waivers file (and say why):\n")
-        lines.append("```toml")
-        r = blocking[0]
-        lines += ["[[waiver]]", f"code = {_toml_string(r.code)}", f"target = {_toml_string(r.target)}",
-                  'reason = "<why this regression is accepted>"',
-                  f'expires = "{(date.today() + timedelta(days=30)).isoformat()}"', "```\n"]
-    if waived:
-        lines.append("### Waived\n")
-        for r in waived:
-            w = r.waived_by
-            lines.append(f"- {md_code(r.code)} {md_text(r.probe)} {md_code(r.target)}: "
-                         f"{md_text(r.what)}. Waived until {w.expires.isoformat()}: "
-                         f"{md_text(w.reason)}")
-        lines.append("")
-    if report.expired_waivers:
-        lines.append("### Expired waivers (not applied)\n")
-        for w in report.expired_waivers:
-            lines.append(f"- {md_code(w.code)} {md_code(w.target)} expired "
-                         f"{w.expires.isoformat()}: {md_text(w.reason)}")
-        lines.append("")
-    if report.unused_waivers:
-        lines.append("### Unused waivers (nothing matched; remove them)\n")
-        for w in report.unused_waivers:
-            lines.append(f"- {md_code(w.code)} {md_code(w.target)} (until {w.expires.isoformat()})")
-        lines.append("")
-    return "\n".join(lines)

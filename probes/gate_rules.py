@@ -185,7 +185,6 @@ def _bias(rd: Reader) -> None:
     """trainprobes.numerics.bias: error_stats over per-trial signed errors, the two-stage
     design (and Holm) on its p-value."""
     from scipy import stats
-
     from trainprobes.power import min_detectable_effect
 
     if rd.m.get("biased") is None:  # nothing measured: too few finite trials (verdict fail)
@@ -732,7 +731,6 @@ def _transform_errors(rd: Reader) -> None:
     False) the t-tests run on the same columns, so the added errors are the errors and the
     smallest detectable scale error is the 80%-power effect of scale_error_se."""
     from scipy import stats
-
     from trainprobes.power import min_detectable_effect
 
     alpha, trials = rd.opt("alpha"), rd.count("trials", optional=True)
@@ -779,7 +777,7 @@ def _transform_errors(rd: Reader) -> None:
         mde = rd.opt(mde_name)
         if mde is not None:
             rd.agree(mde_name, mde, min_detectable_effect(se, k - 1, per_test),
-                     f"the 80%-power effect of its standard error at alpha_per_test", rel=1e-6)
+                     "the 80%-power effect of its standard error at alpha_per_test", rel=1e-6)
 
 
 def _deterministic(rd: Reader, flag: str) -> None:

@@ -306,8 +306,8 @@ def test_a_bias_without_the_evidence_its_figures_come_from_cannot_be_judged(real
 
 def test_a_report_cut_to_32_errors_is_still_judged(real):
     # an audit's report.json keeps the first 32 items of each list (report.evidence)
-    from trainprobes.report.evidence import summarise
     from trainprobes.numerics.bias import collective_bias
+    from trainprobes.report.evidence import summarise
     r = collective_bias(world=8, numel=16, trials=40, dtype="fp32")
     r.evidence = summarise(r.evidence)
     assert r.evidence["truncated"]["errors"] == 40
