@@ -312,3 +312,20 @@ def test_a_report_cut_to_32_errors_is_still_judged(real):
     r.evidence = summarise(r.evidence)
     assert r.evidence["truncated"]["errors"] == 40
     assert compare([r], [r], today=TODAY).exit_code == 0
+
+
+@pytest.mark.parametrize("case,section,limit", [
+    ("noise transform", "transforms", "max_relative_error"),
+    ("gloo collective", "collectives", "max_ulp_error"),
+    ("fp32 sum", "bias", "std"),
+    ("causal router", "causality", "n_compared"),
+    ("invariant batch", "batch_invariance", "n_rows"),
+])
+def test_a_broken_threshold_s_code_is_explained(real, case, section, limit):
+    # a configured fail_above adds its family's code (audit.thresholds: TP-T3 beside a
+    # transform the probe calls noise): the rules must not read it as a contradiction
+    from trainprobes.audit.config import apply_thresholds
+    r = apply_thresholds(Result.from_json(real[case].to_json()), {"fail_above": {limit: -1.0}},
+                         section)
+    assert r.verdict == "fail" and r.evidence["thresholds"]["broken"]
+    assert compare([r], [r], today=TODAY).exit_code == 0
