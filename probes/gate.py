@@ -142,12 +142,15 @@ class Counts(NamedTuple):
     bad value at least one in `positive` is above 0 (empty: the Result cannot show it)."""
     zero: tuple
     positive: tuple = ()
+    optional: tuple = ()  # counts older Results lack: absent reads as 0
 
 
 _BATCH = Counts(("frac_rows_differ", "breaking_sizes"), ("frac_rows_differ", "breaking_sizes"))
 COUNTS = {
-    # causality.summary: causal = n_leaks == 0 and n_score_leaks == 0
-    "causality.check": Counts(("n_leaks", "n_score_leaks"), ("n_leaks", "n_score_leaks")),
+    # causality.summary: causal = no leak at random inputs, in the scores, or at near-ties
+    "causality.check": Counts(("n_leaks", "n_score_leaks", "n_near_tie_leaks"),
+                              ("n_leaks", "n_score_leaks", "n_near_tie_leaks"),
+                              optional=("n_near_tie_leaks",)),
     # isolation.documents: isolated = False if n_leaks, None if n_unverified or
     # n_blind_tokens, else True
     "isolation.documents": Counts(("n_leaks", "n_unverified", "n_blind_tokens"), ("n_leaks",)),
@@ -340,14 +343,15 @@ def _check_flag_evidence(r: Result, side: str, flag: str) -> None:
     if rule is None:
         return
     good = r.metrics[flag] is VERDICT_FLAGS[flag]
+    present = lambda n: n in r.metrics or n not in rule.optional
     if good:
-        above = [n for n in rule.zero if _count(r, n, where) > 0]
+        above = [n for n in rule.zero if present(n) and _count(r, n, where) > 0]
         if above:
             raise CannotJudge(f"{where}: metric {flag}={r.metrics[flag]} contradicts "
                               + ", ".join(f"{n}={r.metrics[n]!r}" for n in above)
                               + f": the probe sets {flag}={r.metrics[flag]} only when "
                               f"{', '.join(rule.zero)} are all 0 (was the report edited?)")
-    elif rule.positive and not any(_count(r, n, where) > 0 for n in rule.positive):
+    elif rule.positive and not any(present(n) and _count(r, n, where) > 0 for n in rule.positive):
         raise CannotJudge(f"{where}: metric {flag}={r.metrics[flag]} but "
                           + ", ".join(f"{n}={r.metrics[n]!r}" for n in rule.positive)
                           + f": the probe sets {flag}={r.metrics[flag]} only when one of them "

@@ -527,10 +527,31 @@ def _causality(rd: Reader) -> None:
         v = rd.count(name, optional=True)
         if None not in (v, evals) and v > evals:
             rd.fail(f"{name}={v} exceeds n_evaluations={evals}")
+    _near_ties(rd)
     if rd.flag("packed", optional=True) and rd.flag("batch_invariant", optional=True) is False:
         rd.fail("packed=True beside batch_invariant=False: the probe packs only a batch-invariant "
                 "target")
     _deterministic(rd, "causal")
+
+
+def _near_ties(rd: Reader) -> None:
+    """causality.near_tie: the counts are those of the search's evidence (older Results,
+    from before the search, carry neither)."""
+    reached, leaks = rd.count("n_near_ties", optional=True), rd.count("n_near_tie_leaks", optional=True)
+    ev = rd.evidence("near_tie_search", dict, optional=True)
+    if ev is None:
+        if reached or leaks:
+            rd.fail(f"n_near_ties={reached}, n_near_tie_leaks={leaks} without the search's "
+                    "evidence['near_tie_search']")
+        return
+    if reached != rd.as_count(rd.field(ev, "reached", "near_tie_search"), "near_tie_search.reached"):
+        rd.fail(f"n_near_ties={reached} is not near_tie_search.reached={ev.get('reached')!r}")
+    kinds = ev.get("kinds")
+    found = rd.field(kinds, "structural", "near_tie_search.kinds") if isinstance(kinds, dict) else None
+    if found is None or leaks != found:
+        rd.fail(f"n_near_tie_leaks={leaks} is not near_tie_search.kinds.structural={found!r}")
+    if leaks > reached:
+        rd.fail(f"n_near_tie_leaks={leaks} exceeds n_near_ties={reached}")
 
 
 def _reveal(rd: Reader) -> None:

@@ -118,7 +118,7 @@ def test_the_probe_measures_its_target(fake_clock, profile, states):
         fake_clock.now += cost(x.shape[0] // 2)
         return x.argmax(-1)
     x = torch.randn(2, 256, 4, generator=torch.Generator().manual_seed(0))
-    res = check(fn, x, cuts="all")
+    res = check(fn, x, cuts="all", near_ties=0)  # the cuts' packing alone (the search: test_causality_near_tie)
     packing = res.evidence["packing"]
     assert res.verdict == "pass" and packing["state"] in states
     if profile == "router":  # still growing when the cuts ran out: bigger was always better

@@ -54,6 +54,8 @@ from trainprobes.causality.inputs import (
     resolve_cuts,
     spread_first,
 )
+from trainprobes.causality.near_tie import search as near_tie_search
+from trainprobes.causality.near_tie import skipped
 from trainprobes.causality.records import NOT_TESTED, Findings, Isolation
 from trainprobes.causality.summary import Setup, nondeterministic, summarise
 from trainprobes.causality.target import Picker, Target, abs_diff, differs
@@ -69,7 +71,7 @@ def check(fn: Callable, inputs: torch.Tensor, *, mode: str = "perturb", cuts=Non
           layout: str = "batched", vocab: int | None = None, fp64=None,
           margin_tol: float | None = None, pack: bool | int = True, max_batch_tokens: int = 65536,
           max_verify: int | None = None, max_leaks: int = 200, target: str | None = None,
-          progress: Callable[[int, int], None] | None = None) -> Result:
+          near_ties: int = 16, progress: Callable[[int, int], None] | None = None) -> Result:
     """Probe fn for decisions that depend on future tokens. Returns a Result (probe
     "causality.check") with metrics causal, n_leaks, flip_rate, mismatch_rate (truncate),
     n_evaluations, tokens_evaluated, ... and evidence leaks, flip_rate_by_position,
@@ -85,6 +87,10 @@ def check(fn: Callable, inputs: torch.Tensor, *, mode: str = "perturb", cuts=Non
       call at the inputs' shape), or a number of copies per call (reproducible evaluations).
     margin_tol: absolute score gap below which a flip may be rounding noise; default
       max(32, T) ulps of the score's magnitude (a reordered reduction over T positions).
+    near_ties: for a target that returns decisions only (no scores) on float inputs, how
+      many decisions at the cuts to bring to a tie by bisection on the input before the
+      future is perturbed (near_tie.py): a leak too small to flip a choice at random
+      inputs' margins flips one there. 0: off (the Result then says what it cannot rule out).
     """
     mode = check_choice(mode, "mode", MODES)
     trials = check_int(trials, "trials", min=1, hint="perturbations per cut")
@@ -94,6 +100,7 @@ def check(fn: Callable, inputs: torch.Tensor, *, mode: str = "perturb", cuts=Non
         pack = check_int(pack, "pack", min=1, hint="True (copies per call measured), False, or copies per call")
     max_batch_tokens = check_int(max_batch_tokens, "max_batch_tokens", min=1)
     max_leaks = check_int(max_leaks, "max_leaks", min=0, hint="leak records kept in the evidence")
+    near_ties = check_int(near_ties, "near_ties", min=0, hint="decisions brought to a tie (0: off)")
     if max_verify is not None:
         max_verify = check_int(max_verify, "max_verify", min=0, hint="re-runs and fp64 calls")
     if margin_tol is not None:
@@ -126,6 +133,8 @@ def check(fn: Callable, inputs: torch.Tensor, *, mode: str = "perturb", cuts=Non
             _deterministic(judge)
             iso = run.after_checks(_batch_isolation(judge, R, layout))
         run.run(tasks, mode, start=done)
+        ties = _near_ties(judge, tgt, R, cut_list, iso, run, mode=mode, layout=layout,
+                          points=near_ties, max_batch_tokens=max_batch_tokens)
     except Nondeterministic as e:
         return nondeterministic(common, setup, name, e.where, e.count, tgt.n_evaluations,
                                 tgt.tokens_evaluated)
@@ -134,8 +143,27 @@ def check(fn: Callable, inputs: torch.Tensor, *, mode: str = "perturb", cuts=Non
                      packing_error=run.pack_error, packing=run.packing_evidence(),
                      first_flip_eval=run.first_flip_eval, fp64_status=judge.fp64_status,
                      n_evaluations=tgt.n_evaluations, n_confirmations=judge.confirmations,
-                     tokens_evaluated=tgt.tokens_evaluated)
+                     tokens_evaluated=tgt.tokens_evaluated, near_ties=ties)
     return summarise(common, setup, found)
+
+
+def _near_ties(judge: Judge, tgt: Target, R, cuts, iso: Isolation, run: Cuts, *, mode: str,
+               layout: str, points: int, max_batch_tokens: int):
+    """The near-tie search where it can add something, else why it did not run (None when
+    the target gives scores: every score that moves is judged already)."""
+    if tgt.scores is not None or judge.base.decision.is_floating_point():
+        return None  # scores (or float decisions) show any move without a tie
+    if points == 0:
+        return skipped("turned off (near_ties=0)")
+    if any(((f.kind == Kind.STRUCTURAL) | (f.kind == Kind.UNCONFIRMED)).any() for f in run.flips):
+        return skipped("not needed: decisions flipped at random inputs")
+    if mode != "perturb":
+        return skipped("truncate mode changes the shape: a tie would not survive it")
+    if not judge.x.is_floating_point():
+        return skipped("token ids cannot be moved continuously towards a tie")
+    if layout != "batched" or iso.isolated is not True:
+        return skipped("copies share a call only for a batch-isolated target with a batch axis")
+    return near_tie_search(judge, tgt, R, cuts, points=points, max_batch_tokens=max_batch_tokens)
 
 
 def _deterministic(judge: Judge) -> None:

@@ -66,3 +66,4 @@ class Findings:
     n_evaluations: int = 0
     n_confirmations: int = 0  # of those, spent re-checking flips (re-runs, the fp64 twin)
     tokens_evaluated: int = 0
+    near_ties: object = None  # near_tie.NearTies, or None where scores make it unneeded

@@ -108,9 +108,12 @@ def summarise(common: dict, setup: Setup, found: Findings) -> Result:
     flips = tally_flips(found, T, setup.max_leaks)
     scores = tally_scores(found, setup.max_leaks)
     compared = compared_per_position(setup)
-    n_unver = flips[Kind.UNVERIFIED] + scores[Kind.UNVERIFIED] + found.isolation.unverified
+    ties = found.near_ties
+    tie_leaks = ties.leaks if ties is not None else 0
+    n_unver = (flips[Kind.UNVERIFIED] + scores[Kind.UNVERIFIED] + found.isolation.unverified
+               + (ties.unverified if ties is not None else 0))
     n_leaks = flips[Kind.STRUCTURAL] + flips[Kind.UNCONFIRMED]
-    causal = n_leaks == 0 and scores[Kind.STRUCTURAL] == 0
+    causal = n_leaks == 0 and scores[Kind.STRUCTURAL] == 0 and tie_leaks == 0
     codes = [] if causal else ["TP-C1"]
     if found.isolation.isolated is False:
         codes.append("TP-C3")
@@ -126,7 +129,8 @@ def summarise(common: dict, setup: Setup, found: Findings) -> Result:
     metrics = _metrics(setup, found, flips, scores, compared, causal=causal, n_unver=n_unver)
     evidence = _evidence(setup, found, flips, scores, compared)
     evidence["nan_decisions"] = n_nan
-    message = _message(setup, found, flips, scores, metrics)
+    evidence["near_tie_search"] = _tie_evidence(ties)
+    message = _message(setup, found, flips, scores, metrics) + _tie_message(found, metrics)
     if n_nan:
         message += (f"; {n_nan} of {found.base.decision.shape[0] * T} baseline decisions are NaN "
                     f"and cannot show a flip (are the weights initialised?)")
@@ -165,6 +169,8 @@ def _metrics(setup, found: Findings, flips: Tally, scores: Tally, compared, *, c
         "min_leak_distance": min(flips.distances, default=None),
         "max_leak_distance": max(flips.distances, default=None),
         "fp64": found.fp64_status,
+        "n_near_ties": found.near_ties.reached if found.near_ties is not None else None,
+        "n_near_tie_leaks": found.near_ties.leaks if found.near_ties is not None else 0,
     }
     if setup.mode == "truncate":
         metrics["mismatch_rate"] = n_flips / n_compared if n_compared else 0.0
@@ -194,13 +200,13 @@ def _message(setup: Setup, found: Findings, flips: Tally, scores: Tally, metrics
     what = ("future-dependent decisions" if setup.mode == "perturb" else
             "decisions that differ in the inference view (prefix only)")
     n_leaks, n_compared = metrics["n_leaks"], metrics["n_compared"]
-    if not metrics["causal"] and not n_leaks:
+    if not metrics["causal"] and not n_leaks and metrics["n_score_leaks"]:
         sl = _first_leak(scores.leaks)
         msg = (f"routing scores at {metrics['n_score_leaks']} (batch, position, cut) depend on "
                f"later tokens though no decision flipped in this sample (it will at a near-tie)"
                + (f"; first at position {sl['position']} (cut {sl['cut']}, batch {sl['batch']}), "
                   f"change {sl['change']:.3g}" if sl else ""))
-    elif not metrics["causal"]:
+    elif n_leaks:
         first = _first_leak(flips.leaks)
         n_unconf = metrics["n_unconfirmed"]
         msg = (f"{n_leaks} {what} of {n_compared} compared"
@@ -214,7 +220,7 @@ def _message(setup: Setup, found: Findings, flips: Tally, scores: Tally, metrics
                + (f" ({n_num} flips within rounding noise of a tie, excused by re-runs)"
                   if n_num else ""))
         n_moves = found.isolation.unverified
-        n_flips = metrics["n_unverified"] - n_moves
+        n_flips = metrics["n_unverified"] - n_moves - (found.near_ties.unverified if found.near_ties else 0)
         unsettled = [f"{n_flips} flips at near-ties"] if n_flips else []
         unsettled += [f"{n_moves} moves of a row when other rows changed, within rounding "
                       f"noise"] if n_moves else []
@@ -225,6 +231,47 @@ def _message(setup: Setup, found: Findings, flips: Tally, scores: Tally, metrics
         msg += (f"; decisions of one sequence change with another in the batch "
                 f"(at {found.isolation.moved[:3]})")
     return msg
+
+
+def _tie_evidence(ties) -> dict | None:
+    if ties is None:
+        return None
+    from trainprobes.causality.near_tie import REACH_FACTOR
+    return {"tried": ties.tried, "reached": ties.reached, "width": ties.width,
+            "noise_reach": ties.noise_reach, "reach_factor": REACH_FACTOR,
+            "kinds": {Kind(k).label: n for k, n in enumerate(ties.kinds)}, "flips": ties.flips,
+            "records": ties.records, "evaluations": ties.evaluations, "reason": ties.reason,
+            "assumption": "a tie moved by reordered reductions moves by max(32, T) ulps of the "
+                          "input segment (scores of the order of their spread along it)"}
+
+
+def _tie_message(found: Findings, metrics: dict) -> str:
+    """What the near-tie search found, or what a decision-only check could not rule out."""
+    ties = found.near_ties
+    if ties is None:
+        return ""
+    if ties.leaks:
+        r = next(r for r in ties.records if r["kind"] == "structural") if ties.records else None
+        return (f"; {ties.leaks} of {ties.reached} decisions brought to a near-tie (bisection on "
+                f"the input at a cut, brackets within {ties.width:.2g} of the input segment) "
+                f"flipped when only later positions changed"
+                + (f", first at position {r['position']} (batch {r['batch']}): "
+                   f"{brief(r['before'])} -> {brief(r['after'])}, still flipped "
+                   f"{r['reach']:.2g} from the tie" if r else "")
+                + ": a future leak too small to flip a choice at random inputs' margins")
+    if ties.unverified:
+        return (f"; {ties.unverified} near-tie decisions flipped when later positions changed, "
+                f"but not far enough from the tie to rule out reordered rounding and with no "
+                f"fp64 twin to settle it: pass fp64= (a float64 copy) or scores=")
+    if ties.reached and metrics["causal"]:
+        return (f"; {ties.reached} decisions brought within {ties.width:.2g} of a tie (of the "
+                f"input segment) did not move either: a leak that shifts a decision boundary "
+                f"by more than that would have flipped one")
+    if ties.reason and metrics["causal"]:
+        return (f"; decisions only, no near-tie search ({ties.reason}): a leak that moves the "
+                f"scores by less than these inputs' margins would not be seen; return the "
+                f"router scores too (scores=, --scores) so that any score that moves is judged")
+    return ""
 
 
 def _first_leak(records: list) -> dict | None:

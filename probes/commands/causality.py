@@ -48,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scores", type=_picker, default=None, metavar="INDEX|NAME",
                    help="which part of the output holds routing scores [B, T, E] (for margins)")
     p.add_argument("--no-fp64", action="store_true", help="never re-run the target in float64")
+    p.add_argument("--near-ties", type=parse_int("near_ties", min=0), default=16, metavar="N",
+                   help="without --scores, on float inputs: decisions brought to a tie by "
+                        "bisection before the future is perturbed, so a small leak flips one "
+                        "(16; 0: off)")
     p.add_argument("--max-batch-tokens", type=parse_int("max_batch_tokens", min=1), default=65536,
                    help="memory budget for packing perturbed copies into one call (65536)")
     p.add_argument("--show", type=parse_int("show", min=0), default=10, metavar="N",
@@ -129,7 +133,7 @@ def run(args) -> int:
                 scores=args.scores, layout="flat" if args.flat else "batched",
                 vocab=None if args.hidden else (args.vocab or 1000),
                 fp64=False if args.no_fp64 else None, max_batch_tokens=args.max_batch_tokens,
-                target=args.target, progress=_progress())
+                target=args.target, near_ties=args.near_ties, progress=_progress())
     emit_report(args, [res])
     if not args.json:
         print(format_result(res, show=args.show))

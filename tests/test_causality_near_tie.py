@@ -1,0 +1,140 @@
+"""The near-tie search: decision-only targets on float inputs are brought to a tie, so a
+leak too small to flip a choice at random inputs' margins shows (near_tie.py)."""
+import pytest
+import torch
+from trainprobes.causality.check import check
+from trainprobes.cli import main
+
+W = torch.randn(64, 8, generator=torch.Generator().manual_seed(0)) / 8
+
+
+class SeqMeanRouter(torch.nn.Module):
+    """Top-k of the logits minus `leak` x their sequence mean: every position reads the
+    future, by 1e-3 of a logit."""
+
+    def __init__(self, k=2, leak=1e-3):
+        super().__init__()
+        self.w, self.k, self.leak = torch.nn.Parameter(W.clone()), k, leak
+
+    def forward(self, x):
+        logits = x @ self.w
+        return (logits - self.leak * logits.mean(dim=1, keepdim=True)).topk(self.k, -1).indices
+
+
+def seq_mean_route(x):
+    """The same leak in a plain function over fp32 weights: no fp64 twin can run it."""
+    logits = x @ W
+    return (logits - 1e-3 * logits.mean(dim=1, keepdim=True)).argmax(-1)
+
+
+def causal_route(x):
+    return (x @ W).topk(2, -1).indices
+
+
+def late_leak(x):
+    """Only the second half of the sequence reads the future (1e-4 of the sequence mean of
+    feature 0, on expert 0); weight-free, so the fp64 twin runs it too."""
+    logits = x[..., :8].clone()
+    T = x.shape[1]
+    logits[:, T // 2:, 0] += 1e-4 * x[..., 0].mean(1, keepdim=True)
+    return logits.argmax(-1)
+
+
+def by_position(x):
+    """Causal, and blind to the token's own value: no second value moves its decision."""
+    return torch.arange(x.shape[1]).remainder(3).expand(x.shape[0], -1)
+
+
+def X(seed, B=4, T=64):
+    return torch.randn(B, T, 64, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("fn", [SeqMeanRouter(), SeqMeanRouter(k=1), seq_mean_route, late_leak],
+                         ids=["module-top2", "module-top1", "function", "late-half"])
+def test_a_leak_below_every_random_margin_fails_without_scores(fn, seed):
+    x = X(seed)
+    res = check(fn, x, seed=seed)
+    assert res.verdict == "fail" and res.metrics["causal"] is False and "TP-C1" in res.codes
+    if res.metrics["n_leaks"] == 0:  # random margins saw nothing (most seeds): the ties did
+        assert res.metrics["n_near_tie_leaks"] > 0 and "near-tie" in res.message
+        assert check(fn, x, seed=seed, near_ties=0).verdict == "pass"
+        search = res.evidence["near_tie_search"]
+        assert search["kinds"]["structural"] == res.metrics["n_near_tie_leaks"] <= search["reached"]
+        return
+    assert res.evidence["near_tie_search"]["reason"].startswith("not needed")  # leaks already
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_causal_decisions_at_a_tie_do_not_move(seed):
+    res = check(causal_route, X(seed), seed=seed)
+    assert res.verdict == "pass", res.message
+    ties = res.evidence["near_tie_search"]
+    assert ties["reached"] == res.metrics["n_near_ties"] > 0 and ties["flips"] == 0
+    assert ties["width"] < 1e-5  # bracketed to ~2^-20 of the segment
+    assert "did not move either" in res.message  # what the pass rules out
+
+
+def test_the_search_costs_are_counted_and_the_cuts_alone_are_unchanged():
+    x = X(0)
+    off, on = check(causal_route, x, near_ties=0), check(causal_route, x)
+    ties = on.evidence["near_tie_search"]["evaluations"]
+    assert ties > 0 and on.metrics["n_evaluations"] == off.metrics["n_evaluations"] + ties
+
+
+def test_scores_make_the_search_unneeded_and_ids_say_what_they_cannot_rule_out():
+    x = X(0)
+    with_scores = check(lambda v: ((v @ W).argmax(-1), v @ W), x, decision=0, scores=1)
+    assert with_scores.evidence["near_tie_search"] is None and with_scores.metrics["n_near_ties"] is None
+    emb = torch.nn.Embedding(50, 64)
+    ids = torch.randint(0, 50, (4, 32), generator=torch.Generator().manual_seed(0))
+    res = check(lambda t: causal_route(emb(t)), ids, vocab=50)
+    assert res.verdict == "pass" and res.metrics["n_near_ties"] == 0
+    assert "token ids" in res.message and "scores=" in res.message  # and what to do
+
+
+def test_a_decision_blind_to_its_own_token_says_no_tie_was_reached():
+    res = check(by_position, X(0))
+    assert res.verdict == "pass" and res.metrics["n_near_ties"] == 0
+    assert "no second input value changed" in res.evidence["near_tie_search"]["reason"]
+    assert "scores=" in res.message
+
+
+def test_rounding_that_moves_with_the_batch_is_never_called_a_leak():
+    """Causal, but layer 1 sums in an order set by how many tokens of the whole batch pick
+    expert 0 (a grouped kernel tiled by tokens per expert): near-ties move by an ulp."""
+    class Reorder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            g = torch.Generator().manual_seed(0)
+            self.w1 = torch.nn.Parameter(torch.randn(64, 64, generator=g) / 8)
+            self.r1 = torch.nn.Parameter(torch.randn(64, 8, generator=g) / 8)
+            self.r2 = torch.nn.Parameter(torch.randn(64, 8, generator=g) / 8)
+
+        def forward(self, x):
+            n0 = int((x @ self.r1).argmax(-1).eq(0).sum())
+            perm = torch.randperm(64, generator=torch.Generator().manual_seed(n0))
+            h = x + torch.tanh((x[..., perm, None] * self.w1[perm]).sum(-2))
+            return (h @ self.r2).topk(2, -1).indices
+
+    m = Reorder()
+    for seed in range(5):
+        for fp64 in (None, False):
+            res = check(m, X(seed), seed=seed, fp64=fp64)
+            assert res.metrics["n_near_tie_leaks"] == 0 and res.verdict in ("pass", "warn"), res.message
+            if fp64 is False and res.verdict == "warn":  # unsettled: says how to settle it
+                assert "fp64=" in res.message
+
+
+def test_the_issue_reproduction_fails_from_the_command_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "leaky_router.py").write_text(
+        "import torch\n"
+        "W = torch.randn(64, 8, generator=torch.Generator().manual_seed(0)) / 8\n"
+        "def route(x):\n"
+        "    logits = x @ W\n"
+        "    return (logits - 1e-3 * logits.mean(dim=1, keepdim=True)).argmax(-1)\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["causality", "--target", "leaky_router:route", "--hidden", "64"]) == 1
+    assert "near-tie" in capsys.readouterr().out
+    assert main(["causality", "--target", "leaky_router:route", "--hidden", "64", "--near-ties", "0"]) == 0
+    assert "scores" in capsys.readouterr().out
