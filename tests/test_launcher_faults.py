@@ -90,3 +90,44 @@ def test_sigkill_of_the_parent_leaves_no_rank_nor_grandchild(tmp_path):
                 pass
         if parent.poll() is None:
             parent.kill()
+
+
+def test_an_audit_worker_dies_with_its_audit_even_when_the_audit_is_killed(tmp_path):
+    """The audit's worker process (trainprobes.audit.worker) watches the audit's pid: with
+    its owner gone (here a stand-in parent, SIGKILLed) it exits within seconds, mid-family,
+    rather than run its checks to the end for no one."""
+    from trainprobes.audit import remote
+
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    worker = subprocess.Popen([sys.executable, "-m", "trainprobes.audit.worker", "--families",
+                               "collectives", "--parent", str(owner.pid)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(3)  # past its start-up, into the family
+        assert worker.poll() is None, "the worker finished before the test could kill its owner"
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        worker.wait(timeout=10)
+        assert worker.returncode == 137
+    finally:
+        for p in (owner, worker):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    # and the audit passes its own pid: the command it runs, caught before it starts
+    seen = {}
+
+    def fake_run(cmd, **kw):
+        seen["cmd"] = cmd
+        raise subprocess.TimeoutExpired(cmd, 0)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(remote.subprocess, "run", fake_run)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            remote.worker_check("collectives", "c", seed=0, quick=True, control=True).run()
+    finally:
+        mp.undo()
+    cmd = seen["cmd"]
+    assert cmd[cmd.index("--parent") + 1] == str(os.getpid())

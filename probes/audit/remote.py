@@ -6,6 +6,7 @@ the family, never a silent gap in the report.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -20,7 +21,8 @@ def worker_check(family: str, name: str, *, seed: int, quick: bool, control: boo
     def run():
         import torch
         cmd = [sys.executable, "-m", "trainprobes.audit.worker", "--families", family,
-               "--seed", str(seed), "--threads", str(torch.get_num_threads())]
+               "--seed", str(seed), "--threads", str(torch.get_num_threads()),
+               "--parent", str(os.getpid()), "--deadline", str(TIMEOUT_S + 30)]
         proc = subprocess.run(cmd + (["--quick"] if quick else []), capture_output=True,
                               text=True, timeout=TIMEOUT_S)
         try:

@@ -26,7 +26,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--parent", type=int, default=None,
+                    help="the audit's pid: this worker dies with it (even by SIGKILL)")
+    ap.add_argument("--deadline", type=float, default=3600.0, help="seconds before it gives up")
     args = ap.parse_args(argv)
+    if args.parent is not None:
+        from trainprobes.lifetime import die_with
+        die_with(args.parent, args.deadline, group=False)  # ranks it launches watch it in turn
     import torch
     if args.threads > 0:
         torch.set_num_threads(args.threads)

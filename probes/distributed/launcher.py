@@ -36,6 +36,7 @@ import traceback
 from datetime import timedelta
 
 from trainprobes.errors import InvalidArgument, InvalidType, TrainprobesError
+from trainprobes.lifetime import die_with
 from trainprobes.validation import check_choice, check_int, check_number
 
 BACKENDS = ("gloo", "nccl")
@@ -164,39 +165,6 @@ def _check_launch(world, backend, timeout, port, addr, max_local_ranks=None) -> 
                         f"a free one")
 
 
-def _die_with(launcher_pid: int, deadline_s: float) -> None:
-    """Kill this rank's process group (itself and whatever its task started) when the
-    launcher dies, even by SIGKILL, or when the rank outlives its deadline. The rank's parent
-    is the forkserver, not the launcher, so PR_SET_PDEATHSIG alone (Linux) is not enough: a
-    watchdog thread also polls the launcher's pid."""
-    import threading
-    try:
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    end = time.monotonic() + deadline_s
-
-    def alive(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-    def watch():
-        while alive(launcher_pid) and time.monotonic() < end:
-            time.sleep(0.25)
-        try:
-            os.killpg(0, signal.SIGKILL)
-        finally:
-            os._exit(137)
-
-    threading.Thread(target=watch, name="trainprobes-watchdog", daemon=True).start()
-
-
 def _rank_main(task, rank, world, backend, addr, port, timeout, args, outdir, q,
                launcher_pid=None):
     """Body of one spawned rank (module docstring, steps 1-3)."""
@@ -205,7 +173,7 @@ def _rank_main(task, rank, world, backend, addr, port, timeout, args, outdir, q,
     except OSError:
         pass
     if launcher_pid is not None:
-        _die_with(launcher_pid, timeout + 30.0)
+        die_with(launcher_pid, timeout + 30.0)  # its own group: itself and its children
     try:
         import torch
         import torch.distributed as dist
