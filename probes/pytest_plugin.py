@@ -39,6 +39,7 @@ class Recorder:
     def __init__(self):
         self.results = []       # trainprobes.result.Result, target suffixed with the test id
         self.gate = None        # trainprobes.gate.GateReport once compared
+        self.crashes = []       # (nodeid, exit code, one line): trainprobes raised, not judged
 
     def add(self, result) -> None:
         self.results.append(result)
@@ -76,6 +77,7 @@ def pytest_configure(config):
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
     config.stash[RECORDER] = Recorder()
+    config.pluginmanager.register(_Crashes(config), "trainprobes-crashes")
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_XdistController(config), "trainprobes-xdist")
 
@@ -100,6 +102,70 @@ def pytest_runtest_setup(item):
             pytest.skip("marked gpu: needs CUDA, and torch.cuda.is_available() is False here")
 
 
+CRASH = "trainprobes: not a finding"  # the report section that marks a crash (xdist carries it)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that fails because trainprobes itself raised (not a finding it asserted) is
+    marked so, and the session exits by the contract: 3 for an internal error (traceback in
+    the log folder), 2 for a probe that could not judge (bad arguments, a target that
+    raised); never 1, which means a finding."""
+    outcome = yield
+    rep = outcome.get_result()
+    if call.excinfo is None or rep.when != "call" or not rep.failed:
+        return
+    code = _crash_code(call.excinfo)
+    if code is None:
+        return
+    from trainprobes.exits import INTERNAL, write_log
+    exc = call.excinfo.value
+    line = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    if code == INTERNAL:
+        path = write_log(f"pytest {item.nodeid}", exc)
+        line += f" (an internal error; traceback in {path})" if path else " (an internal error)"
+    rep.sections.append((CRASH, f"{code} trainprobes raised {line}; the session exits {code}"))
+
+
+class _Crashes:
+    """Counts the crashes the test reports carry, where reports are logged (the controller,
+    under xdist)."""
+
+    def __init__(self, config):
+        self.config = config
+
+    @pytest.hookimpl
+    def pytest_runtest_logreport(self, report):
+        for name, text in report.sections:
+            if name == CRASH:
+                self.config.stash[RECORDER].crashes.append((report.nodeid, int(text.split()[0]), text))
+
+
+def _crash_code(excinfo) -> int | None:
+    """The contract's code when the exception came out of trainprobes' own code (its
+    innermost frame is in the package, or it is a TrainprobesError) and is not an assertion
+    (a finding, or the test's own assert); else None: the test's own error."""
+    import os
+
+    import trainprobes.reference as ref
+    from _pytest.outcomes import OutcomeException
+    from trainprobes.errors import TrainprobesError
+    from trainprobes.exits import classify
+    exc = excinfo.value
+    if isinstance(exc, (AssertionError, OutcomeException)):
+        return None
+    inner = os.path.abspath(str(excinfo.traceback[-1].path)) if len(excinfo.traceback) else ""
+    ours = [os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (ref, _package())]
+    if not (isinstance(exc, TrainprobesError) or any(inner.startswith(d) for d in ours)):
+        return None
+    return classify(exc)
+
+
+def _package():
+    import trainprobes
+    return trainprobes
+
+
 def _is_worker(config) -> bool:
     return hasattr(config, "workerinput")
 
@@ -112,6 +178,8 @@ def pytest_sessionfinish(session, exitstatus):
     if _is_worker(config):
         config.workeroutput[WORKER_KEY] = json.dumps([r.to_dict() for r in rec.results])
         return
+    if rec.crashes and session.exitstatus in (0, pytest.ExitCode.TESTS_FAILED):
+        session.exitstatus = max(code for _, code, _ in rec.crashes)  # a crash is no finding
     report = _option(config, "report")
     if report:
         from trainprobes.result import save_results
@@ -132,10 +200,12 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     rec = config.stash.get(RECORDER, None)
-    if rec is None or _is_worker(config) or not (rec.results or rec.gate):
+    if rec is None or _is_worker(config) or not (rec.results or rec.gate or rec.crashes):
         return
     tr = terminalreporter
     tr.section("trainprobes")
+    for nodeid, code, text in rec.crashes:
+        tr.write_line(f"not a finding (exit {code}): {nodeid}: {text.split(' ', 1)[1]}", red=True)
     from collections import Counter
     counts = Counter(r.verdict for r in rec.results)
     tr.write_line(", ".join(f"{n} {v}" for v, n in sorted(counts.items())) + " Result(s)")

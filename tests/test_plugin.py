@@ -343,3 +343,41 @@ def test_assert_flag_fails_closed_without_the_verdict_boolean(pytester):
         "*biased = True (passes with biased = False)*",
         "*cannot judge: 'numerics.stall::t': probe 'numerics.stall' documents no verdict*"],
         consecutive=False)
+
+
+CRASHING_TESTS = '''
+import torch
+import trainprobes.causality.summary as summary
+from trainprobes.reference.routing import expert_choice
+
+X = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(0))
+
+def test_finding(trainprobes):
+    trainprobes.assert_causal(expert_choice, X, decision=0)
+
+def test_usage(trainprobes):
+    trainprobes.assert_no_stall("fp17", 1.0, 10)
+
+def test_internal(trainprobes, monkeypatch):
+    monkeypatch.setattr(summary, "Kind", None)  # a bug: an AttributeError inside the summary
+    trainprobes.assert_causal(lambda x: x.argmax(-1), X)
+
+def test_users_own_error(trainprobes):
+    raise KeyError("the test's own bug, not trainprobes'")
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tests, code", [("finding or users_own_error", 1), ("finding or usage", 2),
+                                         ("finding or usage or internal", 3)])
+def test_a_crash_of_trainprobes_is_never_a_finding(pytester, tests, code):
+    """Exit 1 means a finding; trainprobes raising inside a helper exits 2 (could not judge)
+    or 3 (an internal error, traceback in the log folder), as every other face does."""
+    pytester.makepyfile(test_crash=CRASHING_TESTS)
+    result = pytester.runpytest_subprocess("-k", tests, "-p", "no:cacheprovider")
+    assert result.ret == code, result.stdout.str()[-3000:]
+    out = result.stdout.str()
+    assert ("not a finding (exit 3)" in out and "traceback in" in out) == (code == 3)
+    assert ("not a finding (exit 2)" in out) == (code >= 2)
+    crashes = [ln for ln in out.splitlines() if ln.startswith("not a finding")]
+    assert not any("test_users_own_error" in ln for ln in crashes)  # the test's own bug is its own
