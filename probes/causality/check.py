@@ -54,6 +54,7 @@ from trainprobes.causality.inputs import (
     resolve_cuts,
     spread_first,
 )
+from trainprobes.causality.near_tie import STEPS
 from trainprobes.causality.near_tie import search as near_tie_search
 from trainprobes.causality.near_tie import skipped
 from trainprobes.causality.records import NOT_TESTED, Findings, Isolation
@@ -90,7 +91,8 @@ def check(fn: Callable, inputs: torch.Tensor, *, mode: str = "perturb", cuts=Non
     near_ties: for a target that returns decisions only (no scores) on float inputs, how
       many decisions at the cuts to bring to a tie by bisection on the input before the
       future is perturbed (near_tie.py): a leak too small to flip a choice at random
-      inputs' margins flips one there. 0: off (the Result then says what it cannot rule out).
+      inputs' margins flips one there; above 16 only where the cuts cost as many target
+      tokens as the search. 0: off (the Result then says what it cannot rule out).
     """
     mode = check_choice(mode, "mode", MODES)
     trials = check_int(trials, "trials", min=1, hint="perturbations per cut")
@@ -163,6 +165,11 @@ def _near_ties(judge: Judge, tgt: Target, R, cuts, iso: Isolation, run: Cuts, *,
         return skipped("token ids cannot be moved continuously towards a tie")
     if layout != "batched" or iso.isolated is not True:
         return skipped("copies share a call only for a batch-isolated target with a batch axis")
+    # more than 16 points only where the cuts cost as much (each point costs ~STEPS + 7 calls
+    # of one sequence); 16 always: a leak through one expert reaches few ties (a quarter of
+    # top-1 ties involve a given expert of 8), and 4 points missed one in 4 seeds of 5
+    T = judge.x.shape[1]
+    points = min(points, max(16, tgt.tokens_evaluated // ((STEPS + 7) * T)))
     return near_tie_search(judge, tgt, R, cuts, points=points, max_batch_tokens=max_batch_tokens)
 
 
