@@ -1,0 +1,273 @@
+"""Which stage (layer), then which op inside it, makes two engines disagree: activation
+patching, judged against each stage's noise floor.
+
+Runs (one forward each; "trainer" A, "engine" B, the same tokens):
+  1. A recorded: every stage's and op's inputs and output stream.
+  2. B free-running, recorded: free error of stage k = |B_k - A_k| / |A_k| per token.
+  3. B patched: every stage k of B is fed A's input of stage k, so its output differs from
+     A's only by what stage k adds itself: its OWN error. A stage that only carries an
+     earlier divergence has no own error; the one that introduces it has.
+  4. B patched again, in another batch composition (rows reversed, two sub-batches): the
+     re-run and batch floor (zero for a deterministic, batch-invariant engine).
+  5. A patched with its own inputs and outputs jittered by one rounding at the nominal
+     precision u (the coarser of the two engines' dtypes): the rounding floor.
+  noise floor^2 = floor(4)^2 + floor(5)^2 per token. MoE routers are replayed with A's
+  choices in 3-5, so a near-tie flip counts as routing (trainprobes.drift.routing), not as
+  a block's numerics.
+Verdict per stage: exact when the own error is zero on every token; else, per sequence
+(the independent unit), r = log(RMS own / RMS floor); "beyond" (noise) when the one-sided
+t-test over sequences rejects E[r] <= log(margin) at alpha / (number of stages) and the
+mean ratio exceeds the margin; else "noise". The first stage beyond noise is the answer;
+then the same runs over its ops (depth 1: norms, attention, MLP; depth 2 below the op
+found: projections, router, experts) name the op.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from scipy import stats as sps
+from trainprobes.drift.engines import Engine, Layout, Stage, discover, match_layouts
+from trainprobes.drift.patching import Call, Hooks
+from trainprobes.errors import InvalidArgument
+
+# unit roundoff of the nominal precision: what one rounding of an input does at most
+UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8,
+                 torch.float16: 2.0 ** -11}
+_CLIP = 50.0  # |log ratio| bound: a zero floor or a zero own error per sequence
+
+
+@dataclass
+class StageReport:
+    name: str
+    role: str
+    depth: int
+    block: int | None
+    own_error: float        # mean over tokens of |B_k(A's input) - A_k| / |A_k|
+    free_error: float       # mean over tokens of |B_k - A_k| / |A_k|, free-running
+    noise_floor: float      # mean over tokens of the floor (module doc)
+    ratio: float            # geometric mean over sequences of RMS own / RMS floor
+    p_value: float
+    verdict: str            # exact / noise / beyond
+    nonfinite: bool = False
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Runs:
+    """Everything the decomposition reuses: the recorded calls of each run."""
+
+    a: dict            # name -> [Call], A recorded
+    b_free: dict
+    b_patched: dict
+    shape: tuple
+
+
+def _tokens(t: torch.Tensor, B: int, L: int) -> torch.Tensor:
+    return t.reshape(B, L, -1).double()
+
+
+def rel_error(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """|b - a| / |a| per token ([B, L]); the norm over features, in float64."""
+    d = (b - a).norm(dim=-1)
+    return d / a.norm(dim=-1).clamp_min(1e-300)
+
+
+def _outputs(calls: list, B: int, L: int) -> torch.Tensor:
+    return torch.cat([_tokens(c.out, B, L) for c in calls], dim=-1)
+
+
+def _forward(engine: Engine, hooks: Hooks, ids, am, rows=None):
+    hooks.new_forward(rows)
+    with torch.no_grad():
+        return engine.logits(ids if rows is None else ids[rows],
+                             None if am is None else (am if rows is None else am[rows]))
+
+
+def _modules(engine: Engine, stages) -> dict:
+    return {s.name: engine.module.get_submodule(s.name) for s in stages}
+
+
+def _routers(record: dict) -> list:
+    return [n for n, calls in record.items() if calls and calls[0].indices is not None]
+
+
+def record(engine: Engine, stages, ids, am, *, blocks=frozenset(), replay_from=None,
+           routers=()) -> tuple:
+    """One recorded forward (with A's expert choices replayed when replay_from is given)."""
+    hooks = Hooks(_modules(engine, stages), "record", source=replay_from, convention=engine.convention,
+                  blocks=blocks, shape=tuple(ids.shape),
+                  replay=_modules(engine, [Stage(r, "router", 2, None) for r in routers])
+                  if replay_from is not None else None)
+    with hooks:
+        logits = _forward(engine, hooks, ids, am)
+    return hooks.calls, logits
+
+
+def patched(engine: Engine, stages, source: dict, ids, am, *, mode: str, blocks, routers, u=0.0,
+            seed=0, compose=False) -> dict:
+    """A patched (or jittered) run of `stages`; compose: rows reversed, two sub-batches,
+    outputs put back in the original order."""
+    B, L = ids.shape
+    hooks = Hooks(_modules(engine, stages), mode, source=source, convention=engine.convention,
+                  blocks=blocks, shape=(B, L), u=u, seed=seed,
+                  replay=_modules(engine, [Stage(r, "router", 2, None) for r in routers]) or None)
+    parts = [None]
+    if compose:
+        order = torch.arange(B - 1, -1, -1)
+        parts = [order[:B // 2], order[B // 2:]] if B >= 2 else [order]
+    out: dict = {s.name: [] for s in stages}
+    with hooks:
+        for rows in parts:
+            for name in hooks.calls:
+                hooks.calls[name] = []
+            _forward(engine, hooks, ids, am, rows)
+            for name, calls in hooks.calls.items():
+                out[name].append((rows, calls))
+    merged = {}
+    for name, pieces in out.items():
+        if parts == [None]:
+            merged[name] = pieces[0][1]
+            continue
+        n_calls = len(pieces[0][1])
+        merged[name] = []
+        for i in range(n_calls):  # loop over calls of one module (usually one)
+            full = None
+            for rows, calls in pieces:
+                t = _tokens(calls[i].out, len(rows), L)
+                full = torch.empty(B, L, t.shape[-1], dtype=t.dtype) if full is None else full
+                full[rows] = t
+            merged[name].append(Call({}, full, None, None))
+    return merged
+
+
+def judge_stages(stages, a, b_free, b_pat, b_pat2, a_jit, mask, *, margin, alpha) -> list:
+    B, L = mask.shape
+    m = mask.double()
+    n_tok = m.sum().clamp_min(1)
+    reports = []
+    for s in stages:
+        if not a.get(s.name) or not b_pat.get(s.name):
+            continue
+        A = _outputs(a[s.name], B, L)
+        own = rel_error(_outputs(b_pat[s.name], B, L), A)
+        free = rel_error(_outputs(b_free[s.name], B, L), A) if b_free.get(s.name) else own * math.nan
+        f2 = (rel_error(_outputs(b_pat2[s.name], B, L), _outputs(b_pat[s.name], B, L)) ** 2
+              + rel_error(_outputs(a_jit[s.name], B, L), A) ** 2)
+        floor = f2.sqrt()
+        nonfinite = not bool(torch.isfinite(own[mask]).all())
+        own_u = ((own ** 2 * m).sum(1) / m.sum(1).clamp_min(1)).sqrt()
+        floor_u = ((f2 * m).sum(1) / m.sum(1).clamp_min(1)).sqrt()
+        used = m.sum(1) > 0
+        r = (own_u.log() - floor_u.log()).nan_to_num(nan=_CLIP, posinf=_CLIP, neginf=-_CLIP)
+        r = torch.where(own_u == 0, torch.full_like(r, -_CLIP), r.clamp(-_CLIP, _CLIP))[used]
+        exact = bool((own[mask] == 0).all())
+        ratio = math.exp(r.mean().item())
+        p = _p_greater(r, math.log(margin))
+        beyond = nonfinite or (not exact and ratio > margin and p < alpha / max(1, len(stages)))
+        reports.append(StageReport(
+            s.name, s.role, s.depth, s.block, (own * m).sum().item() / n_tok.item(),
+            (free * m).sum().item() / n_tok.item(), (floor * m).sum().item() / n_tok.item(),
+            ratio, p, "exact" if exact else "beyond" if beyond else "noise", nonfinite))
+    return reports
+
+
+def _p_greater(r: torch.Tensor, mu: float) -> float:
+    x = r.double().numpy()
+    if len(x) < 2:
+        return math.nan
+    if x.std() == 0:
+        return 0.0 if x.mean() > mu else 1.0
+    return float(sps.ttest_1samp(x, mu, alternative="greater").pvalue)
+
+
+@dataclass
+class Localisation:
+    stages: list           # [StageReport] depth 0
+    ops: list              # [StageReport] depth 1 and 2 of the first stage beyond noise
+    first_layer: str | None
+    op: str | None         # role of the op found
+    op_module: str | None
+    layout: Layout
+    runs: Runs
+    u: float
+    n_forwards: int
+
+
+def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
+                    margin: float = 8.0, alpha: float = 0.01, seed: int = 0, ops: bool = True,
+                    u: float | None = None) -> Localisation:
+    """The runs of the module doc and the verdict per stage, then per op of the first stage
+    beyond noise. input_ids [B, L] (B >= 2 sequences: the units of the test)."""
+    ids = torch.as_tensor(input_ids)
+    if ids.ndim != 2 or ids.shape[0] < 2:
+        raise InvalidArgument(f"input_ids has shape {tuple(ids.shape)}, expected [B, L] with B >= 2 "
+                              "sequences (the independent units of the noise test)")
+    am = None if attention_mask is None else torch.as_tensor(attention_mask)
+    if am is not None and am.shape != ids.shape:
+        raise InvalidArgument(f"attention_mask has shape {tuple(am.shape)}, expected {tuple(ids.shape)}")
+    mask = torch.ones(ids.shape, dtype=torch.bool) if am is None else am.bool()
+    la, lb = discover(trainer, ids, am), discover(engine, ids, am)
+    match_layouts(la, lb, (trainer.name, engine.name))
+    if u is None:
+        u = max(UNIT_ROUNDOFF.get(trainer.dtype, 2.0 ** -24), UNIT_ROUNDOFF.get(engine.dtype, 2.0 ** -24))
+    all_ops = [o for ops_ in la.ops.values() for o in ops_]
+    stages = la.stages
+    blocks = frozenset(s.name for s in stages if s.role == "block")
+    a, _ = record(trainer, stages + all_ops, ids, am, blocks=blocks)
+    _check_finite(a, trainer.name)
+    routers = _routers(a)
+    b_free, _ = record(engine, stages + all_ops, ids, am, blocks=blocks)
+    _check_finite(b_free, engine.name)
+    n = 2
+
+    def depth_runs(group):
+        kw = dict(blocks=blocks, routers=routers)
+        p1 = patched(engine, group, a, ids, am, mode="patch", **kw)
+        p2 = patched(engine, group, a, ids, am, mode="patch", compose=True, **kw)
+        j = patched(trainer, group, a, ids, am, mode="jitter", u=u, seed=seed, **kw)
+        return p1, judge_stages(group, a, b_free, p1, p2, j, mask, margin=margin, alpha=alpha)
+
+    b_pat, reports = depth_runs(stages)
+    n += 4  # the composed run is two half-batch forwards
+    first = next((r for r in reports if r.verdict == "beyond"), None)
+    op_reports, op_role, op_module = [], None, None
+    if first is not None and first.role == "block" and ops:
+        d1 = [o for o in la.ops[first.block] if o.depth == 1 and o.name in a and a[o.name]]
+        _, op_reports = depth_runs(d1)
+        n += 4
+        top = _top(op_reports)
+        if top is not None:
+            op_role, op_module = top.role, top.name
+            d2 = [o for o in la.ops[first.block] if o.depth == 2 and o.name.startswith(top.name + ".")
+                  and a.get(o.name)]
+            if d2:
+                _, deeper = depth_runs(d2)
+                n += 4
+                op_reports += deeper
+                sub = _top(deeper)
+                if sub is not None and sub.role in ("router", "norm"):
+                    op_role, op_module = sub.role, sub.name
+        else:
+            op_role, op_module = "block", first.name  # the residual adds or unhooked code
+    elif first is not None:
+        op_role, op_module = first.role, first.name
+    return Localisation(reports, op_reports, None if first is None else first.name, op_role, op_module,
+                        la, Runs(a, b_free, b_pat, tuple(ids.shape)), u, n)
+
+
+def _top(reports):
+    beyond = [r for r in reports if r.verdict == "beyond"]
+    return max(beyond, key=lambda r: r.ratio) if beyond else None
+
+
+def _check_finite(rec: dict, who: str) -> None:
+    for name, calls in rec.items():
+        for c in calls:
+            if not bool(torch.isfinite(c.out).all()):
+                raise InvalidArgument(f"the {who}'s {name!r} output holds non-finite values: "
+                                      "localisation compares finite activations (fix the overflow "
+                                      "first, e.g. with trainprobes numerics)")
