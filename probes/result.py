@@ -45,6 +45,7 @@ CODES = {
     "TP-D1": "biased train/inference drift",
     "TP-D2": "heavy-tailed train/inference drift",
     "TP-D3": "drift over threshold",
+    "TP-D4": "engines disagree beyond noise (localised)",
     "TP-I1": "packed-document leak",
     "TP-I2": "batch-variant output",
     "TP-T1": "biased parallel transform",

@@ -196,20 +196,23 @@ def router_outputs(out) -> tuple:
 
 
 def replay_router(m, out, indices: torch.Tensor):
-    """The router's output with `indices` as its choice and its own probabilities there."""
+    """The router's output with `indices` as its choice where its own top-k SET differs
+    (its own probabilities at those experts as weights); rows that agree keep the router's
+    own output, so replay removes flips and nothing else."""
     old, probs = router_outputs(out)
     if old is None:
         raise InvalidArgument(f"{type(m).__name__} does not return (logits, weights, indices): "
                               "routing replay reads HF-style routers only")
+    differ = (old.sort(-1).values != indices.sort(-1).values).any(-1, keepdim=True)
     w = probs.gather(-1, indices)
     if getattr(m, "norm_topk_prob", False):
         w = w / w.sum(-1, keepdim=True)
     out = list(out)
     for i, t in enumerate(out):
         if t is old:
-            out[i] = indices
+            out[i] = torch.where(differ, indices, old)
         elif isinstance(t, torch.Tensor) and t.is_floating_point() and t.shape == old.shape:
-            out[i] = w.to(t.dtype)
+            out[i] = torch.where(differ, w.to(t.dtype), t)
     return tuple(out)
 
 
