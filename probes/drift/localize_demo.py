@@ -114,3 +114,23 @@ def run_demo(*, progress=None, **options) -> list:
             progress(i, len(CASES), c.name)
         out.append(run_case(c, **options))
     return out
+
+
+def example_trainer():
+    """Import-path factory (`--target trainprobes.drift.localize_demo:example_trainer`): the
+    demo's tiny Llama, fp32, eager attention."""
+    return base_model("llama")
+
+
+def example_engine():
+    """`--engine trainprobes.drift.localize_demo:example_engine`: the same weights with block
+    2's MLP computing in bf16 (expect kind numeric at model.layers.2, op mlp)."""
+    m = base_model("llama")
+    faults.in_dtype(m.model.layers[2].mlp, torch.bfloat16)
+    return m
+
+
+def example_engine_sdpa():
+    """`--engine trainprobes.drift.localize_demo:example_engine_sdpa`: sdpa attention, fp32
+    (expect noise)."""
+    return base_model("llama", "sdpa")
