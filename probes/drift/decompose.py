@@ -205,7 +205,8 @@ def _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, d
     if kind == "exact":
         msg = "exact: the engines agree bit for bit at every stage"
     elif kind == "noise":
-        msg = (f"noise: every stage's own error is within its noise floor (x{margin:g}); mean |log-ratio| "
+        msg = (f"noise: every stage's own error is within its noise floor (x{margin:g}) at the nominal "
+               f"precision (unit roundoff {loc.u:.3g}); no stage is to blame; mean |log-ratio| "
                f"{metrics['mean_abs_log_ratio']:.3g} nats")
     else:
         msg = (f"{kind}: {where}" + (f"stale tensors: {named}; " if stale else "")

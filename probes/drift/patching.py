@@ -146,11 +146,12 @@ class Hooks:
         indices, probs = router_outputs(out)
         if stream is None:
             return None
+        if self.mode == "jitter":  # the output's own rounding belongs to the floor too
+            out = _replace_first(out, self._noise(first_tensor(out)))
+            stream = stream_of(out, self.convention if name in self.blocks else "hf")
         self.calls[name].append(Call(ins, stream.detach(), indices,
                                      None if probs is None else probs.detach()))
-        if self.mode == "jitter":
-            return _replace_first(out, self._noise(first_tensor(out)))
-        return None
+        return out if self.mode == "jitter" else None
 
     def _replay(self, name, m, out):
         i = self._count.get(f"replay:{name}", 0)
