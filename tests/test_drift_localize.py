@@ -100,3 +100,22 @@ def test_nonfinite_activation_named_by_layer():
                                         ("model.norm", "norm"), ("lm_head", "lm_head")])
 def test_roles(name, role):
     assert role_of(name) == role
+
+
+def test_engine_wholly_in_bf16_blames_no_stage():
+    """Every stage at the engine's nominal precision: bf16 rounding everywhere, no culprit."""
+    a = tiny_model("llama", "eager", seed=4, num_hidden_layers=3)
+    loc = localize_layers(Engine(a), Engine(copy.deepcopy(a).to(torch.bfloat16)), IDS)
+    assert loc.first_layer is None and loc.u == 2.0 ** -8
+    assert all(r.verdict == "noise" for r in loc.stages)
+
+
+def test_padding_is_left_out_and_fault_still_found():
+    am = torch.ones(IDS.shape, dtype=torch.long)
+    am[0, 10:] = 0
+    am[4, 6:] = 0
+    t, e = _pair("llama", lambda m: faults.in_dtype(m.model.layers[2].mlp, torch.bfloat16))
+    assert localize_layers(t, e, IDS, am).first_layer == "model.layers.2"
+    a = tiny_model("llama", "eager", seed=0, num_hidden_layers=3)
+    b = tiny_model("llama", "sdpa", seed=0, num_hidden_layers=3)
+    assert localize_layers(Engine(a), Engine(b), IDS, am).first_layer is None

@@ -20,6 +20,7 @@ block; comparing streams does not (nnsight #630).
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -54,6 +55,8 @@ class Engine:
 
     def logits(self, input_ids, attention_mask=None) -> torch.Tensor:
         kw = {} if attention_mask is None else {"attention_mask": attention_mask}
+        if "use_cache" in inspect.signature(self.module.forward).parameters:
+            kw["use_cache"] = False  # no KV cache: a block may be called again on its own
         out = self.module(input_ids=input_ids, **kw)
         out = getattr(out, "logits", out)
         if isinstance(out, (tuple, list)):
@@ -141,25 +144,68 @@ def first_tensor(out):
     return None
 
 
-def discover(engine: Engine, input_ids, attention_mask=None) -> Layout:
-    """Trace one forward and return the stages in call order (module doc)."""
-    mod = engine.module
+@dataclass
+class Candidates:
+    """What a module's structure offers, before any forward: the block list and the modules
+    that may be stages (the blocks' parent's children, the output embedding), and the ops."""
+
+    list_name: str
+    n_blocks: int
+    stages: list            # candidate stage names
+    ops: dict               # block index -> [Stage] (depth 1 then 2)
+
+    @property
+    def names(self) -> list:
+        return self.stages + [o.name for ops in self.ops.values() for o in ops]
+
+
+def candidates(mod: torch.nn.Module) -> Candidates:
     list_name, blocks = _block_list(mod)
     parent_name = list_name.rpartition(".")[0]
     parent = mod.get_submodule(parent_name) if parent_name else mod
     prefix = parent_name + "." if parent_name else ""
-    cand = {f"{prefix}{n}": c for n, c in parent.named_children() if c is not blocks}
-    cand.update({f"{list_name}.{i}": b for i, b in enumerate(blocks)})
+    names = [f"{prefix}{n}" for n, c in parent.named_children() if c is not blocks]
+    names += [f"{list_name}.{i}" for i in range(len(blocks))]
     head = mod.get_output_embeddings() if hasattr(mod, "get_output_embeddings") else None
     if head is not None:
-        cand.update({n: m for n, m in mod.named_modules() if m is head})
+        names += [n for n, m in mod.named_modules() if m is head and n not in names]
+    ops = {}
+    for i, b in enumerate(blocks):
+        base = f"{list_name}.{i}"
+        ops[i] = ([Stage(f"{base}.{n}", role_of(n), 1, i) for n, _ in b.named_children()]
+                  + [Stage(f"{base}.{n}.{g}", role_of(g, role_of(n)), 2, i)
+                     for n, c in b.named_children() for g, _ in c.named_children()])
+    return Candidates(list_name, len(blocks), names, ops)
+
+
+def layout_from(c: Candidates, order: list, shapes: dict, B: int, L: int, vocab: int) -> Layout:
+    """The stages in call order from one traced forward: `order` the names as their forwards
+    returned, `shapes` name -> the shape of the output's first float tensor (or None)."""
+    block_names = {f"{c.list_name}.{i}" for i in range(c.n_blocks)}
+    hidden = next((shapes[n][-1] for n in order if n in block_names and shapes.get(n)), 0)
+    stages, seen = [], set()
+    for name in order:
+        s = shapes.get(name)
+        if name in seen or name not in c.stages or s is None or s[-1] not in (hidden, vocab) \
+                or s[0] not in (B, B * L):
+            continue
+        seen.add(name)
+        is_block = name in block_names
+        idx = int(name.rsplit(".", 1)[1]) if is_block else None
+        stages.append(Stage(name, "block" if is_block else role_of(name), 0, idx))
+    return Layout(stages, c.ops, hidden, vocab)
+
+
+def discover(engine: Engine, input_ids, attention_mask=None) -> Layout:
+    """Trace one forward and return the stages in call order (module doc)."""
+    c = candidates(engine.module)
     order, shapes, handles = [], {}, []
-    for name, m in cand.items():
+    for name in c.stages:
         def hook(m, args, out, name=name):
             order.append(name)
             t = first_tensor(out)
             shapes.setdefault(name, None if t is None or not t.is_floating_point() else tuple(t.shape))
-        handles.append(m.register_forward_hook(hook))
+        handles.append(engine.module.get_submodule(name).register_forward_hook(hook))
     try:
         with torch.no_grad():
             logits = engine.logits(input_ids, attention_mask)
@@ -167,34 +213,16 @@ def discover(engine: Engine, input_ids, attention_mask=None) -> Layout:
         for h in handles:
             h.remove()
     B, L = input_ids.shape
-    vocab = logits.shape[-1]
-    block_names = {f"{list_name}.{i}" for i in range(len(blocks))}
-    hidden = next((shapes[n][-1] for n in order if n in block_names and shapes.get(n)), 0)
-    stages, seen = [], set()
-    for name in order:
-        s = shapes.get(name)
-        if name in seen or s is None or s[-1] not in (hidden, vocab) or s[0] not in (B, B * L):
-            continue
-        seen.add(name)
-        is_block = name in block_names
-        idx = int(name.rsplit(".", 1)[1]) if is_block else None
-        stages.append(Stage(name, "block" if is_block else role_of(name), 0, idx))
-    ops = {}
-    for i, b in enumerate(blocks):
-        base = f"{list_name}.{i}"
-        ops[i] = ([Stage(f"{base}.{n}", role_of(n), 1, i) for n, _ in b.named_children()]
-                  + [Stage(f"{base}.{n}.{g}", role_of(g, role_of(n)), 2, i)
-                     for n, c in b.named_children() for g, _ in c.named_children()])
-    return Layout(stages, ops, hidden, vocab)
+    return layout_from(c, order, shapes, B, L, logits.shape[-1])
 
 
-def match_layouts(a: Layout, b: Layout, names=("trainer", "engine")) -> None:
-    """Both engines must have the same stages under the same names (say which differ)."""
+def match_candidates(a: Candidates, b: Candidates, names=("trainer", "engine")) -> None:
+    """Both engines must have the same blocks and stages under the same names (say which)."""
     if a.n_blocks != b.n_blocks:
         raise InvalidArgument(f"the {names[0]} has {a.n_blocks} blocks and the {names[1]} "
                               f"{b.n_blocks}: localisation compares block k with block k")
-    only_a = [n for n in a.names if n not in b.names]
-    only_b = [n for n in b.names if n not in a.names]
+    only_a = [n for n in a.stages if n not in b.stages]
+    only_b = [n for n in b.stages if n not in a.stages]
     if only_a or only_b:
         raise InvalidArgument(f"stage names differ: only in the {names[0]}: {only_a}; only in the "
                               f"{names[1]}: {only_b} (wrap one engine so its modules carry the "

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 from scipy import stats as sps
-from trainprobes.drift.engines import Engine, Layout, Stage, discover, match_layouts
-from trainprobes.drift.patching import Call, Hooks
+from trainprobes.drift.engines import Engine, Layout, Stage, candidates, layout_from, match_candidates
+from trainprobes.drift.patching import Call, Hooks, take_rows
 from trainprobes.errors import InvalidArgument
 
 # unit roundoff of the nominal precision: what one rounding of an input does at most
@@ -88,7 +88,15 @@ def _forward(engine: Engine, hooks: Hooks, ids, am, rows=None):
 
 
 def _modules(engine: Engine, stages) -> dict:
-    return {s.name: engine.module.get_submodule(s.name) for s in stages}
+    out = {}
+    for s in stages:
+        name = s if isinstance(s, str) else s.name
+        try:
+            out[name] = engine.module.get_submodule(name)
+        except AttributeError:
+            raise InvalidArgument(f"the {engine.name} has no module {name!r}, which the other engine "
+                                  "has: both must carry the same module names") from None
+    return out
 
 
 def _routers(record: dict) -> list:
@@ -96,21 +104,25 @@ def _routers(record: dict) -> list:
 
 
 def record(engine: Engine, stages, ids, am, *, blocks=frozenset(), replay_from=None,
-           routers=()) -> tuple:
-    """One recorded forward (with A's expert choices replayed when replay_from is given)."""
+           routers=(), order=None) -> tuple:
+    """One recorded forward (with A's expert choices replayed when replay_from is given);
+    order: a list that receives the names in the order their forwards returned."""
     hooks = Hooks(_modules(engine, stages), "record", source=replay_from, convention=engine.convention,
                   blocks=blocks, shape=tuple(ids.shape),
                   replay=_modules(engine, [Stage(r, "router", 2, None) for r in routers])
                   if replay_from is not None else None)
     with hooks:
         logits = _forward(engine, hooks, ids, am)
+    if order is not None:
+        order.extend(hooks.order)
     return hooks.calls, logits
 
 
 def patched(engine: Engine, stages, source: dict, ids, am, *, mode: str, blocks, routers, u=0.0,
-            seed=0, compose=False) -> dict:
+            seed=0, compose=False, call=None) -> dict:
     """A patched (or jittered) run of `stages`; compose: rows reversed, two sub-batches,
-    outputs put back in the original order."""
+    outputs put back in the original order. call: (module, recorded Call) to run one block
+    on its own, with the arguments it was called with, instead of the whole forward."""
     B, L = ids.shape
     hooks = Hooks(_modules(engine, stages), mode, source=source, convention=engine.convention,
                   blocks=blocks, shape=(B, L), u=u, seed=seed,
@@ -124,7 +136,13 @@ def patched(engine: Engine, stages, source: dict, ids, am, *, mode: str, blocks,
         for rows in parts:
             for name in hooks.calls:
                 hooks.calls[name] = []
-            _forward(engine, hooks, ids, am, rows)
+            if call is None:
+                _forward(engine, hooks, ids, am, rows)
+            else:
+                hooks.new_forward(rows)
+                args, kwargs = take_rows(call[1].full, rows, (B, L))
+                with torch.no_grad():
+                    call[0](*args, **kwargs)
             for name, calls in hooks.calls.items():
                 out[name].append((rows, calls))
     merged = {}
@@ -210,25 +228,33 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
     if am is not None and am.shape != ids.shape:
         raise InvalidArgument(f"attention_mask has shape {tuple(am.shape)}, expected {tuple(ids.shape)}")
     mask = torch.ones(ids.shape, dtype=torch.bool) if am is None else am.bool()
-    la, lb = discover(trainer, ids, am), discover(engine, ids, am)
-    match_layouts(la, lb, (trainer.name, engine.name))
+    ca, cb = candidates(trainer.module), candidates(engine.module)
+    match_candidates(ca, cb, (trainer.name, engine.name))
     if u is None:
         u = max(UNIT_ROUNDOFF.get(trainer.dtype, 2.0 ** -24), UNIT_ROUNDOFF.get(engine.dtype, 2.0 ** -24))
-    all_ops = [o for ops_ in la.ops.values() for o in ops_]
+    names = ca.names
+    blocks = frozenset(f"{ca.list_name}.{i}" for i in range(ca.n_blocks))
+    order: list = []
+    a, z = record(trainer, names, ids, am, blocks=blocks, order=order)
+    B_, L_ = ids.shape
+    la = layout_from(ca, order, {n: (tuple(c[0].out.shape) if c else None) for n, c in a.items()},
+                     B_, L_, z.shape[-1])
     stages = la.stages
-    blocks = frozenset(s.name for s in stages if s.role == "block")
-    a, _ = record(trainer, stages + all_ops, ids, am, blocks=blocks)
-    _check_finite(a, trainer.name)
+    _check_finite(a, trainer.name, order, set(ca.stages))
     routers = _routers(a)
-    b_free, _ = record(engine, stages + all_ops, ids, am, blocks=blocks)
-    _check_finite(b_free, engine.name)
+    b_free, _ = record(engine, names, ids, am, blocks=blocks, order=(order_b := []))
+    _check_finite(b_free, engine.name, order_b, set(ca.stages))
     n = 2
 
-    def depth_runs(group):
+    def depth_runs(group, block=None):
         kw = dict(blocks=blocks, routers=routers)
-        p1 = patched(engine, group, a, ids, am, mode="patch", **kw)
-        p2 = patched(engine, group, a, ids, am, mode="patch", compose=True, **kw)
-        j = patched(trainer, group, a, ids, am, mode="jitter", u=u, seed=seed, **kw)
+        cb_ = ca_ = None
+        if block is not None:  # one block alone, called as each engine called it
+            cb_ = (engine.module.get_submodule(block), b_free[block][0])
+            ca_ = (trainer.module.get_submodule(block), a[block][0])
+        p1 = patched(engine, group, a, ids, am, mode="patch", call=cb_, **kw)
+        p2 = patched(engine, group, a, ids, am, mode="patch", compose=True, call=cb_, **kw)
+        j = patched(trainer, group, a, ids, am, mode="jitter", u=u, seed=seed, call=ca_, **kw)
         return p1, judge_stages(group, a, b_free, p1, p2, j, mask, margin=margin, alpha=alpha)
 
     b_pat, reports = depth_runs(stages)
@@ -237,16 +263,16 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
     op_reports, op_role, op_module = [], None, None
     if first is not None and first.role == "block" and ops:
         d1 = [o for o in la.ops[first.block] if o.depth == 1 and o.name in a and a[o.name]]
-        _, op_reports = depth_runs(d1)
-        n += 4
+        _, op_reports = depth_runs(d1, first.name)
+        n += 4 / la.n_blocks  # one block, not the model
         top = _top(op_reports)
         if top is not None:
             op_role, op_module = top.role, top.name
             d2 = [o for o in la.ops[first.block] if o.depth == 2 and o.name.startswith(top.name + ".")
                   and a.get(o.name)]
             if d2:
-                _, deeper = depth_runs(d2)
-                n += 4
+                _, deeper = depth_runs(d2, first.name)
+                n += 4 / la.n_blocks
                 op_reports += deeper
                 sub = _top(deeper)
                 if sub is not None and sub.role in ("router", "norm"):
@@ -255,6 +281,7 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
             op_role, op_module = "block", first.name  # the residual adds or unhooked code
     elif first is not None:
         op_role, op_module = first.role, first.name
+    n = round(n, 3)
     return Localisation(reports, op_reports, None if first is None else first.name, op_role, op_module,
                         la, Runs(a, b_free, b_pat, tuple(ids.shape)), u, n)
 
@@ -264,10 +291,18 @@ def _top(reports):
     return max(beyond, key=lambda r: r.ratio) if beyond else None
 
 
-def _check_finite(rec: dict, who: str) -> None:
-    for name, calls in rec.items():
-        for c in calls:
+def _check_finite(rec: dict, who: str, order: list, stages=None) -> None:
+    """Name the first stage (in call order) whose output is not finite, and the op inside
+    it that made it so; only the stages are read unless one is bad (an op's overflow
+    reaches its stage's output)."""
+    names = list(dict.fromkeys(order))
+    look = names if stages is None else [n for n in names if n in stages]
+    for name in look:
+        for c in rec.get(name, []):
             if not bool(torch.isfinite(c.out).all()):
-                raise InvalidArgument(f"the {who}'s {name!r} output holds non-finite values: "
-                                      "localisation compares finite activations (fix the overflow "
-                                      "first, e.g. with trainprobes numerics)")
+                inner = next((n for n in names if n.startswith(name + ".")
+                              and any(not bool(torch.isfinite(k.out).all()) for k in rec.get(n, []))), None)
+                raise InvalidArgument(f"the {who}'s {name!r} output holds non-finite values"
+                                      + (f" (first from {inner!r})" if inner else "")
+                                      + ": localisation compares finite activations (fix the "
+                                      "overflow first, e.g. with trainprobes numerics)")

@@ -38,6 +38,7 @@ class Call:
     out: torch.Tensor             # the output stream
     indices: torch.Tensor | None  # a router's chosen experts [N, k]
     probs: torch.Tensor | None    # a router's probabilities [N, E] (fp32)
+    full: tuple | None = None     # (args, kwargs) as called: a block, to be called again alone
 
 
 @dataclass
@@ -58,6 +59,8 @@ class Hooks:
     _count: dict = field(default_factory=dict)
     _handles: list = field(default_factory=list)
     _pending: dict = field(default_factory=dict)
+    order: list = field(default_factory=list)   # names in the order their forwards returned
+    _sigs: dict = field(default_factory=dict)
 
     def __enter__(self):
         self._gen = torch.Generator().manual_seed(self.seed)
@@ -84,17 +87,7 @@ class Hooks:
 
     # --- helpers ---------------------------------------------------------------------------
     def take(self, t: torch.Tensor) -> torch.Tensor:
-        if self.rows is None or t.ndim == 0:
-            return t
-        B, L = self.shape
-        if t.shape[0] == B:
-            return t[self.rows]
-        if t.shape[0] == B * L:
-            return t.reshape(B, L, *t.shape[1:])[self.rows].reshape(-1, *t.shape[1:])
-        if t.shape[0] == 1:
-            return t
-        raise InvalidArgument(f"a recorded tensor of shape {tuple(t.shape)} has neither {B} rows "
-                              f"nor {B * L} token rows: cannot run it in another batch composition")
+        return take_rows(t, self.rows, self.shape)
 
     def _noise(self, t: torch.Tensor) -> torch.Tensor:
         d = torch.rand(t.shape, generator=self._gen, dtype=torch.float64) * 2 - 1
@@ -111,7 +104,7 @@ class Hooks:
 
     # --- hooks -----------------------------------------------------------------------------
     def _pre(self, name, m, args, kwargs):
-        bound = _bind(m, args, kwargs)
+        bound = _bind(m, args, kwargs, self._sigs)
         if self.mode == "record":
             ins = {k: v.detach() for k, v in bound.arguments.items()
                    if isinstance(v, torch.Tensor) and k not in KEEP_OWN}
@@ -120,11 +113,12 @@ class Hooks:
                 if isinstance(r, torch.Tensor):  # the stream is hidden + residual
                     ins["hidden_states"] = ins["hidden_states"] + r.detach()
                 ins.pop("residual", None)
-            self._pending.setdefault(name, []).append(ins)
+            full = (args, kwargs) if name in self.blocks else None
+            self._pending.setdefault(name, []).append((ins, full))
             return None
         src = self._source_call(name)
         for k, v in src.inputs.items():
-            if k not in bound.arguments and k in _params(m):
+            if k not in bound.arguments and k in _params(m, self._sigs):
                 bound.arguments[k] = v
             cur = bound.arguments.get(k)
             if not isinstance(cur, torch.Tensor):
@@ -141,7 +135,8 @@ class Hooks:
         return bound.args, bound.kwargs
 
     def _post(self, name, m, out):
-        ins = self._pending[name].pop() if self.mode == "record" else {}
+        ins, full = self._pending[name].pop() if self.mode == "record" else ({}, None)
+        self.order.append(name)
         stream = stream_of(out, self.convention if name in self.blocks else "hf")
         indices, probs = router_outputs(out)
         if stream is None:
@@ -150,7 +145,7 @@ class Hooks:
             out = _replace_first(out, self._noise(first_tensor(out)))
             stream = stream_of(out, self.convention if name in self.blocks else "hf")
         self.calls[name].append(Call(ins, stream.detach(), indices,
-                                     None if probs is None else probs.detach()))
+                                     None if probs is None else probs.detach(), full))
         return out if self.mode == "jitter" else None
 
     def _replay(self, name, m, out):
@@ -162,13 +157,43 @@ class Hooks:
         return replay_router(m, out, self.take(rec[i].indices))
 
 
-def _params(m) -> set:
-    return set(inspect.signature(m.forward).parameters)
+def take_rows(obj, rows, shape: tuple):
+    """obj (a tensor, or tuples/lists/dicts of them) at batch rows `rows`: a tensor with B
+    rows is indexed, one with B * L token rows too, one row (a broadcast table) is kept."""
+    if rows is None:
+        return obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(take_rows(o, rows, shape) for o in obj)
+    if isinstance(obj, dict):
+        return {k: take_rows(v, rows, shape) for k, v in obj.items()}
+    if not isinstance(obj, torch.Tensor) or obj.ndim == 0:
+        return obj
+    B, L = shape
+    if obj.shape[0] == B:
+        return obj[rows]
+    if obj.shape[0] == B * L:
+        return obj.reshape(B, L, *obj.shape[1:])[rows].reshape(-1, *obj.shape[1:])
+    if obj.shape[0] == 1:
+        return obj
+    raise InvalidArgument(f"a recorded tensor of shape {tuple(obj.shape)} has neither {B} rows "
+                          f"nor {B * L} token rows: cannot run it in another batch composition")
 
 
-def _bind(m, args, kwargs):
+def _signature(m, cache: dict) -> inspect.Signature:
+    f = getattr(m.forward, "__func__", m.forward)  # one signature per forward function
+    sig = cache.get(f)
+    if sig is None:
+        sig = cache[f] = inspect.signature(m.forward)
+    return sig
+
+
+def _params(m, cache: dict) -> set:
+    return set(_signature(m, cache).parameters)
+
+
+def _bind(m, args, kwargs, cache: dict):
     try:
-        b = inspect.signature(m.forward).bind_partial(*args, **kwargs)
+        b = _signature(m, cache).bind_partial(*args, **kwargs)
     except TypeError as e:
         raise InvalidArgument(f"{type(m).__name__}.forward: cannot bind its arguments ({e})") from None
     return b
