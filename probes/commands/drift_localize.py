@@ -164,6 +164,10 @@ def render(results) -> str:
             lines.append(f"    {s['name']:<28} own {'-' if own is None else f'{own:.3g}':>9}  free "
                          f"{s['free_error']:.3g}  floor {s['noise_floor']:.3g}  {s.get('verdict', '')}"
                          .rstrip())
+        for o in r.evidence.get("ops", []):
+            if o["verdict"] == "beyond":
+                lines.append(f"      op {o['name']:<34} {o['role']:<9} own {o['own_error']:.3g}  floor "
+                             f"{o['noise_floor']:.3g}  x{o['ratio']:.3g}")
         lines.append("")
     return "\n".join(lines)
 

@@ -189,7 +189,7 @@ def judge_stages(stages, a, b_free, b_pat, b_pat2, a_jit, mask, *, margin, alpha
         reports.append(StageReport(
             s.name, s.role, s.depth, s.block, (own * m).sum().item() / n_tok.item(),
             (free * m).sum().item() / n_tok.item(), (floor * m).sum().item() / n_tok.item(),
-            ratio, p, "exact" if exact else "beyond" if beyond else "noise", nonfinite))
+            0.0 if exact else ratio, p, "exact" if exact else "beyond" if beyond else "noise", nonfinite))
     return reports
 
 

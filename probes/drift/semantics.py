@@ -79,7 +79,8 @@ def semantics(lp_a: torch.Tensor, lp_b: torch.Tensor, tokens: torch.Tensor, mask
     mean_c = (c * m).sum().item() / n
     renorm = bool(dropped.any()) and abs(mean_c) > tol
     t = tokens[..., None]
-    temp_part = (a2.gather(-1, t) - a.gather(-1, t)).squeeze(-1)
+    temp_part = ((a2.gather(-1, t) - a.gather(-1, t)).squeeze(-1) if temperature
+                 else torch.zeros(tokens.shape, dtype=a.dtype))  # not re-normalised: no rounding
     ren_part = c if renorm else torch.zeros_like(c)
     x_tok = (b.gather(-1, t) - a.gather(-1, t)).squeeze(-1)
     parts = {"temperature": torch.where(mask, temp_part, 0.0),
