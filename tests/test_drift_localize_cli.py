@@ -79,8 +79,15 @@ def test_dumps_localise_the_first_divergent_stage(dumps, capsys):
     assert main(["drift", "localize", "--dumps", str(dumps["a"]), str(dumps["b"]), "--json"]) == 0
     capsys.readouterr()
     assert main(["drift", "localize", "--dumps", str(dumps["a"]), str(dumps["c"]), "--json"]) == 1
-    m = json.loads(capsys.readouterr().out)["results"][0]["metrics"]
-    assert m["first_layer"] == "model.layers.1"
+    d = json.loads(capsys.readouterr().out)["results"][0]
+    assert d["metrics"]["first_layer"] == "model.layers.1"
+    from trainprobes.gate import check_judgeable
+    from trainprobes.result import Result
+    r = Result.from_dict(d)
+    check_judgeable(r, "candidate")
+    r.metrics["first_layer"] = "model.layers.2"
+    with pytest.raises(Exception, match="first stage beyond noise"):
+        check_judgeable(r, "candidate")
 
 
 def test_dump_errors(dumps, tmp_path):

@@ -136,7 +136,7 @@ def _dump_result(args):
     first = next((r for r in rows if r.divergent), None)
     metrics = {"engines_agree": first is None, "kind": "noise" if first is None else "numeric",
                "first_layer": first.name if first else "", "op": "", "op_module": "",
-               "margin": args.margin, "n_stages": len(rows)}
+               "margin": args.margin, "n_tokens": int((a.mask & b.mask).sum())}
     for r in rows:
         metrics[f"free_error[{r.name}]"] = r.free_error
         metrics[f"noise_floor[{r.name}]"] = r.noise_floor
