@@ -80,10 +80,11 @@ def test_layer_count_and_names_must_match():
         localize_layers(Engine(a, name="trainer"), Engine(b, name="engine"), IDS)
 
 
-def test_one_sequence_cannot_be_judged():
+@pytest.mark.parametrize("rows", [1, 3])
+def test_too_few_sequences_cannot_be_judged(rows):
     t, e = _pair("llama")
-    with pytest.raises(InvalidArgument, match="B >= 2"):
-        localize_layers(t, e, IDS[:1])
+    with pytest.raises(InvalidArgument, match="B >= 4"):
+        localize_layers(t, e, IDS[:rows])
 
 
 def test_nonfinite_activation_named_by_layer():

@@ -30,7 +30,7 @@ def add_arguments(p) -> None:
     opt.add_argument("--tokens", metavar="FILE",
                      help="with --target/--engine: .safetensors/.npz holding input_ids [B, L] (and "
                           "attention_mask); default: random ids from --seed")
-    opt.add_argument("--sequences", type=parse_int("sequences", min=2), default=8,
+    opt.add_argument("--sequences", type=parse_int("sequences", min=4), default=8,
                      help="random token sequences without --tokens (default 8)")
     opt.add_argument("--length", type=parse_int("length", min=2), default=24,
                      help="random sequence length without --tokens (default 24)")

@@ -90,7 +90,7 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
     """Localise the engine's drift from the trainer on the same tokens: per stage own and
     free errors against the noise floor, the op inside the first stage beyond noise, the
     weight sync, the log-prob semantics, the routing, and the decomposition (module doc).
-    input_ids [B, L] (B >= 2); positions 0..L-2 score tokens 1..L-1."""
+    input_ids [B, L] (B >= 4 sequences); positions 0..L-2 score tokens 1..L-1."""
     ids = torch.as_tensor(input_ids)
     loc = localize_layers(trainer, engine, ids, attention_mask, margin=margin, alpha=alpha, seed=seed)
     am = None if attention_mask is None else torch.as_tensor(attention_mask)

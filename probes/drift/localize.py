@@ -35,7 +35,10 @@ from trainprobes.errors import InvalidArgument
 # unit roundoff of the nominal precision: what one rounding of an input does at most
 UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8,
                  torch.float16: 2.0 ** -11}
-_CLIP = 50.0  # |log ratio| bound: a zero floor or a zero own error per sequence
+_CLIP = 50.0
+# fewest sequences: at B = 2 (1 degree of freedom) a one-sided t of 85 gives p = 0.0037,
+# above 0.01 / 7 stages, so a bf16 MLP (ratio ~3,000) would be called noise
+MIN_SEQUENCES = 4  # |log ratio| bound: a zero floor or a zero own error per sequence
 
 
 @dataclass
@@ -219,11 +222,13 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
                     margin: float = 8.0, alpha: float = 0.01, seed: int = 0, ops: bool = True,
                     u: float | None = None) -> Localisation:
     """The runs of the module doc and the verdict per stage, then per op of the first stage
-    beyond noise. input_ids [B, L] (B >= 2 sequences: the units of the test)."""
+    beyond noise. input_ids [B, L] (B >= MIN_SEQUENCES sequences: the units of the test)."""
     ids = torch.as_tensor(input_ids)
-    if ids.ndim != 2 or ids.shape[0] < 2:
-        raise InvalidArgument(f"input_ids has shape {tuple(ids.shape)}, expected [B, L] with B >= 2 "
-                              "sequences (the independent units of the noise test)")
+    if ids.ndim != 2 or ids.shape[0] < MIN_SEQUENCES or ids.shape[1] < 2:
+        raise InvalidArgument(f"input_ids has shape {tuple(ids.shape)}, expected [B, L] with B >= "
+                              f"{MIN_SEQUENCES} sequences (the independent units of the noise test: with "
+                              "fewer, the Bonferroni-corrected t-test cannot reject even a large fault, "
+                              "and a pass would claim what was not tested) and L >= 2")
     am = None if attention_mask is None else torch.as_tensor(attention_mask)
     if am is not None and am.shape != ids.shape:
         raise InvalidArgument(f"attention_mask has shape {tuple(am.shape)}, expected {tuple(ids.shape)}")
