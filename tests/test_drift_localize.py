@@ -120,3 +120,12 @@ def test_padding_is_left_out_and_fault_still_found():
     a = tiny_model("llama", "eager", seed=0, num_hidden_layers=3)
     b = tiny_model("llama", "sdpa", seed=0, num_hidden_layers=3)
     assert localize_layers(Engine(a), Engine(b), IDS, am).first_layer is None
+
+
+def test_tokenizer_mismatch_is_named():
+    a = tiny_model("llama", num_hidden_layers=2)
+    b = tiny_model("llama", num_hidden_layers=2, vocab_size=256)
+    with pytest.raises(InvalidArgument, match="128 ids and the engine's 256"):
+        localize_layers(Engine(a), Engine(b), IDS)
+    with pytest.raises(InvalidArgument, match="outside the vocabulary"):
+        localize_layers(Engine(a), Engine(copy.deepcopy(a)), IDS + 200)

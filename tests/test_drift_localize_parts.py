@@ -123,3 +123,26 @@ def test_replay_replaces_only_rows_whose_set_differs():
     assert torch.equal(i2[1], torch.tensor([0, 2]))
     p = probs[1, [0, 2]]
     assert torch.allclose(w2[1], p / p.sum())
+
+
+def test_carriers_by_probability_position_and_heaviest_with_text():
+    from trainprobes.drift.carriers import carriers
+
+    class Tok:
+        def decode(self, ids):
+            return f"<{ids[0]}>"
+    x = torch.zeros(4, 6, dtype=torch.float64)
+    x[2, 5] = -3.0
+    x[1, 0] = 0.5
+    lp = torch.full((4, 6), -0.1, dtype=torch.float64)
+    lp[2, 5] = -9.0  # a rare token carries the drift
+    tok = torch.arange(24).reshape(4, 6)
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    c = carriers(x, mask, lp, tok, Tok(), top=3)
+    assert [h["position"] for h in c["heaviest_tokens"]] == [5, 0]  # zeros are not listed
+    assert c["heaviest_tokens"][0] == {"sequence": 2, "position": 5, "token_id": 17, "log_ratio": -3.0,
+                                       "p_train": pytest.approx(math.exp(-9)), "text": "<17>"}
+    rare = [r for r in c["by_probability"] if r["p_low"] == 0.0][0]
+    assert rare["n"] == 1 and rare["share_sq"] == pytest.approx(9 / 9.25)
+    assert sum(r["n"] for r in c["by_position"]) == 24
+    assert c["by_sequence_mean_abs"][2] == pytest.approx(0.5)

@@ -30,6 +30,8 @@ def add_arguments(p) -> None:
     opt.add_argument("--tokens", metavar="FILE",
                      help="with --target/--engine: .safetensors/.npz holding input_ids [B, L] (and "
                           "attention_mask); default: random ids from --seed")
+    opt.add_argument("--tokenizer", metavar="DIR",
+                     help="a local HF tokenizer (save_pretrained dir) to name the heaviest tokens")
     opt.add_argument("--sequences", type=parse_int("sequences", min=4), default=8,
                      help="random token sequences without --tokens (default 8)")
     opt.add_argument("--length", type=parse_int("length", min=2), default=24,
@@ -122,8 +124,13 @@ def _results(args) -> list:
 
     trainer, engine = _build(args.target, "trainer"), _build(args.engine, "engine")
     ids, am = _tokens(args, engine)
+    tokenizer = None
+    if args.tokenizer:
+        from trainprobes.drift.adapters import _require
+        tokenizer = _require("transformers", "'trainprobes[hf]'").AutoTokenizer.from_pretrained(
+            args.tokenizer, local_files_only=True)
     return [localize(trainer, engine, ids, am, margin=args.margin, alpha=args.alpha, seed=args.seed,
-                     target=f"{args.target} vs {args.engine}")]
+                     target=f"{args.target} vs {args.engine}", tokenizer=tokenizer)]
 
 
 def _dump_result(args):

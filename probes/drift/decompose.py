@@ -22,12 +22,14 @@ noise) with the largest share; "noise" when none is found.
 from __future__ import annotations
 
 import torch
+from trainprobes.drift.carriers import carriers
 from trainprobes.drift.engines import Engine
 from trainprobes.drift.localize import Localisation, localize_layers, record
 from trainprobes.drift.routing import routing
 from trainprobes.drift.semantics import semantics
 from trainprobes.drift.stats import cluster_t
 from trainprobes.drift.weights import synced_copy, weight_sync
+from trainprobes.errors import InvalidArgument
 from trainprobes.result import Result
 
 KINDS = ("exact", "noise", "numeric", "routing", "weights", "temperature", "renormalisation")
@@ -86,11 +88,13 @@ def _shares(x: torch.Tensor, parts: dict, mask: torch.Tensor, alpha: float) -> d
 
 
 def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *, margin: float = 8.0,
-             alpha: float = 0.01, seed: int = 0, tol: float = 1e-3, target: str | None = None) -> Result:
+             alpha: float = 0.01, seed: int = 0, tol: float = 1e-3, target: str | None = None,
+             tokenizer=None) -> Result:
     """Localise the engine's drift from the trainer on the same tokens: per stage own and
     free errors against the noise floor, the op inside the first stage beyond noise, the
     weight sync, the log-prob semantics, the routing, and the decomposition (module doc).
-    input_ids [B, L] (B >= 4 sequences); positions 0..L-2 score tokens 1..L-1."""
+    input_ids [B, L] (B >= 4 sequences); positions 0..L-2 score tokens 1..L-1. tokenizer:
+    optional, to name the heaviest tokens (trainprobes.drift.carriers)."""
     ids = torch.as_tensor(input_ids)
     loc = localize_layers(trainer, engine, ids, attention_mask, margin=margin, alpha=alpha, seed=seed)
     am = None if attention_mask is None else torch.as_tensor(attention_mask)
@@ -99,6 +103,10 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
     tok = ids[:, 1:]
     fa = trainer.logprobs
     z_a, z_b = _logits(trainer, ids, am), _logits(engine, ids, am)
+    if z_a.shape != z_b.shape:
+        raise InvalidArgument(f"the {trainer.name}'s logits have shape {tuple(z_a.shape)} and the "
+                              f"{engine.name}'s {tuple(z_b.shape)}: a vocabulary of {z_a.shape[-1]} against "
+                              f"{z_b.shape[-1]} (a tokenizer mismatch?); both must score the same ids")
     lp_a = fa(z_a).double()
     x = _tok(engine.logprobs(z_b), lp_a, tok, mask)
     dropped = mask & ~torch.isfinite(x)
@@ -155,8 +163,9 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
                 "routing": "routing", "numeric": "numerics"}
     cands = [k for k, v in found.items() if v]
     kind = "exact" if exact else max(cands, key=lambda k: shares[share_of[k]][0]) if cands else "noise"
+    carried = carriers(x, mask, lp_a.gather(-1, tok[..., None]).squeeze(-1), tok, tokenizer)
     return _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, dropped, margin,
-                   alpha, seed, n_forwards, target)
+                   alpha, seed, n_forwards, target, carried)
 
 
 def _tok(lp: torch.Tensor, lp_a: torch.Tensor, tok, mask) -> torch.Tensor:
@@ -169,7 +178,7 @@ def mask_full(ids, am):
 
 
 def _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, dropped, margin, alpha,
-            seed, n_forwards, target) -> Result:
+            seed, n_forwards, target, carried) -> Result:
     xs = x[mask]
     flips = rt.per_layer() if rt is not None else {}
     metrics = {
@@ -216,15 +225,12 @@ def _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, d
                + (f"{rt.frac_decisions:.1%} of router decisions differ, "
                   f"{rt.frac_tokens_any_layer:.0%} of tokens in >= 1 layer; " if rt and rt.frac_decisions else "")
                + f"shares: {parts}")
-    heavy = torch.where(mask, x.abs(), -1.0).reshape(-1).topk(min(10, int(mask.sum()) or 1))
-    T = x.shape[1]
     evidence = {
         "stages": [r.as_dict() for r in loc.stages], "ops": [r.as_dict() for r in loc.ops],
         "weights": [s.__dict__ for s in sync if s.status != "exact"],
         "routing": [r.__dict__ for r in rt.routers] if rt is not None else [],
         "shares": {k: {"share": v[0], "ci_low": v[1], "ci_high": v[2]} for k, v in shares.items()},
-        "heaviest_tokens": [{"sequence": int(i) // T, "position": int(i) % T, "log_ratio": x.reshape(-1)[i].item()}
-                            for i in heavy.indices.tolist() if heavy.values[0] > 0],
+        **carried,
         "residual_convention": {"trainer": trainer.convention, "engine": engine.convention},
     }
     codes = [] if kind in ("exact", "noise") else ["TP-D4"]

@@ -229,6 +229,15 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
                               f"{MIN_SEQUENCES} sequences (the independent units of the noise test: with "
                               "fewer, the Bonferroni-corrected t-test cannot reject even a large fault, "
                               "and a pass would claim what was not tested) and L >= 2")
+    if ids.is_floating_point() or ids.dtype == torch.bool:
+        raise InvalidArgument(f"input_ids has dtype {ids.dtype}, expected integer token ids")
+    vocab = [getattr(getattr(e.module, "config", None), "vocab_size", None) for e in (trainer, engine)]
+    if None not in vocab and vocab[0] != vocab[1]:
+        raise InvalidArgument(f"the {trainer.name}'s vocabulary has {vocab[0]} ids and the {engine.name}'s "
+                              f"{vocab[1]}: a tokenizer mismatch; both must score the same token ids")
+    if ids.numel() and (int(ids.min()) < 0 or None not in vocab and int(ids.max()) >= vocab[0]):
+        raise InvalidArgument(f"input_ids hold ids in [{int(ids.min())}, {int(ids.max())}], outside the "
+                              f"vocabulary [0, {vocab[0]}) (tokens from another tokenizer?)")
     am = None if attention_mask is None else torch.as_tensor(attention_mask)
     if am is not None and am.shape != ids.shape:
         raise InvalidArgument(f"attention_mask has shape {tuple(am.shape)}, expected {tuple(ids.shape)}")
