@@ -905,15 +905,22 @@ def _localize(rd: Reader) -> None:
         v = st.get("verdict")
         if v == "exact" and own != 0 or v == "noise" and own == 0:
             rd.fail(f"stage {name!r}: verdict {v!r} beside own_error {_fmt(own)}")
-        if v == "beyond" and not st.get("nonfinite") and not (ratio > margin and p < alpha / len(stages)):
-            rd.fail(f"stage {name!r} is beyond noise, but its ratio {_fmt(ratio)} <= margin {_fmt(margin)} "
-                    f"or its p {_fmt(p)} >= alpha / stages")
-        if v == "noise" and ratio > margin and p < alpha / len(stages):
+        low = rd.field(st, "min_ratio", f"stages[{i}]")
+        past = ratio > margin and (p < alpha / len(stages) or low > margin / 4)
+        if v == "beyond" and not st.get("nonfinite") and not past:
+            rd.fail(f"stage {name!r} is beyond noise, but its ratio {_fmt(ratio)} <= margin {_fmt(margin)}, "
+                    f"or its p {_fmt(p)} >= alpha / stages and a sequence's ratio {_fmt(low)} <= margin / 4")
+        if v == "noise" and past:
             rd.fail(f"stage {name!r} is called noise, but its ratio {_fmt(ratio)} > margin and p "
-                    f"{_fmt(p)} < alpha / stages")
+                    f"{_fmt(p)} < alpha / stages or every sequence's ratio > margin / 4")
+        if v != "exact" and low > ratio * (1 + 1e-9):
+            rd.fail(f"stage {name!r}: min_ratio {_fmt(low)} exceeds the geometric mean ratio {_fmt(ratio)}")
         if v == "beyond":
             beyond.append(name)
-    if first != (beyond[0] if beyond else ""):
+    flipped = [k[len("routing_mismatch["):-1] for k, v in rd.m.items()
+               if k.startswith("routing_mismatch[") and isinstance(v, (int, float)) and v > 0]
+    routed = not beyond and kind == "routing" and flipped and flipped[0].startswith(first + ".")
+    if first != (beyond[0] if beyond else "") and not routed:
         rd.fail(f"metric first_layer={first!r}, but the first stage beyond noise in the table is "
                 f"{(beyond[0] if beyond else '')!r}")
     if from_dumps:

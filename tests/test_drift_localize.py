@@ -129,3 +129,40 @@ def test_tokenizer_mismatch_is_named():
         localize_layers(Engine(a), Engine(b), IDS)
     with pytest.raises(InvalidArgument, match="outside the vocabulary"):
         localize_layers(Engine(a), Engine(copy.deepcopy(a)), IDS + 200)
+
+
+def _hf(cfg_name, model_name, **extra):
+    import transformers as tf
+    cfg = getattr(tf, cfg_name)(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                max_position_embeddings=256, **extra)
+    cfg._attn_implementation = "eager"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        m = getattr(tf, model_name)(cfg).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(30)  # tied in Gemma: the embedding grows too, the stream is large
+    return m
+
+
+@pytest.mark.parametrize("family, fault, block, op, module", [
+    (("GemmaConfig", "GemmaForCausalLM", {"head_dim": 8}),
+     lambda m: faults.norm_epsilon(m.model.layers[1].post_attention_layernorm, 1e-2), 1, "norm",
+     ".post_attention_layernorm"),
+    (("GemmaConfig", "GemmaForCausalLM", {"head_dim": 8}),
+     lambda m: faults.in_dtype(m.model.layers[2].mlp, torch.bfloat16), 2, "mlp", ".mlp"),
+    (("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
+     lambda m: faults.norm_epsilon(m.model.layers[1].self_attn.q_norm, 1e-1), 1, "norm", ".self_attn.q_norm"),
+    # an MoE block wholly in bf16 is the MLP (router and experts both beyond), not the router
+    (("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 16, "num_experts_per_tok": 2}),
+     lambda m: faults.in_dtype(m.model.layers[2].mlp, torch.bfloat16), 2, "mlp", ".mlp"),
+])
+def test_families_the_demo_does_not_use(family, fault, block, op, module):
+    cfg, cls, extra = family
+    a = _hf(cfg, cls, **extra)
+    b = copy.deepcopy(a)
+    fault(b)
+    ids = torch.randint(0, 128, (6, 20), generator=torch.Generator().manual_seed(5))
+    loc = localize_layers(Engine(a), Engine(b), ids)
+    assert (loc.first_layer, loc.op, loc.op_module) == (f"model.layers.{block}", op,
+                                                       f"model.layers.{block}{module}")

@@ -163,6 +163,11 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
                 "routing": "routing", "numeric": "numerics"}
     cands = [k for k, v in found.items() if v]
     kind = "exact" if exact else max(cands, key=lambda k: shares[share_of[k]][0]) if cands else "noise"
+    if kind == "routing" and loc.first_layer is None:
+        # no stage's numerics beyond noise, but decisions flip: where they first flip is the answer
+        flipped = next(r.name for r in rt.routers if r.n_flipped)
+        block = next((s.name for s in loc.stages if flipped.startswith(s.name + ".")), flipped)
+        loc.first_layer, loc.op, loc.op_module = block, "router", flipped
     carried = carriers(x, mask, lp_a.gather(-1, tok[..., None]).squeeze(-1), tok, tokenizer)
     return _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, dropped, margin,
                    alpha, seed, n_forwards, target, carried)
@@ -208,7 +213,9 @@ def _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, d
         metrics["routing_frac_tokens_any_layer"] = rt.frac_tokens_any_layer
     where = ""
     if loc.first_layer:
-        where = f"first stage beyond noise {loc.first_layer} (op {loc.op}: {loc.op_module}); "
+        beyond = any(r.verdict == "beyond" for r in loc.stages)
+        where = (f"first stage beyond noise {loc.first_layer} (op {loc.op}: {loc.op_module}); " if beyond else
+                 f"no stage beyond noise; decisions first flip at {loc.op_module}; ")
     named = ", ".join(s.name for s in stale[:5]) + (" ..." if len(stale) > 5 else "")
     parts = "; ".join(f"{k} {shares[k][0]:.0%}" for k in PARTS if abs(shares[k][0]) >= 0.005)
     if kind == "exact":
