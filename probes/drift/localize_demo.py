@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from trainprobes.drift import faults
 from trainprobes.drift.engines import Engine, raw_logprobs
+from trainprobes.drift.faults import in_dtype, norm_epsilon, stale, temperature_logprobs, top_p_logprobs
 from trainprobes.result import Result
 
 LOGIT_SCALE = 30.0
@@ -44,22 +44,22 @@ CASES = (
     Case("identical engines", "llama", _same, "", "", "exact"),
     Case("eager vs sdpa attention, fp32", "llama", _same, "", "", "noise", attn="sdpa"),
     Case("block 2's MLP in bf16", "llama",
-         _edit(lambda m: faults.in_dtype(m.model.layers[2].mlp, torch.bfloat16)),
+         _edit(lambda m: in_dtype(m.model.layers[2].mlp, torch.bfloat16)),
          "model.layers.2", "mlp", "numeric"),
     Case("block 0's input norm epsilon 1e-6 -> 1e-3", "llama",
-         _edit(lambda m: faults.norm_epsilon(m.model.layers[0].input_layernorm, 1e-3)),
+         _edit(lambda m: norm_epsilon(m.model.layers[0].input_layernorm, 1e-3)),
          "model.layers.0", "norm", "numeric"),
     Case("stale v_proj in the last block (missed by the refit)", "llama",
-         _edit(lambda m: faults.stale(m.model.layers[3].self_attn.v_proj.weight)),
+         _edit(lambda m: stale(m.model.layers[3].self_attn.v_proj.weight)),
          "model.layers.3", "attention", "weights"),
     Case("block 1's router in bf16 (MoE)", "qwen2_moe",
-         _edit(lambda m: faults.in_dtype(m.model.layers[1].mlp.gate, torch.bfloat16)),
+         _edit(lambda m: in_dtype(m.model.layers[1].mlp.gate, torch.bfloat16)),
          "model.layers.1", "router", "routing"),
     Case("temperature applied twice by the engine", "llama",
-         lambda m: (m, faults.temperature_logprobs(T * T)), "", "", "temperature",
-         trainer_logprobs=faults.temperature_logprobs(T)),
+         lambda m: (m, temperature_logprobs(T * T)), "", "", "temperature",
+         trainer_logprobs=temperature_logprobs(T)),
     Case("engine returns top-p 0.9 renormalised log-probs", "llama",
-         lambda m: (m, faults.top_p_logprobs(0.9)), "", "", "renormalisation"),
+         lambda m: (m, top_p_logprobs(0.9)), "", "", "renormalisation"),
 )
 
 
@@ -126,7 +126,7 @@ def example_engine():
     """`--engine trainprobes.drift.localize_demo:example_engine`: the same weights with block
     2's MLP computing in bf16 (expect kind numeric at model.layers.2, op mlp)."""
     m = base_model("llama")
-    faults.in_dtype(m.model.layers[2].mlp, torch.bfloat16)
+    in_dtype(m.model.layers[2].mlp, torch.bfloat16)
     return m
 
 
