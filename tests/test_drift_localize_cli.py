@@ -114,3 +114,23 @@ def test_dump_errors(dumps, tmp_path):
     with pytest.raises(InvalidArgument, match="only in"):
         compare_dumps(load_dump(dumps["a"]), load_dump(tmp_path / "fewer.safetensors"))
     assert main(["drift", "localize", "--dumps", str(dumps["a"]), str(tmp_path / "gap.safetensors")]) == 2
+
+
+def test_tokens_file_and_its_errors(tmp_path, capsys):
+    import safetensors.torch as st
+    good, bad = tmp_path / "ids.safetensors", tmp_path / "bad.safetensors"
+    st.save_file({"input_ids": torch.randint(0, 128, (5, 12), generator=torch.Generator().manual_seed(0))},
+                 str(good))
+    st.save_file({"ids": torch.zeros(2, 3, dtype=torch.int64)}, str(bad))
+    pair = ["--target", f"{DEMO}:example_trainer", "--engine", f"{DEMO}:example_engine_sdpa"]
+    assert main(["drift", "localize", *pair, "--tokens", str(good), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["metrics"]["n_sequences"] == 5
+    assert main(["drift", "localize", *pair, "--tokens", str(bad)]) == 2
+    assert "has no 'input_ids'" in capsys.readouterr().err
+
+
+def test_measured_noise_dump(dumps, capsys):
+    assert main(["drift", "localize", "--dumps", str(dumps["a"]), str(dumps["b"]), "--noise-dump",
+                 str(dumps["b"]), "--json"]) == 0
+    m = json.loads(capsys.readouterr().out)["results"][0]["metrics"]
+    assert m["noise_floor[model.layers.2]"] > m["free_error[model.layers.2]"] / 2
