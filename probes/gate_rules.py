@@ -885,10 +885,145 @@ def _end_to_end(rd: Reader) -> None:
                 "exactly when its output moves")
 
 
+
+_LOCALIZE_KINDS = ("exact", "noise", "numeric", "routing", "weights", "temperature", "renormalisation")
+_LOCALIZE_PARTS = ("weights", "routing", "temperature", "renormalisation", "numerics", "unexplained")
+
+
+def _localize(rd: Reader) -> None:
+    """trainprobes.drift.decompose.localize: the per-stage metrics are the stage table's, the
+    first stage beyond noise is first_layer, a verdict per stage follows from its ratio, the
+    shares are the evidence's, lie in their intervals and sum to 1, and the kind is the found
+    part with the largest share (or exact / noise, which agree and pass)."""
+    agree = rd.flag("engines_agree")
+    kind = rd.label("kind")
+    if kind not in _LOCALIZE_KINDS:
+        rd.fail(f"metric kind={kind!r} is not one of {_LOCALIZE_KINDS}")
+    if agree != (kind in ("exact", "noise")):
+        rd.fail(f"engines_agree={agree} beside kind={kind!r}: the probe agrees exactly on exact and noise")
+    rd.codes_agree("TP-D4", not agree, f"engines_agree={agree}")
+    first = rd.label("first_layer")
+    stages = rd.evidence("stages", list)
+    from_dumps = rd.ev.get("from") == "dumps"
+    margin = rd.num("margin")
+    alpha = None if from_dumps else rd.num("alpha")
+    beyond = []
+    for i, st in enumerate(stages):
+        if not isinstance(st, dict) or not isinstance(st.get("name"), str):
+            rd.fail(f"evidence['stages'][{i}] is not a stage row")
+        name = st["name"]
+        for key in ("free_error", "noise_floor") + (() if from_dumps else ("own_error",)):
+            rd.agree(f"{key}[{name}]", rd.num(f"{key}[{name}]"), rd.field(st, key, f"stages[{i}]"),
+                     f"evidence['stages'][{i}][{key!r}]")
+        if from_dumps:
+            div = st.get("divergent")
+            if div != (st["free_error"] > margin * st["noise_floor"]):
+                rd.fail(f"stage {name!r}: divergent={div!r} is not free_error > margin x noise_floor")
+            if div:
+                beyond.append(name)
+            continue
+        own, ratio, p = st["own_error"], rd.field(st, "ratio", f"stages[{i}]"), rd.field(st, "p_value", f"stages[{i}]")
+        v = st.get("verdict")
+        if v == "exact" and own != 0 or v == "noise" and own == 0:
+            rd.fail(f"stage {name!r}: verdict {v!r} beside own_error {_fmt(own)}")
+        low = rd.field(st, "min_ratio", f"stages[{i}]")
+        past = ratio > margin and (p < alpha / len(stages) or low > margin / 4)
+        if v == "beyond" and not st.get("nonfinite") and not past:
+            rd.fail(f"stage {name!r} is beyond noise, but its ratio {_fmt(ratio)} <= margin {_fmt(margin)}, "
+                    f"or its p {_fmt(p)} >= alpha / stages and a sequence's ratio {_fmt(low)} <= margin / 4")
+        if v == "noise" and past:
+            rd.fail(f"stage {name!r} is called noise, but its ratio {_fmt(ratio)} > margin and p "
+                    f"{_fmt(p)} < alpha / stages or every sequence's ratio > margin / 4")
+        if v != "exact" and low > ratio * (1 + 1e-9):
+            rd.fail(f"stage {name!r}: min_ratio {_fmt(low)} exceeds the geometric mean ratio {_fmt(ratio)}")
+        if v == "beyond":
+            beyond.append(name)
+    flipped = [k[len("routing_mismatch["):-1] for k, v in rd.m.items()
+               if k.startswith("routing_mismatch[") and isinstance(v, (int, float)) and v > 0]
+    routed = not beyond and kind == "routing" and flipped and flipped[0].startswith(first + ".")
+    if first != (beyond[0] if beyond else "") and not routed:
+        rd.fail(f"metric first_layer={first!r}, but the first stage beyond noise in the table is "
+                f"{(beyond[0] if beyond else '')!r}")
+    if from_dumps:
+        if kind != ("noise" if not beyond else "numeric"):
+            rd.fail(f"kind={kind!r} from dumps: 'numeric' when a stage diverges, else 'noise'")
+        return
+    mean, mean_abs, mx = rd.num("mean_log_ratio"), rd.num("mean_abs_log_ratio"), rd.num("max_abs_log_ratio")
+    if not (abs(mean) <= mean_abs * (1 + REL) and mean_abs <= mx * (1 + REL)):
+        rd.fail(f"|mean_log_ratio| {_fmt(abs(mean))} <= mean_abs_log_ratio {_fmt(mean_abs)} <= "
+                f"max_abs_log_ratio {_fmt(mx)} does not hold")
+    shares = rd.evidence("shares", dict)
+    total = 0.0
+    for part in _LOCALIZE_PARTS + tuple(k for k in shares if k.startswith("numerics[")):
+        row = shares.get(part)
+        if row is None:
+            rd.fail(f"evidence['shares'] has no {part!r}")
+        keys = (("", "share"),) if "[" in part else (("", "share"), ("_ci_low", "ci_low"), ("_ci_high", "ci_high"))
+        vals = []
+        for s, k in keys:
+            v = rd.num(f"share_{part}{s}")
+            rd.agree(f"share_{part}{s}", v, rd.field(row, k, f"shares[{part!r}]"),
+                     f"evidence['shares'][{part!r}][{k!r}]")
+            vals.append(v)
+        if len(vals) == 1:
+            continue
+        if not vals[1] - 1e-12 <= vals[0] <= vals[2] + 1e-12:
+            rd.fail(f"share_{part}={_fmt(vals[0])} lies outside its interval [{_fmt(vals[1])}, {_fmt(vals[2])}]")
+        total += vals[0]
+    if not close(total, 1.0 if mean_abs else 0.0, 0, 1e-9):
+        rd.fail(f"the shares sum to {_fmt(total)}: the parts add up to the drift, so they sum to 1 (0 without drift)")
+    by_stage = [k for k in shares if k.startswith("numerics[")]
+    rd.agree("share_numerics", rd.num("share_numerics"), sum(rd.num(f"share_{k}") for k in by_stage),
+             "the sum of share_numerics[stage]", 0, 1e-9)
+    stale = rd.count("n_stale_tensors")
+    rows = rd.evidence("weights", list)
+    if stale != sum(isinstance(w, dict) and w.get("status") in ("mismatch", "missing") for w in rows):
+        rd.fail(f"n_stale_tensors={stale} is not the tensors evidence['weights'] calls mismatch or missing")
+    temperature, renorm = rd.flag("temperature"), rd.flag("renormalised")
+    slope, lo, hi = rd.num("temperature_slope"), rd.num("temperature_slope_ci_low"), rd.num("temperature_slope_ci_high")
+    if not lo - 1e-12 <= slope <= hi + 1e-12:
+        rd.fail(f"temperature_slope {_fmt(slope)} lies outside its interval [{_fmt(lo)}, {_fmt(hi)}]")
+    if not close(slope - lo, hi - slope, 1e-6, 1e-12):
+        rd.fail(f"temperature_slope_ci_low {_fmt(lo)} and _ci_high {_fmt(hi)} are not the slope "
+                f"{_fmt(slope)} -/+ one half-width, as the probe writes them")
+    if temperature and lo <= 1 <= hi:
+        rd.fail("temperature is true, but the slope's interval holds 1")
+    mass, frac = rd.num("mean_log_mass_kept"), rd.num("frac_positions_renormalised")
+    if renorm and not (mass < 0 and 0 < frac <= 1) or not renorm and mass != 0:
+        rd.fail(f"renormalised={renorm} beside mean_log_mass_kept {_fmt(mass)}, frac_positions_renormalised "
+                f"{_fmt(frac)}")
+    flips = {r.get("name"): r for r in rd.evidence("routing", list) if isinstance(r, dict)}
+    dec = rd.opt("routing_frac_decisions")
+    if flips:
+        fr = [rd.num(f"routing_mismatch[{n}]") for n in flips]
+        for n, f in zip(flips, fr):
+            rd.agree(f"routing_mismatch[{n}]", f, rd.field(flips[n], "frac_flipped", "routing"),
+                     f"evidence['routing'][{n!r}]['frac_flipped']")
+        rd.agree("routing_frac_decisions", rd.num("routing_frac_decisions"), sum(fr) / len(fr),
+                 "the mean of routing_mismatch over routers (each sees every token)")
+        anyl = rd.num("routing_frac_tokens_any_layer")
+        if not max(fr) - 1e-12 <= anyl <= min(1.0, sum(fr)) + 1e-12:
+            rd.fail(f"routing_frac_tokens_any_layer {_fmt(anyl)} is not between the largest and the sum "
+                    "of the per-router fractions")
+    found = {"weights": stale > 0, "temperature": temperature, "renormalisation": renorm,
+             "routing": bool(dec), "numeric": bool(by_stage)}
+    named = {"numeric": "numerics"}
+    if kind == "exact" and (mean_abs != 0 or any(s.get("verdict") != "exact" for s in stages) or stale):
+        rd.fail("kind 'exact' beside a drift, a stage that is not exact or a stale tensor")
+    cands = [k for k, v in found.items() if v]
+    if kind == "noise" and cands:
+        rd.fail(f"kind 'noise' beside parts found: {cands}")
+    if kind not in ("exact", "noise"):
+        best = max(cands, key=lambda k: rd.num(f"share_{named.get(k, k)}")) if cands else None
+        if kind != best:
+            rd.fail(f"kind={kind!r}, but the found part with the largest share is {best!r}")
+
+
 RULES: dict[str, Callable[[Reader], None]] = {
     "numerics.bias": _bias,
     "distributed.collective": _collective,
     "drift.compare": _drift,
+    "drift.localize": _localize,
     "causality.check": _causality,
     "numerics.reveal": _reveal,
     "numerics.stall": _stall,

@@ -345,6 +345,24 @@ class TrainProbes:
         kwargs.setdefault("target", getattr(fn, "__qualname__", None))
         return self.assert_flag(batch_invariance(fn, inputs, **kwargs), "batch-variant")
 
+    def assert_engines_agree(self, trainer, engine, input_ids, *, up_to: str = "noise", **kwargs):
+        """trainprobes.drift.decompose.localize(trainer, engine, input_ids, **kwargs): the
+        engines (nn.Modules or trainprobes.drift.engines.Engine) must agree up_to "exact" (bit
+        for bit at every stage) or "noise" (no stage beyond its noise floor, no stale weight,
+        no temperature, renormalisation or routing flip). The failure names the first stage,
+        the op and the kind."""
+        from trainprobes.drift.decompose import localize
+        from trainprobes.drift.engines import Engine
+        from trainprobes.validation import check_choice
+        check_choice(up_to, "up_to", ("exact", "noise"))
+        pair = [e if isinstance(e, Engine) else Engine(e, name=n)
+                for e, n in ((trainer, "trainer"), (engine, "engine"))]
+        r = self.assert_flag(localize(*pair, input_ids, **kwargs), "engines disagree")
+        if up_to == "exact" and r.metrics["kind"] != "exact":
+            pytest.fail(_failure(r, "engines not bit-identical", "kind = noise (asked up_to='exact')"),
+                        pytrace=False)
+        return r
+
 
 @pytest.fixture
 def trainprobes(request):

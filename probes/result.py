@@ -45,6 +45,7 @@ CODES = {
     "TP-D1": "biased train/inference drift",
     "TP-D2": "heavy-tailed train/inference drift",
     "TP-D3": "drift over threshold",
+    "TP-D4": "engines disagree beyond noise (localised)",
     "TP-I1": "packed-document leak",
     "TP-I2": "batch-variant output",
     "TP-T1": "biased parallel transform",
@@ -67,6 +68,7 @@ VERDICT_FLAGS = {
     "equivalent": True,        # transforms.equivalence
     "isolated": True,          # isolation.documents
     "batch_invariant": True,   # isolation.batch_invariance, isolation.end_to_end
+    "engines_agree": True,     # drift.localize
 }
 
 
@@ -167,6 +169,19 @@ PROBES = {
     "numerics.stall": ProbeMetrics(None, "TP-B2", (), (
         "rows", "rows_over_tolerance", "max_abs_relative_error", "rel_tol",
         "sequential_sum[...]")),
+    # trainprobes.drift.decompose.localize
+    "drift.localize": ProbeMetrics("engines_agree", "TP-D4", ("n_tokens",), (
+        "engines_agree", "kind", "first_layer", "op", "op_module", "n_tokens", "n_sequences",
+        "mean_log_ratio", "mean_abs_log_ratio", "max_abs_log_ratio", "n_dropped_tokens",
+        "n_stale_tensors", "n_forwards", "margin", "alpha", "nominal_roundoff",
+        *(f"share_{p}{s}" for p in ("weights", "routing", "temperature", "renormalisation",
+                                    "numerics", "unexplained") for s in ("", "_ci_low", "_ci_high")),
+        "share_numerics[...]", "own_error[...]", "free_error[...]", "noise_floor[...]",
+        "routing_mismatch[...]", "routing_frac_decisions", "routing_frac_tokens_any_layer",
+        "temperature_slope", "temperature_slope_ci_low", "temperature_slope_ci_high",
+        "temperature", "renormalised", "frac_positions_renormalised", "mean_log_mass_kept",
+        "offset"),
+        ("kind", "first_layer", "op", "op_module", "temperature", "renormalised")),
     # trainprobes.transforms
     "transforms.equivalence": ProbeMetrics("equivalent", "TP-T1", (
         "scale", "scale_error", "scale_error_se", "trials"), _TRANSFORM, (

@@ -40,6 +40,32 @@ def _transform(kind: str) -> Result:
                   evidence=dict(j.evidence), seed=0, codes=codes, message=j.message)
 
 
+def _localized() -> dict:
+    """drift.localize Results on a plain-torch stack (no transformers): identical engines,
+    noise (one block's MLP in fp64), a bf16 MLP, a stale tensor, a temperature applied twice."""
+    import copy
+
+    import torch
+    from trainprobes.drift import faults
+    from trainprobes.drift.decompose import localize
+    from trainprobes.drift.engines import Engine, raw_logprobs
+    from trainprobes.reference.models.stack import TinyStack
+    a = TinyStack(seed=0)
+    ids = torch.randint(0, 64, (4, 10), generator=torch.Generator().manual_seed(0))
+    edits = {"exact engines": (lambda m: None, None),
+             "noise engines": (lambda m: faults.in_dtype(m.blocks[1].mlp, torch.float64), None),
+             "bf16 block": (lambda m: faults.in_dtype(m.blocks[1].mlp, torch.bfloat16), None),
+             "stale tensor": (lambda m: faults.stale(m.blocks[2].mix.weight), None),
+             "temperature twice": (lambda m: None, faults.temperature_logprobs(0.49))}
+    out = {}
+    for name, (edit, logprobs) in edits.items():
+        b = copy.deepcopy(a)
+        edit(b)
+        trainer = Engine(a, faults.temperature_logprobs(0.7) if logprobs else raw_logprobs)
+        out[name] = localize(trainer, Engine(b, logprobs or raw_logprobs), ids)
+    return out
+
+
 @pytest.fixture(scope="module")
 def real():
     """Results as the probes write them, at small sizes (~5 s), covering every probe in
@@ -115,6 +141,7 @@ def real():
     }
     holm = rounding_side_by_side(world=6, numel=32, trials=8, op="avg")
     out.update({f"holm {i}": r for i, r in enumerate(holm)})
+    out.update(_localized())
     for name, r in out.items():
         r.target = name
     return out
@@ -209,6 +236,14 @@ UNDETECTABLE = {
        "the invariance verdict)" for f in ("k3_kl", "mean_log_ratio", "n_tokens", "p_value",
                                            "std_log_ratio")},
     **{("variant engine", f): SIZE for f in ("frac_tokens_differ", "max_abs_diff")},
+    **{("drift.localize", f): SETTING for f in ("alpha", "margin", "nominal_roundoff")},
+    ("drift.localize", "n_forwards"): WORK,
+    **{("drift.localize", f): WORK + " (the tokens and sequences compared)" for f in (
+        "n_tokens", "n_sequences", "n_dropped_tokens")},
+    **{("drift.localize", f): DESCRIPTIVE for f in ("max_abs_log_ratio", "offset",
+                                                     "frac_positions_renormalised")},
+    ("temperature twice", "mean_abs_log_ratio"): DESCRIPTIVE + " (0.5 still lies between "
+                                                  "|mean_log_ratio| and max_abs_log_ratio)",
     ("transforms.equivalence", "min_effect"): FLOOR,
     **{("transforms.equivalence", f): SETTING for f in ("noise_tol", "replica_tol", "power",
                                                         "world")},

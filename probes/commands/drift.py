@@ -50,6 +50,12 @@ def add_arguments(p) -> None:
     out = p.add_argument_group("output")
     add_report_options(out)
     out.add_argument("--plot", metavar="PNG", help="histogram of log-ratios and bias by probability")
+    # `trainprobes drift localize ...`: a mode with its own options (given after the word
+    # `localize`); without it the command compares log-probs as it always has
+    from trainprobes.commands import drift_localize
+    modes = p.add_subparsers(dest="drift_mode", metavar="localize", required=False)
+    lp = modes.add_parser("localize", help=drift_localize.HELP, description=drift_localize.HELP)
+    drift_localize.add_arguments(lp)
 
 
 def check_threshold(item, name: str = "threshold") -> tuple:
@@ -206,6 +212,9 @@ def plot(results, path, *, replace: bool = True) -> None:
 
 
 def run(args) -> int:
+    if getattr(args, "drift_mode", None) == "localize":
+        from trainprobes.commands import drift_localize
+        return drift_localize.run(args)
     results = _results(args)
     if args.plot:
         plot(results, args.plot, replace=args.force)

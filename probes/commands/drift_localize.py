@@ -1,0 +1,227 @@
+"""`trainprobes drift localize`: which stage, op, expert choice, weight or log-prob
+convention makes the trainer and the engine disagree (trainprobes.drift.decompose)."""
+from __future__ import annotations
+
+import sys
+
+from trainprobes.commands.options import add_report_options, emit_report
+from trainprobes.errors import InvalidArgument, TargetError
+from trainprobes.validation import parse_int, parse_number
+
+HELP = "localise train/inference drift: first stage and op beyond noise, weights, routing, semantics"
+
+
+def add_arguments(p) -> None:
+    src = p.add_argument_group("inputs (one of)")
+    src.add_argument("--demo", action="store_true",
+                     help="tiny HF engine pairs with injected faults (bf16 MLP, norm epsilon, stale "
+                          "weight, bf16 router, temperature twice, top-p log-probs), identical and "
+                          "eager-vs-sdpa controls: each must be found at its stage, op and kind")
+    src.add_argument("--target", metavar="pkg.mod:factory",
+                     help="the trainer: a callable returning an nn.Module (HF causal LM) or a "
+                          "trainprobes.drift.engines.Engine")
+    src.add_argument("--engine", metavar="pkg.mod:factory", help="the inference engine, likewise")
+    src.add_argument("--dumps", nargs=2, metavar=("TRAINER", "ENGINE"),
+                     help="two per-stage dumps (.safetensors, docs/drift.md 'Dump format'): the first "
+                          "divergent stage from free-running streams")
+    src.add_argument("--noise-dump", metavar="FILE",
+                     help="with --dumps: the trainer re-run in another batch composition (a measured floor)")
+    opt = p.add_argument_group("options")
+    opt.add_argument("--tokens", metavar="FILE",
+                     help="with --target/--engine: .safetensors/.npz holding input_ids [B, L] (and "
+                          "attention_mask); default: random ids from --seed")
+    opt.add_argument("--tokenizer", metavar="DIR",
+                     help="a local HF tokenizer (save_pretrained dir) to name the heaviest tokens")
+    opt.add_argument("--sequences", type=parse_int("sequences", min=4), default=8,
+                     help="random token sequences without --tokens (default 8)")
+    opt.add_argument("--length", type=parse_int("length", min=2), default=24,
+                     help="random sequence length without --tokens (default 24)")
+    opt.add_argument("--margin", type=parse_number("margin", min=1.0), default=8.0,
+                     help="a stage is beyond noise when its own error exceeds margin x its noise floor "
+                          "(default 8)")
+    opt.add_argument("--alpha", type=parse_number("alpha", min=0.0, max=1.0, min_open=True, max_open=True),
+                     default=0.01, help="level of the per-stage test, Bonferroni over stages (default 0.01)")
+    opt.add_argument("--seed", type=parse_int("seed", min=0), default=0, help="seed (tokens, jitter)")
+    out = p.add_argument_group("output")
+    add_report_options(out)
+    out.add_argument("--plot", metavar="PNG",
+                     help="per-stage plot: free-running and own error, log scale, noise floor band")
+
+
+def _build(spec: str, role: str):
+    from trainprobes.drift.engines import Engine
+    from trainprobes.targets import load_target
+
+    obj = load_target(spec, from_cwd=True)()
+    if isinstance(obj, Engine):
+        obj.name = obj.name if obj.name != "engine" else role
+        return obj
+    import torch
+    if not isinstance(obj, torch.nn.Module):
+        raise TargetError(f"--{role if role == 'engine' else 'target'} {spec!r} returned a "
+                          f"{type(obj).__name__}; expected an nn.Module or a trainprobes Engine")
+    return Engine(obj.eval(), name=role)
+
+
+def _tokens(args, engine):
+    import torch
+    if args.tokens:
+        return _read_tokens(args.tokens)
+    vocab = getattr(getattr(engine.module, "config", None), "vocab_size", None)
+    if vocab is None:
+        raise InvalidArgument("the engine has no config.vocab_size to draw random tokens from: pass "
+                              "--tokens FILE")
+    g = torch.Generator().manual_seed(args.seed)
+    return torch.randint(0, vocab, (args.sequences, args.length), generator=g), None
+
+
+def _read_tokens(path):
+    import numpy as np
+    import torch
+    from trainprobes.errors import DataFileError
+    p = str(path)
+    try:
+        if p.endswith(".safetensors"):
+            import safetensors.torch as st
+            t = st.load_file(p)
+        elif p.endswith(".npz"):
+            with np.load(p, allow_pickle=False) as z:
+                t = {k: torch.from_numpy(z[k]) for k in z.files}
+        else:
+            raise DataFileError(f"--tokens {p!r}: expected a .safetensors or .npz file")
+    except (OSError, ValueError) as e:
+        raise DataFileError(f"--tokens {p!r} cannot be read ({e})") from None
+    if "input_ids" not in t:
+        raise DataFileError(f"--tokens {p!r} has no 'input_ids' (has {sorted(t)})")
+    ids = t["input_ids"].long()
+    if ids.ndim != 2:
+        raise DataFileError(f"--tokens {p!r}: input_ids has shape {tuple(ids.shape)}, expected [B, L]")
+    am = t.get("attention_mask")
+    if am is not None and am.shape != ids.shape:
+        raise DataFileError(f"--tokens {p!r}: attention_mask has shape {tuple(am.shape)}, expected "
+                            f"{tuple(ids.shape)} like input_ids")
+    return ids, am
+
+
+def _results(args) -> list:
+    given = [k for k in ("demo", "target", "engine", "dumps") if getattr(args, k)]
+    if args.demo:
+        if len(given) > 1:
+            raise InvalidArgument("--demo runs its own engine pairs: it takes no --target/--engine/--dumps")
+        from trainprobes.drift.localize_demo import run_demo
+
+        def progress(i, n, name):
+            print(f"[{i + 1}/{n}] {name}", file=sys.stderr, flush=True)
+        return run_demo(progress=progress, margin=args.margin, alpha=args.alpha, seed=args.seed)
+    if args.dumps:
+        if args.target or args.engine:
+            raise InvalidArgument("give --dumps TRAINER ENGINE alone, or --target and --engine")
+        return [_dump_result(args)]
+    if not (args.target and args.engine):
+        raise InvalidArgument("give --target pkg.mod:factory and --engine pkg.mod:factory, or --dumps "
+                              "TRAINER ENGINE, or --demo" + (f" (only --{given[0]} was given)" if given else ""))
+    from trainprobes.drift.decompose import localize
+
+    trainer, engine = _build(args.target, "trainer"), _build(args.engine, "engine")
+    ids, am = _tokens(args, engine)
+    tokenizer = None
+    if args.tokenizer:
+        from trainprobes.drift.adapters import _require
+        tokenizer = _require("transformers", "'trainprobes[hf]'").AutoTokenizer.from_pretrained(
+            args.tokenizer, local_files_only=True)
+    return [localize(trainer, engine, ids, am, margin=args.margin, alpha=args.alpha, seed=args.seed,
+                     target=f"{args.target} vs {args.engine}", tokenizer=tokenizer)]
+
+
+def _dump_result(args):
+    from trainprobes.drift.dumps import compare_dumps, load_dump
+    from trainprobes.result import Result
+
+    a, b = (load_dump(p) for p in args.dumps)
+    noise = load_dump(args.noise_dump) if args.noise_dump else None
+    rows = compare_dumps(a, b, noise, margin=args.margin)
+    first = next((r for r in rows if r.divergent), None)
+    metrics = {"engines_agree": first is None, "kind": "noise" if first is None else "numeric",
+               "first_layer": first.name if first else "", "op": "", "op_module": "",
+               "margin": args.margin, "n_tokens": int((a.mask & b.mask).sum())}
+    for r in rows:
+        metrics[f"free_error[{r.name}]"] = r.free_error
+        metrics[f"noise_floor[{r.name}]"] = r.noise_floor
+    msg = (f"no stage diverges beyond {args.margin:g}x its floor" if first is None else
+           f"first divergent stage {first.name}: free error {first.free_error:.3g} > {args.margin:g} x "
+           f"floor {first.noise_floor:.3g} (from dumps: the op needs the modules)")
+    return Result(probe="drift.localize", target=f"{args.dumps[0]} vs {args.dumps[1]}",
+                  verdict="pass" if first is None else "fail", metrics=metrics,
+                  evidence={"stages": [dict(r.__dict__, own_error=None) for r in rows], "from": "dumps"},
+                  seed=None, codes=[] if first is None else ["TP-D4"], message=msg)
+
+
+def render(results) -> str:
+    lines = []
+    for r in results:
+        m = r.metrics
+        lines.append(f"{m['kind'].upper():<16} {r.summary_line()}")
+        expect = r.evidence.get("expect")
+        if expect:
+            from trainprobes.drift.localize_demo import reproduced
+            lines.append(f"    expected {expect['kind']} at {expect['first_layer'] or '-'} / {expect['op'] or '-'}: "
+                         f"{'yes' if reproduced(r) else 'NO'}")
+        for s in r.evidence.get("stages", []):
+            own = s.get("own_error")
+            lines.append(f"    {s['name']:<28} own {'-' if own is None else f'{own:.3g}':>9}  free "
+                         f"{s['free_error']:.3g}  floor {s['noise_floor']:.3g}  {s.get('verdict', '')}"
+                         .rstrip())
+        for o in r.evidence.get("ops", []):
+            if o["verdict"] == "beyond":
+                lines.append(f"      op {o['name']:<34} {o['role']:<9} own {o['own_error']:.3g}  floor "
+                             f"{o['noise_floor']:.3g}  x{o['ratio']:.3g}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results, path, *, replace: bool = True) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InvalidArgument("--plot needs matplotlib: pip install 'trainprobes[plots]'") from None
+    import io
+
+    from trainprobes.result import write_atomic
+    fig, axes = plt.subplots(len(results), 1, figsize=(9, 2.8 * len(results)), squeeze=False)
+    for (ax,), r in zip(axes, results):
+        st = r.evidence.get("stages", [])
+        xs = range(len(st))
+        tiny = 1e-18  # log scale: an exact zero is drawn at the bottom
+        floor = [max(s["noise_floor"], tiny) for s in st]
+        margin = r.metrics.get("margin", 8.0)
+        ax.fill_between(xs, tiny, [f * margin for f in floor], color="0.85",
+                        label=f"noise floor x{margin:g}")
+        ax.plot(xs, [max(s["free_error"], tiny) for s in st], "o-", label="free-running error")
+        if st and st[0].get("own_error") is not None:
+            ax.plot(xs, [max(s["own_error"], tiny) for s in st], "s--", label="own error (patched)")
+        ax.set_yscale("log")
+        ax.set_xticks(list(xs), [s["name"].replace("model.", "") for s in st], rotation=45, fontsize=6,
+                      ha="right")
+        ax.set_ylabel("|B - A| / |A|")
+        ax.set_title(f"{r.metrics['kind']}: {r.target}"[:90], fontsize=8)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    write_atomic(path, buf.getvalue(), replace=replace)
+
+
+def run(args) -> int:
+    results = _results(args)
+    if args.plot:
+        plot(results, args.plot, replace=args.force)
+    emit_report(args, results)
+    if not args.json:
+        print(render(results))
+    if args.demo:  # the demo succeeds when every control is found where it was injected
+        from trainprobes.drift.localize_demo import reproduced
+        return 0 if all(reproduced(r) for r in results) else 1
+    return 0 if all(r.passed for r in results) else 1

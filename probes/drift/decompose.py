@@ -1,0 +1,247 @@
+"""`localize`: where two engines part, and what share of the log-prob drift each cause holds.
+One Result (probe "drift.localize").
+
+The drift of a scored token t at position i is x = lpB[i, t] - lpA[i, t] (engine minus
+trainer, as trainprobes.drift.compare). It is split into parts removed one after another,
+each the difference between two runs, so the parts add up to x exactly:
+  weights          x(B) - x(B'), B' = the engine with the trainer's value of every tensor
+                   the weight-sync check names (trainprobes.drift.weights)
+  routing          x(B') - x(B'r), B'r = B' replaying the trainer's expert choices
+  temperature      from B'r's and A's log-prob vectors (trainprobes.drift.semantics)
+  renormalisation  likewise
+  numerics[stage]  the trainer run with stage k's output replaced by the engine's own
+                   output at k (its input the trainer's): stage k's numerics carried to the
+                   log-probs, for each stage beyond noise (trainprobes.drift.localize)
+  unexplained      x minus all of the above (numerics below noise, interactions)
+share_j = sum x_j x / sum x^2 (they sum to 1 with unexplained), a ratio estimator whose
+interval is cluster-robust over sequences (trainprobes.drift.stats.cluster_t).
+kind: "exact" when the engines agree bit for bit; else the part found (weights named,
+temperature or renormalisation detected, routing decisions differing, a stage beyond
+noise) with the largest share; "noise" when none is found.
+"""
+from __future__ import annotations
+
+import torch
+from trainprobes.drift.carriers import carriers
+from trainprobes.drift.engines import Engine
+from trainprobes.drift.localize import Localisation, localize_layers, record
+from trainprobes.drift.routing import routing
+from trainprobes.drift.semantics import semantics
+from trainprobes.drift.stats import cluster_t
+from trainprobes.drift.weights import synced_copy, weight_sync
+from trainprobes.errors import InvalidArgument
+from trainprobes.result import Result
+
+KINDS = ("exact", "noise", "numeric", "routing", "weights", "temperature", "renormalisation")
+PARTS = ("weights", "routing", "temperature", "renormalisation", "numerics", "unexplained")
+
+
+def _logits(engine: Engine, ids, am) -> torch.Tensor:
+    with torch.no_grad():
+        return engine.logits(ids, am)[:, :-1]
+
+
+def _replayed(engine: Engine, loc: Localisation, ids, am):
+    """The engine's logits with the trainer's free-run expert choices replayed."""
+    routers = [n for n, c in loc.runs.a.items() if c and c[0].indices is not None]
+    if not routers:
+        return None
+    _, logits = record(engine, [], ids, am, replay_from=loc.runs.a, routers=routers)
+    return logits[:, :-1]
+
+
+def _hybrid(trainer: Engine, loc: Localisation, name: str, ids, am) -> torch.Tensor:
+    """The trainer's log-probs with stage `name` replaced by the engine's own output there."""
+    own = loc.runs.b_patched[name]
+    count = {"i": 0}
+    mod = trainer.module.get_submodule(name)
+
+    def hook(m, args, out):
+        new = own[min(count["i"], len(own) - 1)].out
+        count["i"] += 1
+        ref = out if isinstance(out, torch.Tensor) else out[0]
+        new = new.reshape(ref.shape).to(ref.dtype)
+        if trainer.convention == "vllm" and isinstance(out, tuple) and len(out) == 2:
+            return new, torch.zeros_like(new)
+        return new if isinstance(out, torch.Tensor) else (new, *out[1:])
+
+    h = mod.register_forward_hook(hook)
+    try:
+        return _logits(trainer, ids, am)
+    finally:
+        h.remove()
+
+
+def _shares(x: torch.Tensor, parts: dict, mask: torch.Tensor, alpha: float) -> dict:
+    m = mask.double()
+    q = (x * x * m).sum(1)
+    out = {}
+    for name, p in parts.items():
+        s = (p * x * m).sum(1)
+        if float(q.sum()) == 0:
+            out[name] = (0.0, 0.0, 0.0)
+            continue
+        ct = cluster_t(s, q, alpha)
+        mean, half = ct.mean.item(), ct.half.item()
+        out[name] = (mean, mean - half, mean + half)
+    return out
+
+
+def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *, margin: float = 8.0,
+             alpha: float = 0.01, seed: int = 0, tol: float = 1e-3, target: str | None = None,
+             tokenizer=None) -> Result:
+    """Localise the engine's drift from the trainer on the same tokens: per stage own and
+    free errors against the noise floor, the op inside the first stage beyond noise, the
+    weight sync, the log-prob semantics, the routing, and the decomposition (module doc).
+    input_ids [B, L] (B >= 4 sequences); positions 0..L-2 score tokens 1..L-1. tokenizer:
+    optional, to name the heaviest tokens (trainprobes.drift.carriers)."""
+    ids = torch.as_tensor(input_ids)
+    loc = localize_layers(trainer, engine, ids, attention_mask, margin=margin, alpha=alpha, seed=seed)
+    am = None if attention_mask is None else torch.as_tensor(attention_mask)
+    mask = torch.ones(ids.shape, dtype=torch.bool) if am is None else am.bool()
+    mask = mask[:, 1:] & mask[:, :-1]
+    tok = ids[:, 1:]
+    fa = trainer.logprobs
+    z_a, z_b = _logits(trainer, ids, am), _logits(engine, ids, am)
+    if z_a.shape != z_b.shape:
+        raise InvalidArgument(f"the {trainer.name}'s logits have shape {tuple(z_a.shape)} and the "
+                              f"{engine.name}'s {tuple(z_b.shape)}: a vocabulary of {z_a.shape[-1]} against "
+                              f"{z_b.shape[-1]} (a tokenizer mismatch?); both must score the same ids")
+    lp_a = fa(z_a).double()
+    x = _tok(engine.logprobs(z_b), lp_a, tok, mask)
+    dropped = mask & ~torch.isfinite(x)
+    if bool(dropped.any()):
+        mask = mask & ~dropped  # a token the engine cannot emit: named, not averaged
+        x = torch.where(mask, x, 0.0)
+    n_forwards = loc.n_forwards + 2
+    # 1. weights
+    sync = weight_sync(trainer.module, engine.module)
+    stale = [s for s in sync if s.status in ("mismatch", "missing")]
+    parts = {}
+    eng = engine
+    if stale:
+        eng = Engine(synced_copy(trainer.module, engine.module, [s.name for s in stale]),
+                     engine.logprobs, engine.convention, engine.name + " (weights synced)")
+        z_f = _logits(eng, ids, am)
+        n_forwards += 1
+        parts["weights"] = x - _tok(engine.logprobs(z_f), lp_a, tok, mask)
+        z_b = z_f
+    # 2. routing: replay the trainer's choices in the (synced) engine
+    rt = routing(loc.runs.a, loc.runs.b_free, mask_full(ids, am))
+    z_r = _replayed(eng, loc, ids, am) if rt is not None else None
+    if z_r is not None:
+        n_forwards += 1
+        parts["routing"] = (_tok(engine.logprobs(z_b), lp_a, tok, mask)
+                            - _tok(engine.logprobs(z_r), lp_a, tok, mask))
+        z_b = z_r
+    # 3. semantics: both sides' log-prob functions on the SAME logits, so no numerics enter
+    sem = semantics(fa(z_b), engine.logprobs(z_b), tok, mask, alpha=alpha, tol=tol)
+    parts["temperature"] = sem.parts["temperature"]
+    parts["renormalisation"] = sem.parts["renormalisation"]
+    # 4. numerics by stage: the stages beyond noise of the engine as it now stands
+    num_loc = loc if not stale else localize_layers(trainer, eng, ids, am, margin=margin, alpha=alpha,
+                                                    seed=seed, ops=False)
+    if stale:
+        n_forwards += num_loc.n_forwards
+    beyond = [r for r in num_loc.stages if r.verdict == "beyond"]
+    by_stage = {}
+    for r in beyond:
+        by_stage[r.name] = _tok(fa(_hybrid(trainer, num_loc, r.name, ids, am)), lp_a, tok, mask)
+        n_forwards += 1
+    parts["numerics"] = sum(by_stage.values(), torch.zeros_like(x))
+    for k in PARTS[:-1]:
+        parts.setdefault(k, torch.zeros_like(x))
+    parts["unexplained"] = x - sum(parts[k] for k in PARTS[:-1])
+    shares = _shares(x, {**{k: parts[k] for k in PARTS}, **{f"numerics[{n}]": v for n, v in by_stage.items()}},
+                     mask, alpha)
+    # 5. kind
+    exact = bool((x[mask] == 0).all()) and all(r.verdict == "exact" for r in loc.stages) and not stale
+    found = {"weights": bool(stale), "temperature": sem.temperature, "renormalisation": sem.renormalised,
+             "routing": rt is not None and rt.frac_decisions > 0,
+             "numeric": bool(beyond)}
+    share_of = {"weights": "weights", "temperature": "temperature", "renormalisation": "renormalisation",
+                "routing": "routing", "numeric": "numerics"}
+    cands = [k for k, v in found.items() if v]
+    kind = "exact" if exact else max(cands, key=lambda k: shares[share_of[k]][0]) if cands else "noise"
+    if kind == "routing" and loc.first_layer is None:
+        # no stage's numerics beyond noise, but decisions flip: where they first flip is the answer
+        flipped = next(r.name for r in rt.routers if r.n_flipped)
+        block = next((s.name for s in loc.stages if flipped.startswith(s.name + ".")), flipped)
+        loc.first_layer, loc.op, loc.op_module = block, "router", flipped
+    carried = carriers(x, mask, lp_a.gather(-1, tok[..., None]).squeeze(-1), tok, tokenizer)
+    return _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, dropped, margin,
+                   alpha, seed, n_forwards, target, carried)
+
+
+def _tok(lp: torch.Tensor, lp_a: torch.Tensor, tok, mask) -> torch.Tensor:
+    d = lp.gather(-1, tok[..., None]).squeeze(-1) - lp_a.gather(-1, tok[..., None]).squeeze(-1)
+    return torch.where(mask, d, 0.0)
+
+
+def mask_full(ids, am):
+    return torch.ones(ids.shape, dtype=torch.bool) if am is None else am.bool()
+
+
+def _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, dropped, margin, alpha,
+            seed, n_forwards, target, carried) -> Result:
+    xs = x[mask]
+    flips = rt.per_layer() if rt is not None else {}
+    metrics = {
+        "engines_agree": kind in ("exact", "noise"), "kind": kind,
+        "first_layer": loc.first_layer or "", "op": loc.op or "", "op_module": loc.op_module or "",
+        "n_tokens": int(mask.sum()), "n_sequences": int(mask.shape[0]),
+        "mean_log_ratio": xs.mean().item() if xs.numel() else 0.0,
+        "mean_abs_log_ratio": xs.abs().mean().item() if xs.numel() else 0.0,
+        "max_abs_log_ratio": xs.abs().max().item() if xs.numel() else 0.0,
+        "n_dropped_tokens": int(dropped.sum()),
+        "n_stale_tensors": len(stale), "n_forwards": n_forwards, "margin": margin, "alpha": alpha,
+        "nominal_roundoff": loc.u,
+        **{f"share_{k}": v[0] for k, v in shares.items() if "[" not in k},
+        **{f"share_{k}_ci_low": v[1] for k, v in shares.items() if "[" not in k},
+        **{f"share_{k}_ci_high": v[2] for k, v in shares.items() if "[" not in k},
+        **{f"share_{k}": v[0] for k, v in shares.items() if "[" in k},
+        **sem.as_metrics(),
+    }
+    for r in loc.stages:
+        metrics[f"own_error[{r.name}]"] = r.own_error
+        metrics[f"free_error[{r.name}]"] = r.free_error
+        metrics[f"noise_floor[{r.name}]"] = r.noise_floor
+    for name, f in flips.items():
+        metrics[f"routing_mismatch[{name}]"] = f
+    if rt is not None:
+        metrics["routing_frac_decisions"] = rt.frac_decisions
+        metrics["routing_frac_tokens_any_layer"] = rt.frac_tokens_any_layer
+    where = ""
+    if loc.first_layer:
+        beyond = any(r.verdict == "beyond" for r in loc.stages)
+        where = (f"first stage beyond noise {loc.first_layer} (op {loc.op}: {loc.op_module}); " if beyond else
+                 f"no stage beyond noise; decisions first flip at {loc.op_module}; ")
+    named = ", ".join(s.name for s in stale[:5]) + (" ..." if len(stale) > 5 else "")
+    parts = "; ".join(f"{k} {shares[k][0]:.0%}" for k in PARTS if abs(shares[k][0]) >= 0.005)
+    if kind == "exact":
+        msg = "exact: the engines agree bit for bit at every stage"
+    elif kind == "noise":
+        msg = (f"noise: every stage's own error is within its noise floor (x{margin:g}) at the nominal "
+               f"precision (unit roundoff {loc.u:.3g}); no stage is to blame; mean |log-ratio| "
+               f"{metrics['mean_abs_log_ratio']:.3g} nats")
+    else:
+        msg = (f"{kind}: {where}" + (f"stale tensors: {named}; " if stale else "")
+               + (f"temperature slope {sem.slope:.4g}; " if sem.temperature else "")
+               + (f"renormalised log-probs, mean log mass kept {sem.mean_log_mass_kept:.3g}; "
+                  if sem.renormalised else "")
+               + (f"{rt.frac_decisions:.1%} of router decisions differ, "
+                  f"{rt.frac_tokens_any_layer:.0%} of tokens in >= 1 layer; " if rt and rt.frac_decisions else "")
+               + f"shares: {parts}")
+    evidence = {
+        "stages": [r.as_dict() for r in loc.stages], "ops": [r.as_dict() for r in loc.ops],
+        "weights": [s.__dict__ for s in sync if s.status != "exact"],
+        "routing": [r.__dict__ for r in rt.routers] if rt is not None else [],
+        "shares": {k: {"share": v[0], "ci_low": v[1], "ci_high": v[2]} for k, v in shares.items()},
+        **carried,
+        "residual_convention": {"trainer": trainer.convention, "engine": engine.convention},
+    }
+    codes = [] if kind in ("exact", "noise") else ["TP-D4"]
+    verdict = "pass" if not codes else "fail"
+    return Result(probe="drift.localize", target=target or f"{trainer.name} vs {engine.name}",
+                  verdict=verdict, metrics=metrics, evidence=evidence, seed=seed, codes=codes,
+                  message=msg)

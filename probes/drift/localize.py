@@ -1,0 +1,332 @@
+"""Which stage (layer), then which op inside it, makes two engines disagree: activation
+patching, judged against each stage's noise floor.
+
+Runs (one forward each; "trainer" A, "engine" B, the same tokens):
+  1. A recorded: every stage's and op's inputs and output stream.
+  2. B free-running, recorded: free error of stage k = |B_k - A_k| / |A_k| per token.
+  3. B patched: every stage k of B is fed A's input of stage k, so its output differs from
+     A's only by what stage k adds itself: its OWN error. A stage that only carries an
+     earlier divergence has no own error; the one that introduces it has.
+  4. B patched again, in another batch composition (rows reversed, two sub-batches): the
+     re-run and batch floor (zero for a deterministic, batch-invariant engine).
+  5. A patched with its own inputs and outputs jittered by one rounding at the nominal
+     precision u (the coarser of the two engines' dtypes): the rounding floor.
+  noise floor^2 = floor(4)^2 + floor(5)^2 per token. MoE routers are replayed with A's
+  choices in 3-5, so a near-tie flip counts as routing (trainprobes.drift.routing), not as
+  a block's numerics.
+Verdict per stage: exact when the own error is zero on every token; else, per sequence
+(the independent unit), r = log(RMS own / RMS floor); "beyond" (noise) when the one-sided
+t-test over sequences rejects E[r] <= log(margin) at alpha / (number of stages), or every
+sequence's ratio exceeds a quarter of the margin (sequences differ in how much a stage adds:
+the test alone missed a bf16 MLP at ratio 126 and a norm epsilon at ratio 239, sequences at
+4.7-10^4, on a tied-embedding Gemma), and the mean ratio exceeds the margin; else "noise". The first stage beyond noise is the answer;
+then the same runs over its ops (depth 1: norms, attention, MLP; depth 2 below the op
+found: projections, router, experts) name the op.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from scipy import stats as sps
+from trainprobes.drift.engines import Engine, Layout, Stage, candidates, layout_from, match_candidates
+from trainprobes.drift.patching import Call, Hooks, take_rows
+from trainprobes.errors import InvalidArgument
+
+# unit roundoff of the nominal precision: what one rounding of an input does at most
+UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8,
+                 torch.float16: 2.0 ** -11}
+_CLIP = 50.0
+# fewest sequences: at B = 2 (1 degree of freedom) a one-sided t of 85 gives p = 0.0037,
+# above 0.01 / 7 stages, so a bf16 MLP (ratio ~3,000) would be called noise
+MIN_SEQUENCES = 4  # |log ratio| bound: a zero floor or a zero own error per sequence
+
+
+@dataclass
+class StageReport:
+    name: str
+    role: str
+    depth: int
+    block: int | None
+    own_error: float        # mean over tokens of |B_k(A's input) - A_k| / |A_k|
+    free_error: float       # mean over tokens of |B_k - A_k| / |A_k|, free-running
+    noise_floor: float      # mean over tokens of the floor (module doc)
+    ratio: float            # geometric mean over sequences of RMS own / RMS floor
+    p_value: float
+    min_ratio: float        # the smallest per-sequence ratio
+    verdict: str            # exact / noise / beyond
+    nonfinite: bool = False
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Runs:
+    """Everything the decomposition reuses: the recorded calls of each run."""
+
+    a: dict            # name -> [Call], A recorded
+    b_free: dict
+    b_patched: dict
+    shape: tuple
+
+
+def _tokens(t: torch.Tensor, B: int, L: int) -> torch.Tensor:
+    return t.reshape(B, L, -1).double()
+
+
+def rel_error(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """|b - a| / |a| per token ([B, L]); the norm over features, in float64."""
+    d = (b - a).norm(dim=-1)
+    return d / a.norm(dim=-1).clamp_min(1e-300)
+
+
+def _outputs(calls: list, B: int, L: int) -> torch.Tensor:
+    return torch.cat([_tokens(c.out, B, L) for c in calls], dim=-1)
+
+
+def _forward(engine: Engine, hooks: Hooks, ids, am, rows=None):
+    hooks.new_forward(rows)
+    with torch.no_grad():
+        return engine.logits(ids if rows is None else ids[rows],
+                             None if am is None else (am if rows is None else am[rows]))
+
+
+def _modules(engine: Engine, stages) -> dict:
+    out = {}
+    for s in stages:
+        name = s if isinstance(s, str) else s.name
+        try:
+            out[name] = engine.module.get_submodule(name)
+        except AttributeError:
+            raise InvalidArgument(f"the {engine.name} has no module {name!r}, which the other engine "
+                                  "has: both must carry the same module names") from None
+    return out
+
+
+def _routers(record: dict) -> list:
+    return [n for n, calls in record.items() if calls and calls[0].indices is not None]
+
+
+def record(engine: Engine, stages, ids, am, *, blocks=frozenset(), replay_from=None,
+           routers=(), order=None) -> tuple:
+    """One recorded forward (with A's expert choices replayed when replay_from is given);
+    order: a list that receives the names in the order their forwards returned."""
+    hooks = Hooks(_modules(engine, stages), "record", source=replay_from, convention=engine.convention,
+                  blocks=blocks, shape=tuple(ids.shape),
+                  replay=_modules(engine, [Stage(r, "router", 2, None) for r in routers])
+                  if replay_from is not None else None)
+    with hooks:
+        logits = _forward(engine, hooks, ids, am)
+    if order is not None:
+        order.extend(hooks.order)
+    return hooks.calls, logits
+
+
+def patched(engine: Engine, stages, source: dict, ids, am, *, mode: str, blocks, routers, u=0.0,
+            seed=0, compose=False, call=None) -> dict:
+    """A patched (or jittered) run of `stages`; compose: rows reversed, two sub-batches,
+    outputs put back in the original order. call: (module, recorded Call) to run one block
+    on its own, with the arguments it was called with, instead of the whole forward."""
+    B, L = ids.shape
+    hooks = Hooks(_modules(engine, stages), mode, source=source, convention=engine.convention,
+                  blocks=blocks, shape=(B, L), u=u, seed=seed,
+                  replay=_modules(engine, [Stage(r, "router", 2, None) for r in routers]) or None)
+    parts = [None]
+    if compose:
+        order = torch.arange(B - 1, -1, -1)
+        parts = [order[:B // 2], order[B // 2:]] if B >= 2 else [order]
+    out: dict = {s.name: [] for s in stages}
+    with hooks:
+        for rows in parts:
+            for name in hooks.calls:
+                hooks.calls[name] = []
+            if call is None:
+                _forward(engine, hooks, ids, am, rows)
+            else:
+                hooks.new_forward(rows)
+                args, kwargs = take_rows(call[1].full, rows, (B, L))
+                with torch.no_grad():
+                    call[0](*args, **kwargs)
+            for name, calls in hooks.calls.items():
+                out[name].append((rows, calls))
+    merged = {}
+    for name, pieces in out.items():
+        if parts == [None]:
+            merged[name] = pieces[0][1]
+            continue
+        n_calls = len(pieces[0][1])
+        merged[name] = []
+        for i in range(n_calls):  # loop over calls of one module (usually one)
+            full = None
+            for rows, calls in pieces:
+                t = _tokens(calls[i].out, len(rows), L)
+                full = torch.empty(B, L, t.shape[-1], dtype=t.dtype) if full is None else full
+                full[rows] = t
+            merged[name].append(Call({}, full, None, None))
+    return merged
+
+
+def judge_stages(stages, a, b_free, b_pat, b_pat2, a_jit, mask, *, margin, alpha) -> list:
+    B, L = mask.shape
+    m = mask.double()
+    n_tok = m.sum().clamp_min(1)
+    reports = []
+    for s in stages:
+        if not a.get(s.name) or not b_pat.get(s.name):
+            continue
+        A = _outputs(a[s.name], B, L)
+        own = rel_error(_outputs(b_pat[s.name], B, L), A)
+        free = rel_error(_outputs(b_free[s.name], B, L), A) if b_free.get(s.name) else own * math.nan
+        f2 = (rel_error(_outputs(b_pat2[s.name], B, L), _outputs(b_pat[s.name], B, L)) ** 2
+              + rel_error(_outputs(a_jit[s.name], B, L), A) ** 2)
+        floor = f2.sqrt()
+        nonfinite = not bool(torch.isfinite(own[mask]).all())
+        own_u = ((own ** 2 * m).sum(1) / m.sum(1).clamp_min(1)).sqrt()
+        floor_u = ((f2 * m).sum(1) / m.sum(1).clamp_min(1)).sqrt()
+        used = m.sum(1) > 0
+        r = (own_u.log() - floor_u.log()).nan_to_num(nan=_CLIP, posinf=_CLIP, neginf=-_CLIP)
+        r = torch.where(own_u == 0, torch.full_like(r, -_CLIP), r.clamp(-_CLIP, _CLIP))[used]
+        exact = bool((own[mask] == 0).all())
+        ratio = math.exp(r.mean().item())
+        p = _p_greater(r, math.log(margin))
+        low = math.exp(r.min().item()) if r.numel() else 0.0
+        # beyond: the mean ratio past the margin, and the t-test over sequences or every
+        # sequence past a quarter of the margin (noise: 0.4-1.2 per sequence, measured)
+        beyond = nonfinite or (not exact and ratio > margin
+                               and (p < alpha / max(1, len(stages)) or low > margin / 4))
+        reports.append(StageReport(
+            s.name, s.role, s.depth, s.block, (own * m).sum().item() / n_tok.item(),
+            (free * m).sum().item() / n_tok.item(), (floor * m).sum().item() / n_tok.item(),
+            0.0 if exact else ratio, p, 0.0 if exact else low,
+            "exact" if exact else "beyond" if beyond else "noise", nonfinite))
+    return reports
+
+
+def _p_greater(r: torch.Tensor, mu: float) -> float:
+    x = r.double().numpy()
+    if len(x) < 2:
+        return math.nan
+    if x.std() == 0:
+        return 0.0 if x.mean() > mu else 1.0
+    return float(sps.ttest_1samp(x, mu, alternative="greater").pvalue)
+
+
+@dataclass
+class Localisation:
+    stages: list           # [StageReport] depth 0
+    ops: list              # [StageReport] depth 1 and 2 of the first stage beyond noise
+    first_layer: str | None
+    op: str | None         # role of the op found
+    op_module: str | None
+    layout: Layout
+    runs: Runs
+    u: float
+    n_forwards: int
+
+
+def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
+                    margin: float = 8.0, alpha: float = 0.01, seed: int = 0, ops: bool = True,
+                    u: float | None = None) -> Localisation:
+    """The runs of the module doc and the verdict per stage, then per op of the first stage
+    beyond noise. input_ids [B, L] (B >= MIN_SEQUENCES sequences: the units of the test)."""
+    ids = torch.as_tensor(input_ids)
+    if ids.ndim != 2 or ids.shape[0] < MIN_SEQUENCES or ids.shape[1] < 2:
+        raise InvalidArgument(f"input_ids has shape {tuple(ids.shape)}, expected [B, L] with B >= "
+                              f"{MIN_SEQUENCES} sequences (the independent units of the noise test: with "
+                              "fewer, the Bonferroni-corrected t-test cannot reject even a large fault, "
+                              "and a pass would claim what was not tested) and L >= 2")
+    if ids.is_floating_point() or ids.dtype == torch.bool:
+        raise InvalidArgument(f"input_ids has dtype {ids.dtype}, expected integer token ids")
+    vocab = [getattr(getattr(e.module, "config", None), "vocab_size", None) for e in (trainer, engine)]
+    if None not in vocab and vocab[0] != vocab[1]:
+        raise InvalidArgument(f"the {trainer.name}'s vocabulary has {vocab[0]} ids and the {engine.name}'s "
+                              f"{vocab[1]}: a tokenizer mismatch; both must score the same token ids")
+    if ids.numel() and (int(ids.min()) < 0 or None not in vocab and int(ids.max()) >= vocab[0]):
+        raise InvalidArgument(f"input_ids hold ids in [{int(ids.min())}, {int(ids.max())}], outside the "
+                              f"vocabulary [0, {vocab[0]}) (tokens from another tokenizer?)")
+    am = None if attention_mask is None else torch.as_tensor(attention_mask)
+    if am is not None and am.shape != ids.shape:
+        raise InvalidArgument(f"attention_mask has shape {tuple(am.shape)}, expected {tuple(ids.shape)}")
+    mask = torch.ones(ids.shape, dtype=torch.bool) if am is None else am.bool()
+    ca, cb = candidates(trainer.module), candidates(engine.module)
+    match_candidates(ca, cb, (trainer.name, engine.name))
+    if u is None:
+        u = max(UNIT_ROUNDOFF.get(trainer.dtype, 2.0 ** -24), UNIT_ROUNDOFF.get(engine.dtype, 2.0 ** -24))
+    names = ca.names
+    blocks = frozenset(f"{ca.list_name}.{i}" for i in range(ca.n_blocks))
+    order: list = []
+    a, z = record(trainer, names, ids, am, blocks=blocks, order=order)
+    B_, L_ = ids.shape
+    la = layout_from(ca, order, {n: (tuple(c[0].out.shape) if c else None) for n, c in a.items()},
+                     B_, L_, z.shape[-1])
+    stages = la.stages
+    _check_finite(a, trainer.name, order, set(ca.stages))
+    routers = _routers(a)
+    b_free, _ = record(engine, names, ids, am, blocks=blocks, order=(order_b := []))
+    _check_finite(b_free, engine.name, order_b, set(ca.stages))
+    n = 2
+
+    def depth_runs(group, block=None):
+        kw = dict(blocks=blocks, routers=routers)
+        cb_ = ca_ = None
+        if block is not None:  # one block alone, called as each engine called it
+            cb_ = (engine.module.get_submodule(block), b_free[block][0])
+            ca_ = (trainer.module.get_submodule(block), a[block][0])
+        p1 = patched(engine, group, a, ids, am, mode="patch", call=cb_, **kw)
+        p2 = patched(engine, group, a, ids, am, mode="patch", compose=True, call=cb_, **kw)
+        j = patched(trainer, group, a, ids, am, mode="jitter", u=u, seed=seed, call=ca_, **kw)
+        return p1, judge_stages(group, a, b_free, p1, p2, j, mask, margin=margin, alpha=alpha)
+
+    b_pat, reports = depth_runs(stages)
+    n += 4  # the composed run is two half-batch forwards
+    first = next((r for r in reports if r.verdict == "beyond"), None)
+    op_reports, op_role, op_module = [], None, None
+    if first is not None and first.role == "block" and ops:
+        d1 = [o for o in la.ops[first.block] if o.depth == 1 and o.name in a and a[o.name]]
+        _, op_reports = depth_runs(d1, first.name)
+        n += 4 / la.n_blocks  # one block, not the model
+        top = _top(op_reports)
+        if top is not None:
+            op_role, op_module = top.role, top.name
+            d2 = [o for o in la.ops[first.block] if o.depth == 2 and o.name.startswith(top.name + ".")
+                  and a.get(o.name)]
+            if d2:
+                _, deeper = depth_runs(d2, first.name)
+                n += 4 / la.n_blocks
+                op_reports += deeper
+                hits = [r for r in deeper if r.verdict == "beyond"]
+                # a router or norm names the op only when it alone is beyond noise: an MoE
+                # block wholly in bf16 has its router and its experts beyond, and is the MLP
+                if len(hits) == 1 and hits[0].role in ("router", "norm"):
+                    op_role, op_module = hits[0].role, hits[0].name
+        else:
+            op_role, op_module = "block", first.name  # the residual adds or unhooked code
+    elif first is not None:
+        op_role, op_module = first.role, first.name
+    n = round(n, 3)
+    return Localisation(reports, op_reports, None if first is None else first.name, op_role, op_module,
+                        la, Runs(a, b_free, b_pat, tuple(ids.shape)), u, n)
+
+
+def _top(reports):
+    beyond = [r for r in reports if r.verdict == "beyond"]
+    return max(beyond, key=lambda r: r.ratio) if beyond else None
+
+
+def _check_finite(rec: dict, who: str, order: list, stages=None) -> None:
+    """Name the first stage (in call order) whose output is not finite, and the op inside
+    it that made it so; only the stages are read unless one is bad (an op's overflow
+    reaches its stage's output)."""
+    names = list(dict.fromkeys(order))
+    look = names if stages is None else [n for n in names if n in stages]
+    for name in look:
+        for c in rec.get(name, []):
+            if not bool(torch.isfinite(c.out).all()):
+                inner = next((n for n in names if n.startswith(name + ".")
+                              and any(not bool(torch.isfinite(k.out).all()) for k in rec.get(n, []))), None)
+                raise InvalidArgument(f"the {who}'s {name!r} output holds non-finite values"
+                                      + (f" (first from {inner!r})" if inner else "")
+                                      + ": localisation compares finite activations (fix the "
+                                      "overflow first, e.g. with trainprobes numerics)")

@@ -1,0 +1,250 @@
+"""Forward hooks that record, patch, jitter and replay stages of an engine (one code path
+for every run of trainprobes.drift.localize).
+
+record   each watched module's patchable inputs, its output stream and, for a router, the
+         experts it chose, per call.
+patch    each watched module is fed the inputs another engine recorded (cast to this
+         engine's dtype): its output is then only what this module adds on its own.
+jitter   each watched module is fed its own recorded inputs, each element times (1 + u d),
+         d uniform in [-1, 1], and its output is jittered the same way: what one rounding
+         at the nominal precision u does, the floor that rounding noise cannot go below.
+replay   a router's expert choices are replaced by the recorded ones; its weights are
+         the engine's own probabilities at those experts (renormalised when the router
+         sets norm_topk_prob, as HF's routers do).
+rows     a different batch composition: recorded tensors with B rows (or B * L token
+         rows) are taken at these rows, so the same tokens run beside other companions.
+
+Patchable inputs: every tensor argument except masks, positions, rotary tables and caches,
+which each engine builds its own way (an eager mask and an sdpa mask differ in form, not
+in meaning).
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from trainprobes.drift.engines import first_tensor
+from trainprobes.errors import InvalidArgument
+
+KEEP_OWN = frozenset({"attention_mask", "position_embeddings", "position_ids", "positions",
+                      "cache_position", "past_key_values", "past_key_value", "cache", "use_cache",
+                      "kwargs"})
+
+
+@dataclass
+class Call:
+    inputs: dict                  # parameter name -> tensor (patchable ones)
+    out: torch.Tensor             # the output stream
+    indices: torch.Tensor | None  # a router's chosen experts [N, k]
+    probs: torch.Tensor | None    # a router's probabilities [N, E] (fp32)
+    full: tuple | None = None     # (args, kwargs) as called: a block, to be called again alone
+
+
+@dataclass
+class Hooks:
+    """Hooks on `modules` (name -> module) of one engine; `mode` is record / patch / jitter."""
+
+    modules: dict
+    mode: str = "record"
+    source: dict | None = None    # name -> [Call] recorded elsewhere (patch, jitter, replay)
+    convention: str = "hf"
+    blocks: frozenset = frozenset()
+    replay: dict | None = None    # router name -> module, replayed from `source`
+    rows: torch.Tensor | None = None
+    shape: tuple = (0, 0)         # (B, L) of the recorded run
+    u: float = 0.0
+    seed: int = 0
+    calls: dict = field(default_factory=dict)
+    _count: dict = field(default_factory=dict)
+    _handles: list = field(default_factory=list)
+    _pending: dict = field(default_factory=dict)
+    order: list = field(default_factory=list)   # names in the order their forwards returned
+    _sigs: dict = field(default_factory=dict)
+
+    def __enter__(self):
+        self._gen = torch.Generator().manual_seed(self.seed)
+        for name, m in self.modules.items():
+            self.calls[name] = []
+            self._handles.append(m.register_forward_pre_hook(
+                lambda m, a, k, name=name: self._pre(name, m, a, k), with_kwargs=True))
+            self._handles.append(m.register_forward_hook(
+                lambda m, a, o, name=name: self._post(name, m, o)))
+        for name, m in (self.replay or {}).items():
+            self._handles.append(m.register_forward_hook(
+                lambda m, a, o, name=name: self._replay(name, m, o)))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def new_forward(self, rows=None):
+        """Before each forward call: reset the call counters; rows: the batch rows it holds."""
+        self._count = {}
+        self.rows = rows
+
+    # --- helpers ---------------------------------------------------------------------------
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        return take_rows(t, self.rows, self.shape)
+
+    def _noise(self, t: torch.Tensor) -> torch.Tensor:
+        d = torch.rand(t.shape, generator=self._gen, dtype=torch.float64) * 2 - 1
+        return (t.double() * (1 + self.u * d)).to(t.dtype)
+
+    def _source_call(self, name: str) -> Call:
+        i = self._count.get(name, 0)
+        self._count[name] = i + 1
+        rec = (self.source or {}).get(name, [])
+        if i >= len(rec):
+            raise InvalidArgument(f"{name!r} was called {i + 1} times here but {len(rec)} times in "
+                                  "the recorded run: the engines do not run the same modules")
+        return rec[i]
+
+    # --- hooks -----------------------------------------------------------------------------
+    def _pre(self, name, m, args, kwargs):
+        bound = _bind(m, args, kwargs, self._sigs)
+        if self.mode == "record":
+            ins = {k: v.detach() for k, v in bound.arguments.items()
+                   if isinstance(v, torch.Tensor) and k not in KEEP_OWN}
+            if self.convention == "vllm" and name in self.blocks:
+                r = bound.arguments.get("residual")
+                if isinstance(r, torch.Tensor):  # the stream is hidden + residual
+                    ins["hidden_states"] = ins["hidden_states"] + r.detach()
+                ins.pop("residual", None)
+            full = (args, kwargs) if name in self.blocks else None
+            self._pending.setdefault(name, []).append((ins, full))
+            return None
+        src = self._source_call(name)
+        for k, v in src.inputs.items():
+            if k not in bound.arguments and k in _params(m, self._sigs):
+                bound.arguments[k] = v
+            cur = bound.arguments.get(k)
+            if not isinstance(cur, torch.Tensor):
+                continue
+            new = self.take(v)
+            if self.mode == "jitter" and new.is_floating_point():
+                new = self._noise(new)
+            if new.shape != cur.shape:
+                raise InvalidArgument(f"{name}: input {k!r} has shape {tuple(cur.shape)} here and "
+                                      f"{tuple(new.shape)} in the other engine")
+            bound.arguments[k] = new.to(cur.dtype) if cur.is_floating_point() else new
+        if self.convention == "vllm" and name in self.blocks and "residual" in bound.arguments:
+            bound.arguments["residual"] = None  # hidden_states holds the whole stream
+        return bound.args, bound.kwargs
+
+    def _post(self, name, m, out):
+        ins, full = self._pending[name].pop() if self.mode == "record" else ({}, None)
+        self.order.append(name)
+        stream = stream_of(out, self.convention if name in self.blocks else "hf")
+        indices, probs = router_outputs(out)
+        if stream is None:
+            return None
+        if self.mode == "jitter":  # the output's own rounding belongs to the floor too
+            out = _replace_first(out, self._noise(first_tensor(out)))
+            stream = stream_of(out, self.convention if name in self.blocks else "hf")
+        self.calls[name].append(Call(ins, stream.detach(), indices,
+                                     None if probs is None else probs.detach(), full))
+        return out if self.mode == "jitter" else None
+
+    def _replay(self, name, m, out):
+        i = self._count.get(f"replay:{name}", 0)
+        self._count[f"replay:{name}"] = i + 1
+        rec = self.source[name]
+        if i >= len(rec) or rec[i].indices is None:
+            raise InvalidArgument(f"router {name!r}: no recorded expert choices to replay")
+        return replay_router(m, out, self.take(rec[i].indices))
+
+
+def take_rows(obj, rows, shape: tuple):
+    """obj (a tensor, or tuples/lists/dicts of them) at batch rows `rows`: a tensor with B
+    rows is indexed, one with B * L token rows too, one row (a broadcast table) is kept."""
+    if rows is None:
+        return obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(take_rows(o, rows, shape) for o in obj)
+    if isinstance(obj, dict):
+        return {k: take_rows(v, rows, shape) for k, v in obj.items()}
+    if not isinstance(obj, torch.Tensor) or obj.ndim == 0:
+        return obj
+    B, L = shape
+    if obj.shape[0] == B:
+        return obj[rows]
+    if obj.shape[0] == B * L:
+        return obj.reshape(B, L, *obj.shape[1:])[rows].reshape(-1, *obj.shape[1:])
+    if obj.shape[0] == 1:
+        return obj
+    raise InvalidArgument(f"a recorded tensor of shape {tuple(obj.shape)} has neither {B} rows "
+                          f"nor {B * L} token rows: cannot run it in another batch composition")
+
+
+def _signature(m, cache: dict) -> inspect.Signature:
+    f = getattr(m.forward, "__func__", m.forward)  # one signature per forward function
+    sig = cache.get(f)
+    if sig is None:
+        sig = cache[f] = inspect.signature(m.forward)
+    return sig
+
+
+def _params(m, cache: dict) -> set:
+    return set(_signature(m, cache).parameters)
+
+
+def _bind(m, args, kwargs, cache: dict):
+    try:
+        b = _signature(m, cache).bind_partial(*args, **kwargs)
+    except TypeError as e:
+        raise InvalidArgument(f"{type(m).__name__}.forward: cannot bind its arguments ({e})") from None
+    return b
+
+
+def stream_of(out, convention: str = "hf"):
+    """The residual stream an output stands for (module doc of trainprobes.drift.engines)."""
+    if convention == "vllm" and isinstance(out, (tuple, list)) and len(out) == 2:
+        h, r = out
+        return h if r is None else h + r
+    t = first_tensor(out)
+    return t if isinstance(t, torch.Tensor) and t.is_floating_point() else None
+
+
+def router_outputs(out) -> tuple:
+    """(indices, probs) of an HF-style router output (logits [N, E], weights [N, k],
+    indices [N, k] long); (None, None) for anything else."""
+    if not isinstance(out, (tuple, list)) or len(out) < 3:
+        return None, None
+    idx = next((t for t in out if isinstance(t, torch.Tensor) and not t.is_floating_point()
+                and t.ndim == 2), None)
+    logits = out[0]
+    if idx is None or not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        return None, None
+    return idx, torch.softmax(logits.float(), dim=-1)
+
+
+def replay_router(m, out, indices: torch.Tensor):
+    """The router's output with `indices` as its choice where its own top-k SET differs
+    (its own probabilities at those experts as weights); rows that agree keep the router's
+    own output, so replay removes flips and nothing else."""
+    old, probs = router_outputs(out)
+    if old is None:
+        raise InvalidArgument(f"{type(m).__name__} does not return (logits, weights, indices): "
+                              "routing replay reads HF-style routers only")
+    differ = (old.sort(-1).values != indices.sort(-1).values).any(-1, keepdim=True)
+    w = probs.gather(-1, indices)
+    if getattr(m, "norm_topk_prob", False):
+        w = w / w.sum(-1, keepdim=True)
+    out = list(out)
+    for i, t in enumerate(out):
+        if t is old:
+            out[i] = torch.where(differ, indices, old)
+        elif isinstance(t, torch.Tensor) and t.is_floating_point() and t.shape == old.shape:
+            out[i] = torch.where(differ, w.to(t.dtype), t)
+    return tuple(out)
+
+
+def _replace_first(out, new):
+    if isinstance(out, torch.Tensor):
+        return new
+    if isinstance(out, tuple):
+        return (new, *out[1:])
+    return None

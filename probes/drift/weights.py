@@ -1,0 +1,103 @@
+"""Weight sync: do the engine's parameters equal the trainer's after the engine's dtype
+conversion? Cheap enough for every refit: one checksum per tensor first (each side can
+compute its own, in its own process: `checksums`), the full comparison only where the
+checksums differ.
+
+Per tensor, A the trainer's value and B the engine's:
+  exact     B == A cast to B's dtype (round to nearest even, torch's cast), bit for bit
+  rounding  not that, but |B - A| <= one ulp of B's dtype at |A| everywhere: a conversion
+            that rounded another way (truncation, stochastic rounding, an fp8 scale)
+  mismatch  beyond one conversion's rounding: a stale or wrong tensor (named)
+  missing   in one side only
+Checksum: the tensor's bits as integers, summed with weights (index mod 65521) + 1 in
+int64 (wrapping): equal tensors give equal sums; any one changed element changes it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True)
+class Checksum:
+    dtype: str
+    shape: tuple
+    digest: int
+
+
+@dataclass
+class TensorSync:
+    name: str
+    status: str                 # exact / rounding / mismatch / missing
+    max_abs_diff: float = 0.0
+    max_ulps: float = 0.0       # in ulps of the engine's dtype at the trainer's value
+    frac_mismatched: float = 0.0
+    note: str = ""
+
+
+def checksum(t: torch.Tensor) -> Checksum:
+    t = t.detach().contiguous().reshape(-1)
+    bits = t.view(_INT[t.element_size()]).to(torch.int64)
+    w = torch.arange(bits.numel(), dtype=torch.int64) % 65521 + 1
+    return Checksum(str(t.dtype).removeprefix("torch."), tuple(t.shape), int((bits * w).sum()))
+
+
+@torch.no_grad()
+def checksums(module: torch.nn.Module, dtype: torch.dtype | None = None) -> dict:
+    """name -> Checksum of every parameter and buffer (cast to `dtype` first when given:
+    the trainer's side computes the engine's view of its weights)."""
+    out = {}
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        out[name] = checksum(t)
+    return out
+
+
+def _ulp(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    fi = torch.finfo(dtype)
+    mag = a.abs().clamp_min(fi.tiny)
+    return torch.exp2(torch.floor(torch.log2(mag))) * fi.eps
+
+
+@torch.no_grad()
+def weight_sync(trainer: torch.nn.Module, engine: torch.nn.Module) -> list:
+    """[TensorSync] for every parameter of either side, in the trainer's order."""
+    pa = dict(trainer.named_parameters())
+    pb = dict(engine.named_parameters())
+    out = []
+    for name, a in pa.items():
+        b = pb.get(name)
+        if b is None:
+            out.append(TensorSync(name, "missing", note="not in the engine"))
+            continue
+        if a.shape != b.shape:
+            out.append(TensorSync(name, "mismatch", note=f"shape {tuple(a.shape)} vs {tuple(b.shape)}"))
+            continue
+        cast = a.to(b.dtype) if a.is_floating_point() else a
+        if checksum(cast) == checksum(b) and torch.equal(cast, b):
+            out.append(TensorSync(name, "exact"))
+            continue
+        diff = (b.double() - a.double()).abs()
+        ulps = diff / _ulp(a.double(), b.dtype) if b.is_floating_point() else diff
+        bad = ulps > 1
+        out.append(TensorSync(name, "mismatch" if bool(bad.any()) else "rounding",
+                              float(diff.max()), float(ulps.max()), float(bad.double().mean())))
+    out += [TensorSync(n, "missing", note="not in the trainer") for n in pb if n not in pa]
+    return out
+
+
+@torch.no_grad()
+def synced_copy(trainer: torch.nn.Module, engine: torch.nn.Module, names) -> torch.nn.Module:
+    """A copy of the engine with the named tensors replaced by the trainer's (cast)."""
+    import copy
+
+    fixed = copy.deepcopy(engine)
+    pa, pf = dict(trainer.named_parameters()), dict(fixed.named_parameters())
+    for n in names:
+        if n in pa and n in pf and pa[n].shape == pf[n].shape:
+            pf[n].copy_(pa[n].to(pf[n].dtype))
+    return fixed

@@ -1,0 +1,148 @@
+"""The parts of a localisation: log-prob semantics from the vectors alone
+(trainprobes.drift.semantics), weight sync (trainprobes.drift.weights), routing flips
+(trainprobes.drift.routing) and replay (trainprobes.drift.patching.replay_router)."""
+import copy
+import math
+
+import pytest
+import torch
+from trainprobes.drift import faults
+from trainprobes.drift.patching import Call, replay_router
+from trainprobes.drift.routing import routing
+from trainprobes.drift.semantics import semantics
+from trainprobes.drift.weights import checksum, checksums, weight_sync
+from trainprobes.errors import InvalidArgument
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+G = torch.Generator().manual_seed(0)
+Z = torch.randn(8, 12, 50, generator=G) * 3          # logits [B, T, V]
+TOK = torch.randint(0, 50, (8, 12), generator=G)
+MASK = torch.ones(8, 12, dtype=torch.bool)
+
+
+def _sampled(lp):
+    return torch.multinomial(lp.exp().reshape(-1, lp.shape[-1]), 1,
+                             generator=torch.Generator().manual_seed(1)).reshape(lp.shape[:2])
+
+
+@pytest.mark.parametrize("t_a, t_b", [(1.0, 0.7), (0.7, 0.49), (1.0, 1.3)])
+def test_temperature_slope_is_the_ratio(t_a, t_b):
+    s = semantics(faults.temperature_logprobs(t_a)(Z), faults.temperature_logprobs(t_b)(Z), TOK, MASK)
+    assert s.temperature and not s.renormalised
+    assert s.slope == pytest.approx(t_a / t_b, rel=1e-6)
+    x = (faults.temperature_logprobs(t_b)(Z) - faults.temperature_logprobs(t_a)(Z)).gather(
+        -1, TOK[..., None]).squeeze(-1)
+    assert torch.allclose(s.parts["temperature"], x.double(), atol=1e-5)
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9])
+def test_renormalisation_constant_is_log_mass_kept(top_p):
+    lp_a, lp_b = torch.log_softmax(Z, -1), faults.top_p_logprobs(top_p)(Z)
+    tok = _sampled(lp_b)
+    s = semantics(lp_a, lp_b, tok, MASK)
+    assert s.renormalised and not s.temperature
+    kept = torch.isfinite(lp_b)
+    mass = torch.where(kept, lp_a.exp(), 0.0).sum(-1)
+    assert torch.allclose(s.parts["renormalisation"], -mass.log().double(), atol=1e-5)
+    assert s.mean_log_mass_kept == pytest.approx(mass.log().mean().item(), abs=1e-5)
+
+
+def test_rounding_noise_is_neither():
+    lp_a = torch.log_softmax(Z, -1)
+    lp_b = torch.log_softmax(Z.bfloat16().float(), -1)
+    s = semantics(lp_a, lp_b, TOK, MASK)
+    assert not s.temperature and not s.renormalised
+    assert abs(s.slope - 1) < 1e-3
+
+
+def test_semantics_shape_mismatch():
+    with pytest.raises(InvalidArgument, match="same"):
+        semantics(Z, Z[:, :-1], TOK, MASK)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+
+
+def test_weight_sync_names_the_stale_tensor_only():
+    a = _model()
+    b = copy.deepcopy(a).to(torch.bfloat16)
+    faults.stale(b[1].weight)
+    rows = {r.name: r.status for r in weight_sync(a, b)}
+    assert rows == {"0.weight": "exact", "0.bias": "exact", "1.weight": "mismatch", "1.bias": "exact"}
+    ca, cb = checksums(a, torch.bfloat16), checksums(b)
+    assert [n for n in ca if ca[n] != cb[n]] == ["1.weight"]
+
+
+def test_truncating_conversion_is_rounding_not_mismatch():
+    a = _model()
+    b = copy.deepcopy(a).to(torch.bfloat16)
+    with torch.no_grad():  # round toward zero instead of to nearest even
+        b[0].weight.copy_((a[0].weight.view(torch.int32) & ~0xFFFF).view(torch.float32).bfloat16())
+    rows = {r.name: r for r in weight_sync(a, b)}
+    assert rows["0.weight"].status == "rounding" and rows["0.weight"].max_ulps <= 1
+
+
+def test_missing_tensor_and_checksum_sensitivity():
+    a, b = _model(), torch.nn.Sequential(torch.nn.Linear(16, 32))
+    assert [r.name for r in weight_sync(a, b) if r.status == "missing"] == ["1.weight", "1.bias"]
+    t = torch.randn(100, generator=G)
+    u = t.clone()
+    u[37] = torch.nextafter(u[37], torch.tensor(math.inf))
+    assert checksum(t) != checksum(u) and checksum(t) == checksum(t.clone())
+    assert checksum(t.flip(0)) != checksum(t)  # order matters
+
+
+def _call(idx, probs):
+    return Call({}, probs, idx, probs)
+
+
+def test_routing_flips_and_margins():
+    probs = torch.tensor([[0.5, 0.3, 0.2], [0.4, 0.35, 0.25], [0.6, 0.3, 0.1], [0.34, 0.33, 0.33]])
+    ia = torch.tensor([[0, 1], [0, 1], [0, 1], [0, 1]])
+    ib = torch.tensor([[1, 0], [0, 2], [0, 1], [0, 2]])  # same set, flip, same, flip
+    r = routing({"r0": [_call(ia, probs)], "r1": [_call(ia, probs)]},
+                {"r0": [_call(ib, probs)], "r1": [_call(ia, probs)]}, torch.ones(2, 2, dtype=torch.bool))
+    f = r.routers[0]
+    assert f.n_flipped == 2 and f.frac_flipped == 0.5
+    assert f.max_margin_flipped == pytest.approx(0.1) and f.median_margin_flipped == pytest.approx(0.0, abs=0.011)
+    assert r.routers[1].n_flipped == 0
+    assert r.frac_tokens_any_layer == 0.5 and r.frac_decisions == 0.25
+
+
+def test_replay_replaces_only_rows_whose_set_differs():
+    class Router(torch.nn.Module):
+        norm_topk_prob = True
+    logits = torch.tensor([[2.0, 1.0, 0.0], [0.0, 1.0, 2.0]])
+    probs = logits.softmax(-1)
+    own = torch.tensor([[0, 1], [2, 1]])
+    w = torch.tensor([[0.7, 0.3], [0.6, 0.4]])
+    _, w2, i2 = replay_router(Router(), (logits, w, own), torch.tensor([[1, 0], [0, 2]]))
+    assert torch.equal(i2[0], own[0]) and torch.equal(w2[0], w[0])  # same set: untouched
+    assert torch.equal(i2[1], torch.tensor([0, 2]))
+    p = probs[1, [0, 2]]
+    assert torch.allclose(w2[1], p / p.sum())
+
+
+def test_carriers_by_probability_position_and_heaviest_with_text():
+    from trainprobes.drift.carriers import carriers
+
+    class Tok:
+        def decode(self, ids):
+            return f"<{ids[0]}>"
+    x = torch.zeros(4, 6, dtype=torch.float64)
+    x[2, 5] = -3.0
+    x[1, 0] = 0.5
+    lp = torch.full((4, 6), -0.1, dtype=torch.float64)
+    lp[2, 5] = -9.0  # a rare token carries the drift
+    tok = torch.arange(24).reshape(4, 6)
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    c = carriers(x, mask, lp, tok, Tok(), top=3)
+    assert [h["position"] for h in c["heaviest_tokens"]] == [5, 0]  # zeros are not listed
+    assert c["heaviest_tokens"][0] == {"sequence": 2, "position": 5, "token_id": 17, "log_ratio": -3.0,
+                                       "p_train": pytest.approx(math.exp(-9)), "text": "<17>"}
+    rare = [r for r in c["by_probability"] if r["p_low"] == 0.0][0]
+    assert rare["n"] == 1 and rare["share_sq"] == pytest.approx(9 / 9.25)
+    assert sum(r["n"] for r in c["by_position"]) == 24
+    assert c["by_sequence_mean_abs"][2] == pytest.approx(0.5)
