@@ -35,7 +35,7 @@ import torch
 from trainprobes.errors import InvalidArgument
 from trainprobes.validation import check_choice, check_int
 
-__all__ = ["Accumulator", "PRESETS", "get_preset", "dot", "matmul", "ROUNDINGS", "ALIGNMENTS"]
+__all__ = ["Accumulator", "PRESETS", "get_preset", "dot", "dot_products", "matmul", "ROUNDINGS", "ALIGNMENTS"]
 
 ROUNDINGS = ("toward_zero", "nearest")
 ALIGNMENTS = ("terms", "sum")
@@ -216,6 +216,11 @@ def check_operands(a: torch.Tensor, b: torch.Tensor, what: str = "operands") -> 
             raise InvalidArgument(f"{what}: {name} holds {int(bad.sum())} non-finite value(s), "
                                   f"the first {t[idx].item()!r} at index {idx}; a GEMM of them has "
                                   "no relative error to judge (look for the overflow upstream)")
+    # fast path: both within 26 significant bits (fp32 and narrower), read off the low 26 bits
+    # of the float64 mantissa field
+    low26 = (1 << 26) - 1
+    if not bool((a.view(torch.int64) & low26).any()) and not bool((b.view(torch.int64) & low26).any()):
+        return
     sa, sb = _significant_bits(a), _significant_bits(b)
     if sa + sb > 53:
         raise InvalidArgument(f"{what}: a needs {sa} significant bits and b {sb}: their products "
@@ -225,7 +230,7 @@ def check_operands(a: torch.Tensor, b: torch.Tensor, what: str = "operands") -> 
 
 # --- the emulator -------------------------------------------------------------------------
 
-def dot(a: torch.Tensor, b: torch.Tensor, acc, *, checkpoints=None):
+def dot(a: torch.Tensor, b: torch.Tensor, acc, *, checkpoints=None, trace: dict | None = None):
     """Row-wise dot products sum_k a[..., k] * b[..., k] under the accumulator `acc` (a preset
     name or an Accumulator). a, b: float64 (or castable) tensors of one shape (..., K) holding
     values whose products are exact in float64.
@@ -233,6 +238,9 @@ def dot(a: torch.Tensor, b: torch.Tensor, acc, *, checkpoints=None):
     checkpoints: K values (multiples of F, <= K) at which to also return the partial result
     (what the accumulator would output for the first k products): then returns
     (result, {k: partial}).
+    trace: a dict to fill with "first_absorbed" (int64 per dot product: the K after the first
+    fused add that left the narrow sum unchanged although its products were not all zero, a
+    stall; -1 if none) and "absorbed" (how many such adds).
     """
     acc = get_preset(acc)
     a = torch.as_tensor(a).to(torch.float64)
@@ -241,10 +249,11 @@ def dot(a: torch.Tensor, b: torch.Tensor, acc, *, checkpoints=None):
         raise InvalidArgument(f"a has shape {tuple(a.shape)}, b {tuple(b.shape)}: the dot products "
                               "pair them element by element")
     check_operands(a, b)
-    return _dot_products(a * b, acc, checkpoints)
+    return dot_products(a * b, acc, checkpoints, trace)
 
 
-def _dot_products(p: torch.Tensor, acc: Accumulator, checkpoints=None):
+def dot_products(p: torch.Tensor, acc: Accumulator, checkpoints=None, trace=None):
+    """dot() on products p (..., K) already formed (exact; check_operands was the caller's)."""
     K = p.shape[-1]
     F, m = acc.fused_terms, acc.mantissa_bits
     marks = sorted(set(checkpoints or ()))
@@ -256,6 +265,9 @@ def _dot_products(p: torch.Tensor, acc: Accumulator, checkpoints=None):
     narrow = torch.zeros(shape, dtype=torch.float64)
     wide = torch.zeros(shape, dtype=torch.float64) if acc.promote_every else None
     seen, out = 0, {}
+    if trace is not None:
+        first = torch.full(shape, -1, dtype=torch.int64)
+        absorbed = torch.zeros(shape, dtype=torch.int64)
 
     def result():
         if wide is None:
@@ -264,14 +276,21 @@ def _dot_products(p: torch.Tensor, acc: Accumulator, checkpoints=None):
 
     for start in range(0, K, F):
         g = p[..., start:start + F]
+        before = narrow
         narrow = step(torch.cat((narrow.unsqueeze(-1), g), -1), m, acc.rounding)
         seen = min(start + F, K)
+        if trace is not None:
+            lost = (narrow == before) & (g != 0).any(-1)
+            absorbed += lost
+            first = torch.where(lost & (first < 0), torch.full_like(first, seen), first)
         if wide is not None and seen % acc.promote_every == 0:
             wide = _exact_round(torch.stack((wide, narrow), -1), FP32_BITS, "nearest")
             narrow = torch.zeros_like(narrow)
         if seen in marks:
             out[seen] = result()
     final = result()
+    if trace is not None:
+        trace.update(first_absorbed=first, absorbed=absorbed)
     return (final, out) if checkpoints is not None else final
 
 
@@ -285,6 +304,6 @@ def matmul(a: torch.Tensor, b: torch.Tensor, acc, *, block_rows: int = 64) -> to
                               "(M, K) and (K, N)")
     check_operands(a, b)
     acc = get_preset(acc)
-    rows = [_dot_products(a[i:i + block_rows, None, :] * b.t()[None], acc)
+    rows = [dot_products(a[i:i + block_rows, None, :] * b.t()[None], acc)
             for i in range(0, a.shape[0], block_rows)]
     return torch.cat(rows, 0) if rows else torch.zeros(0, b.shape[1], dtype=torch.float64)

@@ -32,7 +32,7 @@ from trainprobes.reference.formats import get_format
 from trainprobes.validation import check_choice
 
 __all__ = ["Recipe", "Quantized", "RECIPES", "get_recipe", "quantize", "mx_quantize",
-           "nvfp4_quantize", "hadamard"]
+           "nvfp4_quantize", "hadamard", "rotate"]
 
 ROLES = ("activation", "weight", "grad")
 E4M3_MAX, E2M1_MAX = 448.0, 6.0
@@ -146,22 +146,30 @@ def nvfp4_quantize(x: torch.Tensor, *, tensor_amax=None, mode: str = "nearest", 
 
 
 def hadamard(K: int, generator: torch.Generator, size: int = 16) -> torch.Tensor:
-    """A block-diagonal random Hadamard transform of K (K, K): H_16 / 4 times random signs
-    per block; orthogonal, so (A R)(B R)^T = A B^T exactly in real arithmetic."""
+    """The blocks (K/16, 16, 16) of a block-diagonal random Hadamard transform along K:
+    H_16 / 4 with rows of random signs per block. Orthogonal, so rotating both operands of
+    a GEMM along K (rotate) leaves A B^T unchanged in real arithmetic."""
     _check_blocks(K, size, "the random Hadamard transform")
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < size:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    h = h / math.sqrt(size)
-    blocks = K // size
-    signs = torch.randint(0, 2, (blocks, size), generator=generator).to(torch.float64) * 2 - 1
-    return torch.block_diag(*[signs[i, :, None] * h for i in range(blocks)])
+    signs = torch.randint(0, 2, (K // size, size, 1), generator=generator).to(torch.float64) * 2 - 1
+    return signs * h / math.sqrt(size)
 
 
-def quantize(x: torch.Tensor, recipe, role: str, *, generator: torch.Generator | None = None
-             ) -> Quantized:
+def rotate(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """x (rows, K) times the block-diagonal transform whose blocks are `blocks`."""
+    rows, K = x.shape
+    n, size, _ = blocks.shape
+    return torch.einsum("rbi,bij->rbj", x.reshape(rows, n, size), blocks).reshape(rows, K)
+
+
+def quantize(x: torch.Tensor, recipe, role: str, *, generator: torch.Generator | None = None,
+             tensor_amax: float | None = None) -> Quantized:
     """Operand x (rows, K) quantised as `recipe` quantises a `role` operand (module docstring).
-    generator: for stochastic rounding (recipes that use it need one)."""
+    generator: for stochastic rounding (recipes that use it need one).
+    tensor_amax: the amax of the whole tensor x was taken from (x may be some of its rows:
+    per-tensor and NVFP4 scales depend on the whole tensor, everything else on the rows)."""
     recipe = get_recipe(recipe)
     check_choice(role, "role", ROLES)
     x = torch.as_tensor(x).to(torch.float64)
@@ -185,12 +193,14 @@ def quantize(x: torch.Tensor, recipe, role: str, *, generator: torch.Generator |
         return Quantized(vals, one)
     if recipe.scaling in ("tensor", "row"):
         fmt = get_format(element)
-        amax = x.abs().amax() if recipe.scaling == "tensor" else x.abs().amax(-1, keepdim=True)
+        amax = (x.abs().amax() if tensor_amax is None else torch.tensor(float(tensor_amax), dtype=torch.float64)) \
+            if recipe.scaling == "tensor" else x.abs().amax(-1, keepdim=True)
         s = torch.where(amax > 0, amax / fmt.max_finite, torch.ones_like(amax))
         return Quantized(fmt.round(x / s, mode, saturate=True, generator=generator), s)
     if recipe.scaling == "mx":
         q, s = mx_quantize(x, element, recipe.block, mode=mode, generator=generator)
         return Quantized(q * s.repeat_interleave(recipe.block, -1), one)
     tile = 16 if recipe.weight_2d and role == "weight" else 1
-    q, s_b, s_t = nvfp4_quantize(x, mode=mode, generator=generator, tile_rows=tile)
+    q, s_b, s_t = nvfp4_quantize(x, mode=mode, generator=generator, tile_rows=tile,
+                                 tensor_amax=tensor_amax)
     return Quantized(q * s_b.repeat_interleave(16, -1), s_t)

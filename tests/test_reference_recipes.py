@@ -10,6 +10,7 @@ from trainprobes.reference.recipes import (
     mx_quantize,
     nvfp4_quantize,
     quantize,
+    rotate,
 )
 
 N_VALUES = 131_072  # >= 100,000 values per cast
@@ -104,9 +105,12 @@ def test_stochastic_rounding_is_unbiased_and_seeded():
 
 
 def test_hadamard_is_orthogonal_and_blockwise():
-    R = hadamard(64, torch.Generator().manual_seed(0))
+    blocks = hadamard(64, torch.Generator().manual_seed(0))
+    R = rotate(torch.eye(64, dtype=torch.float64), blocks)
     assert torch.allclose(R @ R.t(), torch.eye(64, dtype=torch.float64), atol=1e-15)
     assert R[:16, 16:].abs().sum() == 0
+    a, b = torch.randn(3, 64, dtype=torch.float64), torch.randn(5, 64, dtype=torch.float64)
+    assert torch.allclose(rotate(a, blocks) @ rotate(b, blocks).t(), a @ b.t(), atol=1e-12)
 
 
 def test_bad_input_is_named():
