@@ -23,6 +23,13 @@ def test_json_names_what_it_judged(capsys):
     assert m["recipe"] == "mxfp8" and code == (1 if m["biased"] else 0)
 
 
+def test_the_cli_names_are_the_registries():
+    from trainprobes.commands.gemm import PRESET_NAMES, RECIPE_NAMES
+    from trainprobes.reference.gemm import PRESETS
+    from trainprobes.reference.recipes import RECIPES
+    assert PRESET_NAMES == tuple(PRESETS) and RECIPE_NAMES == tuple(RECIPES)
+
+
 def test_unknown_names_and_blocks_are_usage_errors(capsys):
     assert main(["gemm", "--presets", "h100", "--k", "64"]) == 2
     assert "h200-scaled-mm" in capsys.readouterr().err

@@ -2,22 +2,27 @@
 from __future__ import annotations
 
 from trainprobes.commands.options import add_report_options, emit_report, parse_list
-from trainprobes.validation import parse_int, parse_number
+from trainprobes.validation import parse_choice, parse_int, parse_number
+
+# the names, without importing torch before argparse needs them
+PRESET_NAMES = ("h200-scaled-mm", "h200-scaled-mm-sum", "deepseek-v3", "b200-25bit", "fp32")
+RECIPE_NAMES = ("exact", "bf16", "fp8-tensor", "fp8-tensor-e4m3", "fp8-rowwise", "mxfp8",
+                "mxfp8-e5m2-grads", "mxfp4", "nvfp4", "nvfp4-paper")
 
 HELP = ("bias of low-precision GEMMs (FP8/MXFP8/NVFP4 recipes, tensor-core accumulators) against "
         "fp64: the preset x recipe x K table, or a model's Linear GEMMs (exit status 1 when biased)")
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--presets", type=parse_list(str, "--presets"),
+    parser.add_argument("--presets", type=parse_list(parse_choice("presets", PRESET_NAMES), "--presets"),
                         default=["h200-scaled-mm", "deepseek-v3", "fp32"], metavar="A,B",
                         help="accumulator presets (default: %(default)s)")
-    parser.add_argument("--recipes", type=parse_list(str, "--recipes"), default=["exact"],
+    parser.add_argument("--recipes", type=parse_list(parse_choice("recipes", RECIPE_NAMES), "--recipes"), default=["exact"],
                         metavar="A,B", help="quantisation recipes (default: exact: the operands "
                         "are already e4m3, the accumulator alone is judged)")
     parser.add_argument("--k", type=parse_list(parse_int("k", min=1), "--k"), default=[1024, 4096],
                         metavar="K1,K2", help="reduction lengths (default: 1024,4096)")
-    parser.add_argument("--gemm", default="fprop", choices=("fprop", "dgrad", "wgrad"),
+    parser.add_argument("--gemm", default="fprop", type=parse_choice("gemm", ("fprop", "dgrad", "wgrad")),
                         help="the operands' roles for the recipe (default: %(default)s)")
     parser.add_argument("--mean", type=parse_number("mean"), default=0.0,
                         help="mean of the random operands before the e4m3 cast (default 0: "
