@@ -103,12 +103,12 @@ def test_bad_input_is_named():
 
 
 @pytest.mark.slow
-def test_nearest_accumulator_false_positive_rate_over_200_seeds():
-    # docs/gemm.md quotes this rate: a round-to-nearest accumulator on random data is noise
-    # at the default tolerance (with tolerance 0 the t-test alone flags 12 of 200: 6%)
+def test_nearest_accumulator_is_not_called_biased_over_seeds():
+    # docs/gemm.md quotes the rate over 200 seeds (benchmarks/gemm_false_positives.py): 0 of
+    # 200 at the default tolerance, 12 of 200 with tolerance 0; 60 seeds here
     biased = 0
-    for seed in range(200):
+    for seed in range(60):
         a, b = _e4m3(16, 256, seed=2 * seed), _e4m3(16, 256, seed=2 * seed + 1)
         r = gemm_bias(a, b, preset=NEAREST, samples=128, trials=16, seed=seed, promotion=False)
         biased += r.metrics["biased"]
-    assert biased <= 6, biased  # alpha = 0.01: 2 expected, P(>= 7) < 0.5%
+    assert biased <= 3, biased  # alpha = 0.01: 0.6 expected, P(>= 4) < 0.5%
