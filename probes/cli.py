@@ -12,7 +12,8 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("audit", "gate", "stall", "bias", "collectives", "causality", "drift", "isolation", "transforms")
+COMMANDS = ("audit", "gate", "stall", "bias", "collectives", "causality", "drift", "isolation", "transforms",
+            "gemm")
 
 
 class _Parser(argparse.ArgumentParser):

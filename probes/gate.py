@@ -49,7 +49,8 @@ from trainprobes.validation import check_number
 ESTIMATES = (("TP-G2", "bias", "bias", "min_effect"),
              ("TP-G3", "mean_log_ratio", "drift", "min_bias"),
              ("TP-T4", "scale_error", "transform gradient scale error", "min_effect"),
-             ("TP-T4", "loss_relative_error", "transform loss error", "min_effect"))
+             ("TP-T4", "loss_relative_error", "transform loss error", "min_effect"),
+             ("TP-G2", "relative_bias", "GEMM relative bias", "tolerance"))
 # trainprobes.transforms: `equivalent` True -> False blocks, coded by the candidate's kind
 TRANSFORM_CODES = {"biased": "TP-T1", "inconsistent": "TP-T2", "wrong": "TP-T3"}
 
@@ -122,6 +123,7 @@ FLAG_LABELS = {
     "transforms.equivalence": ("transform_verdict", ("exact", "noise"),
                                ("biased", "inconsistent", "wrong")),
     "drift.compare": ("drift_verdict", ("clean", "noisy", "heavy-tailed"), ("biased",)),
+    "numerics.gemm": ("gemm_verdict", ("exact", "noise"), ("biased",)),
 }
 # Booleans beside the verdict one whose bad value carries its own code and never passes:
 # (metric, bad value, code). drift.verdict.judge: heavy_tailed -> TP-D2 (warn);
@@ -133,7 +135,7 @@ SIDE_FLAGS = {
     "isolation.documents": (("causal", False, "TP-C1"),),
 }
 # The probes' own floors (ESTIMATES): growth below one is not a regression, so they must be finite.
-FLOORS = ("min_effect", "min_bias")
+FLOORS = ("min_effect", "min_bias", "tolerance")
 
 
 class Counts(NamedTuple):
@@ -181,6 +183,8 @@ TESTS = {
     "numerics.bias": Significance("p_value", "alpha", "bias", "min_effect"),
     # drift.verdict.classify: biased = p_value < alpha and not |mean_log_ratio| < min_bias
     "drift.compare": Significance("p_value", "alpha", "mean_log_ratio", "min_bias"),
+    # numerics.gemm: biased = p_value < alpha and |relative_bias| >= tolerance
+    "numerics.gemm": Significance("p_value", "alpha", "relative_bias", "tolerance"),
 }
 
 

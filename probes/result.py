@@ -167,6 +167,11 @@ PROBES = {
         "rounding", "order_shape", "fan_in", "n", "input_format", "output_format"),
         ("accumulator_bits_lower_bound", "rounds_per_add", "rounding", "order_shape",
          "input_format", "output_format")),
+    "numerics.gemm": ProbeMetrics("biased", "TP-B1", ("relative_bias", "std", "trials"), (
+        "preset", "recipe", "gemm", "k", "samples", "trials", "relative_bias", "ci_low",
+        "ci_high", "std", "p_value", "alpha", "tolerance", "min_detectable_bias",
+        "max_relative_error", "sqnr_db", "growth_exponent", "stall_k", "promote_every_needed",
+        "biased", "gemm_verdict"), ("preset", "recipe", "gemm", "gemm_verdict")),
     "numerics.stall": ProbeMetrics(None, "TP-B2", (), (
         "rows", "rows_over_tolerance", "max_abs_relative_error", "rel_tol",
         "sequential_sum[...]")),

@@ -66,6 +66,21 @@ def _localized() -> dict:
     return out
 
 
+def _gemms() -> dict:
+    """numerics.gemm Results: biased (truncating accumulator on positive operands, with its
+    promotion search), noise (a 13-bit round-to-nearest accumulator on zero-mean operands) and exact (a wide accumulator)."""
+    import torch
+    from trainprobes.numerics.gemm import gemm_bias
+    from trainprobes.reference.gemm import PRESETS
+    nearest = PRESETS["h200-scaled-mm"].with_(rounding="nearest", alignment="sum")
+    g = torch.Generator().manual_seed(0)
+    pos = [(torch.rand(32, 512, generator=g) + 0.1).to(torch.float8_e4m3fn).double() for _ in "ab"]
+    zm = [torch.randn(32, 512, generator=g).to(torch.float8_e4m3fn).double() for _ in "ab"]
+    return {"biased gemm": gemm_bias(*pos, preset="h200-scaled-mm", samples=256, trials=16),
+            "noise gemm": gemm_bias(*zm, preset=nearest, samples=256, trials=16),
+            "exact gemm": gemm_bias(*zm, preset="b200-25bit", samples=256, trials=16)}
+
+
 @pytest.fixture(scope="module")
 def real():
     """Results as the probes write them, at small sizes (~5 s), covering every probe in
@@ -139,6 +154,7 @@ def real():
         "noise transform": _transform("noise"),
         "biased transform": _transform("biased"),
     }
+    out.update(_gemms())
     holm = rounding_side_by_side(world=6, numel=32, trials=8, op="avg")
     out.update({f"holm {i}": r for i, r in enumerate(holm)})
     out.update(_localized())
@@ -245,6 +261,8 @@ UNDETECTABLE = {
     ("temperature twice", "mean_abs_log_ratio"): DESCRIPTIVE + " (0.5 still lies between "
                                                   "|mean_log_ratio| and max_abs_log_ratio)",
     ("transforms.equivalence", "min_effect"): FLOOR,
+    ("numerics.gemm", "tolerance"): FLOOR,
+    ("exact gemm", "alpha"): "std = 0: the CI has no width at any alpha, and p = 1",
     **{("transforms.equivalence", f): SETTING for f in ("noise_tol", "replica_tol", "power",
                                                         "world")},
     **{("transforms.equivalence", f): DESCRIPTIVE for f in (

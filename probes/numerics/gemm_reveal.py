@@ -1,0 +1,77 @@
+"""A GEMM accumulator from crafted inputs: the accumulator reveal (numerics.reveal) read as the
+parameters of trainprobes.reference.gemm.Accumulator, plus two crafted tests it lacks.
+
+fn takes a 1-D tensor of n values and returns their dot product with ones (any adapter of
+numerics.reveal: matmul_reduction, scaled_mm_reduction, or the emulator itself).
+  1. reveal(): mantissa bits, rounding, the summation tree.
+  2. Fused width F: a consistent tree whose nodes join F leaves and the running sum reads
+     F = fan_in - 1 (a sequential chain: F = 1). An exact fused sum cancels +M and -M inside
+     one group exactly, so pairs in one group join at size 2 and the tree is inconsistent;
+     a pair across the first two groups then loses the F - 1 tiny terms of the first group:
+     F = (that size) - 1.
+  3. Alignment (F > 1): x = 2^E, 0.75 Q, 0.75 Q in one group (Q = 2^(E - m) the grid of
+     2^E) and -2^E in a later one. Aligned terms are each truncated to 0 (result 0); an
+     exact fused sum keeps 1.5 Q, which rounds to Q or 2 Q (result != 0).
+  4. Promotion (reveal_promotion): 2^(m + 12) then ones. The narrow sum absorbs every one
+     after the big value until it restarts: the ones lost are N_C - 1.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from trainprobes.errors import TargetError
+from trainprobes.numerics.reveal import reveal
+from trainprobes.reference.gemm import Accumulator
+
+# bf16 holds powers of two 2^-133 .. 2^127; the emulator's exact fused sum takes up to 92
+# binades in one add, so the crafted values stay below 2^-53 (80 binades above 2^-133)
+DTYPE, MAX_EXPONENT = "bf16", -53
+
+
+def _call(fn, values: dict, n: int) -> float:
+    x = torch.zeros(n, dtype=torch.float64)
+    for i, v in values.items():
+        x[i] = v
+    return torch.as_tensor(fn(x.to(torch.bfloat16))).reshape(-1)[0].double().item()
+
+
+def reveal_accumulator(fn, n: int = 64, *, name: str = "revealed", dtype=DTYPE,
+                       max_exponent=MAX_EXPONENT) -> Accumulator:
+    """The Accumulator fn behaves as (steps 1-3 of the module docstring); n must exceed F
+    for F to be seen (a single fused group reads as F >= n, reported as n)."""
+    r = reveal(fn, n=n, dtype=dtype, max_exponent=max_exponent, output_dtype="fp64",
+               target=name)
+    m, rounding = r.metrics["accumulator_mantissa_bits"], r.metrics["rounding"]
+    if r.metrics["accumulator_bits_lower_bound"] or rounding not in ("toward_zero", "nearest"):
+        raise TargetError(f"{name}: the reveal found {r.message!r}: no finite accumulator to model "
+                          "(raise the range with max_exponent, or the accumulator is wider)")
+    sizes = r.evidence["sizes"]
+    shape = r.metrics["order_shape"]
+    if shape.startswith("sequential"):
+        F = 1
+    elif shape.startswith("fused") or (r.metrics["fan_in"] or 2) > 2 and shape != "inconsistent":
+        F = r.metrics["fan_in"] - 1 if r.metrics["fan_in"] < n else n
+    else:
+        bigger = [s for row in sizes for s in row if s > 2]
+        F = (min(bigger) - 1) if bigger else n
+    alignment = "sum"
+    if F > 2 and F < n:
+        t = -133 + 8  # a d that bf16 holds with room below
+        E = t + m + 2
+        Q = 2.0 ** (E - m)
+        out = _call(fn, {0: 2.0 ** E, 1: 0.75 * Q, 2: 0.75 * Q, n - 1: -(2.0 ** E)}, n)
+        alignment = "terms" if out == 0 else "sum"
+    return Accumulator(name, m, F, rounding, alignment, None,
+                       f"revealed from crafted inputs (n={n}): {r.message}")
+
+
+def reveal_promotion(fn, n: int, mantissa_bits: int, *, dtype=DTYPE) -> int | None:
+    """N_C (step 4), or None when the narrow sum never restarts within n inputs."""
+    M = 2.0 ** (mantissa_bits + 12)
+    x = {0: M, **{i: 1.0 for i in range(1, n)}}
+    out = _call(fn, x, n)
+    if not math.isfinite(out):
+        raise TargetError(f"fn returned {out!r} for 2^{mantissa_bits + 12} followed by ones")
+    lost = (n - 1) - round(out - M)
+    return None if lost >= n - 1 else lost + 1

@@ -1,0 +1,309 @@
+"""Tensor-core accumulators: a dot-product / GEMM emulator whose accumulator is a parameter.
+
+Products of fp8, fp4 and bf16 values (block scales that are powers of two or e4m3 folded in)
+are exact in float64, so the only rounding in a low-precision GEMM is the accumulator's. An
+Accumulator is five numbers and two choices (Fasi, Higham, Mikaitis and Pranesh 2021, "Numerical
+behavior of NVIDIA tensor cores"; DeepSeek-V3 report, arXiv 2412.19437, section 3.3):
+
+  mantissa_bits  m: explicit bits of the running sum (13: a 14-bit significand).
+  fused_terms    F: products added in one fused step (1: an ordinary sequential sum).
+  rounding       of each fused step's result to m bits: "toward_zero" or "nearest" (even).
+  alignment      "terms": every term of a fused step (the F products and the running sum) is
+                 shifted to the largest exponent emax among them and truncated to the grid
+                 2^(emax - m) before an exact integer sum (what the hardware papers describe:
+                 bits shifted out are dropped); "sum": the F products and the running sum are
+                 added exactly and the result rounded once. The two disagree whenever small
+                 terms are lost in the alignment; hardware reports disagree, so both exist.
+  promote_every  N_C: every N_C elements of K the narrow partial sum is added to an fp32
+                 accumulator (round to nearest, fp32) and restarted from 0: DeepSeek-V3's fix.
+
+The accumulator's exponent range is unbounded (fp8 products lie within 2^-36 .. 2^32, far
+inside fp32's). Step by step, for one dot product of the products p_0 .. p_{K-1}:
+  1. acc = 0; for each group g of F consecutive products (the last may be shorter):
+  2. "sum":   acc = round_m(acc + sum(g)), the sum exact (two-lane split, _exact_round);
+     "terms": emax = max floor(log2 |x|) over x in g and acc; Q = 2^(emax - m);
+              acc = round_m(sum(trunc(x / Q) * Q)), the sum exact (integers below 2^(m+1));
+  3. with N_C: after every N_C products, acc32 = round_23(acc32 + acc), acc = 0;
+     the result is round_23(acc32 + acc) (the last, partial interval included).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from trainprobes.errors import InvalidArgument
+from trainprobes.validation import check_choice, check_int
+
+__all__ = ["Accumulator", "PRESETS", "get_preset", "dot", "dot_products", "matmul", "ROUNDINGS", "ALIGNMENTS"]
+
+ROUNDINGS = ("toward_zero", "nearest")
+ALIGNMENTS = ("terms", "sum")
+FP32_BITS = 23
+
+
+@dataclass(frozen=True)
+class Accumulator:
+    """A tensor-core accumulator model (module docstring); `source` says where it was measured."""
+
+    name: str
+    mantissa_bits: int
+    fused_terms: int
+    rounding: str
+    alignment: str
+    promote_every: int | None = None
+    source: str = ""
+
+    def __post_init__(self):
+        check_int(self.mantissa_bits, "mantissa_bits", min=1, max=45,
+                  hint="the accumulator's explicit significand bits, e.g. 13 or 23")
+        check_int(self.fused_terms, "fused_terms", min=1, max=4096, hint="e.g. 1, 16 or 32")
+        check_choice(self.rounding, "rounding", ROUNDINGS)
+        check_choice(self.alignment, "alignment", ALIGNMENTS)
+        if self.promote_every is not None:
+            check_int(self.promote_every, "promote_every", min=1, hint="e.g. 128 (DeepSeek-V3)")
+            if self.promote_every % self.fused_terms:
+                raise InvalidArgument(f"promote_every={self.promote_every!r} is not a multiple of "
+                                      f"fused_terms={self.fused_terms!r}: a fused add cannot be "
+                                      "split; use a multiple, e.g. "
+                                      f"{self.fused_terms * max(1, self.promote_every // self.fused_terms)}")
+
+    def with_(self, **changes) -> Accumulator:
+        """A copy with some parameters changed (named after the change)."""
+        new = replace(self, **changes)
+        if "name" not in changes:
+            bits = ",".join(f"{k}={v}" for k, v in changes.items())
+            new = replace(new, name=f"{self.name}[{bits}]")
+        return new
+
+    def describe(self) -> str:
+        s = (f"{self.mantissa_bits} mantissa bits, {self.fused_terms}-term fused adds, "
+             f"{self.rounding.replace('_', ' ')}, {self.alignment} alignment")
+        return s + (f", promoted to fp32 every {self.promote_every}" if self.promote_every else "")
+
+
+_H200 = ("reports/gpu-check.md: torch._scaled_mm e4m3 -> bf16 on an H200 (sm90), the accumulator "
+         "reveal at n=32: 13 mantissa bits, one consistent 32-term fused node, toward zero. A "
+         "consistent fused node and a 13-bit precision are what the 'terms' alignment gives; an "
+         "exact fused sum would cancel +M - M exactly and keep every small term (the reveal "
+         "would see pairs of size 2 and no precision limit)")
+PRESETS: dict[str, Accumulator] = {p.name: p for p in (
+    Accumulator("h200-scaled-mm", 13, 32, "toward_zero", "terms", None, _H200),
+    Accumulator("h200-scaled-mm-sum", 13, 32, "toward_zero", "sum", None,
+                "the other reading of the same measurements (FIELD_NOTES: an exact 32-term sum "
+                "truncated to a 14-bit significand); the H200 reveal did not match it"),
+    Accumulator("deepseek-v3", 13, 32, "toward_zero", "terms", 128,
+                "DeepSeek-V3 report (arXiv 2412.19437) section 3.3: ~14 bits of accumulation on "
+                "Hopper, partial sums copied to fp32 CUDA-core registers every N_C = 128 "
+                "elements; the narrow part is the h200-scaled-mm model"),
+    Accumulator("b200-25bit", 25, 32, "toward_zero", "terms", None,
+                "DeepGEMM issue #176: 25 accumulator mantissa bits measured on B200; fused width "
+                "and alignment not reported there (32 and 'terms' assumed, as on Hopper)"),
+    Accumulator("fp32", FP32_BITS, 1, "nearest", "sum", None,
+                "IEEE 754 binary32, one correctly rounded add per product: CUDA-core FMA "
+                "accumulation, and what torch._scaled_mm on the CPU (torch 2.13) reveals"),
+)}
+
+
+def get_preset(name) -> Accumulator:
+    """An Accumulator by preset name (or the Accumulator itself)."""
+    if isinstance(name, Accumulator):
+        return name
+    return PRESETS[check_choice(name, "preset", tuple(PRESETS), hint="an accumulator preset")]
+
+
+# --- exact rounding helpers ----------------------------------------------------------------
+
+def _exponent(x: torch.Tensor) -> torch.Tensor:
+    """floor(log2 |x|) as int64 (0 for x == 0; callers mask zeros)."""
+    _, e = torch.frexp(x)
+    return e.to(torch.int64) - 1
+
+
+def _round_bits(x: torch.Tensor, m: int, mode: str) -> torch.Tensor:
+    """x (float64, exact) rounded to an m-bit mantissa, unbounded exponent."""
+    q = torch.ldexp(torch.ones_like(x), _exponent(x) - m)
+    y = x / q  # exact: a power-of-two scale
+    y = torch.round(y) if mode == "nearest" else torch.trunc(y)  # torch.round: half to even
+    return torch.where(x == 0, x, y * q)
+
+
+def _two_sum(a, b):
+    """s = fl(a + b) and the exact error r = (a + b) - s (Knuth)."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+def _round_pair(s, r, m: int, mode: str) -> torch.Tensor:
+    """round_m(s + r) where s = fl(s + r) in float64 and r the exact remainder.
+
+    m <= 45 < 52, so every m-bit grid point and midpoint is a float64: s + r rounds as s does,
+    unless s itself is a grid point or midpoint and r != 0; then the neighbour of s on r's
+    side rounds as s + r does (no grid point or midpoint lies strictly between them)."""
+    toward = torch.where(r > 0, torch.full_like(s, math.inf), torch.full_like(s, -math.inf))
+    s = torch.where(r != 0, torch.nextafter(s, toward), s)
+    return _round_bits(s, m, mode)
+
+
+def _quantum(x: torch.Tensor) -> torch.Tensor:
+    """The largest power of two every element of each row of x is a whole multiple of (rows
+    of zeros: 1)."""
+    mant, e = torch.frexp(x)
+    M = torch.ldexp(mant, torch.full_like(e, 53)).to(torch.int64)  # exact integer significand
+    low = (M & -M).to(torch.float64)  # its lowest set bit
+    q = torch.ldexp(low, e.to(torch.int64) - 53)
+    q = torch.where(x == 0, torch.full_like(q, math.inf), q)
+    q = q.amin(dim=-1)
+    return torch.where(torch.isinf(q), torch.ones_like(q), q)
+
+
+LANE_BITS = 40
+
+
+def _exact_round(terms: torch.Tensor, m: int, mode: str) -> torch.Tensor:
+    """round_m of the exact sum of each row of `terms` (float64, (..., T), T <= 2^12).
+
+    Two lanes: with q the row's quantum and B = 2^40 q, each term is H + L with H a multiple
+    of B and |L| < B a multiple of q; the L sum (< 2^52 q) and the H sum (< 2^53 B when the
+    row's magnitudes stay under 2^92 q, checked) are exact, and their sum is rounded through
+    _round_pair. T == 2 needs no lanes: TwoSum is exact."""
+    if terms.shape[-1] == 2:
+        s, r = _two_sum(terms[..., 0], terms[..., 1])
+        return _round_pair(s, r, m, mode)
+    q = _quantum(terms).unsqueeze(-1)
+    span = terms.abs().sum(-1, keepdim=True) / q
+    if bool((span >= 2.0 ** 92).any()):
+        raise InvalidArgument("operands span more than 92 binades within one fused add: the "
+                              "emulator cannot sum them exactly; scale the operands as a recipe "
+                              "does (fp8/fp4/bf16 products of scaled tensors stay far inside)")
+    B = q * 2.0 ** LANE_BITS
+    H = torch.trunc(terms / B) * B
+    L = terms - H
+    s, r = _two_sum(H.sum(-1), L.sum(-1))
+    return _round_pair(s, r, m, mode)
+
+
+def _aligned_round(terms: torch.Tensor, m: int, mode: str) -> torch.Tensor:
+    """'terms' alignment: every term truncated to the grid 2^(emax - m) of the row's largest
+    exponent, summed exactly (at most 4097 integers below 2^(m+1) <= 2^46), then rounded."""
+    nz = terms != 0
+    e = torch.where(nz, _exponent(terms), torch.full_like(terms, -(2 ** 40), dtype=torch.int64))
+    emax = e.amax(dim=-1, keepdim=True)
+    emax = torch.where(emax < -(2 ** 39), torch.zeros_like(emax), emax)  # a row of zeros
+    Q = torch.ldexp(torch.ones_like(terms[..., :1]), emax - m)
+    aligned = torch.trunc(terms / Q) * Q
+    return _round_bits(aligned.sum(-1), m, mode)
+
+
+def _significant_bits(x: torch.Tensor) -> int:
+    """Most significant bits any element of x needs (0 for all zeros)."""
+    nz = x[x != 0]
+    if nz.numel() == 0:
+        return 0
+    mant, _ = torch.frexp(nz)
+    M = torch.ldexp(mant.abs(), torch.full(mant.shape, 53, dtype=torch.int32)).to(torch.int64)
+    low = (M & -M).to(torch.float64)
+    return int(53 - torch.log2(low).amax().item())
+
+
+def check_operands(a: torch.Tensor, b: torch.Tensor, what: str = "operands") -> None:
+    """Finite, and narrow enough that every product is exact in float64."""
+    for name, t in (("a", a), ("b", b)):
+        bad = ~torch.isfinite(t)
+        if bool(bad.any()):
+            idx = tuple(int(i) for i in torch.nonzero(bad)[0])
+            raise InvalidArgument(f"{what}: {name} holds {int(bad.sum())} non-finite value(s), "
+                                  f"the first {t[idx].item()!r} at index {idx}; a GEMM of them has "
+                                  "no relative error to judge (look for the overflow upstream)")
+    # fast path: both within 26 significant bits (fp32 and narrower), read off the low 26 bits
+    # of the float64 mantissa field
+    low26 = (1 << 26) - 1
+    if not bool((a.view(torch.int64) & low26).any()) and not bool((b.view(torch.int64) & low26).any()):
+        return
+    sa, sb = _significant_bits(a), _significant_bits(b)
+    if sa + sb > 53:
+        raise InvalidArgument(f"{what}: a needs {sa} significant bits and b {sb}: their products "
+                              "are not exact in float64 (the emulator's premise); quantise them "
+                              "first (fp8, fp4, bf16 and their block scales are exact)")
+
+
+# --- the emulator -------------------------------------------------------------------------
+
+def dot(a: torch.Tensor, b: torch.Tensor, acc, *, checkpoints=None, trace: dict | None = None):
+    """Row-wise dot products sum_k a[..., k] * b[..., k] under the accumulator `acc` (a preset
+    name or an Accumulator). a, b: float64 (or castable) tensors of one shape (..., K) holding
+    values whose products are exact in float64.
+
+    checkpoints: K values (multiples of F, <= K) at which to also return the partial result
+    (what the accumulator would output for the first k products): then returns
+    (result, {k: partial}).
+    trace: a dict to fill with "first_absorbed" (int64 per dot product: the K after the first
+    fused add that left the narrow sum unchanged although its products were not all zero, a
+    stall; -1 if none) and "absorbed" (how many such adds).
+    """
+    acc = get_preset(acc)
+    a = torch.as_tensor(a).to(torch.float64)
+    b = torch.as_tensor(b).to(torch.float64)
+    if a.shape != b.shape:
+        raise InvalidArgument(f"a has shape {tuple(a.shape)}, b {tuple(b.shape)}: the dot products "
+                              "pair them element by element")
+    check_operands(a, b)
+    return dot_products(a * b, acc, checkpoints, trace)
+
+
+def dot_products(p: torch.Tensor, acc: Accumulator, checkpoints=None, trace=None):
+    """dot() on products p (..., K) already formed (exact; check_operands was the caller's)."""
+    K = p.shape[-1]
+    F, m = acc.fused_terms, acc.mantissa_bits
+    marks = sorted(set(checkpoints or ()))
+    for k in marks:
+        if not (0 < k <= K and (k % F == 0 or k == K)):
+            raise InvalidArgument(f"checkpoint {k!r}: must be a multiple of fused_terms={F} in 1..K={K}")
+    step = _aligned_round if acc.alignment == "terms" else _exact_round
+    shape = p.shape[:-1]
+    narrow = torch.zeros(shape, dtype=torch.float64)
+    wide = torch.zeros(shape, dtype=torch.float64) if acc.promote_every else None
+    seen, out = 0, {}
+    if trace is not None:
+        first = torch.full(shape, -1, dtype=torch.int64)
+        absorbed = torch.zeros(shape, dtype=torch.int64)
+
+    def result():
+        if wide is None:
+            return narrow.clone()
+        return _exact_round(torch.stack((wide, narrow), -1), FP32_BITS, "nearest")
+
+    for start in range(0, K, F):
+        g = p[..., start:start + F]
+        before = narrow
+        narrow = step(torch.cat((narrow.unsqueeze(-1), g), -1), m, acc.rounding)
+        seen = min(start + F, K)
+        if trace is not None:
+            lost = (narrow == before) & (g != 0).any(-1)
+            absorbed += lost
+            first = torch.where(lost & (first < 0), torch.full_like(first, seen), first)
+        if wide is not None and seen % acc.promote_every == 0:
+            wide = _exact_round(torch.stack((wide, narrow), -1), FP32_BITS, "nearest")
+            narrow = torch.zeros_like(narrow)
+        if seen in marks:
+            out[seen] = result()
+    final = result()
+    if trace is not None:
+        trace.update(first_absorbed=first, absorbed=absorbed)
+    return (final, out) if checkpoints is not None else final
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, acc, *, block_rows: int = 64) -> torch.Tensor:
+    """a (M, K) @ b (K, N) under the accumulator, every output element emulated (rows of a in
+    blocks of block_rows, so the (rows, N, K) products stay bounded)."""
+    a = torch.as_tensor(a).to(torch.float64)
+    b = torch.as_tensor(b).to(torch.float64)
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise InvalidArgument(f"matmul of shapes {tuple(a.shape)} and {tuple(b.shape)}: need "
+                              "(M, K) and (K, N)")
+    check_operands(a, b)
+    acc = get_preset(acc)
+    rows = [dot_products(a[i:i + block_rows, None, :] * b.t()[None], acc)
+            for i in range(0, a.shape[0], block_rows)]
+    return torch.cat(rows, 0) if rows else torch.zeros(0, b.shape[1], dtype=torch.float64)

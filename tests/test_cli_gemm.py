@@ -1,0 +1,38 @@
+"""`trainprobes gemm`: the table, --json, exit codes."""
+import json
+
+from trainprobes.cli import main
+
+
+def test_table_and_exit_status(capsys):
+    code = main(["gemm", "--k", "512", "--rows", "32", "--samples", "128", "--trials", "16",
+                 "--presets", "h200-scaled-mm,fp32", "--mean", "1"])
+    out = capsys.readouterr().out
+    assert code == 1 and "h200-scaled-mm" in out and "biased" in out
+
+
+def test_json_names_what_it_judged(capsys):
+    code = main(["gemm", "--k", "256", "--rows", "16", "--samples", "64", "--trials", "8",
+                 "--presets", "fp32", "--recipes", "mxfp8", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    results = doc["results"] if isinstance(doc, dict) else doc
+    m = results[0]["metrics"]
+    for key in ("preset", "recipe", "gemm", "k", "relative_bias", "ci_low", "ci_high",
+                "max_relative_error", "sqnr_db", "biased", "stall_k"):
+        assert key in m
+    assert m["recipe"] == "mxfp8" and code == (1 if m["biased"] else 0)
+
+
+def test_the_cli_names_are_the_registries():
+    from trainprobes.commands.gemm import PRESET_NAMES, RECIPE_NAMES
+    from trainprobes.reference.gemm import PRESETS
+    from trainprobes.reference.recipes import RECIPES
+    assert PRESET_NAMES == tuple(PRESETS) and RECIPE_NAMES == tuple(RECIPES)
+
+
+def test_unknown_names_and_blocks_are_usage_errors(capsys):
+    assert main(["gemm", "--presets", "h100", "--k", "64"]) == 2
+    assert "h200-scaled-mm" in capsys.readouterr().err
+    assert main(["gemm", "--recipes", "mxfp8", "--k", "40", "--rows", "8", "--samples", "16",
+                 "--trials", "4"]) == 2
+    assert "multiple of the block size 32" in capsys.readouterr().err

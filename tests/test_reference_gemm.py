@@ -1,0 +1,220 @@
+"""trainprobes.reference.gemm against an independent scalar model in Python integers, and the
+accumulator reveal run on the emulator."""
+import math
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from trainprobes.errors import InvalidArgument
+from trainprobes.reference.gemm import PRESETS, Accumulator, dot, get_preset, matmul
+
+# --- the slow model: every value an integer count of 2^-UNIT ------------------------------
+# e4m3/e5m2 products are multiples of 2^-36 (e5m2 subnormal 2^-16 squared is 2^-32; the
+# all-equal and scaled cases stay above 2^-40), so integers in units of 2^-64 hold every
+# product and every rounded sum exactly; Python integers do not overflow.
+UNIT = 64
+
+
+def _to_int(x: float) -> int:
+    n, d = float(x).as_integer_ratio()
+    v = n * (1 << UNIT)
+    assert v % d == 0, x
+    return v // d
+
+
+def _floor_log2(v: int) -> int:  # in units: floor(log2 |v|) of the integer
+    return abs(v).bit_length() - 1
+
+
+def _round_int(v: int, m: int, mode: str) -> int:
+    """v rounded to m mantissa bits (integer arithmetic, unbounded exponent)."""
+    if v == 0:
+        return 0
+    k = _floor_log2(v) - m  # the grid is 2^k units
+    if k <= 0:
+        return v
+    sign, a = (1 if v > 0 else -1), abs(v)
+    q, r = divmod(a, 1 << k)
+    if mode == "nearest":
+        half = 1 << (k - 1)
+        if r > half or (r == half and q % 2 == 1):
+            q += 1
+    return sign * (q << k)
+
+
+def _trunc_to(v: int, k: int) -> int:
+    """v truncated toward zero to a multiple of 2^k units (k <= 0: unchanged)."""
+    if k <= 0:
+        return v
+    return (1 if v >= 0 else -1) * ((abs(v) >> k) << k)
+
+
+def slow_dot(products: list[int], acc: Accumulator) -> int:
+    F, m = acc.fused_terms, acc.mantissa_bits
+    narrow, wide, seen = 0, 0, 0
+    for start in range(0, len(products), F):
+        group = products[start:start + F]
+        if acc.alignment == "sum":
+            narrow = _round_int(narrow + sum(group), m, acc.rounding)
+        else:
+            terms = [narrow] + group
+            nz = [t for t in terms if t]
+            if nz:
+                k = max(_floor_log2(t) for t in nz) - m
+                narrow = _round_int(sum(_trunc_to(t, k) for t in terms), m, acc.rounding)
+        seen += len(group)
+        if acc.promote_every and seen % acc.promote_every == 0:
+            wide, narrow = _round_int(wide + narrow, 23, "nearest"), 0
+    return _round_int(wide + narrow, 23, "nearest") if acc.promote_every else narrow
+
+
+# --- generated dot products (vectorised: one hypothesis example is a batch) ---------------
+KINDS = ("random", "all_equal", "cancelling", "subnormal", "mixed", "positive")
+
+
+def _batch(kind: str, seed: int, rows: int, K: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
+    finfo_max = 448.0 if fmt == "e4m3" else 57344.0
+    tiny = 2.0 ** -9 if fmt == "e4m3" else 2.0 ** -16
+
+    def cast(x):
+        return x.clamp(-finfo_max, finfo_max).to(dtype).double()
+
+    if kind == "random":
+        a, b = torch.randn(rows, K, generator=g), torch.randn(rows, K, generator=g)
+    elif kind == "positive":
+        a, b = torch.rand(rows, K, generator=g) + 0.01, torch.rand(rows, K, generator=g) + 0.01
+    elif kind == "all_equal":
+        v = torch.randn(rows, 1, generator=g).expand(rows, K)
+        a, b = v.clone(), torch.ones(rows, K)
+    elif kind == "cancelling":  # x, then -x later: the exact sum is 0 or tiny
+        half = torch.randn(rows, K // 2, generator=g) * 8
+        a = torch.cat((half, -half.flip(-1)), -1)
+        a = torch.cat((a, torch.randn(rows, K - a.shape[1], generator=g)), -1)
+        b = torch.ones(rows, K)
+    elif kind == "subnormal":
+        a = torch.randint(-7, 8, (rows, K), generator=g).double() * tiny
+        b = torch.randint(-7, 8, (rows, K), generator=g).double() * tiny
+    else:  # mixed magnitudes: big terms beside small ones, the alignment's hard case
+        scale = 2.0 ** torch.randint(-8, 8, (rows, K), generator=g).double()
+        a, b = torch.randn(rows, K, generator=g) * scale, torch.randn(rows, K, generator=g)
+    return cast(a.double()), cast(b.double())
+
+
+def _check(preset: str, kind: str, seed: int, rows: int, K: int, fmt: str) -> int:
+    acc = get_preset(preset)
+    a, b = _batch(kind, seed, rows, K, fmt)
+    got = dot(a, b, acc)
+    prods = (a * b).numpy()
+    for i in range(rows):
+        want = slow_dot([_to_int(x) for x in prods[i]], acc)
+        assert _to_int(got[i].item()) == want, (preset, kind, seed, i, got[i].item(),
+                                                want / 2.0 ** UNIT)
+    return rows
+
+
+CASES = st.tuples(st.sampled_from(KINDS), st.integers(0, 2 ** 31), st.integers(1, 160),
+                  st.sampled_from(("e4m3", "e5m2")))
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(case=CASES)
+def test_emulator_matches_the_scalar_model_bit_for_bit(preset, case):
+    kind, seed, K, fmt = case
+    _check(preset, kind, seed, 20, K, fmt)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_ten_thousand_dot_products_per_preset_bit_for_bit(preset):
+    # every kind, both fp8 formats, K from 1 to 300 (across fused groups and promotions)
+    rng = np.random.default_rng(zlib.crc32(preset.encode()))
+    done = 0
+    while done < 10_000:
+        for kind in KINDS:
+            done += _check(preset, kind, int(rng.integers(2 ** 31)), 100,
+                           int(rng.integers(1, 300)), ("e4m3", "e5m2")[done % 2])
+    assert done >= 10_000
+
+
+@pytest.mark.parametrize("variant", [dict(alignment="sum"), dict(rounding="nearest"),
+                                     dict(fused_terms=1), dict(fused_terms=16, promote_every=64)])
+def test_the_variants_match_the_scalar_model(variant):
+    acc = get_preset("h200-scaled-mm").with_(**variant)
+    for kind in KINDS:
+        a, b = _batch(kind, 7, 30, 200, "e4m3")
+        got = dot(a, b, acc)
+        prods = (a * b).numpy()
+        for i in range(30):
+            assert _to_int(got[i].item()) == slow_dot([_to_int(x) for x in prods[i]], acc)
+
+
+def test_the_scalar_model_tells_the_presets_apart():
+    # the agreement above means something: on mixed magnitudes the models differ
+    a, b = _batch("mixed", 5, 50, 300, "e4m3")
+    prods = [[_to_int(x) for x in row] for row in (a * b).numpy()]
+    got = {p: [slow_dot(r, PRESETS[p]) for r in prods] for p in PRESETS}
+    assert len({tuple(v) for v in got.values()}) == len(PRESETS)
+    assert [_to_int(v) for v in dot(a, b, "h200-scaled-mm").tolist()] != got["h200-scaled-mm-sum"]
+
+
+def test_matmul_is_the_dot_products_of_rows_and_columns():
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(5, 96, generator=g).to(torch.float8_e4m3fn).double()
+    b = torch.randn(96, 7, generator=g).to(torch.float8_e4m3fn).double()
+    c = matmul(a, b, "h200-scaled-mm", block_rows=2)
+    for i in range(5):
+        assert torch.equal(c[i], dot(a[i].expand(7, 96), b.t(), "h200-scaled-mm"))
+
+
+def test_a_sum_that_truncation_stalls_and_promotion_rescues():
+    # 2^20 then ones: each 1 is below the 2^(20-13) grid and truncated away; restarting the
+    # narrow sum every 128 elements (DeepSeek-V3's fix) keeps all but the first interval's
+    x = torch.ones(1, 4096, dtype=torch.float64)
+    x[0, 0] = 2.0 ** 20
+    one = torch.ones_like(x)
+    assert dot(x, one, "h200-scaled-mm").item() == 2.0 ** 20
+    assert dot(x, one, "deepseek-v3").item() == 2.0 ** 20 + 4095 - 127
+    assert dot(x, one, "fp32").item() == 2.0 ** 20 + 4095
+
+
+def test_checkpoints_are_the_partial_results():
+    a, b = _batch("random", 1, 10, 256, "e4m3")
+    full, parts = dot(a, b, "deepseek-v3", checkpoints=[64, 128, 256])
+    assert torch.equal(parts[256], full)
+    assert torch.equal(parts[64], dot(a[:, :64], b[:, :64], "deepseek-v3"))
+    assert torch.equal(parts[128], dot(a[:, :128], b[:, :128], "deepseek-v3"))
+
+
+def test_bad_input_is_named():
+    with pytest.raises(InvalidArgument, match="h200-scaled-mm"):
+        get_preset("h100")
+    x = torch.ones(2, 8, dtype=torch.float64)
+    y = x.clone()
+    y[1, 3] = math.nan
+    with pytest.raises(InvalidArgument, match=r"non-finite.*index \(1, 3\)"):
+        dot(x, y, "fp32")
+    with pytest.raises(InvalidArgument, match="not exact in float64"):
+        dot(torch.rand(2, 8, dtype=torch.float64), torch.rand(2, 8, dtype=torch.float64), "fp32")
+    with pytest.raises(InvalidArgument, match="multiple of fused_terms"):
+        Accumulator("x", 13, 32, "toward_zero", "terms", promote_every=100)
+
+
+# --- the reveal on the emulator returns each preset's own parameters ----------------------
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_reveal_on_the_emulator_returns_the_preset(preset):
+    from trainprobes.numerics.gemm_reveal import reveal_accumulator
+    acc = PRESETS[preset]
+    found = reveal_accumulator(lambda x: dot(x.double().reshape(1, -1),
+                                             torch.ones(1, x.numel(), dtype=torch.float64), acc),
+                               n=64 if acc.fused_terms > 1 else 12)
+    assert found.mantissa_bits == acc.mantissa_bits
+    assert found.fused_terms == acc.fused_terms
+    assert found.rounding == acc.rounding
+    assert found.alignment == acc.alignment
