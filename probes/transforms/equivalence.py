@@ -26,7 +26,16 @@ import torch
 from trainprobes.errors import InvalidArgument, InvalidType, TargetError, TrainprobesError
 from trainprobes.result import Result
 from trainprobes.transforms.base import Transform
-from trainprobes.transforms.judge import LOSS, Judgement, Observed, default_noise_tol, judge, lowest_precision
+from trainprobes.transforms.judge import (
+    LOSS,
+    Judgement,
+    Observed,
+    declaration_hint,
+    default_noise_tol,
+    judge,
+    lowest_precision,
+    undeclared_format,
+)
 from trainprobes.transforms.step import TrainingStep, Truth, check_step, single_device
 from trainprobes.transforms.tolerances import compare_tolerances
 from trainprobes.transforms.worker import DTYPES, RankCase, resolve_step
@@ -184,9 +193,17 @@ def finish(prep: Prepared, out: dict, *, world: int, backend: str) -> Result:
                 "rank_step_seconds": out["seconds"].tolist()}
     if p.tolerances:
         evidence["tolerances"] = compare_tolerances(base, obs)
+    message = j.message
+    if not j.equivalent and j.kind != "inconsistent" and hasattr(t, "precisions"):
+        # a user's step declares its formats itself: a correct bf16 step left undeclared is
+        # judged as fp32, and fails; say which format explains the error (it still fails)
+        found = undeclared_format(j.evidence["per_trial"]["added_error"], prep.dtype, t.dtypes())
+        if found is not None:
+            evidence["undeclared_format"] = found
+            message += declaration_hint(found)
     return Result(probe=PROBE, target=target, verdict="pass" if j.equivalent else "fail",
                   metrics=metrics, evidence=evidence, seed=p.seed,
-                  codes=[CODES[j.kind]] if j.kind in CODES else [], message=j.message,
+                  codes=[CODES[j.kind]] if j.kind in CODES else [], message=message,
                   expected=p.expected)
 
 
@@ -219,7 +236,8 @@ def run_probes(probes: list, *, world: int = 2, backend: str = "gloo", timeout: 
         if progress:
             progress(f"checking and computing the fp64 truth of {p.target or p.transform.label}")
         prepared.append(prepare(p, world, device=base_device(backend)))
-    cases = [RankCase(pr.probe.step, pr.probe.transform, pr.seeds) for pr in prepared]
+    import sys
+    cases = [RankCase(pr.probe.step, pr.probe.transform, pr.seeds, tuple(sys.path)) for pr in prepared]
     try:
         outs = launch(cases_task, world, backend=backend, timeout=timeout, args=(cases, backend),
                       port=port, progress=progress)

@@ -395,3 +395,42 @@ def _verdict(names, metrics, tests, table, significant, replicas, nonfinite, exa
         f"{noise_tol:g}); rules out a scale error of the whole gradient > {low:.2g}{one}, and a "
         f"signed relative bias > {low_signed:.2g} ({POWER:.0%} power at alpha {alpha:g}/{m} per "
         f"test, {T} trials){unseen}")
+
+
+# formats a step can leave undeclared, finest first (fp8 cannot be on gloo's wire)
+UNDECLARED = ("fp16", "bf16")
+
+
+def undeclared_format(per_trial_added, dtype: str, declared) -> dict | None:
+    """The narrower format whose rounding explains an error the step's declared precision
+    does not: the per-trial added error's median lies between 1/20 and 4 unit roundoffs of
+    it (one rounding of a sum is about u/2 relative; a normalisation bug is x0.25-x4,
+    hundreds of bf16 roundoffs). Of the formats that fit, the one nearest u/2 (log scale).
+    None when nothing fits or the format is already declared or in play."""
+    x = torch.as_tensor([v for v in per_trial_added if math.isfinite(v)], dtype=torch.float64)
+    if x.numel() == 0:
+        return None
+    err = float(x.median())
+    order = {n: i for i, n in enumerate(PRECISION_ORDER)}
+    from trainprobes.reference.formats import get_format
+    fits = []
+    for name in UNDECLARED:
+        if name in declared or order.get(name, 99) <= order.get(dtype, 99):
+            continue
+        u = 2.0 ** -(get_format(name).mantissa_bits + 1)
+        if u / 20 <= err <= 4 * u:
+            fits.append((abs(math.log(err / (u / 2))), name, u))
+    if not fits:
+        return None
+    _, name, u = min(fits)
+    return {"format": name, "unit_roundoff": u, "median_added_error": err}
+
+
+def declaration_hint(found: dict) -> str:
+    f = found["format"]
+    return (f" The error (median {found['median_added_error']:.2g} relative per trial) is the size "
+            f"of rounding in {f} (unit roundoff {found['unit_roundoff']:.2g}), a format the step "
+            f"did not declare: if it reduces or computes in {f} (a compression hook, a "
+            f"reduce_dtype), declare it, precisions=(\"{f}\",) (command line: --precisions {f}), "
+            f"and it is judged at {f}'s noise_tol {default_noise_tol(f):g}; until then the verdict "
+            f"stands.")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from trainprobes.distributed.launcher import torchrun_ranks
 from trainprobes.transforms.base import RankContext
 from trainprobes.transforms.equivalence import Probe, finish, prepare
-from trainprobes.transforms.options import add_probe_options
+from trainprobes.transforms.options import add_probe_options, add_step_options, user_steps
 from trainprobes.transforms.registry import parse_transform
 from trainprobes.transforms.worker import RankCase, device_of, run_case
 from trainprobes.validation import parse_choice
@@ -29,7 +29,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainprobes.transforms.torchrun",
                                 description="one transform probe under torchrun")
     p.add_argument("--target", required=True, metavar="PKG.MOD:STEP")
-    p.add_argument("--transform", default="ddp", metavar="NAME[:OPTIONS]")
+    p.add_argument("--transform", default=None, metavar="NAME[:OPTIONS]",
+                   help="a built-in transform (default ddp), or give --step")
+    add_step_options(p)
     p.add_argument("--backend", type=parse_choice("backend", ("gloo", "nccl")),
                    default="nccl" if torch.cuda.is_available() else "gloo")
     add_probe_options(p)
@@ -39,7 +41,14 @@ def main(argv=None) -> int:
     if ranks is None:
         return 2
     rank, world, local = ranks
-    probe = Probe(args.target, parse_transform(args.transform), trials=args.trials, seed=args.seed,
+    from trainprobes.errors import InvalidArgument
+    from trainprobes.targets import search_cwd
+    search_cwd()
+    mine = user_steps(args)
+    if len(mine) > 1 or (mine and args.transform):
+        raise InvalidArgument("the torchrun entry runs one probe: give one --step or one --transform")
+    transform = mine[0] if mine else parse_transform(args.transform or "ddp")
+    probe = Probe(args.target, transform, trials=args.trials, seed=args.seed,
                   alpha=args.alpha, min_effect=args.min_effect, noise_tol=args.noise_tol)
     prep = prepare(probe, world, truth=False)  # every rank refuses bad inputs before any step
     ctx = RankContext(rank, world, device_of(args.backend, local), args.backend)

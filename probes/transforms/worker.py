@@ -29,11 +29,21 @@ __all__ = ["RankCase", "cases_task", "run_case", "resolve_step"]
 
 class RankCase(NamedTuple):
     """One probe as the ranks see it: the step (or the import path of a factory of one),
-    the transform, the trial seeds."""
+    the transform, the trial seeds, and the caller's sys.path (a rank imports the user's
+    modules as the caller did: from the current folder where the command line put it there;
+    the forkserver's own path is the one it started with)."""
 
     step: object
     transform: Transform
     seeds: list
+    sys_path: tuple = ()
+
+
+def _import_like_caller(path: tuple) -> None:
+    import sys
+    for p in reversed(path):
+        if p not in sys.path:
+            sys.path.insert(0, p)
 
 
 def resolve_step(spec) -> TrainingStep:
@@ -88,6 +98,7 @@ def _coverage(mask: torch.Tensor, names: list, ctx: RankContext, label: str) -> 
 
 def run_case(case: RankCase, ctx: RankContext) -> dict | None:
     """Steps 1-2 of the module docstring; rank 0 returns the gathered outputs."""
+    _import_like_caller(case.sys_path)
     step = resolve_step(case.step)
     t = case.transform
     layout = [(n, tuple(p.shape)) for n, p in step.model().named_parameters() if p.requires_grad]
