@@ -154,3 +154,36 @@ def test_the_torchrun_entry_runs_the_users_step():
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     doc = json.loads(p.stdout[p.stdout.index("{"):])
     assert doc["metrics"]["transform_verdict"] == "noise" and doc["metrics"]["transform"] == "step"
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("lm") / "tokens.pt")
+    u.write_dataset(path)
+    return u.lm_step(path)
+
+
+@pytest.mark.slow
+def test_a_trainers_batches_several_inputs_and_num_items_in_batch(lm):
+    ok, bug = run_probes([Probe(lm, UserStep(M + f, setup_fn=M + "ddp_setup"), trials=8)
+                          for f in ("lm_ddp_step", "lm_ddp_local_mean")], world=2)
+    assert ok.metrics["equivalent"] is True, ok.message
+    assert bug.metrics["equivalent"] is False and bug.metrics["max_added_error"] > 0.1
+    assert {p["parameter"] for p in ok.evidence["parameters"]} == {
+        "tok_embeddings.weight", "pos_embeddings.weight", "mixer.weight", "mixer.bias",
+        "lm_head.weight", "lm_head.bias"}
+
+
+def test_a_data_iterable_that_runs_dry_is_refused(lm):
+    from trainprobes.transforms.equivalence import prepare
+    with pytest.raises(InvalidArgument, match=r"ran dry after 8 batch\(es\); 16 trials need 16"):
+        prepare(Probe(lm, UserStep(M + "lm_ddp_step"), trials=16), 2)
+
+
+def test_a_batch_keeps_its_scalars_whole_when_split(lm):
+    from trainprobes.transforms.base import split
+    from trainprobes.transforms.step import check_step
+    b = check_step(lm, 0)
+    halves = split(b, 2)
+    assert all(h["num_items_in_batch"] is b["num_items_in_batch"] for h in halves)
+    assert halves[0]["labels"].shape[0] == 4

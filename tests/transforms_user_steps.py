@@ -199,3 +199,106 @@ def forgetful_step(model, batch, ctx):
     for p in model[4].parameters():
         p.grad = None
     return loss
+
+
+# -- a language model as trainers feed it: several inputs, a dict batch with a scalar
+# num_items_in_batch, batches from a DataLoader over a small dataset file -----------------
+V, T, H = 11, 6, 8
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        self.tok_embeddings = torch.nn.Embedding(V, H)
+        self.pos_embeddings = torch.nn.Embedding(T, H)
+        self.mixer = torch.nn.Linear(H, H)
+        self.lm_head = torch.nn.Linear(H, V)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+    def forward(self, input_ids, position_ids, attention_mask):
+        h = self.tok_embeddings(input_ids) + self.pos_embeddings(position_ids)
+        h = torch.tanh(self.mixer(h)) * attention_mask.unsqueeze(-1).to(h.dtype)
+        return self.lm_head(h)
+
+
+def write_dataset(path, rows=64):
+    """Token rows with lengths 2 (first half of each batch of 8) and 6 (second half)."""
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, V, (rows, T), generator=g)
+    lengths = torch.tensor([2 if (i % 8) < 4 else 6 for i in range(rows)])
+    torch.save({"ids": ids, "lengths": lengths}, path)
+
+
+class TokenFile(torch.utils.data.Dataset):
+    def __init__(self, path):
+        d = torch.load(path, weights_only=True)
+        self.ids, self.lengths = d["ids"], d["lengths"]
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        n = int(self.lengths[i])
+        mask = (torch.arange(T) < n).long()
+        labels = torch.where(mask.bool(), torch.roll(self.ids[i], -1), torch.tensor(-100))
+        return {"input_ids": self.ids[i], "position_ids": torch.arange(T), "attention_mask": mask,
+                "labels": labels}
+
+
+def collate(items):
+    batch = torch.utils.data.default_collate(items)
+    batch["num_items_in_batch"] = (batch["labels"] != -100).sum()  # a 0-dim scalar
+    return batch
+
+
+def loader(path, batch_size=8):
+    return torch.utils.data.DataLoader(TokenFile(path), batch_size=batch_size, shuffle=False,
+                                       collate_fn=collate)
+
+
+def lm_call(model, batch):
+    return model(batch["input_ids"], position_ids=batch["position_ids"],
+                 attention_mask=batch["attention_mask"])
+
+
+def lm_loss_sum(logits, batch):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, V), batch["labels"].reshape(-1),
+                                             ignore_index=-100, reduction="sum")
+
+
+def lm_loss(logits, batch):
+    return lm_loss_sum(logits, batch) / batch["num_items_in_batch"]
+
+
+def lm_tokens(batch):
+    return (batch["labels"] != -100).sum()
+
+
+def lm_step(path) -> TrainingStep:
+    return TrainingStep(model=TinyLM, data=functools.partial(loader, path), loss=lm_loss,
+                        tokens=lm_tokens, call=lm_call, name="tinylm")
+
+
+def lm_ddp_step(model, batch, ctx):
+    """num_items_in_batch counts the global batch: each rank's sum over it, DDP's average undone."""
+    piece = mine_rows(batch, ctx)
+    loss = lm_loss_sum(lm_call(model, piece), piece) / piece["num_items_in_batch"]
+    (loss * ctx.world).backward()
+    return logged(loss)
+
+
+def lm_ddp_local_mean(model, batch, ctx):
+    """The bug: each rank's own token mean (the 2024 gradient-accumulation normalisation)."""
+    piece = mine_rows(batch, ctx)
+    loss = lm_loss_sum(lm_call(model, piece), piece) / lm_tokens(piece)
+    loss.backward()
+    return logged(loss) / ctx.world
+
+
+def mine_rows(batch, ctx):
+    from trainprobes.transforms.step import rows
+    n = batch["input_ids"].shape[0] // ctx.world
+    return rows(batch, slice(ctx.rank * n, (ctx.rank + 1) * n))

@@ -107,8 +107,9 @@ def run_case(case: RankCase, ctx: RankContext) -> dict | None:
     state = t.setup(step, ctx)
     kept, losses, mask, codes, seconds, loss_code = None, [], None, None, 0.0, -1
     has_loss = None
-    for trial, seed in enumerate(case.seeds):
-        batch = {k: v.to(ctx.device) for k, v in step.batch(torch.Generator().manual_seed(int(seed))).items()}
+    from trainprobes.transforms.step import to_device
+    for trial, batch in enumerate(step.batches(case.seeds)):
+        batch = to_device(batch, ctx.device)
         start = time.perf_counter()
         out = t.run(state, step, batch, ctx)
         if ctx.device.type == "cuda":
