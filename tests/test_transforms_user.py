@@ -187,3 +187,22 @@ def test_a_batch_keeps_its_scalars_whole_when_split(lm):
     halves = split(b, 2)
     assert all(h["num_items_in_batch"] is b["num_items_in_batch"] for h in halves)
     assert halves[0]["labels"].shape[0] == 4
+
+
+@pytest.mark.slow
+def test_statistics_summed_on_the_ranks_give_the_gathered_verdict_bit_for_bit():
+    """No gather (the default) against every gradient sent to rank 0: one judgement."""
+    from trainprobes.reference.bugs import bug
+    from trainprobes.transforms import Custom
+    from trainprobes.transforms.zoo import step_of
+    sp = bug("sp_layernorm")  # replicas that disagree: the one element-wise exchange
+    cases = [(u.step, UserStep(M + "plain_step",
+                               setup_fn=M + "plain_setup", partitions=u.plain_partitions)),
+             (step_of(sp), Custom(sp.buggy))]
+    local = run_probes([Probe(s, t, trials=4, tolerances=True) for s, t in cases], world=2)
+    gathered = run_probes([Probe(s, t, trials=4, tolerances=True) for s, t in cases], world=2, gather=True)
+    for a, b in zip(local, gathered):
+        assert a.evidence["statistics"] == "summed on the ranks" != b.evidence["statistics"]
+        assert a.metrics == b.metrics and a.message == b.message
+        assert a.evidence["tolerances"] == b.evidence["tolerances"]
+    assert local[1].metrics["transform_verdict"] == "inconsistent"

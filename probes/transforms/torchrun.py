@@ -4,8 +4,8 @@
         --target mypkg.train:step --transform "fsdp2:reduce_dtype=bf16" --json
 
 Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT; every rank runs the
-transformed steps (trainprobes.transforms.worker), rank 0 gathers the gradients, computes the
-fp64 truth and prints the Result. Exit 0 when equivalent, 1 when not, 2 on bad usage.
+transformed steps and computes the fp64 truth itself; only statistics are all-reduced
+(trainprobes.transforms.local), and rank 0 prints the Result. Exit 0 when equivalent, 1 when not, 2 on bad usage.
 """
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ import torch.distributed as dist
 from trainprobes.distributed.launcher import torchrun_ranks
 from trainprobes.transforms.base import RankContext
 from trainprobes.transforms.equivalence import Probe, finish, prepare
+from trainprobes.transforms.local import run_case_local
 from trainprobes.transforms.options import add_probe_options, add_step_options, user_steps
 from trainprobes.transforms.registry import parse_transform
-from trainprobes.transforms.worker import RankCase, device_of, run_case
+from trainprobes.transforms.worker import RankCase, device_of
 from trainprobes.validation import parse_choice
 
 
@@ -56,7 +57,8 @@ def main(argv=None) -> int:
         torch.cuda.set_device(local)
     dist.init_process_group(args.backend)
     try:
-        out = run_case(RankCase(probe.step, probe.transform, prep.seeds), ctx)
+        case = RankCase(probe.step, probe.transform, prep.seeds, (), True, probe.replica_tol)
+        out = run_case_local(case, ctx, probe.replica_tol)
     finally:
         dist.destroy_process_group()
     if rank != 0:

@@ -37,6 +37,8 @@ class RankCase(NamedTuple):
     transform: Transform
     seeds: list
     sys_path: tuple = ()
+    local: bool = False       # statistics summed on the ranks (trainprobes.transforms.local)
+    replica_tol: float = 0.0
 
 
 def _import_like_caller(path: tuple) -> None:
@@ -188,5 +190,6 @@ def cases_task(rank: int, world: int, cases: list, backend: str) -> dict:
     if backend == "gloo":
         import os
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    out = [run_case(c, ctx) for c in cases]
+    from trainprobes.transforms.local import run_case_local
+    out = [run_case_local(c, ctx, c.replica_tol) if c.local else run_case(c, ctx) for c in cases]
     return {"cases": out if rank == 0 else []}
