@@ -31,10 +31,31 @@ BAD = [
 ]
 
 
+def bitwise_cases():
+    from trainprobes.reference.bugs import bug
+    from trainprobes.transforms import Custom
+    from trainprobes.transforms.zoo import step_of
+    sp = bug("sp_layernorm")  # replicas that disagree: the one element-wise exchange
+    return [Probe(u.step, UserStep(M + "plain_step", setup_fn=M + "plain_setup", partitions=u.plain_partitions),
+                  trials=4, tolerances=True, target="bitwise.plain"),
+            Probe(step_of(sp), Custom(sp.buggy), trials=4, tolerances=True, target="bitwise.sp")]
+
+
 @pytest.fixture(scope="module")
-def results():
-    cases = GOOD + BAD
-    out = run_probes([Probe(u.step, t, trials=8, seed=1) for _, t in cases], world=2)
+def lm(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("lm") / "tokens.pt")
+    u.write_dataset(path)
+    return u.lm_step(path)
+
+
+@pytest.fixture(scope="module")
+def results(lm):
+    """Every case that runs on ranks and is expected to finish, on one launch."""
+    cases = [(name, Probe(u.step, t, trials=8, seed=1)) for name, t in GOOD + BAD]
+    cases += [(f, Probe(lm, UserStep(M + f, setup_fn=M + "ddp_setup"), trials=8))
+              for f in ("lm_ddp_step", "lm_ddp_local_mean")]
+    cases += [(p.target, p) for p in bitwise_cases()]
+    out = run_probes([p for _, p in cases], world=2)
     return {name: r for (name, _), r in zip(cases, out)}
 
 
@@ -64,8 +85,6 @@ def test_an_undeclared_bf16_wire_fails_and_says_how_to_declare_it(results):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("transform, error, match", [
-    (UserStep(M + "fsdp_step", setup_fn=M + "raising_setup"), InvalidArgument,
-     r"setup transforms_user_steps:raising_setup raised on rank 1 of 2: RuntimeError: no such device mesh"),
     (UserStep(M + "forgetful_step"), InvalidArgument,
      r"returned no gradient for 2 parameter\(s\) on any rank, e.g. \['4.weight', '4.bias'\]"),
     (UserStep(M + "plain_step", setup_fn=M + "plain_setup", partitions=u.bad_partitions), InvalidArgument,
@@ -114,7 +133,8 @@ def test_the_command_line_imports_step_and_target_from_the_current_folder(capsys
 def test_a_setup_that_raises_exits_2_on_the_command_line(capsys):
     assert main(["transforms", "--target", M + "step", "--step", M + "fsdp_step",
                  "--setup", M + "raising_setup", "--trials", "4"]) == 2
-    assert "raised on rank 1 of 2" in capsys.readouterr().err
+    assert ("setup transforms_user_steps:raising_setup raised on rank 1 of 2: RuntimeError: no such "
+            "device mesh") in capsys.readouterr().err
 
 
 def test_an_audit_entry_takes_a_step_and_its_declarations():
@@ -128,15 +148,6 @@ def test_an_audit_entry_takes_a_step_and_its_declarations():
     with pytest.raises(ConfigError, match=r"unknown keys \['reduce_dtype'\] for a step"):
         suite_from_config({"transforms": [{"target": M + "step", "step": "transforms_user_fsdp",
                                            "options": {"reduce_dtype": "bf16"}}]})
-
-
-@pytest.mark.slow
-def test_an_audit_entry_runs_the_users_step():
-    from trainprobes.audit.config import suite_from_config
-    (check,) = suite_from_config({"transforms": [{"target": M + "step", "step": M + "tp_step",
-                                                  "options": {"setup": M + "tp_setup"}, "trials": 4}]})[0]
-    (r,) = check.run()
-    assert r.metrics["equivalent"] is True and r.evidence["transform_options"]["setup"] == M + "tp_setup"
 
 
 @pytest.mark.slow
@@ -156,17 +167,9 @@ def test_the_torchrun_entry_runs_the_users_step():
     assert doc["metrics"]["transform_verdict"] == "noise" and doc["metrics"]["transform"] == "step"
 
 
-@pytest.fixture(scope="module")
-def lm(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("lm") / "tokens.pt")
-    u.write_dataset(path)
-    return u.lm_step(path)
-
-
 @pytest.mark.slow
-def test_a_trainers_batches_several_inputs_and_num_items_in_batch(lm):
-    ok, bug = run_probes([Probe(lm, UserStep(M + f, setup_fn=M + "ddp_setup"), trials=8)
-                          for f in ("lm_ddp_step", "lm_ddp_local_mean")], world=2)
+def test_a_trainers_batches_several_inputs_and_num_items_in_batch(results):
+    ok, bug = results["lm_ddp_step"], results["lm_ddp_local_mean"]
     assert ok.metrics["equivalent"] is True, ok.message
     assert bug.metrics["equivalent"] is False and bug.metrics["max_added_error"] > 0.1
     assert {p["parameter"] for p in ok.evidence["parameters"]} == {
@@ -190,19 +193,12 @@ def test_a_batch_keeps_its_scalars_whole_when_split(lm):
 
 
 @pytest.mark.slow
-def test_statistics_summed_on_the_ranks_give_the_gathered_verdict_bit_for_bit():
+def test_statistics_summed_on_the_ranks_give_the_gathered_verdict_bit_for_bit(results):
     """No gather (the default) against every gradient sent to rank 0: one judgement."""
-    from trainprobes.reference.bugs import bug
-    from trainprobes.transforms import Custom
-    from trainprobes.transforms.zoo import step_of
-    sp = bug("sp_layernorm")  # replicas that disagree: the one element-wise exchange
-    cases = [(u.step, UserStep(M + "plain_step",
-                               setup_fn=M + "plain_setup", partitions=u.plain_partitions)),
-             (step_of(sp), Custom(sp.buggy))]
-    local = run_probes([Probe(s, t, trials=4, tolerances=True) for s, t in cases], world=2)
-    gathered = run_probes([Probe(s, t, trials=4, tolerances=True) for s, t in cases], world=2, gather=True)
-    for a, b in zip(local, gathered):
+    gathered = run_probes(bitwise_cases(), world=2, gather=True)
+    for b in gathered:
+        a = results[b.target]
         assert a.evidence["statistics"] == "summed on the ranks" != b.evidence["statistics"]
         assert a.metrics == b.metrics and a.message == b.message
         assert a.evidence["tolerances"] == b.evidence["tolerances"]
-    assert local[1].metrics["transform_verdict"] == "inconsistent"
+    assert results["bitwise.sp"].metrics["transform_verdict"] == "inconsistent"
