@@ -58,6 +58,13 @@ def _not_found(spec: str, mod_name: str) -> TargetError:
                        "module on sys.path); " + "; ".join(hint))
 
 
+def search_cwd() -> None:
+    """Put the current directory first on sys.path, as `python -m` does (a face calls it for
+    the user's --target and --step; a library call leaves sys.path alone)."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
 def load_target(spec: str, *, callable_required: bool = True, from_cwd: bool = False) -> Any:
     """Import "package.module:attr[.attr...]" and return the object.
 
@@ -68,8 +75,8 @@ def load_target(spec: str, *, callable_required: bool = True, from_cwd: bool = F
     if not isinstance(spec, str) or not spec.strip() or spec.count(":") > 1:
         raise TargetError(f"target={spec!r} must be 'package.module:function'")
     spec = spec.strip()
-    if from_cwd and "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    if from_cwd:
+        search_cwd()
     if ":" in spec:
         mod_name, _, attr_path = spec.partition(":")
         if not mod_name or not attr_path:

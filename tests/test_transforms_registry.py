@@ -54,6 +54,8 @@ def test_labels_are_stable_targets():
     ("ddp:hook", "is not key=value"),
     ("ddp:{bad json", "not a JSON object"),
     ("", "must name a transform"),
+    ("ddp:hook=bf16,hook=fp16", "sets 'hook' twice"),
+    ('ddp:{"hook": "bf16", "hook": "fp16"}', "sets 'hook' twice"),
 ])
 def test_bad_transforms_are_refused_naming_the_option(text, match):
     with pytest.raises((InvalidArgument, InvalidType), match=match):

@@ -40,7 +40,7 @@ HARNESS_KEYS = {
     "collectives": COMMON | {"world", "dtype", "algorithm", "backend", "op", "numel"},
     "documents": COMMON | {"target", "factory", "lengths", "vocab", "hidden"},
     "batch_invariance": COMMON | {"target", "factory", "inputs", "shape", "vocab"},
-    "transforms": COMMON | {"target", "transform", "options", "world", "backend", "timeout"},
+    "transforms": COMMON | {"target", "transform", "step", "options", "world", "backend", "timeout"},
 }
 
 
@@ -392,10 +392,11 @@ def transform_check(entry: dict, seed: int, where: str) -> Check:
     kwargs = probe_kwargs(entry, "transforms", where, Probe)
     check_thresholds(entry, "transforms.equivalence", where)
     try:
-        transforms = [build_transform(t, options) if ":" not in t else parse_transform(t)
-                      for t in _listed(entry, "transform", "ddp")]
+        transforms = _user_steps(entry, options, where) if "step" in entry else [
+            build_transform(t, options) if ":" not in t else parse_transform(t)
+            for t in _listed(entry, "transform", "ddp")]
     except (TrainprobesError, TypeError, AttributeError) as e:
-        raise ConfigError(f"{where} transform: {e}") from None
+        raise ConfigError(f"{where} {'step' if 'step' in entry else 'transform'}: {e}") from None
     try:
         backend = check_choice(entry.get("backend", "gloo"), f"{where} backend", ("gloo", "nccl"))
         timeout = check_number(entry.get("timeout", 600.0), f"{where} timeout", min=0, min_open=True)
@@ -415,6 +416,22 @@ def transform_check(entry: dict, seed: int, where: str) -> Check:
             r.evidence["target_spec"] = spec
         return [apply_thresholds(r, entry, "transforms") for r in out]
     return Check("transforms", name, run)
+
+
+def _user_steps(entry: dict, options: dict, where: str) -> list:
+    """step = "pkg.mod" (or a list): the user's own parallel steps, options = { setup = ...,
+    precisions = ["bf16"], param_dtype = ..., partitions = { name = [dim, [ranks]] } }."""
+    from trainprobes.transforms.user import UserStep
+    if "transform" in entry:
+        raise ConfigError(f"{where} has both 'transform' and 'step': one entry probes built-ins "
+                          f"or your own step; make two entries")
+    known = {"setup": "setup_fn", "precisions": "precisions", "param_dtype": "param_dtype",
+             "partitions": "partitions", "title": "title"}
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ConfigError(f"{where} options has unknown keys {unknown!r} for a step; known: {sorted(known)}")
+    kw = {known[k]: v for k, v in options.items()}
+    return [UserStep(s, **kw) for s in _listed(entry, "step", None)]
 
 
 SECTIONS = {"causality": causality_check, "bias": bias_check, "drift": drift_check,

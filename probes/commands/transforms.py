@@ -13,7 +13,7 @@ import json
 import sys
 
 from trainprobes.commands.options import add_report_options, options_of, parse_backend
-from trainprobes.transforms.options import add_probe_options
+from trainprobes.transforms.options import add_probe_options, add_step_options, user_steps
 from trainprobes.validation import parse_int, parse_number
 
 HELP = ("judge parallel transforms (DDP, FSDP2, TP, PP, accumulation, custom) against the fp64 "
@@ -31,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "'fsdp2:param_dtype=bf16,reduce_dtype=bf16', 'tp:plan=1:colwise;3:rowwise', "
                         "'pp:schedule=gpipe,micro_batches=4,split=0+1|2+3+4', or JSON after the "
                         "colon; repeat for several (default: ddp). --list shows them all")
+    add_step_options(p)
     p.add_argument("--world", type=parse_int("world", min=1), default=2, help="ranks (default 2)")
     add_probe_options(p)
     p.add_argument("--backend", type=parse_backend(("gloo", "nccl")), default=None,
@@ -97,14 +98,18 @@ def run(args) -> int:
     if args.list:
         return _list()
     if args.target is None:
-        if args.transform:
-            raise InvalidArgument("--transform needs --target (the zoo runs its own steps)")
+        if args.transform or args.step:
+            raise InvalidArgument(f"{'--transform' if args.transform else '--step'} needs --target "
+                                  f"(the single-device step; the zoo runs its own steps)")
         if args.backend not in (None, "gloo"):
             raise InvalidArgument(f"--backend {args.backend} needs --target: the zoo runs its "
                                   f"published bugs on 2 gloo ranks")
         return _zoo(args)
+    from trainprobes.targets import search_cwd
     from trainprobes.transforms import Probe, parse_transform, run_probes
-    transforms = [parse_transform(t) for t in (args.transform or ["ddp"])]
+    search_cwd()  # --target imports from the current folder, as causality's does
+    mine = user_steps(args)
+    transforms = [parse_transform(t) for t in (args.transform or ([] if mine else ["ddp"]))] + mine
     probes = [Probe(args.target, t, trials=args.trials, seed=args.seed, alpha=args.alpha,
                     min_effect=args.min_effect, noise_tol=args.noise_tol) for t in transforms]
     results = run_probes(probes, world=args.world, backend=args.backend or "gloo", timeout=args.timeout,

@@ -6,7 +6,9 @@
     result.metrics["equivalent"], result.metrics["transform_verdict"], result.metrics["scale"]
 
 Transforms: DDP (hooks fp16/bf16), Accumulation, FSDP2, TensorParallel, Pipeline on the real
-PyTorch APIs, and Custom(fn) for a user's own trainer. Verdicts: exact, noise, biased,
+PyTorch APIs, Custom(fn) for a user's own step in Python, and UserStep("pkg.mod") for a user's own
+parallel step with its setup hook (FSDP2, DTensor TP, DDP, main_grad, plain shards), as
+--step on the command line. Verdicts: exact, noise, biased,
 inconsistent, wrong (trainprobes.transforms.judge). See docs/transforms.md.
 
 Names load on first use: every rank imports this package to unpickle its work, and should
@@ -22,6 +24,7 @@ _WHERE = {
     "local_gradients": "gather", "EQUIVALENT": "judge", "KINDS": "judge", "Pipeline": "pipeline",
     "TRANSFORMS": "registry", "build_transform": "registry", "parse_transform": "registry",
     "FSDP2": "sharded", "TrainingStep": "step", "TensorParallel": "tensor_parallel",
+    "UserStep": "user", "Partition": "readout",
 }
 __all__ = sorted(_WHERE)
 

@@ -27,7 +27,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 from trainprobes.errors import InvalidArgument
-from trainprobes.transforms.step import TrainingStep, count_tokens, rows
+from trainprobes.transforms.step import TrainingStep, count_tokens, rows, samples
 from trainprobes.validation import check_choice, check_int
 
 NORMALIZATIONS = ("token-weighted", "mean-of-means", "sum")
@@ -54,8 +54,8 @@ class StepOutput(NamedTuple):
 
 
 def split(batch: dict, parts: int) -> list:
-    """`parts` equal pieces of the samples of a batch, in order."""
-    n = next(iter(batch.values())).shape[0]
+    """`parts` equal pieces of the samples of a batch, in order (scalars go whole to each)."""
+    n = samples(batch)
     size = n // parts
     return [rows(batch, slice(i * size, (i + 1) * size)) for i in range(parts)]
 
@@ -71,7 +71,7 @@ def piece_weights(step: TrainingStep, batch: dict, pieces: list, normalization: 
 
 
 def check_divisible(batch: dict, world: int, parts: int, what: str) -> None:
-    n = next(iter(batch.values())).shape[0]
+    n = samples(batch)
     if n % (world * parts):
         raise InvalidArgument(
             f"the batch holds {n} samples, not divisible by world={world} x {what}={parts} "

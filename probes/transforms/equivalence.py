@@ -26,7 +26,18 @@ import torch
 from trainprobes.errors import InvalidArgument, InvalidType, TargetError, TrainprobesError
 from trainprobes.result import Result
 from trainprobes.transforms.base import Transform
-from trainprobes.transforms.judge import LOSS, Judgement, Observed, default_noise_tol, judge, lowest_precision
+from trainprobes.transforms.judge import (
+    LOSS,
+    Judgement,
+    Observed,
+    Statistics,
+    declaration_hint,
+    default_noise_tol,
+    judge_statistics,
+    lowest_precision,
+    statistics,
+    undeclared_format,
+)
 from trainprobes.transforms.step import TrainingStep, Truth, check_step, single_device
 from trainprobes.transforms.tolerances import compare_tolerances
 from trainprobes.transforms.worker import DTYPES, RankCase, resolve_step
@@ -116,6 +127,8 @@ def prepare(p: Probe, world: int, *, truth: bool = True, device: str = "cpu") ->
     ref, base = references(step, seeds, p.transform, device) if truth else (None, None)
     if ref is not None:
         check_truth(ref, step)
+    else:
+        check_truth_early(step, seeds, p.transform)
     return Prepared(p, step, seeds, dtype, ref, base)
 
 
@@ -131,6 +144,31 @@ def check_truth(ref: Truth, step: TrainingStep) -> None:
         raise InvalidArgument(f"the fp64 gradient of {step.name!r} is exactly zero on {zero} of "
                               f"{len(norms)} trials: nothing to compare (does the loss depend on "
                               f"the parameters through the batch?)")
+
+
+def check_truth_early(step: TrainingStep, seeds: list, transform: Transform) -> None:
+    """check_truth's refusals before any rank starts, without holding every trial's truth:
+    trials one at a time until three have a non-zero gradient (the ranks check all)."""
+    nonzero, zero = 0, 0
+    w = transform.weight_dtype()
+    for i in range(len(seeds)):
+        ref = single_device(step, seeds[i:i + 1], param_dtype=w) if step.data is None else None
+        if ref is None:  # a data iterable is read from its start: one pass over what is needed
+            ref = single_device(step, seeds, param_dtype=w)
+            check_truth(ref, step)
+            return
+        bad = [n for n, g in ref.grads.items() if not torch.isfinite(g).all()]
+        if bad or not torch.isfinite(ref.loss).all():
+            check_truth(ref, step)
+        if any(bool((g != 0).any()) for g in ref.grads.values()):
+            nonzero += 1
+            if nonzero >= 3:
+                return
+        else:
+            zero += 1
+    raise InvalidArgument(f"the fp64 gradient of {step.name!r} is exactly zero on {zero} of "
+                          f"{len(seeds)} trials: nothing to compare (does the loss depend on "
+                          f"the parameters through the batch?)")
 
 
 def base_device(backend: str) -> str:
@@ -168,26 +206,79 @@ def observed(out: dict, step: TrainingStep) -> Observed:
 
 
 def finish(prep: Prepared, out: dict, *, world: int, backend: str) -> Result:
-    """Step 3 of the module docstring: the Result of one probe."""
+    """Step 3 of the module docstring: the Result of one probe, from gradients gathered to
+    rank 0 (trainprobes.transforms.worker) or statistics summed on the ranks
+    (trainprobes.transforms.local)."""
     p, t = prep.probe, prep.probe.transform
-    truth, base = (prep.truth, prep.base) if prep.truth is not None else references(
-        prep.step, prep.seeds, t, base_device(backend))
-    obs = observed(out, prep.step)
     noise_tol = p.noise_tol if p.noise_tol is not None else default_noise_tol(prep.dtype)
-    j: Judgement = judge(truth, obs, alpha=p.alpha, min_effect=p.min_effect, noise_tol=noise_tol,
-                         replica_tol=p.replica_tol, base=base)
+    if "G" in out:
+        st, tolerances = local_statistics(out, prep)
+    else:
+        truth, base = (prep.truth, prep.base) if prep.truth is not None else references(
+            prep.step, prep.seeds, t, base_device(backend))
+        obs = observed(out, prep.step)
+        st = statistics(truth, obs, base, p.replica_tol)
+        tolerances = compare_tolerances(base, obs) if p.tolerances else None
+    j: Judgement = judge_statistics(st, alpha=p.alpha, min_effect=p.min_effect, noise_tol=noise_tol,
+                                    replica_tol=p.replica_tol)
     target = p.target or f"{prep.step.name}[{t.label},w={world}]"
     metrics = {**j.metrics, "transform": t.name, "world": world, "dtype": prep.dtype,
                "backend": backend}
     evidence = {**j.evidence, "transform": t.label, "transform_options": t.options,
                 "step": prep.step.name, "trial_seeds": prep.seeds,
-                "rank_step_seconds": out["seconds"].tolist()}
+                "rank_step_seconds": out["seconds"].tolist(),
+                "statistics": "summed on the ranks" if "G" in out else "gathered to rank 0"}
     if p.tolerances:
-        evidence["tolerances"] = compare_tolerances(base, obs)
+        evidence["tolerances"] = tolerances
+    message = j.message
+    if not j.equivalent and j.kind != "inconsistent" and hasattr(t, "precisions"):
+        # a user's step declares its formats itself: a correct bf16 step left undeclared is
+        # judged as fp32, and fails; say which format explains the error (it still fails)
+        found = undeclared_format(j.evidence["per_trial"]["added_error"], prep.dtype, t.dtypes())
+        if found is not None:
+            evidence["undeclared_format"] = found
+            message += declaration_hint(found)
     return Result(probe=PROBE, target=target, verdict="pass" if j.equivalent else "fail",
                   metrics=metrics, evidence=evidence, seed=p.seed,
-                  codes=[CODES[j.kind]] if j.kind in CODES else [], message=j.message,
+                  codes=[CODES[j.kind]] if j.kind in CODES else [], message=message,
                   expected=p.expected)
+
+
+def local_statistics(out: dict, prep: Prepared) -> tuple:
+    """(Statistics, tolerance flags) from the ranks' summed statistics."""
+    layout = [(n, tuple(q.shape)) for n, q in prep.step.model().named_parameters() if q.requires_grad]
+    names = [n for n, _ in layout]
+    held = out["held"]
+    losses = {r: out["loss"][r] for r in range(held.shape[0]) if out["has_loss"][r]}
+    loss = losses[min(losses)] if losses else None
+    codes = [int(c) for c in out["loss_codes"] if c >= 0]
+    loss_dtype = DTYPES[codes[0]] if codes else torch.float32
+    exact = bool(out["exact"].min() > 0)
+    if loss is not None and not torch.equal(loss, out["truth_loss"].to(loss_dtype).double()):
+        exact = False
+    nonfinite = [n for i, n in enumerate(names) if out["nonfinite"][i] > 0]
+    if out["nonfinite"][len(names)] > 0:
+        nonfinite.append(LOSS)
+    reps = [{"parameter": names[int(i)], "ranks": [int(a), int(b)], "max_difference": d,
+             "relative": d / ref} for i, a, b, d, ref in out["replicas"].tolist()]
+    ranks = sorted(losses)
+    for r in ranks[1:]:
+        d = (losses[ranks[0]] - losses[r]).abs().max().item()
+        ref = losses[ranks[0]].abs().max().item() or 1.0
+        if not d <= prep.probe.replica_tol * ref:
+            reps.append({"parameter": LOSS, "ranks": [ranks[0], r], "max_difference": d, "relative": d / ref})
+    has_base = out["B"].numel() > 0
+    base_loss = out["base_loss"] if has_base else None
+    st = Statistics(names, [math.prod(s) for _, s in layout],
+                    {n: [r for r in range(held.shape[0]) if held[r, i]] for i, n in enumerate(names)},
+                    out["G"], out["B"] if has_base else None, out["added2"] if has_base else None,
+                    exact, nonfinite, sorted(reps, key=lambda x: -x["relative"]), loss,
+                    out["truth_loss"], base_loss)
+    tol = {"grad_rtol_1e-5": bool(out["tol_grad"][0] > 0), "loss_rtol_5pct": None, "loss_bitwise": None}
+    if loss is not None and has_base:
+        tol["loss_rtol_5pct"] = bool(((loss - base_loss).abs() > 0.05 * base_loss.abs()).any())
+        tol["loss_bitwise"] = not torch.equal(loss.to(torch.float32), base_loss.float())
+    return st, tol
 
 
 _RAISED = (InvalidArgument, InvalidType, TargetError)
@@ -204,8 +295,11 @@ def _rank_error(e) -> TrainprobesError | None:
 
 
 def run_probes(probes: list, *, world: int = 2, backend: str = "gloo", timeout: float = 600.0,
-               port: int | None = None, progress: Callable | None = None) -> list:
-    """Every probe on one set of `world` ranks; one Result each, in order."""
+               port: int | None = None, progress: Callable | None = None, gather: bool = False) -> list:
+    """Every probe on one set of `world` ranks; one Result each, in order. Each rank
+    computes the fp64 truth and sums its own statistics (trainprobes.transforms.local);
+    gather=True sends every rank's gradients to rank 0 instead (memory O(world x
+    parameters) there; kept to check that both give one verdict)."""
     from trainprobes.distributed.launcher import WorkerFailed, launch
     from trainprobes.transforms.worker import cases_task
     world = check_int(world, "world", min=1, hint="the number of ranks")
@@ -217,9 +311,12 @@ def run_probes(probes: list, *, world: int = 2, backend: str = "gloo", timeout: 
         if not isinstance(p, Probe):
             raise InvalidType(f"probes[{i}]={p!r} must be a trainprobes.transforms.Probe")
         if progress:
-            progress(f"checking and computing the fp64 truth of {p.target or p.transform.label}")
-        prepared.append(prepare(p, world, device=base_device(backend)))
-    cases = [RankCase(pr.probe.step, pr.probe.transform, pr.seeds) for pr in prepared]
+            progress(f"checking {p.target or p.transform.label}" + ("" if not gather else
+                                                                     " and computing its fp64 truth"))
+        prepared.append(prepare(p, world, truth=gather, device=base_device(backend)))
+    import sys
+    cases = [RankCase(pr.probe.step, pr.probe.transform, pr.seeds, tuple(sys.path), not gather,
+                      pr.probe.replica_tol) for pr in prepared]
     try:
         outs = launch(cases_task, world, backend=backend, timeout=timeout, args=(cases, backend),
                       port=port, progress=progress)

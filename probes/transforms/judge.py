@@ -171,20 +171,77 @@ class Against(NamedTuple):
     rr: torch.Tensor          # [T, P] |r_p|^2
 
 
-def against(x: dict, r: dict, loss, truth_loss) -> Against:
-    names = list(r)
-    dot = torch.stack([(x[n] * r[n]).sum(1) for n in names], 1)
-    rr = torch.stack([(r[n] * r[n]).sum(1) for n in names], 1)
-    xx = torch.stack([(x[n] * x[n]).sum(1) for n in names], 1)
-    err2 = torch.stack([((x[n] - r[n]) ** 2).sum(1) for n in names], 1)
-    sgn = torch.stack([(torch.sign(r[n]) * (x[n] - r[n])).sum(1) for n in names], 1)
-    ar = torch.stack([r[n].abs().sum(1) for n in names], 1)
+STATS = ("dot", "rr", "xx", "err2", "sgn", "ar")  # per trial and parameter, sums over elements
+
+
+def sums(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """[6, T] sums over the elements of one parameter (x, r: [T, numel] float64): <x, r>,
+    |r|^2, |x|^2, |x - r|^2, sum sign(r)(x - r), sum |r|. Sums over disjoint pieces add up,
+    so ranks holding shards of a parameter each sum their own and one all-reduce joins them."""
+    d = x - r
+    return torch.stack([(x * r).sum(1), (r * r).sum(1), (x * x).sum(1), (d * d).sum(1),
+                        (torch.sign(r) * d).sum(1), r.abs().sum(1)])
+
+
+def against_sums(S: torch.Tensor, loss, truth_loss) -> Against:
+    """Against from [6, T, P] sums (STATS)."""
+    dot, rr, xx, err2, sgn, ar = S
     RR = rr.sum(1)
     scale = dot.sum(1) / RR  # NaN on a trial whose fp64 gradient is zero (left out of tests)
     residual = ((xx.sum(1) - 2 * scale * dot.sum(1) + scale ** 2 * RR).clamp(min=0) / RR).sqrt()
     loss_rel = None if loss is None else (loss - truth_loss) / truth_loss.abs()
     return Against(scale, sgn.sum(1) / ar.sum(1), _relative(err2.sum(1), RR), residual, dot / rr,
                    (err2 / rr).sqrt(), loss_rel, rr)
+
+
+def against(x: dict, r: dict, loss, truth_loss) -> Against:
+    return against_sums(torch.stack([sums(x[n], r[n]) for n in r], 2), loss, truth_loss)
+
+
+class Statistics(NamedTuple):
+    """All the verdict reads, whether the gradients were gathered to one process or summed
+    on the ranks that hold them (trainprobes.transforms.local): per trial and parameter
+    sums of the transform's gradients `g` against the truth and of the base's `b` ([6, T, P],
+    STATS; b None without a usable base), |g - b|^2 [T, P], whether every value equals the
+    truth rounded to its dtype, the parameters with a non-finite value on some rank, the
+    replica disagreements, the ranks that returned each parameter, and the losses."""
+
+    names: list
+    numel: list
+    ranks: dict
+    g: torch.Tensor
+    b: torch.Tensor | None
+    added2: torch.Tensor | None
+    exact: bool
+    nonfinite: list
+    replicas: list
+    loss: torch.Tensor | None
+    truth_loss: torch.Tensor
+    base_loss: torch.Tensor | None
+
+
+def statistics(truth, obs: Observed, base=None, replica_tol: float = 0.0) -> Statistics:
+    """Statistics from gradients gathered to one process (Observed)."""
+    names = list(truth.grads)
+    T = truth.loss.numel()
+    g = {n: obs.grads[n][min(obs.grads[n])] for n in names}
+    r = {n: truth.grads[n].reshape(T, -1) for n in names}
+    loss = obs.losses[min(obs.losses)] if obs.losses else None
+    # on any rank: a NaN on one replica is a NaN, not a disagreement between replicas
+    nonfinite = [n for n in names if not all(bool(torch.isfinite(v).all()) for v in obs.grads[n].values())]
+    if not all(bool(torch.isfinite(v).all()) for v in obs.losses.values()):
+        nonfinite.append(LOSS)
+    G = torch.stack([sums(g[n], r[n]) for n in names], 2)
+    B = added2 = base_loss = None
+    if base is not None:
+        bg = {n: base.grads[n].reshape(T, -1).double() for n in names}
+        if all(bool(torch.isfinite(v).all()) for v in bg.values()) and bool(torch.isfinite(base.loss).all()):
+            B = torch.stack([sums(bg[n], r[n]) for n in names], 2)
+            added2 = torch.stack([((g[n] - bg[n]) ** 2).sum(1) for n in names], 1)
+            base_loss = base.loss.double()
+    return Statistics(names, [int(r[n].shape[1]) for n in names], {n: sorted(obs.grads[n]) for n in names},
+                      G, B, added2, _exact(g, r, obs, loss, truth.loss), nonfinite,
+                      _replicas(obs, replica_tol), loss, truth.loss, base_loss)
 
 
 def _relative(err2: torch.Tensor, ref2: torch.Tensor) -> torch.Tensor:
@@ -199,28 +256,22 @@ def judge(truth, obs: Observed, *, alpha: float, min_effect: float, noise_tol: f
           replica_tol: float = 0.0, base=None) -> Judgement:
     """The verdict (module docstring) of one probe: truth and base are step.Truth (base the
     single-device step in the model's dtype; None: the tests compare with the truth alone)."""
-    names = list(truth.grads)
-    T = truth.loss.numel()
-    g = {n: obs.grads[n][min(obs.grads[n])] for n in names}
-    r = {n: truth.grads[n].reshape(T, -1) for n in names}
-    loss = obs.losses[min(obs.losses)] if obs.losses else None
+    return judge_statistics(statistics(truth, obs, base, replica_tol), alpha=alpha,
+                            min_effect=min_effect, noise_tol=noise_tol, replica_tol=replica_tol)
 
-    # on any rank: a NaN on one replica is a NaN, not a disagreement between replicas
-    nonfinite = [n for n in names if not all(bool(torch.isfinite(v).all()) for v in obs.grads[n].values())]
-    if not all(bool(torch.isfinite(v).all()) for v in obs.losses.values()):
-        nonfinite.append(LOSS)
-    replicas = _replicas(obs, replica_tol)
 
-    a = against(g, r, loss, truth.loss)
+def judge_statistics(st: Statistics, *, alpha: float, min_effect: float, noise_tol: float,
+                     replica_tol: float = 0.0) -> Judgement:
+    """The verdict from Statistics (however they were summed)."""
+    names, loss, nonfinite, replicas = st.names, st.loss, st.nonfinite, st.replicas
+    T = st.truth_loss.numel()
+    a = against_sums(st.g, loss, st.truth_loss)
     b = None
-    if base is not None:
-        bg = {n: base.grads[n].reshape(T, -1).double() for n in names}
-        if all(bool(torch.isfinite(v).all()) for v in bg.values()) and bool(torch.isfinite(base.loss).all()):
-            b = against(bg, r, base.loss.double() if loss is not None else None, truth.loss)
-            added = _relative(torch.stack([((g[n] - bg[n]) ** 2).sum(1) for n in names], 1).sum(1),
-                              a.rr.sum(1))
-            added_loss = None if loss is None else ((loss - base.loss.double()) / truth.loss.abs()).abs()
-    if b is None:
+    if st.b is not None:
+        b = against_sums(st.b, st.base_loss if loss is not None else None, st.truth_loss)
+        added = _relative(st.added2.sum(1), a.rr.sum(1))
+        added_loss = None if loss is None else ((loss - st.base_loss) / st.truth_loss.abs()).abs()
+    else:
         added = a.rel
         added_loss = None if loss is None else a.loss_rel.abs()
 
@@ -272,7 +323,7 @@ def judge(truth, obs: Observed, *, alpha: float, min_effect: float, noise_tol: f
         "max_added_error": float(added.max()), "mean_residual": float(a.residual.mean()),
         "min_detectable_scale_error": mde_scale, "min_detectable_relative_bias": mde_signed,
         "min_detectable_parameter_scale_error": resolved[weakest] if weakest else mde_scale,
-        "n_parameters": len(names), "n_biased_parameters": sum(1 for k in significant if k in r),
+        "n_parameters": len(names), "n_biased_parameters": sum(1 for k in significant if k in names),
         "n_inconsistent": len(replicas), "loss_reported": loss is not None,
     }
     if b is not None:
@@ -295,7 +346,7 @@ def judge(truth, obs: Observed, *, alpha: float, min_effect: float, noise_tol: f
     for i, n in enumerate(names):
         col = tests.get(n)
         ps = a.p_scale[:, i]
-        table.append({"parameter": n, "numel": int(r[n].shape[1]), "ranks": sorted(obs.grads[n]),
+        table.append({"parameter": n, "numel": st.numel[i], "ranks": st.ranks[n],
                       "scale": float(ps.mean()),
                       "scale_se": float(ps.std() / math.sqrt(T)) if T > 1 else math.nan,
                       "p": None if col is None else col["p"], "biased": n in significant,
@@ -307,7 +358,7 @@ def judge(truth, obs: Observed, *, alpha: float, min_effect: float, noise_tol: f
                               "relative_error": a.rel.tolist(), "added_error": added.tolist(),
                               "loss_relative_error": None if a.loss_rel is None else a.loss_rel.tolist()}}
     kind, where, msg = _verdict(names, metrics, tests, table, significant, replicas, nonfinite,
-                                _exact(g, r, obs, loss, truth.loss), noise_tol, alpha, level, weakest)
+                                st.exact, noise_tol, alpha, level, weakest)
     metrics["transform_verdict"] = kind
     metrics["equivalent"] = kind in EQUIVALENT
     metrics["worst_parameter"] = where
@@ -395,3 +446,42 @@ def _verdict(names, metrics, tests, table, significant, replicas, nonfinite, exa
         f"{noise_tol:g}); rules out a scale error of the whole gradient > {low:.2g}{one}, and a "
         f"signed relative bias > {low_signed:.2g} ({POWER:.0%} power at alpha {alpha:g}/{m} per "
         f"test, {T} trials){unseen}")
+
+
+# formats a step can leave undeclared, finest first (fp8 cannot be on gloo's wire)
+UNDECLARED = ("fp16", "bf16")
+
+
+def undeclared_format(per_trial_added, dtype: str, declared) -> dict | None:
+    """The narrower format whose rounding explains an error the step's declared precision
+    does not: the per-trial added error's median lies between 1/20 and 4 unit roundoffs of
+    it (one rounding of a sum is about u/2 relative; a normalisation bug is x0.25-x4,
+    hundreds of bf16 roundoffs). Of the formats that fit, the one nearest u/2 (log scale).
+    None when nothing fits or the format is already declared or in play."""
+    x = torch.as_tensor([v for v in per_trial_added if math.isfinite(v)], dtype=torch.float64)
+    if x.numel() == 0:
+        return None
+    err = float(x.median())
+    order = {n: i for i, n in enumerate(PRECISION_ORDER)}
+    from trainprobes.reference.formats import get_format
+    fits = []
+    for name in UNDECLARED:
+        if name in declared or order.get(name, 99) <= order.get(dtype, 99):
+            continue
+        u = 2.0 ** -(get_format(name).mantissa_bits + 1)
+        if u / 20 <= err <= 4 * u:
+            fits.append((abs(math.log(err / (u / 2))), name, u))
+    if not fits:
+        return None
+    _, name, u = min(fits)
+    return {"format": name, "unit_roundoff": u, "median_added_error": err}
+
+
+def declaration_hint(found: dict) -> str:
+    f = found["format"]
+    return (f" The error (median {found['median_added_error']:.2g} relative per trial) is the size "
+            f"of rounding in {f} (unit roundoff {found['unit_roundoff']:.2g}), a format the step "
+            f"did not declare: if it reduces or computes in {f} (a compression hook, a "
+            f"reduce_dtype), declare it, precisions=(\"{f}\",) (command line: --precisions {f}), "
+            f"and it is judged at {f}'s noise_tol {default_noise_tol(f):g}; until then the verdict "
+            f"stands.")

@@ -32,7 +32,7 @@ from trainprobes.transforms.base import (
     with_zeros,
     zero_grads,
 )
-from trainprobes.transforms.step import rows
+from trainprobes.transforms.step import rows, samples
 from trainprobes.validation import check_choice
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -85,6 +85,9 @@ class Pipeline(Transform):
         return 2 if self.schedule == "interleaved-1f1b" else 1
 
     def check(self, step, world, batch, model) -> None:
+        if step.call is not None:
+            raise InvalidArgument("Pipeline feeds batch[input_key] to its first stage; a step with "
+                                  "call(model, batch) needs your own pipeline step (UserStep)")
         if not isinstance(model, torch.nn.Sequential):
             raise InvalidArgument(f"Pipeline cuts an nn.Sequential into stages of its children; the "
                                   f"model is a {type(model).__name__} (wrap its layers in one, or "
@@ -121,7 +124,7 @@ class Pipeline(Transform):
     def run(self, state, step, batch, ctx: RankContext) -> StepOutput:
         pieces = split(batch, self.micro_batches)
         state["batch"], state["weights"] = batch, piece_weights(step, batch, pieces, self.normalization)
-        n = next(iter(batch.values())).shape[0]
+        n = samples(batch)
         losses = [] if state["last"] else None
         args = (batch[step.input_key],) if state["first"] else ()
         target = torch.arange(n, device=ctx.device) if state["last"] else None

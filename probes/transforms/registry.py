@@ -77,8 +77,14 @@ def parse_transform(text: str):
     name, _, rest = text.strip().partition(":")
     rest = rest.strip()
     if rest.startswith("{"):
+        def once(pairs):
+            keys = [k for k, _ in pairs]
+            twice = sorted({k for k in keys if keys.count(k) > 1})
+            if twice:
+                raise InvalidArgument(f"transform={text!r} sets {twice[0]!r} twice; give each option once")
+            return dict(pairs)
         try:
-            options = json.loads(rest)
+            options = json.loads(rest, object_pairs_hook=once)
         except json.JSONDecodeError as e:
             raise InvalidArgument(f"transform={text!r}: the options are not a JSON object ({e})") from None
         if not isinstance(options, dict):
@@ -90,5 +96,8 @@ def parse_transform(text: str):
             if not eq or not key.strip():
                 raise InvalidArgument(f"transform={text!r}: option {item!r} is not key=value, e.g. "
                                       f"'{name}:micro_batches=4'")
+            if key.strip() in options:
+                raise InvalidArgument(f"transform={text!r} sets {key.strip()!r} twice; give each "
+                                      f"option once (for two variants, pass two --transform)")
             options[key.strip()] = _special(key.strip(), value)
     return build_transform(name.strip(), options)

@@ -25,30 +25,60 @@ from typing import Callable, Mapping, NamedTuple
 import torch
 from trainprobes.errors import InvalidArgument, InvalidType
 
-__all__ = ["TrainingStep", "Truth", "rows", "count_tokens", "check_step", "single_device"]
+__all__ = ["TrainingStep", "Truth", "rows", "samples", "count_tokens", "check_step", "single_device"]
 
 
 @dataclass(frozen=True)
 class TrainingStep:
-    """model(), batch(generator), loss(output, batch) and optionally tokens(batch)."""
+    """model(), batch(generator) or data(), loss(output, batch), and optionally
+    tokens(batch) and call(model, batch)."""
 
     model: Callable
-    batch: Callable
-    loss: Callable
+    batch: Callable | None = None
+    loss: Callable | None = None
     tokens: Callable | None = None
     input_key: str = "input"
     name: str = "step"
+    data: Callable | None = None
+    call: Callable | None = None
 
     def __post_init__(self):
-        for field in ("model", "batch", "loss"):
+        for field in ("model", "loss"):
             if not callable(getattr(self, field)):
                 raise InvalidType(f"{field}={getattr(self, field)!r} must be callable "
                                   f"(see trainprobes.transforms.TrainingStep)")
-        if self.tokens is not None and not callable(self.tokens):
-            raise InvalidType(f"tokens={self.tokens!r} must be None or callable(batch) -> count")
+        if (self.batch is None) == (self.data is None):
+            raise InvalidArgument("give batch(generator) -> batch, or data() -> an iterable of "
+                                  "batches (your DataLoader), exactly one of them")
+        for field in ("batch", "data", "tokens", "call"):
+            v = getattr(self, field)
+            if v is not None and not callable(v):
+                raise InvalidType(f"{field}={v!r} must be None or callable (see "
+                                  f"trainprobes.transforms.TrainingStep)")
 
     def forward(self, model, batch):
+        """The model on a batch: call(model, batch) where given (several inputs: ids,
+        position ids, masks, labels), else model(batch[input_key])."""
+        if self.call is not None:
+            return self.call(model, batch)
         return model(batch[self.input_key])
+
+    def batches(self, seeds) -> list:
+        """One batch per trial: batch(generator seeded by the trial's seed), or the next item
+        of a fresh data() (every rank and the truth iterate their own copy, so it must
+        yield the same batches on every call: no unseeded shuffle)."""
+        if self.data is None:
+            return [self.batch(torch.Generator().manual_seed(int(s))) for s in seeds]
+        it = iter(self.data())
+        out = []
+        for _ in seeds:
+            try:
+                out.append(next(it))
+            except StopIteration:
+                raise InvalidArgument(f"data={self.data!r} ran dry after {len(out)} batch(es); "
+                                      f"{len(seeds)} trials need {len(seeds)}: give a longer "
+                                      f"iterable or fewer --trials") from None
+        return out
 
     def count(self, batch) -> float:
         return count_tokens(batch, self.tokens)
@@ -61,9 +91,25 @@ class Truth(NamedTuple):
     grads: dict
 
 
+def is_scalar(v) -> bool:
+    """A batch entry with no sample axis (num_items_in_batch, a token count): kept whole
+    when a batch is split."""
+    return not isinstance(v, torch.Tensor) or v.dim() == 0
+
+
+def samples(batch: Mapping) -> int:
+    """The number of samples: the first axis of the batch's tensors."""
+    return next(v.shape[0] for v in batch.values() if not is_scalar(v))
+
+
 def rows(batch: Mapping, index) -> dict:
-    """The samples `index` (a slice or an index tensor) of every tensor of the batch."""
-    return {k: v[index] for k, v in batch.items()}
+    """The samples `index` (a slice or an index tensor) of every tensor of the batch;
+    scalars as they are."""
+    return {k: v if is_scalar(v) else v[index] for k, v in batch.items()}
+
+
+def to_device(batch: Mapping, device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def count_tokens(batch: Mapping, tokens: Callable | None = None) -> float:
@@ -73,25 +119,39 @@ def count_tokens(batch: Mapping, tokens: Callable | None = None) -> float:
     elif "mask" in batch:
         n = batch["mask"].sum()
     else:
-        n = next(iter(batch.values())).shape[0]
+        n = samples(batch)
     return float(n.item() if isinstance(n, torch.Tensor) else n)
 
 
-def _as_batch(b, name: str = "batch") -> dict:
+def _as_batch(b, name: str = "batch(generator)") -> dict:
     if not isinstance(b, Mapping) or not b:
-        raise InvalidType(f"{name}(generator) returned {type(b).__name__}; it must return a "
+        raise InvalidType(f"{name} returned {type(b).__name__}; it must return a "
                           f"non-empty dict of tensors, e.g. {{'input': x, 'target': y}}")
-    bad = [k for k, v in b.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    bad = [k for k, v in b.items() if not isinstance(k, str)
+           or not isinstance(v, (torch.Tensor, int, float)) or isinstance(v, bool)]
     if bad:
-        raise InvalidType(f"{name}(generator) returned a dict whose entries {bad!r} are not "
-                          f"str -> tensor; every entry must be a tensor with the sample axis first")
-    sizes = {k: (v.shape[0] if v.dim() else None) for k, v in b.items()}
+        raise InvalidType(f"{name} returned a dict whose entries {bad!r} are not str -> tensor "
+                          f"or number; every entry is a tensor with the sample axis first, or a "
+                          f"scalar (num_items_in_batch)")
+    sizes = {k: v.shape[0] for k, v in b.items() if not is_scalar(v)}
+    if not sizes:
+        raise InvalidArgument(f"{name} returned only scalars {sorted(b)}: a batch needs a tensor "
+                              f"with a sample axis")
     first = next(iter(sizes.values()))
-    odd = {k: s for k, s in sizes.items() if s != first or s is None}
+    odd = {k: s for k, s in sizes.items() if s != first}
     if odd:
-        raise InvalidArgument(f"{name}(generator) returned tensors with different sample counts "
-                              f"{sizes!r}: every tensor needs the sample axis first, of one size")
+        raise InvalidArgument(f"{name} returned tensors with different sample counts "
+                              f"{sizes!r}: every tensor needs the sample axis first, of one size "
+                              f"(a whole-batch value such as num_items_in_batch is a 0-dim scalar)")
     return dict(b)
+
+
+def _same_batch(a: dict, b: dict) -> bool:
+    def same(x, y):
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            return x.shape == y.shape and torch.equal(x, y)
+        return type(x) is type(y) and x == y
+    return set(a) == set(b) and all(same(a[k], b[k]) for k in a)
 
 
 def _first_difference(a: torch.nn.Module, b: torch.nn.Module) -> str | None:
@@ -139,14 +199,18 @@ def check_step(step: TrainingStep, seed: int) -> dict:
         raise InvalidArgument(f"model={step.model!r} returned different initial weights on two calls "
                               f"({diff}): seed inside the factory (torch.manual_seed or a "
                               f"Generator) so every rank and the fp64 truth start from one model")
-    b1 = _as_batch(step.batch(torch.Generator().manual_seed(seed)))
-    b2 = _as_batch(step.batch(torch.Generator().manual_seed(seed)))
-    if step.input_key not in b1:
-        raise InvalidArgument(f"batch(generator) returned keys {sorted(b1)}; the model is called "
-                              f"on batch[{step.input_key!r}] (input_key=)")
-    same = set(b1) == set(b2) and all(b1[k].shape == b2[k].shape and torch.equal(b1[k], b2[k])
-                                      for k in b1)
-    if not same:
+    what = "batch(generator)" if step.data is None else "data()"
+    b1 = _as_batch(step.batches([seed])[0], what)
+    b2 = _as_batch(step.batches([seed])[0], what)
+    if step.call is None and step.input_key not in b1:
+        raise InvalidArgument(f"{what} returned keys {sorted(b1)}; the model is called "
+                              f"on batch[{step.input_key!r}] (input_key=; or give call(model, "
+                              f"batch) for a model of several inputs)")
+    if not _same_batch(b1, b2):
+        if step.data is not None:
+            raise InvalidArgument(f"data={step.data!r} yielded a different first batch on a second "
+                                  f"call: every rank and the truth iterate their own copy, so it "
+                                  f"must give the same batches each time (no unseeded shuffle)")
         raise InvalidArgument(f"batch={step.batch!r} returned different batches for one seed: draw "
                               f"every random number from the generator it is given")
     n = step.count(b1)
@@ -185,7 +249,8 @@ def _same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _to_fp64(batch: Mapping) -> dict:
-    return {k: (v.double() if v.is_floating_point() else v) for k, v in batch.items()}
+    return {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+            for k, v in batch.items()}
 
 
 def rounded_model(step: TrainingStep, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
@@ -223,10 +288,9 @@ def single_device(step: TrainingStep, seeds: list, *, fp64: bool = True,
     the transform's); the result is on the CPU."""
     model = (fp64_model(step, param_dtype) if fp64 else rounded_model(step, param_dtype)).to(device)
     losses, grads = [], {}
-    for s in seeds:
-        b = step.batch(torch.Generator().manual_seed(int(s)))
+    for b in step.batches(seeds):
         b = _to_fp64(b) if fp64 else b
-        b = {k: v.to(device) for k, v in b.items()}
+        b = to_device(b, device)
         loss = step.loss(step.forward(model, b), b)
         for n, g in grads_of(model, loss).items():
             grads.setdefault(n, []).append(g.detach().cpu())

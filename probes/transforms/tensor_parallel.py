@@ -90,6 +90,9 @@ class TensorParallel(Transform):
                 raise InvalidArgument(f"plan style {style!r} shards {name!r} over {size} features, "
                                       f"not divisible by world={world}")
         if self.sharded_input:
+            if step.call is not None:
+                raise InvalidArgument("shard_input splits batch[input_key]; a step with call(model, "
+                                      "batch) shards its own inputs (UserStep)")
             x = batch[step.input_key]
             if x.dim() <= self.sequence_dim or x.shape[self.sequence_dim] % world:
                 raise InvalidArgument(f"shard_input splits batch[{step.input_key!r}] of shape "
@@ -107,10 +110,10 @@ class TensorParallel(Transform):
 
     def run(self, state, step, batch, ctx: RankContext) -> StepOutput:
         model = state["model"]
-        x = batch[step.input_key]
         if self.sharded_input:
-            x = x.chunk(ctx.world, dim=self.sequence_dim)[ctx.rank]
-        out = model(x)
+            out = model(batch[step.input_key].chunk(ctx.world, dim=self.sequence_dim)[ctx.rank])
+        else:
+            out = step.forward(model, batch)
         out = out.full_tensor() if hasattr(out, "full_tensor") else out  # keeps autograd
         if "shape" not in state:  # once: the output must come back whole
             with torch.no_grad():

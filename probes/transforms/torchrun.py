@@ -4,8 +4,8 @@
         --target mypkg.train:step --transform "fsdp2:reduce_dtype=bf16" --json
 
 Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT; every rank runs the
-transformed steps (trainprobes.transforms.worker), rank 0 gathers the gradients, computes the
-fp64 truth and prints the Result. Exit 0 when equivalent, 1 when not, 2 on bad usage.
+transformed steps and computes the fp64 truth itself; only statistics are all-reduced
+(trainprobes.transforms.local), and rank 0 prints the Result. Exit 0 when equivalent, 1 when not, 2 on bad usage.
 """
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ import torch.distributed as dist
 from trainprobes.distributed.launcher import torchrun_ranks
 from trainprobes.transforms.base import RankContext
 from trainprobes.transforms.equivalence import Probe, finish, prepare
-from trainprobes.transforms.options import add_probe_options
+from trainprobes.transforms.local import run_case_local
+from trainprobes.transforms.options import add_probe_options, add_step_options, user_steps
 from trainprobes.transforms.registry import parse_transform
-from trainprobes.transforms.worker import RankCase, device_of, run_case
+from trainprobes.transforms.worker import RankCase, device_of
 from trainprobes.validation import parse_choice
 
 
@@ -29,7 +30,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainprobes.transforms.torchrun",
                                 description="one transform probe under torchrun")
     p.add_argument("--target", required=True, metavar="PKG.MOD:STEP")
-    p.add_argument("--transform", default="ddp", metavar="NAME[:OPTIONS]")
+    p.add_argument("--transform", default=None, metavar="NAME[:OPTIONS]",
+                   help="a built-in transform (default ddp), or give --step")
+    add_step_options(p)
     p.add_argument("--backend", type=parse_choice("backend", ("gloo", "nccl")),
                    default="nccl" if torch.cuda.is_available() else "gloo")
     add_probe_options(p)
@@ -39,7 +42,14 @@ def main(argv=None) -> int:
     if ranks is None:
         return 2
     rank, world, local = ranks
-    probe = Probe(args.target, parse_transform(args.transform), trials=args.trials, seed=args.seed,
+    from trainprobes.errors import InvalidArgument
+    from trainprobes.targets import search_cwd
+    search_cwd()
+    mine = user_steps(args)
+    if len(mine) > 1 or (mine and args.transform):
+        raise InvalidArgument("the torchrun entry runs one probe: give one --step or one --transform")
+    transform = mine[0] if mine else parse_transform(args.transform or "ddp")
+    probe = Probe(args.target, transform, trials=args.trials, seed=args.seed,
                   alpha=args.alpha, min_effect=args.min_effect, noise_tol=args.noise_tol)
     prep = prepare(probe, world, truth=False)  # every rank refuses bad inputs before any step
     ctx = RankContext(rank, world, device_of(args.backend, local), args.backend)
@@ -47,7 +57,8 @@ def main(argv=None) -> int:
         torch.cuda.set_device(local)
     dist.init_process_group(args.backend)
     try:
-        out = run_case(RankCase(probe.step, probe.transform, prep.seeds), ctx)
+        case = RankCase(probe.step, probe.transform, prep.seeds, (), True, probe.replica_tol)
+        out = run_case_local(case, ctx, probe.replica_tol)
     finally:
         dist.destroy_process_group()
     if rank != 0:

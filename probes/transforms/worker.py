@@ -29,11 +29,23 @@ __all__ = ["RankCase", "cases_task", "run_case", "resolve_step"]
 
 class RankCase(NamedTuple):
     """One probe as the ranks see it: the step (or the import path of a factory of one),
-    the transform, the trial seeds."""
+    the transform, the trial seeds, and the caller's sys.path (a rank imports the user's
+    modules as the caller did: from the current folder where the command line put it there;
+    the forkserver's own path is the one it started with)."""
 
     step: object
     transform: Transform
     seeds: list
+    sys_path: tuple = ()
+    local: bool = False       # statistics summed on the ranks (trainprobes.transforms.local)
+    replica_tol: float = 0.0
+
+
+def _import_like_caller(path: tuple) -> None:
+    import sys
+    for p in reversed(path):
+        if p not in sys.path:
+            sys.path.insert(0, p)
 
 
 def resolve_step(spec) -> TrainingStep:
@@ -88,6 +100,7 @@ def _coverage(mask: torch.Tensor, names: list, ctx: RankContext, label: str) -> 
 
 def run_case(case: RankCase, ctx: RankContext) -> dict | None:
     """Steps 1-2 of the module docstring; rank 0 returns the gathered outputs."""
+    _import_like_caller(case.sys_path)
     step = resolve_step(case.step)
     t = case.transform
     layout = [(n, tuple(p.shape)) for n, p in step.model().named_parameters() if p.requires_grad]
@@ -96,8 +109,9 @@ def run_case(case: RankCase, ctx: RankContext) -> dict | None:
     state = t.setup(step, ctx)
     kept, losses, mask, codes, seconds, loss_code = None, [], None, None, 0.0, -1
     has_loss = None
-    for trial, seed in enumerate(case.seeds):
-        batch = {k: v.to(ctx.device) for k, v in step.batch(torch.Generator().manual_seed(int(seed))).items()}
+    from trainprobes.transforms.step import to_device
+    for trial, batch in enumerate(step.batches(case.seeds)):
+        batch = to_device(batch, ctx.device)
         start = time.perf_counter()
         out = t.run(state, step, batch, ctx)
         if ctx.device.type == "cuda":
@@ -176,5 +190,6 @@ def cases_task(rank: int, world: int, cases: list, backend: str) -> dict:
     if backend == "gloo":
         import os
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    out = [run_case(c, ctx) for c in cases]
+    from trainprobes.transforms.local import run_case_local
+    out = [run_case_local(c, ctx, c.replica_tol) if c.local else run_case(c, ctx) for c in cases]
     return {"cases": out if rank == 0 else []}
