@@ -248,23 +248,38 @@ def _calibration(page: Page, results: list[Result]) -> None:
             page.add("</div>")
 
 
-# Estimates drawn side by side per family, with their confidence intervals.
-CI_METRICS = ("bias", "mean_log_ratio")
+# Estimates drawn side by side per family, with their confidence intervals: the metric,
+# how it is shown (a relative error in %), its unit and what it is.
+CI_METRICS = {"bias": (100.0, "%", "bias: mean signed relative error"),
+              "mean_log_ratio": (1.0, "nats/token", "mean log-ratio log p_infer - log p_train")}
+
+
+def row_status(r: Result) -> str:
+    """What a row did against its expectation, as the forest plot colours it."""
+    return outline.badge(r).css[2:]
 
 
 def family_plots(results: list[Result]) -> list[dict]:
-    """One CI plot per estimate that several Results of a family carry (ci_low, ci_high)."""
+    """One forest plot per estimate that several Results of a family carry (ci_low, ci_high)."""
     plots = []
-    for name in CI_METRICS:
+    for name, (scale, unit, what) in CI_METRICS.items():
         rows = [r for r in results if all(isinstance(r.metrics.get(k), (int, float))
                                           and not isinstance(r.metrics.get(k), bool)
                                           for k in (name, "ci_low", "ci_high"))]
         if len(rows) >= 2:
-            plots.append({"kind": "ci", "title": f"{name} with its confidence interval",
+            plots.append({"kind": "ci", "title": f"{what}, with its confidence interval",
                           "labels": [r.target for r in rows],
                           "estimate": [r.metrics[name] for r in rows],
                           "low": [r.metrics["ci_low"] for r in rows],
-                          "high": [r.metrics["ci_high"] for r in rows], "ylabel": name})
+                          "high": [r.metrics["ci_high"] for r in rows], "xlabel": name,
+                          "scale": scale, "unit": unit,
+                          "control": [r.is_control for r in rows],
+                          "status": [row_status(r) for r in rows],
+                          "expected": [r.expected for r in rows],
+                          "note": "Each row's value and interval are written beside it; rows "
+                                  "of very different size get panels of their own, each on a "
+                                  "linear axis. Hollow diamonds: controls (green: reproduced "
+                                  "their known verdict, pass or fail); filled circles: findings."})
     return plots
 
 

@@ -24,6 +24,15 @@ HEADLINE_METRICS = ("causal", "n_leaks", "flip_rate", "bias", "mean_log_ratio", 
                     "max_abs_relative_error", "mismatch_rate", "rel_error", "p_value")
 # Numeric metrics whose change across runs is worth a trend line (p-values only jitter).
 TREND_METRICS = tuple(m for m in HEADLINE_METRICS if m not in ("causal", "p_value"))
+# What each trend metric is measured in: every axis says it.
+METRIC_UNITS = {"n_leaks": "decisions", "flip_rate": "fraction of decisions",
+                "bias": "relative error", "mean_log_ratio": "nats/token", "k3_kl": "nats/token",
+                "frac_ratio_outside": "fraction of tokens",
+                "accumulator_mantissa_bits": "bits", "max_ulp_error": "ulp",
+                "bitwise_match_fraction": "fraction", "relative_error": "relative error",
+                "update_relative_error": "relative error",
+                "max_abs_relative_error": "relative error", "mismatch_rate": "fraction",
+                "rel_error": "relative error"}
 
 
 @dataclass(frozen=True)
