@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import io
 import math
+import os
 from dataclasses import dataclass
 
 from trainprobes.display import format_number
@@ -418,8 +419,11 @@ def _direct_labels(ax, x, series: dict, colors: dict) -> None:
             f = placed[-1] + gap
         placed.append(f)
     shift = max(0.0, placed[-1] - 1.0)
+    # the part every name shares (trainprobes.reference.routing:) says nothing beside a line
+    common = os.path.commonprefix(list(series)) if len(series) > 1 else ""
+    cut = max(common.rfind(c) for c in ".:/ ") + 1 if common else 0
     for (yv, labels), f in zip(sorted(ends.items()), placed):
-        text = " = ".join(labels)
+        text = " = ".join(lab[cut:] for lab in labels)
         if len(text) > DIRECT_LABEL_CHARS:
             text = text[:DIRECT_LABEL_CHARS - 1] + "\u2026"
         ax.annotate(text, xy=(1.01, f - shift), xycoords="axes fraction", va="center",
