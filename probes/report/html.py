@@ -227,8 +227,9 @@ def _findings(page: Page, results: list[Result]) -> None:
         _card(page, r)
     fine = [r for r in found if r.verdict == "pass"]
     if fine:
-        page.add(f"<p>{len(fine)} finding{'s' if len(fine) != 1 else ''} passed:</p>",
-                 _results_table(fine, full=False))
+        page.add(f"<details><summary>{len(fine)} finding{'s' if len(fine) != 1 else ''} "
+                 "passed (open to see each)</summary>", _results_table(fine, full=False),
+                 "</details>")
 
 
 def _calibration(page: Page, results: list[Result]) -> None:
