@@ -29,6 +29,32 @@ class _Parser(argparse.ArgumentParser):
         super().error(message)
 
 
+# Options that take one value: given twice with different values, which one did the user
+# mean? argparse keeps the last silently; refuse instead (append/count options repeat by design).
+_ONCE = (argparse._StoreAction, argparse._StoreConstAction)
+
+
+def _refuse_repeats(parser: argparse.ArgumentParser) -> None:
+    """Make every single-value option of parser refuse a second, different value (exit 2)."""
+    for action in parser._actions:
+        if isinstance(action, _ONCE) and action.option_strings and not isinstance(action, _Once):
+            action.__class__ = type(f"Once{type(action).__name__}", (_Once, type(action)), {})
+        elif isinstance(action, argparse._SubParsersAction):  # isolation table, ops, ...
+            for sub in action.choices.values():
+                _refuse_repeats(sub)
+
+
+class _Once:
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = namespace.__dict__.setdefault("_given", {})
+        if self.dest in given and given[self.dest][1] != values:
+            first, value = given[self.dest]
+            parser.error(f"{option_string} given twice, as {first} {value!r} and "
+                         f"{option_string} {values!r}: give it once")
+        given[self.dest] = (option_string, values)
+        super().__call__(parser, namespace, values, option_string)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from trainprobes._version import __version__
 
@@ -47,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
             continue  # not built yet
         p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
         mod.add_arguments(p)
+        _refuse_repeats(p)
         p.set_defaults(_run=mod.run)
     return parser
 

@@ -58,6 +58,8 @@ def pytest_addoption(parser):
         group.addoption(f"--trainprobes-{name}", metavar="PATH", default=None,
                         help=f"{doc} (ini: trainprobes_{name})")
         parser.addini(f"trainprobes_{name}", doc, default=None)
+    parser.addini("trainprobes_root", "the folder report keys are relative to (default: the "
+                  "ini file's folder, else where pytest was started)", default=None)
 
 
 def _option(config, name: str):
@@ -71,6 +73,30 @@ def _option(config, name: str):
         from pathlib import Path
         value = str(Path(config.inipath).parent / value)
     return value
+
+
+def project_root(config):
+    """The folder report keys are relative to: trainprobes_root (relative to the ini file),
+    the ini file's folder, or where pytest started. Never pytest's rootdir, which moves with
+    the paths on the command line (a baseline given as ../base.json must keep its keys)."""
+    from pathlib import Path
+    root = config.getini("trainprobes_root") or None
+    base = Path(config.inipath).parent if config.inipath is not None \
+        else Path(config.invocation_params.dir)
+    return (base / root).resolve() if root else base.resolve()
+
+
+def node_key(node, root) -> str:
+    """The test's id with its file relative to root: tests/test_x.py::test_y[a]."""
+    import os
+    from pathlib import Path
+    path = Path(str(node.path)).resolve()
+    try:
+        rel = path.relative_to(root).as_posix()
+    except ValueError:  # a test outside the root: the path from it
+        rel = Path(os.path.relpath(path, root)).as_posix()
+    _, sep, rest = node.nodeid.partition("::")
+    return rel + (sep + rest if sep else "")
 
 
 def pytest_configure(config):
@@ -223,6 +249,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 # --- the fixture -------------------------------------------------------------------------
 
+# expect= words: the outcome a test knows a case has, as the verdict its Result carries.
+EXPECT = {"leaky": "fail", "noncausal": "fail", "biased": "fail", "not_equivalent": "fail",
+          "not_isolated": "fail", "batch_variant": "fail", "drifts": "fail",
+          "fail": "fail", "warn": "warn", "pass": "pass"}
+
+
+def expected_verdict(expect: str) -> str:
+    from trainprobes.validation import check_choice
+    return EXPECT[check_choice(expect, "expect", tuple(EXPECT))]
+
+
 def _failure(result, what: str, why: str = "") -> str:
     from trainprobes.result import CODES
     lines = [f"{what}: {result.probe} on {result.target!r} -> {result.verdict}",
@@ -254,8 +291,9 @@ class TrainProbes:
         node = self._request.node
         # a test that calls a probe twice on one target (two stall sums, two formats)
         suffix = repeat_suffix(result.key, [r.key for r in self.results])
+        key = node_key(node, project_root(self._request.config))
         stored = Result.from_dict({**result.to_dict(),
-                                   "target": f"{result.target} @ {node.nodeid}{suffix}"})
+                                   "target": f"{result.target} @ {key}{suffix}"})
         self.results.append(result)
         self._recorder.add(stored)
         node.user_properties.append((f"trainprobes:{result.probe}", json.dumps(
@@ -263,14 +301,29 @@ class TrainProbes:
              "metrics": result.metrics, "seed": result.seed}, default=str)))
         return result
 
-    def check(self, result, what: str = "probe failed"):
-        """Record the Result and fail the test unless its verdict is pass or warn."""
+    def _expect(self, result, expect, what: str):
+        """A case known to be bad (expect="leaky", "biased", ...): recorded as a control
+        with that known verdict; the test passes when the probe reproduces it and fails
+        with MISSED when it does not."""
+        result.expected = expected_verdict(expect)
+        self.record(result)
+        if not result.reproduced:
+            pytest.fail(_failure(result, f"MISSED: expected {expect!r}",
+                                 f"expected verdict {result.expected}, got {result.verdict}"),
+                        pytrace=False)
+        return result
+
+    def check(self, result, what: str = "probe failed", *, expect: str | None = None):
+        """Record the Result and fail the test unless its verdict is pass or warn (with
+        expect: unless it reproduces the expected outcome)."""
+        if expect is not None:
+            return self._expect(result, expect, what)
         self.record(result)
         if not result.passed:
             pytest.fail(_failure(result, what), pytrace=False)
         return result
 
-    def assert_flag(self, result, what: str = "probe failed"):
+    def assert_flag(self, result, what: str = "probe failed", *, expect: str | None = None):
         """Record the Result and fail the test unless its verdict is pass/warn AND its probe's
         verdict boolean (trainprobes.result.VERDICT_FLAGS: biased, causal, equivalent,
         isolated, batch_invariant) holds its good value. Fails closed: a Result without the
@@ -278,6 +331,8 @@ class TrainProbes:
         that reports a verdict boolean (assert_causal, assert_unbiased, assert_within...)."""
         from trainprobes.errors import CannotJudge
         from trainprobes.result import PROBES, VERDICT_FLAGS
+        if expect is not None:
+            return self._expect(result, expect, what)
         self.record(result)
         try:
             value = result.flag()
@@ -290,22 +345,22 @@ class TrainProbes:
                         pytrace=False)
         return result
 
-    def assert_causal(self, fn, inputs, **kwargs):
+    def assert_causal(self, fn, inputs, expect: str | None = None, **kwargs):
         """trainprobes.causality.check(fn, inputs, **kwargs) must find the target causal
         (metric `causal` True) and batch-isolated."""
         from trainprobes.causality import check
         kwargs.setdefault("target", getattr(fn, "__qualname__", None))
         # A batch-isolation leak (TP-C3) fails too (verdict fail): the decision then depends
         # on other sequences' tokens, future ones included, which inference never sees.
-        return self.assert_flag(check(fn, inputs, **kwargs), "not causal")
+        return self.assert_flag(check(fn, inputs, **kwargs), "not causal", expect=expect)
 
-    def assert_unbiased(self, fn, reference, make_inputs, **kwargs):
+    def assert_unbiased(self, fn, reference, make_inputs, expect: str | None = None, **kwargs):
         """trainprobes.numerics.bias.bias_probe(fn, reference, make_inputs, **kwargs) must find
         no significant bias (metric `biased` False; make_inputs(generator) -> inputs; trials,
         seed, alpha, min_effect as the probe takes them)."""
         from trainprobes.numerics.bias import bias_probe
         kwargs.setdefault("target", getattr(fn, "__qualname__", "callable"))
-        return self.assert_flag(bias_probe(fn, reference, make_inputs, **kwargs), "biased")
+        return self.assert_flag(bias_probe(fn, reference, make_inputs, **kwargs), "biased", expect=expect)
 
     def assert_no_stall(self, fmt, increment: float, n: int, **kwargs):
         """Summing n copies of increment in fmt must not stall (lose additions)."""
@@ -315,35 +370,35 @@ class TrainProbes:
             pytest.fail(_failure(r, "stalled"), pytrace=False)
         return r
 
-    def assert_equivalent(self, step, transform, **kwargs):
+    def assert_equivalent(self, step, transform, expect: str | None = None, **kwargs):
         """trainprobes.transforms.probe(step, transform, **kwargs) must find the transform
         equivalent to the single-device step (metric `equivalent` True: exact or noise;
         world, trials, seed, alpha, min_effect, noise_tol as the probe takes them)."""
         from trainprobes.transforms import probe
-        return self.assert_flag(probe(step, transform, **kwargs), "not equivalent")
+        return self.assert_flag(probe(step, transform, **kwargs), "not equivalent", expect=expect)
 
-    def assert_within(self, train_lp, infer_lp, **kwargs):
+    def assert_within(self, train_lp, infer_lp, expect: str | None = None, **kwargs):
         """trainprobes.drift.compare(train_lp, infer_lp, **kwargs): metric `biased` False and
         the verdict pass/warn (not heavy-tailed past a fail, within thresholds)."""
         from trainprobes.drift import compare
-        return self.assert_flag(compare(train_lp, infer_lp, **kwargs), "train/inference drift")
+        return self.assert_flag(compare(train_lp, infer_lp, **kwargs), "train/inference drift", expect=expect)
 
-    def assert_documents_isolated(self, fn, tokens, lengths, **kwargs):
+    def assert_documents_isolated(self, fn, tokens, lengths, expect: str | None = None, **kwargs):
         """trainprobes.isolation.documents(fn, tokens, lengths, **kwargs) must find every packed
         document isolated (metric `isolated` True: no structural leak, none left unverified)
         and the row causal (a TP-C1 fails the verdict); fn(tokens, packing) -> outputs."""
         from trainprobes.isolation import documents
         kwargs.setdefault("target", getattr(fn, "__qualname__", None))
         return self.assert_flag(documents(fn, tokens, lengths, **kwargs),
-                                "packed documents not isolated")
+                                "packed documents not isolated", expect=expect)
 
-    def assert_batch_invariant(self, fn, inputs, **kwargs):
+    def assert_batch_invariant(self, fn, inputs, expect: str | None = None, **kwargs):
         """trainprobes.isolation.batch_invariance(fn, inputs, **kwargs): every row must give the
         same bits alone and inside batches (metric `batch_invariant` True; within atol, when
         given)."""
         from trainprobes.isolation import batch_invariance
         kwargs.setdefault("target", getattr(fn, "__qualname__", None))
-        return self.assert_flag(batch_invariance(fn, inputs, **kwargs), "batch-variant")
+        return self.assert_flag(batch_invariance(fn, inputs, **kwargs), "batch-variant", expect=expect)
 
     def assert_engines_agree(self, trainer, engine, input_ids, *, up_to: str = "noise", **kwargs):
         """trainprobes.drift.decompose.localize(trainer, engine, input_ids, **kwargs): the

@@ -202,7 +202,8 @@ def test_history_appends_one_line_per_run_and_plots_trends(tmp_path):
     plots = trend_plots(runs)
     assert [p["title"] for p in plots] == ["problems per run", "numerics.fake: bias across runs"]
     (panel,) = plots[1]["panels"]
-    assert panel == {"ylabel": "bias", "series": {"ar": [1e-4, 2e-4, 4e-4]}, "integer": False}
+    assert panel == {"ylabel": "relative error", "title": "bias",
+                     "series": {"ar": [1e-4, 2e-4, 4e-4]}, "integer": False}
     assert plots[1]["x"] == [1, 2, 3] and len(plots[1]["xticklabels"]) == 3  # runs, not 0.0-1.0
     html = o.paths["html"].read_text()
     assert html.index("id='trends'") < html.index("id='all'")  # was: after the table
@@ -217,10 +218,33 @@ def test_trends_draw_the_series_that_changed_most_and_say_what_is_hidden():
     (_, plot) = trend_plots(runs, max_series=4)
     shown = plot["panels"][0]["series"]
     assert "z_bf16_ring" in shown and len(shown) == 4
-    assert plot["note"].startswith("4 of 12 targets drawn, those that changed most; 8 hidden "
-                                   "(all unchanged)")
+    assert plot["note"].startswith("4 of 12 targets drawn (the stack's own first, then those "
+                                   "that changed most); 8 not drawn (all unchanged): ")
+    hidden = [t for t in (f"a{i:02d}" for i in range(11)) if t not in shown]
+    assert plot["note"].endswith(", ".join(hidden))  # every one not drawn is named
     assert plot["xticklabels"] == ["11-01 07:30", "11-02 07:30", "11-03 07:30"]
-    assert [p["ylabel"] for p in plot["panels"]] == ["bias"]  # p-values only jitter
+    assert [p["title"] for p in plot["panels"]] == ["bias"]  # p-values only jitter
+    assert [p["ylabel"] for p in plot["panels"]] == ["relative error"]  # its unit
+
+
+def test_trends_put_the_stacks_own_targets_before_the_controls():
+    # was: most trends were the reference controls, the user's stack after or hidden
+    runs = [{"created": f"2026-11-{d:02d}T07:30:00+00:00", "metrics": {
+        **{f"numerics.bias::ctl{i}::bias": 0.1 * i * d for i in range(1, 6)},
+        "numerics.bias::mine::bias": 1e-3,
+        **{f"drift.compare::ctl_d{i}::mean_log_ratio": 0.01 * d for i in range(3)},
+        "causality.check::my_router::flip_rate": 0.0},
+        "controls": [f"numerics.bias::ctl{i}" for i in range(1, 6)]
+        + [f"drift.compare::ctl_d{i}" for i in range(3)]} for d in (1, 2, 3)]
+    plots = trend_plots(runs, max_series=3)
+    fams = [p["title"].split(":")[0] for p in plots[1:]]
+    assert fams.index("causality.check") < fams.index("drift.compare")  # own stack first
+    bias = plots[1 + fams.index("numerics.bias")]
+    shown = list(bias["panels"][0]["series"])
+    assert shown[0] == "mine"  # unchanged, but the user's: drawn before controls that moved
+    assert all(s.endswith("(control)") for s in shown[1:])
+    not_drawn = [f"ctl{i}" for i in range(1, 6) if f"ctl{i} (control)" not in shown]
+    assert bias["note"].endswith("3 not drawn (changed less): " + ", ".join(not_drawn))
 
 
 def test_history_skips_a_torn_line(tmp_path):
@@ -506,7 +530,9 @@ def test_cli_audit_uncreatable_out_dir_exit_2_before_running(tmp_path, capsys, f
     # was: every check ran, then a FileNotFoundError traceback and exit 1
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    argv = ["audit", "--families", "stall", "--quick", "--no-progress", "--out", str(tmp_path / "o")]
+    argv = ["audit", "--families", "stall", "--quick", "--no-progress"]
+    if flag != "--out":  # one --out: a second, different one is refused as a repeat
+        argv += ["--out", str(tmp_path / "o")]
     assert main(argv + [flag, str(blocker / "sub")]) == 2
     err = capsys.readouterr().err
     assert "cannot be created" in err and "Traceback" not in err

@@ -256,11 +256,17 @@ class _Tags(html.parser.HTMLParser):
 
 
 def test_html_opens_with_findings_then_calibration_trends_and_the_table():
-    # was: a table in run order first, trends after it
-    page = render_html(results(), {"suite": "default", "history_plots": [SPECS["panels"]]})
+    # was: a table in run order first, trends after it, then "All results" repeating it all
+    rs = results()
+    page = render_html(rs, {"suite": "default", "history_plots": [SPECS["panels"]]})
     tags = _Tags()
     tags.feed(page)
-    assert tags.ids == ["findings", "calibration", "trends", "all"]
+    assert tags.ids == ["findings", "calibration", "trends"]
+    from trainprobes.report.html import _target
+    for r in rs:  # one place per Result
+        shown = _target(r.target)
+        assert page.count(f"<span class='target'>{shown}<") \
+            + page.count(f'<span class="target">{shown}<') == 1, r.target
     findings = page[page.index("id='findings'"):page.index("id='calibration'")]
     assert findings.index("a real leak") < findings.index("watch out: 10 bits") \
         < findings.index("engine") < len(findings)
@@ -359,10 +365,15 @@ def test_html_report_shows_names_with_markup_as_text_and_draws_every_plot(tmp_pa
     assert "script" not in page.tags and "a" not in page.tags
     assert "could not be drawn" not in text  # a$x$b and c$\frac{$d are not mathtext
     assert page.tags.count("img") >= 1
-    last = text.rindex("<table class='results'>")
-    rows = html_page(text[last:]).rows
-    results_rows = [r for r in rows if len(r) == 6]  # the others: each Result's metrics (2)
-    assert len(results_rows) == len(rs) + 1 and {len(r) for r in rows} == {6, 2}
-    for r, name in zip(results_rows[1:], NASTY):
-        assert r[3].startswith(name)  # the target, then its probe and seed
+    assert all(r.target in page.text for r in rs)  # each name shown as written
     assert all(r.message in page.text for r in rs)
+
+
+def test_each_warn_card_says_what_it_means_and_what_to_do():
+    rs = results()
+    page = render_html(rs, {"suite": "default"})
+    found = page[page.index("id='findings'"):page.index("id='calibration'")]
+    card = found[found.index("watch out: 10 bits"):]
+    card = card[:card.index("</div>")]
+    assert "What TP-B3 means:" in card and "What to do:" in card
+    assert outline.ADVICE["TP-B3"].todo.split(" (")[0] in card.replace("&#x27;", "'")

@@ -11,7 +11,7 @@ import json
 import math
 from pathlib import Path
 
-from trainprobes.report.outline import TREND_METRICS, is_problem
+from trainprobes.report.outline import METRIC_UNITS, TREND_METRICS, is_problem
 from trainprobes.result import Result, SchemaError, from_jsonable, to_jsonable, write_atomic
 
 HISTORY_FILE = "history.jsonl"
@@ -35,7 +35,8 @@ def history_line(results: list[Result], meta: dict) -> dict:
                 "errors": counts["error"], "total": sum(is_problem(r) for r in results)}
     return to_jsonable({"created": meta.get("created"), "report": meta.get("report"),
                         "seconds": meta.get("seconds"), "counts": counts, "problems": problems,
-                        "metrics": metrics})
+                        "metrics": metrics,
+                        "controls": sorted({r.key for r in results if r.is_control})})
 
 
 def append_history(history_dir, results: list[Result], meta: dict) -> Path:
@@ -104,7 +105,8 @@ def trend_plots(runs: list[dict], max_series: int = MAX_SERIES) -> list[dict]:
                                        ("missed controls", "missed_controls", None),
                                        ("errors", "errors", "error"))}
     plots = [{**base, "title": "problems per run",
-              "panels": [{"ylabel": "results", "series": problems, "integer": True}]}]
+              "panels": [{"ylabel": "results", "title": "problems", "series": problems,
+                          "integer": True}]}]
     # family -> metric -> target -> values across runs
     table: dict = {}
     keys = sorted({k for run in runs for k in run["metrics"]})
@@ -116,24 +118,38 @@ def trend_plots(runs: list[dict], max_series: int = MAX_SERIES) -> list[dict]:
         fam = ".".join(probe.split(".")[:2])
         table.setdefault(fam, {}).setdefault(metric, {})[target] = \
             [run["metrics"].get(k, math.nan) for run in runs]
-    for fam, by_metric in table.items():
+    controls = {k for run in runs for k in run.get("controls", ())}
+
+    def is_control(fam_target):
+        return any(k.endswith("::" + fam_target[1]) and k.startswith(fam_target[0])
+                   for k in controls)
+
+    def stack_first(fam):  # the user's own stack before the reference controls
+        targets = {t for m in table[fam].values() for t in m}
+        return all(is_control((fam, t)) for t in targets)
+    for fam in sorted(table, key=stack_first):
+        by_metric = table[fam]
         targets = list(dict.fromkeys(t for m in by_metric.values() for t in m))
         moved = {t: max(change(m[t]) for m in by_metric.values() if t in m) for t in targets}
-        shown = sorted(targets, key=lambda t: -moved[t])[:max_series]
+        shown = sorted(targets, key=lambda t: (is_control((fam, t)), -moved[t]))[:max_series]
         hidden = [t for t in targets if t not in shown]
         note = ""
         if hidden:
-            names = ", ".join(hidden[:6]) + (", ..." if len(hidden) > 6 else "")
+            names = ", ".join(hidden)  # every one named: a reader can look each up
             if not any(moved.values()):
                 note = (f"no target changed across these runs; {len(shown)} of {len(targets)} "
-                        f"drawn, {len(hidden)} hidden: {names}")
+                        f"drawn, {len(hidden)} not drawn: {names}")
             else:
                 still = all(moved[t] == 0 for t in hidden)
-                note = (f"{len(shown)} of {len(targets)} targets drawn, those that changed most; "
-                        f"{len(hidden)} hidden ({'all unchanged' if still else 'changed less'}): "
-                        + names)
+                note = (f"{len(shown)} of {len(targets)} targets drawn (the stack's own first, "
+                        f"then those that changed most); {len(hidden)} not drawn "
+                        f"({'all unchanged' if still else 'changed less'}): " + names)
+
+        def label(t):
+            return f"{t} (control)" if is_control((fam, t)) else t
         metrics = [m for m in TREND_METRICS if m in by_metric]
-        panels = [{"ylabel": m, "series": {t: by_metric[m][t] for t in shown if t in by_metric[m]},
+        panels = [{"ylabel": METRIC_UNITS.get(m, ""), "title": m,
+                   "series": {label(t): by_metric[m][t] for t in shown if t in by_metric[m]},
                    "integer": m in COUNT_METRICS} for m in metrics]
         plots.append({**base, "title": f"{fam}: {', '.join(metrics)} across runs",
                       "panels": [p for p in panels if p["series"]], "note": note})

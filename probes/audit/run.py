@@ -35,44 +35,100 @@ class Check:
     #                            its Results kept in suite order
 
 
-class Progress:
-    """A bar on a terminal, plain lines in CI logs (no carriage returns in a log file)."""
+def outcome_words(results: list[Result]) -> str:
+    """What a check's Results did, in words a log grep can trust: a control that did what
+    it is known to do is `reproduced` (a known-leaky router that leaks included), one that
+    did not is `MISSED`; a finding is its verdict."""
+    words = []
+    for r in results:
+        if r.verdict == "error":
+            words.append("error")
+        elif r.is_control:
+            words.append("reproduced" if r.reproduced else
+                         f"MISSED (expected {r.expected}, got {r.verdict})")
+        else:
+            words.append(r.verdict)
+    return ", ".join(dict.fromkeys(words)) or "no result"
 
-    def __init__(self, total: int, stream=None, tty: bool | None = None, width: int = 24):
+
+class Progress:
+    """A bar on a terminal, plain lines in CI logs (no carriage returns in a log file).
+
+    heartbeat: seconds between lines while one check runs long (a log that stays silent
+    for a minute looks hung); each says what runs, for how long, and about how much of the
+    suite is left, estimated from the checks done so far."""
+
+    def __init__(self, total: int, stream=None, tty: bool | None = None, width: int = 24,
+                 heartbeat: float | None = 5.0):
         self.total, self.done, self.width = total, 0, width
         self.stream = sys.stderr if stream is None else stream
         self.tty = (hasattr(self.stream, "isatty") and self.stream.isatty()) if tty is None else tty
+        self.heartbeat = heartbeat
+        self._began = time.perf_counter()
+        self._current: tuple | None = None   # (check, started)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _write(self, text: str) -> None:
+        with self._lock:
+            self.stream.write(text)
+            self.stream.flush()
 
     def _bar(self, text: str) -> None:
         filled = self.width * self.done // max(self.total, 1)
         bar = "#" * filled + "." * (self.width - filled)
-        self.stream.write(f"\r[{bar}] {self.done}/{self.total} {text}"[:110].ljust(110))
-        self.stream.flush()
+        self._write(f"\r[{bar}] {self.done}/{self.total} {text}"[:110].ljust(110))
+
+    def remaining(self) -> str:
+        """'about 40 s left' from the mean time of the checks done so far."""
+        if not self.done:
+            return "time left unknown until a check finishes"
+        per = (time.perf_counter() - self._began) / self.done
+        return f"about {per * (self.total - self.done):.0f} s left"
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat):
+            cur = self._current
+            if cur is None:
+                continue
+            check, started = cur
+            text = (f"{check.family}: {check.name} still running "
+                    f"({time.perf_counter() - started:.0f} s); {self.remaining()}")
+            if self.tty:
+                self._bar(text)
+            else:
+                self._write(f"[{self.done + 1}/{self.total}] {text}\n")
 
     def start(self, check: Check) -> None:
+        self._current = (check, time.perf_counter())
+        if self.heartbeat and self._thread is None:
+            self._thread = threading.Thread(target=self._beat, daemon=True,
+                                            name="trainprobes-progress")
+            self._thread.start()
         if self.tty:
             self._bar(f"{check.family}: {check.name}")
 
     def finish(self, check: Check, results: list[Result], seconds: float) -> None:
+        self._current = None
         self.done += 1
-        verdicts = ",".join(sorted({r.verdict for r in results})) or "no result"
         if not self.tty:
-            self.stream.write(f"[{self.done}/{self.total}] {check.family}: {check.name} "
-                              f"... {verdicts} ({seconds:.1f} s)\n")
-            self.stream.flush()
+            self._write(f"[{self.done}/{self.total}] {check.family}: {check.name} "
+                        f"... {outcome_words(results)} ({seconds:.1f} s)\n")
 
     def note(self, text: str) -> None:
         """A step after the checks (writing the report): on the bar's line, or a log line."""
         if self.tty:
             self._bar(text)
         else:
-            self.stream.write(f"[report] {text}\n")
-            self.stream.flush()
+            self._write(f"[report] {text}\n")
 
     def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
         if self.tty:
-            self.stream.write("\r" + " " * 112 + "\r")
-            self.stream.flush()
+            self._write("\r" + " " * 112 + "\r")
 
 
 def error_result(check: Check, exc: BaseException) -> Result:

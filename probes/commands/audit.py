@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from trainprobes.commands.options import add_progress_options, progress_wanted
 from trainprobes.validation import parse_int
 
 
@@ -60,7 +61,7 @@ def add_arguments(p):
     p.add_argument("--json", action="store_true",
                    help="print the report document (what report.json holds: schema_version, "
                         "command, run facts, results) with its paths and exit code on stdout")
-    p.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
+    add_progress_options(p)
 
 
 def _suite(args):
@@ -116,8 +117,8 @@ def run(args) -> int:
     except OSError as e:
         print(f"error: --out/--history directory cannot be created: {e}", file=sys.stderr)
         return 2
-    progress = None if args.no_progress else Progress(len(checks))
-    if not args.no_progress:
+    progress = Progress(len(checks)) if progress_wanted(args) else None
+    if progress:
         print(f"trainprobes audit: {len(checks)} checks, suite {suite}", file=sys.stderr)
     import torch
     before = torch.get_num_threads()
@@ -132,6 +133,8 @@ def run(args) -> int:
                                   **({"control_seed": CONTROL_SEED}
                                      if any(c.control for c in checks) else {})})
     except OSError as e:  # the checks catch their own errors: this is writing the report
+        if progress:
+            progress.close()
         print(f"error: the report cannot be written, so none was kept (latest still names "
               f"the last whole run): {e}", file=sys.stderr)
         return 2

@@ -205,8 +205,9 @@ def format_result(res, show: int = 10) -> str:
                                   if "mismatch_rate" in m else "n/a in perturb mode (use --mode truncate)"),
         f"batch isolated     {_yn(m['batch_isolated'])}; batch-invariant {_yn(m['batch_invariant'])}; "
         f"packed {_yn(m['packed'])}; fp64 {m['fp64']}",
-        f"n_evaluations      {m['n_evaluations']}  (tokens {m['tokens_evaluated']}; first flip "
-        f"after {m['evaluations_to_first_flip']})",
+        f"n_evaluations      {m['n_evaluations']}  (tokens {m['tokens_evaluated']}; "
+        + ("no decision flipped)" if m.get("evaluations_to_first_flip") is None
+           else f"first flip after {m['evaluations_to_first_flip']})"),
     ]
     if ev["leak_distances"]:
         lines.append("leak distances     " + ", ".join(f"{d}: {n}" for d, n in

@@ -180,34 +180,37 @@ def render(results) -> str:
 
 
 def plot(results, path, *, replace: bool = True) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise InvalidArgument("--plot needs matplotlib: pip install 'trainprobes[plots]'") from None
-    fig, axes = plt.subplots(len(results), 2, figsize=(10, 2.6 * len(results)), squeeze=False)
-    for (a, b), r in zip(axes, results):
-        h = r.evidence["log_ratio_histogram"]
-        edges, counts = h["edges"], h["counts"]
-        a.stairs(counts, edges, fill=True)
-        a.set_yscale("log")
-        a.set_xlabel("log-ratio infer - train (nats)")
-        a.set_title(f"{r.metrics['drift_verdict']}: {r.target}"[:70], fontsize=8)
-        rows = r.evidence.get("by_probability", [])
-        b.bar(range(len(rows)), [row["mean_log_ratio"] for row in rows],
-              yerr=[row["std_log_ratio"] for row in rows], capsize=2)
-        b.set_xticks(range(len(rows)), [f"{row['p_high']:.2g}" for row in rows], fontsize=7)
-        b.set_xlabel("p_infer bucket (upper edge)")
-        b.set_ylabel("mean log-ratio")
-        b.axhline(0, color="k", lw=0.5)
-    fig.tight_layout()
+    """One row per Result: the log-ratio histogram with every token drawn (tails past the
+    bulk as "N beyond" bars) and the bias by inference probability with 99% confidence
+    intervals, the same pictures report.html draws (trainprobes.report.plots)."""
     import io
 
+    from trainprobes.audit.families import drift_plots
+    from trainprobes.report.plots import have_matplotlib, render_png
     from trainprobes.result import write_atomic
+    if not have_matplotlib():
+        raise InvalidArgument("--plot needs matplotlib: pip install 'trainprobes[plots]'")
+    from PIL import Image
+    rows = []
+    for r in results:
+        specs = drift_plots(r)
+        title = f"{r.metrics.get('drift_verdict', '?')}: {r.target}"
+        for spec in specs[:1]:
+            spec["title"] = f"{title[:60]}: log-ratio per token"
+        rows.append([Image.open(io.BytesIO(render_png(s, colors=256))).convert("RGB")
+                     for s in specs])
+    width = max((sum(im.width for im in row) for row in rows), default=1)
+    height = sum(max((im.height for im in row), default=0) for row in rows) or 1
+    sheet = Image.new("RGB", (width, height), "white")
+    y = 0
+    for row in rows:
+        x = 0
+        for im in row:
+            sheet.paste(im, (x, y))
+            x += im.width
+        y += max((im.height for im in row), default=0)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
+    sheet.save(buf, format="PNG")
     write_atomic(path, buf.getvalue(), replace=replace)
 
 

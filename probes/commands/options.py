@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import sys
 
 from trainprobes.errors import InvalidArgument
 from trainprobes.validation import parse_with
@@ -206,3 +207,23 @@ def parse_backend(choices) -> "callable":
                                                  f"was built without NCCL; use gloo")
         return name
     return parse
+
+
+def add_progress_options(parser) -> None:
+    """--progress / --no-progress: progress lines on stderr, on by default on a terminal
+    only (a CI log gets them with --progress)."""
+    g = parser.add_mutually_exclusive_group()
+    g.add_argument("--progress", action="store_true", default=None,
+                   help="progress lines on stderr even when it is not a terminal (a CI log)")
+    g.add_argument("--no-progress", action="store_true",
+                   help="no progress output on stderr")
+
+
+def progress_wanted(args, stream=None) -> bool:
+    """Progress asked for, or stderr a terminal and not silenced."""
+    if getattr(args, "no_progress", False):
+        return False
+    if getattr(args, "progress", None):
+        return True
+    stream = sys.stderr if stream is None else stream
+    return bool(getattr(stream, "isatty", lambda: False)())

@@ -165,7 +165,7 @@ def quantiles_and_histogram(layout: Layout, mean: float, std: float, x_min: floa
     metrics = {f"ratio_p{quantile_name(q)}": ratio_from_x(v) for q, v in zip(QUANTILES, xq)}
     counts = hist.counts.view(EVIDENCE_BINS, SELECT_BINS // EVIDENCE_BINS).sum(1)
     evidence = {"edges": torch.linspace(lo, hi, EVIDENCE_BINS + 1).tolist(), "counts": counts.tolist(),
-                "below": hist.below, "above": hist.above}
+                "below": hist.below, "above": hist.above, "x_min": x_min, "x_max": x_max}
     return metrics, evidence
 
 

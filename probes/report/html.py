@@ -7,7 +7,7 @@ The page reads top to bottom in the order a person needs it:
   3. calibration: one line per family ("20 of 20 controls reproduced") and one overview
      plot per family where its Results carry one;
   4. trends across runs (with --history);
-  5. every Result in one table.
+  Each Result appears in one place only; report.json holds them all.
 Plots are drawn only where the page shows them.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ ul.calib{list-style:none;padding-left:0} ul.calib li{margin:.25em 0}
 .plots figure{display:inline-block;margin:0 .5em .5em 0;vertical-align:top}
 .plots figcaption{font-size:12px;color:#555;max-width:640px}
 code{background:#f4f4f4;padding:0 3px} details summary{cursor:pointer;color:#444}
-details table{margin:.3em 0}
+details table{margin:.3em 0} .advice{background:#fff8e1;border-radius:4px;padding:.1em .7em}
 """
 
 
@@ -147,6 +147,12 @@ def _card(page: Page, r: Result) -> None:
     page.add(f'<div class="card {kind} v-{b.css[2:]}"><h3>{_badge(r)} <span class="target">'
              f'{_target(r.target)}</span></h3><p class="small muted">{_e(outline.known(r))} · '
              f"{_e(r.probe)} {_codes(r)}{_seed(r)}</p><p>{_e(r.message)}</p>")
+    if not r.is_control and r.verdict == "warn":
+        tips = outline.advice(r)
+        page.add("<div class='advice'>" + ("".join(
+            f"<p><b>What {_e(c)} means:</b> {_e(a.means)}.<br><b>What to do:</b> {_e(a.todo)}.</p>"
+            for c, a in tips) or "<p><b>WARN</b> is not a failure: worth a look. The message "
+                                 "above says what was seen.</p>") + "</div>")
     if r.reproduced is False:
         page.add(f"<p><b>expected {_e(r.expected)}, got {_e(r.verdict)}</b>: this control's "
                  "verdict is known from its mechanism, so the harness did not work as designed "
@@ -221,8 +227,9 @@ def _findings(page: Page, results: list[Result]) -> None:
         _card(page, r)
     fine = [r for r in found if r.verdict == "pass"]
     if fine:
-        page.add(f"<p>{len(fine)} finding{'s' if len(fine) != 1 else ''} passed:</p>",
-                 _results_table(fine, full=False))
+        page.add(f"<details><summary>{len(fine)} finding{'s' if len(fine) != 1 else ''} "
+                 "passed (open to see each)</summary>", _results_table(fine, full=False),
+                 "</details>")
 
 
 def _calibration(page: Page, results: list[Result]) -> None:
@@ -236,8 +243,10 @@ def _calibration(page: Page, results: list[Result]) -> None:
              "this machine; a missed one is listed under findings.</p><ul class='calib'>")
     for f in fams:
         css = "b-ok" if not f.missed else "b-missed"
-        page.add(f"<li><span class='b {css}'>{'OK' if not f.missed else 'MISSED'}</span> "
-                 f"{_e(f.line())}</li>")
+        page.add(f"<li><details{' open' if f.missed else ''}><summary>"
+                 f"<span class='b {css}'>{'OK' if not f.missed else 'MISSED'}</span> "
+                 f"{_e(f.line())}</summary>", _results_table(f.controls, full=False),
+                 "</details></li>")
     page.add("</ul>")
     if page.draws:
         overviews = [s for s in (overview_plot(f.controls) for f in fams) if s]
@@ -248,23 +257,38 @@ def _calibration(page: Page, results: list[Result]) -> None:
             page.add("</div>")
 
 
-# Estimates drawn side by side per family, with their confidence intervals.
-CI_METRICS = ("bias", "mean_log_ratio")
+# Estimates drawn side by side per family, with their confidence intervals: the metric,
+# how it is shown (a relative error in %), its unit and what it is.
+CI_METRICS = {"bias": (100.0, "%", "bias: mean signed relative error"),
+              "mean_log_ratio": (1.0, "nats/token", "mean log-ratio log p_infer - log p_train")}
+
+
+def row_status(r: Result) -> str:
+    """What a row did against its expectation, as the forest plot colours it."""
+    return outline.badge(r).css[2:]
 
 
 def family_plots(results: list[Result]) -> list[dict]:
-    """One CI plot per estimate that several Results of a family carry (ci_low, ci_high)."""
+    """One forest plot per estimate that several Results of a family carry (ci_low, ci_high)."""
     plots = []
-    for name in CI_METRICS:
+    for name, (scale, unit, what) in CI_METRICS.items():
         rows = [r for r in results if all(isinstance(r.metrics.get(k), (int, float))
                                           and not isinstance(r.metrics.get(k), bool)
                                           for k in (name, "ci_low", "ci_high"))]
         if len(rows) >= 2:
-            plots.append({"kind": "ci", "title": f"{name} with its confidence interval",
+            plots.append({"kind": "ci", "title": f"{what}, with its confidence interval",
                           "labels": [r.target for r in rows],
                           "estimate": [r.metrics[name] for r in rows],
                           "low": [r.metrics["ci_low"] for r in rows],
-                          "high": [r.metrics["ci_high"] for r in rows], "ylabel": name})
+                          "high": [r.metrics["ci_high"] for r in rows], "xlabel": name,
+                          "scale": scale, "unit": unit,
+                          "control": [r.is_control for r in rows],
+                          "status": [row_status(r) for r in rows],
+                          "expected": [r.expected for r in rows],
+                          "note": "Each row's value and interval are written beside it; rows "
+                                  "of very different size get panels of their own, each on a "
+                                  "linear axis. Hollow diamonds: controls (green: reproduced "
+                                  "their known verdict, pass or fail); filled circles: findings."})
     return plots
 
 
@@ -309,8 +333,9 @@ def build_page(results: list[Result], meta: dict | None = None) -> Page:
         for spec in trends:
             page.plot(spec)
         page.add("</div>")
-    page.add(f"<h2 id='all'>All results ({len(results)})</h2>",
-             "<p class='small muted'>In suite order. report.json holds every Result with its "
-             "metrics and summarised evidence (long lists cut; <code>--full-evidence</code> "
-             "keeps them).</p>", _results_table(results), "</body></html>")
+    page.add("<p class='small muted'>Each Result is shown once: problems and warnings as "
+             "cards, passing findings in one table, controls under their family in calibration "
+             "(open a family to see them). report.json holds every Result with its metrics and "
+             "summarised evidence (<code>--full-evidence</code> keeps long lists).</p>",
+             "</body></html>")
     return page

@@ -24,6 +24,15 @@ HEADLINE_METRICS = ("causal", "n_leaks", "flip_rate", "bias", "mean_log_ratio", 
                     "max_abs_relative_error", "mismatch_rate", "rel_error", "p_value")
 # Numeric metrics whose change across runs is worth a trend line (p-values only jitter).
 TREND_METRICS = tuple(m for m in HEADLINE_METRICS if m not in ("causal", "p_value"))
+# What each trend metric is measured in: every axis says it.
+METRIC_UNITS = {"n_leaks": "decisions", "flip_rate": "fraction of decisions",
+                "bias": "relative error", "mean_log_ratio": "nats/token", "k3_kl": "nats/token",
+                "frac_ratio_outside": "fraction of tokens",
+                "accumulator_mantissa_bits": "bits", "max_ulp_error": "ulp",
+                "bitwise_match_fraction": "fraction", "relative_error": "relative error",
+                "update_relative_error": "relative error",
+                "max_abs_relative_error": "relative error", "mismatch_rate": "fraction",
+                "rel_error": "relative error"}
 
 
 @dataclass(frozen=True)
@@ -134,3 +143,40 @@ def key_metrics(r: Result, limit: int = 4) -> str:
     if not shown:
         shown = [k for k, v in r.metrics.items() if isinstance(v, (int, float))][:limit]
     return ", ".join(f"{k}={format_number(r.metrics[k])}" for k in shown)
+
+
+@dataclass(frozen=True)
+class Advice:
+    means: str    # what the code means for the reader's training
+    todo: str     # what to do about it
+
+
+# What a warning code means for the reader and what to do: every WARN card says it.
+ADVICE = {
+    "TP-I2": Advice("the same row gives different bits alone and inside a batch (a kernel "
+                    "picks its reduction order by batch size): a sampler and a trainer that "
+                    "batch differently see different log-probs, a few ulps here",
+                    "nothing, if ulp-level train/inference drift is acceptable; for bitwise "
+                    "equality use batch-invariant kernels, or compare with `trainprobes drift`"),
+    "TP-B3": Advice("this machine's kernel keeps partial sums in fewer bits than fp32: long "
+                    "reductions (large K, long sequences) lose small terms",
+                    "keep long reductions in fp32 (or split K); check the kernel's accumulator "
+                    "setting (e.g. torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction)"),
+    "TP-B2": Advice("a running sum stops growing: each add is under half an ulp of the sum",
+                    "accumulate in a wider format (fp32) or use Kahan/pairwise summation"),
+    "TP-D2": Advice("a few tokens carry most of the train/inference disagreement: importance "
+                    "ratios of those tokens are far from 1",
+                    "look at the tokens in the tail (drift localisation); clip or mask them "
+                    "in the loss (e.g. truncated importance sampling)"),
+    "TP-D1": Advice("inference log-probs sit on one side of the trainer's",
+                    "find the op where the two engines part (`trainprobes drift` localisation)"),
+    "TP-B1": Advice("the result is wrong in the same direction every time, so it compounds",
+                    "run the reduction in a wider format or with an unbiased order"),
+    "TP-C2": Advice("the target gave different outputs for the same input",
+                    "seed it or make it deterministic before judging causality"),
+}
+
+
+def advice(r: Result) -> list[tuple[str, Advice]]:
+    """(code, advice) for each of a Result's codes that has advice."""
+    return [(c, ADVICE[c]) for c in r.codes if c in ADVICE]

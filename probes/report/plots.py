@@ -24,7 +24,10 @@ from __future__ import annotations
 import base64
 import io
 import math
+import os
+from dataclasses import dataclass
 
+from trainprobes.display import format_number
 from trainprobes.markup import plot_text
 
 KINDS = ("line", "hist", "ci", "heatmap", "bars", "panels")
@@ -90,6 +93,10 @@ def _draw(fig, spec: dict) -> None:
         raise ValueError(f"plot kind={kind!r} is not one of {KINDS}")
     if kind == "panels":
         return _draw_panels(fig, spec)
+    if kind == "ci":
+        return _draw_ci(fig, spec)
+    if kind == "hist" and (spec.get("below") or spec.get("above")):
+        return _draw_hist_tails(fig, spec)
     ax = fig.add_subplot()
     if kind == "line":
         x = _floats(spec["x"])
@@ -104,29 +111,29 @@ def _draw(fig, spec: dict) -> None:
         if len(series) > 1:  # beside the axes, never over the data
             ax.legend(fontsize=SMALL, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     elif kind == "hist":
-        edges, counts = _floats(spec["edges"]), _floats(spec["counts"])
-        if len(edges) != len(counts) + 1:
-            raise ValueError(f"hist spec has {len(edges)} edges for {len(counts)} counts; "
-                             "expected one more edge than counts")
-        widths = [b - a for a, b in zip(edges[:-1], edges[1:])]
-        ax.bar(edges[:-1], counts, width=widths, align="edge", edgecolor="none")
+        _hist_bulk(ax, spec)
         _marks(ax, spec.get("marks") or {})
-        _few_ticks(ax.xaxis)
         if spec.get("logy"):
             ax.set_yscale("log")
         else:
             _integer_ticks(ax.yaxis)
-    elif kind == "ci":
-        _draw_ci(ax, spec)
-        spec = {**spec, "xlabel": spec.get("ylabel", ""), "ylabel": ""}
     elif kind == "bars":
         vals = _floats(spec["values"])
         pos = list(range(len(vals)))[::-1]
-        bad = spec.get("bad") or [False] * len(vals)
+        status = spec.get("status") or ["unexpected" if b else "exact"
+                                         for b in spec.get("bad") or [False] * len(vals)]
         ax.barh(pos, [v if math.isfinite(v) else 0.0 for v in vals],
-                color=["#c33" if b else "#4a7" for b in bad])
+                color=[BAR_COLORS[s][0] for s in status], gid="bars")
         ax.set_yticks(pos)
         ax.set_yticklabels([plot_text(s) for s in spec["labels"]], fontsize=SMALL)
+        for p, v in zip(pos, vals):  # the value at each bar's end: no bar needs a ruler
+            ax.annotate(_short(v), xy=(v if math.isfinite(v) else 0.0, p), xytext=(3, 0),
+                        textcoords="offset points", va="center", fontsize=SMALL)
+        ax.set_xlim(0, max([1.0] + [v for v in vals if math.isfinite(v)]) * 1.12)
+        from matplotlib.patches import Patch
+        shown = list(dict.fromkeys(status))
+        ax.legend(handles=[Patch(color=BAR_COLORS[s][0], label=BAR_COLORS[s][1]) for s in shown],
+                  fontsize=SMALL, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
         for ref in spec.get("ref", ()):
             ax.axvline(float(ref), color="grey", lw=0.8, ls="--")
         if spec.get("logx"):
@@ -146,6 +153,65 @@ def _draw(fig, spec: dict) -> None:
     ax.tick_params(labelsize=SMALL)
 
 
+def _hist_bulk(ax, spec: dict) -> None:
+    edges, counts = _floats(spec["edges"]), _floats(spec["counts"])
+    if len(edges) != len(counts) + 1:
+        raise ValueError(f"hist spec has {len(edges)} edges for {len(counts)} counts; "
+                         "expected one more edge than counts")
+    widths = [b - a for a, b in zip(edges[:-1], edges[1:])]
+    ax.bar(edges[:-1], counts, width=widths, align="edge", edgecolor="none", gid="bulk")
+    _few_ticks(ax.xaxis)
+
+
+def _draw_hist_tails(fig, spec: dict) -> list:
+    """A histogram whose bulk is binned and whose tails are not: the values below the first
+    edge and above the last each drawn as one bar over the range they span (x_min to the
+    first edge, the last edge to x_max), on panels of their own either side of a broken
+    axis, labelled "N beyond". Every value is drawn; none is cut without a word."""
+    edges = _floats(spec["edges"])
+    below, above = int(spec.get("below") or 0), int(spec.get("above") or 0)
+    parts = (["below"] if below else []) + ["bulk"] + (["above"] if above else [])
+    axes = fig.subplots(1, len(parts), sharey=True, squeeze=False,
+                        gridspec_kw={"width_ratios": [1 if p != "bulk" else 5 for p in parts],
+                                     "wspace": 0.02})[0]
+    unit = spec.get("xunit", "")
+    for ax, part in zip(axes, parts):
+        if part == "bulk":
+            _hist_bulk(ax, spec)
+            _marks(ax, spec.get("marks") or {})
+            continue
+        n = below if part == "below" else above
+        end = edges[0] if part == "below" else edges[-1]
+        far = spec.get("x_min" if part == "below" else "x_max")
+        far = float(far) if isinstance(far, (int, float)) and math.isfinite(far) and far != end \
+            else end + (edges[-1] - edges[0]) * (-0.1 if part == "below" else 0.1)
+        a, b = sorted((far, end))
+        ax.bar([a], [n], width=[b - a], align="edge", color="C3", edgecolor="none", gid=part)
+        ax.set_xlim(a - 0.05 * (b - a), b + 0.05 * (b - a))
+        ax.set_xticks([a, b], [_short(a), _short(b)], fontsize=SMALL)
+        ax.annotate(f"{n} beyond", xy=(0.5, 1.0), xycoords="axes fraction", ha="center",
+                    va="bottom", fontsize=SMALL, color="C3", gid=f"{part}-label")
+        ax.set_title(f"{'<' if part == 'below' else '>'} {_short(end)}{unit}", fontsize=SMALL,
+                     pad=14)
+        ax.spines["right" if part == "below" else "left"].set_visible(False)
+        # the broken axis's diagonal marks
+        d = dict(marker=[(-1, -1.5), (1, 1.5)], markersize=8, linestyle="none", color="k",
+                 mec="k", mew=1, clip_on=False)
+        x = 1 if part == "below" else 0
+        ax.plot([x, x], [0, 1], transform=ax.transAxes, **d)
+        ax.tick_params(labelsize=SMALL)
+    bulk = axes[parts.index("bulk")]
+    if spec.get("logy"):
+        bulk.set_yscale("log")
+    else:
+        _integer_ticks(bulk.yaxis)
+    axes[0].set_ylabel(plot_text(spec.get("ylabel", "")), fontsize=MID)
+    bulk.set_xlabel(plot_text(spec.get("xlabel", "")), fontsize=MID)
+    bulk.set_title(plot_text(spec.get("title", "")), fontsize=BIG, pad=14)
+    bulk.tick_params(labelsize=SMALL)
+    return list(axes)
+
+
 def _marks(ax, marks: dict) -> None:
     """Labelled vertical lines (zero, the estimate), the axis widened to show them."""
     for i, (label, x) in enumerate(marks.items()):
@@ -155,31 +221,145 @@ def _marks(ax, marks: dict) -> None:
         ax.legend(fontsize=SMALL, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
 
 
-def _draw_ci(ax, spec: dict) -> None:
-    """Horizontal: long target names read on the y axis. Estimates spanning orders of
-    magnitude (a 0.2 stall bias beside a 1e-9 fp32 one) get a symlog axis."""
+# Row colours by what a row is against its expectation: a control that reproduced is
+# calm whatever its verdict (a known-leaky router that leaks is the harness working).
+STATUS_COLORS = {"ok": "#2a7a3a", "pass": "#1f5fa8", "warn": "#d08a00", "fail": "#c62828",
+                 "missed": "#c62828", "error": "#6a1b9a", None: "#1f5fa8"}
+STATUS_WORDS = {"ok": "control reproduced its known verdict", "missed": "control MISSED",
+                "pass": "finding: pass", "warn": "finding: warn", "fail": "finding: fail",
+                "error": "error"}
+# Stall bars: exact, lost what the format's arithmetic predicts (expected), or differs from
+# the prediction (red: this machine is not doing the format's arithmetic).
+BAR_COLORS = {"exact": ("#2a7a3a", "exact"),
+              "expected": ("#8c8fb8", "stalls where its format predicts (expected)"),
+              "unexpected": ("#c62828", "differs from its format's prediction")}
+# Rows within this factor of a panel's largest share its linear axis; smaller ones split off:
+# a -23.8% bias and a 1e-7% one cannot both be read on one linear axis.
+PANEL_SPAN = 20.0
+
+
+@dataclass(frozen=True)
+class ForestRow:
+    index: int          # position in the spec
+    label: str
+    estimate: float     # scaled for display
+    low: float
+    high: float
+    control: bool
+    status: str | None
+    expected: str | None
+
+    @property
+    def finite(self) -> bool:
+        return all(math.isfinite(v) for v in (self.estimate, self.low, self.high))
+
+    @property
+    def magnitude(self) -> float:
+        return max(abs(self.estimate), abs(self.low), abs(self.high)) if self.finite else 0.0
+
+
+def forest_rows(spec: dict) -> list[ForestRow]:
+    """The rows of a "ci" spec, in spec order, values multiplied by spec["scale"] (100 for
+    a relative effect shown in %)."""
+    scale = float(spec.get("scale", 1.0))
     est, lo, hi = _floats(spec["estimate"]), _floats(spec["low"]), _floats(spec["high"])
-    pos = list(range(len(est)))[::-1]
-    err = [[max(e - low, 0.0) for e, low in zip(est, lo)],
-           [max(h - e, 0.0) for e, h in zip(est, hi)]]
-    ax.errorbar(est, pos, xerr=err, fmt="o", capsize=3)
-    ax.axvline(0.0, color="grey", lw=0.8)
-    ax.set_yticks(pos)
-    ax.set_yticklabels([plot_text(s) for s in spec.get("labels", pos)], fontsize=SMALL)
-    nz = [abs(v) for v in est + lo + hi if v != 0.0 and v == v]
-    if nz and max(nz) / min(nz) > 100:
-        lt = min(nz)
-        ax.set_xscale("symlog", linthresh=lt)
-        d0, d1 = math.floor(math.log10(lt)), math.ceil(math.log10(max(nz)))
-        step = max(1, math.ceil((d1 - d0) / 2))  # two decades a side at most: labels fit
-        # decades from the largest down, leaving out the ones inside the linear band
-        # around 0 (their labels would sit on top of "0")
-        dec = [10.0 ** d for d in range(d1, d0 - 1, -step) if 10.0 ** d > 2 * lt] or [10.0 ** d1]
-        ticks = [-v for v in dec if any(x < 0 for x in est + lo)] + [0.0] + dec[::-1]
-        ax.set_xticks(ticks)
-        ax.set_xticklabels([f"{t:.0e}" if t else "0" for t in ticks], fontsize=SMALL)
-    else:
+    if not len(est) == len(lo) == len(hi):
+        raise ValueError(f"ci spec has {len(est)} estimates, {len(lo)} lows and {len(hi)} "
+                         "highs; expected one of each per row")
+    n = len(est)
+    labels = [str(x) for x in spec.get("labels", range(n))]
+    control = list(spec.get("control") or [False] * n)
+    status = list(spec.get("status") or [None] * n)
+    expected = list(spec.get("expected") or [None] * n)
+    return [ForestRow(i, labels[i], est[i] * scale, lo[i] * scale, hi[i] * scale,
+                      bool(control[i]), status[i], expected[i]) for i in range(n)]
+
+
+def forest_groups(rows: list[ForestRow], span: float = PANEL_SPAN) -> list[list[ForestRow]]:
+    """Rows split into panels of similar magnitude, largest first, each within `span` of
+    its largest row (rows exactly 0, or not finite, join the smallest panel); spec order
+    within a panel."""
+    sized = sorted((r for r in rows if r.magnitude > 0), key=lambda r: -r.magnitude)
+    groups: list[list[ForestRow]] = []
+    for r in sized:
+        if groups and groups[-1][0].magnitude / r.magnitude <= span:
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    rest = [r for r in rows if r.magnitude == 0]
+    if rest:
+        if groups:
+            groups[-1].extend(rest)
+        else:
+            groups.append(rest)
+    return [sorted(g, key=lambda r: r.index) for g in groups]
+
+
+def _short(v: float) -> str:
+    return format_number(v, digits=3)
+
+
+def row_text(r: ForestRow, unit: str = "") -> str:
+    """What is written beside a row: its value, its interval, and what it was expected to do."""
+    u = unit if unit == "%" else (f" {unit}" if unit else "")
+    if not r.finite:
+        return f"{_short(r.estimate)}{u} [{_short(r.low)}, {_short(r.high)}] (not drawn: not finite)"
+    return f"{_short(r.estimate)}{u} [{_short(r.low)}, {_short(r.high)}]"
+
+
+def _draw_ci(fig, spec: dict) -> list:
+    """A forest plot: one row per estimate with its confidence interval, on a linear axis
+    per panel of similar magnitude, the value and interval written beside each row;
+    controls as hollow diamonds, findings as filled circles, coloured by what each did
+    against its expectation."""
+    from matplotlib.lines import Line2D
+    rows = forest_rows(spec)
+    unit = spec.get("unit", "")
+    groups = forest_groups(rows)
+    axes = fig.subplots(len(groups), 1, squeeze=False,
+                        gridspec_kw={"height_ratios": [max(len(g), 1) + 0.8 for g in groups]})[:, 0]
+    for ax, group in zip(axes, groups):
+        pos = list(range(len(group)))[::-1]
+        for y, r in zip(pos, group):
+            if not r.finite:
+                continue
+            color = STATUS_COLORS.get(r.status, STATUS_COLORS[None])
+            ax.errorbar([r.estimate], [y], xerr=[[r.estimate - r.low], [r.high - r.estimate]],
+                        fmt="D" if r.control else "o", ms=5, capsize=3, lw=1.4, color=color,
+                        mfc="white" if r.control else color, mew=1.4, gid=f"row{r.index}")
+        ax.axvline(0.0, color="grey", lw=0.8)
+        ax.set_yticks(pos)
+        ax.set_yticklabels([plot_text(r.label) for r in group], fontsize=SMALL)
+        ax.set_ylim(-0.7, len(group) - 0.3)
+        for y, r in zip(pos, group):  # beside the axes: never on a point, never clipped
+            ax.annotate(plot_text(row_text(r, unit)), xy=(1.01, y),
+                        xycoords=("axes fraction", "data"), va="center", fontsize=SMALL,
+                        annotation_clip=False, gid=f"text{r.index}")
+        vals = [v for r in group if r.finite for v in (r.low, r.high)] + [0.0]
+        lo, hi = min(vals), max(vals)
+        pad = 0.06 * (hi - lo) if hi > lo else (abs(hi) or 1.0) * 0.5
+        ax.set_xlim(lo - pad, hi + pad)
         _few_ticks(ax.xaxis)
+        ax.xaxis.get_offset_text().set_fontsize(SMALL)
+        ax.tick_params(labelsize=SMALL)
+        if len(groups) > 1:
+            top = max(r.magnitude for r in group)
+            ax.set_title(f"|value| up to {_short(top)}{'' if unit == '%' else ' '}{unit}".rstrip(),
+                         fontsize=SMALL, loc="left")
+    label = spec.get("xlabel") or spec.get("ylabel", "")
+    axes[-1].set_xlabel(plot_text(f"{label} ({unit})" if unit and unit not in label else label),
+                        fontsize=MID)
+    fig.suptitle(plot_text(spec.get("title", "")), fontsize=BIG)
+    seen = list(dict.fromkeys((r.control, r.status) for r in rows))
+    if len(seen) > 1 or any(r.control for r in rows):
+        handles = [Line2D([], [], marker="D" if c else "o", ls="none",
+                          color=STATUS_COLORS.get(s, STATUS_COLORS[None]),
+                          mfc="white" if c else STATUS_COLORS.get(s, STATUS_COLORS[None]),
+                          label=STATUS_WORDS.get(s, "control" if c else "finding"))
+                   for c, s in seen]
+        fig.legend(handles=handles, loc="outside lower center", fontsize=SMALL, frameon=False,
+                   ncols=min(3, len(handles)))
+    return list(axes)
 
 
 def _draw_panels(fig, spec: dict) -> None:
@@ -191,7 +371,10 @@ def _draw_panels(fig, spec: dict) -> None:
     colors = dict(zip(labels, cmap))
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
     for ax, panel in zip(axes, panels):
-        _lines(ax, x, {plot_text(k): v for k, v in panel["series"].items()}, colors)
+        series = {plot_text(k): v for k, v in panel["series"].items()}
+        _lines(ax, x, series, colors)
+        if panel.get("title"):
+            ax.set_title(plot_text(panel["title"]), fontsize=SMALL, loc="left")
         ax.set_ylabel(plot_text(panel.get("ylabel", "")), fontsize=SMALL)
         ax.tick_params(labelsize=SMALL)
         _few_ticks(ax.yaxis, 4)
@@ -202,6 +385,8 @@ def _draw_panels(fig, spec: dict) -> None:
             ax.set_ylim(min(min(values), 0.0) - 0.05 * top, top * 1.05)
             _integer_ticks(ax.yaxis)
             ax.yaxis.set_major_formatter("{x:.0f}")
+    for ax, panel in zip(axes, panels):
+        _direct_labels(ax, x, {plot_text(k): v for k, v in panel["series"].items()}, colors)
     _xticks(axes[-1], spec, x)
     axes[-1].set_xlabel(plot_text(spec.get("xlabel", "run")), fontsize=MID)
     fig.suptitle(plot_text(spec.get("title", "")), fontsize=BIG)
@@ -212,6 +397,40 @@ def _draw_panels(fig, spec: dict) -> None:
                frameon=False, ncols=_legend_columns(shown))
 
 
+DIRECT_LABEL_CHARS = 34
+
+
+def _direct_labels(ax, x, series: dict, colors: dict) -> None:
+    """Each line's name at its last finite point, right of the axes, in its colour, spread
+    apart so no two overlap; lines whose values are equal there share one label."""
+    ends: dict = {}
+    for label, ys in series.items():
+        pts = [(xv, float(y)) for xv, y in zip(x, ys) if y != "nan" and math.isfinite(float(y))]
+        if pts:
+            ends.setdefault(round(pts[-1][1], 12), []).append(label)
+    if not ends:
+        return
+    lo, hi = ax.get_ylim()
+    span = (hi - lo) or 1.0
+    placed, gap = [], 0.16  # axes fraction between label centres
+    for yv in sorted(ends):
+        f = (yv - lo) / span
+        if placed and f - placed[-1] < gap:
+            f = placed[-1] + gap
+        placed.append(f)
+    shift = max(0.0, placed[-1] - 1.0)
+    # the part every name shares (trainprobes.reference.routing:) says nothing beside a line
+    common = os.path.commonprefix(list(series)) if len(series) > 1 else ""
+    cut = max(common.rfind(c) for c in ".:/ ") + 1 if common else 0
+    for (yv, labels), f in zip(sorted(ends.items()), placed):
+        text = " = ".join(lab[cut:] for lab in labels)
+        if len(text) > DIRECT_LABEL_CHARS:
+            text = text[:DIRECT_LABEL_CHARS - 1] + "\u2026"
+        ax.annotate(text, xy=(1.01, f - shift), xycoords="axes fraction", va="center",
+                    fontsize=7, color=colors.get(labels[0], "k"), annotation_clip=False,
+                    gid="direct-label")
+
+
 def _legend_columns(labels: list[str]) -> int:
     return 1 if not labels or max(map(len, labels)) > 45 else 2
 
@@ -220,13 +439,17 @@ def size_of(spec: dict) -> tuple[float, float]:
     """Figure size in inches: wide enough for a legend beside the axes, tall enough for
     one readable row per label."""
     kind = spec.get("kind")
-    if kind in ("ci", "bars"):
-        n = len(spec.get("estimate", spec.get("values", ())))
-        return 7.5, 1.2 + 0.28 * n
+    if kind == "ci":
+        groups = forest_groups(forest_rows(spec))
+        return 9.5, 1.3 + 0.28 * len(spec["estimate"]) + 0.45 * len(groups)
+    if kind == "bars":
+        return 7.5, 1.5 + 0.28 * len(spec["values"])
     if kind == "panels":
         labels = list(dict.fromkeys(plot_text(k) for p in spec["panels"] for k in p["series"]))
         rows = math.ceil(len(labels) / _legend_columns(labels))
-        return 8.0, 1.0 + 1.4 * len(spec["panels"]) + 0.19 * rows
+        return 10.0, 1.0 + 1.6 * len(spec["panels"]) + 0.19 * rows
+    if kind == "hist" and (spec.get("below") or spec.get("above")):
+        return 8.0, 3.4
     if kind == "line" and len(spec.get("series", ())) > 1 or kind == "hist" and spec.get("marks"):
         return 7.0, 3.2
     return 5.0, 3.2

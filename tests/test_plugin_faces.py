@@ -1,0 +1,65 @@
+"""The plugin without friction: an expected outcome for a case known to be bad, and report
+keys that do not move with pytest's rootdir."""
+import json
+
+pytest_plugins = ["pytester"]
+
+EXPECTING = """
+import pytest
+from trainprobes.result import Result
+
+
+def test_known_leaky(trainprobes):
+    trainprobes.assert_flag(Result("causality.check", "expert_choice", "fail",
+                                   metrics={"causal": False}), expect="leaky")
+
+
+def test_known_leaky_but_causal(trainprobes):
+    trainprobes.assert_flag(Result("causality.check", "looks_leaky", "pass",
+                                   metrics={"causal": True}), expect="leaky")
+
+
+def test_check_expect_warn(trainprobes):
+    trainprobes.check(Result("numerics.stall", "fp16", "warn"), expect="warn")
+
+
+def test_bad_word(trainprobes):
+    trainprobes.check(Result("numerics.stall", "fp16", "warn"), expect="leakyy")
+"""
+
+
+def test_expect_records_a_control_reproduced_or_missed(pytester):
+    pytester.makepyfile(test_expect=EXPECTING)
+    out = pytester.runpytest("-p", "no:cacheprovider", "--trainprobes-report", "r.json")
+    out.assert_outcomes(passed=2, failed=2)
+    out.stdout.fnmatch_lines(["MISSED: expected 'leaky': causality.check on 'looks_leaky' -> pass",
+                              "*expected verdict fail, got pass"])
+    out.stdout.fnmatch_lines(["*expect='leakyy'*"])
+    doc = json.loads((pytester.path / "r.json").read_text())
+    by = {r["target"].split(" @ ")[0]: r for r in doc["results"]}
+    assert by["expert_choice"]["expected"] == "fail"  # a control that reproduced: not a FAIL
+    assert by["looks_leaky"]["expected"] == "fail" and by["looks_leaky"]["verdict"] == "pass"
+    assert by["fp16"]["expected"] == "warn"
+
+
+RECORD = """
+from trainprobes.result import Result
+
+
+def test_one(trainprobes):
+    trainprobes.record(Result("causality.check", "router", "pass", metrics={"causal": True}))
+"""
+
+
+def test_report_keys_do_not_move_with_rootdir(pytester):
+    pytester.makeini("[pytest]\n")
+    (pytester.path / "sub").mkdir()
+    (pytester.path / "sub" / "test_keys.py").write_text(RECORD)
+    pytester.runpytest("-p", "no:cacheprovider", "sub", "--trainprobes-report", "a.json") \
+        .assert_outcomes(passed=1)
+    pytester.runpytest("-p", "no:cacheprovider", "sub", f"--rootdir={pytester.path / 'sub'}",
+                       "--trainprobes-report", str(pytester.path / "b.json")) \
+        .assert_outcomes(passed=1)
+    a = json.loads((pytester.path / "a.json").read_text())["results"][0]["target"]
+    b = json.loads((pytester.path / "b.json").read_text())["results"][0]["target"]
+    assert a == b == "router @ sub/test_keys.py::test_one"
