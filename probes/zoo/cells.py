@@ -193,8 +193,9 @@ def row(model_type: str, *, probes=PROBES, implementations=IMPLEMENTATIONS,
             t = time.perf_counter()
             try:
                 cells += router_cells(model_type, main.model, seed)
-            except Exception:  # noqa: BLE001
-                cells.append(_cell(model_type, "router", "", lambda: (_ for _ in ()).throw(e)))
+            except Exception as e:  # noqa: BLE001 - the cell says why
+                first = (str(e).strip().splitlines() or [""])[0][:200]
+                cells.append(Cell(model_type, "router", "", "error", None, "", f"{type(e).__name__}: {first}"))
             cells[-1].seconds = cells[-1].seconds or round(time.perf_counter() - t, 3)
         if "batch" in probes:
             cells.append(_cell(model_type, "batch", "", lambda: batch_cell(model_type, main.model, seed)))
