@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("audit", "gate", "stall", "bias", "collectives", "causality", "drift", "isolation", "transforms")
+COMMANDS = ("audit", "gate", "stall", "bias", "collectives", "causality", "drift", "isolation", "transforms", "zoo")
 
 
 class _Parser(argparse.ArgumentParser):

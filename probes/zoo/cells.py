@@ -100,11 +100,11 @@ def router_cells(mt, model, seed=0) -> list[Cell]:
     routing = Routing(model)
     if not routing.has_router:
         return [Cell(mt, "router", "", "n/a", None, "", "no MoE layer (no module takes top_k_index)")]
-    kind = routing.kind()
-    twin_model, swapped = fp64_copy(model)
-    twin = Routing(twin_model)
     V = _vocab(model)
     x = torch.randint(0, V, (2, 32), generator=torch.Generator().manual_seed(seed))
+    kind = routing.kind(x)
+    twin_model, swapped = fp64_copy(model)
+    twin = Routing(twin_model)
     expected = "causal" if kind.startswith("token choice") and "capacity" not in kind else "non-causal"
     out = []
     for mode in ("perturb", "truncate"):

@@ -141,16 +141,26 @@ class Routing:
             out.append(dense.reshape(B, T, E))
         return torch.cat(out, -1)
 
-    def kind(self) -> str:
-        """The decision kind as the captured routing shows it and the router names it."""
+    def kind(self, tokens) -> str:
+        """The decision kind as the captured routing shows it: every token given the same
+        number of experts (token choice top-k) or not (expert choice or capacity dropping),
+        and an aux-loss-free bias where the router holds one."""
         if not self.experts:
             return "no router"
+        counts = set()
+        for module, idx, w in (self.decisions(tokens), self._seen)[1]:
+            E = _n_experts(module, idx)
+            real = (idx.reshape(-1, idx.shape[-1]) < getattr(module, "num_experts", E))
+            if w is not None:
+                real &= w.reshape(real.shape) != 0
+            counts |= set(real.sum(-1).unique().tolist())
         routers = [m for m in self.model.modules() if "router" in type(m).__name__.lower()
                    or type(m).__name__.lower().endswith("gate")]
         bias = any(hasattr(m, "e_score_correction_bias") or hasattr(m, "expert_bias") for m in routers)
         cfg = self.model.config
         cap = any(getattr(c, "capacity_factor", None) for c in (cfg, getattr(cfg, "text_config", None)) if c)
-        k = "token choice top-k"
+        k = (f"token choice top-{counts.pop()}" if len(counts) == 1 else
+             f"expert choice or capacity dropping ({min(counts)}-{max(counts)} experts per token)")
         if bias:
             k += ", aux-loss-free bias"
         if cap:
