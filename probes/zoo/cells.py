@@ -73,8 +73,37 @@ def _cell(mt, probe, variant, fn) -> Cell:
     return c
 
 
+def _packs_from_position_ids(model) -> bool:
+    """Whether the model's modeling file builds its mask with transformers' masking_utils
+    (create_causal_mask and kin), whose documented packed-sequence detection
+    (find_packed_sequence_indices) makes restarting position ids a document boundary."""
+    import inspect
+    import sys
+    try:
+        src = inspect.getsource(sys.modules[type(model).__module__])
+    except (OSError, TypeError, KeyError):
+        return False
+    return "create_causal_mask" in src or "create_sliding_window_causal_mask" in src
+
+
 def _vocab(model) -> int:
     return int(min(model.get_input_embeddings().num_embeddings, 128))
+
+
+def expected_isolation(model, conv: str) -> str | None:
+    """What the design promises: a 4-D block mask isolates documents in any attention-only
+    model; restarting position ids alone isolate only where masking_utils builds the mask
+    (find_packed_sequence_indices) and only without a cache: _preprocess_mask_arguments
+    reads packing "only if ... we don't have cache, i.e. generally a training setup", and a
+    causal LM makes a DynamicCache unless use_cache=False, so the cached calls (position_ids,
+    collator) carry no promise. Recurrent layers carry state across documents: none."""
+    if _recurrent(model):
+        return None
+    if conv == "mask_4d":
+        return "isolated"
+    if conv == "position_ids_no_cache" and _packs_from_position_ids(model):
+        return "isolated"
+    return None
 
 
 def isolation_cell(mt, model, impl, conv, seed=0) -> Cell:
@@ -86,7 +115,7 @@ def isolation_cell(mt, model, impl, conv, seed=0) -> Cell:
                   target=f"{mt}[{impl},{conv}]")
     iso = r.metrics.get("isolated")
     verdict = {True: "isolated", False: "leaky", None: "unknown"}[iso]
-    expected = None if _recurrent(model) else "isolated"
+    expected = expected_isolation(model, conv)
     num = r.metrics.get("max_leak") if iso is False else r.metrics.get("max_cross_change")
     reason = r.message.split(";")[0]
     if r.metrics.get("fp64") not in (None, "not needed"):

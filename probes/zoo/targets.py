@@ -50,10 +50,26 @@ def _window(model) -> int | None:
     types = getattr(cfg, "layer_types", None)
     if types is not None and "sliding_attention" not in types:
         return None
-    if types is not None and len(set(types)) > 1:
-        raise InvalidArgument(f"{type(model).__name__} mixes layer types {sorted(set(types))}: "
-                              f"one 4-D mask cannot give each layer its own window")
     return int(w)
+
+
+def _masks(model, packing: Packing, dev):
+    """The block-diagonal mask, or (layers of several kinds: full and sliding attention) one
+    mask per layer type, as those models take attention_mask: a dict from layer type to its
+    prepared mask (transformers 5: `if not isinstance(causal_mask_mapping := attention_mask,
+    dict)`). Where every document fits the window one mask is exact for every layer."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    w = _window(model)
+    types = set(getattr(cfg, "layer_types", None) or [])
+    dtype = model.dtype
+    if w is None or packing.max_seqlen <= w or len(types) <= 1:
+        return packing.block_mask(dtype, dev, window=None if w is None or packing.max_seqlen <= w else w)
+    unknown = types - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise InvalidArgument(f"{type(model).__name__} has layer types {sorted(types)}: a 4-D mask "
+                              f"for {sorted(unknown)} is not defined here")
+    return {"full_attention": packing.block_mask(dtype, dev),
+            "sliding_attention": packing.block_mask(dtype, dev, window=w)}
 
 
 class ZooPacked(torch.nn.Module):
@@ -75,7 +91,7 @@ class ZooPacked(torch.nn.Module):
         if self.convention == "position_ids_no_cache":
             kw["use_cache"] = False
         elif self.convention == "mask_4d":
-            kw["attention_mask"] = packing.block_mask(self.model.dtype, dev, window=_window(self.model))
+            kw["attention_mask"] = _masks(self.model, packing, dev)
         return self.model(input_ids=tokens, **kw).logits
 
     def fp64_twin(self) -> "ZooPacked":
