@@ -18,6 +18,8 @@ HELP = "the transformers model zoo: one model type's row of probes, or the diff 
 def add_arguments(parser) -> None:
     g = parser.add_mutually_exclusive_group(required=True)
     g.add_argument("--model", metavar="TYPE", help="a transformers causal-LM model type (mixtral, llama, ...)")
+    g.add_argument("--findings", action="store_true",
+                   help="re-run the confirmed findings (controls): exit 1 if one no longer reproduces")
     g.add_argument("--diff", nargs=2, metavar=("BEFORE", "AFTER"), help="two zoo maps (JSON)")
     parser.add_argument("--probes", default=None, metavar="LIST",
                         help="comma-separated subset of isolation,router,batch,drift (all)")
@@ -28,6 +30,8 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     if args.diff:
         return _diff(args)
+    if args.findings:
+        return _findings(args)
     from trainprobes.errors import InvalidArgument
     from trainprobes.zoo.cells import PROBES, row
     from trainprobes.zoo.shrink import causal_lm_types
@@ -72,3 +76,21 @@ def _diff(args) -> int:
     else:
         print(format_diff(a, b, changes), file=sys.stdout)
     return 1 if changes else 0
+
+
+def _findings(args) -> int:
+    import warnings
+    warnings.filterwarnings("ignore")
+    from trainprobes.zoo.findings import FINDINGS, rerun
+    missed = 0
+    rows = []
+    for f in FINDINGS:
+        ok, now = rerun(f, args.seed)
+        missed += not ok
+        rows.append({"finding": f.__dict__, "reproduced": ok, "now": now})
+        if not args.json:
+            print(f"  {'reproduced' if ok else 'MISSED':10s} {f.model_type} {f.probe} {f.variant}: "
+                  f"{f.call}, {f.cause} -- now {now}")
+    if args.json:
+        print(json.dumps({"command": "zoo --findings", "results": rows}, indent=1))
+    return 1 if missed else 0

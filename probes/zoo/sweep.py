@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 __all__ = ["sweep", "to_map", "versions", "load_rows"]
@@ -74,7 +74,9 @@ def sweep(model_types, jsonl: Path, *, workers: int = 2, timeout: float = 300.0,
         progress(f"zoo: {len(done)} rows already in {jsonl}, {len(todo)} to run on {workers} processes")
     start, n = time.perf_counter(), 0
     with ThreadPoolExecutor(workers) as pool, jsonl.open("a") as out:
-        for r in pool.map(lambda m: _run_one(m, timeout, memory_mb), todo):
+        futures = [pool.submit(_run_one, m, timeout, memory_mb) for m in todo]
+        for f in as_completed(futures):  # as each finishes: a slow row holds up no line
+            r = f.result()
             out.write(json.dumps(r, allow_nan=False) + "\n")
             out.flush()
             done[r["model_type"]] = r
