@@ -124,7 +124,7 @@ def isolation_cell(mt, model, impl, conv, seed=0) -> Cell:
                 reason, expected, expected is not None and verdict == "leaky")
 
 
-def router_cells(mt, model, seed=0) -> list[Cell]:
+def router_cells(mt, model, seed=0, modes=("perturb", "truncate")) -> list[Cell]:
     from trainprobes.causality import check
     routing = Routing(model)
     if not routing.has_router:
@@ -136,7 +136,7 @@ def router_cells(mt, model, seed=0) -> list[Cell]:
     twin = Routing(twin_model)
     expected = "causal" if kind.startswith("token choice") and "capacity" not in kind else "non-causal"
     out = []
-    for mode in ("perturb", "truncate"):
+    for mode in modes:
         def one(mode=mode):
             r = check(routing.decisions, x, mode=mode, seed=seed, vocab=V, fp64=twin.decisions,
                       target=f"{mt} router [{mode}]")
