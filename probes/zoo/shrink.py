@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from trainprobes.errors import InvalidArgument
 
-__all__ = ["shrink", "build", "Built", "Failure", "causal_lm_types", "SIZES", "MAX_PARAMS"]
+__all__ = ["shrink", "build", "survey", "Built", "Failure", "causal_lm_types", "SIZES", "MAX_PARAMS"]
 
 MAX_PARAMS = 5_000_000  # a tiny model; the largest shrunk zoo model is far below
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, WINDOW, STATE = 64, 4, 2, 16, 64, 128, 8, 8
@@ -309,3 +309,20 @@ def _vocab(model) -> int:
     emb = model.get_input_embeddings()
     n = getattr(emb, "num_embeddings", None) or getattr(model.config, "vocab_size", None) or VOCAB
     return int(min(n, VOCAB))
+
+
+def survey(model_types=None, *, progress=None) -> dict:
+    """build() every type (default attention): {"built": {type: n_params}, "failed": {type:
+    "stage: reason"}, "seconds": wall time}; every registered type is in one of the two."""
+    import time
+    t = time.perf_counter()
+    built, failed = {}, {}
+    for mt in model_types or causal_lm_types():
+        r = build(mt)
+        if isinstance(r, Failure):
+            failed[mt] = f"{r.stage}: {r.reason}"
+        else:
+            built[mt] = r.n_params
+        if progress:
+            progress(f"{mt}: {'built' if mt in built else failed[mt]}")
+    return {"built": built, "failed": failed, "seconds": round(time.perf_counter() - t, 1)}
