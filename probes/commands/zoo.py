@@ -23,7 +23,8 @@ def add_arguments(parser) -> None:
     g.add_argument("--diff", nargs=2, metavar=("BEFORE", "AFTER"), help="two zoo maps (JSON)")
     parser.add_argument("--probes", default=None, metavar="LIST",
                         help="comma-separated subset of isolation,router,batch,drift (all)")
-    parser.add_argument("--seed", type=int, default=0, help="seed (0)")
+    from trainprobes.validation import parse_int
+    parser.add_argument("--seed", type=parse_int("--seed", min=0), default=0, help="seed (0)")
     parser.add_argument("--json", action="store_true", help="print the row (or the diff) as JSON")
 
 
