@@ -13,7 +13,7 @@ import importlib
 import sys
 
 COMMANDS = ("audit", "gate", "stall", "bias", "collectives", "causality", "drift", "isolation", "transforms",
-            "gemm")
+            "gemm", "zoo")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -81,7 +81,13 @@ def add_arguments(parser) -> None:
                    help="which part of the target's output is compared (default: the output)")
     d.add_argument("--batched", action="store_true",
                    help="one call with every perturbed copy (only for batch-isolated targets)")
-    d.add_argument("--no-fp64", action="store_true", help="no float64 twin")
+    twin = d.add_mutually_exclusive_group()
+    twin.add_argument("--no-fp64", action="store_true", help="no float64 twin")
+    twin.add_argument("--fp64", metavar="PKG.MOD:FN", default=None,
+                      help="your float64 twin fn64(tokens, packing), imported like --target")
+    d.add_argument("--tokens", metavar="FILE", default=None,
+                   help="your own token ids [B, L] (or [L]): a .pt tensor or a .npy array; "
+                        "--lengths must sum to L per row")
     d.add_argument("--no-causal", action="store_true", help="skip the within-row causality check")
     _common(d)
 
@@ -158,13 +164,36 @@ def _documents(args):
         name, vocab = args.target or args.make, args.vocab or (None if args.hidden else 128)
     g = torch.Generator().manual_seed(args.seed)
     shape = (packing.batch, packing.length)
-    x = torch.randn(*shape, args.hidden, generator=g) if args.hidden else torch.randint(0, vocab, shape, generator=g)
+    if args.tokens:
+        x = _load_tokens(args.tokens)
+        vocab = vocab if args.vocab or args.hf else int(x.max()) + 1
+    else:
+        x = torch.randn(*shape, args.hidden, generator=g) if args.hidden else torch.randint(0, vocab, shape, generator=g)
+    fp64 = False if args.no_fp64 else load_target(args.fp64) if args.fp64 else None
     r = documents(fn, x, packing, output=_picker(args.output_key), seed=args.seed, vocab=vocab,
-                  fp64=False if args.no_fp64 else None, batched=args.batched,
+                  fp64=fp64, batched=args.batched,
                   causal=not args.no_causal, target=name)
     if not args.json:
         print(format_documents(r))
     return [r], 1 if r.verdict == "fail" else 0
+
+
+def _load_tokens(path: str):
+    """Token ids from a .pt tensor or a .npy array, as long [B, L] (a [L] row gets B = 1)."""
+    import torch
+    from trainprobes.errors import DataFileError
+    try:
+        if path.endswith(".npy"):
+            import numpy as np
+            x = torch.from_numpy(np.load(path, allow_pickle=False))
+        else:
+            x = torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - one clear line for any unreadable file
+        raise DataFileError(f"--tokens {path!r} cannot be read as a tensor: {type(e).__name__}: {e}") from None
+    if not isinstance(x, torch.Tensor) or x.is_floating_point() or x.dim() not in (1, 2):
+        raise DataFileError(f"--tokens {path!r} holds {type(x).__name__} "
+                            f"{tuple(getattr(x, 'shape', ()))!r}; expected integer token ids [B, L] or [L]")
+    return (x[None] if x.dim() == 1 else x).long()
 
 
 def format_documents(r) -> str:

@@ -108,10 +108,36 @@ class PackedModel(torch.nn.Module):
         types = getattr(cfg, "layer_types", None)
         if types is not None and "sliding_attention" not in types:
             return None
-        if types is not None and len(set(types)) > 1:
-            raise InvalidArgument(f"{type(self.model).__name__} mixes layer types {sorted(set(types))}: "
-                                  f"one 4-D mask cannot give each its own window")
         return int(w)
+
+    def _flex_window(self, packing: Packing) -> int | None:
+        w = self.window
+        if w is None or packing.max_seqlen <= w:
+            return None
+        types = set(getattr(self.model.config, "layer_types", None) or [])
+        if len(types) > 1:
+            raise InvalidArgument(f"{type(self.model).__name__} mixes layer types {sorted(types)}: one "
+                                  f"BlockMask cannot give each its own window; use documents of at "
+                                  f"most {w} tokens, or convention mask_4d (a mask per layer type)")
+        return w
+
+    def _mask(self, packing: Packing, dtype, dev):
+        """The 4-D mask: where every document fits the sliding window the window cuts nothing
+        and one block mask is exact for every layer; otherwise a model mixing full and
+        sliding layers takes one mask per layer type (attention_mask as a dict, transformers
+        5), and one with other layer kinds is refused."""
+        w = self.window
+        if w is not None and packing.max_seqlen <= w:
+            return packing.block_mask(dtype, dev)
+        types = set(getattr(self.model.config, "layer_types", None) or [])
+        if w is None or len(types) <= 1:
+            return packing.block_mask(dtype, dev, window=w)
+        if types - {"full_attention", "sliding_attention"}:
+            raise InvalidArgument(f"{type(self.model).__name__} has layer types {sorted(types)}: "
+                                  f"one 4-D mask per kind is defined only for full and sliding "
+                                  f"attention; documents of at most {w} tokens take one mask")
+        return {"full_attention": packing.block_mask(dtype, dev),
+                "sliding_attention": packing.block_mask(dtype, dev, window=w)}
 
     @property
     def implementation(self) -> str:
@@ -128,10 +154,10 @@ class PackedModel(torch.nn.Module):
             if self.convention == "mask_4d_bool":
                 raise InvalidArgument("flex_attention takes a BlockMask, not a boolean tensor: "
                                       "use convention 'mask_4d'")
-            kw["attention_mask"] = _flex_block_mask(packing, dev, self.window)
+            kw["attention_mask"] = _flex_block_mask(packing, dev, self._flex_window(packing))
         else:
             dtype = torch.bool if self.convention == "mask_4d_bool" else self.model.dtype
-            kw["attention_mask"] = packing.block_mask(dtype, dev, window=self.window)
+            kw["attention_mask"] = self._mask(packing, dtype, dev)
         return self.model(input_ids=tokens, **kw).logits
 
 

@@ -69,9 +69,39 @@ def _twin_builder(fn, spec) -> Callable[[], Callable] | None:
     if isinstance(fn, torch.nn.Module):
         def deep_copy():
             twin = copy.deepcopy(fn).double()
-            return lambda x, p: twin(x.double() if x.is_floating_point() else x, p)
+            swapped = _float64_kernels(twin)
+
+            def call(x, p):
+                return twin(x.double() if x.is_floating_point() else x, p)
+            call.substituted = swapped
+            return call
         return deep_copy
     return None
+
+
+def _float64_kernels(module) -> list[str]:
+    """Swap, in a float64 copy, the kernels that have no float64 version on this machine for
+    the eager path of the same function, and name them: grouped expert matmuls
+    (torch._grouped_mm refuses float64; transformers' `_experts_implementation`) and CPU
+    flex_attention (fp32/fp16/bf16 only in torch 2.13)."""
+    swapped = []
+    for m in module.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is None:
+            continue
+        impl = getattr(cfg, "_experts_implementation", None)
+        if impl not in (None, "eager"):
+            cfg._experts_implementation = "eager"
+            swapped.append(f"experts: {impl} -> eager")
+        if getattr(cfg, "_attn_implementation", None) == "flex_attention" and hasattr(m, "set_attn_implementation"):
+            m.set_attn_implementation("eager")
+            swapped.append("attention: flex_attention -> eager")
+    return sorted(set(swapped))
+
+
+_HOW = ("build the twin yourself and pass it: fp64=fn64(tokens, packing) in Python, "
+        "--fp64 PKG.MOD:FN on the command line (a float64 copy whose kernels all have float64 "
+        "versions, e.g. model.config._experts_implementation = 'eager' for grouped_mm experts)")
 
 
 class Twin:
@@ -98,7 +128,8 @@ class Twin:
                 self._fn = self._build()
             except Exception as e:  # a model that cannot be copied or cast: no twin
                 self._build, self.tgt = None, None
-                self.status = f"unavailable: building the fp64 twin raised {type(e).__name__}: {e}"
+                self.status = (f"unavailable: building the fp64 twin raised {type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''}; {_HOW}")
         return self._fn
 
     def _call(self, x, packing):
@@ -126,8 +157,8 @@ class Twin:
         if self._base is None:
             try:
                 out, _ = self.tgt(self.tgt_input)
-            except TargetError as e:
-                self.tgt, self.status = None, f"unavailable: {e}"
+            except TargetError as e:  # e.g. a float64 kernel missing: say how to give one
+                self.tgt, self.status = None, f"unavailable: {str(e).splitlines()[0]}; {_HOW}"
                 return None
             if out.is_floating_point() and out.dtype != torch.float64:
                 self.tgt = None

@@ -1,0 +1,97 @@
+"""`trainprobes zoo`: one row of the model-zoo map, measured here, or the diff of two maps.
+
+  trainprobes zoo --model mixtral              # every cell of one model type
+  trainprobes zoo --model mixtral --json
+  trainprobes zoo --diff docs/zoo_map.json new_map.json
+Exit 0: every cell agrees with the model's design (diff: no verdict changed); 1: a finding
+(a cell contradicts the design; diff: a verdict changed); 2: an unknown model type (the
+closest names are listed) or an unreadable map.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+HELP = "the transformers model zoo: one model type's row of probes, or the diff of two maps"
+
+
+def add_arguments(parser) -> None:
+    g = parser.add_mutually_exclusive_group(required=True)
+    g.add_argument("--model", metavar="TYPE", help="a transformers causal-LM model type (mixtral, llama, ...)")
+    g.add_argument("--findings", action="store_true",
+                   help="re-run the confirmed findings (controls): exit 1 if one no longer reproduces")
+    g.add_argument("--diff", nargs=2, metavar=("BEFORE", "AFTER"), help="two zoo maps (JSON)")
+    parser.add_argument("--probes", default=None, metavar="LIST",
+                        help="comma-separated subset of isolation,router,batch,drift (all)")
+    from trainprobes.validation import parse_int
+    parser.add_argument("--seed", type=parse_int("--seed", min=0), default=0, help="seed (0)")
+    parser.add_argument("--json", action="store_true", help="print the row (or the diff) as JSON")
+
+
+def run(args) -> int:
+    if args.diff:
+        return _diff(args)
+    if args.findings:
+        return _findings(args)
+    from trainprobes.errors import InvalidArgument
+    from trainprobes.zoo.cells import PROBES, row
+    from trainprobes.zoo.shrink import causal_lm_types
+    from trainprobes.zoo.sweep import versions
+    types = causal_lm_types()
+    if args.model not in types:
+        import difflib
+        close = difflib.get_close_matches(args.model, types, n=5, cutoff=0.5)
+        raise InvalidArgument(f"--model {args.model!r} is not a causal-LM model type of this "
+                              f"transformers ({len(types)} registered)"
+                              + (f"; close: {', '.join(close)}" if close else ""))
+    probes = PROBES if args.probes is None else tuple(p.strip() for p in args.probes.split(","))
+    bad = [p for p in probes if p not in PROBES]
+    if bad:
+        raise InvalidArgument(f"--probes names {bad!r}; choose from {', '.join(PROBES)}")
+    import warnings
+    warnings.filterwarnings("ignore")
+    import transformers
+    transformers.logging.set_verbosity_error()
+    cells = row(args.model, probes=probes, seed=args.seed)
+    findings = [c for c in cells if c.finding]
+    if args.json:
+        print(json.dumps({"command": "zoo", "versions": versions(), "model_type": args.model,
+                          "cells": [c.to_dict() for c in cells], "n_findings": len(findings)},
+                         indent=1, default=str))
+    else:
+        print(f"zoo {args.model}: {len(cells)} cells, {len(findings)} contradict the design")
+        for c in cells:
+            num = "" if c.number is None else f"{c.number:.3g}"
+            flag = "FINDING" if c.finding else ""
+            print(f"  {c.probe:9s} {c.variant:28s} {c.verdict:10s} {num:>9s} {flag:7s} {c.reason}")
+    return 1 if findings else 0
+
+
+def _diff(args) -> int:
+    from trainprobes.zoo.diff import diff_maps, format_diff, load_map
+    a, b = load_map(args.diff[0]), load_map(args.diff[1])
+    changes = diff_maps(a, b)
+    if args.json:
+        print(json.dumps({"before": a.get("versions"), "after": b.get("versions"),
+                          "changes": [c.__dict__ for c in changes]}, indent=1))
+    else:
+        print(format_diff(a, b, changes), file=sys.stdout)
+    return 1 if changes else 0
+
+
+def _findings(args) -> int:
+    import warnings
+    warnings.filterwarnings("ignore")
+    from trainprobes.zoo.findings import FINDINGS, rerun
+    missed = 0
+    rows = []
+    for f in FINDINGS:
+        ok, now = rerun(f, args.seed)
+        missed += not ok
+        rows.append({"finding": f.__dict__, "reproduced": ok, "now": now})
+        if not args.json:
+            print(f"  {'reproduced' if ok else 'MISSED':10s} {f.model_type} {f.probe} {f.variant}: "
+                  f"{f.call}, {f.cause} -- now {now}")
+    if args.json:
+        print(json.dumps({"command": "zoo --findings", "results": rows}, indent=1))
+    return 1 if missed else 0

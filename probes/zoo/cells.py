@@ -1,0 +1,233 @@
+"""One row of the zoo map: every probe cell of one model type, each a verdict, a number and
+a one-line reason, beside what the model's design says (only to call a finding; the verdict
+is the probe's).
+
+Cells (the probes are the project's own, called as a user would):
+  isolation[impl,convention]  trainprobes.isolation.documents on a row of 3 documents
+                              (10, 12, 8 tokens), every attention implementation that runs
+                              on the CPU (eager, sdpa) x targets.CONVENTIONS, the fp64 twin
+                              settling changes within rounding noise
+  router[perturb|truncate]    trainprobes.causality.check of the routing decisions every MoE
+                              layer hands its experts (targets.Routing), at training time
+                              (perturb the future, same shape) and as inference sees it
+                              (truncate), with the fp64 twin
+  batch                       trainprobes.isolation.batch_invariance of the logits, rows
+                              alone vs in batches of 2, 3 and 8
+  drift                       trainprobes.drift.compare of fp32 (train) vs bf16 (infer)
+                              log-probs of tokens sampled from the bf16 model
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from trainprobes.isolation.packing import Packing
+from trainprobes.zoo.shrink import Failure, build
+from trainprobes.zoo.targets import CONVENTIONS, Routing, ZooPacked, fp64_copy
+
+__all__ = ["Cell", "row", "IMPLEMENTATIONS", "PROBES"]
+
+IMPLEMENTATIONS = ("eager", "sdpa")
+PROBES = ("isolation", "router", "batch", "drift")
+LENGTHS = (10, 12, 8)
+# recurrent state carried along the row: a mask cannot separate documents (that takes a
+# per-document reset, seq_idx / cu_seqlens, which the HF eager paths do not take)
+_RECURRENT = re.compile(r"mamba|rwkv|lstm|rglru|recurrent|deltanet|linearattention|ssm|"
+                        r"shortconv|retention|hyena|gla|conv1d|lightning|rnn", re.I)
+# a batch difference beyond this share of the logits' scale is not rounding
+_BATCH_RTOL = 1e-3
+
+
+@dataclass
+class Cell:
+    model_type: str
+    probe: str            # isolation, router, batch, drift, build
+    variant: str          # "sdpa,mask_4d", "perturb", ""
+    verdict: str          # isolated / leaky / unknown; causal / non-causal; invariant /
+                          # variant; clean / noisy / biased / heavy-tailed; n/a; error
+    number: float | None  # the cell's figure (see `what`)
+    what: str             # what the number is
+    reason: str           # one line
+    expected: str | None = None   # the design's answer, where it makes one
+    finding: bool = False         # the verdict contradicts `expected`
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _recurrent(model) -> bool:
+    return any(_RECURRENT.search(type(m).__name__) for m in model.modules())
+
+
+def _cell(mt, probe, variant, fn) -> Cell:
+    t = time.perf_counter()
+    try:
+        c = fn()
+    except Exception as e:  # noqa: BLE001 - a cell that cannot be measured says why
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        c = Cell(mt, probe, variant, "error", None, "", f"{type(e).__name__}: {first}")
+    c.seconds = round(time.perf_counter() - t, 3)
+    return c
+
+
+def _packs_from_position_ids(model) -> bool:
+    """Whether the model's modeling file builds its mask with transformers' masking_utils
+    (create_causal_mask and kin), whose documented packed-sequence detection
+    (find_packed_sequence_indices) makes restarting position ids a document boundary."""
+    import inspect
+    import sys
+    try:
+        src = inspect.getsource(sys.modules[type(model).__module__])
+    except (OSError, TypeError, KeyError):
+        return False
+    return "create_causal_mask" in src or "create_sliding_window_causal_mask" in src
+
+
+def _vocab(model) -> int:
+    return int(min(model.get_input_embeddings().num_embeddings, 128))
+
+
+def expected_isolation(model, conv: str) -> str | None:
+    """What the design promises: a 4-D block mask isolates documents in any attention-only
+    model; restarting position ids alone isolate only where masking_utils builds the mask
+    (find_packed_sequence_indices) and only without a cache: _preprocess_mask_arguments
+    reads packing "only if ... we don't have cache, i.e. generally a training setup", and a
+    causal LM makes a DynamicCache unless use_cache=False, so the cached calls (position_ids,
+    collator) carry no promise. Recurrent layers carry state across documents: none."""
+    if _recurrent(model):
+        return None
+    if conv == "mask_4d":
+        return "isolated"
+    if conv == "position_ids_no_cache" and _packs_from_position_ids(model):
+        return "isolated"
+    return None
+
+
+def isolation_cell(mt, model, impl, conv, seed=0) -> Cell:
+    from trainprobes.isolation.documents import documents
+    V = _vocab(model)
+    packing = Packing.of(list(LENGTHS))
+    tokens = torch.randint(0, V, (1, packing.length), generator=torch.Generator().manual_seed(seed))
+    r = documents(ZooPacked(model, conv), tokens, packing, seed=seed, vocab=V, causal=False,
+                  target=f"{mt}[{impl},{conv}]")
+    iso = r.metrics.get("isolated")
+    verdict = {True: "isolated", False: "leaky", None: "unknown"}[iso]
+    expected = expected_isolation(model, conv)
+    num = r.metrics.get("max_leak") if iso is False else r.metrics.get("max_cross_change")
+    reason = r.message.split(";")[0]
+    if r.metrics.get("fp64") not in (None, "not needed"):
+        reason += f" [fp64 twin {r.metrics['fp64']}]"
+    return Cell(mt, "isolation", f"{impl},{conv}", verdict, num, "largest change of another document's logits",
+                reason, expected, expected is not None and verdict == "leaky")
+
+
+def router_cells(mt, model, seed=0, modes=("perturb", "truncate")) -> list[Cell]:
+    from trainprobes.causality import check
+    routing = Routing(model)
+    if not routing.has_router:
+        return [Cell(mt, "router", "", "n/a", None, "", "no MoE layer (no module takes top_k_index)")]
+    V = _vocab(model)
+    x = torch.randint(0, V, (2, 32), generator=torch.Generator().manual_seed(seed))
+    kind = routing.kind(x)
+    twin_model, swapped = fp64_copy(model)
+    twin = Routing(twin_model)
+    expected = "causal" if kind.startswith("token choice") and "capacity" not in kind else "non-causal"
+    out = []
+    for mode in modes:
+        def one(mode=mode):
+            r = check(routing.decisions, x, mode=mode, seed=seed, vocab=V, fp64=twin.decisions,
+                      target=f"{mt} router [{mode}]")
+            c = r.metrics.get("causal")
+            verdict = {True: "causal", False: "non-causal", None: "unknown"}[c]
+            msg = r.message.split(";")[0]
+            return Cell(mt, "router", mode, verdict, float(r.metrics.get("n_leaks", 0) or 0),
+                        "structural leaks (decision changes at t <= cut)",
+                        f"{kind}; {len(routing.experts)} MoE layers; {msg}"
+                        + (f" [twin swapped {', '.join(swapped)}]" if swapped else ""),
+                        expected, verdict != "unknown" and verdict != expected)
+        out.append(_cell(mt, "router", mode, one))
+    return out
+
+
+def batch_cell(mt, model, seed=0) -> Cell:
+    from trainprobes.isolation.batch import batch_invariance
+    V = _vocab(model)
+    pool = torch.randint(0, V, (8, 16), generator=torch.Generator().manual_seed(seed))
+
+    def logits(x):
+        return model(input_ids=x, use_cache=False).logits
+    r = batch_invariance(logits, pool, sizes=(2, 3, 8), trials=2, seed=seed, target=f"{mt} logits")
+    inv = r.metrics.get("batch_invariant")
+    scale = float(logits(pool[:1]).abs().max())
+    rel = r.metrics.get("max_abs_diff", 0.0) / max(scale, 1e-30)
+    verdict = {True: "invariant", False: "variant", None: "unknown"}[inv]
+    finding = inv is False and rel > _BATCH_RTOL
+    reason = r.message + (f" ({rel:.2g} of the logits' scale: beyond rounding)" if finding else
+                          f" ({rel:.2g} of the logits' scale)" if inv is False else "")
+    return Cell(mt, "batch", "", verdict, r.metrics.get("max_abs_diff"), "largest |logit| difference",
+                reason, "invariant up to rounding", finding)
+
+
+def drift_cell(mt, model, seed=0) -> Cell:
+    import copy
+
+    from trainprobes.drift.compare import compare
+    V = _vocab(model)
+    x = torch.randint(0, V, (16, 32), generator=torch.Generator().manual_seed(seed))
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    lp = torch.log_softmax(model(input_ids=x, use_cache=False).logits.double(), -1)
+    lq = torch.log_softmax(low(input_ids=x, use_cache=False).logits.double(), -1)
+    # tokens sampled from the inference model (bf16), as an RL rollout samples them
+    y = torch.multinomial(lq.exp().reshape(-1, lq.shape[-1]), 1,
+                          generator=torch.Generator().manual_seed(seed + 1)).reshape(x.shape)
+    train = lp.gather(-1, y[..., None])[..., 0]
+    infer = lq.gather(-1, y[..., None])[..., 0]
+    r = compare(train, infer, target=f"{mt} fp32 vs bf16")
+    v = r.metrics["drift_verdict"]
+    return Cell(mt, "drift", "bf16 vs fp32", v, r.metrics.get("mean_log_ratio"),
+                "mean log-ratio (bf16 - fp32), nats/token", r.message, "not biased", v == "biased")
+
+
+def row(model_type: str, *, probes=PROBES, implementations=IMPLEMENTATIONS,
+        conventions=CONVENTIONS, seed: int = 0, progress=None) -> list[Cell]:
+    """Every cell of model_type (a build failure is one cell saying why)."""
+    torch.manual_seed(seed)
+    cells: list[Cell] = []
+    models = {}
+    for impl in implementations:
+        t = time.perf_counter()
+        b = build(model_type, attn_implementation=impl, seed=seed)
+        if isinstance(b, Failure):
+            cells.append(Cell(model_type, "build", impl, "n/a", None, "",
+                              f"{b.stage}: {b.reason}", seconds=round(time.perf_counter() - t, 3)))
+        else:
+            models[impl] = b
+    with torch.no_grad():
+        if "isolation" in probes:
+            for impl, b in models.items():
+                for conv in conventions:
+                    if progress:
+                        progress(f"{model_type} isolation {impl},{conv}")
+                    cells.append(_cell(model_type, "isolation", f"{impl},{conv}",
+                                       lambda: isolation_cell(model_type, b.model, impl, conv, seed)))
+        if not models:
+            return cells
+        main = models.get("sdpa") or next(iter(models.values()))
+        if "router" in probes:
+            if progress:
+                progress(f"{model_type} router")
+            t = time.perf_counter()
+            try:
+                cells += router_cells(model_type, main.model, seed)
+            except Exception as e:  # noqa: BLE001 - the cell says why
+                first = (str(e).strip().splitlines() or [""])[0][:200]
+                cells.append(Cell(model_type, "router", "", "error", None, "", f"{type(e).__name__}: {first}"))
+            cells[-1].seconds = cells[-1].seconds or round(time.perf_counter() - t, 3)
+        if "batch" in probes:
+            cells.append(_cell(model_type, "batch", "", lambda: batch_cell(model_type, main.model, seed)))
+        if "drift" in probes:
+            cells.append(_cell(model_type, "drift", "bf16 vs fp32", lambda: drift_cell(model_type, main.model, seed)))
+    return cells

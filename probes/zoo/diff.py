@@ -1,0 +1,57 @@
+"""What changed between two zoo maps (a transformers upgrade, a torch upgrade): every cell
+whose verdict differs, the model types in one map only, and the versions of each."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainprobes.errors import DataFileError
+
+__all__ = ["Change", "diff_maps", "load_map", "format_diff"]
+
+
+@dataclass(frozen=True)
+class Change:
+    model_type: str
+    probe: str
+    variant: str
+    before: str | None     # None: the cell is new
+    after: str | None      # None: the cell is gone
+
+
+def load_map(path) -> dict:
+    try:
+        m = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise DataFileError(f"{path}: cannot read a zoo map ({type(e).__name__}: {e})") from None
+    if not isinstance(m, dict) or not isinstance(m.get("rows"), dict):
+        raise DataFileError(f"{path}: not a zoo map (no 'rows'); make one with scripts/zoo_sweep.py")
+    return m
+
+
+def _cells(m: dict) -> dict:
+    return {(c["model_type"], c["probe"], c["variant"]): c["verdict"]
+            for cells in m["rows"].values() for c in cells}
+
+
+def diff_maps(a: dict, b: dict) -> list[Change]:
+    ca, cb = _cells(a), _cells(b)
+    out = [Change(*k, ca.get(k), cb.get(k)) for k in sorted(set(ca) | set(cb)) if ca.get(k) != cb.get(k)]
+    return out
+
+
+def format_diff(a: dict, b: dict, changes: list[Change]) -> str:
+    lines = [f"before: {a.get('versions')}", f"after:  {b.get('versions')}"]
+    only_a = sorted(set(a["rows"]) - set(b["rows"]))
+    only_b = sorted(set(b["rows"]) - set(a["rows"]))
+    if only_a:
+        lines.append(f"model types only before: {', '.join(only_a)}")
+    if only_b:
+        lines.append(f"model types only after: {', '.join(only_b)}")
+    shared = [c for c in changes if c.model_type in a["rows"] and c.model_type in b["rows"]]
+    lines.append(f"{len(shared)} cells changed verdict in the {len(set(a['rows']) & set(b['rows']))} "
+                 f"model types both maps hold")
+    for c in shared:
+        lines.append(f"  {c.model_type:24s} {c.probe:9s} {c.variant:28s} {c.before} -> {c.after}")
+    return "\n".join(lines)

@@ -1,0 +1,328 @@
+"""Tiny configs for every registered transformers causal LM: `shrink(config)`.
+
+A config is shrunk by its own size attributes, whatever each model calls them (hidden_size,
+d_model, n_embd, ...), the nested sub-configs included (text_config of multimodal-style
+configs, per-block configs); per-layer lists (layer_types, hybrid patterns) are cut to the new
+depth, keeping every kind of layer the full model has where a few layers can hold them. The
+shrunk model is first built on the meta device, where no parameter storage is allocated, and
+its parameters counted: a model still above `max_params` is refused, named with its largest
+tensor, before anything is allocated. A model that cannot be shrunk, built or run is a
+`Failure` with the reason (exception type and first line), never skipped silently.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from trainprobes.errors import InvalidArgument
+
+__all__ = ["shrink", "build", "survey", "Built", "Failure", "causal_lm_types", "SIZES", "MAX_PARAMS"]
+
+MAX_PARAMS = 5_000_000  # a tiny model; the largest shrunk zoo model is far below
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, WINDOW, STATE = 64, 4, 2, 16, 64, 128, 8, 8
+
+# attribute name -> size: every name a registered config uses for that size (transformers 5.24)
+SIZES = {
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "n_embed", "dim", "embed_dim", "model_dim",
+                     "word_embed_proj_dim", "hidden_dim", "embedding_size", "emb_dim"), HIDDEN),
+    **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "attention_heads",
+                     "decoder_attention_heads", "num_q_heads", "global_num_attention_heads",
+                     "linear_num_value_heads", "linear_num_key_heads", "swa_num_attention_heads"), HEADS),
+    **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num",
+                     "n_head_kv", "num_kv_groups", "global_num_key_value_heads",
+                     "swa_num_key_value_heads"), KV_HEADS),
+    **dict.fromkeys(("head_dim", "kv_channels", "attention_head_dim", "head_size", "qk_rope_head_dim",
+                     "qk_nope_head_dim", "v_head_dim", "linear_key_head_dim", "linear_value_head_dim",
+                     "global_head_dim", "qk_head_dim", "index_head_dim", "swa_head_dim",
+                     "rope_head_dim", "nope_head_dim", "attn_head_dim"), HEAD_DIM),
+    **dict.fromkeys(("rotary_dim", "rotary_emb_dim"), 8),
+    **dict.fromkeys(("vocab_size_per_layer_input", "shape_vocab_size", "pronunciation_vocab_size",
+                     "type_vocab_size_extra"), VOCAB),
+    **dict.fromkeys(("hidden_size_per_layer_input", "lru_width", "attention_dim", "audio_hidden_size",
+                     "expert_ffn_hidden_size", "zero_expert_num", "num_kv_shared_layers"), 0),
+    **dict.fromkeys(("kv_lora_rank", "q_lora_rank", "o_lora_rank", "time_decay_rank",
+                     "rank", "lora_rank"), 16),
+    **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", "d_ff",
+                     "moe_intermediate_size", "shared_expert_intermediate_size", "expert_dim",
+                     "moe_ffn_hidden_size", "dense_intermediate_size", "shared_intermediate_size",
+                     "mlp_hidden_size", "expert_hidden_size", "intermediate_size_mlp",
+                     "ffn_intermediate_size", "decoder_ffn_dim", "moe_shared_expert_intermediate_size",
+                     "linear_intermediate_size", "inner_hidden_size", "hidden_act_dim"), FFN),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",
+                     "num_routed_experts", "n_experts", "expert_num"), 4),
+    **dict.fromkeys(("num_experts_per_tok", "moe_k", "num_selected_experts", "moe_topk",
+                     "top_k", "experts_per_token", "num_experts_per_token", "moe_top_k"), 2),
+    **dict.fromkeys(("n_group", "topk_group", "num_expert_group", "moe_n_group"), 1),
+    **dict.fromkeys(("vocab_size", "text_vocab_size"), VOCAB),
+    **dict.fromkeys(("sliding_window", "attention_window", "local_window_size", "window_size",
+                     "sliding_window_size", "swa_window_size", "local_attention_window"), WINDOW),
+    **dict.fromkeys(("state_size", "mamba_d_state", "ssm_state_size", "d_state", "mamba_state_dim",
+                     "linear_state_size"), STATE),
+    **dict.fromkeys(("mamba_n_heads", "mamba_num_heads", "ssm_num_heads", "linear_num_heads"), 4),
+    **dict.fromkeys(("mamba_head_dim", "ssm_head_dim", "mamba_d_head"), 16),
+    **dict.fromkeys(("time_step_rank", "mamba_dt_rank", "dt_rank"), 4),
+    **dict.fromkeys(("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                     "max_sequence_length", "n_ctx", "original_max_position_embeddings"), 256),
+}
+LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_decoder_layers", "decoder_layers")
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "cls_token_id",
+              "decoder_start_token_id", "mask_token_id", "unk_token_id")
+MAX_LAYERS = 6  # enough for a hybrid's pattern (one of each kind) at tiny cost
+
+
+@dataclass
+class Built:
+    model_type: str
+    model: object                 # the tiny model, float32, eval mode, on the CPU
+    config: object
+    n_params: int
+    changed: dict = field(default_factory=dict)   # attribute -> (full, shrunk)
+
+
+@dataclass(frozen=True)
+class Failure:
+    model_type: str
+    stage: str                    # "config", "shrink", "meta", "build", "forward"
+    reason: str                   # exception type and first line
+
+    @classmethod
+    def of(cls, model_type, stage, e: BaseException) -> "Failure":
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        return cls(model_type, stage, f"{type(e).__name__}: {first}")
+
+
+def causal_lm_types() -> list[str]:
+    """Every model type transformers registers for AutoModelForCausalLM, sorted."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _layers_of(cfg) -> tuple[str | None, int | None]:
+    for name in LAYERS:
+        v = getattr(cfg, name, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return name, v
+    return None, None
+
+
+def _depth(cfg, full: int) -> int:
+    """The fewest layers (>= 2, <= MAX_LAYERS) whose prefix holds every kind of layer that
+    the full model's per-layer lists name (a Mamba/attention hybrid keeps both)."""
+    n = 2
+    for v in vars(cfg).values():
+        if isinstance(v, (list, tuple, str)) and len(v) == full and full > 2:
+            try:
+                kinds = {repr(k) for k in v}
+            except Exception:  # noqa: BLE001 - an unhashable entry: keep the default depth
+                continue
+            for m in range(2, min(full, MAX_LAYERS) + 1):
+                if {repr(k) for k in v[:m]} == kinds:
+                    n = max(n, m)
+                    break
+            else:
+                n = max(n, min(full, MAX_LAYERS))
+    for name in ("attn_layer_period", "expert_layer_period", "full_attn_every", "decoder_sparse_step",
+                 "global_attn_every_n_layers", "moe_layer_freq", "mamba_layer_period"):
+        v = getattr(cfg, name, None)
+        if isinstance(v, int) and not isinstance(v, bool) and 1 < v <= MAX_LAYERS:
+            n = max(n, v + int(getattr(cfg, name.replace("period", "offset"), 0) or 0) % v + 1)
+    return min(n, MAX_LAYERS, full)
+
+
+def _shrink_one(cfg, changed: dict, prefix: str = "") -> None:
+    """Shrink cfg in place by the names in SIZES, its depth and its per-layer lists."""
+    d = vars(cfg)
+    for name, size in SIZES.items():
+        v = d.get(name)
+        if size == 0:  # sizes that follow from others: a small fixed value, or none at all
+            size = {"hidden_size_per_layer_input": 16, "lru_width": HIDDEN, "attention_dim": HIDDEN,
+                    "audio_hidden_size": HIDDEN, "expert_ffn_hidden_size": FFN,
+                    "zero_expert_num": 2, "num_kv_shared_layers": 0}[name]
+        if isinstance(v, int) and not isinstance(v, bool) and v > size:
+            if name in ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num",
+                        "n_head_kv") and v == 1:
+                continue
+            setattr(cfg, name, size)
+            changed[prefix + name] = (v, size)
+    # heads must divide the hidden size where the model derives head_dim from them
+    hidden = d.get("hidden_size")
+    lname, full = _layers_of(cfg)
+    if lname is not None and full > 2:
+        n = _depth(cfg, full)
+        try:
+            setattr(cfg, lname, n)
+        except NotImplementedError:  # an alias of other depths (prophetnet): set those
+            for alt in ("num_encoder_layers", "num_decoder_layers", "encoder_layers", "decoder_layers"):
+                if isinstance(d.get(alt), int):
+                    setattr(cfg, alt, min(d[alt], n))
+        changed[prefix + lname] = (full, n)
+        for key, v in list(d.items()):
+            if isinstance(v, (list, tuple, str)) and len(v) == full and key != lname:
+                setattr(cfg, key, v[:n] if isinstance(v, str) else type(v)(v[:n]))
+                changed[prefix + key] = (f"{full} entries", f"{n} entries")
+        for key in ("first_k_dense_replace", "num_dense_layers", "first_dense_layers"):
+            if isinstance(d.get(key), int) and d[key] >= n:
+                setattr(cfg, key, n - 1)   # keep at least one MoE layer
+                changed[prefix + key] = (d[key], n - 1)
+    vocab = d.get("vocab_size")
+    if isinstance(vocab, int):
+        for key in _TOKEN_IDS:
+            v = d.get(key)
+            if isinstance(v, int) and v >= vocab:
+                setattr(cfg, key, vocab - 1)
+            elif isinstance(v, list):
+                setattr(cfg, key, [min(t, vocab - 1) for t in v])
+    if hidden is not None and isinstance(d.get("num_attention_heads"), int):
+        pass
+    for key, v in list(d.items()):  # hybrid patterns by period: one of each kind in 2 layers
+        if key.endswith("_period") and isinstance(v, int) and not isinstance(v, bool) and v > 2:
+            setattr(cfg, key, 2)
+            changed[prefix + key] = (v, 2)
+            off = key.replace("_period", "_offset")
+            if isinstance(d.get(off), int):
+                changed[prefix + off] = (d[off], 1)
+                setattr(cfg, off, 1)
+    if "head_dim" in d and d["head_dim"] is None and isinstance(d.get("num_attention_heads"), int) \
+            and isinstance(d.get("hidden_size"), int):
+        cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads  # the model would derive it
+    if isinstance(d.get("kv_lora_rank"), int) and isinstance(d.get("num_key_value_heads"), int):
+        # latent attention expands the compressed KV to every query head
+        cfg.num_key_value_heads = cfg.num_attention_heads
+    if all(isinstance(d.get(k), int) for k in ("qk_nope_head_dim", "qk_rope_head_dim")) and "qk_head_dim" in d:
+        cfg.qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim  # derived at __init__
+    for key, v in list(d.items()):  # nested configs: text_config, vision_config, mamba_config, ...
+        if hasattr(v, "to_dict") and hasattr(v, "model_type") and key != "_parent":
+            _shrink_one(v, changed, f"{prefix}{key}.")
+        elif isinstance(v, dict) and key.endswith("_config") and v:
+            for name, size in SIZES.items():
+                if isinstance(v.get(name), int) and not isinstance(v[name], bool) and v[name] > size:
+                    changed[f"{prefix}{key}.{name}"] = (v[name], size)
+                    v[name] = size
+
+
+def shrink(config):
+    """A shrunk deep copy of a transformers config (or a model type's default config, given
+    its name): every size it names made tiny (hidden 64, 4 heads, 2 KV heads, head dim 16,
+    FFN 64, 4 experts choosing 2, 2-6 layers, vocabulary 128, windows 8, Mamba state 8).
+    Returns (config, changed): changed maps attribute -> (full, shrunk)."""
+    if isinstance(config, str):
+        from transformers import CONFIG_MAPPING
+        if config not in CONFIG_MAPPING:
+            raise InvalidArgument(f"model type {config!r} is not registered with transformers")
+        config = CONFIG_MAPPING[config]()
+    cfg = copy.deepcopy(config)
+    changed: dict = {}
+    _shrink_one(cfg, changed)
+    return _rederived(cfg), changed
+
+
+def _rederived(cfg):
+    """The config built again from its shrunk values, so that what __init__ derives from
+    the sizes (head_dim from hidden // heads, rope dimensions, layer patterns) follows them;
+    the shrunk copy itself where a class cannot take its own to_dict() back."""
+    try:
+        again = type(cfg)(**{k: v for k, v in cfg.to_dict().items()
+                            if k not in ("transformers_version", "model_type")})
+    except Exception:  # noqa: BLE001 - keep the values as set
+        return cfg
+    return again
+
+
+def _count_on_meta(cfg, model_cls) -> int:
+    with torch.device("meta"):
+        model = model_cls._from_config(cfg)
+    return sum(p.numel() for p in model.parameters()), model
+
+
+def _model_class(model_type: str):
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as names
+    return getattr(transformers, names[model_type])
+
+
+def _for_class(cfg, model_cls):
+    """The config the causal-LM class takes: the composite config itself, or its text /
+    decoder sub-config where the class is registered for the text model alone."""
+    want = getattr(model_cls, "config_class", None)
+    if want is None or isinstance(cfg, want):
+        return cfg
+    for key in ("text_config", "decoder", "language_config", "llm_config"):
+        sub = getattr(cfg, key, None)
+        if sub is not None and isinstance(sub, want):
+            return sub
+    try:
+        sub = cfg.get_text_config(decoder=True)
+    except Exception:  # noqa: BLE001
+        return cfg
+    return sub if isinstance(sub, want) else cfg
+
+
+def build(model_type: str, *, attn_implementation: str | None = None, seed: int = 0,
+          max_params: int = MAX_PARAMS, forward: bool = True) -> Built | Failure:
+    """The tiny random model of model_type (float32, eval, CPU), built from shrink() after
+    counting its parameters on the meta device; with forward=True one forward pass of 16
+    tokens must run and give finite logits [1, 16, V]. A Failure names the stage and reason."""
+    from transformers import CONFIG_MAPPING
+    try:
+        cfg, changed = shrink(CONFIG_MAPPING[model_type]())
+    except Exception as e:  # noqa: BLE001 - listed with the reason, never skipped
+        return Failure.of(model_type, "shrink", e)
+    try:
+        model_cls = _model_class(model_type)
+        cfg = _for_class(cfg, model_cls)
+        if attn_implementation is not None:
+            cfg._attn_implementation = attn_implementation
+        n, meta = _count_on_meta(cfg, model_cls)
+    except Exception as e:  # noqa: BLE001
+        return Failure.of(model_type, "meta", e)
+    if n > max_params:
+        big = max(meta.named_parameters(), key=lambda kv: kv[1].numel())
+        return Failure(model_type, "meta", f"{n:,} parameters after shrinking (limit {max_params:,}); "
+                                           f"largest {big[0]} {tuple(big[1].shape)}")
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            kw = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+            model = model_cls._from_config(cfg, **kw)
+        model = model.float().eval()
+        if hasattr(model, "set_default_language"):  # X-MOD: one adapter per language
+            model.set_default_language(next(iter(model.config.languages)))
+    except Exception as e:  # noqa: BLE001
+        return Failure.of(model_type, "build", e)
+    built = Built(model_type, model, model.config, n, changed)
+    if forward:
+        try:
+            vocab = _vocab(model)
+            ids = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(seed))
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits
+            if logits.shape[:2] != (1, 16) or not torch.isfinite(logits).all():
+                raise RuntimeError(f"logits of shape {tuple(logits.shape)}, finite: "
+                                   f"{bool(torch.isfinite(logits).all())}")
+        except Exception as e:  # noqa: BLE001
+            return Failure.of(model_type, "forward", e)
+    return built
+
+
+def _vocab(model) -> int:
+    emb = model.get_input_embeddings()
+    n = getattr(emb, "num_embeddings", None) or getattr(model.config, "vocab_size", None) or VOCAB
+    return int(min(n, VOCAB))
+
+
+def survey(model_types=None, *, progress=None) -> dict:
+    """build() every type (default attention): {"built": {type: n_params}, "failed": {type:
+    "stage: reason"}, "seconds": wall time}; every registered type is in one of the two."""
+    import time
+    t = time.perf_counter()
+    built, failed = {}, {}
+    for mt in model_types or causal_lm_types():
+        r = build(mt)
+        if isinstance(r, Failure):
+            failed[mt] = f"{r.stage}: {r.reason}"
+        else:
+            built[mt] = r.n_params
+        if progress:
+            progress(f"{mt}: {'built' if mt in built else failed[mt]}")
+    return {"built": built, "failed": failed, "seconds": round(time.perf_counter() - t, 1)}

@@ -1,0 +1,76 @@
+"""Isolation friction (issue 22, item 5): sliding-window models whose documents fit the
+window take one mask (and mixed full/sliding models a mask per layer type); the automatic
+fp64 twin of a model with grouped_mm experts swaps them for the eager loop, or says how to
+pass a twin; the CLI takes the user's tokens and twin."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from trainprobes.cli import main  # noqa: E402
+from trainprobes.isolation import documents  # noqa: E402
+from trainprobes.isolation.hf import PackedModel, tiny_model  # noqa: E402
+from trainprobes.zoo.shrink import build  # noqa: E402
+
+
+@pytest.mark.parametrize("lengths", [(6, 5, 7), (10, 12, 8)])
+@torch.no_grad()
+def test_mixed_sliding_model_takes_one_mask_or_one_per_layer_type(lengths):
+    model = build("gemma2", attn_implementation="eager").model       # window 8, full + sliding
+    assert len(set(model.config.layer_types)) == 2
+    L = sum(lengths)
+    x = torch.randint(0, 128, (1, L), generator=torch.Generator().manual_seed(0))
+    r = documents(PackedModel(model, "mask_4d"), x, list(lengths), vocab=128, causal=False)
+    assert r.metrics["isolated"] is True, r.message
+
+
+class _Wrapped(torch.nn.Module):
+    """A user's own module around a HF MoE model: the probe's automatic twin path."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens, packing):
+        return self.model(input_ids=tokens, position_ids=packing.position_ids(), use_cache=False).logits
+
+
+@torch.no_grad()
+def test_automatic_twin_swaps_grouped_mm_experts():
+    model = tiny_model("qwen2_moe", "sdpa")
+    assert model.config._experts_implementation not in (None, "eager")
+    x = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(0))
+    r = documents(_Wrapped(model), x, [10, 12, 8], vocab=128, causal=False)
+    assert r.metrics["isolated"] is True
+    assert "experts" in r.metrics["fp64"] and "eager" in r.metrics["fp64"]
+
+
+def test_a_twin_that_cannot_be_built_says_how():
+    class Broken(_Wrapped):
+        def double(self):
+            raise RuntimeError("no float64 kernel")
+    x = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(0))
+    # grouped expert matmuls move other documents by ulps: only a twin can excuse that
+    r = documents(Broken(tiny_model("qwen2_moe", "sdpa")), x, [10, 12, 8], vocab=128, causal=False)
+    assert r.metrics["n_unverified"] > 0 and r.metrics["isolated"] is None
+    assert "no float64 kernel" in r.metrics["fp64"] and "--fp64 PKG.MOD:FN" in r.metrics["fp64"]
+
+
+def test_cli_takes_tokens_and_a_twin(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "tokens.pt"
+    torch.save(torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(1)), path)
+    (tmp_path / "mytwin.py").write_text(
+        "import copy\nfrom trainprobes.isolation.hf import PackedModel, tiny_model\n"
+        "_m = PackedModel(tiny_model('llama', 'sdpa').double(), 'flattening')\n"
+        "def twin(tokens, packing):\n    return _m(tokens, packing)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["isolation", "documents", "--hf", "llama", "--convention", "flattening",
+                 "--tokens", str(path), "--fp64", "mytwin:twin", "--no-causal", "--json"])
+    assert code == 1                                                 # the cached call leaks
+    out = capsys.readouterr().out
+    assert '"fp64": "used"' in out
+    bad = tmp_path / "bad.pt"
+    torch.save(torch.randn(3, 30), bad)
+    assert main(["isolation", "documents", "--hf", "llama", "--tokens", str(bad)]) == 2

@@ -1,0 +1,130 @@
+"""The zoo: shrink() builds tiny models by their own size names, the cells come from the
+probes (token-choice routers causal, expert-choice and capacity ones not), the CLI's exit
+codes, the map diff, and a CI subset of the sweep."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from trainprobes.cli import main  # noqa: E402
+from trainprobes.errors import InvalidArgument  # noqa: E402
+from trainprobes.reference.models.hf_routers import (  # noqa: E402
+    ExpertChoiceRouter,
+    ProbabilityCapacityRouter,
+    patch_gates,
+)
+from trainprobes.zoo.cells import router_cells, row  # noqa: E402
+from trainprobes.zoo.diff import diff_maps  # noqa: E402
+from trainprobes.zoo.shrink import MAX_PARAMS, Built, Failure, build, shrink  # noqa: E402
+
+
+def test_shrink_uses_the_configs_own_names_and_nested_configs():
+    cfg, changed = shrink("gpt2")                      # n_embd, n_head, n_layer, n_positions
+    assert (cfg.n_embd, cfg.n_head, cfg.n_layer, cfg.vocab_size) == (64, 4, 2, 128)
+    assert changed["n_embd"] == (768, 64)
+    cfg, changed = shrink("llava")                     # a multimodal config: text_config too
+    assert cfg.text_config.hidden_size == 64 and "text_config.hidden_size" in changed
+
+
+def test_shrink_keeps_every_kind_of_layer_of_a_hybrid():
+    cfg, _ = shrink("gemma3_text")                     # 5 sliding layers, then a full one
+    assert {"sliding_attention", "full_attention"} <= set(cfg.layer_types)
+    assert len(cfg.layer_types) == cfg.num_hidden_layers
+
+
+def test_build_counts_on_meta_first_and_refuses_what_stays_large():
+    b = build("llama")
+    assert isinstance(b, Built) and 0 < b.n_params < MAX_PARAMS
+    f = build("llama", max_params=1000)
+    assert isinstance(f, Failure) and f.stage == "meta" and "parameters after shrinking" in f.reason
+    with pytest.raises(InvalidArgument):
+        shrink("no_such_model")
+
+
+def test_a_model_that_cannot_run_an_implementation_is_listed_with_why():
+    f = build("mamba", attn_implementation="sdpa")
+    assert isinstance(f, Failure) and "ValueError" in f.reason
+
+
+@torch.no_grad()
+def test_isolation_cells_split_the_cached_call_from_the_training_call():
+    cells = {c.variant: c for c in row("llama", probes=("isolation",), implementations=("sdpa",))}
+    # the cached call leaks by design (masking_utils reads packing only without a cache)
+    assert cells["sdpa,position_ids"].verdict == "leaky" and not cells["sdpa,position_ids"].finding
+    assert cells["sdpa,position_ids"].expected is None
+    assert cells["sdpa,collator"].verdict == "leaky"
+    assert cells["sdpa,position_ids_no_cache"].verdict == "isolated"
+    assert cells["sdpa,position_ids_no_cache"].expected == "isolated"
+    assert cells["sdpa,mask_4d"].verdict == "isolated" and not cells["sdpa,mask_4d"].finding
+
+
+@torch.no_grad()
+def test_sliding_window_shorter_than_documents_is_kept_by_the_mask():
+    cells = {c.variant: c for c in row("mistral", probes=("isolation",), implementations=("eager",),
+                                       conventions=("mask_4d",))}
+    assert cells["eager,mask_4d"].verdict == "isolated"
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("router, causal", [(None, True), (ExpertChoiceRouter, False),
+                                            (ProbabilityCapacityRouter, False)])
+def test_router_verdict_comes_from_the_mechanism(router, causal):
+    model = build("mixtral").model
+    if router is not None:
+        assert patch_gates(model, router) == 2
+    perturb, = router_cells("mixtral", model, modes=("perturb",))
+    assert perturb.variant == "perturb"
+    assert perturb.verdict == ("causal" if causal else "non-causal")
+    assert ("token choice" in perturb.reason) == causal
+    assert not perturb.finding     # the kind read from the routing expects what was found
+
+
+def test_cli_unknown_model_exits_2_with_close_names(capsys):
+    assert main(["zoo", "--model", "mixtrl"]) == 2
+    assert "mixtral" in capsys.readouterr().err
+
+
+def test_cli_one_row_json_and_exit_1_on_a_finding(capsys, monkeypatch):
+    assert main(["zoo", "--model", "llama", "--probes", "batch", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["n_findings"] == 0 and out["versions"]["transformers"]
+    assert [c["probe"] for c in out["cells"]] == ["batch"]
+    import trainprobes.zoo.cells as cells
+
+    def leaky_row(mt, **kw):
+        return [cells.Cell(mt, "isolation", "sdpa,mask_4d", "leaky", 0.5, "", "leaks", "isolated", True)]
+    monkeypatch.setattr(cells, "row", leaky_row)
+    assert main(["zoo", "--model", "llama"]) == 1
+    assert "FINDING" in capsys.readouterr().out
+
+
+def test_diff_names_changed_cells(tmp_path):
+    cell = {"model_type": "llama", "probe": "batch", "variant": "", "verdict": "invariant"}
+    a = {"versions": {"transformers": "5.24.0"}, "rows": {"llama": [cell]}}
+    b = {"versions": {"transformers": "5.25.0"}, "rows": {"llama": [dict(cell, verdict="variant")]}}
+    ch = diff_maps(a, b)
+    assert [(c.probe, c.before, c.after) for c in ch] == [("batch", "invariant", "variant")]
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    assert main(["zoo", "--diff", str(pa), str(pa)]) == 0
+    assert main(["zoo", "--diff", str(pa), str(pb)]) == 1
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_ci_subset_of_the_sweep():
+    """llama, mixtral, qwen2_moe and a sliding-window model: every cell measured (no error),
+    routers causal, and the map's known finding (position ids with the cache) present."""
+    for mt in ("llama", "mixtral", "qwen2_moe", "mistral"):
+        cells = row(mt, implementations=("sdpa",), conventions=("position_ids", "mask_4d"))
+        assert not [c for c in cells if c.verdict == "error"], mt
+        routers = [c for c in cells if c.probe == "router" and c.variant]
+        assert all(c.verdict == "causal" for c in routers), mt
+        assert mt in ("llama", "mistral") or len(routers) == 2
+        pos = next(c for c in cells if c.variant == "sdpa,position_ids")
+        assert pos.verdict == "leaky"
