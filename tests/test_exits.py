@@ -22,7 +22,7 @@ from trainprobes.result import write_atomic
 # the least each command needs to reach its run()
 ARGV = {"audit": [], "gate": ["--baseline", "a.json", "--candidate", "b.json"], "stall": [],
         "bias": [], "collectives": [], "causality": [], "drift": ["--demo"],
-        "isolation": ["table"], "transforms": []}
+        "isolation": ["table"], "transforms": [], "gemm": [], "zoo": ["--model", "llama"]}
 
 
 @pytest.fixture
