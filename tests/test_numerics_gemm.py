@@ -129,3 +129,11 @@ def test_one_fail_closed_rule_for_verdict_and_promotion():
     assert "does not matter" not in r.message
     for c in r.evidence["promotion"]:
         assert c["within"] == (not is_biased(c["ci_low"], c["ci_high"], m["tolerance"]))
+
+
+def test_all_zero_operand_is_refused_for_every_recipe():
+    z = torch.zeros(32, 64, dtype=torch.float64)
+    b = torch.randn(32, 64, generator=torch.Generator().manual_seed(0)).double()
+    for rec in ("nvfp4", "mxfp8", "fp8-tensor"):
+        with pytest.raises(InvalidArgument, match="all zeros: nothing to judge"):
+            gemm_bias(z, b, recipe=rec, samples=64, trials=8)

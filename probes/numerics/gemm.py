@@ -198,6 +198,9 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
             raise InvalidArgument(f"gemm {gemm}: operand {name} holds {int(bad.sum())} non-finite "
                                   f"value(s), the first at {tuple(int(x) for x in torch.nonzero(bad)[0])}; "
                                   "a GEMM of them has no relative error to judge")
+        if not bool(t.any()):
+            raise InvalidArgument(f"gemm {gemm}: operand {name} is all zeros: nothing to judge "
+                                  "(every output is 0, so no relative error exists)")
     check_int(trials, "trials", min=3, hint="32 or more")
     check_int(samples, "samples", min=trials, hint=f"at least trials={trials}")
     check_number(alpha, "alpha", min=0, max=1, min_open=True, max_open=True, hint="e.g. 0.01")
