@@ -36,3 +36,9 @@ def test_unknown_names_and_blocks_are_usage_errors(capsys):
     assert main(["gemm", "--recipes", "mxfp8", "--k", "40", "--rows", "8", "--samples", "16",
                  "--trials", "4"]) == 2
     assert "multiple of the block size 32" in capsys.readouterr().err
+
+
+def test_too_few_outputs_for_the_trials_is_a_usage_error(capsys):
+    assert main(["gemm", "--rows", "1", "--k", "64", "--samples", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "M*N = 1 x 1 = 1" in err and "trials=32" in err and "all 0" not in err

@@ -137,3 +137,9 @@ def test_all_zero_operand_is_refused_for_every_recipe():
     for rec in ("nvfp4", "mxfp8", "fp8-tensor"):
         with pytest.raises(InvalidArgument, match="all zeros: nothing to judge"):
             gemm_bias(z, b, recipe=rec, samples=64, trials=8)
+
+
+def test_fewer_outputs_than_trials_names_m_times_n():
+    a = torch.randn(1, 64, generator=torch.Generator().manual_seed(0)).double()
+    with pytest.raises(InvalidArgument, match=r"M\*N = 1 x 1 = 1 .*trials=32"):
+        gemm_bias(a, a.clone(), samples=32, trials=32)

@@ -208,6 +208,10 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
     floor = check_number(tolerance, "tolerance", min=0, hint="a relative bias, e.g. 1e-4")
     M, K = a.shape
     N = b.shape[0]
+    if M * N < trials:
+        raise InvalidArgument(f"gemm {gemm}: the GEMM has M*N = {M} x {N} = {M * N} output(s), fewer "
+                              f"than trials={trials} groups: use more rows (M*N >= {trials}) or "
+                              "fewer --trials (at least 3)")
     S = min(samples, M * N)
     S -= S % trials
     prep = prepare_gemm(a, b, recipe=rec, gemm=gemm, samples=S, seed=seed)
