@@ -42,3 +42,13 @@ def test_too_few_outputs_for_the_trials_is_a_usage_error(capsys):
     assert main(["gemm", "--rows", "1", "--k", "64", "--samples", "32"]) == 2
     err = capsys.readouterr().err
     assert "M*N = 1 x 1 = 1" in err and "trials=32" in err and "all 0" not in err
+
+
+def test_a_mean_that_saturates_e4m3_is_refused_not_exact(capsys):
+    assert main(["gemm", "--mean", "1e6", "--k", "64", "--rows", "16", "--samples", "64",
+                 "--trials", "8", "--presets", "fp32"]) == 2
+    err = capsys.readouterr().err
+    assert "saturates 100.0%" in err and "--mean" in err
+    # a mean well inside the range still runs
+    assert main(["gemm", "--mean", "100", "--k", "64", "--rows", "16", "--samples", "64",
+                 "--trials", "8", "--presets", "fp32"]) in (0, 1)
