@@ -126,4 +126,6 @@ def run(args) -> int:
               "bias within tolerance (K: none needed, nan: none found)")
         if results:
             print(f"{results[0].evidence['sampling']}")
+            for sk in results[0].evidence.get("skipped", []):
+                print(f"not judged: {sk['layer']} {sk['gemm']}: {sk['reason']}")
     return 1 if any(r.metrics.get("biased") for r in results) else 0
