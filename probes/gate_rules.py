@@ -1024,7 +1024,7 @@ def _gemm(rd: Reader) -> None:
     'errors'), SQNR and maximum error from the sums the probe keeps, the growth fit from its
     points, stall_k and the promotion interval from their records."""
     from scipy import stats
-    from trainprobes.numerics.gemm import GEMMS, growth_exponent
+    from trainprobes.numerics.gemm import GEMMS, growth_exponent, is_biased
     from trainprobes.power import min_detectable_effect
 
     if rd.label("gemm") not in GEMMS:
@@ -1101,13 +1101,16 @@ def _gemm(rd: Reader) -> None:
                     f"writes k={K} and searches nothing")
     elif promo:
         for c in promo:
-            within = max(abs(rd.field(c, "ci_low", "promotion")), abs(rd.field(c, "ci_high", "promotion"))) <= tol
+            within = not is_biased(rd.field(c, "ci_low", "promotion"), rd.field(c, "ci_high", "promotion"), tol)
             if within != c.get("within"):
                 rd.fail(f"evidence['promotion'] entry {c!r} is not judged against tolerance={_fmt(tol)}")
         hit = [c["promote_every"] for c in promo if c.get("within")]
         if not close(need, float(hit[0]) if hit else math.nan):
             rd.fail(f"promote_every_needed={_fmt(need)} is not the first candidate within the "
                     f"tolerance ({hit[:1] or 'none'})")
+    if verdict != "exact" and (verdict == "biased") != is_biased(lo, hi, tol):
+        rd.fail(f"gemm_verdict={verdict!r} beside the CI [{_fmt(lo)}, {_fmt(hi)}] and tolerance="
+                f"{_fmt(tol)}: biased exactly when the CI excludes 0 and reaches past +-tolerance")
     if (rd.m.get("biased") is True) != (verdict == "biased"):
         rd.fail(f"gemm_verdict={verdict!r} contradicts biased={rd.m.get('biased')}")
     rd.codes_agree("TP-B1", verdict == "biased", f"gemm_verdict is {verdict!r}")

@@ -134,6 +134,9 @@ def nvfp4_quantize(x: torch.Tensor, *, tensor_amax=None, mode: str = "nearest", 
     x32 = _f32(x)
     amax_t = x32.abs().amax() if tensor_amax is None else torch.as_tensor(tensor_amax, dtype=torch.float32)
     s_t = amax_t / torch.tensor(E4M3_MAX * E2M1_MAX, dtype=torch.float32)
+    # an all-zero tensor: a unit scale quantises it to zeros (as the per-tensor recipes do),
+    # where amax / 2688 = 0 would give 0/0 block scales
+    s_t = torch.where(s_t > 0, s_t, torch.ones_like(s_t))
     tiles = x32.reshape(rows // tile_rows, tile_rows, K // 16, 16)
     amax_b = tiles.abs().amax(dim=(1, 3))                       # (rows/tile, K/16)
     s_b = ((amax_b / E2M1_MAX) / s_t).clamp(min=torch.finfo(torch.float8_e4m3fn).tiny,

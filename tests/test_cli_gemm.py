@@ -36,3 +36,19 @@ def test_unknown_names_and_blocks_are_usage_errors(capsys):
     assert main(["gemm", "--recipes", "mxfp8", "--k", "40", "--rows", "8", "--samples", "16",
                  "--trials", "4"]) == 2
     assert "multiple of the block size 32" in capsys.readouterr().err
+
+
+def test_too_few_outputs_for_the_trials_is_a_usage_error(capsys):
+    assert main(["gemm", "--rows", "1", "--k", "64", "--samples", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "M*N = 1 x 1 = 1" in err and "trials=32" in err and "all 0" not in err
+
+
+def test_a_mean_that_saturates_e4m3_is_refused_not_exact(capsys):
+    assert main(["gemm", "--mean", "1e6", "--k", "64", "--rows", "16", "--samples", "64",
+                 "--trials", "8", "--presets", "fp32"]) == 2
+    err = capsys.readouterr().err
+    assert "saturates 100.0%" in err and "--mean" in err
+    # a mean well inside the range still runs
+    assert main(["gemm", "--mean", "100", "--k", "64", "--rows", "16", "--samples", "64",
+                 "--trials", "8", "--presets", "fp32"]) in (0, 1)

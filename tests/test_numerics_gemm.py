@@ -112,3 +112,34 @@ def test_nearest_accumulator_is_not_called_biased_over_seeds():
         r = gemm_bias(a, b, preset=NEAREST, samples=128, trials=16, seed=seed, promotion=False)
         biased += r.metrics["biased"]
     assert biased <= 3, biased  # alpha = 0.01: 0.6 expected, P(>= 4) < 0.5%
+
+
+def test_one_fail_closed_rule_for_verdict_and_promotion():
+    from trainprobes.numerics.gemm import is_biased
+    assert is_biased(-1.21e-4, -7.83e-5, 1e-4)      # point estimate under, CI past: biased
+    assert not is_biased(-9.7e-5, -9.5e-5, 1e-4)    # whole CI within: shown not to matter
+    assert not is_biased(-3e-4, 2e-4, 1e-4)         # CI holds 0: no bias shown
+    # the review's case: deepseek-v3, K=1024, mean 1, 32 rows, 64 samples, 8 groups
+    g = torch.Generator().manual_seed(1024)
+    a, b = ((torch.randn(32, 1024, generator=g) + 1).to(torch.float8_e4m3fn).double() for _ in "ab")
+    r = gemm_bias(a, b, preset="deepseek-v3", samples=64, trials=8)
+    m = r.metrics
+    assert abs(m["relative_bias"]) < m["tolerance"] < abs(m["ci_low"]), r.message
+    assert m["gemm_verdict"] == "biased" and r.verdict == "fail", r.message
+    assert "does not matter" not in r.message
+    for c in r.evidence["promotion"]:
+        assert c["within"] == (not is_biased(c["ci_low"], c["ci_high"], m["tolerance"]))
+
+
+def test_all_zero_operand_is_refused_for_every_recipe():
+    z = torch.zeros(32, 64, dtype=torch.float64)
+    b = torch.randn(32, 64, generator=torch.Generator().manual_seed(0)).double()
+    for rec in ("nvfp4", "mxfp8", "fp8-tensor"):
+        with pytest.raises(InvalidArgument, match="all zeros: nothing to judge"):
+            gemm_bias(z, b, recipe=rec, samples=64, trials=8)
+
+
+def test_fewer_outputs_than_trials_names_m_times_n():
+    a = torch.randn(1, 64, generator=torch.Generator().manual_seed(0)).double()
+    with pytest.raises(InvalidArgument, match=r"M\*N = 1 x 1 = 1 .*trials=32"):
+        gemm_bias(a, a.clone(), samples=32, trials=32)

@@ -40,3 +40,32 @@ def test_capture_matches_the_linear():
 def test_a_model_with_no_linear_is_refused():
     with pytest.raises(InvalidArgument, match="no torch.nn.Linear"):
         judge_model(torch.nn.Sequential(torch.nn.ReLU()), torch.randn(2, 3))
+
+
+class _TwoHeads(torch.nn.Module):
+    """One Linear on the loss's path, one off it, one fed all zeros."""
+
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused, self.dead = (torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        self.unused(x.detach())
+        return self.used(x) + self.dead(torch.zeros_like(x))
+
+
+def test_skipped_linears_and_zero_gemms_are_listed_with_the_reason():
+    torch.manual_seed(0)
+    rows = judge_model(_TwoHeads(), torch.randn(4, 16, 16), samples=64, trials=8)
+    skipped = rows[0].evidence["skipped"]
+    assert {"layer": "unused", "gemm": "all"}.items() <= skipped[0].items(), skipped
+    assert any(s["layer"] == "dead" and "all-zero" in s["reason"] for s in skipped), skipped
+    assert {r.evidence["layer"] for r in rows} >= {"used"}
+
+
+def test_a_nan_weight_names_the_layer():
+    lin = torch.nn.Linear(16, 16)
+    with torch.no_grad():
+        lin.weight[0, 0] = float("nan")
+    with pytest.raises(InvalidArgument, match="layer '0'"):
+        judge_model(torch.nn.Sequential(lin), torch.randn(4, 16, 16), samples=64, trials=8)

@@ -126,3 +126,12 @@ def test_bad_input_is_named():
         quantize(x, "fp8-tensor", "activation")
     with pytest.raises(InvalidArgument, match="seeded generator"):
         quantize(torch.ones(16, 32), "nvfp4-paper", "grad")
+
+
+def test_nvfp4_all_zero_operand_quantises_to_zeros():
+    z = torch.zeros(16, 64, dtype=torch.float64)
+    for rec in ("nvfp4", "nvfp4-paper"):
+        for role in ("activation", "weight", "grad"):
+            q = quantize(z, rec, role, generator=torch.Generator().manual_seed(0), tensor_amax=0.0)
+            assert torch.isfinite(q.values).all() and torch.isfinite(q.scale).all()
+            assert not q.values.any()

@@ -44,12 +44,17 @@ def add_arguments(parser) -> None:
     add_report_options(parser)
 
 
+# the share of random operands the e4m3 cast may saturate before the table is refused
+SATURATED_SHARE = 0.01
+
+
 def _random_results(args):
     import torch
     from trainprobes.budget import check_fits
+    from trainprobes.errors import InvalidArgument
     from trainprobes.numerics.gemm import gemm_bias
     from trainprobes.reference.gemm import get_preset
-    from trainprobes.reference.recipes import get_recipe
+    from trainprobes.reference.recipes import E4M3_MAX, get_recipe
 
     for p in args.presets:
         get_preset(p)  # unknown names stop here, with the list
@@ -61,8 +66,16 @@ def _random_results(args):
     out = []
     for K in args.k:
         g = torch.Generator().manual_seed(args.seed + K)
-        a, b = ((torch.randn(args.rows, K, generator=g) + args.mean).to(torch.float8_e4m3fn).double()
-                for _ in "ab")
+        raw = [torch.randn(args.rows, K, generator=g) + args.mean for _ in "ab"]
+        # torch's e4m3 cast saturates at +-448: operands past it all read +-448, every product
+        # is the same and every accumulator looks exact; refuse beyond a small share
+        over = sum(int((r.abs() > E4M3_MAX).sum()) for r in raw) / (2 * raw[0].numel())
+        if over > SATURATED_SHARE:
+            raise InvalidArgument(f"--mean {args.mean!r}: the e4m3 cast saturates {over:.1%} of the "
+                                  f"operands at +-{E4M3_MAX:g} (more than {SATURATED_SHARE:.0%}), so "
+                                  "every output is the same and no accumulator can be judged; use "
+                                  f"|--mean| <= {E4M3_MAX - 5:g}")
+        a, b = (r.to(torch.float8_e4m3fn).double() for r in raw)
         for recipe in args.recipes:
             for preset in args.presets:
                 kw = {} if args.tolerance is None else {"tolerance": args.tolerance}
@@ -113,4 +126,6 @@ def run(args) -> int:
               "bias within tolerance (K: none needed, nan: none found)")
         if results:
             print(f"{results[0].evidence['sampling']}")
+            for sk in results[0].evidence.get("skipped", []):
+                print(f"not judged: {sk['layer']} {sk['gemm']}: {sk['reason']}")
     return 1 if any(r.metrics.get("biased") for r in results) else 0

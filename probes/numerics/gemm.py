@@ -18,9 +18,11 @@ output elements, each one dot product of K terms:
      own error with K (rms error over rms of the exact partial sums at K/16 .. K, a log-log
      fit: ~0.5 for rounding noise, ~1 for a bias), stall_k (the K by which half the sampled
      dot products had a fused add absorbed whole by the running sum; inf: none within K);
-  5. verdict: exact (every sampled output equals fp64), biased (p < alpha and |bias| >=
-     tolerance), else noise; and the promotion interval: the largest N_C (F 2^j <= K) whose
-     bias CI lies within +-tolerance (K: none needed; NaN: none found).
+  5. verdict: exact (every sampled output equals fp64), biased (is_biased: the CI excludes
+     0 and is not shown below the tolerance, i.e. some end of it lies beyond +-tolerance:
+     fail closed, a point estimate below the tolerance does not clear it), else noise; and
+     the promotion interval: the largest N_C (F 2^j <= K) that is not biased by the same rule
+     (K: none needed; NaN: none found).
 What the sample rules out is the bias error_stats can detect with 80% power
 (min_detectable_bias): a smaller bias may exist in the unsampled elements.
 """
@@ -64,6 +66,13 @@ class Sampled:
 # purpose: one rounding of a result is a one-off, while an accumulator's bias grows with K
 # (about linearly) and has the same sign at every step.
 DEFAULT_TOLERANCE = 1e-4
+
+
+def is_biased(ci_low: float, ci_high: float, tolerance: float) -> bool:
+    """The one rule of the verdict and the promotion search (and the gate): biased when the
+    CI excludes 0 (a bias exists) and is not within +-tolerance (not shown not to matter)."""
+    return bool((ci_low > 0 or ci_high < 0) and max(abs(ci_low), abs(ci_high)) > tolerance)
+
 
 
 def _strata(n: int, S: int, g: torch.Generator, permute: bool) -> torch.Tensor:
@@ -189,6 +198,9 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
             raise InvalidArgument(f"gemm {gemm}: operand {name} holds {int(bad.sum())} non-finite "
                                   f"value(s), the first at {tuple(int(x) for x in torch.nonzero(bad)[0])}; "
                                   "a GEMM of them has no relative error to judge")
+        if not bool(t.any()):
+            raise InvalidArgument(f"gemm {gemm}: operand {name} is all zeros: nothing to judge "
+                                  "(every output is 0, so no relative error exists)")
     check_int(trials, "trials", min=3, hint="32 or more")
     check_int(samples, "samples", min=trials, hint=f"at least trials={trials}")
     check_number(alpha, "alpha", min=0, max=1, min_open=True, max_open=True, hint="e.g. 0.01")
@@ -196,6 +208,10 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
     floor = check_number(tolerance, "tolerance", min=0, hint="a relative bias, e.g. 1e-4")
     M, K = a.shape
     N = b.shape[0]
+    if M * N < trials:
+        raise InvalidArgument(f"gemm {gemm}: the GEMM has M*N = {M} x {N} = {M * N} output(s), fewer "
+                              f"than trials={trials} groups: use more rows (M*N >= {trials}) or "
+                              "fewer --trials (at least 3)")
     S = min(samples, M * N)
     S -= S % trials
     prep = prepare_gemm(a, b, recipe=rec, gemm=gemm, samples=S, seed=seed)
@@ -216,7 +232,8 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
         den = s.partial_quantised[k].pow(2).mean().sqrt().item()
         growth.append({"k": k, "relative_rms_error": e.pow(2).mean().sqrt().item() / den if den else math.nan})
     exact = max_abs_err == 0.0
-    verdict = "exact" if exact else ("biased" if st["biased"] else "noise")
+    biased = not exact and is_biased(st["ci_low"], st["ci_high"], floor)
+    verdict = "exact" if exact else ("biased" if biased else "noise")
     promo, needed = [], float(K)
     if promotion and verdict == "biased":
         needed = math.nan
@@ -228,7 +245,7 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
                 sc = sample_gemm(prep, cand)
                 e2 = [e for e in _trial_errors(sc.ref, sc.low, trials) if math.isfinite(e)]
                 s2 = error_stats(e2, alpha=alpha, min_effect=floor)
-                inside = max(abs(s2["ci_low"]), abs(s2["ci_high"])) <= floor
+                inside = not is_biased(s2["ci_low"], s2["ci_high"], floor)
                 promo.append({"promote_every": n, "relative_bias": s2["bias"], "ci_low": s2["ci_low"],
                               "ci_high": s2["ci_high"], "within": inside})
                 if inside:
@@ -244,7 +261,7 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
                "max_relative_error": max_abs_err / rms_ref if rms_ref else math.nan,
                "sqnr_db": 10 * math.log10(sum_sq_ref / sum_sq_err) if sum_sq_err else math.inf,
                "growth_exponent": growth_exponent(growth), "stall_k": _stall_k(s.first_absorbed),
-               "promote_every_needed": needed, "biased": bool(st["biased"]),
+               "promote_every_needed": needed, "biased": biased,
                "gemm_verdict": verdict}
     q_err = s.quantised - s.ref
     acc_err = s.low - s.quantised
@@ -274,14 +291,14 @@ def _message(m: dict) -> str:
     if m["gemm_verdict"] == "exact":
         return head + "exact on every sampled output"
     if m["gemm_verdict"] == "noise":
-        if m["p_value"] < m["alpha"]:
-            return head + (f"a significant bias below the tolerance {m['tolerance']:.3g}, which does "
-                           "not matter at that tolerance; no bias that does")
+        if m["ci_low"] > 0 or m["ci_high"] < 0:
+            return head + (f"a significant bias whose whole CI lies within +-{m['tolerance']:.3g} "
+                           "(the tolerance): shown not to matter at that tolerance")
         return head + (f"noise (rules out |bias| > {max(m['min_detectable_bias'], m['tolerance']):.3g}"
                        " at 80% power)")
     fix = (f"; promoting to fp32 every {int(m['promote_every_needed'])} keeps it within "
            f"{m['tolerance']:.3g}" if math.isfinite(m["promote_every_needed"]) else
-           "; no promotion interval keeps it within the floor")
+           "; no promotion interval keeps it within the tolerance")
     return head + ("biased: outputs too small on average" if m["relative_bias"] < 0 else
                    "biased: outputs too large on average") + fix
 

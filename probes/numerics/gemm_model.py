@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from trainprobes.errors import InvalidArgument, TargetError
+from trainprobes.errors import CannotJudge, InvalidArgument, TargetError
 from trainprobes.numerics.gemm import DEFAULT_TOLERANCE, gemm_bias, linear_gemms
 from trainprobes.result import Result
 
@@ -30,8 +30,9 @@ class Captured:
     dy: torch.Tensor
 
 
-def capture_linears(model: torch.nn.Module, batch, loss_fn=None) -> list[Captured]:
-    """Steps 1-2: every nn.Linear's (x, w, dy) from one fp32 forward and backward."""
+def capture_linears(model: torch.nn.Module, batch, loss_fn=None, skipped: list | None = None) -> list[Captured]:
+    """Steps 1-2: every nn.Linear's (x, w, dy) from one fp32 forward and backward; a Linear
+    not on the loss's path is appended to `skipped` as {layer, gemm, reason}."""
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     if not linears:
         raise InvalidArgument(f"the model ({type(model).__name__}) has no torch.nn.Linear: there "
@@ -66,7 +67,10 @@ def capture_linears(model: torch.nn.Module, batch, loss_fn=None) -> list[Capture
     for name, mod in linears:
         s = seen[name]
         if "x" not in s or "dy" not in s:
-            continue  # not on the loss's path in this step
+            if skipped is not None:  # not on the loss's path in this step: said, not dropped
+                skipped.append({"layer": name, "gemm": "all", "reason": "not on the loss's path in "
+                                "this step (no input or no output gradient)"})
+            continue
         got.append(Captured(name, s["x"], mod.weight.detach().double(), s["dy"]))
     if not got:
         raise TargetError("no Linear received a gradient in the step: the loss does not depend on them")
@@ -77,16 +81,25 @@ def judge_model(model, batch, *, preset="h200-scaled-mm", recipe="exact", sample
                 seed=0, alpha=0.01, tolerance=DEFAULT_TOLERANCE, loss_fn=None,
                 target: str = "model") -> list[Result]:
     """Step 3: one Result per (Linear, GEMM), riskiest first (module docstring)."""
-    results = []
-    for c in capture_linears(model, batch, loss_fn):
+    results, skipped = [], []
+    for c in capture_linears(model, batch, loss_fn, skipped):
         for gemm, a, b in linear_gemms(c.x, c.w, c.dy):
             if not a.abs().sum() or not b.abs().sum():
-                continue  # an all-zero operand (a dead layer): nothing to judge
-            r = gemm_bias(a, b, preset=preset, recipe=recipe, gemm=gemm, samples=samples,
-                          trials=trials, seed=seed, alpha=alpha, tolerance=tolerance,
-                          promotion=False, target=f"{target}:{c.name}.{gemm}")
+                # an all-zero operand (a dead layer): nothing to judge, listed with the reason
+                skipped.append({"layer": c.name, "gemm": gemm, "reason": "an all-zero operand"})
+                continue
+            try:
+                r = gemm_bias(a, b, preset=preset, recipe=recipe, gemm=gemm, samples=samples,
+                              trials=trials, seed=seed, alpha=alpha, tolerance=tolerance,
+                              promotion=False, target=f"{target}:{c.name}.{gemm}")
+            except InvalidArgument as e:
+                raise type(e)(f"layer {c.name!r}: {e}") from None
             r.evidence["layer"] = c.name
             results.append(r)
+    if not results:
+        raise CannotJudge(f"no GEMM of the model could be judged: {skipped}")
+    for r in results:
+        r.evidence["skipped"] = skipped
     # riskiest first: biased, then by the accumulator's own share of the error (a recipe's
     # quantisation noise at these sample sizes would otherwise rank the rows at random)
     return sorted(results, key=lambda r: (not r.metrics["biased"],
