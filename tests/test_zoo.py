@@ -128,3 +128,18 @@ def test_ci_subset_of_the_sweep():
         assert mt in ("llama", "mistral") or len(routers) == 2
         pos = next(c for c in cells if c.variant == "sdpa,position_ids")
         assert pos.verdict == "leaky"
+
+
+def test_recurrence_is_read_from_the_mechanism_not_a_substring():
+    from trainprobes.zoo.cells import _recurrent_class, expected_isolation
+    # "ssm" inside GptOss / SeedOss, "conv1d" in transformers' Conv1D are not recurrence
+    for name in ("GptOssModel", "SeedOssModel", "CohereCompass", "Conv1D", "LlamaAttention"):
+        assert not _recurrent_class(name), name
+    for name in ("MambaMixer", "Mamba2Mixer", "Qwen3NextGatedDeltaNet", "Lfm2ShortConv",
+                 "RecurrentGemmaRglru", "MiniMaxLightningAttention"):
+        assert _recurrent_class(name), name
+    gpt2 = build("gpt2").model                      # Conv1D projections, attention only
+    assert expected_isolation(gpt2, "mask_4d") == "isolated"
+    # a depthwise short conv along the sequence (mamba / lfm2 mixers) carries state: no promise
+    gpt2.add_module("short_conv", torch.nn.Conv1d(64, 64, 4, groups=64, padding=3))
+    assert expected_isolation(gpt2, "mask_4d") is None
