@@ -143,3 +143,23 @@ def test_recurrence_is_read_from_the_mechanism_not_a_substring():
     # a depthwise short conv along the sequence (mamba / lfm2 mixers) carries state: no promise
     gpt2.add_module("short_conv", torch.nn.Conv1d(64, 64, 4, groups=64, padding=3))
     assert expected_isolation(gpt2, "mask_4d") is None
+
+
+@torch.no_grad()
+def test_gpt_oss_router_is_measured_and_a_hidden_router_cannot_be_measured():
+    model = build("gpt_oss").model                  # experts take (hidden, router_indices, routing_weights)
+    perturb, = router_cells("gpt_oss", model, modes=("perturb",))
+    assert perturb.verdict == "causal" and "token choice top-" in perturb.reason
+    assert not perturb.finding
+    # a config with experts whose router no hook can find: cannot measure, never "no MoE layer"
+    mlp = type(model.model.layers[0].mlp.experts)
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(mlp, "forward", lambda self, hidden_states, idx=None, w=None: hidden_states)
+    try:
+        cell, = router_cells("gpt_oss", model)
+    finally:
+        monkey.undo()
+    assert cell.verdict == "unknown" and cell.reason.startswith("cannot measure")
+    assert "experts=4" in cell.reason and "no MoE layer" not in cell.reason
+    llama, = router_cells("llama", build("llama").model)   # dense: no experts in the config
+    assert llama.verdict == "n/a" and "no MoE layer" in llama.reason

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 from trainprobes.isolation.packing import Packing
 from trainprobes.zoo.shrink import Failure, build
-from trainprobes.zoo.targets import CONVENTIONS, Routing, ZooPacked, fp64_copy
+from trainprobes.zoo.targets import CONVENTIONS, INDEX_ARGS, Routing, ZooPacked, fp64_copy, moe_config
 
 __all__ = ["Cell", "row", "IMPLEMENTATIONS", "PROBES"]
 
@@ -165,7 +165,13 @@ def router_cells(mt, model, seed=0, modes=("perturb", "truncate")) -> list[Cell]
     from trainprobes.causality import check
     routing = Routing(model)
     if not routing.has_router:
-        return [Cell(mt, "router", "", "n/a", None, "", "no MoE layer (no module takes top_k_index)")]
+        moe = moe_config(model)
+        if moe:   # a router we cannot find is not an absent one: fail closed
+            return [Cell(mt, "router", "", "unknown", None, "",
+                         f"cannot measure: the config says {moe} but no module's forward takes a "
+                         f"routing decision ({', '.join(INDEX_ARGS)})")]
+        return [Cell(mt, "router", "", "n/a", None, "",
+                     "no MoE layer (no expert count in the config, no module takes routing indices)")]
     V = _vocab(model)
     x = torch.randint(0, V, (2, 32), generator=torch.Generator().manual_seed(seed))
     kind = routing.kind(x)
