@@ -128,3 +128,38 @@ def test_ci_subset_of_the_sweep():
         assert mt in ("llama", "mistral") or len(routers) == 2
         pos = next(c for c in cells if c.variant == "sdpa,position_ids")
         assert pos.verdict == "leaky"
+
+
+def test_recurrence_is_read_from_the_mechanism_not_a_substring():
+    from trainprobes.zoo.cells import _recurrent_class, expected_isolation
+    # "ssm" inside GptOss / SeedOss, "conv1d" in transformers' Conv1D are not recurrence
+    for name in ("GptOssModel", "SeedOssModel", "CohereCompass", "Conv1D", "LlamaAttention"):
+        assert not _recurrent_class(name), name
+    for name in ("MambaMixer", "Mamba2Mixer", "Qwen3NextGatedDeltaNet", "Lfm2ShortConv",
+                 "RecurrentGemmaRglru", "MiniMaxLightningAttention"):
+        assert _recurrent_class(name), name
+    gpt2 = build("gpt2").model                      # Conv1D projections, attention only
+    assert expected_isolation(gpt2, "mask_4d") == "isolated"
+    # a depthwise short conv along the sequence (mamba / lfm2 mixers) carries state: no promise
+    gpt2.add_module("short_conv", torch.nn.Conv1d(64, 64, 4, groups=64, padding=3))
+    assert expected_isolation(gpt2, "mask_4d") is None
+
+
+@torch.no_grad()
+def test_gpt_oss_router_is_measured_and_a_hidden_router_cannot_be_measured():
+    model = build("gpt_oss").model                  # experts take (hidden, router_indices, routing_weights)
+    perturb, = router_cells("gpt_oss", model, modes=("perturb",))
+    assert perturb.verdict == "causal" and "token choice top-" in perturb.reason
+    assert not perturb.finding
+    # a config with experts whose router no hook can find: cannot measure, never "no MoE layer"
+    mlp = type(model.model.layers[0].mlp.experts)
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(mlp, "forward", lambda self, hidden_states, idx=None, w=None: hidden_states)
+    try:
+        cell, = router_cells("gpt_oss", model)
+    finally:
+        monkey.undo()
+    assert cell.verdict == "unknown" and cell.reason.startswith("cannot measure")
+    assert "experts=4" in cell.reason and "no MoE layer" not in cell.reason
+    llama, = router_cells("llama", build("llama").model)   # dense: no experts in the config
+    assert llama.verdict == "n/a" and "no MoE layer" in llama.reason

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 from trainprobes.isolation.packing import Packing
 from trainprobes.zoo.shrink import Failure, build
-from trainprobes.zoo.targets import CONVENTIONS, Routing, ZooPacked, fp64_copy
+from trainprobes.zoo.targets import CONVENTIONS, INDEX_ARGS, Routing, ZooPacked, fp64_copy, moe_config
 
 __all__ = ["Cell", "row", "IMPLEMENTATIONS", "PROBES"]
 
@@ -33,9 +33,13 @@ IMPLEMENTATIONS = ("eager", "sdpa")
 PROBES = ("isolation", "router", "batch", "drift")
 LENGTHS = (10, 12, 8)
 # recurrent state carried along the row: a mask cannot separate documents (that takes a
-# per-document reset, seq_idx / cu_seqlens, which the HF eager paths do not take)
-_RECURRENT = re.compile(r"mamba|rwkv|lstm|rglru|recurrent|deltanet|linearattention|ssm|"
-                        r"shortconv|retention|hyena|gla|conv1d|lightning|rnn", re.I)
+# per-document reset, seq_idx / cu_seqlens, which the HF eager paths do not take). Matched as
+# whole tokens of a class name (MambaMixer -> mamba, mixer), never as substrings: "ssm" is in
+# GptOss/SeedOss and "conv1d" in transformers' Conv1D (GPT-2's plain projections).
+_RECURRENT_TOKENS = frozenset({
+    "mamba", "mamba2", "ssm", "rwkv", "rwkv5", "rwkv6", "rwkv7", "lstm", "mlstm", "slstm", "gru",
+    "rnn", "rglru", "recurrent", "deltanet", "gateddeltanet", "linearattention", "shortconv",
+    "retention", "hyena", "lightningattention", "xlstm"})
 # a batch difference beyond this share of the logits' scale is not rounding
 _BATCH_RTOL = 1e-3
 
@@ -58,8 +62,41 @@ class Cell:
         return asdict(self)
 
 
+def _name_tokens(name: str) -> list[str]:
+    """CamelCase name -> lowercase tokens, digits kept on their word: Mamba2Mixer -> mamba2,
+    mixer; Qwen3NextGatedDeltaNet -> qwen3, next, gated, delta, net."""
+    return [t.lower() for t in re.findall(r"[A-Z]+[0-9]*(?![a-z])|[A-Z]?[a-z]+[0-9]*|[0-9]+", name)]
+
+
+def _recurrent_class(name: str) -> bool:
+    toks = _name_tokens(name)
+    # adjacent tokens joined too, so GatedDeltaNet / LinearAttention / ShortConv match
+    joined = {a + b for a, b in zip(toks, toks[1:])} | {a + b + c for a, b, c in zip(toks, toks[1:], toks[2:])}
+    return bool(_RECURRENT_TOKENS & (set(toks) | joined))
+
+
+def _state_cache(model) -> bool:
+    """Whether the model's own cache carries a conv or ssm state (transformers' linear-attention
+    cache layers: mamba, conv, linear_attention, hybrid layer types): state that flows from one
+    position to the next, which no attention mask reaches."""
+    try:
+        from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
+        cache = DynamicCache(config=model.config)
+    except Exception:  # noqa: BLE001 - an older transformers or a config the cache refuses
+        return False
+    return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in getattr(cache, "layers", []))
+
+
+def _sequence_conv(m) -> bool:
+    # a depthwise torch Conv1d (the causal short conv of mamba / bamba / lfm2 mixers) carries
+    # kernel-1 positions across a boundary; transformers' Conv1D is a Linear and never matches
+    return (isinstance(m, torch.nn.Conv1d) and m.kernel_size[0] > 1
+            and m.groups == m.in_channels and m.in_channels > 1)
+
+
 def _recurrent(model) -> bool:
-    return any(_RECURRENT.search(type(m).__name__) for m in model.modules())
+    return _state_cache(model) or any(_recurrent_class(type(m).__name__) or _sequence_conv(m)
+                                      for m in model.modules())
 
 
 def _cell(mt, probe, variant, fn) -> Cell:
@@ -128,7 +165,13 @@ def router_cells(mt, model, seed=0, modes=("perturb", "truncate")) -> list[Cell]
     from trainprobes.causality import check
     routing = Routing(model)
     if not routing.has_router:
-        return [Cell(mt, "router", "", "n/a", None, "", "no MoE layer (no module takes top_k_index)")]
+        moe = moe_config(model)
+        if moe:   # a router we cannot find is not an absent one: fail closed
+            return [Cell(mt, "router", "", "unknown", None, "",
+                         f"cannot measure: the config says {moe} but no module's forward takes a "
+                         f"routing decision ({', '.join(INDEX_ARGS)})")]
+        return [Cell(mt, "router", "", "n/a", None, "",
+                     "no MoE layer (no expert count in the config, no module takes routing indices)")]
     V = _vocab(model)
     x = torch.randint(0, V, (2, 32), generator=torch.Generator().manual_seed(seed))
     kind = routing.kind(x)

@@ -119,14 +119,14 @@ def _collated(tokens, packing: Packing) -> dict:
 
 class Routing:
     """The routing decisions of every MoE layer, captured where the experts receive them: a
-    forward pre-hook on each module whose forward takes `top_k_index` (the experts of the
+    forward pre-hook on each module whose forward takes a routing index (INDEX_ARGS: top_k_index, router_indices, ...; the experts of the
     transformers 5 MoE blocks). `decisions(tokens)` -> [B, T, n_layers * E] float: the weight
     each layer gives each expert (0 where not chosen), so a changed choice and a changed
     weight both show, and a float change can be told rounding noise by an fp64 twin."""
 
     def __init__(self, model):
         self.model = model
-        self.experts = [m for m in model.modules() if _takes_top_k_index(m)]
+        self.experts = [m for m in model.modules() if _routing_args(m) is not None]
         self._seen: list = []
         self._hooks = []
 
@@ -137,7 +137,8 @@ class Routing:
     def _hook(self, module, args, kwargs):
         names = list(inspect.signature(type(module).forward).parameters)[1:]
         bound = dict(zip(names, args), **kwargs)
-        self._seen.append((module, bound["top_k_index"], bound.get("top_k_weights")))
+        idx_name, w_name = _routing_args(module)
+        self._seen.append((module, bound[idx_name], bound.get(w_name) if w_name else None))
 
     def decisions(self, tokens):
         self._seen = []
@@ -184,11 +185,39 @@ class Routing:
         return k
 
 
-def _takes_top_k_index(m) -> bool:
+# the names transformers' expert modules give the routing decision they receive (the MoE
+# blocks of transformers 5: top_k_index; GPT-OSS: router_indices; older and remote-code
+# blocks: selected_experts, topk_idx / topk_ids), each with its weights' names
+INDEX_ARGS = ("top_k_index", "router_indices", "selected_experts", "topk_idx", "topk_indices",
+              "topk_ids", "expert_indices")
+WEIGHT_ARGS = ("top_k_weights", "routing_weights", "topk_weight", "topk_weights",
+               "router_weights", "expert_weights", "router_scores")
+# config attributes that say a model has routed experts
+MOE_CONFIG = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _routing_args(m) -> tuple[str, str | None] | None:
+    """(index name, weight name or None) of the routing decision m's forward takes, or None."""
     try:
-        return "top_k_index" in inspect.signature(type(m).forward).parameters
+        params = inspect.signature(type(m).forward).parameters
     except (TypeError, ValueError):
-        return False
+        return None
+    idx = next((n for n in INDEX_ARGS if n in params), None)
+    if idx is None:
+        return None
+    return idx, next((n for n in WEIGHT_ARGS if n in params), None)
+
+
+def moe_config(model) -> str | None:
+    """'num_local_experts=4' where the config (or its text config) says the model routes over
+    more than one expert, else None."""
+    cfg = model.config
+    for c in (cfg, getattr(cfg, "text_config", None)):
+        for name in MOE_CONFIG:
+            v = getattr(c, name, None) if c is not None else None
+            if isinstance(v, int) and v > 1:
+                return f"{name}={v}"
+    return None
 
 
 def _n_experts(module, idx) -> int:
