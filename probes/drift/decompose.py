@@ -108,11 +108,14 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
                               f"{engine.name}'s {tuple(z_b.shape)}: a vocabulary of {z_a.shape[-1]} against "
                               f"{z_b.shape[-1]} (a tokenizer mismatch?); both must score the same ids")
     lp_a = fa(z_a).double()
-    x = _tok(engine.logprobs(z_b), lp_a, tok, mask)
+    lp_b = engine.logprobs(z_b)
+    _check_logprobs(lp_b, tok, mask, engine.name)
+    x = _tok(lp_b, lp_a, tok, mask)
     dropped = mask & ~torch.isfinite(x)
     if bool(dropped.any()):
         mask = mask & ~dropped  # a token the engine cannot emit: named, not averaged
         x = torch.where(mask, x, 0.0)
+    _check_judged(int(mask.sum()), int(dropped.sum()), engine.name)
     n_forwards = loc.n_forwards + 2
     # 1. weights
     sync = weight_sync(trainer.module, engine.module)
@@ -171,6 +174,30 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
     carried = carriers(x, mask, lp_a.gather(-1, tok[..., None]).squeeze(-1), tok, tokenizer)
     return _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, dropped, margin,
                    alpha, seed, n_forwards, target, carried)
+
+
+# fewest scored tokens that must stay judged (finite on both sides), as a share of the real
+# ones: an engine that reports -inf for most tokens is not "exact" on the rest
+MIN_JUDGED_SHARE = 0.5
+
+
+def _check_logprobs(lp: torch.Tensor, tok, mask, who: str) -> None:
+    """NaN or +inf in the engine's log-probs on a real position is a broken sampler, not a
+    token it cannot emit (that is -inf): nothing can be judged from it."""
+    bad = (torch.isnan(lp) | (lp == torch.inf))[mask]
+    if bool(bad.any()):
+        pos = int((bad.any(-1)).sum())
+        raise InvalidArgument(f"the {who}'s log-probs hold NaN or +inf at {pos} of {int(mask.sum())} real "
+                              "positions: a log-prob is finite or -inf (a token it cannot emit); fix the "
+                              "engine's log-prob function (an overflow?) before localising")
+
+
+def _check_judged(n_real: int, n_dropped: int, who: str) -> None:
+    judged = n_real - n_dropped
+    if n_real == 0 or judged < MIN_JUDGED_SHARE * n_real:
+        raise InvalidArgument(f"only {judged} of {n_real} scored tokens have a finite log-prob under the "
+                              f"{who} ({n_dropped} are -inf): at least {MIN_JUDGED_SHARE:.0%} must be judged; "
+                              "score tokens the engine can emit (its own samples) or compare raw log-probs")
 
 
 def _tok(lp: torch.Tensor, lp_a: torch.Tensor, tok, mask) -> torch.Tensor:
