@@ -25,6 +25,7 @@ import torch
 from trainprobes.drift.carriers import carriers
 from trainprobes.drift.engines import Engine
 from trainprobes.drift.localize import Localisation, localize_layers, record
+from trainprobes.drift.postproc import ROLE, judge_post
 from trainprobes.drift.routing import routing
 from trainprobes.drift.semantics import semantics
 from trainprobes.drift.stats import cluster_t
@@ -50,9 +51,8 @@ def _replayed(engine: Engine, loc: Localisation, ids, am):
     return logits[:, :-1]
 
 
-def _hybrid(trainer: Engine, loc: Localisation, name: str, ids, am) -> torch.Tensor:
-    """The trainer's log-probs with stage `name` replaced by the engine's own output there."""
-    own = loc.runs.b_patched[name]
+def _hybrid(trainer: Engine, own: list, name: str, ids, am) -> torch.Tensor:
+    """The trainer's logits with stage `name`'s output replaced by `own` (recorded Calls)."""
     count = {"i": 0}
     mod = trainer.module.get_submodule(name)
 
@@ -70,6 +70,19 @@ def _hybrid(trainer: Engine, loc: Localisation, name: str, ids, am) -> torch.Ten
         return _logits(trainer, ids, am)
     finally:
         h.remove()
+
+
+def _post(trainer: Engine, eng: Engine, loc: Localisation, z_b, ids, am, mask, tok, lp_a, margin, alpha):
+    """The post-lm_head row (trainprobes.drift.postproc) and its part of the drift:
+    lpB(z_B) - lpB(z_h) per scored token."""
+    last = next((s for s in reversed(loc.layout.stages) if s.role == "lm_head"), loc.layout.stages[-1])
+    routers = [n for n, c in loc.runs.a.items() if c and c[0].indices is not None]
+    calls, _ = record(eng, [last], ids, am, replay_from=loc.runs.a if routers else None, routers=routers)
+    z_h = _hybrid(trainer, calls[last.name], last.name, ids, am)
+    post = judge_post(z_b, z_h, mask, lm_head=last.name, u=loc.u, margin=margin, alpha=alpha,
+                      n_stages=len(loc.stages) + 1)
+    part = _tok(eng.logprobs(z_b), lp_a, tok, mask) - _tok(eng.logprobs(z_h), lp_a, tok, mask)
+    return post, part
 
 
 def _shares(x: torch.Tensor, parts: dict, mask: torch.Tensor, alpha: float) -> dict:
@@ -137,8 +150,15 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
         parts["routing"] = (_tok(engine.logprobs(z_b), lp_a, tok, mask)
                             - _tok(engine.logprobs(z_r), lp_a, tok, mask))
         z_b = z_r
-    # 3. semantics: both sides' log-prob functions on the SAME logits, so no numerics enter
+    # 3. after lm_head: the engine's lm_head output through the trainer's own post-processing
+    post, post_part = _post(trainer, eng, loc, z_b, ids, am, mask, tok, lp_a, margin, alpha)
+    n_forwards += 2
+    # 4. semantics: both sides' log-prob functions on the SAME logits, so no numerics enter
     sem = semantics(fa(z_b), engine.logprobs(z_b), tok, mask, alpha=alpha, tol=tol)
+    if post.affine:  # a logit rescale in the model's forward is a temperature
+        sem.parts["temperature"] = sem.parts["temperature"] + post_part
+        sem.slope, sem.slope_ci = sem.slope * post.slope if sem.temperature else post.slope, post.slope_ci
+        sem.temperature = True
     parts["temperature"] = sem.parts["temperature"]
     parts["renormalisation"] = sem.parts["renormalisation"]
     # 4. numerics by stage: the stages beyond noise of the engine as it now stands
@@ -149,8 +169,14 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
     beyond = [r for r in num_loc.stages if r.verdict == "beyond"]
     by_stage = {}
     for r in beyond:
-        by_stage[r.name] = _tok(fa(_hybrid(trainer, num_loc, r.name, ids, am)), lp_a, tok, mask)
+        by_stage[r.name] = _tok(fa(_hybrid(trainer, num_loc.runs.b_patched[r.name], r.name, ids, am)), lp_a, tok, mask)
         n_forwards += 1
+    if post.report.verdict == "beyond" and not post.affine:
+        by_stage[post.report.name] = post_part
+        beyond.append(post.report)
+    loc.stages.append(post.report)
+    if post.report.verdict == "beyond" and loc.first_layer is None:
+        loc.first_layer, loc.op, loc.op_module = post.report.name, ROLE, post.report.name[len("after "):]
     parts["numerics"] = sum(by_stage.values(), torch.zeros_like(x))
     for k in PARTS[:-1]:
         parts.setdefault(k, torch.zeros_like(x))
