@@ -7,6 +7,7 @@ import pytest
 import torch
 from trainprobes.drift.decompose import localize
 from trainprobes.drift.engines import Engine
+from trainprobes.drift.localize import localize_layers
 from trainprobes.errors import InvalidArgument
 from trainprobes.gate import check_judgeable
 
@@ -82,3 +83,11 @@ def test_same_post_processing_is_exact_after_lm_head():
     a = tiny_model("llama", "eager", seed=0, num_hidden_layers=2)
     r = localize(Engine(_Scaled(a, 1.5)), Engine(_Scaled(copy.deepcopy(a), 1.5)), IDS)
     assert r.metrics["kind"] == "exact" and r.evidence["stages"][-1]["verdict"] == "exact"
+
+
+def test_cross_sequence_leak_is_not_excused_by_the_batch_floor():
+    a = tiny_model("llama", "eager", seed=0, num_hidden_layers=3)
+    b = copy.deepcopy(a)
+    b.model.layers[1].mlp.register_forward_hook(lambda mod, args, y: y + 1e-2 * y.mean(0, keepdim=True))
+    loc = localize_layers(Engine(a), Engine(b), IDS)
+    assert (loc.first_layer, loc.op) == ("model.layers.1", "mlp")
