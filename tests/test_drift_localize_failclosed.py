@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from trainprobes.drift import faults
 from trainprobes.drift.decompose import localize
 from trainprobes.drift.engines import Engine
 from trainprobes.drift.localize import localize_layers
@@ -91,3 +92,22 @@ def test_cross_sequence_leak_is_not_excused_by_the_batch_floor():
     b.model.layers[1].mlp.register_forward_hook(lambda mod, args, y: y + 1e-2 * y.mean(0, keepdim=True))
     loc = localize_layers(Engine(a), Engine(b), IDS)
     assert (loc.first_layer, loc.op) == ("model.layers.1", "mlp")
+
+
+class _KwWrapper(torch.nn.Module):
+    """forward(**kw): Engine cannot pass use_cache=False, so the HF model builds a KV cache."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, input_ids, attention_mask=None, **kw):
+        return self.m(input_ids, attention_mask=attention_mask, **kw).logits
+
+
+def test_wrapper_taking_kwargs_is_localised_to_the_op():
+    a = tiny_model("llama", "eager", seed=0, num_hidden_layers=3)
+    b = copy.deepcopy(a)
+    faults.in_dtype(b.model.layers[1].mlp, torch.bfloat16)
+    loc = localize_layers(Engine(_KwWrapper(a)), Engine(_KwWrapper(b)), IDS)
+    assert (loc.first_layer, loc.op) == ("m.model.layers.1", "mlp")

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from scipy import stats as sps
 from trainprobes.drift.engines import Engine, Layout, Stage, candidates, layout_from, match_candidates
-from trainprobes.drift.patching import Call, Hooks, take_rows
+from trainprobes.drift.patching import Call, Hooks, take_rows, without_cache
 from trainprobes.errors import InvalidArgument
 
 # unit roundoff of the nominal precision: what one rounding of an input does at most
@@ -149,6 +149,7 @@ def patched(engine: Engine, stages, source: dict, ids, am, *, mode: str, blocks,
             else:
                 hooks.new_forward(rows)
                 args, kwargs = take_rows(call[1].full, rows, (B, L))
+                kwargs = without_cache(kwargs)
                 with torch.no_grad():
                     call[0](*args, **kwargs)
             for name, calls in hooks.calls.items():
