@@ -25,6 +25,7 @@ import torch
 from trainprobes.drift.carriers import carriers
 from trainprobes.drift.engines import Engine
 from trainprobes.drift.localize import Localisation, localize_layers, record
+from trainprobes.drift.postproc import ROLE, judge_post
 from trainprobes.drift.routing import routing
 from trainprobes.drift.semantics import semantics
 from trainprobes.drift.stats import cluster_t
@@ -50,9 +51,8 @@ def _replayed(engine: Engine, loc: Localisation, ids, am):
     return logits[:, :-1]
 
 
-def _hybrid(trainer: Engine, loc: Localisation, name: str, ids, am) -> torch.Tensor:
-    """The trainer's log-probs with stage `name` replaced by the engine's own output there."""
-    own = loc.runs.b_patched[name]
+def _hybrid(trainer: Engine, own: list, name: str, ids, am) -> torch.Tensor:
+    """The trainer's logits with stage `name`'s output replaced by `own` (recorded Calls)."""
     count = {"i": 0}
     mod = trainer.module.get_submodule(name)
 
@@ -70,6 +70,19 @@ def _hybrid(trainer: Engine, loc: Localisation, name: str, ids, am) -> torch.Ten
         return _logits(trainer, ids, am)
     finally:
         h.remove()
+
+
+def _post(trainer: Engine, eng: Engine, loc: Localisation, z_b, ids, am, mask, tok, lp_a, margin, alpha):
+    """The post-lm_head row (trainprobes.drift.postproc) and its part of the drift:
+    lpB(z_B) - lpB(z_h) per scored token."""
+    last = next((s for s in reversed(loc.layout.stages) if s.role == "lm_head"), loc.layout.stages[-1])
+    routers = [n for n, c in loc.runs.a.items() if c and c[0].indices is not None]
+    calls, _ = record(eng, [last], ids, am, replay_from=loc.runs.a if routers else None, routers=routers)
+    z_h = _hybrid(trainer, calls[last.name], last.name, ids, am)
+    post = judge_post(z_b, z_h, mask, lm_head=last.name, u=loc.u, margin=margin, alpha=alpha,
+                      n_stages=len(loc.stages) + 1)
+    part = _tok(eng.logprobs(z_b), lp_a, tok, mask) - _tok(eng.logprobs(z_h), lp_a, tok, mask)
+    return post, part
 
 
 def _shares(x: torch.Tensor, parts: dict, mask: torch.Tensor, alpha: float) -> dict:
@@ -108,11 +121,14 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
                               f"{engine.name}'s {tuple(z_b.shape)}: a vocabulary of {z_a.shape[-1]} against "
                               f"{z_b.shape[-1]} (a tokenizer mismatch?); both must score the same ids")
     lp_a = fa(z_a).double()
-    x = _tok(engine.logprobs(z_b), lp_a, tok, mask)
+    lp_b = engine.logprobs(z_b)
+    _check_logprobs(lp_b, tok, mask, engine.name)
+    x = _tok(lp_b, lp_a, tok, mask)
     dropped = mask & ~torch.isfinite(x)
     if bool(dropped.any()):
         mask = mask & ~dropped  # a token the engine cannot emit: named, not averaged
         x = torch.where(mask, x, 0.0)
+    _check_judged(int(mask.sum()), int(dropped.sum()), engine.name)
     n_forwards = loc.n_forwards + 2
     # 1. weights
     sync = weight_sync(trainer.module, engine.module)
@@ -134,8 +150,15 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
         parts["routing"] = (_tok(engine.logprobs(z_b), lp_a, tok, mask)
                             - _tok(engine.logprobs(z_r), lp_a, tok, mask))
         z_b = z_r
-    # 3. semantics: both sides' log-prob functions on the SAME logits, so no numerics enter
+    # 3. after lm_head: the engine's lm_head output through the trainer's own post-processing
+    post, post_part = _post(trainer, eng, loc, z_b, ids, am, mask, tok, lp_a, margin, alpha)
+    n_forwards += 2
+    # 4. semantics: both sides' log-prob functions on the SAME logits, so no numerics enter
     sem = semantics(fa(z_b), engine.logprobs(z_b), tok, mask, alpha=alpha, tol=tol)
+    if post.affine:  # a logit rescale in the model's forward is a temperature
+        sem.parts["temperature"] = sem.parts["temperature"] + post_part
+        sem.slope, sem.slope_ci = sem.slope * post.slope if sem.temperature else post.slope, post.slope_ci
+        sem.temperature = True
     parts["temperature"] = sem.parts["temperature"]
     parts["renormalisation"] = sem.parts["renormalisation"]
     # 4. numerics by stage: the stages beyond noise of the engine as it now stands
@@ -146,8 +169,14 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
     beyond = [r for r in num_loc.stages if r.verdict == "beyond"]
     by_stage = {}
     for r in beyond:
-        by_stage[r.name] = _tok(fa(_hybrid(trainer, num_loc, r.name, ids, am)), lp_a, tok, mask)
+        by_stage[r.name] = _tok(fa(_hybrid(trainer, num_loc.runs.b_patched[r.name], r.name, ids, am)), lp_a, tok, mask)
         n_forwards += 1
+    if post.report.verdict == "beyond" and not post.affine:
+        by_stage[post.report.name] = post_part
+        beyond.append(post.report)
+    loc.stages.append(post.report)
+    if post.report.verdict == "beyond" and loc.first_layer is None:
+        loc.first_layer, loc.op, loc.op_module = post.report.name, ROLE, post.report.name[len("after "):]
     parts["numerics"] = sum(by_stage.values(), torch.zeros_like(x))
     for k in PARTS[:-1]:
         parts.setdefault(k, torch.zeros_like(x))
@@ -171,6 +200,30 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
     carried = carriers(x, mask, lp_a.gather(-1, tok[..., None]).squeeze(-1), tok, tokenizer)
     return _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, dropped, margin,
                    alpha, seed, n_forwards, target, carried)
+
+
+# fewest scored tokens that must stay judged (finite on both sides), as a share of the real
+# ones: an engine that reports -inf for most tokens is not "exact" on the rest
+MIN_JUDGED_SHARE = 0.5
+
+
+def _check_logprobs(lp: torch.Tensor, tok, mask, who: str) -> None:
+    """NaN or +inf in the engine's log-probs on a real position is a broken sampler, not a
+    token it cannot emit (that is -inf): nothing can be judged from it."""
+    bad = (torch.isnan(lp) | (lp == torch.inf))[mask]
+    if bool(bad.any()):
+        pos = int((bad.any(-1)).sum())
+        raise InvalidArgument(f"the {who}'s log-probs hold NaN or +inf at {pos} of {int(mask.sum())} real "
+                              "positions: a log-prob is finite or -inf (a token it cannot emit); fix the "
+                              "engine's log-prob function (an overflow?) before localising")
+
+
+def _check_judged(n_real: int, n_dropped: int, who: str) -> None:
+    judged = n_real - n_dropped
+    if n_real == 0 or judged < MIN_JUDGED_SHARE * n_real:
+        raise InvalidArgument(f"only {judged} of {n_real} scored tokens have a finite log-prob under the "
+                              f"{who} ({n_dropped} are -inf): at least {MIN_JUDGED_SHARE:.0%} must be judged; "
+                              "score tokens the engine can emit (its own samples) or compare raw log-probs")
 
 
 def _tok(lp: torch.Tensor, lp_a: torch.Tensor, tok, mask) -> torch.Tensor:

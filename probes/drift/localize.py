@@ -31,16 +31,18 @@ from dataclasses import dataclass
 import torch
 from scipy import stats as sps
 from trainprobes.drift.engines import Engine, Layout, Stage, candidates, layout_from, match_candidates
-from trainprobes.drift.patching import Call, Hooks, take_rows
+from trainprobes.drift.patching import Call, Hooks, take_rows, without_cache
 from trainprobes.errors import InvalidArgument
 
 # unit roundoff of the nominal precision: what one rounding of an input does at most
 UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8,
                  torch.float16: 2.0 ** -11}
-_CLIP = 50.0
+_CLIP = 50.0  # |log ratio| bound: a zero floor or a zero own error per sequence
 # fewest sequences: at B = 2 (1 degree of freedom) a one-sided t of 85 gives p = 0.0037,
 # above 0.01 / 7 stages, so a bf16 MLP (ratio ~3,000) would be called noise
-MIN_SEQUENCES = 4  # |log ratio| bound: a zero floor or a zero own error per sequence
+MIN_SEQUENCES = 4
+# the batch-composition floor is capped at this many times the rounding floor (judge_stages)
+BATCH_ROUNDINGS = 4.0
 
 
 @dataclass
@@ -147,6 +149,7 @@ def patched(engine: Engine, stages, source: dict, ids, am, *, mode: str, blocks,
             else:
                 hooks.new_forward(rows)
                 args, kwargs = take_rows(call[1].full, rows, (B, L))
+                kwargs = without_cache(kwargs)
                 with torch.no_grad():
                     call[0](*args, **kwargs)
             for name, calls in hooks.calls.items():
@@ -168,7 +171,7 @@ def patched(engine: Engine, stages, source: dict, ids, am, *, mode: str, blocks,
     return merged
 
 
-def judge_stages(stages, a, b_free, b_pat, b_pat2, a_jit, mask, *, margin, alpha) -> list:
+def judge_stages(stages, a, b_free, b_pat, b_pat2, a_jit, mask, *, margin, alpha, u=0.0) -> list:
     B, L = mask.shape
     m = mask.double()
     n_tok = m.sum().clamp_min(1)
@@ -179,8 +182,12 @@ def judge_stages(stages, a, b_free, b_pat, b_pat2, a_jit, mask, *, margin, alpha
         A = _outputs(a[s.name], B, L)
         own = rel_error(_outputs(b_pat[s.name], B, L), A)
         free = rel_error(_outputs(b_free[s.name], B, L), A) if b_free.get(s.name) else own * math.nan
-        f2 = (rel_error(_outputs(b_pat2[s.name], B, L), _outputs(b_pat[s.name], B, L)) ** 2
-              + rel_error(_outputs(a_jit[s.name], B, L), A) ** 2)
+        jit = rel_error(_outputs(a_jit[s.name], B, L), A)
+        batch = rel_error(_outputs(b_pat2[s.name], B, L), _outputs(b_pat[s.name], B, L))
+        # a batch-variant kernel moves a result by roundings; more than BATCH_ROUNDINGS times the
+        # rounding floor is a dependence on the other sequences (a leak): not noise
+        batch = torch.minimum(batch, BATCH_ROUNDINGS * torch.maximum(jit, torch.full_like(jit, u)))
+        f2 = batch ** 2 + jit ** 2
         floor = f2.sqrt()
         nonfinite = not bool(torch.isfinite(own[mask]).all())
         own_u = ((own ** 2 * m).sum(1) / m.sum(1).clamp_min(1)).sqrt()
@@ -277,7 +284,7 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
         p1 = patched(engine, group, a, ids, am, mode="patch", call=cb_, **kw)
         p2 = patched(engine, group, a, ids, am, mode="patch", compose=True, call=cb_, **kw)
         j = patched(trainer, group, a, ids, am, mode="jitter", u=u, seed=seed, call=ca_, **kw)
-        return p1, judge_stages(group, a, b_free, p1, p2, j, mask, margin=margin, alpha=alpha)
+        return p1, judge_stages(group, a, b_free, p1, p2, j, mask, margin=margin, alpha=alpha, u=u)
 
     b_pat, reports = depth_runs(stages)
     n += 4  # the composed run is two half-batch forwards

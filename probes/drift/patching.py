@@ -179,6 +179,24 @@ def take_rows(obj, rows, shape: tuple):
                           f"nor {B * L} token rows: cannot run it in another batch composition")
 
 
+# the keyword names HF, vLLM-style and GPT-2-style blocks take their KV cache by
+_CACHE_KEYS = ("past_key_value", "past_key_values", "layer_past", "kv_cache")
+
+
+def _is_cache(v) -> bool:
+    return hasattr(v, "update") and hasattr(v, "get_seq_length")  # a transformers Cache
+
+
+def without_cache(kwargs: dict) -> dict:
+    """A recorded block call's keywords with its KV cache removed: the forward that recorded
+    it may have built one (a wrapper whose forward takes **kw cannot be told use_cache=False),
+    and calling the block again with it appends to the cache, so keys no longer match."""
+    out = {k: (None if k in _CACHE_KEYS or _is_cache(v) else v) for k, v in kwargs.items()}
+    if "use_cache" in out:
+        out["use_cache"] = False
+    return out
+
+
 def _signature(m, cache: dict) -> inspect.Signature:
     f = getattr(m.forward, "__func__", m.forward)  # one signature per forward function
     sig = cache.get(f)

@@ -1,0 +1,64 @@
+"""What the model's own code does after its last hooked stage (lm_head): a final-logit
+soft-cap, a logits scaling, a rescale in forward. No hook sees it, so patching alone would
+call such a fault "noise" with every stage exact.
+
+The trainer is run with its lm_head output replaced by the engine's (z_h): the same input to
+both sides' post-processing, so z_B - z_h is the post-processing's own difference (zero for
+the same code on the same input). Judged per sequence against a rounding floor of
+POST_ROUNDINGS unit roundoffs, as a stage is (trainprobes.drift.localize). Then fitted
+per position as z_B = s z_h + c_i over the vocabulary: an affine map within the floor is a
+temperature (slope s), anything else a post-processing fault.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from trainprobes.drift.localize import _CLIP, StageReport, _p_greater, rel_error
+from trainprobes.drift.stats import cluster_t
+
+# the post-processing is a few elementwise ops (scale, tanh, scale): each rounds once
+POST_ROUNDINGS = 2.0
+ROLE = "post_processing"
+
+
+@dataclass
+class PostProcessing:
+    report: StageReport       # the row "after <lm_head>" of the stage table
+    affine: bool              # z_B = s z_h + c_i within the floor: a temperature
+    slope: float
+    slope_ci: tuple
+
+
+def judge_post(z_b: torch.Tensor, z_h: torch.Tensor, mask: torch.Tensor, *, lm_head: str, u: float,
+               margin: float, alpha: float, n_stages: int) -> PostProcessing:
+    """z_b, z_h: [B, T, V] the engine's logits and the trainer's with the engine's lm_head
+    output; mask [B, T]. n_stages: the rows of the stage table, this one included."""
+    zb, zh = z_b.double(), z_h.double()
+    m = mask.double()
+    own = torch.where(mask, rel_error(zb, zh), 0.0)
+    floor = POST_ROUNDINGS * u
+    own_u = ((own ** 2 * m).sum(1) / m.sum(1).clamp_min(1)).sqrt()
+    used = m.sum(1) > 0
+    r = (own_u.log() - math.log(floor)).clamp(-_CLIP, _CLIP)[used]
+    exact = bool((own[mask] == 0).all())
+    nonfinite = not bool(torch.isfinite(own[mask]).all())
+    ratio = math.exp(r.mean().item()) if r.numel() else 0.0
+    low = math.exp(r.min().item()) if r.numel() else 0.0
+    p = _p_greater(r, math.log(margin))
+    beyond = nonfinite or (not exact and ratio > margin and (p < alpha / max(1, n_stages) or low > margin / 4))
+    n = m.sum().clamp_min(1).item()
+    rep = StageReport(f"after {lm_head}", ROLE, 0, None, (own * m).sum().item() / n, (own * m).sum().item() / n,
+                      floor, 0.0 if exact else ratio, p, 0.0 if exact else low,
+                      "exact" if exact else "beyond" if beyond else "noise", nonfinite)
+    # per position, over the vocabulary: demeaned logits, slope by sequence (the units)
+    xh = torch.where(mask[..., None], zh - zh.mean(-1, keepdim=True), 0.0)
+    yb = torch.where(mask[..., None], zb - zb.mean(-1, keepdim=True), 0.0)
+    ct = cluster_t((xh * yb).sum((1, 2)), (xh * xh).sum((1, 2)), alpha)
+    s, half = ct.mean.item(), ct.half.item()
+    resid = torch.where(mask, rel_error(yb, s * xh), 0.0)
+    res_u = ((resid ** 2 * m).sum(1) / m.sum(1).clamp_min(1)).sqrt()[used]
+    affine = (rep.verdict == "beyond" and not nonfinite and math.isfinite(s) and res_u.numel() > 0
+              and bool((res_u <= margin * floor).all()) and abs(s - 1) > (half if math.isfinite(half) else math.inf))
+    return PostProcessing(rep, affine, s, (s - half, s + half))

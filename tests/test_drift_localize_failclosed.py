@@ -1,0 +1,113 @@
+"""drift.localize fails closed and finds what lies outside the hooked stages: non-finite
+engine log-probs, post-lm_head faults (a soft-cap dropped, a logit rescale), a batch leak."""
+import copy
+import math
+
+import pytest
+import torch
+from trainprobes.drift import faults
+from trainprobes.drift.decompose import localize
+from trainprobes.drift.engines import Engine
+from trainprobes.drift.localize import localize_layers
+from trainprobes.errors import InvalidArgument
+from trainprobes.gate import check_judgeable
+
+pytest.importorskip("transformers")
+from trainprobes.isolation.hf import tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+IDS = torch.randint(0, 128, (6, 16), generator=torch.Generator().manual_seed(1))
+
+
+def _nan_half(z):
+    lp = torch.log_softmax(z.float(), -1)
+    lp[::2] = math.nan
+    return lp
+
+
+def _neginf_but_zero(z):
+    lp = torch.full(z.shape, -math.inf)
+    lp[..., 0] = 0.0
+    return lp
+
+
+@pytest.mark.parametrize("lp_b, words", [(_nan_half, r"NaN or \+inf"), (_neginf_but_zero, "finite log-prob")])
+def test_nonfinite_engine_logprobs_cannot_be_judged(lp_b, words):
+    a = tiny_model("llama", "eager", seed=0, num_hidden_layers=2)
+    ids = IDS.clamp_min(1)  # no token is id 0: every scored token is -inf under _neginf_but_zero
+    with pytest.raises(InvalidArgument, match=words):
+        localize(Engine(a), Engine(copy.deepcopy(a), lp_b), ids)
+
+
+class _Scaled(torch.nn.Module):
+    """The model's forward rescales its logits (a temperature inside the module)."""
+
+    def __init__(self, inner, k):
+        super().__init__()
+        self.inner, self.k = inner, k
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.inner(input_ids, attention_mask=attention_mask, use_cache=False).logits * self.k
+
+
+def test_logit_rescale_after_lm_head_is_a_temperature():
+    a = tiny_model("llama", "eager", seed=0, num_hidden_layers=2)
+    r = localize(Engine(_Scaled(a, 1.0)), Engine(_Scaled(copy.deepcopy(a), 1.02)), IDS)
+    m = r.metrics
+    assert r.verdict == "fail" and m["kind"] == "temperature" and m["op"] == "post_processing"
+    assert m["temperature_slope"] == pytest.approx(1.02, rel=1e-4)
+    assert all(s["verdict"] == "exact" for s in r.evidence["stages"][:-1])
+    check_judgeable(r, "candidate")
+
+
+def test_dropped_final_logit_softcap_is_found_after_lm_head():
+    tf = pytest.importorskip("transformers")
+    cfg = tf.Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=128, head_dim=8, sliding_window=8,
+                          query_pre_attn_scalar=8, final_logit_softcapping=30.0)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    a = tf.Gemma2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        a.lm_head.weight.mul_(30.0)  # logits large enough for the cap to bite
+    b = copy.deepcopy(a)
+    b.config.final_logit_softcapping = None
+    r = localize(Engine(a), Engine(b), IDS)
+    m = r.metrics
+    assert (r.verdict, m["kind"], m["first_layer"], m["op"]) == ("fail", "numeric", "after lm_head",
+                                                                  "post_processing")
+    assert m["share_unexplained"] < 0.05
+    check_judgeable(r, "candidate")
+
+
+def test_same_post_processing_is_exact_after_lm_head():
+    a = tiny_model("llama", "eager", seed=0, num_hidden_layers=2)
+    r = localize(Engine(_Scaled(a, 1.5)), Engine(_Scaled(copy.deepcopy(a), 1.5)), IDS)
+    assert r.metrics["kind"] == "exact" and r.evidence["stages"][-1]["verdict"] == "exact"
+
+
+def test_cross_sequence_leak_is_not_excused_by_the_batch_floor():
+    a = tiny_model("llama", "eager", seed=0, num_hidden_layers=3)
+    b = copy.deepcopy(a)
+    b.model.layers[1].mlp.register_forward_hook(lambda mod, args, y: y + 1e-2 * y.mean(0, keepdim=True))
+    loc = localize_layers(Engine(a), Engine(b), IDS)
+    assert (loc.first_layer, loc.op) == ("model.layers.1", "mlp")
+
+
+class _KwWrapper(torch.nn.Module):
+    """forward(**kw): Engine cannot pass use_cache=False, so the HF model builds a KV cache."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, input_ids, attention_mask=None, **kw):
+        return self.m(input_ids, attention_mask=attention_mask, **kw).logits
+
+
+def test_wrapper_taking_kwargs_is_localised_to_the_op():
+    a = tiny_model("llama", "eager", seed=0, num_hidden_layers=3)
+    b = copy.deepcopy(a)
+    faults.in_dtype(b.model.layers[1].mlp, torch.bfloat16)
+    loc = localize_layers(Engine(_KwWrapper(a)), Engine(_KwWrapper(b)), IDS)
+    assert (loc.first_layer, loc.op) == ("m.model.layers.1", "mlp")
