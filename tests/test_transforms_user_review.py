@@ -1,0 +1,20 @@
+"""Regressions of the adversarial review of the user's step (trainprobes.transforms.user):
+each case a step the review wrote (tests/transforms_review_steps.py), on 2 gloo ranks."""
+import pytest
+import transforms_review_steps as s
+from trainprobes.transforms import Probe, run_probes
+from trainprobes.transforms.user import UserStep
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+M = "transforms_review_steps:"
+
+
+@pytest.mark.slow
+def test_one_parameter_all_wrong_inside_the_whole_gradients_bf16_tolerance_fails_naming_it():
+    """norm.weight (4 of ~17k elements) is rank 0's shard alone on every rank: the whole
+    gradient's error (0.039) is within bf16's noise_tol, that parameter's (~100%) is not."""
+    t = UserStep(M + "bug_on_bf16_wire", setup_fn=M + "manual_setup", precisions=("bf16",))
+    (r,) = run_probes([Probe(s.normed128_step, t, trials=16, seed=3)], world=2)
+    assert r.metrics["equivalent"] is False, r.message
+    assert r.metrics["transform_verdict"] == "wrong"
+    assert r.metrics["worst_parameter"] == "norm.weight" and "norm.weight" in r.message
