@@ -18,3 +18,19 @@ def test_one_parameter_all_wrong_inside_the_whole_gradients_bf16_tolerance_fails
     assert r.metrics["equivalent"] is False, r.message
     assert r.metrics["transform_verdict"] == "wrong"
     assert r.metrics["worst_parameter"] == "norm.weight" and "norm.weight" in r.message
+
+
+def test_wrapper_prefixes_are_stripped_one_at_a_time_until_a_single_device_name():
+    from trainprobes.transforms.weights import single_device_name
+    proxy = {"module.0.weight", "net.0.weight", "blocks.0.w"}
+    assert single_device_name("module.module.0.weight", proxy) == "module.0.weight"  # DDP over a `module` child
+    assert single_device_name("_orig_mod.module.module.0.weight", proxy) == "module.0.weight"
+    assert single_device_name("module.net.0.weight", proxy) == "net.0.weight"
+    assert single_device_name("blocks._checkpoint_wrapped_module.0.w", proxy) == "blocks.0.w"
+
+
+@pytest.mark.slow
+def test_ddp_over_a_model_whose_child_is_called_module_is_equivalent():
+    t = UserStep(M + "dp_step", setup_fn=M + "plain_ddp_setup")
+    (r,) = run_probes([Probe(s.holder_step, t, trials=8, seed=3)], world=2)
+    assert r.metrics["equivalent"] is True, r.message
