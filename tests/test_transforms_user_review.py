@@ -34,3 +34,13 @@ def test_ddp_over_a_model_whose_child_is_called_module_is_equivalent():
     t = UserStep(M + "dp_step", setup_fn=M + "plain_ddp_setup")
     (r,) = run_probes([Probe(s.holder_step, t, trials=8, seed=3)], world=2)
     assert r.metrics["equivalent"] is True, r.message
+
+
+@pytest.mark.slow
+def test_a_setup_raising_on_one_rank_while_its_peer_is_in_a_collective_names_that_rank(capsys):
+    """Rank 1 raises before DDP's constructor; rank 0 waits in DDP's parameter broadcast."""
+    from trainprobes.cli import main
+    assert main(["transforms", "--target", M + "step", "--step", M + "dp_step", "--setup",
+                 M + "setup_raises_before_collective", "--trials", "4", "--timeout", "90"]) == 2
+    assert (f"setup {M}setup_raises_before_collective raised on rank 1 of 2: RuntimeError: rank 1: "
+            "CUDA-less node") in capsys.readouterr().err
