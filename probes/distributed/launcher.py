@@ -256,6 +256,7 @@ def _first_cause(procs, q, done, rank, tb, world) -> "WorkerFailed":
     os._exit) makes its peers raise in the collective, and often their traceback arrives
     first; the dead rank is the cause, so name it, with the peer's error as context."""
     reported, tracebacks = {rank}, [tb or ""]
+    by_rank = {rank: tb or ""}
     time.sleep(0.2)  # a rank that died first has exited by now; peers' reports are queued
     while True:
         try:
@@ -264,6 +265,13 @@ def _first_cause(procs, q, done, rank, tb, world) -> "WorkerFailed":
             break
         reported.add(r)
         tracebacks.append(other or "")
+        by_rank.setdefault(r, other or "")
+    # a deliberate error (trainprobes.errors: a setup that raised on one rank) is the cause;
+    # its peers' crashes in the collective it left are the consequence, whichever came first
+    deliberate = [r for r, t in sorted(by_rank.items())
+                  if t.strip() and t.strip().splitlines()[-1].startswith("trainprobes.errors.")]
+    if deliberate and rank not in deliberate:
+        rank, tb = deliberate[0], by_rank[deliberate[0]]
     failed = None
     for r, p in enumerate(procs):
         if r not in done and r not in reported and not p.is_alive() and p.exitcode not in (0, None):

@@ -32,7 +32,9 @@ Verdict kinds, in this order:
                 not failed); CIs are Student-t, as trainprobes.numerics.bias.error_stats's;
   wrong         no test rejects but the transform adds a large difference: max over trials
                 of |g - b| / |r| or of the loss's over noise_tol (more than rounding in the
-                transform's dtype explains);
+                transform's dtype explains), or in any one parameter the median over trials
+                of |g_p - b_p| / |r_p| over noise_tol (a small parameter can be all wrong
+                inside the whole gradient's tolerance);
   noise         none of the above: zero-mean differences of rounding size.
 A pass states what it rules out: the smallest scale error and signed relative bias the
 trials would have detected at the same level with 80% power (trainprobes.power), of the
@@ -270,9 +272,11 @@ def judge_statistics(st: Statistics, *, alpha: float, min_effect: float, noise_t
     if st.b is not None:
         b = against_sums(st.b, st.base_loss if loss is not None else None, st.truth_loss)
         added = _relative(st.added2.sum(1), a.rr.sum(1))
+        p_added = _relative(st.added2, a.rr)  # [T, P]
         added_loss = None if loss is None else ((loss - st.base_loss) / st.truth_loss.abs()).abs()
     else:
         added = a.rel
+        p_added = a.p_rel
         added_loss = None if loss is None else a.loss_rel.abs()
 
     def paired(x, y):
@@ -352,7 +356,11 @@ def judge_statistics(st: Statistics, *, alpha: float, min_effect: float, noise_t
                       "p": None if col is None else col["p"], "biased": n in significant,
                       "min_detectable_scale_error": mde_param.get(n, math.nan),
                       "max_relative_error": float(a.p_rel[:, i].max()),
-                      "mean_relative_error": float(a.p_rel[:, i].mean())})
+                      "mean_relative_error": float(a.p_rel[:, i].mean()),
+                      # the median over trials: one trial whose fp64 gradient nearly cancels
+                      # must not turn rounding into "wrong"; a wrong shard is wrong on most
+                      "median_added_error": float(p_added[:, i].nan_to_num(0.0).median()),
+                      "max_added_error": float(p_added[:, i].nan_to_num(0.0).max())})
     evidence = {"parameters": table, "tests": tests, "replica_disagreements": replicas[:20],
                 "per_trial": {"scale": a.scale.tolist(), "signed_relative_error": a.signed.tolist(),
                               "relative_error": a.rel.tolist(), "added_error": added.tolist(),
@@ -434,6 +442,18 @@ def _verdict(names, metrics, tests, table, significant, replicas, nonfinite, exa
             f"rounding explains (noise_tol {noise_tol:g}), with no consistent sign or scale "
             f"(worst: {where}): look for the wrong data shard, an unsynchronised random seed "
             f"(dropout) or a stale or missing reduction")
+    # the whole gradient's error is dominated by its largest parameters: a small one (a
+    # LayerNorm weight) can be 100% wrong inside the whole's noise_tol, so each is judged too
+    off = sorted((x for x in table if x["median_added_error"] > noise_tol),
+                 key=lambda x: -x["median_added_error"])
+    if off:
+        shown = ", ".join(f"{x['parameter']} {x['median_added_error']:.3g}" for x in off[:4])
+        return "wrong", off[0]["parameter"], (
+            f"wrong: in {len(off)} of {len(names)} parameters the transform moves the gradient by "
+            f"more than rounding explains (median relative error added per trial: {shown}; "
+            f"noise_tol {noise_tol:g}), though the whole gradient's ({metrics['max_added_error']:.3g}) "
+            f"is within it: look for the wrong data shard or a missing reduction of "
+            f"{off[0]['parameter']}")
     unseen = "" if loss else "; the step reports no loss, so loss-level bugs are not checked"
     low = max(metrics["min_detectable_scale_error"], metrics["min_effect"])
     low_signed = max(metrics["min_detectable_relative_bias"], metrics["min_effect"])

@@ -161,16 +161,16 @@ class UserStep(Transform):
 
 
 def _agree_on_setup(failure: str | None, name: str, ctx: RankContext) -> None:
-    """Every rank raises the same error, naming the rank(s) whose setup raised and why: a
-    rank left waiting in a collective would otherwise report its peer's disappearance."""
+    """A rank whose setup raised raises at once, naming itself, and enters no collective:
+    its peers may be inside one the setup began (DDP's parameter broadcast), and a
+    collective of ours there would pair with theirs and blame the wrong rank. The launcher
+    reports a deliberate error (this one) before its peers' crashes in that collective.
+    Ranks whose setup ran agree that every rank's did before the first step."""
+    if failure is not None:
+        raise InvalidArgument(f"setup {name} raised on rank {ctx.rank} of {ctx.world}: {failure}")
     import torch.distributed as dist
     every = [None] * ctx.world
     dist.all_gather_object(every, failure)
-    failed = [(r, f) for r, f in enumerate(every) if f is not None]
-    if failed:
-        r, why = failed[0]
-        more = f" (and on ranks {[x for x, _ in failed[1:]]})" if len(failed) > 1 else ""
-        raise InvalidArgument(f"setup {name} raised on rank {r} of {ctx.world}{more}: {why}")
 
 
 def _split(out, label: str) -> tuple:

@@ -26,12 +26,19 @@ def is_dtensor(t) -> bool:
 
 
 def single_device_name(name: str, proxy: set) -> str:
-    """`name` as the single-device model spells it: wrapper segments removed (only where the
-    name with them is not itself a proxy name: a model may have a child called `module`)."""
-    if name in proxy:
-        return name
-    kept = [s for s in name.split(".") if s not in WRAPPER_SEGMENTS]
-    return ".".join(kept)
+    """`name` as the single-device model spells it: wrapper segments removed one at a time,
+    stopping at the first spelling that is a proxy name (a model may have its own child
+    called `module`: DDP over it gives `module.module.0.weight`, which is `module.0.weight`).
+    Wrappers nest anywhere (FSDP1 or checkpointing around a block), so when no prefix-strip
+    is a proxy name, every wrapper segment is dropped as the last resort."""
+    parts = name.split(".")
+    while True:
+        if ".".join(parts) in proxy:
+            return ".".join(parts)
+        i = next((k for k, seg in enumerate(parts[:-1]) if seg in WRAPPER_SEGMENTS), None)
+        if i is None:
+            return ".".join(parts)
+        parts = parts[:i] + parts[i + 1:]
 
 
 def name_map(wrapped: torch.nn.Module, proxy: list, what: str) -> dict:
@@ -62,8 +69,8 @@ def name_map(wrapped: torch.nn.Module, proxy: list, what: str) -> dict:
         raise InvalidArgument(
             f"{what}: the wrapped model's parameters do not match the model's (names as in "
             f"model.named_parameters(), wrapper prefixes {WRAPPER_SEGMENTS} stripped): "
-            + "; ".join(parts) + ". Wrap the model you are given (do not build another) and keep "
-            "its parameter names")
+            + "; ".join(parts) + ". Wrap the model the setup is given (not a copy or a new one), "
+            "keep its parameter names, and return every parameter it trains")
     return out
 
 
