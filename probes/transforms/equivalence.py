@@ -38,7 +38,14 @@ from trainprobes.transforms.judge import (
     statistics,
     undeclared_format,
 )
-from trainprobes.transforms.step import TrainingStep, Truth, check_step, single_device
+from trainprobes.transforms.step import (
+    TrainingStep,
+    Truth,
+    check_step,
+    check_truth,
+    references,
+    single_device,
+)
 from trainprobes.transforms.tolerances import compare_tolerances
 from trainprobes.transforms.worker import DTYPES, RankCase, resolve_step
 from trainprobes.validation import check_choice, check_int, check_number
@@ -132,20 +139,6 @@ def prepare(p: Probe, world: int, *, truth: bool = True, device: str = "cpu") ->
     return Prepared(p, step, seeds, dtype, ref, base)
 
 
-def check_truth(ref: Truth, step: TrainingStep) -> None:
-    """A truth the probe can compare with: finite, and a gradient somewhere."""
-    bad = [n for n, g in ref.grads.items() if not torch.isfinite(g).all()]
-    if bad or not torch.isfinite(ref.loss).all():
-        raise InvalidArgument(f"the fp64 single-device step of {step.name!r} is not finite "
-                              f"({bad[:3] or 'the loss'}): the truth itself overflows or meets NaN")
-    norms = torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in ref.grads.values()]).sum(0)
-    zero = int((norms == 0).sum())
-    if zero > len(norms) - 3:
-        raise InvalidArgument(f"the fp64 gradient of {step.name!r} is exactly zero on {zero} of "
-                              f"{len(norms)} trials: nothing to compare (does the loss depend on "
-                              f"the parameters through the batch?)")
-
-
 def check_truth_early(step: TrainingStep, seeds: list, transform: Transform) -> None:
     """check_truth's refusals before any rank starts, without holding every trial's truth:
     trials one at a time until three have a non-zero gradient (the ranks check all)."""
@@ -174,14 +167,6 @@ def check_truth_early(step: TrainingStep, seeds: list, transform: Transform) -> 
 def base_device(backend: str) -> str:
     """Where the single-device base runs: the device the transform's ranks compute on."""
     return "cuda" if backend == "nccl" else "cpu"
-
-
-def references(step: TrainingStep, seeds: list, transform: Transform, device: str = "cpu") -> tuple:
-    """(fp64 truth, single device in the model's dtype on `device`), both with the weights
-    the transform computes with (trainprobes.transforms.base.Transform.weight_dtype)."""
-    w = transform.weight_dtype()
-    return (single_device(step, seeds, param_dtype=w),
-            single_device(step, seeds, fp64=False, param_dtype=w, device=device))
 
 
 def observed(out: dict, step: TrainingStep) -> Observed:

@@ -26,7 +26,7 @@ import time
 import torch
 from trainprobes.transforms.base import RankContext
 from trainprobes.transforms.judge import sums
-from trainprobes.transforms.worker import (
+from trainprobes.transforms.rank_case import (
     DTYPES,
     RankCase,
     _checked,
@@ -52,13 +52,13 @@ def fingerprint(x: torch.Tensor) -> torch.Tensor:
 def run_case_local(case: RankCase, ctx: RankContext, replica_tol: float) -> dict | None:
     """Steps 1-4 of the module docstring; rank 0 returns the statistics as tensors."""
     import torch.distributed as dist
-    from trainprobes.transforms.equivalence import references  # noqa: I001 (a cycle at import)
+    from trainprobes.transforms.step import references
     _import_like_caller(case.sys_path)
     step = resolve_step(case.step)
     t = case.transform
     seeds = case.seeds
     T = len(seeds)
-    from trainprobes.transforms.equivalence import check_truth
+    from trainprobes.transforms.step import check_truth
     truth, base = references(step, seeds, t, ctx.device.type)
     check_truth(truth, step)  # every rank refuses alike
     layout = [(n, tuple(p.shape)) for n, p in step.model().named_parameters() if p.requires_grad]

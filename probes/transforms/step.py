@@ -296,3 +296,25 @@ def single_device(step: TrainingStep, seeds: list, *, fp64: bool = True,
             grads.setdefault(n, []).append(g.detach().cpu())
         losses.append(loss.detach().reshape(()).cpu())
     return Truth(torch.stack(losses), {n: torch.stack(v) for n, v in grads.items()})
+
+
+def references(step: TrainingStep, seeds: list, transform, device: str = "cpu") -> tuple:
+    """(fp64 truth, single device in the model's dtype on `device`), both with the weights
+    the transform computes with (trainprobes.transforms.base.Transform.weight_dtype)."""
+    w = transform.weight_dtype()
+    return (single_device(step, seeds, param_dtype=w),
+            single_device(step, seeds, fp64=False, param_dtype=w, device=device))
+
+
+def check_truth(ref: Truth, step: TrainingStep) -> None:
+    """A truth the probe can compare with: finite, and a gradient somewhere."""
+    bad = [n for n, g in ref.grads.items() if not torch.isfinite(g).all()]
+    if bad or not torch.isfinite(ref.loss).all():
+        raise InvalidArgument(f"the fp64 single-device step of {step.name!r} is not finite "
+                              f"({bad[:3] or 'the loss'}): the truth itself overflows or meets NaN")
+    norms = torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in ref.grads.values()]).sum(0)
+    zero = int((norms == 0).sum())
+    if zero > len(norms) - 3:
+        raise InvalidArgument(f"the fp64 gradient of {step.name!r} is exactly zero on {zero} of "
+                              f"{len(norms)} trials: nothing to compare (does the loss depend on "
+                              f"the parameters through the batch?)")
