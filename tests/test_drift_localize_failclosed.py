@@ -111,3 +111,30 @@ def test_wrapper_taking_kwargs_is_localised_to_the_op():
     faults.in_dtype(b.model.layers[1].mlp, torch.bfloat16)
     loc = localize_layers(Engine(_KwWrapper(a)), Engine(_KwWrapper(b)), IDS)
     assert (loc.first_layer, loc.op) == ("m.model.layers.1", "mlp")
+
+
+class _PlainLM(torch.nn.Module):
+    """No config: the vocabulary is the embedding's rows."""
+
+    def __init__(self, vocab, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(vocab, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+        self.head = torch.nn.Linear(16, vocab, bias=False)
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, input_ids, attention_mask=None):
+        x = self.embed(input_ids)
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x)
+
+
+def test_plain_modules_with_other_vocabularies_cannot_be_judged():
+    with pytest.raises(InvalidArgument, match="128 ids and the engine's 130"):
+        localize_layers(Engine(_PlainLM(128), name="trainer"), Engine(_PlainLM(130)), IDS)
+    with pytest.raises(InvalidArgument, match="outside the vocabulary"):
+        localize_layers(Engine(_PlainLM(128)), Engine(_PlainLM(128)), IDS + 100)

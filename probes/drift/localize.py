@@ -246,13 +246,14 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
                               "and a pass would claim what was not tested) and L >= 2")
     if ids.is_floating_point() or ids.dtype == torch.bool:
         raise InvalidArgument(f"input_ids has dtype {ids.dtype}, expected integer token ids")
-    vocab = [getattr(getattr(e.module, "config", None), "vocab_size", None) for e in (trainer, engine)]
+    vocab = [_vocab(e.module) for e in (trainer, engine)]
     if None not in vocab and vocab[0] != vocab[1]:
         raise InvalidArgument(f"the {trainer.name}'s vocabulary has {vocab[0]} ids and the {engine.name}'s "
                               f"{vocab[1]}: a tokenizer mismatch; both must score the same token ids")
-    if ids.numel() and (int(ids.min()) < 0 or None not in vocab and int(ids.max()) >= vocab[0]):
+    known = min((v for v in vocab if v is not None), default=None)
+    if ids.numel() and (int(ids.min()) < 0 or known is not None and int(ids.max()) >= known):
         raise InvalidArgument(f"input_ids hold ids in [{int(ids.min())}, {int(ids.max())}], outside the "
-                              f"vocabulary [0, {vocab[0]}) (tokens from another tokenizer?)")
+                              f"vocabulary [0, {known}) (tokens from another tokenizer?)")
     am = None if attention_mask is None else torch.as_tensor(attention_mask)
     if am is not None and am.shape != ids.shape:
         raise InvalidArgument(f"attention_mask has shape {tuple(am.shape)}, expected {tuple(ids.shape)}")
@@ -271,7 +272,11 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
     stages = la.stages
     _check_finite(a, trainer.name, order, set(ca.stages))
     routers = _routers(a)
-    b_free, _ = record(engine, names, ids, am, blocks=blocks, order=(order_b := []))
+    b_free, z_b = record(engine, names, ids, am, blocks=blocks, order=(order_b := []))
+    if tuple(z_b.shape) != tuple(z.shape):
+        raise InvalidArgument(f"the {trainer.name}'s logits have shape {tuple(z.shape)} and the {engine.name}'s "
+                              f"{tuple(z_b.shape)} (a vocabulary of {z.shape[-1]} against {z_b.shape[-1]}: a "
+                              "tokenizer mismatch?); both must score the same token ids")
     _check_finite(b_free, engine.name, order_b, set(ca.stages))
     n = 2
 
@@ -315,6 +320,18 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
     n = round(n, 3)
     return Localisation(reports, op_reports, None if first is None else first.name, op_role, op_module,
                         la, Runs(a, b_free, b_pat, tuple(ids.shape)), u, n)
+
+
+def _vocab(module: torch.nn.Module) -> int | None:
+    """The ids a model embeds: its config's vocab_size, else its input embedding's rows (a
+    plain module: its first nn.Embedding)."""
+    v = getattr(getattr(module, "config", None), "vocab_size", None)
+    if isinstance(v, int):
+        return v
+    emb = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
+    if emb is None:
+        emb = next((m for m in module.modules() if isinstance(m, torch.nn.Embedding)), None)
+    return getattr(emb, "num_embeddings", None)
 
 
 def _top(reports):
