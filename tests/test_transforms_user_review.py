@@ -44,3 +44,12 @@ def test_a_setup_raising_on_one_rank_while_its_peer_is_in_a_collective_names_tha
                  M + "setup_raises_before_collective", "--trials", "4", "--timeout", "90"]) == 2
     assert (f"setup {M}setup_raises_before_collective raised on rank 1 of 2: RuntimeError: rank 1: "
             "CUDA-less node") in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_pure_normalisation_bug_gets_no_undeclared_format_hint():
+    """Each rank counts one token too many: x0.9961 in every parameter and in the loss."""
+    t = UserStep(M + "off_by_one_step", setup_fn=M + "plain_ddp_setup")
+    (r,) = run_probes([Probe(s.long_step, t, trials=8, seed=0)], world=2)
+    assert r.metrics["transform_verdict"] == "biased", r.message
+    assert "undeclared_format" not in r.evidence and "did not declare" not in r.message
