@@ -121,15 +121,16 @@ def test_a_loss_that_is_nan_on_every_trial_is_wrong_not_missing():
 def test_the_single_device_base_runs_where_the_ranks_compute(monkeypatch):
     # GPU kernels round differently from CPU ones (tensor cores truncate partial sums): a
     # CPU base under NCCL charged that to the transform (FSDP2 bf16 on one H200 rank: biased)
+    import trainprobes.transforms.step as step_module
     from trainprobes.transforms import DDP, equivalence
     from trainprobes.transforms.demo import step
     seen = []
-    real = equivalence.single_device
+    real = step_module.single_device
 
     def spy(*a, device="cpu", **kw):
         seen.append((kw.get("fp64", True), device))
         return real(*a, **kw)  # run on the CPU here; the device is what is checked
-    monkeypatch.setattr(equivalence, "single_device", spy)
+    monkeypatch.setattr(step_module, "single_device", spy)  # what references() calls
     equivalence.prepare(equivalence.Probe(step, DDP(), trials=4), 2, device=equivalence.base_device("nccl"))
     assert seen == [(True, "cpu"), (False, "cuda")]  # the fp64 truth stays on the CPU
     assert equivalence.base_device("gloo") == "cpu"

@@ -37,7 +37,7 @@ from trainprobes.errors import InvalidArgument
 # unit roundoff of the nominal precision: what one rounding of an input does at most
 UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8,
                  torch.float16: 2.0 ** -11}
-_CLIP = 50.0  # |log ratio| bound: a zero floor or a zero own error per sequence
+LOG_RATIO_CLIP = 50.0  # |log ratio| bound: a zero floor or a zero own error per sequence
 # fewest sequences: at B = 2 (1 degree of freedom) a one-sided t of 85 gives p = 0.0037,
 # above 0.01 / 7 stages, so a bf16 MLP (ratio ~3,000) would be called noise
 MIN_SEQUENCES = 4
@@ -193,11 +193,11 @@ def judge_stages(stages, a, b_free, b_pat, b_pat2, a_jit, mask, *, margin, alpha
         own_u = ((own ** 2 * m).sum(1) / m.sum(1).clamp_min(1)).sqrt()
         floor_u = ((f2 * m).sum(1) / m.sum(1).clamp_min(1)).sqrt()
         used = m.sum(1) > 0
-        r = (own_u.log() - floor_u.log()).nan_to_num(nan=_CLIP, posinf=_CLIP, neginf=-_CLIP)
-        r = torch.where(own_u == 0, torch.full_like(r, -_CLIP), r.clamp(-_CLIP, _CLIP))[used]
+        r = (own_u.log() - floor_u.log()).nan_to_num(nan=LOG_RATIO_CLIP, posinf=LOG_RATIO_CLIP, neginf=-LOG_RATIO_CLIP)
+        r = torch.where(own_u == 0, torch.full_like(r, -LOG_RATIO_CLIP), r.clamp(-LOG_RATIO_CLIP, LOG_RATIO_CLIP))[used]
         exact = bool((own[mask] == 0).all())
         ratio = math.exp(r.mean().item())
-        p = _p_greater(r, math.log(margin))
+        p = p_greater(r, math.log(margin))
         low = math.exp(r.min().item()) if r.numel() else 0.0
         # beyond: the mean ratio past the margin, and the t-test over sequences or every
         # sequence past a quarter of the margin (noise: 0.4-1.2 per sequence, measured)
@@ -211,7 +211,7 @@ def judge_stages(stages, a, b_free, b_pat, b_pat2, a_jit, mask, *, margin, alpha
     return reports
 
 
-def _p_greater(r: torch.Tensor, mu: float) -> float:
+def p_greater(r: torch.Tensor, mu: float) -> float:
     x = r.double().numpy()
     if len(x) < 2:
         return math.nan

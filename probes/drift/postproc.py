@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-from trainprobes.drift.localize import _CLIP, StageReport, _p_greater, rel_error
+from trainprobes.drift.localize import LOG_RATIO_CLIP, StageReport, p_greater, rel_error
 from trainprobes.drift.stats import cluster_t
 
 # the post-processing is a few elementwise ops (scale, tanh, scale): each rounds once
@@ -41,12 +41,12 @@ def judge_post(z_b: torch.Tensor, z_h: torch.Tensor, mask: torch.Tensor, *, lm_h
     floor = POST_ROUNDINGS * u
     own_u = ((own ** 2 * m).sum(1) / m.sum(1).clamp_min(1)).sqrt()
     used = m.sum(1) > 0
-    r = (own_u.log() - math.log(floor)).clamp(-_CLIP, _CLIP)[used]
+    r = (own_u.log() - math.log(floor)).clamp(-LOG_RATIO_CLIP, LOG_RATIO_CLIP)[used]
     exact = bool((own[mask] == 0).all())
     nonfinite = not bool(torch.isfinite(own[mask]).all())
     ratio = math.exp(r.mean().item()) if r.numel() else 0.0
     low = math.exp(r.min().item()) if r.numel() else 0.0
-    p = _p_greater(r, math.log(margin))
+    p = p_greater(r, math.log(margin))
     beyond = nonfinite or (not exact and ratio > margin and (p < alpha / max(1, n_stages) or low > margin / 4))
     n = m.sum().clamp_min(1).item()
     rep = StageReport(f"after {lm_head}", ROLE, 0, None, (own * m).sum().item() / n, (own * m).sum().item() / n,
