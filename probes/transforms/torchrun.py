@@ -59,6 +59,9 @@ def main(argv=None) -> int:
     try:
         case = RankCase(probe.step, probe.transform, prep.seeds, (), True, probe.replica_tol)
         out = run_case_local(case, ctx, probe.replica_tol)
+        # every rank done with gloo before any tears it down: a rank that destroyed its group
+        # while its peer's last collective was in flight aborted at exit (SIGABRT)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     if rank != 0:
