@@ -10,18 +10,24 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
-__all__ = ["die_with"]
+__all__ = ["die_with", "is_alive"]
 
 
-def _alive(pid: int) -> bool:
+def is_alive(pid: int) -> bool:
+    """Whether `pid` runs: a zombie waiting for its reaper is dead (a SIGKILLed owner whose
+    parent has not reaped it yet must still count as gone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:  # no /proc (macOS): kill(pid, 0) is all there is
+        return True
 
 
 def die_with(owner_pid: int, deadline_s: float, *, group: bool = True) -> None:
@@ -36,7 +42,7 @@ def die_with(owner_pid: int, deadline_s: float, *, group: bool = True) -> None:
     end = time.monotonic() + deadline_s
 
     def watch():
-        while _alive(owner_pid) and time.monotonic() < end:
+        while is_alive(owner_pid) and time.monotonic() < end:
             time.sleep(0.25)
         try:
             if group:

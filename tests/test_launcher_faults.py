@@ -11,17 +11,7 @@ from pathlib import Path
 import pytest
 from trainprobes.distributed.launcher import TooManyRanks, launch, local_rank_cap
 from trainprobes.distributed.selftest import echo_task
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie waiting for its reaper is dead
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+from trainprobes.lifetime import is_alive as _alive
 
 
 def _ppid(pid: int) -> int:
