@@ -27,6 +27,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--mean", type=parse_number("mean"), default=0.0,
                         help="mean of the random operands before the e4m3 cast (default 0: "
                              "zero-mean; 1: mostly positive, as post-activation inputs)")
+    parser.add_argument("--operands", default="auto", type=parse_choice("operands", OPERANDS),
+                        help="the random operands' format: e4m3, bf16 or fp32; auto (default): "
+                             "e4m3 under the exact recipe (the accumulator alone, products "
+                             "exact), bf16 under a quantising one (what a bf16 training step "
+                             "hands it: e4m3 values re-quantised under a scale that is not a "
+                             "power of two are a double rounding, a bias of their own)")
     parser.add_argument("--rows", type=parse_int("rows", min=1), default=256,
                         help="M = N of the random GEMMs (default: %(default)s)")
     parser.add_argument("--target", default=None, metavar="pkg.mod:factory",
@@ -46,6 +52,14 @@ def add_arguments(parser) -> None:
 
 # the share of random operands the e4m3 cast may saturate before the table is refused
 SATURATED_SHARE = 0.01
+OPERANDS = ("auto", "e4m3", "bf16", "fp32")
+
+
+def operands_for(choice: str, recipe: str) -> str:
+    """The random operands' format (--operands; auto: e4m3 under exact, else bf16)."""
+    if choice != "auto":
+        return choice
+    return "e4m3" if recipe == "exact" else "bf16"
 
 
 def _random_results(args):
@@ -63,25 +77,30 @@ def _random_results(args):
     check_fits(8 * 12 * max(args.k) * (2 * args.rows + args.samples),
                f"--k {max(args.k)} --rows {args.rows} --samples {args.samples}",
                fix="lower --rows, --samples or --k")
+    dtypes = {"e4m3": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
     out = []
     for K in args.k:
         g = torch.Generator().manual_seed(args.seed + K)
         raw = [torch.randn(args.rows, K, generator=g) + args.mean for _ in "ab"]
-        # torch's e4m3 cast saturates at +-448: operands past it all read +-448, every product
-        # is the same and every accumulator looks exact; refuse beyond a small share
-        over = sum(int((r.abs() > E4M3_MAX).sum()) for r in raw) / (2 * raw[0].numel())
-        if over > SATURATED_SHARE:
-            raise InvalidArgument(f"--mean {args.mean!r}: the e4m3 cast saturates {over:.1%} of the "
-                                  f"operands at +-{E4M3_MAX:g} (more than {SATURATED_SHARE:.0%}), so "
-                                  "every output is the same and no accumulator can be judged; use "
-                                  f"|--mean| <= {E4M3_MAX - 5:g}")
-        a, b = (r.to(torch.float8_e4m3fn).double() for r in raw)
         for recipe in args.recipes:
+            fmt = operands_for(args.operands, recipe)
+            if fmt == "e4m3":
+                # torch's e4m3 cast saturates at +-448: operands past it all read +-448, every
+                # product is the same and every accumulator looks exact; refuse beyond a small share
+                over = sum(int((r.abs() > E4M3_MAX).sum()) for r in raw) / (2 * raw[0].numel())
+                if over > SATURATED_SHARE:
+                    raise InvalidArgument(
+                        f"--mean {args.mean!r}: the e4m3 cast saturates {over:.1%} of the operands at "
+                        f"+-{E4M3_MAX:g} (more than {SATURATED_SHARE:.0%}), so every output is the "
+                        f"same and no accumulator can be judged; use |--mean| <= {E4M3_MAX - 5:g}")
+            a, b = (r.to(dtypes[fmt]).double() for r in raw)
             for preset in args.presets:
                 kw = {} if args.tolerance is None else {"tolerance": args.tolerance}
-                out.append(gemm_bias(a, b, preset=preset, recipe=recipe, gemm=args.gemm,
-                                     samples=args.samples, trials=args.trials, seed=args.seed,
-                                     alpha=args.alpha, **kw))
+                r = gemm_bias(a, b, preset=preset, recipe=recipe, gemm=args.gemm,
+                              samples=args.samples, trials=args.trials, seed=args.seed,
+                              alpha=args.alpha, **kw)
+                r.evidence["operands"] = f"random {fmt}, mean {args.mean:g}, {args.rows} x {K} each"
+                out.append(r)
     return out
 
 
@@ -126,6 +145,8 @@ def run(args) -> int:
               "bias within tolerance (K: none needed, nan: none found)")
         if results:
             print(f"{results[0].evidence['sampling']}")
+            for ops in dict.fromkeys(r.evidence["operands"] for r in results if "operands" in r.evidence):
+                print(f"operands: {ops}")
             for sk in results[0].evidence.get("skipped", []):
                 print(f"not judged: {sk['layer']} {sk['gemm']}: {sk['reason']}")
     return 1 if any(r.metrics.get("biased") for r in results) else 0

@@ -111,6 +111,19 @@ class Prepared:
     scale: torch.Tensor
     ref: torch.Tensor
     rows: tuple
+    scale_error: tuple  # (a, b): each operand's quantisation as a scale error (_scale_error)
+
+
+def _scale_error(x: torch.Tensor, q: torch.Tensor) -> float:
+    """<x, q - x> / <x, x>: the part of the quantisation error q - x along x itself, i.e. q
+    = (1 + rho) x + an error uncorrelated with x. A GEMM of two such operands is off by about
+    rho_a + rho_b in every output, in the direction of the true value: a recipe's own bias.
+    Round to nearest on a floating grid has rho != 0 (the cell of each power of two is
+    lopsided, half a spacing above it and a quarter below), and rounding values that already
+    lie on another grid under a scale that is not a power of two maps each of their few
+    significands to a fixed error that no averaging removes."""
+    den = (x * x).sum().item()
+    return (x * (q - x)).sum().item() / den if den else math.nan
 
 
 def prepare_gemm(a, b, *, recipe, gemm: str, samples: int, seed: int) -> Prepared:
@@ -121,15 +134,16 @@ def prepare_gemm(a, b, *, recipe, gemm: str, samples: int, seed: int) -> Prepare
     g = torch.Generator().manual_seed(seed)
     i, j = _strata(M, samples, g, False), _strata(N, samples, g, True)
     ra, rb = ROLES[gemm]
-    ref = (a[i] * b[j]).sum(-1)
+    ref = (a[i].double() * b[j].double()).sum(-1)
     if recipe.hadamard_wgrad and gemm == "wgrad":
         blocks = hadamard(K, torch.Generator().manual_seed(seed + 1))
-        a, b = rotate(a, blocks), rotate(b, blocks)
+        a, b = rotate(a.double(), blocks), rotate(b.double(), blocks)
     amax_a, amax_b = a.abs().amax().item(), b.abs().amax().item()
     qa, sa = _quantised_rows(a, i, recipe, ra, torch.Generator().manual_seed(seed + 2), amax_a)
     qb, sb = _quantised_rows(b, j, recipe, rb, torch.Generator().manual_seed(seed + 3), amax_b)
     check_operands(qa, qb, f"gemm {gemm} under recipe {recipe.name!r}")
-    return Prepared(qa, qb, (sa * sb).reshape(-1), ref, (i, j))
+    rho = (_scale_error(a[i].double(), qa * sa), _scale_error(b[j].double(), qb * sb))
+    return Prepared(qa, qb, (sa * sb).reshape(-1), ref, (i, j), rho)
 
 
 def sample_gemm(prep: Prepared, acc) -> Sampled:
@@ -187,8 +201,10 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
     acc = get_preset(preset)
     rec = get_recipe(recipe)
     check_choice(gemm, "gemm", GEMMS)
-    a = torch.as_tensor(a).to(torch.float64)
-    b = torch.as_tensor(b).to(torch.float64)
+    # the operands stay in their own float dtype (a 4096 x 16384 fp32 operand is 256 MiB, 512
+    # MiB in float64): only the sampled rows are converted, exactly, to float64
+    a, b = (t if torch.is_tensor(t) and t.is_floating_point() else
+            torch.as_tensor(t).to(torch.float64) for t in (a, b))
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
         raise InvalidArgument(f"a has shape {tuple(a.shape)}, b {tuple(b.shape)}: expected (M, K) "
                               "and (N, K), the reduction axis last in both")
@@ -271,12 +287,13 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
                 "sum_sq_ref": sum_sq_ref, "sum_sq_err": sum_sq_err, "max_abs_err": max_abs_err,
                 "growth": growth, "promotion": promo,
                 "quantisation_bias": (torch.sign(s.ref) * q_err).sum().item() / den if den else math.nan,
+                "operand_scale_error": {"a": prep.scale_error[0], "b": prep.scale_error[1]},
                 "accumulator_bias": (torch.sign(s.ref) * acc_err).sum().item() / den if den else math.nan,
                 "stall": {"stalled_outputs": int((s.first_absorbed >= 0).sum().item()),
                           "stall_k": metrics["stall_k"]},
                 "sampling": f"{S} of {M * N} output elements, Latin hypercube strata over rows and "
                             f"columns, in {trials} interleaved groups"}
-    msg = _message(metrics)
+    msg = _message(metrics) + _cause(metrics, evidence)
     return Result(probe="numerics.gemm", target=target or f"{gemm}[{rec.name},{acc.name},K={K}]",
                   verdict="fail" if verdict == "biased" else "pass", metrics=metrics,
                   evidence=evidence, seed=seed, codes=["TP-B1"] if verdict == "biased" else [],
@@ -301,6 +318,20 @@ def _message(m: dict) -> str:
            "; no promotion interval keeps it within the tolerance")
     return head + ("biased: outputs too small on average" if m["relative_bias"] < 0 else
                    "biased: outputs too large on average") + fix
+
+
+def _cause(m: dict, ev: dict) -> str:
+    """Which share of a biased verdict is the recipe's and which the accumulator's."""
+    if m["gemm_verdict"] != "biased":
+        return ""
+    q, acc = ev["quantisation_bias"], ev["accumulator_bias"]
+    if not abs(q) > abs(acc):
+        return f" (the accumulator's share: {acc:+.3g}; the recipe's quantisation: {q:+.3g})"
+    rho = ev["operand_scale_error"]
+    return (f" (the recipe's quantisation: {q:+.3g}, the accumulator's {acc:+.3g}; the recipe "
+            f"scales operand a by 1{rho['a']:+.3g} and b by 1{rho['b']:+.3g} on average: rounding "
+            "errors correlated with the values, a bias of these operands' values under this "
+            "recipe, not of the accumulator)")
 
 
 def linear_gemms(x, w, dy):
