@@ -20,7 +20,10 @@ output elements, each one dot product of K terms:
      dot products had a fused add absorbed whole by the running sum; inf: none within K);
   5. verdict: exact (every sampled output equals fp64), biased (is_biased: the CI excludes
      0 and is not shown below the tolerance, i.e. some end of it lies beyond +-tolerance:
-     fail closed, a point estimate below the tolerance does not clear it), else noise; and
+     fail closed, a point estimate below the tolerance does not clear it), noise (the whole
+     CI within +-tolerance: any bias is shown not to matter), else inconclusive (the CI
+     holds 0 and reaches past +-tolerance: the sample can neither show a bias nor rule one
+     out; a cannot-judge Result, verdict error and TP-E1, never a pass); and
      the promotion interval: the largest N_C (F 2^j <= K) that is not biased by the same rule
      (K: none needed; NaN: none found).
 What the sample rules out is the bias error_stats can detect with 80% power
@@ -44,7 +47,7 @@ GEMMS = ("fprop", "dgrad", "wgrad")
 # the operands' roles in each of a Linear's three GEMMs (Y = X W^T, dX = dY W, dW = dY^T X)
 ROLES = {"fprop": ("activation", "weight"), "dgrad": ("grad", "weight"),
          "wgrad": ("grad", "activation")}
-VERDICTS = ("exact", "noise", "biased")
+VERDICTS = ("exact", "noise", "biased", "inconclusive")
 
 
 @dataclass(frozen=True)
@@ -249,7 +252,9 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
         growth.append({"k": k, "relative_rms_error": e.pow(2).mean().sqrt().item() / den if den else math.nan})
     exact = max_abs_err == 0.0
     biased = not exact and is_biased(st["ci_low"], st["ci_high"], floor)
-    verdict = "exact" if exact else ("biased" if biased else "noise")
+    shown_small = max(abs(st["ci_low"]), abs(st["ci_high"])) <= floor
+    verdict = ("exact" if exact else "biased" if biased else "noise" if shown_small
+               else "inconclusive")
     promo, needed = [], float(K)
     if promotion and verdict == "biased":
         needed = math.nan
@@ -277,7 +282,7 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
                "max_relative_error": max_abs_err / rms_ref if rms_ref else math.nan,
                "sqnr_db": 10 * math.log10(sum_sq_ref / sum_sq_err) if sum_sq_err else math.inf,
                "growth_exponent": growth_exponent(growth), "stall_k": _stall_k(s.first_absorbed),
-               "promote_every_needed": needed, "biased": biased,
+               "promote_every_needed": needed, "biased": None if verdict == "inconclusive" else biased,
                "gemm_verdict": verdict}
     q_err = s.quantised - s.ref
     acc_err = s.low - s.quantised
@@ -295,8 +300,9 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
                             f"columns, in {trials} interleaved groups"}
     msg = _message(metrics) + _cause(metrics, evidence)
     return Result(probe="numerics.gemm", target=target or f"{gemm}[{rec.name},{acc.name},K={K}]",
-                  verdict="fail" if verdict == "biased" else "pass", metrics=metrics,
-                  evidence=evidence, seed=seed, codes=["TP-B1"] if verdict == "biased" else [],
+                  verdict={"biased": "fail", "inconclusive": "error"}.get(verdict, "pass"),
+                  metrics=metrics, evidence=evidence, seed=seed,
+                  codes={"biased": ["TP-B1"], "inconclusive": ["TP-E1"]}.get(verdict, []),
                   message=msg)
 
 
@@ -306,13 +312,18 @@ def _message(m: dict) -> str:
             f"[{m['ci_low']:+.3g}, {m['ci_high']:+.3g}]), SQNR {m['sqnr_db']:.1f} dB, max error "
             f"{m['max_relative_error']:.3g} of rms, {m['samples']} sampled outputs: ")
     if m["gemm_verdict"] == "exact":
-        return head + "exact on every sampled output"
+        return head + (f"exact on every sampled output (the inexact share of all {m['samples']} "
+                       f"sampled is 0: below {3 / m['samples']:.2g} of the outputs at 95%)")
     if m["gemm_verdict"] == "noise":
         if m["ci_low"] > 0 or m["ci_high"] < 0:
             return head + (f"a significant bias whose whole CI lies within +-{m['tolerance']:.3g} "
                            "(the tolerance): shown not to matter at that tolerance")
-        return head + (f"noise (rules out |bias| > {max(m['min_detectable_bias'], m['tolerance']):.3g}"
-                       " at 80% power)")
+        return head + f"noise (the whole CI lies within +-{m['tolerance']:.3g}, the tolerance)"
+    if m["gemm_verdict"] == "inconclusive":
+        return head + (f"cannot judge: the CI holds 0 and reaches past +-{m['tolerance']:.3g} (the "
+                       f"tolerance), so this sample neither shows a bias nor rules one out (it "
+                       f"rules out |bias| > {m['min_detectable_bias']:.3g} at 80% power); sample "
+                       "more outputs, or state the tolerance that matters to you")
     fix = (f"; promoting to fp32 every {int(m['promote_every_needed'])} keeps it within "
            f"{m['tolerance']:.3g}" if math.isfinite(m["promote_every_needed"]) else
            "; no promotion interval keeps it within the tolerance")
