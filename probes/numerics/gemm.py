@@ -260,6 +260,8 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
         needed = math.nan
         F = acc.fused_terms
         n = (K // F) * F
+        if n == K:  # promoting every K is no promotion: the run above
+            n //= 2
         while n >= F:
             if acc.promote_every is None or n < acc.promote_every:
                 cand = acc.with_(promote_every=n)
