@@ -52,18 +52,18 @@ def e4m3(rows: int, k: int, seed: int) -> torch.Tensor:
     return torch.randn(rows, k, generator=g).to(torch.float8_e4m3fn).float()
 
 
-def verdict_vs_matmul(M: int, N: int, K: int, repeat: int) -> dict:
+def verdict_vs_matmul(M: int, N: int, K: int, repeat: int, promotion: bool = True) -> dict:
     a, b = e4m3(M, K, 1), e4m3(N, K, 2)
     holder = {}
 
     def verdict():
-        holder["r"] = gemm_bias(a, b, preset="h200-scaled-mm")
+        holder["r"] = gemm_bias(a, b, preset="h200-scaled-mm", promotion=promotion)
 
     def mm():
         torch.matmul(a, b.t())
     t_v, t_m = side_by_side(verdict, mm, repeat)
     r = holder["r"]
-    return {"shape": f"{M} x {N} x {K}", "verdict_s": t_v, "matmul_s": t_m, "ratio": t_v / t_m,
+    return {"shape": f"{M} x {N} x {K}", "promotion": promotion, "verdict_s": t_v, "matmul_s": t_m, "ratio": t_v / t_m,
             "gemm_verdict": r.metrics["gemm_verdict"], "samples": r.metrics["samples"],
             "promotion_candidates": len(r.evidence["promotion"])}
 
@@ -93,10 +93,12 @@ def main(argv=None) -> int:
     big = (1024, 1024, 4096) if args.quick else (4096, 4096, 16384)
     small = (64, 64, 1024) if args.quick else (256, 256, 4096)
     repeat = args.repeat or (1 if args.quick else 2)
-    v = verdict_vs_matmul(*big, repeat)
-    print(f"verdict by sampling vs fp32 matmul, {v['shape']}: {v['verdict_s']:.2f} s vs "
-          f"{v['matmul_s']:.2f} s = {v['ratio']:.2f}x ({v['gemm_verdict']}, {v['samples']} samples, "
-          f"{v['promotion_candidates']} promotion candidates)", flush=True)
+    verdicts = [verdict_vs_matmul(*big, repeat, promotion) for promotion in (False, True)]
+    for v in verdicts:
+        print(f"verdict by sampling (promotion search {'on' if v['promotion'] else 'off'}) vs fp32 "
+              f"matmul, {v['shape']}: {v['verdict_s']:.2f} s vs {v['matmul_s']:.2f} s = "
+              f"{v['ratio']:.2f}x ({v['gemm_verdict']}, {v['samples']} samples, "
+              f"{v['promotion_candidates']} promotion candidates)", flush=True)
     emu = [emulation_vs_fp64(*small, p, repeat) for p in ("h200-scaled-mm", "fp32")]
     for e in emu:
         print(f"whole-GEMM emulation {e['preset']} {e['shape']}: {e['emulated_s']:.2f} s vs fp64 "
@@ -110,10 +112,11 @@ def main(argv=None) -> int:
              "alternating rounds. The machine was shared with other jobs and loaded; read the ratios, "
              "measured side by side, not the seconds.", "",
              "## A verdict by sampling vs one fp32 matmul (target <= 1x)", "",
-             "| shape (M x N x K) | verdict (gemm_bias) | fp32 torch.matmul | ratio | verdict, samples |",
-             "|---|---|---|---|---|",
-             f"| {v['shape']} | {v['verdict_s']:.2f} s | {v['matmul_s']:.2f} s | **{v['ratio']:.2f}x** | "
-             f"{v['gemm_verdict']}, {v['samples']} outputs, {v['promotion_candidates']} promotion candidates |",
+             "| shape (M x N x K) | promotion search | verdict (gemm_bias) | fp32 torch.matmul | ratio | verdict, samples |",
+             "|---|---|---|---|---|---|",
+             *(f"| {v['shape']} | {'on (default)' if v['promotion'] else 'off'} | {v['verdict_s']:.2f} s | "
+               f"{v['matmul_s']:.2f} s | **{v['ratio']:.2f}x** | {v['gemm_verdict']}, {v['samples']} outputs, "
+               f"{v['promotion_candidates']} promotion candidates |" for v in verdicts),
              "", "## Whole-GEMM emulation vs an fp64 matmul", "",
              "| preset | shape | emulated | fp64 torch.matmul | ratio | own time by function (cProfile) |",
              "|---|---|---|---|---|---|"]
