@@ -264,8 +264,13 @@ def dot_products(p: torch.Tensor, acc: Accumulator, checkpoints=None, trace=None
     fast = _fp32_sequential(p, acc, marks, trace)
     if fast is not None:
         return fast if checkpoints is not None else fast[0]
+    if p.numel() < GRAIN:  # torch runs ops this small on one thread anyway
+        return _loop(p, acc, marks, checkpoints, trace)
     with _one_thread():
         return _loop(p, acc, marks, checkpoints, trace)
+
+
+GRAIN = 32768  # at::internal::GRAIN_SIZE: below it an op does not fork
 
 
 @contextmanager
