@@ -1108,6 +1108,9 @@ def _gemm(rd: Reader) -> None:
         if not close(need, float(hit[0]) if hit else math.nan):
             rd.fail(f"promote_every_needed={_fmt(need)} is not the first candidate within the "
                     f"tolerance ({hit[:1] or 'none'})")
+    if verdict == "noise" and max(abs(lo), abs(hi)) > tol:
+        rd.fail(f"gemm_verdict='noise' beside the CI [{_fmt(lo)}, {_fmt(hi)}] reaching past tolerance="
+                f"{_fmt(tol)}: noise means the whole CI lies within it (else the probe cannot judge)")
     if verdict != "exact" and (verdict == "biased") != is_biased(lo, hi, tol):
         rd.fail(f"gemm_verdict={verdict!r} beside the CI [{_fmt(lo)}, {_fmt(hi)}] and tolerance="
                 f"{_fmt(tol)}: biased exactly when the CI excludes 0 and reaches past +-tolerance")

@@ -400,6 +400,15 @@ class TrainProbes:
         kwargs.setdefault("target", getattr(fn, "__qualname__", None))
         return self.assert_flag(batch_invariance(fn, inputs, **kwargs), "batch-variant", expect=expect)
 
+    def assert_gemm_unbiased(self, a, b, expect: str | None = None, **kwargs):
+        """trainprobes.numerics.gemm.gemm_bias(a, b, **kwargs): C = a b^T (a: M x K, b: N x K)
+        under a recipe and an accumulator preset (recipe, preset, gemm, samples, trials,
+        seed, alpha, tolerance as the probe takes them) must not be biased against fp64:
+        exact, or noise (the whole CI within +-tolerance). Fails closed: a sample that cannot
+        rule a bias out (inconclusive) fails as cannot judge."""
+        from trainprobes.numerics.gemm import gemm_bias
+        return self.assert_flag(gemm_bias(a, b, **kwargs), "biased GEMM", expect=expect)
+
     def assert_engines_agree(self, trainer, engine, input_ids, *, up_to: str = "noise", **kwargs):
         """trainprobes.drift.decompose.localize(trainer, engine, input_ids, **kwargs): the
         engines (nn.Modules or trainprobes.drift.engines.Engine) must agree up_to "exact" (bit

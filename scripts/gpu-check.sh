@@ -5,7 +5,9 @@
 #      accumulation, FSDP2, TP/SP, 1F1B, the zoo; one rank per GPU); accumulator reveal of
 #      torch.matmul fp16/bf16 with and without reduced-precision reduction, and fp8
 #      torch._scaled_mm where the GPU has it; causality and isolation on CUDA tensors.
-#      Report: reports/gpu-check.json (or $1).
+#      Report: reports/gpu-check.json (or $1). Also saves real fp8 torch._scaled_mm outputs on
+#      crafted inputs to tests/data/scaled_mm_outputs.json (kept if present: commit it; the CPU
+#      test tests/test_gemm_pin.py then pins the accumulator presets to this GPU).
 #   2. every pytest test marked `gpu` in the repo.
 #   3. the default audit on this machine (its GPU families included); report beside $1.
 #   4. benchmarks/bench_causality.py on the GPU: full causality certification vs a per-cut

@@ -20,6 +20,10 @@ scripts/gpu-check.sh.
    every cut, its known verdict.
 5. Isolation (trainprobes.isolation): the per-op batch-invariance map on the GPU and the
    packed-document table with flash_attention_2 (where flash_attn is installed) beside sdpa.
+6. fp8 torch._scaled_mm outputs on crafted inputs (trainprobes.numerics.gemm_pin), saved to
+   tests/data/scaled_mm_outputs.json (a few KB; --force replaces an existing file) with the
+   accumulator presets that match them bit for bit: commit it, and tests/test_gemm_pin.py
+   pins the presets to this hardware on every CPU run.
 Without CUDA it exits 2 and says so: nothing is checked, nothing passes. --allow-cpu runs
 the same code paths on the CPU (gloo, device="cpu") to check the script itself; that
 report says "cpu_dry_run": it is not a GPU check.
@@ -153,6 +157,37 @@ def matmul_checks(report: dict, device: str) -> None:
     _check(report, "scaled_mm_fp8", fp8)
 
 
+# Real fp8 GEMM outputs on crafted inputs (trainprobes.numerics.gemm_pin), kept in the repo so
+# CPU tests pin the accumulator presets to the hardware (tests/test_gemm_pin.py)
+SCALED_MM_DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "scaled_mm_outputs.json"
+
+
+def scaled_mm_data(report: dict, device: str, out: Path, force: bool) -> None:
+    """Save torch._scaled_mm's outputs on the crafted cases to `out` (a few KB), with the
+    presets that match them bit for bit. Only a real GPU run writes (a CPU dry run would
+    save the CPU kernel as if it were the hardware); an existing file is kept unless --force."""
+    def save():
+        import torch
+        from trainprobes.numerics.gemm_pin import mismatches, record, scaled_mm_runner
+        from trainprobes.reference.gemm import PRESETS
+        from trainprobes.result import write_atomic
+        if device != "cuda":
+            return {"skipped": "a CPU dry run saves nothing: the data must come from a GPU"}
+        cap = torch.cuda.get_device_capability()
+        if cap < (8, 9) or not hasattr(torch, "_scaled_mm"):
+            return {"skipped": f"no fp8 GEMM on compute capability {cap}"}
+        doc = record(scaled_mm_runner(device), device_name=torch.cuda.get_device_name(),
+                     capability=cap, torch_version=torch.__version__)
+        matched = [p for p in PRESETS if not mismatches(doc, p)]
+        doc["presets_matched"] = matched
+        # raises OutputExists (recorded as this check's error) rather than replace data
+        # another run saved
+        write_atomic(out, json.dumps(doc, indent=1) + "\n", replace=force)
+        return {"path": str(out), "device": doc["device"], "capability": list(cap),
+                "presets_matched": matched, "bytes": out.stat().st_size}
+    _check(report, "scaled_mm_saved_outputs", save)
+
+
 def causality_checks(report: dict, device: str) -> None:
     def routers():
         import torch
@@ -204,6 +239,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="reports/gpu-check.json")
     ap.add_argument("--allow-cpu", action="store_true",
                     help="run the code paths on the CPU (gloo) to test this script; NOT a GPU check")
+    ap.add_argument("--scaled-mm-data", default=str(SCALED_MM_DATA),
+                    help="where to save real torch._scaled_mm outputs on crafted inputs")
+    ap.add_argument("--force", action="store_true", help="replace an existing --scaled-mm-data file")
     args = ap.parse_args(argv)
     import torch
     from trainprobes.result import environment, write_atomic
@@ -222,12 +260,14 @@ def main(argv=None) -> int:
         nccl_checks(report, "nccl", sorted({1, min(n, 8)}))
         transform_checks(report, "nccl", min(n, 8))
         matmul_checks(report, "cuda")
+        scaled_mm_data(report, "cuda", Path(args.scaled_mm_data), args.force)
         causality_checks(report, "cuda")
         isolation_checks(report, "cuda")
     else:
         nccl_checks(report, "gloo", [3])
         transform_checks(report, "gloo", 2)
         matmul_checks(report, "cpu")
+        scaled_mm_data(report, "cpu", Path(args.scaled_mm_data), args.force)
         causality_checks(report, "cpu")
         isolation_checks(report, "cpu")
     report["seconds"] = round(time.perf_counter() - started, 1)

@@ -20,7 +20,14 @@ def test_json_names_what_it_judged(capsys):
     for key in ("preset", "recipe", "gemm", "k", "relative_bias", "ci_low", "ci_high",
                 "max_relative_error", "sqnr_db", "biased", "stall_k"):
         assert key in m
-    assert m["recipe"] == "mxfp8" and code == (1 if m["biased"] else 0)
+    assert m["recipe"] == "mxfp8"
+    assert code == (1 if m["biased"] else 2 if m["gemm_verdict"] == "inconclusive" else 0)
+    # the recipe's quantisation noise leaves a CI wider than the default tolerance 1e-4:
+    # cannot judge (2), never a pass; a stated tolerance the CI fits within is judged
+    assert m["gemm_verdict"] == "inconclusive" and code == 2
+    assert main(["gemm", "--k", "256", "--rows", "16", "--samples", "64", "--trials", "8",
+                 "--presets", "fp32", "--recipes", "mxfp8", "--tolerance", "0.2"]) == 0
+    assert "noise" in capsys.readouterr().out
 
 
 def test_the_cli_names_are_the_registries():
@@ -52,3 +59,12 @@ def test_a_mean_that_saturates_e4m3_is_refused_not_exact(capsys):
     # a mean well inside the range still runs
     assert main(["gemm", "--mean", "100", "--k", "64", "--rows", "16", "--samples", "64",
                  "--trials", "8", "--presets", "fp32"]) in (0, 1)
+
+
+def test_impact_table_and_exit_status(capsys):
+    code = main(["gemm", "--impact", "--recipes", "bf16", "--presets", "h200-scaled-mm,fp32",
+                 "--k", "1024", "--steps", "6", "--loss-tol", "0.001"])
+    out = capsys.readouterr().out
+    assert code == 1 and "accumulator share" in out and "bf16 x h200-scaled-mm" in out
+    assert main(["gemm", "--impact", "--k", "512,1024"]) == 2
+    assert "one --k" in capsys.readouterr().err

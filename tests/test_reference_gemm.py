@@ -218,3 +218,31 @@ def test_reveal_on_the_emulator_returns_the_preset(preset):
     assert found.fused_terms == acc.fused_terms
     assert found.rounding == acc.rounding
     assert found.alignment == acc.alignment
+
+
+# --- the fp32 preset's vectorised path is the general path -------------------------------
+
+def test_the_fp32_fast_path_is_the_general_model(monkeypatch):
+    import trainprobes.reference.gemm as gemm_module
+    acc = PRESETS["fp32"]
+    cases = [_batch(kind, 11, 20, 300, fmt) for kind in KINDS for fmt in ("e4m3", "e5m2")]
+    # fp32 subnormal products and sums (2^-140 is a float32 subnormal), and a sum past fp32's
+    # range (the fast path must step aside: the model's exponent is unbounded)
+    tiny = torch.tensor([[2.0 ** -70, -(2.0 ** -71), 2.0 ** -70, 3 * 2.0 ** -72]], dtype=torch.float64)
+    cases.append((tiny, tiny.abs()))
+    huge = torch.full((1, 4), 2.0 ** 100, dtype=torch.float64)
+    cases.append((huge, torch.full((1, 4), 2.0 ** 27, dtype=torch.float64)))
+    fast = []
+    for a, b in cases:
+        tr = {}
+        fast.append((dot(a, b, acc, checkpoints=[1, a.shape[1]], trace=tr), tr))
+    assert fast[-1][0][0].item() == 2.0 ** 129  # 4 x 2^127, beyond fp32: the general path
+    taken = [gemm_module._fp32_sequential(a * b, acc, [], None) is not None for a, b in cases]
+    assert all(taken[:-1]) and not taken[-1]  # the comparison below tests the fast path
+    monkeypatch.setattr(gemm_module, "_fp32_sequential", lambda *args: None)
+    for (a, b), ((got, parts), tr) in zip(cases, fast):
+        tr2 = {}
+        want, parts2 = dot(a, b, acc, checkpoints=[1, a.shape[1]], trace=tr2)
+        assert torch.equal(got, want) and all(torch.equal(parts[k], parts2[k]) for k in parts2)
+        assert torch.equal(tr["first_absorbed"], tr2["first_absorbed"])
+        assert torch.equal(tr["absorbed"], tr2["absorbed"])

@@ -20,7 +20,10 @@ output elements, each one dot product of K terms:
      dot products had a fused add absorbed whole by the running sum; inf: none within K);
   5. verdict: exact (every sampled output equals fp64), biased (is_biased: the CI excludes
      0 and is not shown below the tolerance, i.e. some end of it lies beyond +-tolerance:
-     fail closed, a point estimate below the tolerance does not clear it), else noise; and
+     fail closed, a point estimate below the tolerance does not clear it), noise (the whole
+     CI within +-tolerance: any bias is shown not to matter), else inconclusive (the CI
+     holds 0 and reaches past +-tolerance: the sample can neither show a bias nor rule one
+     out; a cannot-judge Result, verdict error and TP-E1, never a pass); and
      the promotion interval: the largest N_C (F 2^j <= K) that is not biased by the same rule
      (K: none needed; NaN: none found).
 What the sample rules out is the bias error_stats can detect with 80% power
@@ -44,7 +47,7 @@ GEMMS = ("fprop", "dgrad", "wgrad")
 # the operands' roles in each of a Linear's three GEMMs (Y = X W^T, dX = dY W, dW = dY^T X)
 ROLES = {"fprop": ("activation", "weight"), "dgrad": ("grad", "weight"),
          "wgrad": ("grad", "activation")}
-VERDICTS = ("exact", "noise", "biased")
+VERDICTS = ("exact", "noise", "biased", "inconclusive")
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,19 @@ class Prepared:
     scale: torch.Tensor
     ref: torch.Tensor
     rows: tuple
+    scale_error: tuple  # (a, b): each operand's quantisation as a scale error (_scale_error)
+
+
+def _scale_error(x: torch.Tensor, q: torch.Tensor) -> float:
+    """<x, q - x> / <x, x>: the part of the quantisation error q - x along x itself, i.e. q
+    = (1 + rho) x + an error uncorrelated with x. A GEMM of two such operands is off by about
+    rho_a + rho_b in every output, in the direction of the true value: a recipe's own bias.
+    Round to nearest on a floating grid has rho != 0 (the cell of each power of two is
+    lopsided, half a spacing above it and a quarter below), and rounding values that already
+    lie on another grid under a scale that is not a power of two maps each of their few
+    significands to a fixed error that no averaging removes."""
+    den = (x * x).sum().item()
+    return (x * (q - x)).sum().item() / den if den else math.nan
 
 
 def prepare_gemm(a, b, *, recipe, gemm: str, samples: int, seed: int) -> Prepared:
@@ -121,15 +137,16 @@ def prepare_gemm(a, b, *, recipe, gemm: str, samples: int, seed: int) -> Prepare
     g = torch.Generator().manual_seed(seed)
     i, j = _strata(M, samples, g, False), _strata(N, samples, g, True)
     ra, rb = ROLES[gemm]
-    ref = (a[i] * b[j]).sum(-1)
+    ref = (a[i].double() * b[j].double()).sum(-1)
     if recipe.hadamard_wgrad and gemm == "wgrad":
         blocks = hadamard(K, torch.Generator().manual_seed(seed + 1))
-        a, b = rotate(a, blocks), rotate(b, blocks)
+        a, b = rotate(a.double(), blocks), rotate(b.double(), blocks)
     amax_a, amax_b = a.abs().amax().item(), b.abs().amax().item()
     qa, sa = _quantised_rows(a, i, recipe, ra, torch.Generator().manual_seed(seed + 2), amax_a)
     qb, sb = _quantised_rows(b, j, recipe, rb, torch.Generator().manual_seed(seed + 3), amax_b)
     check_operands(qa, qb, f"gemm {gemm} under recipe {recipe.name!r}")
-    return Prepared(qa, qb, (sa * sb).reshape(-1), ref, (i, j))
+    rho = (_scale_error(a[i].double(), qa * sa), _scale_error(b[j].double(), qb * sb))
+    return Prepared(qa, qb, (sa * sb).reshape(-1), ref, (i, j), rho)
 
 
 def sample_gemm(prep: Prepared, acc) -> Sampled:
@@ -187,8 +204,10 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
     acc = get_preset(preset)
     rec = get_recipe(recipe)
     check_choice(gemm, "gemm", GEMMS)
-    a = torch.as_tensor(a).to(torch.float64)
-    b = torch.as_tensor(b).to(torch.float64)
+    # the operands stay in their own float dtype (a 4096 x 16384 fp32 operand is 256 MiB, 512
+    # MiB in float64): only the sampled rows are converted, exactly, to float64
+    a, b = (t if torch.is_tensor(t) and t.is_floating_point() else
+            torch.as_tensor(t).to(torch.float64) for t in (a, b))
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
         raise InvalidArgument(f"a has shape {tuple(a.shape)}, b {tuple(b.shape)}: expected (M, K) "
                               "and (N, K), the reduction axis last in both")
@@ -233,12 +252,16 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
         growth.append({"k": k, "relative_rms_error": e.pow(2).mean().sqrt().item() / den if den else math.nan})
     exact = max_abs_err == 0.0
     biased = not exact and is_biased(st["ci_low"], st["ci_high"], floor)
-    verdict = "exact" if exact else ("biased" if biased else "noise")
+    shown_small = max(abs(st["ci_low"]), abs(st["ci_high"])) <= floor
+    verdict = ("exact" if exact else "biased" if biased else "noise" if shown_small
+               else "inconclusive")
     promo, needed = [], float(K)
     if promotion and verdict == "biased":
         needed = math.nan
         F = acc.fused_terms
         n = (K // F) * F
+        if n == K:  # promoting every K is no promotion: the run above
+            n //= 2
         while n >= F:
             if acc.promote_every is None or n < acc.promote_every:
                 cand = acc.with_(promote_every=n)
@@ -261,7 +284,7 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
                "max_relative_error": max_abs_err / rms_ref if rms_ref else math.nan,
                "sqnr_db": 10 * math.log10(sum_sq_ref / sum_sq_err) if sum_sq_err else math.inf,
                "growth_exponent": growth_exponent(growth), "stall_k": _stall_k(s.first_absorbed),
-               "promote_every_needed": needed, "biased": biased,
+               "promote_every_needed": needed, "biased": None if verdict == "inconclusive" else biased,
                "gemm_verdict": verdict}
     q_err = s.quantised - s.ref
     acc_err = s.low - s.quantised
@@ -271,15 +294,17 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
                 "sum_sq_ref": sum_sq_ref, "sum_sq_err": sum_sq_err, "max_abs_err": max_abs_err,
                 "growth": growth, "promotion": promo,
                 "quantisation_bias": (torch.sign(s.ref) * q_err).sum().item() / den if den else math.nan,
+                "operand_scale_error": {"a": prep.scale_error[0], "b": prep.scale_error[1]},
                 "accumulator_bias": (torch.sign(s.ref) * acc_err).sum().item() / den if den else math.nan,
                 "stall": {"stalled_outputs": int((s.first_absorbed >= 0).sum().item()),
                           "stall_k": metrics["stall_k"]},
                 "sampling": f"{S} of {M * N} output elements, Latin hypercube strata over rows and "
                             f"columns, in {trials} interleaved groups"}
-    msg = _message(metrics)
+    msg = _message(metrics) + _cause(metrics, evidence)
     return Result(probe="numerics.gemm", target=target or f"{gemm}[{rec.name},{acc.name},K={K}]",
-                  verdict="fail" if verdict == "biased" else "pass", metrics=metrics,
-                  evidence=evidence, seed=seed, codes=["TP-B1"] if verdict == "biased" else [],
+                  verdict={"biased": "fail", "inconclusive": "error"}.get(verdict, "pass"),
+                  metrics=metrics, evidence=evidence, seed=seed,
+                  codes={"biased": ["TP-B1"], "inconclusive": ["TP-E1"]}.get(verdict, []),
                   message=msg)
 
 
@@ -289,18 +314,37 @@ def _message(m: dict) -> str:
             f"[{m['ci_low']:+.3g}, {m['ci_high']:+.3g}]), SQNR {m['sqnr_db']:.1f} dB, max error "
             f"{m['max_relative_error']:.3g} of rms, {m['samples']} sampled outputs: ")
     if m["gemm_verdict"] == "exact":
-        return head + "exact on every sampled output"
+        return head + (f"exact on every sampled output (the inexact share of all {m['samples']} "
+                       f"sampled is 0: below {3 / m['samples']:.2g} of the outputs at 95%)")
     if m["gemm_verdict"] == "noise":
         if m["ci_low"] > 0 or m["ci_high"] < 0:
             return head + (f"a significant bias whose whole CI lies within +-{m['tolerance']:.3g} "
                            "(the tolerance): shown not to matter at that tolerance")
-        return head + (f"noise (rules out |bias| > {max(m['min_detectable_bias'], m['tolerance']):.3g}"
-                       " at 80% power)")
+        return head + f"noise (the whole CI lies within +-{m['tolerance']:.3g}, the tolerance)"
+    if m["gemm_verdict"] == "inconclusive":
+        return head + (f"cannot judge: the CI holds 0 and reaches past +-{m['tolerance']:.3g} (the "
+                       f"tolerance), so this sample neither shows a bias nor rules one out (it "
+                       f"rules out |bias| > {m['min_detectable_bias']:.3g} at 80% power); sample "
+                       "more outputs, or state the tolerance that matters to you")
     fix = (f"; promoting to fp32 every {int(m['promote_every_needed'])} keeps it within "
            f"{m['tolerance']:.3g}" if math.isfinite(m["promote_every_needed"]) else
            "; no promotion interval keeps it within the tolerance")
     return head + ("biased: outputs too small on average" if m["relative_bias"] < 0 else
                    "biased: outputs too large on average") + fix
+
+
+def _cause(m: dict, ev: dict) -> str:
+    """Which share of a biased verdict is the recipe's and which the accumulator's."""
+    if m["gemm_verdict"] != "biased":
+        return ""
+    q, acc = ev["quantisation_bias"], ev["accumulator_bias"]
+    if not abs(q) > abs(acc):
+        return f" (the accumulator's share: {acc:+.3g}; the recipe's quantisation: {q:+.3g})"
+    rho = ev["operand_scale_error"]
+    return (f" (the recipe's quantisation: {q:+.3g}, the accumulator's {acc:+.3g}; the recipe "
+            f"scales operand a by 1{rho['a']:+.3g} and b by 1{rho['b']:+.3g} on average: rounding "
+            "errors correlated with the values, a bias of these operands' values under this "
+            "recipe, not of the accumulator)")
 
 
 def linear_gemms(x, w, dy):

@@ -36,6 +36,18 @@ def _call(fn, values: dict, n: int) -> float:
     return torch.as_tensor(fn(x.to(torch.bfloat16))).reshape(-1)[0].double().item()
 
 
+def fused_width(r, n: int) -> int:
+    """F from a reveal Result over n inputs (step 2 of the module docstring)."""
+    sizes = r.evidence["sizes"]
+    shape = r.metrics["order_shape"]
+    if shape.startswith("sequential"):
+        return 1
+    if shape.startswith("fused") or (r.metrics["fan_in"] or 2) > 2 and shape != "inconsistent":
+        return r.metrics["fan_in"] - 1 if r.metrics["fan_in"] < n else n
+    bigger = [s for row in sizes for s in row if s > 2]
+    return (min(bigger) - 1) if bigger else n
+
+
 def reveal_accumulator(fn, n: int = 64, *, name: str = "revealed", dtype=DTYPE,
                        max_exponent=MAX_EXPONENT) -> Accumulator:
     """The Accumulator fn behaves as (steps 1-3 of the module docstring); n must exceed F
@@ -46,15 +58,7 @@ def reveal_accumulator(fn, n: int = 64, *, name: str = "revealed", dtype=DTYPE,
     if r.metrics["accumulator_bits_lower_bound"] or rounding not in ("toward_zero", "nearest"):
         raise TargetError(f"{name}: the reveal found {r.message!r}: no finite accumulator to model "
                           "(raise the range with max_exponent, or the accumulator is wider)")
-    sizes = r.evidence["sizes"]
-    shape = r.metrics["order_shape"]
-    if shape.startswith("sequential"):
-        F = 1
-    elif shape.startswith("fused") or (r.metrics["fan_in"] or 2) > 2 and shape != "inconsistent":
-        F = r.metrics["fan_in"] - 1 if r.metrics["fan_in"] < n else n
-    else:
-        bigger = [s for row in sizes for s in row if s > 2]
-        F = (min(bigger) - 1) if bigger else n
+    F = fused_width(r, n)
     alignment = "sum"
     if F > 2 and F < n:
         t = -133 + 8  # a d that bf16 holds with room below

@@ -25,24 +25,55 @@ DEFAULT_VARIANTS = (("fp64", {"dtype": "fp64"}), ("fp16", {"dtype": "fp16"}), ("
                     ("fp8_e4m3fn", {"dtype": "fp8_e4m3fn"}))
 
 
-def _problem(world, per_rank, features, noise, generator):
+def least_squares(world, per_rank, features, noise, generator, mean: float = 0.0):
+    """X (world, per_rank, features) ~ N(mean, 1), y = X w* + noise: the problem every impact
+    run trains (numerics.gemm_impact too: world 1, mostly positive inputs)."""
     w_star = torch.randn(features, generator=generator, dtype=torch.float64)
-    X = torch.randn(world, per_rank, features, generator=generator, dtype=torch.float64)
+    X = torch.randn(world, per_rank, features, generator=generator, dtype=torch.float64) + mean
     y = X @ w_star + noise * torch.randn(world, per_rank, generator=generator, dtype=torch.float64)
     return X, y
 
 
-def _run(X, y, *, steps, lr, dtype, rounding, algorithm, seed, progress=None, **kw):
+def train(X, y, *, steps, lr, gradient: Callable, progress=None) -> list[float]:
+    """SGD from w = 0 on 0.5 mean (X w - y)^2, fp64 except the gradient: gradient(step, X, r)
+    returns the update direction from the residuals r (the fp64 one is mean X^T r). The
+    loss before every step and after the last."""
+    w = torch.zeros(X.shape[-1], dtype=torch.float64)
+    losses = []
+    for step in range(steps):
+        r = X @ w - y
+        losses.append(0.5 * (r ** 2).mean().item())
+        w = w - lr * gradient(step, X, r)
+        if progress is not None:
+            progress(step + 1, steps)
+    r = X @ w - y
+    losses.append(0.5 * (r ** 2).mean().item())
+    return losses
+
+
+def loss_gaps(curves: dict, reference: str) -> dict:
+    """final_loss[label], loss_gap[label] (final loss over the reference's, minus 1) and
+    max_gap[label] (the largest such gap at any step) of each curve."""
+    ref = curves[reference]
+    out = {}
+    for label, c in curves.items():
+        out[f"final_loss[{label}]"] = c[-1]
+        out[f"loss_gap[{label}]"] = c[-1] / ref[-1] - 1 if ref[-1] > 0 else math.nan
+        gaps = [a / b - 1 for a, b in zip(c, ref) if b > 0]
+        out[f"max_gap[{label}]"] = max(gaps) if gaps else math.nan
+    return out
+
+
+def _allreduced(*, dtype, rounding, algorithm, seed, **kw):
+    """The data-parallel gradient: each rank's mean X^T r held in `dtype` and all-reduced
+    (op avg) by the emulated collective."""
     from trainprobes.reference.collectives import all_reduce
 
     fmt = get_format(dtype)
-    world, _, features = X.shape
-    w = torch.zeros(features, dtype=torch.float64)
-    losses = []
     g_seed = torch.Generator().manual_seed(seed)
-    for step in range(steps):
-        r = X @ w - y                                   # (world, per_rank) residuals
-        losses.append(0.5 * (r ** 2).mean().item())
+
+    def gradient(step, X, r):
+        world = X.shape[0]
         grads = torch.einsum("wbf,wb->wf", X, r) / X.shape[1]
         scale = 1.0
         if fmt.mantissa_bits <= 3 and fmt.name != "fp64":   # fp8/fp6/fp4: amax scaling
@@ -50,14 +81,9 @@ def _run(X, y, *, steps, lr, dtype, rounding, algorithm, seed, progress=None, **
             if amax > 0:
                 scale = 2.0 ** math.floor(math.log2(fmt.max_finite / 2 / (world * amax)))
         rs = int(torch.randint(0, 2**62, (1,), generator=g_seed)) if rounding == "stochastic" else None
-        avg = all_reduce(list((grads * scale).unbind(0)), op="avg", dtype=fmt.name, algorithm=algorithm,
-                         rounding=rounding, seed=rs, **kw)[0] / scale
-        w = w - lr * avg
-        if progress is not None:
-            progress(step + 1, steps)
-    r = X @ w - y
-    losses.append(0.5 * (r ** 2).mean().item())
-    return losses
+        return all_reduce(list((grads * scale).unbind(0)), op="avg", dtype=fmt.name, algorithm=algorithm,
+                          rounding=rounding, seed=rs, **kw)[0] / scale
+    return gradient
 
 
 def impact(*, variants=DEFAULT_VARIANTS, world: int = 512, per_rank: int = 8, features: int = 16,
@@ -82,24 +108,20 @@ def impact(*, variants=DEFAULT_VARIANTS, world: int = 512, per_rank: int = 8, fe
     check_number(lr, "lr", min=0, min_open=True)
     check_number(tol, "tol", min=0)
     g = torch.Generator().manual_seed(check_seed(seed))
-    X, y = _problem(world, per_rank, features, noise, g)
+    X, y = least_squares(world, per_rank, features, noise, g)
     curves = {}
     for label, v in variants:
-        curves[label] = _run(X, y, steps=steps, lr=lr, dtype=v.get("dtype", "fp64"),
-                             rounding=v.get("rounding", "nearest"), algorithm=algorithm, seed=seed,
-                             progress=None if progress is None else
-                             (lambda s, t, label=label: progress(label, s, t)), **all_reduce_kwargs)
+        grad = _allreduced(dtype=v.get("dtype", "fp64"), rounding=v.get("rounding", "nearest"),
+                           algorithm=algorithm, seed=seed, **all_reduce_kwargs)
+        curves[label] = train(X, y, steps=steps, lr=lr, gradient=grad,
+                              progress=None if progress is None else
+                              (lambda s, t, label=label: progress(label, s, t)))
     ref_label = variants[0][0]
-    ref = curves[ref_label]
-    metrics = {"steps": steps, "world": world, "reference": ref_label, "tol": tol}
+    metrics = {"steps": steps, "world": world, "reference": ref_label, "tol": tol,
+               **loss_gaps(curves, ref_label)}
     worst, worst_label = 0.0, None
     for label, v in variants:
-        c = curves[label]
-        gap = c[-1] / ref[-1] - 1 if ref[-1] > 0 else math.nan
-        metrics[f"final_loss[{label}]"] = c[-1]
-        metrics[f"loss_gap[{label}]"] = gap
-        gaps = [a / b - 1 for a, b in zip(c, ref) if b > 0]
-        metrics[f"max_gap[{label}]"] = max(gaps) if gaps else math.nan
+        gap = metrics[f"loss_gap[{label}]"]
         if v.get("rounding", "nearest") == "nearest" and label != ref_label and not (gap <= worst):
             worst, worst_label = gap, label
     bad = worst_label is not None and not (worst <= tol)

@@ -1,0 +1,52 @@
+"""The gate on numerics.gemm Results: a recipe change that adds bias blocks (TP-G2: the
+relative bias significantly larger, which also covers the verdict turning biased, TP-B1),
+an unjudgeable candidate blocks (TP-E1), and an edited verdict cannot be judged."""
+import pytest
+import torch
+from trainprobes.gate import compare
+from trainprobes.numerics.gemm import gemm_bias
+from trainprobes.result import Result
+
+
+@pytest.fixture(scope="module")
+def operands():
+    g = torch.Generator().manual_seed(5)
+    # mostly positive bf16 inputs, as a bf16 training step hands its GEMMs after an activation
+    return [(torch.randn(32, 1024, generator=g) + 1).to(torch.bfloat16).double() for _ in "ab"]
+
+
+def judged(operands, recipe, preset, **kw):
+    return gemm_bias(*operands, recipe=recipe, preset=preset, gemm="fprop", samples=256,
+                     trials=16, target="mlp.up_proj.fprop", **kw)
+
+
+def test_a_recipe_change_that_adds_bias_blocks(operands):
+    base = judged(operands, "bf16", "fp32")                   # bf16 GEMM, fp32 accumulation
+    cand = judged(operands, "fp8-tensor-e4m3", "h200-scaled-mm")  # fp8, Hopper's accumulator
+    assert base.metrics["gemm_verdict"] in ("exact", "noise"), base.message
+    assert cand.metrics["gemm_verdict"] == "biased", cand.message
+    report = compare([base], [cand])
+    assert report.exit_code == 1
+    assert [r.code for r in report.blocking] == ["TP-G2"], report.to_markdown()
+    assert compare([base], [base]).exit_code == 0
+
+
+def test_an_unjudgeable_candidate_blocks_and_an_edited_one_cannot_be_judged(operands):
+    base = judged(operands, "bf16", "fp32")
+    # the truncating accumulator on zero-mean e4m3 data (a bias near -1.6e-4) with 64 samples:
+    # a CI that holds 0 and reaches past the 1e-4 tolerance
+    g = torch.Generator().manual_seed(12)
+    a = torch.randn(64, 1024, generator=g).to(torch.float8_e4m3fn).double()
+    g = torch.Generator().manual_seed(13)
+    b = torch.randn(64, 1024, generator=g).to(torch.float8_e4m3fn).double()
+    cand = gemm_bias(a, b, preset="h200-scaled-mm", samples=64, trials=8, target="mlp.up_proj.fprop")
+    assert cand.metrics["gemm_verdict"] == "inconclusive" and cand.verdict == "error"
+    report = compare([base], [cand])
+    assert report.exit_code == 1 and [r.code for r in report.blocking] == ["TP-E1"]
+    # the same Result edited to pass as noise: its CI reaches past the tolerance
+    d = cand.to_dict()
+    d["verdict"], d["codes"] = "pass", []
+    d["metrics"].update(gemm_verdict="noise", biased=False)
+    edited = Result.from_dict(d)
+    report = compare([base], [edited])
+    assert report.exit_code == 2 and "noise means the whole CI lies within" in report.cannot_judge
