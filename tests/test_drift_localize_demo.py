@@ -83,3 +83,16 @@ def test_sampled_tokens_come_from_the_engine():
     with torch.no_grad():
         lp = e.logprobs(e.logits(ids))[:, :-1].gather(-1, ids[:, 1:, None])
     assert ids.shape == (3, 10) and bool(torch.isfinite(lp[:, 1:]).all())
+
+
+def test_trainer_side_bf16_fault_is_numeric_not_stale_engine_weights():
+    a = tiny_model("llama", "eager", seed=0, num_hidden_layers=3)
+    b = copy.deepcopy(a)
+    faults.in_dtype(a.model.layers[2].mlp, torch.bfloat16)  # the TRAINER's MLP in bf16
+    ids = torch.randint(0, 128, (6, 16), generator=torch.Generator().manual_seed(1))
+    r = localize(Engine(a, name="trainer"), Engine(b, name="engine"), ids)
+    m = r.metrics
+    assert (m["kind"], m["first_layer"], m["op"]) == ("numeric", "model.layers.2", "mlp")
+    assert m["n_stale_tensors"] == 0 and m["n_trainer_rounded_tensors"] == 3 and m["share_weights"] == 0
+    assert "stale" not in r.message and "trainer holds 3 tensor(s) rounded" in r.message
+    check_judgeable(r, "candidate")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from trainprobes.commands.options import add_report_options, emit_report
+from trainprobes.commands.options import add_alpha_option, add_int_options, add_report_options, emit_report
 from trainprobes.errors import InvalidArgument, TargetError
-from trainprobes.validation import parse_int, parse_number
+from trainprobes.validation import parse_number
 
 HELP = "localise train/inference drift: first stage and op beyond noise, weights, routing, semantics"
 
@@ -32,16 +32,17 @@ def add_arguments(p) -> None:
                           "attention_mask); default: random ids from --seed")
     opt.add_argument("--tokenizer", metavar="DIR",
                      help="a local HF tokenizer (save_pretrained dir) to name the heaviest tokens")
-    opt.add_argument("--sequences", type=parse_int("sequences", min=4), default=8,
-                     help="random token sequences without --tokens (default 8)")
-    opt.add_argument("--length", type=parse_int("length", min=2), default=24,
-                     help="random sequence length without --tokens (default 24)")
+    add_int_options(opt, ("--sequences", 8, 4, "random token sequences without --tokens"),
+                    ("--length", 24, 2, "random sequence length without --tokens"),
+                    ("--seed", 0, 0, "seed (tokens, jitter)"))
     opt.add_argument("--margin", type=parse_number("margin", min=1.0), default=8.0,
                      help="a stage is beyond noise when its own error exceeds margin x its noise floor "
                           "(default 8)")
-    opt.add_argument("--alpha", type=parse_number("alpha", min=0.0, max=1.0, min_open=True, max_open=True),
-                     default=0.01, help="level of the per-stage test, Bonferroni over stages (default 0.01)")
-    opt.add_argument("--seed", type=parse_int("seed", min=0), default=0, help="seed (tokens, jitter)")
+    add_alpha_option(opt, "the per-stage test, Bonferroni over stages")
+    opt.add_argument("--unit-roundoff", type=parse_number("unit_roundoff", min=0.0, max=1.0, min_open=True,
+                                                          max_open=True), default=None, metavar="U",
+                     help="the unit roundoff of the engines' nominal precision (default: from the coarser "
+                          "engine's parameter dtype; needed for a dtype without a known floor, e.g. fp8)")
     out = p.add_argument_group("output")
     add_report_options(out)
     out.add_argument("--plot", metavar="PNG",
@@ -130,11 +131,11 @@ def _results(args) -> list:
         tokenizer = _require("transformers", "'trainprobes[hf]'").AutoTokenizer.from_pretrained(
             args.tokenizer, local_files_only=True)
     return [localize(trainer, engine, ids, am, margin=args.margin, alpha=args.alpha, seed=args.seed,
-                     target=f"{args.target} vs {args.engine}", tokenizer=tokenizer)]
+                     target=f"{args.target} vs {args.engine}", tokenizer=tokenizer, u=args.unit_roundoff)]
 
 
 def _dump_result(args):
-    from trainprobes.drift.dumps import compare_dumps, load_dump
+    from trainprobes.drift.dumps import compare_dumps, dump_routing, load_dump
     from trainprobes.result import Result
 
     a, b = (load_dump(p) for p in args.dumps)
@@ -147,12 +148,21 @@ def _dump_result(args):
     for r in rows:
         metrics[f"free_error[{r.name}]"] = r.free_error
         metrics[f"noise_floor[{r.name}]"] = r.noise_floor
+    flips = dump_routing(a, b)
+    for name, f in flips.items():
+        metrics[f"routing_mismatch[{name}]"] = f
+    if a.logprobs is not None and b.logprobs is not None:
+        m = (a.mask & b.mask)[:, 1:] & (a.mask & b.mask)[:, :-1]
+        metrics["max_abs_log_ratio"] = (b.logprobs - a.logprobs)[m].abs().max().item() if bool(m.any()) else 0.0
     msg = (f"no stage diverges beyond {args.margin:g}x its floor" if first is None else
            f"first divergent stage {first.name}: free error {first.free_error:.3g} > {args.margin:g} x "
            f"floor {first.noise_floor:.3g} (from dumps: the op needs the modules)")
+    if any(flips.values()):
+        msg += "; top-k expert sets differ at " + ", ".join(f"{n} {f:.1%}" for n, f in flips.items() if f)
     return Result(probe="drift.localize", target=f"{args.dumps[0]} vs {args.dumps[1]}",
                   verdict="pass" if first is None else "fail", metrics=metrics,
-                  evidence={"stages": [dict(r.__dict__, own_error=None) for r in rows], "from": "dumps"},
+                  evidence={"stages": [dict(r.__dict__, own_error=None) for r in rows], "from": "dumps",
+                            "residual_convention": {"trainer": a.convention, "engine": b.convention}},
                   seed=None, codes=[] if first is None else ["TP-D4"], message=msg)
 
 

@@ -102,14 +102,15 @@ def _shares(x: torch.Tensor, parts: dict, mask: torch.Tensor, alpha: float) -> d
 
 def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *, margin: float = 8.0,
              alpha: float = 0.01, seed: int = 0, tol: float = 1e-3, target: str | None = None,
-             tokenizer=None) -> Result:
+             tokenizer=None, u: float | None = None) -> Result:
     """Localise the engine's drift from the trainer on the same tokens: per stage own and
     free errors against the noise floor, the op inside the first stage beyond noise, the
     weight sync, the log-prob semantics, the routing, and the decomposition (module doc).
     input_ids [B, L] (B >= 4 sequences); positions 0..L-2 score tokens 1..L-1. tokenizer:
-    optional, to name the heaviest tokens (trainprobes.drift.carriers)."""
+    optional, to name the heaviest tokens (trainprobes.drift.carriers). u: the unit roundoff
+    of the nominal precision (default: from the coarser engine's dtype)."""
     ids = torch.as_tensor(input_ids)
-    loc = localize_layers(trainer, engine, ids, attention_mask, margin=margin, alpha=alpha, seed=seed)
+    loc = localize_layers(trainer, engine, ids, attention_mask, margin=margin, alpha=alpha, seed=seed, u=u)
     am = None if attention_mask is None else torch.as_tensor(attention_mask)
     mask = torch.ones(ids.shape, dtype=torch.bool) if am is None else am.bool()
     mask = mask[:, 1:] & mask[:, :-1]
@@ -163,7 +164,7 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
     parts["renormalisation"] = sem.parts["renormalisation"]
     # 4. numerics by stage: the stages beyond noise of the engine as it now stands
     num_loc = loc if not stale else localize_layers(trainer, eng, ids, am, margin=margin, alpha=alpha,
-                                                    seed=seed, ops=False)
+                                                    seed=seed, ops=False, u=loc.u)
     if stale:
         n_forwards += num_loc.n_forwards
     beyond = [r for r in num_loc.stages if r.verdict == "beyond"]
@@ -239,6 +240,7 @@ def _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, d
             seed, n_forwards, target, carried) -> Result:
     xs = x[mask]
     flips = rt.per_layer() if rt is not None else {}
+    rounded = [s for s in sync if s.status == "trainer_rounded"]
     metrics = {
         "engines_agree": kind in ("exact", "noise"), "kind": kind,
         "first_layer": loc.first_layer or "", "op": loc.op or "", "op_module": loc.op_module or "",
@@ -247,7 +249,8 @@ def _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, d
         "mean_abs_log_ratio": xs.abs().mean().item() if xs.numel() else 0.0,
         "max_abs_log_ratio": xs.abs().max().item() if xs.numel() else 0.0,
         "n_dropped_tokens": int(dropped.sum()),
-        "n_stale_tensors": len(stale), "n_forwards": n_forwards, "margin": margin, "alpha": alpha,
+        "n_stale_tensors": len(stale), "n_trainer_rounded_tensors": len(rounded), "n_forwards": n_forwards,
+        "margin": margin, "alpha": alpha,
         "nominal_roundoff": loc.u,
         **{f"share_{k}": v[0] for k, v in shares.items() if "[" not in k},
         **{f"share_{k}_ci_low": v[1] for k, v in shares.items() if "[" not in k},
@@ -270,6 +273,9 @@ def _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, d
         where = (f"first stage beyond noise {loc.first_layer} (op {loc.op}: {loc.op_module}); " if beyond else
                  f"no stage beyond noise; decisions first flip at {loc.op_module}; ")
     named = ", ".join(s.name for s in stale[:5]) + (" ..." if len(stale) > 5 else "")
+    held = (f"the trainer holds {len(rounded)} tensor(s) rounded to a coarser dtype than the engine's "
+            f"({', '.join(s.name for s in rounded[:3])}{' ...' if len(rounded) > 3 else ''}: a trainer-side "
+            "precision loss, counted in numerics); " if rounded else "")
     parts = "; ".join(f"{k} {shares[k][0]:.0%}" for k in PARTS if abs(shares[k][0]) >= 0.005)
     if kind == "exact":
         msg = "exact: the engines agree bit for bit at every stage"
@@ -278,7 +284,9 @@ def _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, d
                f"precision (unit roundoff {loc.u:.3g}); no stage is to blame; mean |log-ratio| "
                f"{metrics['mean_abs_log_ratio']:.3g} nats")
     else:
-        msg = (f"{kind}: {where}" + (f"stale tensors: {named}; " if stale else "")
+        msg = (f"{kind}: {where}"
+               + (f"engine tensors that differ from the trainer's beyond its dtype conversion (stale or "
+                  f"wrong): {named}; " if stale else "") + held
                + (f"temperature slope {sem.slope:.4g}; " if sem.temperature else "")
                + (f"renormalised log-probs, mean log mass kept {sem.mean_log_mass_kept:.3g}; "
                   if sem.renormalised else "")

@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from scipy import stats as sps
 from trainprobes.drift.engines import Engine, Layout, Stage, candidates, layout_from, match_candidates
-from trainprobes.drift.patching import Call, Hooks, take_rows, without_cache
+from trainprobes.drift.patching import Call, Hooks, autocast, take_rows, without_cache
 from trainprobes.errors import InvalidArgument
 
 # unit roundoff of the nominal precision: what one rounding of an input does at most
@@ -150,7 +151,7 @@ def patched(engine: Engine, stages, source: dict, ids, am, *, mode: str, blocks,
                 hooks.new_forward(rows)
                 args, kwargs = take_rows(call[1].full, rows, (B, L))
                 kwargs = without_cache(kwargs)
-                with torch.no_grad():
+                with torch.no_grad(), autocast(call[1].autocast):  # as the engine ran it
                     call[0](*args, **kwargs)
             for name, calls in hooks.calls.items():
                 out[name].append((rows, calls))
@@ -188,27 +189,44 @@ def judge_stages(stages, a, b_free, b_pat, b_pat2, a_jit, mask, *, margin, alpha
         # rounding floor is a dependence on the other sequences (a leak): not noise
         batch = torch.minimum(batch, BATCH_ROUNDINGS * torch.maximum(jit, torch.full_like(jit, u)))
         f2 = batch ** 2 + jit ** 2
-        floor = f2.sqrt()
-        nonfinite = not bool(torch.isfinite(own[mask]).all())
-        own_u = ((own ** 2 * m).sum(1) / m.sum(1).clamp_min(1)).sqrt()
-        floor_u = ((f2 * m).sum(1) / m.sum(1).clamp_min(1)).sqrt()
-        used = m.sum(1) > 0
-        r = (own_u.log() - floor_u.log()).nan_to_num(nan=LOG_RATIO_CLIP, posinf=LOG_RATIO_CLIP, neginf=-LOG_RATIO_CLIP)
-        r = torch.where(own_u == 0, torch.full_like(r, -LOG_RATIO_CLIP), r.clamp(-LOG_RATIO_CLIP, LOG_RATIO_CLIP))[used]
-        exact = bool((own[mask] == 0).all())
-        ratio = math.exp(r.mean().item())
-        p = p_greater(r, math.log(margin))
-        low = math.exp(r.min().item()) if r.numel() else 0.0
-        # beyond: the mean ratio past the margin, and the t-test over sequences or every
-        # sequence past a quarter of the margin (noise: 0.4-1.2 per sequence, measured)
-        beyond = nonfinite or (not exact and ratio > margin
-                               and (p < alpha / max(1, len(stages)) or low > margin / 4))
+        t = stage_test(own, f2, mask, margin=margin, alpha=alpha, n_tests=len(stages))
         reports.append(StageReport(
             s.name, s.role, s.depth, s.block, (own * m).sum().item() / n_tok.item(),
-            (free * m).sum().item() / n_tok.item(), (floor * m).sum().item() / n_tok.item(),
-            0.0 if exact else ratio, p, 0.0 if exact else low,
-            "exact" if exact else "beyond" if beyond else "noise", nonfinite))
+            (free * m).sum().item() / n_tok.item(), (f2.sqrt() * m).sum().item() / n_tok.item(),
+            *t))
     return reports
+
+
+class StageTest(NamedTuple):
+    """The test of one stage, in StageReport's field order."""
+
+    ratio: float
+    p_value: float
+    min_ratio: float
+    verdict: str
+    nonfinite: bool
+
+
+def stage_test(own: torch.Tensor, floor2: torch.Tensor, mask: torch.Tensor, *, margin: float, alpha: float,
+               n_tests: int) -> StageTest:
+    """The verdict of one stage (module doc) from its own error and its floor squared per token
+    ([B, L] each; floor2 may be a 0-d tensor, one floor for every token)."""
+    m = mask.double()
+    nonfinite = not bool(torch.isfinite(own[mask]).all())
+    own_u = ((own ** 2 * m).sum(1) / m.sum(1).clamp_min(1)).sqrt()
+    floor_u = ((torch.as_tensor(floor2).expand_as(own) * m).sum(1) / m.sum(1).clamp_min(1)).sqrt()
+    used = m.sum(1) > 0
+    r = (own_u.log() - floor_u.log()).nan_to_num(nan=LOG_RATIO_CLIP, posinf=LOG_RATIO_CLIP, neginf=-LOG_RATIO_CLIP)
+    r = torch.where(own_u == 0, torch.full_like(r, -LOG_RATIO_CLIP), r.clamp(-LOG_RATIO_CLIP, LOG_RATIO_CLIP))[used]
+    exact = bool((own[mask] == 0).all())
+    ratio = math.exp(r.mean().item()) if r.numel() else 0.0
+    p = p_greater(r, math.log(margin))
+    low = math.exp(r.min().item()) if r.numel() else 0.0
+    # beyond: the mean ratio past the margin, and the t-test over sequences or every
+    # sequence past a quarter of the margin (noise: 0.4-1.2 per sequence, measured)
+    beyond = nonfinite or (not exact and ratio > margin and (p < alpha / max(1, n_tests) or low > margin / 4))
+    return StageTest(0.0 if exact else ratio, p, 0.0 if exact else low,
+                     "exact" if exact else "beyond" if beyond else "noise", nonfinite)
 
 
 def p_greater(r: torch.Tensor, mu: float) -> float:
@@ -261,7 +279,9 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
     ca, cb = candidates(trainer.module), candidates(engine.module)
     match_candidates(ca, cb, (trainer.name, engine.name))
     if u is None:
-        u = max(UNIT_ROUNDOFF.get(trainer.dtype, 2.0 ** -24), UNIT_ROUNDOFF.get(engine.dtype, 2.0 ** -24))
+        u = max(unit_roundoff(trainer), unit_roundoff(engine))
+    elif not 0 < u < 1:
+        raise InvalidArgument(f"u={u!r} is not a unit roundoff: expected 0 < u < 1 (fp32 2**-24, bf16 2**-8)")
     names = ca.names
     blocks = frozenset(f"{ca.list_name}.{i}" for i in range(ca.n_blocks))
     order: list = []
@@ -320,6 +340,18 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
     n = round(n, 3)
     return Localisation(reports, op_reports, None if first is None else first.name, op_role, op_module,
                         la, Runs(a, b_free, b_pat, tuple(ids.shape)), u, n)
+
+
+def unit_roundoff(engine: Engine) -> float:
+    """The unit roundoff of the engine's nominal dtype; an unknown one (fp8, an integer
+    quantised engine) is refused, not guessed: the floor would be wrong by orders."""
+    dt = engine.dtype
+    if dt not in UNIT_ROUNDOFF:
+        raise InvalidArgument(f"the {engine.name}'s nominal dtype is {dt} (the dtype of most of its floating "
+                              f"parameters), whose rounding floor is not known here (known: "
+                              f"{', '.join(str(d).removeprefix('torch.') for d in UNIT_ROUNDOFF)}): pass u=, the "
+                              "unit roundoff of its arithmetic (--unit-roundoff)")
+    return UNIT_ROUNDOFF[dt]
 
 
 def _vocab(module: torch.nn.Module) -> int | None:

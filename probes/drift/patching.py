@@ -14,12 +14,18 @@ replay   a router's expert choices are replaced by the recorded ones; its weight
 rows     a different batch composition: recorded tensors with B rows (or B * L token
          rows) are taken at these rows, so the same tokens run beside other companions.
 
+A block recorded for a call on its own keeps the autocast state it ran under (a model whose
+forward enters torch.autocast runs its blocks' GEMMs in bf16; the block called alone,
+outside that forward, would run them in fp32 and its ops would look exact): `autocast`
+re-enters it.
+
 Patchable inputs: every tensor argument except masks, positions, rotary tables and caches,
 which each engine builds its own way (an eager mask and an sdpa mask differ in form, not
 in meaning).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass, field
 
@@ -39,6 +45,7 @@ class Call:
     indices: torch.Tensor | None  # a router's chosen experts [N, k]
     probs: torch.Tensor | None    # a router's probabilities [N, E] (fp32)
     full: tuple | None = None     # (args, kwargs) as called: a block, to be called again alone
+    autocast: tuple = ()          # ((device type, dtype), ...) autocast on when it was called
 
 
 @dataclass
@@ -114,7 +121,7 @@ class Hooks:
                     ins["hidden_states"] = ins["hidden_states"] + r.detach()
                 ins.pop("residual", None)
             full = (args, kwargs) if name in self.blocks else None
-            self._pending.setdefault(name, []).append((ins, full))
+            self._pending.setdefault(name, []).append((ins, full, autocast_state()))
             return None
         src = self._source_call(name)
         for k, v in src.inputs.items():
@@ -135,7 +142,7 @@ class Hooks:
         return bound.args, bound.kwargs
 
     def _post(self, name, m, out):
-        ins, full = self._pending[name].pop() if self.mode == "record" else ({}, None)
+        ins, full, amp = self._pending[name].pop() if self.mode == "record" else ({}, None, ())
         self.order.append(name)
         stream = stream_of(out, self.convention if name in self.blocks else "hf")
         indices, probs = router_outputs(out)
@@ -145,7 +152,7 @@ class Hooks:
             out = _replace_first(out, self._noise(first_tensor(out)))
             stream = stream_of(out, self.convention if name in self.blocks else "hf")
         self.calls[name].append(Call(ins, stream.detach(), indices,
-                                     None if probs is None else probs.detach(), full))
+                                     None if probs is None else probs.detach(), full, amp))
         return out if self.mode == "jitter" else None
 
     def _replay(self, name, m, out):
@@ -155,6 +162,28 @@ class Hooks:
         if i >= len(rec) or rec[i].indices is None:
             raise InvalidArgument(f"router {name!r}: no recorded expert choices to replay")
         return replay_router(m, out, self.take(rec[i].indices))
+
+
+# the device types torch.autocast knows that a CPU or CUDA engine can run under
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_state() -> tuple:
+    """((device type, dtype), ...) of every autocast context on now."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES
+                 if torch.is_autocast_enabled(d))
+
+
+def autocast(state: tuple) -> contextlib.ExitStack:
+    """Re-enter the autocast contexts `state` (autocast_state) records, and no others."""
+    stack = contextlib.ExitStack()
+    for d in _AUTOCAST_DEVICES:
+        on = [dt for dev, dt in state if dev == d]
+        if on:
+            stack.enter_context(torch.autocast(d, dtype=on[0]))
+        elif torch.is_autocast_enabled(d):
+            stack.enter_context(torch.autocast(d, enabled=False))
+    return stack
 
 
 def take_rows(obj, rows, shape: tuple):
