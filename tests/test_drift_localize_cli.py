@@ -23,7 +23,8 @@ def test_demo_reproduces_every_control(tmp_path, capsys):
     png = tmp_path / "p.png"
     assert main(["drift", "localize", "--demo", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
-    assert out.count(": yes") == 8 and ": NO" not in out
+    from trainprobes.drift.localize_demo import CASES
+    assert out.count(": yes") == len(CASES) == 15 and ": NO" not in out
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert main(["drift", "localize", "--demo", "--plot", str(png)]) == 2  # never replaced silently
 

@@ -96,3 +96,18 @@ def test_trainer_side_bf16_fault_is_numeric_not_stale_engine_weights():
     assert m["n_stale_tensors"] == 0 and m["n_trainer_rounded_tensors"] == 3 and m["share_weights"] == 0
     assert "stale" not in r.message and "trainer holds 3 tensor(s) rounded" in r.message
     check_judgeable(r, "candidate")
+
+
+def test_moe_block_wholly_in_bf16_is_found_at_its_mlp_with_its_router_flips():
+    """Router and experts of one MoE block in bf16: found at that block's MLP; the router's
+    flips are reported and replay assigns them their share (measured: routing 72%, numerics
+    28%, so the kind is routing: the flips carry most of the drift)."""
+    from trainprobes.drift.localize_demo import Case, _edit
+    whole = Case("block 2's MoE block in bf16", "qwen2_moe",
+                 _edit(lambda m: faults.in_dtype(m.model.layers[2].mlp, torch.bfloat16)), "model.layers.2", "mlp",
+                 "routing")
+    m = run_case(whole).metrics
+    assert (m["first_layer"], m["op"], m["op_module"]) == ("model.layers.2", "mlp", "model.layers.2.mlp")
+    assert m["routing_mismatch[model.layers.2.mlp.gate]"] > 0 and m["routing_mismatch[model.layers.1.mlp.gate]"] == 0
+    assert m["share_routing"] > 0.1 and m["share_numerics"] > 0.1
+    assert m["share_routing"] + m["share_numerics"] > 0.95 and m["kind"] in ("routing", "numeric")
