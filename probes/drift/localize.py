@@ -282,7 +282,11 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
         u = max(unit_roundoff(trainer), unit_roundoff(engine))
     elif not 0 < u < 1:
         raise InvalidArgument(f"u={u!r} is not a unit roundoff: expected 0 < u < 1 (fp32 2**-24, bf16 2**-8)")
-    names = ca.names
+    # the free runs record the stages and the routers only (replay needs every router's
+    # choices); a block's ops are recorded later by calling that one block alone
+    # (record_block): recording every op of every block kept each op's output alive, and the
+    # fresh memory cost a third of a forward per run
+    names = ca.stages + [o.name for ops_ in ca.ops.values() for o in ops_ if o.role == "router"]
     blocks = frozenset(f"{ca.list_name}.{i}" for i in range(ca.n_blocks))
     order: list = []
     a, z = record(trainer, names, ids, am, blocks=blocks, order=order)
@@ -290,14 +294,14 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
     la = layout_from(ca, order, {n: (tuple(c[0].out.shape) if c else None) for n, c in a.items()},
                      B_, L_, z.shape[-1])
     stages = la.stages
-    _check_finite(a, trainer.name, order, set(ca.stages))
+    _check_finite(a, trainer, order, ca)
     routers = _routers(a)
     b_free, z_b = record(engine, names, ids, am, blocks=blocks, order=(order_b := []))
     if tuple(z_b.shape) != tuple(z.shape):
         raise InvalidArgument(f"the {trainer.name}'s logits have shape {tuple(z.shape)} and the {engine.name}'s "
                               f"{tuple(z_b.shape)} (a vocabulary of {z.shape[-1]} against {z_b.shape[-1]}: a "
                               "tokenizer mismatch?); both must score the same token ids")
-    _check_finite(b_free, engine.name, order_b, set(ca.stages))
+    _check_finite(b_free, engine, order_b, ca)
     n = 2
 
     def depth_runs(group, block=None):
@@ -316,6 +320,10 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
     first = next((r for r in reports if r.verdict == "beyond"), None)
     op_reports, op_role, op_module = [], None, None
     if first is not None and first.role == "block" and ops:
+        block_ops = [o for o in la.ops[first.block] if o.name not in a]
+        a.update(record_block(trainer, block_ops, a[first.name][0])[0])
+        b_free.update(record_block(engine, block_ops, b_free[first.name][0])[0])
+        n += 2 / la.n_blocks
         d1 = [o for o in la.ops[first.block] if o.depth == 1 and o.name in a and a[o.name]]
         _, op_reports = depth_runs(d1, first.name)
         n += 4 / la.n_blocks  # one block, not the model
@@ -371,18 +379,42 @@ def _top(reports):
     return max(beyond, key=lambda r: r.ratio) if beyond else None
 
 
-def _check_finite(rec: dict, who: str, order: list, stages=None) -> None:
-    """Name the first stage (in call order) whose output is not finite, and the op inside
-    it that made it so; only the stages are read unless one is bad (an op's overflow
-    reaches its stage's output)."""
-    names = list(dict.fromkeys(order))
-    look = names if stages is None else [n for n in names if n in stages]
+def record_block(engine: Engine, ops, call: Call) -> tuple:
+    """(name -> [Call], names in return order) of `ops` (Stages inside one block), recorded by
+    calling the block alone with the arguments and autocast state it was called with (`call`,
+    recorded by `record`): the same computation as inside the forward."""
+    mod = engine.module.get_submodule(call_block_name(ops))
+    hooks = Hooks(_modules(engine, ops), "record", convention=engine.convention)
+    args, kwargs = call.full
+    with hooks:
+        hooks.new_forward()
+        with torch.no_grad(), autocast(call.autocast):
+            mod(*args, **without_cache(kwargs))
+    return hooks.calls, hooks.order
+
+
+def call_block_name(ops) -> str:
+    """The block the ops (Stages of one block) belong to: their common module path."""
+    names = [o.name for o in ops if o.depth == 1]
+    if not names:
+        raise InvalidArgument("no ops to record: a block with no child modules")
+    return names[0].rpartition(".")[0]
+
+
+def _check_finite(rec: dict, engine: Engine, order: list, ca) -> None:
+    """Name the first stage (in call order) whose output is not finite, and the op inside it
+    that made it so (a block is called alone with its ops recorded to find it)."""
+    look = [n for n in dict.fromkeys(order) if n in set(ca.stages)]
     for name in look:
         for c in rec.get(name, []):
             if not bool(torch.isfinite(c.out).all()):
-                inner = next((n for n in names if n.startswith(name + ".")
-                              and any(not bool(torch.isfinite(k.out).all()) for k in rec.get(n, []))), None)
-                raise InvalidArgument(f"the {who}'s {name!r} output holds non-finite values"
+                inner = None
+                if c.full is not None and name.startswith(ca.list_name + "."):
+                    ops = ca.ops[int(name.rpartition(".")[2])]
+                    calls, order_ops = record_block(engine, ops, c)
+                    inner = next((n for n in dict.fromkeys(order_ops)
+                                  if any(not bool(torch.isfinite(k.out).all()) for k in calls.get(n, []))), None)
+                raise InvalidArgument(f"the {engine.name}'s {name!r} output holds non-finite values"
                                       + (f" (first from {inner!r})" if inner else "")
                                       + ": localisation compares finite activations (fix the "
                                       "overflow first, e.g. with trainprobes numerics)")
