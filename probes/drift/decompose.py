@@ -72,12 +72,16 @@ def _hybrid(trainer: Engine, own: list, name: str, ids, am) -> torch.Tensor:
         h.remove()
 
 
-def _post(trainer: Engine, eng: Engine, loc: Localisation, z_b, ids, am, mask, tok, lp_a, margin, alpha):
+def _post(trainer: Engine, eng: Engine, loc_engine: Engine, loc: Localisation, z_b, ids, am, mask, tok, lp_a,
+          margin, alpha):
     """The post-lm_head row (trainprobes.drift.postproc) and its part of the drift:
     lpB(z_B) - lpB(z_h) per scored token."""
     last = next((s for s in reversed(loc.layout.stages) if s.role == "lm_head"), loc.layout.stages[-1])
     routers = [n for n, c in loc.runs.a.items() if c and c[0].indices is not None]
-    calls, _ = record(eng, [last], ids, am, replay_from=loc.runs.a if routers else None, routers=routers)
+    if routers or eng.module is not loc_engine.module:  # replayed, or weights synced: a new run
+        calls, _ = record(eng, [last], ids, am, replay_from=loc.runs.a if routers else None, routers=routers)
+    else:  # the engine's free run recorded it already
+        calls = loc.runs.b_free
     z_h = _hybrid(trainer, calls[last.name], last.name, ids, am)
     post = judge_post(z_b, z_h, mask, lm_head=last.name, u=loc.u, margin=margin, alpha=alpha,
                       n_stages=len(loc.stages) + 1)
@@ -116,7 +120,7 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
     mask = mask[:, 1:] & mask[:, :-1]
     tok = ids[:, 1:]
     fa = trainer.logprobs
-    z_a, z_b = _logits(trainer, ids, am), _logits(engine, ids, am)
+    z_a, z_b = loc.runs.logits_a[:, :-1], loc.runs.logits_b[:, :-1]  # the free runs' own logits
     if z_a.shape != z_b.shape:
         raise InvalidArgument(f"the {trainer.name}'s logits have shape {tuple(z_a.shape)} and the "
                               f"{engine.name}'s {tuple(z_b.shape)}: a vocabulary of {z_a.shape[-1]} against "
@@ -130,7 +134,7 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
         mask = mask & ~dropped  # a token the engine cannot emit: named, not averaged
         x = torch.where(mask, x, 0.0)
     _check_judged(int(mask.sum()), int(dropped.sum()), engine.name)
-    n_forwards = loc.n_forwards + 2
+    n_forwards = loc.n_forwards
     # 1. weights
     sync = weight_sync(trainer.module, engine.module)
     stale = [s for s in sync if s.status in ("mismatch", "missing")]
@@ -152,8 +156,8 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
                             - _tok(engine.logprobs(z_r), lp_a, tok, mask))
         z_b = z_r
     # 3. after lm_head: the engine's lm_head output through the trainer's own post-processing
-    post, post_part = _post(trainer, eng, loc, z_b, ids, am, mask, tok, lp_a, margin, alpha)
-    n_forwards += 2
+    post, post_part = _post(trainer, eng, engine, loc, z_b, ids, am, mask, tok, lp_a, margin, alpha)
+    n_forwards += 1 + (eng is not engine or rt is not None)  # the hybrid, and a new record
     # 4. semantics: both sides' log-prob functions on the SAME logits, so no numerics enter
     sem = semantics(fa(z_b), engine.logprobs(z_b), tok, mask, alpha=alpha, tol=tol)
     if post.affine:  # a logit rescale in the model's forward is a temperature

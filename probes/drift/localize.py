@@ -73,6 +73,8 @@ class Runs:
     b_free: dict
     b_patched: dict
     shape: tuple
+    logits_a: torch.Tensor | None = None   # the recorded runs' logits (hooks leave them as is)
+    logits_b: torch.Tensor | None = None
 
 
 def _tokens(t: torch.Tensor, B: int, L: int) -> torch.Tensor:
@@ -347,7 +349,7 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
         op_role, op_module = first.role, first.name
     n = round(n, 3)
     return Localisation(reports, op_reports, None if first is None else first.name, op_role, op_module,
-                        la, Runs(a, b_free, b_pat, tuple(ids.shape)), u, n)
+                        la, Runs(a, b_free, b_pat, tuple(ids.shape), z, z_b), u, n)
 
 
 def unit_roundoff(engine: Engine) -> float:
