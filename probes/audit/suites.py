@@ -20,6 +20,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Callable
 
+from trainprobes.audit.localize_family import localize_checks
 from trainprobes.audit.run import Check
 from trainprobes.validation import check_choice
 
@@ -388,6 +389,7 @@ FAMILIES = {
                           worker=True),
     "causality": Family(CALIBRATION, "trainprobes.causality", causality_checks),
     "drift": Family(CALIBRATION, "trainprobes.drift.demo", drift_checks),
+    "drift_localize": Family(CALIBRATION, "transformers", localize_checks, default=False),
 }
 
 

@@ -179,35 +179,19 @@ def plot(results, path, *, replace: bool = True) -> None:
     """One row per Result: the log-ratio histogram with every token drawn (tails past the
     bulk as "N beyond" bars) and the bias by inference probability with 99% confidence
     intervals, the same pictures report.html draws (trainprobes.report.plots)."""
-    import io
-
     from trainprobes.audit.families import drift_plots
-    from trainprobes.report.plots import have_matplotlib, render_png
+    from trainprobes.report.plots import have_matplotlib, png_sheet
     from trainprobes.result import write_atomic
     if not have_matplotlib():
         raise InvalidArgument("--plot needs matplotlib: pip install 'trainprobes[plots]'")
-    from PIL import Image
     rows = []
     for r in results:
         specs = drift_plots(r)
         title = f"{r.metrics.get('drift_verdict', '?')}: {r.target}"
         for spec in specs[:1]:
             spec["title"] = f"{title[:60]}: log-ratio per token"
-        rows.append([Image.open(io.BytesIO(render_png(s, colors=256))).convert("RGB")
-                     for s in specs])
-    width = max((sum(im.width for im in row) for row in rows), default=1)
-    height = sum(max((im.height for im in row), default=0) for row in rows) or 1
-    sheet = Image.new("RGB", (width, height), "white")
-    y = 0
-    for row in rows:
-        x = 0
-        for im in row:
-            sheet.paste(im, (x, y))
-            x += im.width
-        y += max((im.height for im in row), default=0)
-    buf = io.BytesIO()
-    sheet.save(buf, format="PNG")
-    write_atomic(path, buf.getvalue(), replace=replace)
+        rows.append(specs)
+    write_atomic(path, png_sheet(rows), replace=replace)
 
 
 def run(args) -> int:

@@ -136,6 +136,7 @@ def _results(args) -> list:
 
 def _dump_result(args):
     from trainprobes.drift.dumps import compare_dumps, dump_routing, load_dump
+    from trainprobes.drift.stage_plot import stage_plot
     from trainprobes.result import Result
 
     a, b = (load_dump(p) for p in args.dumps)
@@ -159,11 +160,13 @@ def _dump_result(args):
            f"floor {first.noise_floor:.3g} (from dumps: the op needs the modules)")
     if any(flips.values()):
         msg += "; top-k expert sets differ at " + ", ".join(f"{n} {f:.1%}" for n, f in flips.items() if f)
-    return Result(probe="drift.localize", target=f"{args.dumps[0]} vs {args.dumps[1]}",
-                  verdict="pass" if first is None else "fail", metrics=metrics,
-                  evidence={"stages": [dict(r.__dict__, own_error=None) for r in rows], "from": "dumps",
-                            "residual_convention": {"trainer": a.convention, "engine": b.convention}},
-                  seed=None, codes=[] if first is None else ["TP-D4"], message=msg)
+    target = f"{args.dumps[0]} vs {args.dumps[1]}"
+    stages = [dict(r.__dict__, own_error=None) for r in rows]
+    return Result(probe="drift.localize", target=target, verdict="pass" if first is None else "fail",
+                  metrics=metrics, seed=None, codes=[] if first is None else ["TP-D4"], message=msg,
+                  evidence={"stages": stages, "from": "dumps",
+                            "residual_convention": {"trainer": a.convention, "engine": b.convention},
+                            "plots": [stage_plot(stages, args.margin, f"{metrics['kind']}: {target}")]})
 
 
 def render(results) -> str:
@@ -190,38 +193,14 @@ def render(results) -> str:
 
 
 def plot(results, path, *, replace: bool = True) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise InvalidArgument("--plot needs matplotlib: pip install 'trainprobes[plots]'") from None
-    import io
-
+    """Each Result's per-stage plot (its evidence["plots"], trainprobes.drift.stage_plot),
+    stacked: the picture the HTML report draws."""
+    from trainprobes.report.plots import have_matplotlib, png_sheet
     from trainprobes.result import write_atomic
-    fig, axes = plt.subplots(len(results), 1, figsize=(9, 2.8 * len(results)), squeeze=False)
-    for (ax,), r in zip(axes, results):
-        st = r.evidence.get("stages", [])
-        xs = range(len(st))
-        tiny = 1e-18  # log scale: an exact zero is drawn at the bottom
-        floor = [max(s["noise_floor"], tiny) for s in st]
-        margin = r.metrics.get("margin", 8.0)
-        ax.fill_between(xs, tiny, [f * margin for f in floor], color="0.85",
-                        label=f"noise floor x{margin:g}")
-        ax.plot(xs, [max(s["free_error"], tiny) for s in st], "o-", label="free-running error")
-        if st and st[0].get("own_error") is not None:
-            ax.plot(xs, [max(s["own_error"], tiny) for s in st], "s--", label="own error (patched)")
-        ax.set_yscale("log")
-        ax.set_xticks(list(xs), [s["name"].replace("model.", "") for s in st], rotation=45, fontsize=6,
-                      ha="right")
-        ax.set_ylabel("|B - A| / |A|")
-        ax.set_title(f"{r.metrics['kind']}: {r.target}"[:90], fontsize=8)
-        ax.legend(fontsize=6)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    write_atomic(path, buf.getvalue(), replace=replace)
+    if not have_matplotlib():
+        raise InvalidArgument("--plot needs matplotlib: pip install 'trainprobes[plots]'")
+    write_atomic(path, png_sheet([r.evidence["plots"][:1] for r in results if r.evidence.get("plots")]),
+                 replace=replace)
 
 
 def run(args) -> int:

@@ -28,6 +28,7 @@ from trainprobes.drift.localize import Localisation, localize_layers, record
 from trainprobes.drift.postproc import ROLE, judge_post
 from trainprobes.drift.routing import routing
 from trainprobes.drift.semantics import semantics
+from trainprobes.drift.stage_plot import stage_plot
 from trainprobes.drift.stats import cluster_t
 from trainprobes.drift.weights import synced_copy, weight_sync
 from trainprobes.errors import InvalidArgument
@@ -305,6 +306,7 @@ def _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, d
         **carried,
         "residual_convention": {"trainer": trainer.convention, "engine": engine.convention},
     }
+    evidence["plots"] = [stage_plot(evidence["stages"], margin, f"{kind}: {target or trainer.name + ' vs ' + engine.name}")]
     codes = [] if kind in ("exact", "noise") else ["TP-D4"]
     verdict = "pass" if not codes else "fail"
     return Result(probe="drift.localize", target=target or f"{trainer.name} vs {engine.name}",

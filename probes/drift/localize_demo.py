@@ -120,6 +120,8 @@ def run_case(case: Case, *, n_seq: int = 8, length: int = 24, seed: int = 0, **o
     r = localize(trainer, engine, ids, seed=seed, target=f"demo: {case.name}", **options)
     r.evidence["expect"] = {"first_layer": case.first_layer, "op": case.op, "kind": case.kind}
     r.expected = "pass" if case.kind in ("exact", "noise") else "fail"
+    # a control is reproduced only at its stage, op and kind: a fail elsewhere is a miss
+    r.metrics["matches_known_verdict"] = reproduced(r)
     return r
 
 
