@@ -4,6 +4,7 @@ The probe puts it in evidence["plots"], so the HTML report, the audit and `--plo
 same picture."""
 from __future__ import annotations
 
+
 def stage_plot(stages: list, margin: float, title: str) -> dict | None:
     """stages: the evidence's stage rows (name, free_error, noise_floor, own_error or None).
     A log axis cannot show zero: exact (zero) errors are drawn at the bottom edge, a tenth of
