@@ -68,6 +68,7 @@ class Hooks:
     _pending: dict = field(default_factory=dict)
     order: list = field(default_factory=list)   # names in the order their forwards returned
     _sigs: dict = field(default_factory=dict)
+    _buf: dict = field(default_factory=dict)      # dtype -> jitter draws (_draws)
 
     def __enter__(self):
         self._gen = torch.Generator().manual_seed(self.seed)
@@ -101,9 +102,17 @@ class Hooks:
         # tensors), whose product rounds at 2^-24 of a term already below u |t|, so the final
         # rounding to t's dtype is the one that counts (and half the cost of fp64)
         work = torch.float64 if t.dtype == torch.float64 else torch.float32
-        d = torch.rand(t.shape, generator=self._gen, dtype=work).mul_(2 * self.u).sub_(self.u)
         w = t.to(work)
-        return w.addcmul(w, d).to(t.dtype)
+        return w.addcmul(w, self._draws(t.numel(), work).view(t.shape)).to(t.dtype)
+
+    def _draws(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """n values u d, d uniform in [-1, 1]: one seeded draw per run, grown when a larger
+        tensor comes, each tensor taking its first n (every stage's floor is judged on its
+        own, so stages may share the pattern; drawing per tensor cost a tenth of a forward)."""
+        have = self._buf.get(dtype)
+        if have is None or have.numel() < n:
+            have = self._buf[dtype] = torch.rand(n, generator=self._gen, dtype=dtype).mul_(2 * self.u).sub_(self.u)
+        return have[:n]
 
     def _source_call(self, name: str) -> Call:
         i = self._count.get(name, 0)
