@@ -239,7 +239,7 @@ def main(argv=None) -> int:
                     tensors[k] = keep.contiguous()
                 meta = {"format": FORMAT, "stages": json.dumps(stages), "residual_convention": "vllm",
                         "engine": f"vllm {vllm.__version__} cpu, torch {torch.__version__}",
-                        "dtype": dtype, "start_seconds": f"{start:.0f}"}
+                        "dtype": dtype}
                 if model == "llama_eps":
                     meta["fault"] = f"rms_norm_eps {FAULT_EPS:g} (the weights' model: {cfg['rms_norm_eps']:g})"
                 path = os.path.join(args.out, f"{model}_{dtype}.safetensors")
