@@ -182,11 +182,16 @@ def wider_vocab():
     return _llama(2, vocab_size=256)
 
 
+def fp8_weights():
+    return _llama(2).to(torch.float8_e4m3fn)
+
+
 @pytest.mark.parametrize("engine, words", [
     ("three_layers", "the trainer has 2 blocks and the engine 3"),
     ("renamed", "only in the trainer: ['model.norm']; only in the engine: ['model.final_norm']"),
     ("overflowing", "engine's 'model.layers.1' output holds non-finite values"),
     ("wider_vocab", "128 ids and the engine's 256"),
+    ("fp8_weights", "whose rounding floor is not known here"),
 ])
 def test_bad_engine_pairs_exit_2_naming_what_differs(engine, words, capsys):
     here = "tests.test_drift_localize_cli"
