@@ -40,9 +40,21 @@ def _edit(f, logprobs=raw_logprobs):
     return build
 
 
-LLAMA = (
-    Case("identical engines", "llama", _same, "", "", "exact"),
-    Case("eager vs sdpa attention, fp32", "llama", _same, "", "", "noise", attn="sdpa"),
+def _whole_model(family: str, tag: str = "") -> tuple:
+    """The cases with no fault inside the model, the same in every family: identical engines,
+    eager vs sdpa attention, and the two log-prob conventions."""
+    return (
+        Case(f"identical engines{tag}", family, _same, "", "", "exact"),
+        Case(f"eager vs sdpa attention, fp32{tag}", family, _same, "", "", "noise", attn="sdpa"),
+        Case(f"temperature applied twice by the engine{tag}", family,
+             lambda m: (m, temperature_logprobs(T * T)), "", "", "temperature",
+             trainer_logprobs=temperature_logprobs(T)),
+        Case(f"engine returns top-p 0.9 renormalised log-probs{tag}", family,
+             lambda m: (m, top_p_logprobs(0.9)), "", "", "renormalisation"),
+    )
+
+
+LLAMA = _whole_model("llama") + (
     Case("block 2's MLP in bf16", "llama",
          _edit(lambda m: in_dtype(m.model.layers[2].mlp, torch.bfloat16)),
          "model.layers.2", "mlp", "numeric"),
@@ -52,18 +64,11 @@ LLAMA = (
     Case("stale v_proj in the last block (missed by the refit)", "llama",
          _edit(lambda m: stale(m.model.layers[3].self_attn.v_proj.weight)),
          "model.layers.3", "attention", "weights"),
-    Case("temperature applied twice by the engine", "llama",
-         lambda m: (m, temperature_logprobs(T * T)), "", "", "temperature",
-         trainer_logprobs=temperature_logprobs(T)),
-    Case("engine returns top-p 0.9 renormalised log-probs", "llama",
-         lambda m: (m, top_p_logprobs(0.9)), "", "", "renormalisation"),
 )
 # the same faults in a Qwen2-MoE (32 experts, top-4, a shared expert). Its MLP fault is in
 # the experts: the whole MoE block in bf16 puts its router in bf16 too, whose flips then
 # carry most of the drift (kind routing, measured 72%: docs/drift.md)
-QWEN2_MOE = (
-    Case("identical engines (MoE)", "qwen2_moe", _same, "", "", "exact"),
-    Case("eager vs sdpa attention, fp32 (MoE)", "qwen2_moe", _same, "", "", "noise", attn="sdpa"),
+QWEN2_MOE = _whole_model("qwen2_moe", " (MoE)") + (
     Case("block 2's experts in bf16 (MoE)", "qwen2_moe",
          _edit(lambda m: in_dtype(m.model.layers[2].mlp.experts, torch.bfloat16)),
          "model.layers.2", "mlp", "numeric"),
@@ -76,11 +81,6 @@ QWEN2_MOE = (
     Case("block 1's router in bf16 (MoE)", "qwen2_moe",
          _edit(lambda m: in_dtype(m.model.layers[1].mlp.gate, torch.bfloat16)),
          "model.layers.1", "router", "routing"),
-    Case("temperature applied twice by the engine (MoE)", "qwen2_moe",
-         lambda m: (m, temperature_logprobs(T * T)), "", "", "temperature",
-         trainer_logprobs=temperature_logprobs(T)),
-    Case("engine returns top-p 0.9 renormalised log-probs (MoE)", "qwen2_moe",
-         lambda m: (m, top_p_logprobs(0.9)), "", "", "renormalisation"),
 )
 CASES = LLAMA + QWEN2_MOE
 
