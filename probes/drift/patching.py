@@ -68,7 +68,7 @@ class Hooks:
     _pending: dict = field(default_factory=dict)
     order: list = field(default_factory=list)   # names in the order their forwards returned
     _sigs: dict = field(default_factory=dict)
-    _buf: dict = field(default_factory=dict)      # dtype -> jitter draws (_draws)
+    _buf: dict = field(default_factory=dict)      # (dtype, side) -> jitter draws (_draws)
 
     def __enter__(self):
         self._gen = torch.Generator().manual_seed(self.seed)
@@ -97,21 +97,23 @@ class Hooks:
     def take(self, t: torch.Tensor) -> torch.Tensor:
         return take_rows(t, self.rows, self.shape)
 
-    def _noise(self, t: torch.Tensor) -> torch.Tensor:
+    def _noise(self, t: torch.Tensor, side: str) -> torch.Tensor:
         # t (1 + u d) rounded to t's dtype: computed as t + t (u d) in fp32 (fp64 for fp64
         # tensors), whose product rounds at 2^-24 of a term already below u |t|, so the final
         # rounding to t's dtype is the one that counts (and half the cost of fp64)
         work = torch.float64 if t.dtype == torch.float64 else torch.float32
         w = t.to(work)
-        return w.addcmul(w, self._draws(t.numel(), work).view(t.shape)).to(t.dtype)
+        return w.addcmul(w, self._draws(t.numel(), work, side).view(t.shape)).to(t.dtype)
 
-    def _draws(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        """n values u d, d uniform in [-1, 1]: one seeded draw per run, grown when a larger
-        tensor comes, each tensor taking its first n (every stage's floor is judged on its
-        own, so stages may share the pattern; drawing per tensor cost a tenth of a forward)."""
-        have = self._buf.get(dtype)
+    def _draws(self, n: int, dtype: torch.dtype, side: str) -> torch.Tensor:
+        """n values u d, d uniform in [-1, 1]: one seeded draw per run and side ("in" for a
+        stage's inputs, "out" for its output: independent, as two roundings are), grown when a
+        larger tensor comes, each tensor taking its first n (every stage's floor is judged on
+        its own, so stages may share the pattern; drawing per tensor cost a tenth of a forward)."""
+        have = self._buf.get((dtype, side))
         if have is None or have.numel() < n:
-            have = self._buf[dtype] = torch.rand(n, generator=self._gen, dtype=dtype).mul_(2 * self.u).sub_(self.u)
+            have = torch.rand(n, generator=self._gen, dtype=dtype).mul_(2 * self.u).sub_(self.u)
+            self._buf[(dtype, side)] = have
         return have[:n]
 
     def _source_call(self, name: str) -> Call:
@@ -146,7 +148,7 @@ class Hooks:
                 continue
             new = self.take(v)
             if self.mode == "jitter" and new.is_floating_point():
-                new = self._noise(new)
+                new = self._noise(new, "in")
             if new.shape != cur.shape:
                 raise InvalidArgument(f"{name}: input {k!r} has shape {tuple(cur.shape)} here and "
                                       f"{tuple(new.shape)} in the other engine")
@@ -163,7 +165,7 @@ class Hooks:
         if stream is None:
             return None
         if self.mode == "jitter":  # the output's own rounding belongs to the floor too
-            out = _replace_first(out, self._noise(first_tensor(out)))
+            out = _replace_first(out, self._noise(first_tensor(out), "out"))
             stream = stream_of(out, self.convention if name in self.blocks else "hf")
         self.calls[name].append(Call(ins, stream.detach(), indices,
                                      None if probs is None else probs.detach(), full, amp))
