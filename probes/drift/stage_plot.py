@@ -21,7 +21,7 @@ def stage_plot(stages: list, margin: float, title: str) -> dict | None:
 
     def pos(v):
         return v if isinstance(v, (int, float)) and v > 0 else bottom
-    return {"kind": "line", "title": title[:90], "x": list(range(len(stages))),
+    return {"kind": "line", "title": title if len(title) <= 64 else title[:63] + "\u2026", "x": list(range(len(stages))),
             "xticklabels": [s["name"].removeprefix("model.") for s in stages], "xrotation": 30,
             "series": {k: [pos(v) for v in ys] for k, ys in rows.items()}, "logy": True,
             "xlabel": "stage (call order)", "ylabel": "|B - A| / |A| per token",
