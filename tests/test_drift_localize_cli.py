@@ -23,7 +23,8 @@ def test_demo_reproduces_every_control(tmp_path, capsys):
     png = tmp_path / "p.png"
     assert main(["drift", "localize", "--demo", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
-    assert out.count(": yes") == 8 and ": NO" not in out
+    from trainprobes.drift.localize_demo import CASES
+    assert out.count(": yes") == len(CASES) == 15 and ": NO" not in out
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert main(["drift", "localize", "--demo", "--plot", str(png)]) == 2  # never replaced silently
 
@@ -134,3 +135,72 @@ def test_measured_noise_dump(dumps, capsys):
                  str(dumps["b"]), "--json"]) == 0
     m = json.loads(capsys.readouterr().out)["results"][0]["metrics"]
     assert m["noise_floor[model.layers.2]"] > m["free_error[model.layers.2]"] / 2
+
+
+# --- bad input through the CLI: each named, exit 2 (factories for --target/--engine) -----
+
+def _llama(layers=2, **kw):
+    return tiny_model("llama", "eager", seed=0, num_hidden_layers=layers, **kw)
+
+
+def two_layers():
+    return _llama(2)
+
+
+def three_layers():
+    return _llama(3)
+
+
+def renamed():
+    """Two blocks whose parent calls its final norm `final_norm` instead of `norm`."""
+    m = _llama(2)
+    m.model.final_norm = m.model.norm
+    del m.model.norm
+    m.model.forward = _renamed_forward(m.model)
+    return m
+
+
+def _renamed_forward(inner):
+    def forward(input_ids=None, attention_mask=None, **kw):
+        h = inner.embed_tokens(input_ids)
+        pos = torch.arange(h.shape[1])[None]
+        pe = inner.rotary_emb(h, pos)
+        for layer in inner.layers:
+            h = layer(h, attention_mask=None, position_embeddings=pe, position_ids=pos)
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+        return BaseModelOutputWithPast(last_hidden_state=inner.final_norm(h))
+    return forward
+
+
+def overflowing():
+    m = _llama(2)
+    m.model.layers[1].mlp.down_proj.weight.data[0, 0] = float("inf")
+    return m
+
+
+def wider_vocab():
+    return _llama(2, vocab_size=256)
+
+
+def fp8_weights():
+    return _llama(2).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("engine, words", [
+    ("three_layers", "the trainer has 2 blocks and the engine 3"),
+    ("renamed", "only in the trainer: ['model.norm']; only in the engine: ['model.final_norm']"),
+    ("overflowing", "engine's 'model.layers.1' output holds non-finite values"),
+    ("wider_vocab", "128 ids and the engine's 256"),
+    ("fp8_weights", "whose rounding floor is not known here"),
+])
+def test_bad_engine_pairs_exit_2_naming_what_differs(engine, words, capsys):
+    here = "tests.test_drift_localize_cli"
+    rc = main(["drift", "localize", "--target", f"{here}:two_layers", "--engine", f"{here}:{engine}",
+               "--sequences", "4", "--length", "8"])
+    assert rc == 2
+    assert words in capsys.readouterr().err
+
+
+def test_bad_dumps_exit_2(dumps, capsys):
+    assert main(["drift", "localize", "--dumps", str(dumps["a"]), str(dumps["short"])]) == 2
+    assert "tokens of different shapes" in capsys.readouterr().err

@@ -83,3 +83,31 @@ def test_sampled_tokens_come_from_the_engine():
     with torch.no_grad():
         lp = e.logprobs(e.logits(ids))[:, :-1].gather(-1, ids[:, 1:, None])
     assert ids.shape == (3, 10) and bool(torch.isfinite(lp[:, 1:]).all())
+
+
+def test_trainer_side_bf16_fault_is_numeric_not_stale_engine_weights():
+    a = tiny_model("llama", "eager", seed=0, num_hidden_layers=3)
+    b = copy.deepcopy(a)
+    faults.in_dtype(a.model.layers[2].mlp, torch.bfloat16)  # the TRAINER's MLP in bf16
+    ids = torch.randint(0, 128, (6, 16), generator=torch.Generator().manual_seed(1))
+    r = localize(Engine(a, name="trainer"), Engine(b, name="engine"), ids)
+    m = r.metrics
+    assert (m["kind"], m["first_layer"], m["op"]) == ("numeric", "model.layers.2", "mlp")
+    assert m["n_stale_tensors"] == 0 and m["n_trainer_rounded_tensors"] == 3 and m["share_weights"] == 0
+    assert "stale" not in r.message and "trainer holds 3 tensor(s) rounded" in r.message
+    check_judgeable(r, "candidate")
+
+
+def test_moe_block_wholly_in_bf16_is_found_at_its_mlp_with_its_router_flips():
+    """Router and experts of one MoE block in bf16: found at that block's MLP; the router's
+    flips are reported and replay assigns them their share (measured: routing 72%, numerics
+    28%, so the kind is routing: the flips carry most of the drift)."""
+    from trainprobes.drift.localize_demo import Case, _edit
+    whole = Case("block 2's MoE block in bf16", "qwen2_moe",
+                 _edit(lambda m: faults.in_dtype(m.model.layers[2].mlp, torch.bfloat16)), "model.layers.2", "mlp",
+                 "routing")
+    m = run_case(whole).metrics
+    assert (m["first_layer"], m["op"], m["op_module"]) == ("model.layers.2", "mlp", "model.layers.2.mlp")
+    assert m["routing_mismatch[model.layers.2.mlp.gate]"] > 0 and m["routing_mismatch[model.layers.1.mlp.gate]"] == 0
+    assert m["share_routing"] > 0.1 and m["share_numerics"] > 0.1
+    assert m["share_routing"] + m["share_numerics"] > 0.95 and m["kind"] in ("routing", "numeric")

@@ -146,3 +146,17 @@ def test_carriers_by_probability_position_and_heaviest_with_text():
     assert rare["n"] == 1 and rare["share_sq"] == pytest.approx(9 / 9.25)
     assert sum(r["n"] for r in c["by_position"]) == 24
     assert c["by_sequence_mean_abs"][2] == pytest.approx(0.5)
+
+
+def test_trainer_side_rounding_is_not_a_stale_engine_tensor():
+    """The trainer holds a tensor in bf16, the engine the fp32 value: the trainer's side lost
+    precision; the engine's tensor is not stale."""
+    a = _model()
+    b = copy.deepcopy(a)
+    a[1].to(torch.bfloat16)
+    rows = {r.name: r for r in weight_sync(a, b)}
+    assert rows["1.weight"].status == "trainer_rounded" and rows["1.weight"].max_ulps <= 0.5
+    assert "trainer holds" in rows["1.weight"].note and rows["0.weight"].status == "exact"
+    faults.stale(b[0].weight)  # and a real stale engine tensor beside it is still named
+    rows = {r.name: r for r in weight_sync(a, b)}
+    assert rows["0.weight"].status == "mismatch" and "engine's float32 tensor differs" in rows["0.weight"].note

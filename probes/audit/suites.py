@@ -20,6 +20,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Callable
 
+from trainprobes.audit.localize_family import localize_checks
 from trainprobes.audit.run import Check
 from trainprobes.audit.suite_gemm import gemm_checks
 from trainprobes.validation import check_choice
@@ -390,6 +391,7 @@ FAMILIES = {
     "causality": Family(CALIBRATION, "trainprobes.causality", causality_checks),
     "drift": Family(CALIBRATION, "trainprobes.drift.demo", drift_checks),
     "gemm": Family(CALIBRATION, "trainprobes.audit.suite_gemm", gemm_checks, default=False),
+    "drift_localize": Family(CALIBRATION, "transformers", localize_checks, default=False),
 }
 
 

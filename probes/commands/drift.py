@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import sys
 
-from trainprobes.commands.options import add_report_options, emit_report
+from trainprobes.commands.options import add_alpha_option, add_int_options, add_report_options, emit_report
 from trainprobes.errors import InvalidArgument
-from trainprobes.validation import check_number, parse_int, parse_number, parse_with
+from trainprobes.validation import check_number, parse_number, parse_with
 
 HELP = "train/inference log-prob drift: biased, heavy-tailed, noisy or clean"
 
@@ -27,8 +27,7 @@ def add_arguments(p) -> None:
                      help="when --train and --infer both carry a 'mask' and they differ, use the "
                           "tokens both call real (said in the report); without it, differing "
                           "masks stop the command")
-    opt.add_argument("--alpha", default=0.01, help="level of the bias test (default 0.01)",
-                     type=parse_number("alpha", min=0.0, max=1.0, min_open=True, max_open=True))
+    add_alpha_option(opt, "the bias test")
     opt.add_argument("--clip", type=parse_number("clip", min=1.0, min_open=True), default=2.0,
                      help="C of the ratio band [1/C, C] (default 2)")
     opt.add_argument("--noise-kl-max", type=parse_number("noise_kl_max", min=0.0), default=1e-3,
@@ -41,12 +40,9 @@ def add_arguments(p) -> None:
     opt.add_argument("--threshold", action="append", default=[], metavar="METRIC=MAX",
                      type=parse_with(str, check_threshold, "threshold"),
                      help="fail (TP-D3) when |METRIC| > MAX, e.g. k3_kl=0.001; repeatable")
-    opt.add_argument("--seed", type=parse_int("seed", min=0), default=0,
-                     help="demo seed (model, prompts, sampling)")
-    opt.add_argument("--demo-prompts", type=parse_int("demo_prompts", min=2), default=32,
-                     help="demo sequences per scenario")
-    opt.add_argument("--demo-tokens", type=parse_int("demo_tokens", min=1), default=32,
-                     help="demo tokens per sequence")
+    add_int_options(opt, ("--seed", 0, 0, "demo seed (model, prompts, sampling)"),
+                    ("--demo-prompts", 32, 2, "demo sequences per scenario"),
+                    ("--demo-tokens", 32, 1, "demo tokens per sequence"))
     out = p.add_argument_group("output")
     add_report_options(out)
     out.add_argument("--plot", metavar="PNG", help="histogram of log-ratios and bias by probability")
@@ -183,35 +179,19 @@ def plot(results, path, *, replace: bool = True) -> None:
     """One row per Result: the log-ratio histogram with every token drawn (tails past the
     bulk as "N beyond" bars) and the bias by inference probability with 99% confidence
     intervals, the same pictures report.html draws (trainprobes.report.plots)."""
-    import io
-
     from trainprobes.audit.families import drift_plots
-    from trainprobes.report.plots import have_matplotlib, render_png
+    from trainprobes.report.plots import have_matplotlib, png_sheet
     from trainprobes.result import write_atomic
     if not have_matplotlib():
         raise InvalidArgument("--plot needs matplotlib: pip install 'trainprobes[plots]'")
-    from PIL import Image
     rows = []
     for r in results:
         specs = drift_plots(r)
         title = f"{r.metrics.get('drift_verdict', '?')}: {r.target}"
         for spec in specs[:1]:
             spec["title"] = f"{title[:60]}: log-ratio per token"
-        rows.append([Image.open(io.BytesIO(render_png(s, colors=256))).convert("RGB")
-                     for s in specs])
-    width = max((sum(im.width for im in row) for row in rows), default=1)
-    height = sum(max((im.height for im in row), default=0) for row in rows) or 1
-    sheet = Image.new("RGB", (width, height), "white")
-    y = 0
-    for row in rows:
-        x = 0
-        for im in row:
-            sheet.paste(im, (x, y))
-            x += im.width
-        y += max((im.height for im in row), default=0)
-    buf = io.BytesIO()
-    sheet.save(buf, format="PNG")
-    write_atomic(path, buf.getvalue(), replace=replace)
+        rows.append(specs)
+    write_atomic(path, png_sheet(rows), replace=replace)
 
 
 def run(args) -> int:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from trainprobes.commands.options import add_report_options, emit_report
+from trainprobes.commands.options import add_alpha_option, add_int_options, add_report_options, emit_report
 from trainprobes.errors import InvalidArgument, TargetError
-from trainprobes.validation import parse_int, parse_number
+from trainprobes.validation import parse_number
 
 HELP = "localise train/inference drift: first stage and op beyond noise, weights, routing, semantics"
 
@@ -32,16 +32,17 @@ def add_arguments(p) -> None:
                           "attention_mask); default: random ids from --seed")
     opt.add_argument("--tokenizer", metavar="DIR",
                      help="a local HF tokenizer (save_pretrained dir) to name the heaviest tokens")
-    opt.add_argument("--sequences", type=parse_int("sequences", min=4), default=8,
-                     help="random token sequences without --tokens (default 8)")
-    opt.add_argument("--length", type=parse_int("length", min=2), default=24,
-                     help="random sequence length without --tokens (default 24)")
+    add_int_options(opt, ("--sequences", 8, 4, "random token sequences without --tokens"),
+                    ("--length", 24, 2, "random sequence length without --tokens"),
+                    ("--seed", 0, 0, "seed (tokens, jitter)"))
     opt.add_argument("--margin", type=parse_number("margin", min=1.0), default=8.0,
                      help="a stage is beyond noise when its own error exceeds margin x its noise floor "
                           "(default 8)")
-    opt.add_argument("--alpha", type=parse_number("alpha", min=0.0, max=1.0, min_open=True, max_open=True),
-                     default=0.01, help="level of the per-stage test, Bonferroni over stages (default 0.01)")
-    opt.add_argument("--seed", type=parse_int("seed", min=0), default=0, help="seed (tokens, jitter)")
+    add_alpha_option(opt, "the per-stage test, Bonferroni over stages")
+    opt.add_argument("--unit-roundoff", type=parse_number("unit_roundoff", min=0.0, max=1.0, min_open=True,
+                                                          max_open=True), default=None, metavar="U",
+                     help="the unit roundoff of the engines' nominal precision (default: from the coarser "
+                          "engine's parameter dtype; needed for a dtype without a known floor, e.g. fp8)")
     out = p.add_argument_group("output")
     add_report_options(out)
     out.add_argument("--plot", metavar="PNG",
@@ -130,11 +131,12 @@ def _results(args) -> list:
         tokenizer = _require("transformers", "'trainprobes[hf]'").AutoTokenizer.from_pretrained(
             args.tokenizer, local_files_only=True)
     return [localize(trainer, engine, ids, am, margin=args.margin, alpha=args.alpha, seed=args.seed,
-                     target=f"{args.target} vs {args.engine}", tokenizer=tokenizer)]
+                     target=f"{args.target} vs {args.engine}", tokenizer=tokenizer, u=args.unit_roundoff)]
 
 
 def _dump_result(args):
-    from trainprobes.drift.dumps import compare_dumps, load_dump
+    from trainprobes.drift.dumps import compare_dumps, dump_routing, load_dump
+    from trainprobes.drift.stage_plot import stage_plot
     from trainprobes.result import Result
 
     a, b = (load_dump(p) for p in args.dumps)
@@ -147,13 +149,24 @@ def _dump_result(args):
     for r in rows:
         metrics[f"free_error[{r.name}]"] = r.free_error
         metrics[f"noise_floor[{r.name}]"] = r.noise_floor
+    flips = dump_routing(a, b)
+    for name, f in flips.items():
+        metrics[f"routing_mismatch[{name}]"] = f
+    if a.logprobs is not None and b.logprobs is not None:
+        m = (a.mask & b.mask)[:, 1:] & (a.mask & b.mask)[:, :-1]
+        metrics["max_abs_log_ratio"] = (b.logprobs - a.logprobs)[m].abs().max().item() if bool(m.any()) else 0.0
     msg = (f"no stage diverges beyond {args.margin:g}x its floor" if first is None else
            f"first divergent stage {first.name}: free error {first.free_error:.3g} > {args.margin:g} x "
            f"floor {first.noise_floor:.3g} (from dumps: the op needs the modules)")
-    return Result(probe="drift.localize", target=f"{args.dumps[0]} vs {args.dumps[1]}",
-                  verdict="pass" if first is None else "fail", metrics=metrics,
-                  evidence={"stages": [dict(r.__dict__, own_error=None) for r in rows], "from": "dumps"},
-                  seed=None, codes=[] if first is None else ["TP-D4"], message=msg)
+    if any(flips.values()):
+        msg += "; top-k expert sets differ at " + ", ".join(f"{n} {f:.1%}" for n, f in flips.items() if f)
+    target = f"{args.dumps[0]} vs {args.dumps[1]}"
+    stages = [dict(r.__dict__, own_error=None) for r in rows]
+    return Result(probe="drift.localize", target=target, verdict="pass" if first is None else "fail",
+                  metrics=metrics, seed=None, codes=[] if first is None else ["TP-D4"], message=msg,
+                  evidence={"stages": stages, "from": "dumps",
+                            "residual_convention": {"trainer": a.convention, "engine": b.convention},
+                            "plots": [stage_plot(stages, args.margin, f"{metrics['kind']}: {target}")]})
 
 
 def render(results) -> str:
@@ -180,38 +193,14 @@ def render(results) -> str:
 
 
 def plot(results, path, *, replace: bool = True) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise InvalidArgument("--plot needs matplotlib: pip install 'trainprobes[plots]'") from None
-    import io
-
+    """Each Result's per-stage plot (its evidence["plots"], trainprobes.drift.stage_plot),
+    stacked: the picture the HTML report draws."""
+    from trainprobes.report.plots import have_matplotlib, png_sheet
     from trainprobes.result import write_atomic
-    fig, axes = plt.subplots(len(results), 1, figsize=(9, 2.8 * len(results)), squeeze=False)
-    for (ax,), r in zip(axes, results):
-        st = r.evidence.get("stages", [])
-        xs = range(len(st))
-        tiny = 1e-18  # log scale: an exact zero is drawn at the bottom
-        floor = [max(s["noise_floor"], tiny) for s in st]
-        margin = r.metrics.get("margin", 8.0)
-        ax.fill_between(xs, tiny, [f * margin for f in floor], color="0.85",
-                        label=f"noise floor x{margin:g}")
-        ax.plot(xs, [max(s["free_error"], tiny) for s in st], "o-", label="free-running error")
-        if st and st[0].get("own_error") is not None:
-            ax.plot(xs, [max(s["own_error"], tiny) for s in st], "s--", label="own error (patched)")
-        ax.set_yscale("log")
-        ax.set_xticks(list(xs), [s["name"].replace("model.", "") for s in st], rotation=45, fontsize=6,
-                      ha="right")
-        ax.set_ylabel("|B - A| / |A|")
-        ax.set_title(f"{r.metrics['kind']}: {r.target}"[:90], fontsize=8)
-        ax.legend(fontsize=6)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    write_atomic(path, buf.getvalue(), replace=replace)
+    if not have_matplotlib():
+        raise InvalidArgument("--plot needs matplotlib: pip install 'trainprobes[plots]'")
+    write_atomic(path, png_sheet([r.evidence["plots"][:1] for r in results if r.evidence.get("plots")]),
+                 replace=replace)
 
 
 def run(args) -> int:

@@ -227,3 +227,21 @@ def progress_wanted(args, stream=None) -> bool:
         return True
     stream = sys.stderr if stream is None else stream
     return bool(getattr(stream, "isatty", lambda: False)())
+
+
+# --- counts, a test level and a seed: the integer options several commands share ---------
+
+def add_int_options(group, *specs) -> None:
+    """One option per (flag, default, minimum, help): an integer refused below `minimum` before
+    any work, its default said in its help."""
+    from trainprobes.validation import parse_int
+    for flag, default, minimum, text in specs:
+        group.add_argument(flag, type=parse_int(flag.lstrip("-").replace("-", "_"), min=minimum),
+                           default=default, help=f"{text} (default {default})")
+
+
+def add_alpha_option(group, test: str, default: float = 0.01) -> None:
+    """--alpha: the level of `test`, in (0, 1)."""
+    from trainprobes.validation import parse_number
+    group.add_argument("--alpha", default=default, help=f"level of {test} (default {default:g})",
+                       type=parse_number("alpha", min=0.0, max=1.0, min_open=True, max_open=True))

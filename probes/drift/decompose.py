@@ -28,6 +28,7 @@ from trainprobes.drift.localize import Localisation, localize_layers, record
 from trainprobes.drift.postproc import ROLE, judge_post
 from trainprobes.drift.routing import routing
 from trainprobes.drift.semantics import semantics
+from trainprobes.drift.stage_plot import stage_plot
 from trainprobes.drift.stats import cluster_t
 from trainprobes.drift.weights import synced_copy, weight_sync
 from trainprobes.errors import InvalidArgument
@@ -72,12 +73,16 @@ def _hybrid(trainer: Engine, own: list, name: str, ids, am) -> torch.Tensor:
         h.remove()
 
 
-def _post(trainer: Engine, eng: Engine, loc: Localisation, z_b, ids, am, mask, tok, lp_a, margin, alpha):
+def _post(trainer: Engine, eng: Engine, loc_engine: Engine, loc: Localisation, z_b, ids, am, mask, tok, lp_a,
+          margin, alpha):
     """The post-lm_head row (trainprobes.drift.postproc) and its part of the drift:
     lpB(z_B) - lpB(z_h) per scored token."""
     last = next((s for s in reversed(loc.layout.stages) if s.role == "lm_head"), loc.layout.stages[-1])
     routers = [n for n, c in loc.runs.a.items() if c and c[0].indices is not None]
-    calls, _ = record(eng, [last], ids, am, replay_from=loc.runs.a if routers else None, routers=routers)
+    if routers or eng.module is not loc_engine.module:  # replayed, or weights synced: a new run
+        calls, _ = record(eng, [last], ids, am, replay_from=loc.runs.a if routers else None, routers=routers)
+    else:  # the engine's free run recorded it already
+        calls = loc.runs.b_free
     z_h = _hybrid(trainer, calls[last.name], last.name, ids, am)
     post = judge_post(z_b, z_h, mask, lm_head=last.name, u=loc.u, margin=margin, alpha=alpha,
                       n_stages=len(loc.stages) + 1)
@@ -102,20 +107,21 @@ def _shares(x: torch.Tensor, parts: dict, mask: torch.Tensor, alpha: float) -> d
 
 def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *, margin: float = 8.0,
              alpha: float = 0.01, seed: int = 0, tol: float = 1e-3, target: str | None = None,
-             tokenizer=None) -> Result:
+             tokenizer=None, u: float | None = None) -> Result:
     """Localise the engine's drift from the trainer on the same tokens: per stage own and
     free errors against the noise floor, the op inside the first stage beyond noise, the
     weight sync, the log-prob semantics, the routing, and the decomposition (module doc).
     input_ids [B, L] (B >= 4 sequences); positions 0..L-2 score tokens 1..L-1. tokenizer:
-    optional, to name the heaviest tokens (trainprobes.drift.carriers)."""
+    optional, to name the heaviest tokens (trainprobes.drift.carriers). u: the unit roundoff
+    of the nominal precision (default: from the coarser engine's dtype)."""
     ids = torch.as_tensor(input_ids)
-    loc = localize_layers(trainer, engine, ids, attention_mask, margin=margin, alpha=alpha, seed=seed)
+    loc = localize_layers(trainer, engine, ids, attention_mask, margin=margin, alpha=alpha, seed=seed, u=u)
     am = None if attention_mask is None else torch.as_tensor(attention_mask)
     mask = torch.ones(ids.shape, dtype=torch.bool) if am is None else am.bool()
     mask = mask[:, 1:] & mask[:, :-1]
     tok = ids[:, 1:]
     fa = trainer.logprobs
-    z_a, z_b = _logits(trainer, ids, am), _logits(engine, ids, am)
+    z_a, z_b = loc.runs.logits_a[:, :-1], loc.runs.logits_b[:, :-1]  # the free runs' own logits
     if z_a.shape != z_b.shape:
         raise InvalidArgument(f"the {trainer.name}'s logits have shape {tuple(z_a.shape)} and the "
                               f"{engine.name}'s {tuple(z_b.shape)}: a vocabulary of {z_a.shape[-1]} against "
@@ -129,7 +135,7 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
         mask = mask & ~dropped  # a token the engine cannot emit: named, not averaged
         x = torch.where(mask, x, 0.0)
     _check_judged(int(mask.sum()), int(dropped.sum()), engine.name)
-    n_forwards = loc.n_forwards + 2
+    n_forwards = loc.n_forwards
     # 1. weights
     sync = weight_sync(trainer.module, engine.module)
     stale = [s for s in sync if s.status in ("mismatch", "missing")]
@@ -151,8 +157,8 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
                             - _tok(engine.logprobs(z_r), lp_a, tok, mask))
         z_b = z_r
     # 3. after lm_head: the engine's lm_head output through the trainer's own post-processing
-    post, post_part = _post(trainer, eng, loc, z_b, ids, am, mask, tok, lp_a, margin, alpha)
-    n_forwards += 2
+    post, post_part = _post(trainer, eng, engine, loc, z_b, ids, am, mask, tok, lp_a, margin, alpha)
+    n_forwards += 1 + (eng is not engine or rt is not None)  # the hybrid, and a new record
     # 4. semantics: both sides' log-prob functions on the SAME logits, so no numerics enter
     sem = semantics(fa(z_b), engine.logprobs(z_b), tok, mask, alpha=alpha, tol=tol)
     if post.affine:  # a logit rescale in the model's forward is a temperature
@@ -163,7 +169,7 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
     parts["renormalisation"] = sem.parts["renormalisation"]
     # 4. numerics by stage: the stages beyond noise of the engine as it now stands
     num_loc = loc if not stale else localize_layers(trainer, eng, ids, am, margin=margin, alpha=alpha,
-                                                    seed=seed, ops=False)
+                                                    seed=seed, ops=False, u=loc.u)
     if stale:
         n_forwards += num_loc.n_forwards
     beyond = [r for r in num_loc.stages if r.verdict == "beyond"]
@@ -239,6 +245,7 @@ def _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, d
             seed, n_forwards, target, carried) -> Result:
     xs = x[mask]
     flips = rt.per_layer() if rt is not None else {}
+    rounded = [s for s in sync if s.status == "trainer_rounded"]
     metrics = {
         "engines_agree": kind in ("exact", "noise"), "kind": kind,
         "first_layer": loc.first_layer or "", "op": loc.op or "", "op_module": loc.op_module or "",
@@ -247,7 +254,8 @@ def _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, d
         "mean_abs_log_ratio": xs.abs().mean().item() if xs.numel() else 0.0,
         "max_abs_log_ratio": xs.abs().max().item() if xs.numel() else 0.0,
         "n_dropped_tokens": int(dropped.sum()),
-        "n_stale_tensors": len(stale), "n_forwards": n_forwards, "margin": margin, "alpha": alpha,
+        "n_stale_tensors": len(stale), "n_trainer_rounded_tensors": len(rounded), "n_forwards": n_forwards,
+        "margin": margin, "alpha": alpha,
         "nominal_roundoff": loc.u,
         **{f"share_{k}": v[0] for k, v in shares.items() if "[" not in k},
         **{f"share_{k}_ci_low": v[1] for k, v in shares.items() if "[" not in k},
@@ -270,6 +278,9 @@ def _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, d
         where = (f"first stage beyond noise {loc.first_layer} (op {loc.op}: {loc.op_module}); " if beyond else
                  f"no stage beyond noise; decisions first flip at {loc.op_module}; ")
     named = ", ".join(s.name for s in stale[:5]) + (" ..." if len(stale) > 5 else "")
+    held = (f"the trainer holds {len(rounded)} tensor(s) rounded to a coarser dtype than the engine's "
+            f"({', '.join(s.name for s in rounded[:3])}{' ...' if len(rounded) > 3 else ''}: a trainer-side "
+            "precision loss, counted in numerics); " if rounded else "")
     parts = "; ".join(f"{k} {shares[k][0]:.0%}" for k in PARTS if abs(shares[k][0]) >= 0.005)
     if kind == "exact":
         msg = "exact: the engines agree bit for bit at every stage"
@@ -278,7 +289,9 @@ def _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, d
                f"precision (unit roundoff {loc.u:.3g}); no stage is to blame; mean |log-ratio| "
                f"{metrics['mean_abs_log_ratio']:.3g} nats")
     else:
-        msg = (f"{kind}: {where}" + (f"stale tensors: {named}; " if stale else "")
+        msg = (f"{kind}: {where}"
+               + (f"engine tensors that differ from the trainer's beyond its dtype conversion (stale or "
+                  f"wrong): {named}; " if stale else "") + held
                + (f"temperature slope {sem.slope:.4g}; " if sem.temperature else "")
                + (f"renormalised log-probs, mean log mass kept {sem.mean_log_mass_kept:.3g}; "
                   if sem.renormalised else "")
@@ -293,6 +306,7 @@ def _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, d
         **carried,
         "residual_convention": {"trainer": trainer.convention, "engine": engine.convention},
     }
+    evidence["plots"] = [stage_plot(evidence["stages"], margin, f"{kind}: {target or trainer.name + ' vs ' + engine.name}")]
     codes = [] if kind in ("exact", "noise") else ["TP-D4"]
     verdict = "pass" if not codes else "fail"
     return Result(probe="drift.localize", target=target or f"{trainer.name} vs {engine.name}",

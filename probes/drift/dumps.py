@@ -3,15 +3,21 @@ engines from their saved dumps (any engine that can write safetensors can bring 
 
 Format (safetensors; `format` "trainprobes.drift.dump/1" in the metadata):
   input_ids              [B, L] int64: the tokens (both dumps must hold the same ones)
-  attention_mask         [B, L] (optional; 1 = real token)
+  attention_mask         [B, L] (1 = real token; all ones when nothing is padded): required,
+                         a missing mask is not guessed
   stage:<name>           [B, L, F] float: the STREAM after stage <name> (module path, e.g.
                          "model.layers.3"), in call order given by metadata "stages"
-  stage:<name>:residual  [B, L, F] (only with residual_convention "vllm"): the residual a
-                         vLLM layer hands on beside its hidden_states; the stream is
+  stage:<name>:residual  [B, L, F] (residual_convention "vllm", every block): the residual a
+                         vLLM decoder layer hands on beside its hidden_states; the stream is
                          stage:<name> + stage:<name>:residual
-metadata: "stages" (JSON list of names in call order), "residual_convention" ("stream":
-the tensors are the stream already, as HF hands it on; or "vllm"), "engine" (a name),
-"dtype" (the engine's nominal dtype, e.g. "bfloat16").
+  router:<name>          [B, L, k] int (optional): the experts router <name> chose per token
+  logprobs               [B, L-1] float (optional): the engine's log-prob of token i+1 at i
+metadata (all required): "format", "stages" (JSON list of names in call order),
+"residual_convention" ("stream": the tensors are the stream already, as HF hands it on; or
+"vllm"), "engine" (a name), "dtype" (the engine's nominal dtype, e.g. "bfloat16": it sets the
+rounding floor). Under "vllm" a block (a stage whose name ends in ".<index>") without its
+":residual" is refused, naming it, and so is a ":residual" under "stream": read the wrong
+way, every block differs by the whole residual (nnsight #630).
 
 From dumps alone only free-running errors exist (patching needs the modules), so the
 verdict is the first DIVERGENT stage: the first whose free error |B - A| / |A| exceeds
@@ -19,7 +25,8 @@ margin x the rounding floor u / sqrt(3) (one rounding of every element at the co
 nominal precision u; or a measured floor: a third dump of the trainer re-run in another
 batch composition). Before it every stage agrees to noise, so it is where the divergence
 enters; which op inside it is, and what comes after, needs the modules
-(trainprobes.drift.decompose.localize).
+(trainprobes.drift.decompose.localize). Routers present in both dumps give the fraction of
+tokens whose top-k expert set differs (trainprobes.drift.routing's first figure).
 """
 from __future__ import annotations
 
@@ -30,11 +37,12 @@ from dataclasses import dataclass
 import torch
 from trainprobes.drift.engines import Engine
 from trainprobes.drift.localize import UNIT_ROUNDOFF, record, rel_error
+from trainprobes.drift.routing import sets_differ
 from trainprobes.errors import DataFileError, InvalidArgument, MissingDependency
 
 FORMAT = "trainprobes.drift.dump/1"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "float64": torch.float64}
+CONVENTIONS = ("stream", "vllm")
+_DTYPES = {str(d).removeprefix("torch."): d for d in UNIT_ROUNDOFF}
 
 
 def _st():
@@ -52,13 +60,20 @@ def dump_tensors(engine: Engine, input_ids, attention_mask=None) -> tuple:
     ids = torch.as_tensor(input_ids)
     lay = discover(engine, ids, attention_mask)
     blocks = frozenset(s.name for s in lay.stages if s.role == "block")
-    rec, _ = record(engine, lay.stages, ids, attention_mask, blocks=blocks)
+    routers = [o for ops in lay.ops.values() for o in ops if o.role == "router"]
+    rec, logits = record(engine, lay.stages + routers, ids, attention_mask, blocks=blocks)
     B, L = ids.shape
-    tensors = {"input_ids": ids.to(torch.int64).contiguous()}
-    if attention_mask is not None:
-        tensors["attention_mask"] = torch.as_tensor(attention_mask).to(torch.int64).contiguous()
+    am = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
+    tensors = {"input_ids": ids.to(torch.int64).contiguous(), "attention_mask": am.to(torch.int64).contiguous()}
     for s in lay.stages:
         tensors[f"stage:{s.name}"] = rec[s.name][0].out.reshape(B, L, -1).float().contiguous()
+    for r in routers:
+        calls = rec.get(r.name) or []
+        if calls and calls[0].indices is not None and calls[0].indices.shape[0] == B * L:
+            tensors[f"router:{r.name}"] = calls[0].indices.reshape(B, L, -1).to(torch.int64).contiguous()
+    with torch.no_grad():
+        lp = engine.logprobs(logits).double()
+    tensors["logprobs"] = lp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1).float().contiguous()
     meta = {"format": FORMAT, "stages": json.dumps(lay.names), "residual_convention": "stream",
             "engine": engine.name, "dtype": str(engine.dtype).removeprefix("torch.")}
     return tensors, meta
@@ -81,6 +96,13 @@ class Dump:
     input_ids: torch.Tensor
     mask: torch.Tensor
     dtype: torch.dtype
+    convention: str = "stream"
+    routers: dict = None          # name -> [B, L, k] expert ids
+    logprobs: torch.Tensor | None = None
+
+
+def _block_index(name: str) -> bool:
+    return name.rpartition(".")[2].isdigit()
 
 
 def load_dump(path) -> Dump:
@@ -98,22 +120,43 @@ def load_dump(path) -> Dump:
         stages = json.loads(meta["stages"])
     except (KeyError, ValueError):
         raise DataFileError(f"{str(path)!r}: metadata 'stages' must be a JSON list of stage names") from None
-    conv = meta.get("residual_convention", "stream")
-    if conv not in ("stream", "vllm"):
-        raise DataFileError(f"{str(path)!r}: residual_convention={conv!r}, expected 'stream' or 'vllm'")
-    if "input_ids" not in tensors:
-        raise DataFileError(f"{str(path)!r} has no 'input_ids'")
+    where = repr(str(path))
+    conv = meta.get("residual_convention")
+    if conv not in CONVENTIONS:
+        raise DataFileError(f"{where}: metadata residual_convention={conv!r}; state it, one of {CONVENTIONS} "
+                            "('stream': the tensors are the residual stream, as HF hands it on; 'vllm': "
+                            "a block's stage:<name> is hidden_states and stage:<name>:residual its residual)")
+    name_dtype = meta.get("dtype")
+    if name_dtype not in _DTYPES:
+        raise DataFileError(f"{where}: metadata dtype={name_dtype!r}; state the engine's nominal dtype, one "
+                            f"of {sorted(_DTYPES)} (it sets the rounding floor: not guessed)")
+    for key in ("input_ids", "attention_mask"):
+        if key not in tensors:
+            raise DataFileError(f"{where} has no {key!r}" + (" ([B, L], 1 = real token; all ones when nothing "
+                                                             "is padded): a missing mask is not guessed"
+                                                             if key == "attention_mask" else ""))
     ids = tensors["input_ids"]
-    mask = tensors.get("attention_mask", torch.ones_like(ids)).bool()
+    if ids.ndim != 2 or ids.is_floating_point():
+        raise DataFileError(f"{where}: input_ids has shape {tuple(ids.shape)} and dtype {ids.dtype}, expected "
+                            "[B, L] integer token ids")
+    if tensors["attention_mask"].shape != ids.shape:
+        raise DataFileError(f"{where}: attention_mask has shape {tuple(tensors['attention_mask'].shape)}, "
+                            f"expected {tuple(ids.shape)} like input_ids")
+    mask = tensors["attention_mask"].bool()
     streams = {}
     for name in stages:
         t = tensors.get(f"stage:{name}")
         if t is None:
-            raise DataFileError(f"{str(path)!r} lists stage {name!r} but has no tensor 'stage:{name}'")
+            raise DataFileError(f"{where} lists stage {name!r} but has no tensor 'stage:{name}'")
         r = tensors.get(f"stage:{name}:residual")
-        if conv == "vllm" and r is not None:
-            t = t.double() + r.double()
-        t = t.double()
+        if conv == "stream" and r is not None:
+            raise DataFileError(f"{where}: residual_convention 'stream' but 'stage:{name}:residual' is there: "
+                                "a dump in vLLM's convention says residual_convention 'vllm'")
+        if conv == "vllm" and r is None and _block_index(name):
+            raise DataFileError(f"{where}: residual_convention 'vllm' but block {name!r} has no "
+                                f"'stage:{name}:residual': its stream (hidden_states + residual) cannot be "
+                                "formed, and hidden_states alone would look divergent at every block")
+        t = t.double() if r is None else t.double() + r.double()
         if t.shape[:2] != ids.shape:
             raise DataFileError(f"{str(path)!r}: 'stage:{name}' has shape {tuple(t.shape)}, expected "
                                 f"[{ids.shape[0]}, {ids.shape[1]}, F] like input_ids")
@@ -121,8 +164,17 @@ def load_dump(path) -> Dump:
         if bool(bad.any()):
             raise DataFileError(f"{str(path)!r}: stage {name!r} holds {int(bad.sum())} non-finite values")
         streams[name] = t
-    dtype = _DTYPES.get(meta.get("dtype", "float32"), torch.float32)
-    return Dump(str(path), stages, streams, ids, mask, dtype)
+    routers = {k[len("router:"):]: v for k, v in tensors.items() if k.startswith("router:")}
+    for name, v in routers.items():
+        if v.shape[:2] != ids.shape or v.ndim != 3 or v.is_floating_point():
+            raise DataFileError(f"{where}: 'router:{name}' has shape {tuple(v.shape)} and dtype {v.dtype}, "
+                                f"expected [{ids.shape[0]}, {ids.shape[1]}, k] integer expert ids")
+    lp = tensors.get("logprobs")
+    if lp is not None and tuple(lp.shape) != (ids.shape[0], ids.shape[1] - 1):
+        raise DataFileError(f"{where}: 'logprobs' has shape {tuple(lp.shape)}, expected "
+                            f"[{ids.shape[0]}, {ids.shape[1] - 1}] (token i+1 scored at position i)")
+    return Dump(str(path), stages, streams, ids, mask, _DTYPES[name_dtype], conv, routers,
+                None if lp is None else lp.double())
 
 
 @dataclass
@@ -148,7 +200,7 @@ def compare_dumps(a: Dump, b: Dump, noise: Dump | None = None, *, margin: float 
     if missing or extra:
         raise InvalidArgument(f"the dumps' stages differ: missing from {b.path!r}: {missing}; only in "
                               f"{b.path!r}: {extra}")
-    u = max(UNIT_ROUNDOFF.get(a.dtype, 2.0 ** -24), UNIT_ROUNDOFF.get(b.dtype, 2.0 ** -24))
+    u = max(UNIT_ROUNDOFF[a.dtype], UNIT_ROUNDOFF[b.dtype])
     m = a.mask & b.mask
     out = []
     for name in a.stages:
@@ -161,4 +213,21 @@ def compare_dumps(a: Dump, b: Dump, noise: Dump | None = None, *, margin: float 
         if noise is not None and name in noise.streams:
             floor = math.hypot(floor, rel_error(noise.streams[name], A)[m].mean().item())
         out.append(DumpStage(name, free, floor, free > margin * floor))
+    return out
+
+
+def dump_routing(a: Dump, b: Dump) -> dict:
+    """router name -> fraction of real tokens whose top-k expert set differs, for every router
+    both dumps hold (compare_dumps checks the tokens first)."""
+    out = {}
+    m = a.mask & b.mask
+    for name in a.routers or {}:
+        ib = (b.routers or {}).get(name)
+        if ib is None:
+            continue
+        ia = a.routers[name]
+        if ia.shape != ib.shape:
+            raise InvalidArgument(f"router {name!r} chose top-{ia.shape[-1]} in {a.path!r} and top-{ib.shape[-1]} "
+                                  f"in {b.path!r}: not the same router")
+        out[name] = sets_differ(ia, ib)[m].double().mean().item()
     return out

@@ -21,17 +21,20 @@ sequence's ratio exceeds a quarter of the margin (sequences differ in how much a
 the test alone missed a bf16 MLP at ratio 126 and a norm epsilon at ratio 239, sequences at
 4.7-10^4, on a tied-embedding Gemma), and the mean ratio exceeds the margin; else "noise". The first stage beyond noise is the answer;
 then the same runs over its ops (depth 1: norms, attention, MLP; depth 2 below the op
-found: projections, router, experts) name the op.
+found, where a router or a norm is among its children: an MoE's router and experts,
+Qwen3's q_norm) name the op. The op level calls that one block alone (record_block, then
+the three runs per depth): 5 calls of one block, 8 with depth 2.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from scipy import stats as sps
 from trainprobes.drift.engines import Engine, Layout, Stage, candidates, layout_from, match_candidates
-from trainprobes.drift.patching import Call, Hooks, take_rows, without_cache
+from trainprobes.drift.patching import Call, Hooks, autocast, take_rows, without_cache
 from trainprobes.errors import InvalidArgument
 
 # unit roundoff of the nominal precision: what one rounding of an input does at most
@@ -72,16 +75,22 @@ class Runs:
     b_free: dict
     b_patched: dict
     shape: tuple
+    logits_a: torch.Tensor | None = None   # the recorded runs' logits (hooks leave them as is)
+    logits_b: torch.Tensor | None = None
 
 
 def _tokens(t: torch.Tensor, B: int, L: int) -> torch.Tensor:
-    return t.reshape(B, L, -1).double()
+    """[B, L, F] in fp32 (fp64 kept): a difference of two fp32 values is exact when they are
+    within a factor 2 (Sterbenz) and else rounds at 2^-24 of itself, so fp32 is enough for a
+    relative error, at half the cost of fp64."""
+    t = t.reshape(B, L, -1)
+    return t if t.dtype == torch.float64 else t.float()
 
 
 def rel_error(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """|b - a| / |a| per token ([B, L]); the norm over features, in float64."""
-    d = (b - a).norm(dim=-1)
-    return d / a.norm(dim=-1).clamp_min(1e-300)
+    """|b - a| / |a| per token ([B, L], float64); the norm over features."""
+    d = (b - a).norm(dim=-1).double()
+    return d / a.norm(dim=-1).double().clamp_min(1e-300)
 
 
 def _outputs(calls: list, B: int, L: int) -> torch.Tensor:
@@ -150,7 +159,7 @@ def patched(engine: Engine, stages, source: dict, ids, am, *, mode: str, blocks,
                 hooks.new_forward(rows)
                 args, kwargs = take_rows(call[1].full, rows, (B, L))
                 kwargs = without_cache(kwargs)
-                with torch.no_grad():
+                with torch.no_grad(), autocast(call[1].autocast):  # as the engine ran it
                     call[0](*args, **kwargs)
             for name, calls in hooks.calls.items():
                 out[name].append((rows, calls))
@@ -188,27 +197,44 @@ def judge_stages(stages, a, b_free, b_pat, b_pat2, a_jit, mask, *, margin, alpha
         # rounding floor is a dependence on the other sequences (a leak): not noise
         batch = torch.minimum(batch, BATCH_ROUNDINGS * torch.maximum(jit, torch.full_like(jit, u)))
         f2 = batch ** 2 + jit ** 2
-        floor = f2.sqrt()
-        nonfinite = not bool(torch.isfinite(own[mask]).all())
-        own_u = ((own ** 2 * m).sum(1) / m.sum(1).clamp_min(1)).sqrt()
-        floor_u = ((f2 * m).sum(1) / m.sum(1).clamp_min(1)).sqrt()
-        used = m.sum(1) > 0
-        r = (own_u.log() - floor_u.log()).nan_to_num(nan=LOG_RATIO_CLIP, posinf=LOG_RATIO_CLIP, neginf=-LOG_RATIO_CLIP)
-        r = torch.where(own_u == 0, torch.full_like(r, -LOG_RATIO_CLIP), r.clamp(-LOG_RATIO_CLIP, LOG_RATIO_CLIP))[used]
-        exact = bool((own[mask] == 0).all())
-        ratio = math.exp(r.mean().item())
-        p = p_greater(r, math.log(margin))
-        low = math.exp(r.min().item()) if r.numel() else 0.0
-        # beyond: the mean ratio past the margin, and the t-test over sequences or every
-        # sequence past a quarter of the margin (noise: 0.4-1.2 per sequence, measured)
-        beyond = nonfinite or (not exact and ratio > margin
-                               and (p < alpha / max(1, len(stages)) or low > margin / 4))
+        t = stage_test(own, f2, mask, margin=margin, alpha=alpha, n_tests=len(stages))
         reports.append(StageReport(
             s.name, s.role, s.depth, s.block, (own * m).sum().item() / n_tok.item(),
-            (free * m).sum().item() / n_tok.item(), (floor * m).sum().item() / n_tok.item(),
-            0.0 if exact else ratio, p, 0.0 if exact else low,
-            "exact" if exact else "beyond" if beyond else "noise", nonfinite))
+            (free * m).sum().item() / n_tok.item(), (f2.sqrt() * m).sum().item() / n_tok.item(),
+            *t))
     return reports
+
+
+class StageTest(NamedTuple):
+    """The test of one stage, in StageReport's field order."""
+
+    ratio: float
+    p_value: float
+    min_ratio: float
+    verdict: str
+    nonfinite: bool
+
+
+def stage_test(own: torch.Tensor, floor2: torch.Tensor, mask: torch.Tensor, *, margin: float, alpha: float,
+               n_tests: int) -> StageTest:
+    """The verdict of one stage (module doc) from its own error and its floor squared per token
+    ([B, L] each; floor2 may be a 0-d tensor, one floor for every token)."""
+    m = mask.double()
+    nonfinite = not bool(torch.isfinite(own[mask]).all())
+    own_u = ((own ** 2 * m).sum(1) / m.sum(1).clamp_min(1)).sqrt()
+    floor_u = ((torch.as_tensor(floor2).expand_as(own) * m).sum(1) / m.sum(1).clamp_min(1)).sqrt()
+    used = m.sum(1) > 0
+    r = (own_u.log() - floor_u.log()).nan_to_num(nan=LOG_RATIO_CLIP, posinf=LOG_RATIO_CLIP, neginf=-LOG_RATIO_CLIP)
+    r = torch.where(own_u == 0, torch.full_like(r, -LOG_RATIO_CLIP), r.clamp(-LOG_RATIO_CLIP, LOG_RATIO_CLIP))[used]
+    exact = bool((own[mask] == 0).all())
+    ratio = math.exp(r.mean().item()) if r.numel() else 0.0
+    p = p_greater(r, math.log(margin))
+    low = math.exp(r.min().item()) if r.numel() else 0.0
+    # beyond: the mean ratio past the margin, and the t-test over sequences or every
+    # sequence past a quarter of the margin (noise: 0.4-1.2 per sequence, measured)
+    beyond = nonfinite or (not exact and ratio > margin and (p < alpha / max(1, n_tests) or low > margin / 4))
+    return StageTest(0.0 if exact else ratio, p, 0.0 if exact else low,
+                     "exact" if exact else "beyond" if beyond else "noise", nonfinite)
 
 
 def p_greater(r: torch.Tensor, mu: float) -> float:
@@ -261,8 +287,14 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
     ca, cb = candidates(trainer.module), candidates(engine.module)
     match_candidates(ca, cb, (trainer.name, engine.name))
     if u is None:
-        u = max(UNIT_ROUNDOFF.get(trainer.dtype, 2.0 ** -24), UNIT_ROUNDOFF.get(engine.dtype, 2.0 ** -24))
-    names = ca.names
+        u = max(unit_roundoff(trainer), unit_roundoff(engine))
+    elif not 0 < u < 1:
+        raise InvalidArgument(f"u={u!r} is not a unit roundoff: expected 0 < u < 1 (fp32 2**-24, bf16 2**-8)")
+    # the free runs record the stages and the routers only (replay needs every router's
+    # choices); a block's ops are recorded later by calling that one block alone
+    # (record_block): recording every op of every block kept each op's output alive, and the
+    # fresh memory cost a third of a forward per run
+    names = ca.stages + [o.name for ops_ in ca.ops.values() for o in ops_ if o.role == "router"]
     blocks = frozenset(f"{ca.list_name}.{i}" for i in range(ca.n_blocks))
     order: list = []
     a, z = record(trainer, names, ids, am, blocks=blocks, order=order)
@@ -270,14 +302,14 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
     la = layout_from(ca, order, {n: (tuple(c[0].out.shape) if c else None) for n, c in a.items()},
                      B_, L_, z.shape[-1])
     stages = la.stages
-    _check_finite(a, trainer.name, order, set(ca.stages))
+    _check_finite(a, trainer, order, ca)
     routers = _routers(a)
     b_free, z_b = record(engine, names, ids, am, blocks=blocks, order=(order_b := []))
     if tuple(z_b.shape) != tuple(z.shape):
         raise InvalidArgument(f"the {trainer.name}'s logits have shape {tuple(z.shape)} and the {engine.name}'s "
                               f"{tuple(z_b.shape)} (a vocabulary of {z.shape[-1]} against {z_b.shape[-1]}: a "
                               "tokenizer mismatch?); both must score the same token ids")
-    _check_finite(b_free, engine.name, order_b, set(ca.stages))
+    _check_finite(b_free, engine, order_b, ca)
     n = 2
 
     def depth_runs(group, block=None):
@@ -296,6 +328,10 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
     first = next((r for r in reports if r.verdict == "beyond"), None)
     op_reports, op_role, op_module = [], None, None
     if first is not None and first.role == "block" and ops:
+        block_ops = [o for o in la.ops[first.block] if o.name not in a]
+        a.update(record_block(trainer, block_ops, a[first.name][0])[0])
+        b_free.update(record_block(engine, block_ops, b_free[first.name][0])[0])
+        n += 2 / la.n_blocks
         d1 = [o for o in la.ops[first.block] if o.depth == 1 and o.name in a and a[o.name]]
         _, op_reports = depth_runs(d1, first.name)
         n += 4 / la.n_blocks  # one block, not the model
@@ -304,7 +340,10 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
             op_role, op_module = top.role, top.name
             d2 = [o for o in la.ops[first.block] if o.depth == 2 and o.name.startswith(top.name + ".")
                   and a.get(o.name)]
-            if d2:
+            # one level further only where it can rename the op: a router or a norm inside it
+            # (an MoE's gate, Qwen3's q_norm); a dense MLP's projections would cost three more
+            # calls of the block and name the same op
+            if any(o.role in ("router", "norm") for o in d2):
                 _, deeper = depth_runs(d2, first.name)
                 n += 4 / la.n_blocks
                 op_reports += deeper
@@ -319,7 +358,19 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
         op_role, op_module = first.role, first.name
     n = round(n, 3)
     return Localisation(reports, op_reports, None if first is None else first.name, op_role, op_module,
-                        la, Runs(a, b_free, b_pat, tuple(ids.shape)), u, n)
+                        la, Runs(a, b_free, b_pat, tuple(ids.shape), z, z_b), u, n)
+
+
+def unit_roundoff(engine: Engine) -> float:
+    """The unit roundoff of the engine's nominal dtype; an unknown one (fp8, an integer
+    quantised engine) is refused, not guessed: the floor would be wrong by orders."""
+    dt = engine.dtype
+    if dt not in UNIT_ROUNDOFF:
+        raise InvalidArgument(f"the {engine.name}'s nominal dtype is {dt} (the dtype of most of its floating "
+                              f"parameters), whose rounding floor is not known here (known: "
+                              f"{', '.join(str(d).removeprefix('torch.') for d in UNIT_ROUNDOFF)}): pass u=, the "
+                              "unit roundoff of its arithmetic (--unit-roundoff)")
+    return UNIT_ROUNDOFF[dt]
 
 
 def _vocab(module: torch.nn.Module) -> int | None:
@@ -339,18 +390,42 @@ def _top(reports):
     return max(beyond, key=lambda r: r.ratio) if beyond else None
 
 
-def _check_finite(rec: dict, who: str, order: list, stages=None) -> None:
-    """Name the first stage (in call order) whose output is not finite, and the op inside
-    it that made it so; only the stages are read unless one is bad (an op's overflow
-    reaches its stage's output)."""
-    names = list(dict.fromkeys(order))
-    look = names if stages is None else [n for n in names if n in stages]
+def record_block(engine: Engine, ops, call: Call) -> tuple:
+    """(name -> [Call], names in return order) of `ops` (Stages inside one block), recorded by
+    calling the block alone with the arguments and autocast state it was called with (`call`,
+    recorded by `record`): the same computation as inside the forward."""
+    mod = engine.module.get_submodule(call_block_name(ops))
+    hooks = Hooks(_modules(engine, ops), "record", convention=engine.convention)
+    args, kwargs = call.full
+    with hooks:
+        hooks.new_forward()
+        with torch.no_grad(), autocast(call.autocast):
+            mod(*args, **without_cache(kwargs))
+    return hooks.calls, hooks.order
+
+
+def call_block_name(ops) -> str:
+    """The block the ops (Stages of one block) belong to: their common module path."""
+    names = [o.name for o in ops if o.depth == 1]
+    if not names:
+        raise InvalidArgument("no ops to record: a block with no child modules")
+    return names[0].rpartition(".")[0]
+
+
+def _check_finite(rec: dict, engine: Engine, order: list, ca) -> None:
+    """Name the first stage (in call order) whose output is not finite, and the op inside it
+    that made it so (a block is called alone with its ops recorded to find it)."""
+    look = [n for n in dict.fromkeys(order) if n in set(ca.stages)]
     for name in look:
         for c in rec.get(name, []):
             if not bool(torch.isfinite(c.out).all()):
-                inner = next((n for n in names if n.startswith(name + ".")
-                              and any(not bool(torch.isfinite(k.out).all()) for k in rec.get(n, []))), None)
-                raise InvalidArgument(f"the {who}'s {name!r} output holds non-finite values"
+                inner = None
+                if c.full is not None and name.startswith(ca.list_name + "."):
+                    ops = ca.ops[int(name.rpartition(".")[2])]
+                    calls, order_ops = record_block(engine, ops, c)
+                    inner = next((n for n in dict.fromkeys(order_ops)
+                                  if any(not bool(torch.isfinite(k.out).all()) for k in calls.get(n, []))), None)
+                raise InvalidArgument(f"the {engine.name}'s {name!r} output holds non-finite values"
                                       + (f" (first from {inner!r})" if inner else "")
                                       + ": localisation compares finite activations (fix the "
                                       "overflow first, e.g. with trainprobes numerics)")

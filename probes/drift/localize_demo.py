@@ -40,9 +40,21 @@ def _edit(f, logprobs=raw_logprobs):
     return build
 
 
-CASES = (
-    Case("identical engines", "llama", _same, "", "", "exact"),
-    Case("eager vs sdpa attention, fp32", "llama", _same, "", "", "noise", attn="sdpa"),
+def _whole_model(family: str, tag: str = "") -> tuple:
+    """The cases with no fault inside the model, the same in every family: identical engines,
+    eager vs sdpa attention, and the two log-prob conventions."""
+    return (
+        Case(f"identical engines{tag}", family, _same, "", "", "exact"),
+        Case(f"eager vs sdpa attention, fp32{tag}", family, _same, "", "", "noise", attn="sdpa"),
+        Case(f"temperature applied twice by the engine{tag}", family,
+             lambda m: (m, temperature_logprobs(T * T)), "", "", "temperature",
+             trainer_logprobs=temperature_logprobs(T)),
+        Case(f"engine returns top-p 0.9 renormalised log-probs{tag}", family,
+             lambda m: (m, top_p_logprobs(0.9)), "", "", "renormalisation"),
+    )
+
+
+LLAMA = _whole_model("llama") + (
     Case("block 2's MLP in bf16", "llama",
          _edit(lambda m: in_dtype(m.model.layers[2].mlp, torch.bfloat16)),
          "model.layers.2", "mlp", "numeric"),
@@ -52,15 +64,25 @@ CASES = (
     Case("stale v_proj in the last block (missed by the refit)", "llama",
          _edit(lambda m: stale(m.model.layers[3].self_attn.v_proj.weight)),
          "model.layers.3", "attention", "weights"),
+)
+# the same faults in a Qwen2-MoE (32 experts, top-4, a shared expert). Its MLP fault is in
+# the experts: the whole MoE block in bf16 puts its router in bf16 too, whose flips then
+# carry most of the drift (kind routing, measured 72%: docs/drift.md)
+QWEN2_MOE = _whole_model("qwen2_moe", " (MoE)") + (
+    Case("block 2's experts in bf16 (MoE)", "qwen2_moe",
+         _edit(lambda m: in_dtype(m.model.layers[2].mlp.experts, torch.bfloat16)),
+         "model.layers.2", "mlp", "numeric"),
+    Case("block 1's post-attention norm epsilon 1e-6 -> 1e-3 (MoE)", "qwen2_moe",
+         _edit(lambda m: norm_epsilon(m.model.layers[1].post_attention_layernorm, 1e-3)),
+         "model.layers.1", "norm", "numeric"),
+    Case("stale o_proj in block 2 (MoE)", "qwen2_moe",
+         _edit(lambda m: stale(m.model.layers[2].self_attn.o_proj.weight)),
+         "model.layers.2", "attention", "weights"),
     Case("block 1's router in bf16 (MoE)", "qwen2_moe",
          _edit(lambda m: in_dtype(m.model.layers[1].mlp.gate, torch.bfloat16)),
          "model.layers.1", "router", "routing"),
-    Case("temperature applied twice by the engine", "llama",
-         lambda m: (m, temperature_logprobs(T * T)), "", "", "temperature",
-         trainer_logprobs=temperature_logprobs(T)),
-    Case("engine returns top-p 0.9 renormalised log-probs", "llama",
-         lambda m: (m, top_p_logprobs(0.9)), "", "", "renormalisation"),
 )
+CASES = LLAMA + QWEN2_MOE
 
 
 def base_model(family: str, attn: str = "eager", seed: int = 0, layers: int = 4):
@@ -98,6 +120,8 @@ def run_case(case: Case, *, n_seq: int = 8, length: int = 24, seed: int = 0, **o
     r = localize(trainer, engine, ids, seed=seed, target=f"demo: {case.name}", **options)
     r.evidence["expect"] = {"first_layer": case.first_layer, "op": case.op, "kind": case.kind}
     r.expected = "pass" if case.kind in ("exact", "noise") else "fail"
+    # a control is reproduced only at its stage, op and kind: a fail elsewhere is a miss
+    r.metrics["matches_known_verdict"] = reproduced(r)
     return r
 
 

@@ -14,12 +14,18 @@ replay   a router's expert choices are replaced by the recorded ones; its weight
 rows     a different batch composition: recorded tensors with B rows (or B * L token
          rows) are taken at these rows, so the same tokens run beside other companions.
 
+A block recorded for a call on its own keeps the autocast state it ran under (a model whose
+forward enters torch.autocast runs its blocks' GEMMs in bf16; the block called alone,
+outside that forward, would run them in fp32 and its ops would look exact): `autocast`
+re-enters it.
+
 Patchable inputs: every tensor argument except masks, positions, rotary tables and caches,
 which each engine builds its own way (an eager mask and an sdpa mask differ in form, not
 in meaning).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass, field
 
@@ -39,6 +45,7 @@ class Call:
     indices: torch.Tensor | None  # a router's chosen experts [N, k]
     probs: torch.Tensor | None    # a router's probabilities [N, E] (fp32)
     full: tuple | None = None     # (args, kwargs) as called: a block, to be called again alone
+    autocast: tuple = ()          # ((device type, dtype), ...) autocast on when it was called
 
 
 @dataclass
@@ -61,6 +68,7 @@ class Hooks:
     _pending: dict = field(default_factory=dict)
     order: list = field(default_factory=list)   # names in the order their forwards returned
     _sigs: dict = field(default_factory=dict)
+    _buf: dict = field(default_factory=dict)      # (dtype, side) -> jitter draws (_draws)
 
     def __enter__(self):
         self._gen = torch.Generator().manual_seed(self.seed)
@@ -89,9 +97,24 @@ class Hooks:
     def take(self, t: torch.Tensor) -> torch.Tensor:
         return take_rows(t, self.rows, self.shape)
 
-    def _noise(self, t: torch.Tensor) -> torch.Tensor:
-        d = torch.rand(t.shape, generator=self._gen, dtype=torch.float64) * 2 - 1
-        return (t.double() * (1 + self.u * d)).to(t.dtype)
+    def _noise(self, t: torch.Tensor, side: str) -> torch.Tensor:
+        # t (1 + u d) rounded to t's dtype: computed as t + t (u d) in fp32 (fp64 for fp64
+        # tensors), whose product rounds at 2^-24 of a term already below u |t|, so the final
+        # rounding to t's dtype is the one that counts (and half the cost of fp64)
+        work = torch.float64 if t.dtype == torch.float64 else torch.float32
+        w = t.to(work)
+        return w.addcmul(w, self._draws(t.numel(), work, side).view(t.shape)).to(t.dtype)
+
+    def _draws(self, n: int, dtype: torch.dtype, side: str) -> torch.Tensor:
+        """n values u d, d uniform in [-1, 1]: one seeded draw per run and side ("in" for a
+        stage's inputs, "out" for its output: independent, as two roundings are), grown when a
+        larger tensor comes, each tensor taking its first n (every stage's floor is judged on
+        its own, so stages may share the pattern; drawing per tensor cost a tenth of a forward)."""
+        have = self._buf.get((dtype, side))
+        if have is None or have.numel() < n:
+            have = torch.rand(n, generator=self._gen, dtype=dtype).mul_(2 * self.u).sub_(self.u)
+            self._buf[(dtype, side)] = have
+        return have[:n]
 
     def _source_call(self, name: str) -> Call:
         i = self._count.get(name, 0)
@@ -114,7 +137,7 @@ class Hooks:
                     ins["hidden_states"] = ins["hidden_states"] + r.detach()
                 ins.pop("residual", None)
             full = (args, kwargs) if name in self.blocks else None
-            self._pending.setdefault(name, []).append((ins, full))
+            self._pending.setdefault(name, []).append((ins, full, autocast_state()))
             return None
         src = self._source_call(name)
         for k, v in src.inputs.items():
@@ -125,7 +148,7 @@ class Hooks:
                 continue
             new = self.take(v)
             if self.mode == "jitter" and new.is_floating_point():
-                new = self._noise(new)
+                new = self._noise(new, "in")
             if new.shape != cur.shape:
                 raise InvalidArgument(f"{name}: input {k!r} has shape {tuple(cur.shape)} here and "
                                       f"{tuple(new.shape)} in the other engine")
@@ -135,17 +158,17 @@ class Hooks:
         return bound.args, bound.kwargs
 
     def _post(self, name, m, out):
-        ins, full = self._pending[name].pop() if self.mode == "record" else ({}, None)
+        ins, full, amp = self._pending[name].pop() if self.mode == "record" else ({}, None, ())
         self.order.append(name)
         stream = stream_of(out, self.convention if name in self.blocks else "hf")
         indices, probs = router_outputs(out)
         if stream is None:
             return None
         if self.mode == "jitter":  # the output's own rounding belongs to the floor too
-            out = _replace_first(out, self._noise(first_tensor(out)))
+            out = _replace_first(out, self._noise(first_tensor(out), "out"))
             stream = stream_of(out, self.convention if name in self.blocks else "hf")
         self.calls[name].append(Call(ins, stream.detach(), indices,
-                                     None if probs is None else probs.detach(), full))
+                                     None if probs is None else probs.detach(), full, amp))
         return out if self.mode == "jitter" else None
 
     def _replay(self, name, m, out):
@@ -155,6 +178,28 @@ class Hooks:
         if i >= len(rec) or rec[i].indices is None:
             raise InvalidArgument(f"router {name!r}: no recorded expert choices to replay")
         return replay_router(m, out, self.take(rec[i].indices))
+
+
+# the device types torch.autocast knows that a CPU or CUDA engine can run under
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_state() -> tuple:
+    """((device type, dtype), ...) of every autocast context on now."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES
+                 if torch.is_autocast_enabled(d))
+
+
+def autocast(state: tuple) -> contextlib.ExitStack:
+    """Re-enter the autocast contexts `state` (autocast_state) records, and no others."""
+    stack = contextlib.ExitStack()
+    for d in _AUTOCAST_DEVICES:
+        on = [dt for dev, dt in state if dev == d]
+        if on:
+            stack.enter_context(torch.autocast(d, dtype=on[0]))
+        elif torch.is_autocast_enabled(d):
+            stack.enter_context(torch.autocast(d, enabled=False))
+    return stack
 
 
 def take_rows(obj, rows, shape: tuple):

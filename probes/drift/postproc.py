@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-from trainprobes.drift.localize import LOG_RATIO_CLIP, StageReport, p_greater, rel_error
+from trainprobes.drift.localize import StageReport, rel_error, stage_test
 from trainprobes.drift.stats import cluster_t
 
 # the post-processing is a few elementwise ops (scale, tanh, scale): each rounds once
@@ -39,19 +39,13 @@ def judge_post(z_b: torch.Tensor, z_h: torch.Tensor, mask: torch.Tensor, *, lm_h
     m = mask.double()
     own = torch.where(mask, rel_error(zb, zh), 0.0)
     floor = POST_ROUNDINGS * u
-    own_u = ((own ** 2 * m).sum(1) / m.sum(1).clamp_min(1)).sqrt()
+    t = stage_test(own, torch.tensor(floor ** 2, dtype=own.dtype), mask, margin=margin, alpha=alpha,
+                   n_tests=n_stages)
+    nonfinite = t.nonfinite
     used = m.sum(1) > 0
-    r = (own_u.log() - math.log(floor)).clamp(-LOG_RATIO_CLIP, LOG_RATIO_CLIP)[used]
-    exact = bool((own[mask] == 0).all())
-    nonfinite = not bool(torch.isfinite(own[mask]).all())
-    ratio = math.exp(r.mean().item()) if r.numel() else 0.0
-    low = math.exp(r.min().item()) if r.numel() else 0.0
-    p = p_greater(r, math.log(margin))
-    beyond = nonfinite or (not exact and ratio > margin and (p < alpha / max(1, n_stages) or low > margin / 4))
     n = m.sum().clamp_min(1).item()
     rep = StageReport(f"after {lm_head}", ROLE, 0, None, (own * m).sum().item() / n, (own * m).sum().item() / n,
-                      floor, 0.0 if exact else ratio, p, 0.0 if exact else low,
-                      "exact" if exact else "beyond" if beyond else "noise", nonfinite)
+                      floor, *t)
     # per position, over the vocabulary: demeaned logits, slope by sequence (the units)
     xh = torch.where(mask[..., None], zh - zh.mean(-1, keepdim=True), 0.0)
     yb = torch.where(mask[..., None], zb - zb.mean(-1, keepdim=True), 0.0)

@@ -34,7 +34,7 @@ class Routing:
         return {r.name: r.frac_flipped for r in self.routers}
 
 
-def _sets_differ(ia: torch.Tensor, ib: torch.Tensor) -> torch.Tensor:
+def sets_differ(ia: torch.Tensor, ib: torch.Tensor) -> torch.Tensor:
     return (ia.sort(-1).values != ib.sort(-1).values).any(-1)
 
 
@@ -55,7 +55,7 @@ def routing(a: dict, b: dict, mask: torch.Tensor) -> Routing | None:
         pa = torch.cat([c.probs for c in calls])
         m = flat.repeat(len(calls)) if ia.shape[0] == flat.numel() * len(calls) else torch.ones(
             ia.shape[0], dtype=torch.bool)
-        flip = _sets_differ(ia, ib) & m
+        flip = sets_differ(ia, ib) & m
         marg = _margin(pa, ia.shape[-1])
         fm = marg[flip]
         rows.append(RouterFlips(name, flip.sum().item() / max(1, int(m.sum())), int(flip.sum()),

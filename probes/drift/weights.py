@@ -3,12 +3,19 @@ conversion? Cheap enough for every refit: one checksum per tensor first (each si
 compute its own, in its own process: `checksums`), the full comparison only where the
 checksums differ.
 
-Per tensor, A the trainer's value and B the engine's:
-  exact     B == A cast to B's dtype (round to nearest even, torch's cast), bit for bit
-  rounding  not that, but |B - A| <= one ulp of B's dtype at |A| everywhere: a conversion
-            that rounded another way (truncation, stochastic rounding, an fp8 scale)
-  mismatch  beyond one conversion's rounding: a stale or wrong tensor (named)
-  missing   in one side only
+Per tensor, A the trainer's value and B the engine's; each status says which side differs
+from what:
+  exact            B == A cast to B's dtype (round to nearest even, torch's cast), bit for bit
+  rounding         the ENGINE's B is not that, but |B - A| <= one ulp of B's dtype at |A|
+                   everywhere: the engine's conversion rounded another way (truncation,
+                   stochastic rounding, an fp8 scale)
+  trainer_rounded  the TRAINER's A is in a coarser dtype than B and |A - B| <= one ulp of A's
+                   dtype at |B| everywhere: the trainer holds the engine's value rounded (a
+                   trainer-side precision loss, e.g. a block cast to bf16): numerics on the
+                   trainer's side, not a stale engine weight
+  mismatch         the ENGINE's B differs from the trainer's A (cast to B's dtype) beyond one
+                   conversion's rounding: a stale or wrong engine tensor (named)
+  missing          in one side only
 Checksum: the tensor's bits as integers, summed with weights (index mod 65521) + 1 in
 int64 (wrapping): equal tensors give equal sums; any one changed element changes it.
 """
@@ -31,9 +38,10 @@ class Checksum:
 @dataclass
 class TensorSync:
     name: str
-    status: str                 # exact / rounding / mismatch / missing
+    status: str                 # exact / rounding / trainer_rounded / mismatch / missing
     max_abs_diff: float = 0.0
-    max_ulps: float = 0.0       # in ulps of the engine's dtype at the trainer's value
+    max_ulps: float = 0.0       # in ulps of the engine's dtype at the trainer's value (of the
+                                # trainer's dtype at the engine's value: trainer_rounded)
     frac_mismatched: float = 0.0
     note: str = ""
 
@@ -63,6 +71,14 @@ def _ulp(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(mag))) * fi.eps
 
 
+def _coarser(a: torch.dtype, b: torch.dtype) -> bool:
+    return a.is_floating_point and b.is_floating_point and torch.finfo(a).eps > torch.finfo(b).eps
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 @torch.no_grad()
 def weight_sync(trainer: torch.nn.Module, engine: torch.nn.Module) -> list:
     """[TensorSync] for every parameter of either side, in the trainer's order."""
@@ -84,8 +100,16 @@ def weight_sync(trainer: torch.nn.Module, engine: torch.nn.Module) -> list:
         diff = (b.double() - a.double()).abs()
         ulps = diff / _ulp(a.double(), b.dtype) if b.is_floating_point() else diff
         bad = ulps > 1
+        if bool(bad.any()) and _coarser(a.dtype, b.dtype):
+            ulps_a = diff / _ulp(b.double(), a.dtype)
+            if bool((ulps_a <= 1).all()):
+                out.append(TensorSync(name, "trainer_rounded", float(diff.max()), float(ulps_a.max()), 0.0,
+                                      f"the trainer holds the engine's value rounded to {_name(a.dtype)}"))
+                continue
+        note = (f"the engine's {_name(b.dtype)} tensor differs from the trainer's cast to it by more than one "
+                "ulp" if bool(bad.any()) else "")
         out.append(TensorSync(name, "mismatch" if bool(bad.any()) else "rounding",
-                              float(diff.max()), float(ulps.max()), float(bad.double().mean())))
+                              float(diff.max()), float(ulps.max()), float(bad.double().mean()), note))
     out += [TensorSync(n, "missing", note="not in the trainer") for n in pb if n not in pa]
     return out
 

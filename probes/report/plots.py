@@ -3,7 +3,9 @@
 A probe (or the audit that runs it) puts `evidence["plots"] = [spec, ...]`; each spec is
 plain JSON, so a report can be re-rendered later from report.json alone:
   {"kind": "line", "title", "x": [...], "series": {label: [...]}, "xlabel", "ylabel",
-   "logx": bool, "logy": bool, "xticklabels": [...]}      flip rate by position
+   "logx": bool, "logy": bool, "xticklabels": [...],      flip rate by position
+   "xrotation": degrees,                                  (optional) slanted tick labels
+   "band": {"label", "low": [...], "high": [...]}}        (optional) a shaded range per x
   {"kind": "hist", "title", "edges": [...], "counts": [...], "xlabel", "marks": {label: x}}
                                                           error / log-ratio histograms
   {"kind": "ci", "title", "labels": [...], "estimate": [...], "low": [...], "high": [...],
@@ -82,7 +84,9 @@ def _xticks(ax, spec: dict, x) -> None:
     if labels:
         step = max(1, math.ceil(len(x) / 8))  # never more than 8 labels along the axis
         ax.set_xticks(x[::step])
-        ax.set_xticklabels([plot_text(s) for s in labels[::step]], fontsize=SMALL)
+        turn = spec.get("xrotation", 0)  # long names (module paths) slanted so none overlap
+        ax.set_xticklabels([plot_text(s) for s in labels[::step]], fontsize=SMALL, rotation=turn,
+                           ha="right" if turn else "center")
     elif all(float(v).is_integer() for v in x):
         _integer_ticks(ax.xaxis)
 
@@ -101,6 +105,10 @@ def _draw(fig, spec: dict) -> None:
     if kind == "line":
         x = _floats(spec["x"])
         series = _series_merged(spec["series"])
+        band = spec.get("band")
+        if band:  # under the lines: e.g. a noise floor, what the lines are judged against
+            ax.fill_between(x, _floats(band["low"]), _floats(band["high"]), color="0.85", lw=0,
+                            label=plot_text(band.get("label", "")), gid="band")
         _lines(ax, x, series)
         if spec.get("logx"):
             ax.set_xscale("log")
@@ -108,7 +116,7 @@ def _draw(fig, spec: dict) -> None:
             _xticks(ax, spec, x)
         if spec.get("logy"):
             ax.set_yscale("log")
-        if len(series) > 1:  # beside the axes, never over the data
+        if len(series) > 1 or band:  # beside the axes, never over the data
             ax.legend(fontsize=SMALL, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     elif kind == "hist":
         _hist_bulk(ax, spec)
@@ -450,7 +458,7 @@ def size_of(spec: dict) -> tuple[float, float]:
         return 10.0, 1.0 + 1.6 * len(spec["panels"]) + 0.19 * rows
     if kind == "hist" and (spec.get("below") or spec.get("above")):
         return 8.0, 3.4
-    if kind == "line" and len(spec.get("series", ())) > 1 or kind == "hist" and spec.get("marks"):
+    if kind == "line" and (len(spec.get("series", ())) > 1 or spec.get("band")) or kind == "hist" and spec.get("marks"):
         return 7.0, 3.2
     return 5.0, 3.2
 
@@ -492,3 +500,22 @@ def have_matplotlib() -> bool:
     except ImportError:
         return False
     return True
+
+
+def png_sheet(rows: list) -> bytes:
+    """Rows of plot specs drawn side by side, the rows stacked: one PNG (a command's --plot)."""
+    from PIL import Image
+    ims = [[Image.open(io.BytesIO(render_png(s, colors=256))).convert("RGB") for s in row] for row in rows]
+    width = max((sum(im.width for im in row) for row in ims), default=1)
+    height = sum(max((im.height for im in row), default=0) for row in ims) or 1
+    sheet = Image.new("RGB", (width, height), "white")
+    y = 0
+    for row in ims:  # loop over rows of pictures
+        x = 0
+        for im in row:
+            sheet.paste(im, (x, y))
+            x += im.width
+        y += max((im.height for im in row), default=0)
+    buf = io.BytesIO()
+    sheet.save(buf, format="PNG")
+    return buf.getvalue()
