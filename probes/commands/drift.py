@@ -1,9 +1,7 @@
 """`trainprobes drift`: compare train and inference log-probs (files) or run the engine-pair demo."""
 from __future__ import annotations
 
-import sys
-
-from trainprobes.commands.options import add_report_options, emit_report
+from trainprobes.commands.options import add_progress_options, add_report_options, emit_report, progress_for
 from trainprobes.errors import InvalidArgument
 from trainprobes.validation import check_number, parse_int, parse_number, parse_with
 
@@ -49,6 +47,7 @@ def add_arguments(p) -> None:
                      help="demo tokens per sequence")
     out = p.add_argument_group("output")
     add_report_options(out)
+    add_progress_options(out)
     out.add_argument("--plot", metavar="PNG", help="histogram of log-ratios and bias by probability")
     # `trainprobes drift localize ...`: a mode with its own options (given after the word
     # `localize`); without it the command compares log-probs as it always has
@@ -126,12 +125,11 @@ def _results(args) -> list:
             raise InvalidArgument("--demo runs its own engine pair: it takes no --train/--infer/"
                                   "--rollouts and no --threshold")
 
-        def progress(i, n, name):
-            print(f"[{i + 1}/{n}] {name}", file=sys.stderr, flush=True)
 
         options = {k: v for k, v in kw.items() if k != "thresholds"}
-        return run_demo(n_prompts=args.demo_prompts, max_new_tokens=args.demo_tokens, seed=args.seed,
-                        progress=progress, **options)
+        with progress_for(args, "drift --demo", unit="scenarios") as p:
+            return run_demo(n_prompts=args.demo_prompts, max_new_tokens=args.demo_tokens,
+                            seed=args.seed, progress=p.step, **options)
     if args.rollouts:
         if args.train or args.infer:
             raise InvalidArgument("give --rollouts FILE alone (it holds both sides), or --train "

@@ -2,9 +2,7 @@
 convention makes the trainer and the engine disagree (trainprobes.drift.decompose)."""
 from __future__ import annotations
 
-import sys
-
-from trainprobes.commands.options import add_report_options, emit_report
+from trainprobes.commands.options import add_progress_options, add_report_options, emit_report, progress_for
 from trainprobes.errors import InvalidArgument, TargetError
 from trainprobes.validation import parse_int, parse_number
 
@@ -44,6 +42,7 @@ def add_arguments(p) -> None:
     opt.add_argument("--seed", type=parse_int("seed", min=0), default=0, help="seed (tokens, jitter)")
     out = p.add_argument_group("output")
     add_report_options(out)
+    add_progress_options(out)
     out.add_argument("--plot", metavar="PNG",
                      help="per-stage plot: free-running and own error, log scale, noise floor band")
 
@@ -110,9 +109,8 @@ def _results(args) -> list:
             raise InvalidArgument("--demo runs its own engine pairs: it takes no --target/--engine/--dumps")
         from trainprobes.drift.localize_demo import run_demo
 
-        def progress(i, n, name):
-            print(f"[{i + 1}/{n}] {name}", file=sys.stderr, flush=True)
-        return run_demo(progress=progress, margin=args.margin, alpha=args.alpha, seed=args.seed)
+        with progress_for(args, "drift localize --demo", unit="cases") as p:
+            return run_demo(progress=p.step, margin=args.margin, alpha=args.alpha, seed=args.seed)
     if args.dumps:
         if args.target or args.engine:
             raise InvalidArgument("give --dumps TRAINER ENGINE alone, or --target and --engine")

@@ -1,7 +1,13 @@
 """`trainprobes gemm`: low-precision GEMMs (recipe x accumulator) against fp64."""
 from __future__ import annotations
 
-from trainprobes.commands.options import add_report_options, emit_report, parse_list
+from trainprobes.commands.options import (
+    add_progress_options,
+    add_report_options,
+    emit_report,
+    parse_list,
+    progress_for,
+)
 from trainprobes.validation import parse_choice, parse_int, parse_number
 
 # the names, without importing torch before argparse needs them
@@ -42,13 +48,14 @@ def add_arguments(parser) -> None:
                         type=parse_number("alpha", min=0.0, max=1.0, min_open=True, max_open=True))
     parser.add_argument("--seed", type=parse_int("seed", min=0), default=0)
     add_report_options(parser)
+    add_progress_options(parser)
 
 
 # the share of random operands the e4m3 cast may saturate before the table is refused
 SATURATED_SHARE = 0.01
 
 
-def _random_results(args):
+def _random_results(args, progress):
     import torch
     from trainprobes.budget import check_fits
     from trainprobes.errors import InvalidArgument
@@ -64,6 +71,7 @@ def _random_results(args):
                f"--k {max(args.k)} --rows {args.rows} --samples {args.samples}",
                fix="lower --rows, --samples or --k")
     out = []
+    total = len(args.k) * len(args.recipes) * len(args.presets)
     for K in args.k:
         g = torch.Generator().manual_seed(args.seed + K)
         raw = [torch.randn(args.rows, K, generator=g) + args.mean for _ in "ab"]
@@ -79,13 +87,14 @@ def _random_results(args):
         for recipe in args.recipes:
             for preset in args.presets:
                 kw = {} if args.tolerance is None else {"tolerance": args.tolerance}
+                progress.step(len(out), total, f"K={K} {recipe} {preset}")
                 out.append(gemm_bias(a, b, preset=preset, recipe=recipe, gemm=args.gemm,
                                      samples=args.samples, trials=args.trials, seed=args.seed,
                                      alpha=args.alpha, **kw))
     return out
 
 
-def _model_results(args):
+def _model_results(args, progress):
     from trainprobes.numerics.gemm_model import judge_model
     from trainprobes.targets import load_target
 
@@ -99,11 +108,12 @@ def _model_results(args):
     kw = {} if args.tolerance is None else {"tolerance": args.tolerance}
     return judge_model(model, batch, preset=args.presets[0], recipe=args.recipes[0],
                        samples=args.samples, trials=args.trials, seed=args.seed, alpha=args.alpha,
-                       target=args.target, **kw)
+                       target=args.target, progress=progress.step, **kw)
 
 
 def run(args) -> int:
-    results = _model_results(args) if args.target else _random_results(args)
+    with progress_for(args, "gemm", unit="GEMMs") as p:
+        results = (_model_results if args.target else _random_results)(args, p)
     emit_report(args, results)
     if not args.json:
         head = ("target", "K", "relative bias", f"{1 - args.alpha:.0%} CI", "max err", "SQNR dB",

@@ -12,8 +12,6 @@ per-op map exits 0: it maps the machine), 2 could not run.
 """
 from __future__ import annotations
 
-import sys
-
 HELP = "packed-document isolation and batch invariance (per op, end to end, vLLM)"
 SUBCOMMANDS = ("documents", "table", "batch", "ops", "vllm")
 
@@ -50,8 +48,10 @@ def _lengths(text: str):
 
 
 def _common(p, json_too: bool = True) -> None:
+    from trainprobes.commands.options import add_progress_options
     from trainprobes.validation import parse_int
     p.add_argument("--seed", type=parse_int("seed", min=0), default=0, help="seed (0)")
+    add_progress_options(p)
     if json_too:
         from trainprobes.commands.options import add_report_options
         add_report_options(p)
@@ -142,8 +142,9 @@ def run(args) -> int:
     return code
 
 
-def _say():
-    return (lambda s: print(f"  {s}", file=sys.stderr, flush=True)) if sys.stderr.isatty() else None
+def _progress(args, unit: str):
+    from trainprobes.commands.options import progress_for
+    return progress_for(args, f"isolation {args.isolation_command}", unit=unit)
 
 
 # --- documents ---------------------------------------------------------------------------
@@ -237,8 +238,9 @@ def _table(args):
     convs = args.convention or list(CONVENTIONS)
     for c in convs:
         check_choice(c, "--convention", CONVENTIONS)
-    rows = packed_table(fams, args.attn, convs, lengths=tuple(args.lengths), seed=args.seed,
-                        progress=_say())
+    with _progress(args, "cases") as p:
+        rows = packed_table(fams, args.attn, convs, lengths=tuple(args.lengths), seed=args.seed,
+                            progress=p.step)
     agree = [table_agrees(row) for row in rows]
     if not args.json:
         print(format_table(rows))
@@ -310,8 +312,9 @@ def format_sizes(r) -> str:
 def _ops(args):
     from trainprobes.isolation.batch import DEFAULT_SIZES
     from trainprobes.isolation.ops import op_map
-    results = op_map(args.ops, dtypes=args.dtype, sizes=args.sizes or DEFAULT_SIZES, rows=args.rows,
-                     seed=args.seed, device=args.device, quick=args.quick, progress=_say())
+    with _progress(args, "ops") as p:
+        results = op_map(args.ops, dtypes=args.dtype, sizes=args.sizes or DEFAULT_SIZES, rows=args.rows,
+                         seed=args.seed, device=args.device, quick=args.quick, progress=p.step)
     if not args.json:
         print(format_ops(results))
     return results, 0

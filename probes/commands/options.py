@@ -227,3 +227,14 @@ def progress_wanted(args, stream=None) -> bool:
         return True
     stream = sys.stderr if stream is None else stream
     return bool(getattr(stream, "isatty", lambda: False)())
+
+
+def progress_for(args, what: str, total: int | None = None, *, unit: str = "", stream=None,
+                 limit: float | None = None):
+    """The command's trainprobes.progress.Progress: lines on stderr at least every 5 s while
+    it works, quiet unless progress_wanted(args). Use it as a context manager around the work
+    (it starts the heartbeat and clears a terminal's bar before the results are printed)."""
+    from trainprobes.progress import Progress
+    stream = sys.stderr if stream is None else stream
+    return Progress(what, total, unit=unit, stream=stream, limit=limit,
+                    quiet=not progress_wanted(args, stream))
