@@ -34,6 +34,22 @@ METRIC_UNITS = {"n_leaks": "decisions", "flip_rate": "fraction of decisions",
                 "max_abs_relative_error": "relative error", "mismatch_rate": "fraction",
                 "rel_error": "relative error"}
 
+# What each trend metric is, in words: plot titles and axes say this, never the key.
+METRIC_LABELS = {"causal": "causal", "n_leaks": "leaking decisions", "flip_rate": "flip rate",
+                 "bias": "bias (mean signed relative error)",
+                 "mean_log_ratio": "mean log-ratio (infer - train)", "k3_kl": "KL estimate k3",
+                 "frac_ratio_outside": "tokens with importance ratio outside the clip",
+                 "accumulator_mantissa_bits": "accumulator mantissa bits",
+                 "max_ulp_error": "largest error", "bitwise_match_fraction": "bitwise match",
+                 "relative_error": "relative error", "update_relative_error": "update relative error",
+                 "max_abs_relative_error": "largest relative error", "mismatch_rate": "mismatch rate",
+                 "rel_error": "relative error", "p_value": "p-value"}
+
+
+def metric_label(name: str) -> str:
+    """A metric in words (METRIC_LABELS), its key where no label is known."""
+    return METRIC_LABELS.get(name, name)
+
 
 @dataclass(frozen=True)
 class Badge:
