@@ -330,8 +330,10 @@ def _result(common, packing, docs, leak_max, leak_mean, kind, moved, fp64_max, f
         if n_num:
             msg += f" ({n_num} pairs moved within rounding noise, excused by the fp64 twin)"
         if n_unver:
+            why = (f"the fp64 twin is {fp64_status}" if fp64_status.startswith("unavailable")
+                   else "pass fp64=")
             msg = (f"{n_unver} document pairs moved within rounding noise and no fp64 twin could "
-                   f"settle them (pass fp64=); isolation unknown")
+                   f"settle them ({why}); isolation unknown")
         if n_blind:
             msg = (f"the outputs of documents {blind_docs[:5]} are NaN at {n_blind} tokens, where "
                    f"a leak that leaves them NaN cannot show; isolation unknown"
