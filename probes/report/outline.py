@@ -36,7 +36,7 @@ METRIC_UNITS = {"n_leaks": "decisions", "flip_rate": "fraction of decisions",
 
 # What each trend metric is, in words: plot titles and axes say this, never the key.
 METRIC_LABELS = {"causal": "causal", "n_leaks": "leaking decisions", "flip_rate": "flip rate",
-                 "bias": "bias (mean signed relative error)",
+                 "bias": "bias",
                  "mean_log_ratio": "mean log-ratio (infer - train)", "k3_kl": "KL estimate k3",
                  "frac_ratio_outside": "tokens with importance ratio outside the clip",
                  "accumulator_mantissa_bits": "accumulator mantissa bits",
