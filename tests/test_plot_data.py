@@ -178,3 +178,23 @@ def test_trend_panels_draw_every_series_given_and_label_each_line():
     assert ax.get_ylabel() == "nats/token" and ax.get_title(loc="left") == "mean_log_ratio"
     lo, hi = ax.get_ylim()
     assert all(lo <= y <= hi for ys in lines.values() for y in ys)
+
+
+def test_direct_labels_say_what_tells_each_line_apart_never_a_cut_name():
+    # was: eight 'all_reduce[bf16,avg,gloo,alg=gloo...' labels cut at 34 characters
+    from trainprobes.report.plots import short_names
+    names = [f"all_reduce[{d},{op},gloo,alg=gloo,w=2,n=4096,{data},seed=0]"
+             for d in ("bf16", "fp16") for op in ("sum", "avg") for data in ("gradient", "positive")]
+    short = short_names(names)
+    assert short[names[0]] == "bf16,sum,gradient" and len(set(short.values())) == len(names)
+    mixed = ["torch.sum[fp16,cpu]", "emulated all_reduce[bf16,ring] (control)"]
+    assert short_names(mixed) == {n: n for n in mixed}       # nothing shared: as written
+    assert short_names(["pkg.routing:top1", "pkg.routing:expert_choice"]) == {
+        "pkg.routing:top1": "top1", "pkg.routing:expert_choice": "expert_choice"}
+    spec = {"kind": "panels", "title": "t", "x": [1, 2, 3], "xlabel": "run",
+            "panels": [{"ylabel": "ulp", "title": "largest error",
+                        "series": {n: [0.5, 0.5, 0.5] for n in names}}]}
+    ax = figure(spec).axes[0]
+    labels = [t.get_text() for t in ax.texts if t.get_gid() == "direct-label"]
+    assert labels == ["bf16,sum,gradient = 7 more"]          # equal lines: one label, counted
+    assert len(ax.get_lines()) == len(names)                  # every series still drawn

@@ -25,6 +25,7 @@ import base64
 import io
 import math
 import os
+import re
 from dataclasses import dataclass
 
 from trainprobes.display import format_number
@@ -400,6 +401,34 @@ def _draw_panels(fig, spec: dict) -> None:
 DIRECT_LABEL_CHARS = 34
 
 
+_BRACKETED = re.compile(r"^(.*?)\[(.*)\](.*)$")
+
+
+def _fields(name: str) -> list[str]:
+    """all_reduce[bf16,avg,w=2] (control) -> [all_reduce, bf16, avg, w=2, (control)]."""
+    m = _BRACKETED.match(name)
+    if not m:
+        return [name]
+    head, inner, tail = m.groups()
+    return [head] + inner.split(",") + ([tail.strip()] if tail.strip() else [])
+
+
+def short_names(names: list[str]) -> dict[str, str]:
+    """What tells each name apart from the others beside it: the fields of a bracketed name
+    that not every name shares (all_reduce[bf16,avg,...,gradient] -> 'bf16,avg,gradient'),
+    else the name past the prefix every name shares (trainprobes.reference.routing:)."""
+    if len(names) < 2:
+        return {n: n for n in names}
+    fields = [_fields(n) for n in names]
+    common = set.intersection(*map(set, fields))
+    out = {n: ",".join(x for x in f if x not in common) or n for n, f in zip(names, fields)}
+    if not common or len(set(out.values())) < len(out):  # nothing shared, or not told apart
+        out = {n: n for n in names}
+    prefix = os.path.commonprefix(list(out.values()))
+    cut = max(prefix.rfind(c) for c in ".:/ ") + 1 if prefix else 0
+    return {n: v[cut:] or v for n, v in out.items()}
+
+
 def _direct_labels(ax, x, series: dict, colors: dict) -> None:
     """Each line's name at its last finite point, right of the axes, in its colour, spread
     apart so no two overlap; lines whose values are equal there share one label."""
@@ -419,11 +448,12 @@ def _direct_labels(ax, x, series: dict, colors: dict) -> None:
             f = placed[-1] + gap
         placed.append(f)
     shift = max(0.0, placed[-1] - 1.0)
-    # the part every name shares (trainprobes.reference.routing:) says nothing beside a line
-    common = os.path.commonprefix(list(series)) if len(series) > 1 else ""
-    cut = max(common.rfind(c) for c in ".:/ ") + 1 if common else 0
+    short = short_names(list(series))
     for (yv, labels), f in zip(sorted(ends.items()), placed):
-        text = " = ".join(lab[cut:] for lab in labels)
+        names = [short[lab] for lab in labels]
+        text = " = ".join(names)
+        if len(text) > DIRECT_LABEL_CHARS and len(names) > 1:  # the legend names each
+            text = f"{names[0]} = {len(names) - 1} more"
         if len(text) > DIRECT_LABEL_CHARS:
             text = text[:DIRECT_LABEL_CHARS - 1] + "\u2026"
         ax.annotate(text, xy=(1.01, f - shift), xycoords="axes fraction", va="center",
