@@ -160,3 +160,23 @@ def test_help_choice_tables_equal_the_ones_the_probes_use():
     from trainprobes.commands import choices
     for here, module, there in choices.SOURCES:
         assert getattr(choices, here) == getattr(importlib.import_module(module), there), (here, module)
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["stall", "--formts", "fp8"], "--formts: did you mean --formats?"),
+    (["stall", "--dtype", "fp8"], "trainprobes stall takes --force, --formats"),
+    (["isolation", "table", "--famly", "llama"], "did you mean --family?"),
+])
+def test_an_option_the_command_does_not_take_names_the_ones_it_does(capsys, argv, said):
+    assert main(argv) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_a_shell_pattern_that_matched_two_reports_is_named(capsys, tmp_path):
+    # was: --baseline reports/acc/*/report.json also matched latest/: 'unrecognized arguments'
+    for d in ("20261201T000000Z", "latest"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "report.json").write_text("{}")
+    reports = sorted(str(p) for p in tmp_path.glob("*/report.json"))
+    assert main(["gate", "--baseline", *reports, "--candidate", reports[0]]) == 2
+    assert "did a shell pattern (*) match several files?" in capsys.readouterr().err

@@ -1,6 +1,8 @@
 """`trainprobes drift`: compare train and inference log-probs (files) or run the engine-pair demo."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from trainprobes.commands.options import add_progress_options, add_report_options, emit_report, progress_for
 from trainprobes.errors import InvalidArgument
 from trainprobes.validation import check_number, parse_int, parse_number, parse_with
@@ -192,9 +194,11 @@ def plot(results, path, *, replace: bool = True) -> None:
     rows = []
     for r in results:
         specs = drift_plots(r)
-        title = f"{r.metrics.get('drift_verdict', '?')}: {r.target}"
+        # two files' names, not their folders: the title stays whole
+        names = " vs ".join(Path(t).name for t in r.target.split(" vs "))
+        title = f"{r.metrics.get('drift_verdict', '?')}: {names}"
         for spec in specs[:1]:
-            spec["title"] = f"{title[:60]}: log-ratio per token"
+            spec["title"] = f"{title[:70]}: log-ratio per token"
         rows.append([Image.open(io.BytesIO(render_png(s, colors=256))).convert("RGB")
                      for s in specs])
     width = max((sum(im.width for im in row) for row in rows), default=1)
