@@ -81,11 +81,11 @@ def change(values: list) -> float:
     return (max(finite) - min(finite)) / top if top else 0.0
 
 
-def _when(run: dict, i: int) -> str:
-    """'11-29 07:30' from an ISO timestamp; the run number when there is none."""
+def _when(run: dict, i: int, seconds: bool = False) -> str:
+    """'11-29 07:30' (or '07:30:12') from an ISO timestamp; the run number when there is none."""
     c = run.get("created")
-    if isinstance(c, str) and len(c) >= 16 and c[4] == "-":
-        return f"{c[5:10]} {c[11:16]}"
+    if isinstance(c, str) and len(c) >= 19 and c[4] == "-":
+        return c[11:19] if seconds else f"{c[5:10]} {c[11:16]}"
     return str(i)
 
 
@@ -98,6 +98,8 @@ def trend_plots(runs: list[dict], max_series: int = MAX_SERIES) -> list[dict]:
         return []
     x = list(range(1, len(runs) + 1))
     ticks = [_when(run, i) for i, run in enumerate(runs, 1)]
+    if len(set(ticks)) < len(ticks):   # two runs in one minute: their seconds tell them apart
+        ticks = [_when(run, i, seconds=True) for i, run in enumerate(runs, 1)]
     base = {"kind": "panels", "x": x, "xticklabels": ticks, "xlabel": "run (oldest first)"}
     problems = {name: [run.get("problems", {}).get(key, run.get("counts", {}).get(old, 0))
                        for run in runs]

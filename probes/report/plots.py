@@ -416,17 +416,24 @@ def _fields(name: str) -> list[str]:
 def short_names(names: list[str]) -> dict[str, str]:
     """What tells each name apart from the others beside it: the fields of a bracketed name
     that not every name shares (all_reduce[bf16,avg,...,gradient] -> 'bf16,avg,gradient'),
-    else the name past the prefix every name shares (trainprobes.reference.routing:)."""
+    with the shortest tail of its head that still tells the names apart
+    (trainprobes.reference.routing:top1 -> top1); the names as written where nothing is
+    shared."""
     if len(names) < 2:
         return {n: n for n in names}
     fields = [_fields(n) for n in names]
     common = set.intersection(*map(set, fields))
-    out = {n: ",".join(x for x in f if x not in common) or n for n, f in zip(names, fields)}
-    if not common or len(set(out.values())) < len(out):  # nothing shared, or not told apart
-        out = {n: n for n in names}
-    prefix = os.path.commonprefix(list(out.values()))
-    cut = max(prefix.rfind(c) for c in ".:/ ") + 1 if prefix else 0
-    return {n: v[cut:] or v for n, v in out.items()}
+    prefix = os.path.commonprefix([f[0] for f in fields])
+    if not common and not any(c in prefix for c in ".:/ "):
+        return {n: n for n in names}
+    best = {n: n for n in names}
+    for tail in (lambda h: h, lambda h: h.rpartition(":")[2], lambda h: h.rpartition(".")[2]):
+        heads = [tail(f[0][max(prefix.rfind(c) for c in ".:/ ") + 1:]) for f in fields]
+        out = {n: ",".join(x for x in [h, *f[1:]] if x and x not in common) or n
+               for n, h, f in zip(names, heads, fields)}
+        if len(set(out.values())) == len(out) and sum(map(len, out.values())) < sum(map(len, best.values())):
+            best = out
+    return best
 
 
 def _direct_labels(ax, x, series: dict, colors: dict) -> None:
