@@ -320,3 +320,21 @@ def test_no_count_and_no_limit_says_so(clock):
     assert p.remaining() == "total unknown"
     p = progress_mod.Progress("work", 4, unit="cases", stream=io.StringIO())
     assert p.remaining() == "time left unknown until the first of 4 cases is done"
+
+
+def test_isolation_documents_counts_the_target_calls(clock, stderr, monkeypatch, tmp_path):
+    stderr = stderr()
+    slowed = Slowed(clock, stderr)
+    (tmp_path / "slowdocs.py").write_text(
+        "calls = []\nHOOK = None\n"
+        "def fn(tokens, packing):\n"
+        "    calls.append(1)\n"
+        "    if len(calls) == 2:\n        HOOK()\n"
+        "    return tokens.float().unsqueeze(-1)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import slowdocs
+    # the second of d + 2 = 5 calls runs: one done in 10 s, 4 left: about 40 s
+    monkeypatch.setattr(slowdocs, "HOOK", lambda: slowed.check_heartbeat("1/5 calls done"))
+    assert main(["isolation", "documents", "--target", "slowdocs:fn", "--lengths", "10,12,8",
+                 "--no-causal", "--no-fp64", "--json", "--progress"]) == 0
+    assert "about 40 s left" in slowed.seen[0]

@@ -171,9 +171,10 @@ def _documents(args):
     else:
         x = torch.randn(*shape, args.hidden, generator=g) if args.hidden else torch.randint(0, vocab, shape, generator=g)
     fp64 = False if args.no_fp64 else load_target(args.fp64) if args.fp64 else None
-    r = documents(fn, x, packing, output=_picker(args.output_key), seed=args.seed, vocab=vocab,
-                  fp64=fp64, batched=args.batched,
-                  causal=not args.no_causal, target=name)
+    with _progress(args, "calls") as p:
+        r = documents(fn, x, packing, output=_picker(args.output_key), seed=args.seed,
+                      vocab=vocab, fp64=fp64, batched=args.batched, causal=not args.no_causal,
+                      target=name, progress=p.step)
     if not args.json:
         print(format_documents(r))
     return [r], 1 if r.verdict == "fail" else 0
