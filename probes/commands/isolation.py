@@ -198,6 +198,11 @@ def _load_tokens(path: str):
     return (x[None] if x.dim() == 1 else x).long()
 
 
+def _said(flag) -> str:
+    """A verdict boolean in words: unknown, never None."""
+    return {True: "True", False: "False", None: "unknown"}[flag]
+
+
 def format_documents(r) -> str:
     m, ev = r.metrics, r.evidence
     lines = [r.summary_line(), ""]
@@ -205,9 +210,12 @@ def format_documents(r) -> str:
         return "\n".join(lines)
     docs = ev["documents"]
     lines.append(f"documents      {len(docs)} (lengths {ev['lengths']}), seed {r.seed}")
-    lines.append(f"isolated       {m['isolated']}  (structural {m['n_leaks']}, numerical "
+    lines.append(f"isolated       {_said(m['isolated'])}  (structural {m['n_leaks']}, numerical "
                  f"{m['n_numerical']} excused, unverified {m['n_unverified']})")
-    lines.append(f"causal         {m['causal']}  (causality probe: {m['causality_evaluations']} evaluations)")
+    lines.append("causal         not checked (--no-causal)" if m["causal"] is None
+                 and not m["causality_evaluations"] else
+                 f"causal         {_said(m['causal'])}  (causality probe: "
+                 f"{m['causality_evaluations']} evaluations)")
     budget = "batched: 2" if m.get("batched") else f"d + 2 = {len(docs) + 2}"
     lines.append(f"evaluations    {m['n_evaluations']} ({budget}); fp64 twin "
                  f"{m['n_fp64_evaluations']}, {m['fp64']}")
@@ -271,7 +279,7 @@ def format_table(rows) -> str:
     for row in rows:
         m = row.result.metrics
         out.append(f"{row.family:10} {row.implementation:15} {row.convention:20} "
-                   f"{row.result.verdict:8} {str(m['isolated']):8} {m['n_leaks']:5d} "
+                   f"{row.result.verdict:8} {_said(m['isolated']):8} {m['n_leaks']:5d} "
                    f"{m['n_numerical']:5d} {m['max_leak']:9.3g} {row.by_hand:9.3g} "
                    f"{m['n_evaluations']:5d}  {'yes' if table_agrees(row) else 'NO'}")
     return "\n".join(out)
@@ -328,7 +336,7 @@ def format_ops(results) -> str:
            head, "-" * len(head)]
     for r in results:
         ev, m = r.evidence, r.metrics
-        out.append(f"{ev['op']:30} {ev['shape']:18} {ev['dtype']:5} {str(m['batch_invariant']):9} "
+        out.append(f"{ev['op']:30} {ev['shape']:18} {ev['dtype']:5} {_said(m['batch_invariant']):9} "
                    f"{','.join(map(str, m['breaking_sizes'])) or '-':22} {m['max_abs_diff']:10.3g} "
                    f"{m['max_ulps']:8.3g}")
     return "\n".join(out)
