@@ -198,3 +198,36 @@ def test_direct_labels_say_what_tells_each_line_apart_never_a_cut_name():
     labels = [t.get_text() for t in ax.texts if t.get_gid() == "direct-label"]
     assert labels == ["bf16,sum,gradient = 7 more"]          # equal lines: one label, counted
     assert len(ax.get_lines()) == len(names)                  # every series still drawn
+
+
+def test_labels_stay_beside_their_lines_when_others_crowd_one_end():
+    # was: five labels near 0 pushed every label down, the two far below fell under the axes
+    from trainprobes.report.plots import spread
+    placed = spread([0.0, 0.9, 0.95, 0.96, 1.0])
+    assert placed[0] == 0.0                                  # the lone one where its line ends
+    assert placed[1:] == pytest.approx([0.57, 0.73, 0.89, 1.05])  # the crowd below the top
+    assert all(b - a >= 0.16 - 1e-9 for a, b in zip(placed, placed[1:]))
+    assert placed[-1] <= 1.05
+
+
+def test_short_names_of_drift_pairs_and_import_paths():
+    from trainprobes.report.plots import short_names
+    pairs = ["tinylm: T=0.7 processed logprobs / trainer at T=0.7 (fixed) (control)",
+             "tinylm: bf16 infer / bf16 train (control)"]
+    # a dot inside T=0.7 is not a module path: never cut there; the shared tail goes
+    assert short_names(pairs) == {pairs[0]: "T=0.7 processed logprobs / trainer at T=0.7 (fixed)",
+                                  pairs[1]: "bf16 infer / bf16 train"}
+    routers = ["trainprobes.reference.routing:capacity_gshard_order[truncate] (control)",
+               "trainprobes.reference.models.moe:causal_block[perturb] (control)"]
+    assert short_names(routers) == {routers[0]: "capacity_gshard_order,truncate",
+                                    routers[1]: "causal_block,perturb"}
+
+
+def test_trend_units_follow_the_family_a_collectives_bias_is_in_ulps():
+    from trainprobes.audit.history import trend_plots
+    runs = [{"created": f"2026-11-0{i}T07:30:00", "metrics": {
+        "distributed.collective::all_reduce[bf16]::bias": 0.01 * i,
+        "numerics.bias::all_reduce[bf16,ring]::bias": -0.2}} for i in (1, 2)]
+    units = {p["title"]: [q["ylabel"] for q in p["panels"]] for p in trend_plots(runs)}
+    assert units["distributed.collective: bias across runs"] == ["ulp"]
+    assert units["numerics.bias: bias across runs"] == ["relative error"]

@@ -11,7 +11,7 @@ import json
 import math
 from pathlib import Path
 
-from trainprobes.report.outline import METRIC_UNITS, TREND_METRICS, is_problem, metric_label
+from trainprobes.report.outline import TREND_METRICS, is_problem, metric_label, metric_unit
 from trainprobes.result import Result, SchemaError, from_jsonable, to_jsonable, write_atomic
 
 HISTORY_FILE = "history.jsonl"
@@ -150,7 +150,7 @@ def trend_plots(runs: list[dict], max_series: int = MAX_SERIES) -> list[dict]:
         def label(t):
             return f"{t} (control)" if is_control((fam, t)) else t
         metrics = [m for m in TREND_METRICS if m in by_metric]
-        panels = [{"ylabel": METRIC_UNITS.get(m, ""), "title": metric_label(m),
+        panels = [{"ylabel": metric_unit(fam, m), "title": metric_label(m),
                    "series": {label(t): by_metric[m][t] for t in shown if t in by_metric[m]},
                    "integer": m in COUNT_METRICS} for m in metrics]
         plots.append({**base, "title": f"{fam}: {', '.join(map(metric_label, metrics))} across runs",

@@ -33,6 +33,15 @@ METRIC_UNITS = {"n_leaks": "decisions", "flip_rate": "fraction of decisions",
                 "update_relative_error": "relative error",
                 "max_abs_relative_error": "relative error", "mismatch_rate": "fraction",
                 "rel_error": "relative error"}
+# Where a family measures a metric in another unit: a collective's bias is the mean signed
+# error in ulps of the output (trainprobes.distributed.compare), not a relative error.
+FAMILY_UNITS = {"distributed.collective": {"bias": "ulp"}}
+
+
+def metric_unit(family_name: str, metric: str) -> str:
+    """The unit `metric` has in Results of `family_name` (numerics.bias, ...)."""
+    return FAMILY_UNITS.get(family_name, {}).get(metric, METRIC_UNITS.get(metric, ""))
+
 
 # What each trend metric is, in words: plot titles and axes say this, never the key.
 METRIC_LABELS = {"causal": "causal", "n_leaks": "leaking decisions", "flip_rate": "flip rate",

@@ -402,6 +402,7 @@ DIRECT_LABEL_CHARS = 34
 
 
 _BRACKETED = re.compile(r"^(.*?)\[(.*)\](.*)$")
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$")
 
 
 def _fields(name: str) -> list[str]:
@@ -427,13 +428,34 @@ def short_names(names: list[str]) -> dict[str, str]:
     if not common and not any(c in prefix for c in ".:/ "):
         return {n: n for n in names}
     best = {n: n for n in names}
-    for tail in (lambda h: h, lambda h: h.rpartition(":")[2], lambda h: h.rpartition(".")[2]):
+    tails = [lambda h: h]
+    if all(_IMPORT_PATH.match(f[0]) for f in fields):  # pkg.mod:fn: its last parts may do
+        tails += [lambda h: h.rpartition(":")[2], lambda h: h.rpartition(".")[2]]
+    for tail in tails:
         heads = [tail(f[0][max(prefix.rfind(c) for c in ".:/ ") + 1:]) for f in fields]
         out = {n: ",".join(x for x in [h, *f[1:]] if x and x not in common) or n
                for n, h, f in zip(names, heads, fields)}
         if len(set(out.values())) == len(out) and sum(map(len, out.values())) < sum(map(len, best.values())):
             best = out
+    # a tail every name shares (" (control)") says nothing beside a line either
+    suffix = os.path.commonprefix([v[::-1] for v in best.values()])[::-1]
+    cut = suffix.find(" ") if " " in suffix else -1
+    if cut >= 0 and all(len(v) > len(suffix) - cut for v in best.values()):
+        best = {n: v[:len(v) - (len(suffix) - cut)] for n, v in best.items()}
     return best
+
+
+def spread(wanted: list[float], gap: float = 0.16, top: float = 1.05) -> list[float]:
+    """Label centres (axes fractions) as near their lines' ends as `gap` between them
+    allows: pushed up from the lowest, then, past `top`, down from the highest, so a
+    crowd at one end never pushes a lone label far from its line."""
+    placed: list[float] = []
+    for f in wanted:                       # ascending
+        placed.append(f if not placed else max(f, placed[-1] + gap))
+    for i in range(len(placed) - 1, -1, -1):
+        limit = top if i == len(placed) - 1 else placed[i + 1] - gap
+        placed[i] = min(placed[i], limit)
+    return placed
 
 
 def _direct_labels(ax, x, series: dict, colors: dict) -> None:
@@ -448,13 +470,7 @@ def _direct_labels(ax, x, series: dict, colors: dict) -> None:
         return
     lo, hi = ax.get_ylim()
     span = (hi - lo) or 1.0
-    placed, gap = [], 0.16  # axes fraction between label centres
-    for yv in sorted(ends):
-        f = (yv - lo) / span
-        if placed and f - placed[-1] < gap:
-            f = placed[-1] + gap
-        placed.append(f)
-    shift = max(0.0, placed[-1] - 1.0)
+    placed = spread([(yv - lo) / span for yv in sorted(ends)])
     short = short_names(list(series))
     for (yv, labels), f in zip(sorted(ends.items()), placed):
         names = [short[lab] for lab in labels]
@@ -463,7 +479,7 @@ def _direct_labels(ax, x, series: dict, colors: dict) -> None:
             text = f"{names[0]} = {len(names) - 1} more"
         if len(text) > DIRECT_LABEL_CHARS:
             text = text[:DIRECT_LABEL_CHARS - 1] + "\u2026"
-        ax.annotate(text, xy=(1.01, f - shift), xycoords="axes fraction", va="center",
+        ax.annotate(text, xy=(1.01, f), xycoords="axes fraction", va="center",
                     fontsize=7, color=colors.get(labels[0], "k"), annotation_clip=False,
                     gid="direct-label")
 
