@@ -338,3 +338,21 @@ def test_isolation_documents_counts_the_target_calls(clock, stderr, monkeypatch,
     assert main(["isolation", "documents", "--target", "slowdocs:fn", "--lengths", "10,12,8",
                  "--no-causal", "--no-fp64", "--json", "--progress"]) == 0
     assert "about 40 s left" in slowed.seen[0]
+
+
+def test_isolation_batch_counts_its_calls(clock, stderr, monkeypatch, tmp_path):
+    stderr = stderr()
+    slowed = Slowed(clock, stderr)
+    (tmp_path / "slowbatch.py").write_text(
+        "calls = []\nHOOK = None\n"
+        "def fn(rows):\n"
+        "    calls.append(1)\n"
+        "    if len(calls) == 2:\n        HOOK()\n"
+        "    return rows * 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import slowbatch
+    # 4 rows alone + 1 again + 2 sizes x 1 trial + the pool of 4 = 8 calls; 1 done in 10 s
+    monkeypatch.setattr(slowbatch, "HOOK", lambda: slowed.check_heartbeat("1/8 calls done"))
+    assert main(["isolation", "batch", "--target", "slowbatch:fn", "--shape", "4,8",
+                 "--sizes", "2,3", "--trials", "1", "--json", "--progress"]) == 0
+    assert "about 1 min 10 s left" in slowed.seen[0]

@@ -301,9 +301,10 @@ def _batch(args):
         x = torch.randint(0, args.vocab, tuple(args.shape[:2]), generator=g)
     else:
         x = torch.randn(*args.shape, generator=g)
-    r = batch_invariance(fn, x, sizes=args.sizes or DEFAULT_SIZES, trials=args.trials, seed=args.seed,
-                         output=_picker(args.output_key), atol=args.atol,
-                         target=args.target)
+    with _progress(args, "calls") as p:
+        r = batch_invariance(fn, x, sizes=args.sizes or DEFAULT_SIZES, trials=args.trials,
+                             seed=args.seed, output=_picker(args.output_key), atol=args.atol,
+                             target=args.target, progress=p.step)
     if not args.json:
         print(r.summary_line())
         print(format_sizes(r))
