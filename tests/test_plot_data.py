@@ -1,8 +1,8 @@
 """What each plot draws is what its Result says: the matplotlib artists read back.
 
 Every kind of plot the project draws gets its data checked here: the forest plot of
-estimates and confidence intervals, the histogram with its tails, the stall bars and the
-trend panels. A point outside its axis, a value written wrong beside its row, a tail left
+estimates and confidence intervals, the histogram with its tails, the stall bars, the
+trend panels, the leak map and the flip-rate line. A point outside its axis, a value written wrong beside its row, a tail left
 undrawn or an expected behaviour in red fails a test.
 """
 from __future__ import annotations
@@ -231,3 +231,30 @@ def test_trend_units_follow_the_family_a_collectives_bias_is_in_ulps():
     units = {p["title"]: [q["ylabel"] for q in p["panels"]] for p in trend_plots(runs)}
     assert units["distributed.collective: bias across runs"] == ["ulp"]
     assert units["numerics.bias: bias across runs"] == ["relative error"]
+
+
+def _leaky_causality_result():
+    from trainprobes.causality import check
+    from trainprobes.reference.routing import expert_choice
+    x = torch.randn(2, 32, 8, generator=torch.Generator().manual_seed(0))
+    return check(expert_choice, x, seed=0, decision=0, target="expert_choice")
+
+
+def test_leak_map_draws_every_leak_the_result_counts_and_the_line_its_rates():
+    from trainprobes.audit.families import causality_result
+    r = causality_result(_leaky_causality_result(), 32)
+    heat, line = r.evidence["plots"]
+    counts = r.evidence.get("leak_map")
+    fig = figure(heat)
+    drawn = fig.axes[0].get_images()[0].get_array()
+    assert drawn.tolist() == heat["matrix"]                          # the matrix as drawn
+    total = sum(n for _, _, n in counts) if counts else len(r.evidence["leaks"])
+    assert int(drawn.sum()) == total > 0                             # no leak left off the map
+    assert fig.axes[1].get_ylabel() == "leaks (decisions that changed)"   # the colour bar's unit
+    ax = figure(line).axes[0]
+    ys = ax.get_lines()[0].get_ydata()
+    rates = [math.nan if v == "nan" else v for v in line["series"]["expert_choice"]]
+    assert [a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(ys, rates)] == [True] * len(rates)
+    lo, hi = ax.get_ylim()
+    assert all(lo <= y <= hi for y in ys if not math.isnan(y))      # nothing clipped
+    assert ax.get_ylabel() == "fraction of compared decisions flipped"
