@@ -72,23 +72,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "docs")
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--work", type=Path, default=None,
+                    help="a folder to keep (and reuse: audits run until its history holds "
+                         "--runs of them); default: a temporary one")
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="trainprobes-pictures-"))
+    work = args.work or Path(tempfile.mkdtemp(prefix="trainprobes-pictures-"))
+    work.mkdir(parents=True, exist_ok=True)
     try:
         train, infer = heavy_tailed(work)
         run("drift", "--train", str(train), "--infer", str(infer), "--plot",
             str(args.out / "drift-plot.png"), "--force", cwd=work)
-        for _ in range(args.runs):   # a nightly: the same suite and seed every night
+        from trainprobes.audit.history import read_history, trend_plots
+        for _ in range(args.runs - len(read_history(work / "history"))):
+            # a nightly: the same suite and seed every night
             run("audit", "--out", "reports", "--history", "history", "--no-progress", cwd=work)
         screenshot(work / "reports" / "latest" / "report.html", args.out / "audit-report.png")
 
-        from trainprobes.audit.history import read_history, trend_plots
         from trainprobes.report.plots import render_png
         stacked([render_png(s, colors=256) for s in trend_plots(read_history(work / "history"))],
                 args.out / "audit-trends.png")
         print(f"wrote {', '.join(str(args.out / n) for n in ('drift-plot.png', 'audit-report.png', 'audit-trends.png'))}")
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

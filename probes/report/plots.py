@@ -477,8 +477,9 @@ def _direct_labels(ax, x, series: dict, colors: dict) -> None:
         text = " = ".join(names)
         if len(text) > DIRECT_LABEL_CHARS and len(names) > 1:  # the legend names each
             text = f"{names[0]} = {len(names) - 1} more"
-        if len(text) > DIRECT_LABEL_CHARS:
-            text = text[:DIRECT_LABEL_CHARS - 1] + "\u2026"
+        if len(text) > DIRECT_LABEL_CHARS:   # names differ at either end: keep both
+            half = (DIRECT_LABEL_CHARS - 1) // 2
+            text = text[:half] + "\u2026" + text[len(text) - (DIRECT_LABEL_CHARS - 1 - half):]
         ax.annotate(text, xy=(1.01, f), xycoords="axes fraction", va="center",
                     fontsize=7, color=colors.get(labels[0], "k"), annotation_clip=False,
                     gid="direct-label")
