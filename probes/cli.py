@@ -17,7 +17,10 @@ COMMANDS = ("audit", "gate", "stall", "bias", "collectives", "causality", "drift
 
 
 class _Parser(argparse.ArgumentParser):
-    """Suggests the closest command for a typo ('trainprobes colectives')."""
+    """Suggests the closest command for a typo ('trainprobes colectives'), and for an
+    option the command does not take, the ones it does (argv: what was parsed)."""
+
+    argv: list[str] = []
 
     def error(self, message):
         import difflib
@@ -26,7 +29,43 @@ class _Parser(argparse.ArgumentParser):
             close = difflib.get_close_matches(word, COMMANDS, n=1)
             if close:
                 message += f"; did you mean {close[0]!r}?"
+        elif message.startswith("unrecognized arguments:"):
+            message = _unrecognized(self, message, self.argv)
         super().error(message)
+
+
+def _subparser(parser: argparse.ArgumentParser, argv: list[str]):
+    """The (sub)command parser the words of argv lead to: 'isolation table' -> its parser."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for word in argv:
+                if word in action.choices:
+                    return _subparser(action.choices[word], argv[argv.index(word) + 1:])
+    return parser
+
+
+def _unrecognized(parser, message: str, argv: list[str]) -> str:
+    """What the user meant: a value of an option that takes one file, split by the shell
+    (reports/*/report.json matching two folders), or an option of another command."""
+    import difflib
+    import os
+    extra = message.split(":", 1)[1].split()
+    sub = _subparser(parser, argv)
+    files = [w for w in extra if not w.startswith("-") and os.path.exists(w)]
+    if files and len(files) == len(extra):
+        return (f"{message}: more than one value where one file goes; did a shell pattern "
+                f"(*) match several files? Name one, e.g. a report's latest/report.json")
+    options = sorted({o for a in sub._actions for o in a.option_strings if o.startswith("--")}
+                     - {"--help"})
+    said = []
+    for w in extra:
+        if w.startswith("-"):
+            close = difflib.get_close_matches(w.split("=")[0], options, n=1, cutoff=0.6)
+            said.append(f"{w}: did you mean {close[0]}?" if close else f"{w}: not an option here")
+    if not said:
+        return message
+    return (f"{message} ({'; '.join(said)}); {sub.prog} takes {', '.join(options)} "
+            f"({sub.prog} --help says what each does)")
 
 
 # Options that take one value: given twice with different values, which one did the user
@@ -86,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     from trainprobes.exits import guarded
 
     started = time.perf_counter()
+    parser = build_parser()
+    parser.argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = build_parser().parse_args(argv)
+        args = parser.parse_args(argv)
     except SystemExit as e:  # usage error (2), --help or --version (0)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     args._started = started  # the audit reports its wall time from here

@@ -5,6 +5,7 @@ formats reports are written in: one helper per format, for every face.
     md_code(s, table=False)    the same as a code span (monospace)
     html_text(s)               HTML text or a quoted attribute value
     plot_text(s)               a matplotlib label, title or legend entry
+    plain_text(s)              a terminal or a CI log: one line, control characters shown
 
 A target is whatever the user named it, and a report lands in a job summary, a PR comment
 or a browser: `</td><script>`, `| col |`, a backtick or a newline in a name must show as
@@ -16,7 +17,7 @@ from __future__ import annotations
 import html
 import re
 
-__all__ = ["md_text", "md_code", "html_text", "plot_text"]
+__all__ = ["md_text", "md_code", "html_text", "plot_text", "plain_text"]
 
 # CommonMark 0.31 (spec.commonmark.org), GFM tables and strikethrough. Escaped, since any
 # ASCII punctuation may take a backslash (section 2.4):
@@ -68,3 +69,14 @@ def plot_text(s) -> str:
     """s as matplotlib draws it literally: an unescaped $...$ pair is mathtext, which
     renders a name like a$x$b as math and fails to parse one like $\\frac{$."""
     return str(s).replace("$", "\\$")
+
+
+# C0 and C1 control characters and DEL: a line ending would start a line of its own (a fake
+# "PASSED"), an escape sequence (ESC [ ...) would recolour, move or clear the terminal.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def plain_text(s) -> str:
+    """s as one line of a terminal or a CI log, nothing escaped but control characters,
+    shown as Python writes them (a newline as \\n, ESC as \\x1b)."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], str(s))

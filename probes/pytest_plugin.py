@@ -243,7 +243,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if report:
         tr.write_line(f"report: {report}")
     if rec.gate is not None:
-        tr.write_line(rec.gate.to_markdown(), red=rec.gate.exit_code != 0,
+        from trainprobes.gate_render import render_text  # a terminal: plain text
+        tr.write_line(render_text(rec.gate).rstrip("\n"), red=rec.gate.exit_code != 0,
                       green=rec.gate.exit_code == 0)
 
 

@@ -724,3 +724,19 @@ def test_config_real_gloo_collectives_run_and_are_predicted():
     for r in results:
         assert r.probe == "distributed.collective" and r.metrics["bitwise_match_fraction"] == 1.0
         assert r.verdict in ("pass", "warn")
+
+
+def test_the_terminal_summary_is_plain_text_a_name_never_breaks_a_line():
+    # a target holding a newline or a terminal escape shows them as \n, \x1b: it can never
+    # fake a line ("no problems") or recolour the terminal; nothing is Markdown-escaped
+    from types import SimpleNamespace
+
+    from trainprobes.commands.audit import render
+    rs = [Result("causality.check", "my*router_\nno problems", "fail", codes=["TP-C1"],
+                 message="leaks \x1b[2J at *position* 3"),
+          Result("causality.check", "ctl", "pass", expected="fail", message="missed")]
+    out = render(SimpleNamespace(results=rs, skipped={}, seconds=1.0,
+                                 paths={"html": Path("r/report.html")}))
+    assert "  FAIL   causality.check my*router_\\nno problems [TP-C1]: leaks \\x1b[2J at *position* 3" in out
+    assert "\\*" not in out and "None" not in out and "\x1b" not in out
+    assert "\n         ctl: expected fail, got pass: missed" in out

@@ -160,3 +160,54 @@ def test_help_choice_tables_equal_the_ones_the_probes_use():
     from trainprobes.commands import choices
     for here, module, there in choices.SOURCES:
         assert getattr(choices, here) == getattr(importlib.import_module(module), there), (here, module)
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["stall", "--formts", "fp8"], "--formts: did you mean --formats?"),
+    (["stall", "--dtype", "fp8"], "trainprobes stall takes --force, --formats"),
+    (["isolation", "table", "--famly", "llama"], "did you mean --family?"),
+])
+def test_an_option_the_command_does_not_take_names_the_ones_it_does(capsys, argv, said):
+    assert main(argv) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_a_shell_pattern_that_matched_two_reports_is_named(capsys, tmp_path):
+    # was: --baseline reports/acc/*/report.json also matched latest/: 'unrecognized arguments'
+    for d in ("20261201T000000Z", "latest"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "report.json").write_text("{}")
+    reports = sorted(str(p) for p in tmp_path.glob("*/report.json"))
+    assert main(["gate", "--baseline", *reports, "--candidate", reports[0]]) == 2
+    assert "did a shell pattern (*) match several files?" in capsys.readouterr().err
+
+
+PLAIN = [["stall", "-n", "300"],
+         ["bias", "--world", "4", "--numel", "8", "--trials", "3", "--no-confirm", "--compare"],
+         ["causality", "--target", "plainmod:route", "--hidden", "4", "--seq-len", "8"],
+         ["collectives", "--backend", "emulated", "--world", "4", "--numel", "64"],
+         ["gemm", "--k", "16", "--rows", "8", "--samples", "16", "--trials", "4",
+          "--presets", "fp32"],
+         ["drift", "--train", "TRAIN", "--infer", "INFER"],
+         ["isolation", "documents", "--target", "plainmod:doc", "--lengths", "4,4", "--no-causal"]]
+
+
+@pytest.mark.parametrize("argv", PLAIN, ids=lambda a: " ".join(a[:2]))
+def test_what_a_terminal_shows_is_plain_text(argv, capsys, tmp_path, monkeypatch):
+    """No Markdown escape (\\*, \\_, \\|), no code span, no 'None' a reader would have to
+    decode, in what each command prints on a terminal, on stdout and stderr alike."""
+    import numpy as np
+    (tmp_path / "plainmod.py").write_text(
+        "def route(x):\n    return x.sum(-1) > 0\n"
+        "def doc(tokens, packing):\n    return tokens.float().unsqueeze(-1)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    g = np.random.default_rng(0)
+    lp = np.log(g.uniform(0.05, 1.0, 512))
+    np.savez(tmp_path / "t.npz", logprobs=lp)
+    np.savez(tmp_path / "i.npz", logprobs=lp + 1e-3 * g.standard_normal(512))
+    argv = [{"TRAIN": str(tmp_path / "t.npz"), "INFER": str(tmp_path / "i.npz")}.get(a, a)
+            for a in argv]
+    assert main(argv) in (0, 1)
+    cap = capsys.readouterr()
+    for text in (cap.out, cap.err):
+        assert not re.search(r"\\[*_|`$\[\]]|\bNone\b|`", text), text

@@ -36,7 +36,7 @@ def test_gloo_runs_gloo_whatever_the_dtype_spelling(capsys, dtype):
 def test_human_output_and_failing_emulator_exit_code(capsys):
     # NCCL's ring model is the wrong order for gloo at 4 ranks: TP-B4 and exit code 1.
     code, out, err = run(capsys, "--world", "4", "--dtype", "bf16", "--numel", "400",
-                         "--algorithm", "ring", "--seed", "3")
+                         "--algorithm", "ring", "--seed", "3", "--progress")
     assert code == 1
     assert "bitwise match" in out and "vs fp64 reference" in out
     assert "Mismatched elements:" in out and "FAIL  [TP-B4]" in out

@@ -69,11 +69,11 @@ def test_demo_runs_the_engine_pair(monkeypatch, capsys):
     torch.set_num_threads(1)  # tiny GEMMs: one thread is far faster on a shared machine
     from trainprobes.drift import demo
     monkeypatch.setattr(demo, "SCENARIOS", demo.SCENARIOS[:1])  # one scenario keeps CI short
-    rc = main(["drift", "--demo", "--demo-prompts", "8", "--demo-tokens", "8"])
+    rc = main(["drift", "--demo", "--demo-prompts", "8", "--demo-tokens", "8", "--progress"])
     cap = capsys.readouterr()
     assert rc == 0 and cap.out.startswith("CLEAN") and "expected clean: yes" in cap.out
     torch.set_num_threads(threads)
-    assert "[1/1] fp32 infer / fp32 train" in cap.err
+    assert cap.err.startswith("drift --demo: started") and "drift --demo: ended, 1/1 scenarios" in cap.err
 
 
 def test_demo_passes_the_compare_options_and_validates_them(monkeypatch, capsys):

@@ -307,16 +307,20 @@ def reports(tmp_path):
     return base, cand
 
 
-def test_cli_blocks_and_prints_markdown(reports, capsys, tmp_path, monkeypatch):
+def test_cli_blocks_prints_plain_text_and_writes_markdown(reports, capsys, tmp_path, monkeypatch):
     summary = tmp_path / "step.md"
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
     md = tmp_path / "verdict.md"
     assert main(["gate", "--baseline", str(reports[0]), "--candidate", str(reports[1]),
                  "--markdown", str(md)]) == 1
     out = capsys.readouterr().out
-    assert "BLOCKED (exit 1)" in out and "`TP-C1`" in out and "`TP-G1`" in out
+    # the terminal: plain text, no table, no code spans, no escapes
+    assert out.startswith("trainprobes gate: BLOCKED (exit 1)\n")
+    assert "\n  TP-C1  causality.check  pkg.router:route\n" in out and "  TP-G1  " in out
+    assert not any(m in out for m in ("`", "|", "\\", "##", "None"))
     assert '[[waiver]]\ncode = "TP-C1"\ntarget = "pkg.router:route"' in out
-    assert md.read_text() in summary.read_text()
+    # the PR comment and the job summary: Markdown
+    assert "| `TP-C1` |" in md.read_text() and md.read_text() in summary.read_text()
 
 
 def test_cli_waivers_pass_and_json(reports, capsys, tmp_path):
@@ -984,7 +988,12 @@ def test_markdown_verdict_shows_names_with_markup_as_written(tmp_path, capsys, m
     args = ["gate", "--baseline", str(base), "--candidate", str(cand), "--waivers", str(waivers)]
     assert main(args) == 1
     md = summary.read_text()
-    assert capsys.readouterr().out.strip() == md.strip()
+    out = capsys.readouterr().out
+    # the terminal shows each name as written, on its own line (a newline shown as \n),
+    # and the Markdown holds the same regressions
+    assert f"  TP-C1  causality.check  {NASTY}".replace("\n", "\\n") in out
+    assert out.count("\n  TP-C1  causality.check  ") == 2 and md.count("| `TP-C1` |") == 2
+    assert "\n  TP-C1  old </td>| ` expired 2000-01-01: </li><script>1</script> | [x](y)\n" in out
     rows, kinds, codes, text = _markdown_tables_and_markup(md)
     assert kinds <= {"text", "code_inline", "strong_open", "strong_close", "softbreak"}, kinds
     assert len(rows) == 3 and {len(r) for r in rows} == {7}  # the table kept its shape

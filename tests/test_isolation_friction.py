@@ -74,3 +74,27 @@ def test_cli_takes_tokens_and_a_twin(tmp_path, monkeypatch, capsys):
     bad = tmp_path / "bad.pt"
     torch.save(torch.randn(3, 30), bad)
     assert main(["isolation", "documents", "--hf", "llama", "--tokens", str(bad)]) == 2
+
+
+@torch.no_grad()
+def test_a_naive_twin_module_gets_its_grouped_mm_experts_swapped():
+    # deepcopy(model).double() of grouped_mm experts fails in float64: done for the user
+    import copy
+    model = tiny_model("qwen2_moe", "sdpa")
+    x = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(0))
+    r = documents(_Wrapped(model), x, [10, 12, 8], vocab=128, causal=False,
+                  fp64=_Wrapped(copy.deepcopy(model).double()))
+    assert r.metrics["isolated"] is True and r.verdict == "pass"
+    assert r.metrics["fp64"] == "used (substituted: experts: grouped_mm -> eager)"
+
+
+@torch.no_grad()
+def test_a_naive_twin_function_says_the_grouped_mm_fix_in_the_message():
+    import copy
+    model = tiny_model("qwen2_moe", "sdpa")
+    twin = _Wrapped(copy.deepcopy(model).double())
+    x = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(0))
+    r = documents(_Wrapped(model), x, [10, 12, 8], vocab=128, causal=False,
+                  fp64=lambda t, p: twin(t, p))
+    assert r.metrics["isolated"] is None                      # unknown, never a pass
+    assert "_experts_implementation = 'eager'" in r.message and "grouped_mm" in r.message

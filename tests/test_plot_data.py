@@ -1,8 +1,8 @@
 """What each plot draws is what its Result says: the matplotlib artists read back.
 
 Every kind of plot the project draws gets its data checked here: the forest plot of
-estimates and confidence intervals, the histogram with its tails, the stall bars and the
-trend panels. A point outside its axis, a value written wrong beside its row, a tail left
+estimates and confidence intervals, the histogram with its tails, the stall bars, the
+trend panels, the leak map and the flip-rate line. A point outside its axis, a value written wrong beside its row, a tail left
 undrawn or an expected behaviour in red fails a test.
 """
 from __future__ import annotations
@@ -178,3 +178,83 @@ def test_trend_panels_draw_every_series_given_and_label_each_line():
     assert ax.get_ylabel() == "nats/token" and ax.get_title(loc="left") == "mean_log_ratio"
     lo, hi = ax.get_ylim()
     assert all(lo <= y <= hi for ys in lines.values() for y in ys)
+
+
+def test_direct_labels_say_what_tells_each_line_apart_never_a_cut_name():
+    # was: eight 'all_reduce[bf16,avg,gloo,alg=gloo...' labels cut at 34 characters
+    from trainprobes.report.plots import short_names
+    names = [f"all_reduce[{d},{op},gloo,alg=gloo,w=2,n=4096,{data},seed=0]"
+             for d in ("bf16", "fp16") for op in ("sum", "avg") for data in ("gradient", "positive")]
+    short = short_names(names)
+    assert short[names[0]] == "bf16,sum,gradient" and len(set(short.values())) == len(names)
+    mixed = ["torch.sum[fp16,cpu]", "emulated all_reduce[bf16,ring] (control)"]
+    assert short_names(mixed) == {n: n for n in mixed}       # nothing shared: as written
+    assert short_names(["pkg.routing:top1", "pkg.routing:expert_choice"]) == {
+        "pkg.routing:top1": "top1", "pkg.routing:expert_choice": "expert_choice"}
+    spec = {"kind": "panels", "title": "t", "x": [1, 2, 3], "xlabel": "run",
+            "panels": [{"ylabel": "ulp", "title": "largest error",
+                        "series": {n: [0.5, 0.5, 0.5] for n in names}}]}
+    ax = figure(spec).axes[0]
+    labels = [t.get_text() for t in ax.texts if t.get_gid() == "direct-label"]
+    assert labels == ["bf16,sum,gradient = 7 more"]          # equal lines: one label, counted
+    assert len(ax.get_lines()) == len(names)                  # every series still drawn
+
+
+def test_labels_stay_beside_their_lines_when_others_crowd_one_end():
+    # was: five labels near 0 pushed every label down, the two far below fell under the axes
+    from trainprobes.report.plots import spread
+    placed = spread([0.0, 0.9, 0.95, 0.96, 1.0])
+    assert placed[0] == 0.0                                  # the lone one where its line ends
+    assert placed[1:] == pytest.approx([0.57, 0.73, 0.89, 1.05])  # the crowd below the top
+    assert all(b - a >= 0.16 - 1e-9 for a, b in zip(placed, placed[1:]))
+    assert placed[-1] <= 1.05
+
+
+def test_short_names_of_drift_pairs_and_import_paths():
+    from trainprobes.report.plots import short_names
+    pairs = ["tinylm: T=0.7 processed logprobs / trainer at T=0.7 (fixed) (control)",
+             "tinylm: bf16 infer / bf16 train (control)"]
+    # a dot inside T=0.7 is not a module path: never cut there; the shared tail goes
+    assert short_names(pairs) == {pairs[0]: "T=0.7 processed logprobs / trainer at T=0.7 (fixed)",
+                                  pairs[1]: "bf16 infer / bf16 train"}
+    routers = ["trainprobes.reference.routing:capacity_gshard_order[truncate] (control)",
+               "trainprobes.reference.models.moe:causal_block[perturb] (control)"]
+    assert short_names(routers) == {routers[0]: "capacity_gshard_order,truncate",
+                                    routers[1]: "causal_block,perturb"}
+
+
+def test_trend_units_follow_the_family_a_collectives_bias_is_in_ulps():
+    from trainprobes.audit.history import trend_plots
+    runs = [{"created": f"2026-11-0{i}T07:30:00", "metrics": {
+        "distributed.collective::all_reduce[bf16]::bias": 0.01 * i,
+        "numerics.bias::all_reduce[bf16,ring]::bias": -0.2}} for i in (1, 2)]
+    units = {p["title"]: [q["ylabel"] for q in p["panels"]] for p in trend_plots(runs)}
+    assert units["distributed.collective: bias across runs"] == ["ulp"]
+    assert units["numerics.bias: bias across runs"] == ["relative error"]
+
+
+def _leaky_causality_result():
+    from trainprobes.causality import check
+    from trainprobes.reference.routing import expert_choice
+    x = torch.randn(2, 32, 8, generator=torch.Generator().manual_seed(0))
+    return check(expert_choice, x, seed=0, decision=0, target="expert_choice")
+
+
+def test_leak_map_draws_every_leak_the_result_counts_and_the_line_its_rates():
+    from trainprobes.audit.families import causality_result
+    r = causality_result(_leaky_causality_result(), 32)
+    heat, line = r.evidence["plots"]
+    counts = r.evidence.get("leak_map")
+    fig = figure(heat)
+    drawn = fig.axes[0].get_images()[0].get_array()
+    assert drawn.tolist() == heat["matrix"]                          # the matrix as drawn
+    total = sum(n for _, _, n in counts) if counts else len(r.evidence["leaks"])
+    assert int(drawn.sum()) == total > 0                             # no leak left off the map
+    assert fig.axes[1].get_ylabel() == "leaks (decisions that changed)"   # the colour bar's unit
+    ax = figure(line).axes[0]
+    ys = ax.get_lines()[0].get_ydata()
+    rates = [math.nan if v == "nan" else v for v in line["series"]["expert_choice"]]
+    assert [a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(ys, rates)] == [True] * len(rates)
+    lo, hi = ax.get_ylim()
+    assert all(lo <= y <= hi for y in ys if not math.isnan(y))      # nothing clipped
+    assert ax.get_ylabel() == "fraction of compared decisions flipped"

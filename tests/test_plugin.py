@@ -131,6 +131,7 @@ def test_baseline_regression_fails_the_session(pytester):
     result.assert_outcomes(passed=2)  # the tests pass; the comparison fails the session
     assert result.ret == 1
     result.stdout.fnmatch_lines(["*BLOCKED*", "*TP-C1*router0*"])
+    assert "| `TP-C1` |" not in result.stdout.str()  # the terminal gets plain text
 
 
 def test_baseline_without_regression_passes(pytester):

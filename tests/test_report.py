@@ -8,6 +8,7 @@ import re
 import pytest
 from trainprobes.report import outline, render_html, summarised_document, summary_markdown, write_report
 from trainprobes.report.evidence import LIMIT, dumps, summarise
+from trainprobes.report.html import FILTER_JS
 from trainprobes.report.plots import KINDS, figure, render_png
 from trainprobes.result import SCHEMA_VERSION, Result, load_results
 
@@ -241,18 +242,31 @@ def test_markdown_summary_lists_findings_first_in_words():
 class _Tags(html.parser.HTMLParser):
     def __init__(self):
         super().__init__()
-        self.srcs, self.scripts, self.links, self.ids = [], 0, [], []
+        self.srcs, self.scripts, self.links, self.ids = [], [], [], []
+        self.data: list[dict] = []      # the data-* attributes of each filterable element
+        self._script = False
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
         if tag == "img":
             self.srcs.append(a.get("src", ""))
         if tag == "script":
-            self.scripts += 1
+            self.scripts.append("")
+            self._script = True
+        if "data-family" in a:
+            self.data.append({k[5:]: v for k, v in a.items() if k.startswith("data-")}
+                             | ({"hidden": True} if "hidden" in a else {}))
         if tag in ("link", "a") and a.get("href", "").startswith("http"):
             self.links.append(a["href"])
         if tag == "h2":
             self.ids.append(a.get("id"))
+
+    def handle_endtag(self, tag):
+        self._script = self._script and tag != "script"
+
+    def handle_data(self, data):
+        if self._script:
+            self.scripts[-1] += data
 
 
 def test_html_opens_with_findings_then_calibration_trends_and_the_table():
@@ -284,7 +298,8 @@ def test_html_draws_only_what_it_shows_self_contained():
     for src in tags.srcs:
         assert src.startswith("data:image/png;base64,")
         assert base64.b64decode(src.split(",", 1)[1])[:4] == b"\x89PNG"
-    assert tags.scripts == 0 and tags.links == []  # nothing to fetch, nothing to run
+    # nothing to fetch; one script, the filter's constant
+    assert tags.scripts == [FILTER_JS] and tags.links == []
     assert "&lt;script&gt;" in page  # messages are escaped
 
 
@@ -362,7 +377,8 @@ def test_html_report_shows_names_with_markup_as_text_and_draws_every_plot(tmp_pa
     paths = write_report(tmp_path, rs, {"title": "nightly </title><script>x</script>"})
     text = paths["html"].read_text()
     page = html_page(text)
-    assert "script" not in page.tags and "a" not in page.tags
+    assert page.tags.count("script") == 1 and FILTER_JS in text  # the filter's, no other
+    assert "a" not in page.tags
     assert "could not be drawn" not in text  # a$x$b and c$\frac{$d are not mathtext
     assert page.tags.count("img") >= 1
     assert all(r.target in page.text for r in rs)  # each name shown as written
@@ -377,3 +393,67 @@ def test_each_warn_card_says_what_it_means_and_what_to_do():
     card = card[:card.index("</div>")]
     assert "What TP-B3 means:" in card and "What to do:" in card
     assert outline.ADVICE["TP-B3"].todo.split(" (")[0] in card.replace("&#x27;", "'")
+
+
+# --- the filter ---------------------------------------------------------------------------
+
+def test_every_result_is_one_filterable_element_with_what_the_filter_reads():
+    rs = results() + nasty_results()
+    tags = _Tags()
+    tags.feed(render_html(rs, {"suite": "default"}))
+    assert len(tags.data) == len(rs)                         # one place per Result
+    by_words = sorted(d["words"] for d in tags.data)
+    assert by_words == sorted(" ".join([r.target, r.probe, *r.codes, r.message]).lower() for r in rs)
+    for r in rs:
+        d = next(d for d in tags.data if d["words"].startswith(r.target.lower() + " "))
+        assert d["kind"] == ("control" if r.is_control else "finding")
+        assert d["family"] == outline.family(r)
+        assert outline.badge(r).css[2:] in d["show"].split()
+        assert ("problem" in d["show"].split()) is outline.is_problem(r)
+    # names with markup reach the attributes escaped, never the script
+    assert all(name not in FILTER_JS for name in NASTY)
+
+
+def test_a_page_without_results_has_no_filter():
+    page = render_html([])
+    assert "id='filter'" not in page and "<script>" not in page
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("shutil").which("chromium"), reason="no chromium here")
+@pytest.mark.parametrize("fragment, shown", [("show=warn&kind=finding", "warning findings")])
+def test_the_filter_hides_what_does_not_match_in_a_browser(tmp_path, fragment, shown):
+    """One browser run (seconds): two of the filter's choices at once, set by the link."""
+    import subprocess
+    rs = results()
+    page = tmp_path / "report.html"
+    page.write_text(render_html(rs, {"suite": "default"}))
+    dom = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu",
+                          "--dump-dom", f"{page.as_uri()}#{fragment}"],
+                         capture_output=True, text=True, timeout=60).stdout
+    tags = _Tags()
+    tags.feed(dom)
+    want = {"every": rs, "problems": [r for r in rs if outline.is_problem(r)],
+            "controls": [r for r in rs if r.is_control],
+            "warning findings": [r for r in rs if r.verdict == "warn" and not r.is_control],
+            "expert": [r for r in rs if "expert" in " ".join([r.target, r.message]).lower()]}[shown]
+    visible = [d for d in tags.data if "hidden" not in d]
+    words = sorted(" ".join([r.target, r.probe, *r.codes, r.message]).lower() for r in want)
+    assert sorted(d["words"] for d in visible) == words
+    assert want and (len(want) < len(rs) or shown == "every")
+
+
+def test_findings_that_say_the_same_thing_share_one_card_with_the_advice_once():
+    # was: six batch-variant ops, six cards, the same advice six times
+    warn = [Result("isolation.op_map", f"torch.mm[K={k}]", "warn", codes=["TP-I2"],
+                   message=f"batch-variant at K={k}") for k in (64, 128, 256)]
+    other = Result("numerics.reveal", "torch.sum[fp16]", "warn", codes=["TP-B3"], message="10 bits")
+    page = render_html(warn + [other])
+    found = page[page.index("id='findings'"):]
+    assert found.count("What TP-I2 means:") == 1 and found.count("What TP-B3 means:") == 1
+    assert "3 findings of isolation.op_map" in found
+    tags = _Tags()
+    tags.feed(page)
+    assert len(tags.data) == 4                           # still one place per Result
+    assert "<code>trainprobes drift</code>" in page      # the advice's commands as code
+    assert "`" not in found.split("<script>")[0]

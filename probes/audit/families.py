@@ -151,7 +151,8 @@ def drift_plots(r) -> list[dict]:
     h = ev.get("log_ratio_histogram")
     if isinstance(h, dict) and h.get("edges") and h.get("counts"):
         plots.append({"kind": "hist", "title": "log-ratio x = log p_infer - log p_train per token",
-                      "edges": h["edges"], "counts": h["counts"], "xlabel": "x (nats)",
+                      "edges": h["edges"], "counts": h["counts"],
+                      "xlabel": "log p_infer - log p_train (nats)",
                       "ylabel": "tokens", "logy": True, "below": h.get("below", 0),
                       "above": h.get("above", 0), "x_min": h.get("x_min"),
                       "x_max": h.get("x_max"), "xunit": " nats"})

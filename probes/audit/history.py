@@ -11,7 +11,7 @@ import json
 import math
 from pathlib import Path
 
-from trainprobes.report.outline import METRIC_UNITS, TREND_METRICS, is_problem
+from trainprobes.report.outline import TREND_METRICS, is_problem, metric_label, metric_unit
 from trainprobes.result import Result, SchemaError, from_jsonable, to_jsonable, write_atomic
 
 HISTORY_FILE = "history.jsonl"
@@ -81,11 +81,11 @@ def change(values: list) -> float:
     return (max(finite) - min(finite)) / top if top else 0.0
 
 
-def _when(run: dict, i: int) -> str:
-    """'11-29 07:30' from an ISO timestamp; the run number when there is none."""
+def _when(run: dict, i: int, seconds: bool = False) -> str:
+    """'11-29 07:30' (or '07:30:12') from an ISO timestamp; the run number when there is none."""
     c = run.get("created")
-    if isinstance(c, str) and len(c) >= 16 and c[4] == "-":
-        return f"{c[5:10]} {c[11:16]}"
+    if isinstance(c, str) and len(c) >= 19 and c[4] == "-":
+        return c[11:19] if seconds else f"{c[5:10]} {c[11:16]}"
     return str(i)
 
 
@@ -98,6 +98,8 @@ def trend_plots(runs: list[dict], max_series: int = MAX_SERIES) -> list[dict]:
         return []
     x = list(range(1, len(runs) + 1))
     ticks = [_when(run, i) for i, run in enumerate(runs, 1)]
+    if len(set(ticks)) < len(ticks):   # two runs in one minute: their seconds tell them apart
+        ticks = [_when(run, i, seconds=True) for i, run in enumerate(runs, 1)]
     base = {"kind": "panels", "x": x, "xticklabels": ticks, "xlabel": "run (oldest first)"}
     problems = {name: [run.get("problems", {}).get(key, run.get("counts", {}).get(old, 0))
                        for run in runs]
@@ -148,9 +150,9 @@ def trend_plots(runs: list[dict], max_series: int = MAX_SERIES) -> list[dict]:
         def label(t):
             return f"{t} (control)" if is_control((fam, t)) else t
         metrics = [m for m in TREND_METRICS if m in by_metric]
-        panels = [{"ylabel": METRIC_UNITS.get(m, ""), "title": m,
+        panels = [{"ylabel": metric_unit(fam, m), "title": metric_label(m),
                    "series": {label(t): by_metric[m][t] for t in shown if t in by_metric[m]},
                    "integer": m in COUNT_METRICS} for m in metrics]
-        plots.append({**base, "title": f"{fam}: {', '.join(metrics)} across runs",
+        plots.append({**base, "title": f"{fam}: {', '.join(map(metric_label, metrics))} across runs",
                       "panels": [p for p in panels if p["series"]], "note": note})
     return plots

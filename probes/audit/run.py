@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import threading
 import time
 import traceback
@@ -20,6 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
+from trainprobes import progress
 from trainprobes.audit.history import append_history, history_line, read_history, trend_plots
 from trainprobes.result import Result, environment, repeat_suffix, write_atomic
 
@@ -51,84 +51,50 @@ def outcome_words(results: list[Result]) -> str:
     return ", ".join(dict.fromkeys(words)) or "no result"
 
 
-class Progress:
-    """A bar on a terminal, plain lines in CI logs (no carriage returns in a log file).
-
-    heartbeat: seconds between lines while one check runs long (a log that stays silent
-    for a minute looks hung); each says what runs, for how long, and about how much of the
-    suite is left, estimated from the checks done so far."""
+class Progress(progress.Progress):
+    """The audit's progress (trainprobes.progress): a bar on a terminal, a numbered line per
+    check in a CI log (no carriage returns in a log file), and the shared heartbeat while a
+    check runs long (a log that stays silent for a minute looks hung): what runs, for how
+    long, and about how much of the suite is left, estimated from the checks done so far."""
 
     def __init__(self, total: int, stream=None, tty: bool | None = None, width: int = 24,
-                 heartbeat: float | None = 5.0):
-        self.total, self.done, self.width = total, 0, width
-        self.stream = sys.stderr if stream is None else stream
-        self.tty = (hasattr(self.stream, "isatty") and self.stream.isatty()) if tty is None else tty
-        self.heartbeat = heartbeat
-        self._began = time.perf_counter()
-        self._current: tuple | None = None   # (check, started)
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+                 heartbeat: float | None = progress.EVERY):
+        super().__init__("audit", total, unit="checks", stream=stream, tty=tty,
+                         every=heartbeat or 0)
+        self.width = width
 
-    def _write(self, text: str) -> None:
-        with self._lock:
-            self.stream.write(text)
-            self.stream.flush()
+    def _say(self, text: str, number: int) -> None:
+        if self.tty:
+            filled = self.width * self.done // max(self.total, 1)
+            bar = "#" * filled + "." * (self.width - filled)
+            self._write_line(f"[{bar}] {self.done}/{self.total} {text}")
+        else:
+            self._write_line(f"[{number}/{self.total}] {text}")
 
-    def _bar(self, text: str) -> None:
-        filled = self.width * self.done // max(self.total, 1)
-        bar = "#" * filled + "." * (self.width - filled)
-        self._write(f"\r[{bar}] {self.done}/{self.total} {text}"[:110].ljust(110))
-
-    def remaining(self) -> str:
-        """'about 40 s left' from the mean time of the checks done so far."""
-        if not self.done:
-            return "time left unknown until a check finishes"
-        per = (time.perf_counter() - self._began) / self.done
-        return f"about {per * (self.total - self.done):.0f} s left"
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self.heartbeat):
-            cur = self._current
-            if cur is None:
-                continue
-            check, started = cur
-            text = (f"{check.family}: {check.name} still running "
-                    f"({time.perf_counter() - started:.0f} s); {self.remaining()}")
-            if self.tty:
-                self._bar(text)
-            else:
-                self._write(f"[{self.done + 1}/{self.total}] {text}\n")
+    def line(self) -> None:
+        if self.current is not None:  # between checks (writing the report) there is no beat
+            self._say(f"{self.current} still running ({progress.duration_text(progress.now() - self._since)})"
+                      f"; {self.remaining()}", self.done + 1)
 
     def start(self, check: Check) -> None:
-        self._current = (check, time.perf_counter())
-        if self.heartbeat and self._thread is None:
-            self._thread = threading.Thread(target=self._beat, daemon=True,
-                                            name="trainprobes-progress")
-            self._thread.start()
+        self.doing(f"{check.family}: {check.name}")
+        self._launch()
         if self.tty:
-            self._bar(f"{check.family}: {check.name}")
+            self._say(self.current, self.done + 1)
 
     def finish(self, check: Check, results: list[Result], seconds: float) -> None:
-        self._current = None
+        self.current = None
         self.done += 1
         if not self.tty:
-            self._write(f"[{self.done}/{self.total}] {check.family}: {check.name} "
-                        f"... {outcome_words(results)} ({seconds:.1f} s)\n")
+            self._say(f"{check.family}: {check.name} ... {outcome_words(results)} "
+                      f"({seconds:.1f} s)", self.done)
 
     def note(self, text: str) -> None:
         """A step after the checks (writing the report): on the bar's line, or a log line."""
         if self.tty:
-            self._bar(text)
+            self._say(text, self.done)
         else:
-            self._write(f"[report] {text}\n")
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        if self.tty:
-            self._write("\r" + " " * 112 + "\r")
+            self._write_line(f"[report] {text}")
 
 
 def error_result(check: Check, exc: BaseException) -> Result:

@@ -179,6 +179,7 @@ def _why(outcome, code: int) -> str:
 def render(outcome, *, suite: str = "", absent: dict | None = None) -> str:
     """The terminal summary: findings (worst first), one calibration line per family (with
     the missed controls spelled out), the headline, where the report is."""
+    from trainprobes.markup import plain_text as t  # a name never starts a line of its own
     from trainprobes.report import outline
     from trainprobes.result import environment
 
@@ -190,8 +191,8 @@ def render(outcome, *, suite: str = "", absent: dict | None = None) -> str:
         where = f" about this machine (torch {env.get('torch', '?')}, {env.get('device', '?')})" \
             if suite.startswith("default") else ""
         lines += ["", f"Findings{where}: PASS fine, WARN watch out, FAIL a problem"]
-        lines += [f"  {outline.badge(r).text:6} {r.probe} {r.target}"
-                  + (f" [{', '.join(r.codes)}]" if r.codes else "") + f": {r.message}"
+        lines += [f"  {outline.badge(r).text:6} {t(r.probe)} {t(r.target)}"
+                  + (f" [{', '.join(r.codes)}]" if r.codes else "") + f": {t(r.message)}"
                   for r in found]
     for fam, why in (absent or {}).items():
         lines.append(f"  not on this machine: {fam} ({why})")
@@ -199,9 +200,9 @@ def render(outcome, *, suite: str = "", absent: dict | None = None) -> str:
     if fams:
         lines += ["", "Calibration: controls with a known verdict (OK: reproduced)"]
         for f in fams:
-            lines.append(f"  {'OK' if not f.missed else 'MISSED':6} {f.line()}")
-            lines += [f"         {r.target}: expected {r.expected}, got {r.verdict}: {r.message}"
-                      for r in f.missed]
+            lines.append(f"  {'OK' if not f.missed else 'MISSED':6} {t(f.line())}")
+            lines += [f"         {t(r.target)}: expected {r.expected}, got {r.verdict}: "
+                      f"{t(r.message)}" for r in f.missed]
     for fam, why in outcome.skipped.items():
         lines.append(f"SKIP  {fam}: {why}")
     bad = [r for r in results if outline.is_problem(r)]

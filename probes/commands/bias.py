@@ -1,10 +1,14 @@
 """`trainprobes bias`: is a low-precision all-reduce wrong in one direction (bias) or only noisy?"""
 from __future__ import annotations
 
-import sys
-
 from trainprobes.commands.choices import ALGORITHMS, OPS, ROUNDING_MODES
-from trainprobes.commands.options import add_report_options, emit_report, parse_dtype
+from trainprobes.commands.options import (
+    add_progress_options,
+    add_report_options,
+    emit_report,
+    parse_dtype,
+    progress_for,
+)
 from trainprobes.validation import parse_choice, parse_int, parse_number
 
 HELP = ("bias vs variance of an emulated low-precision all-reduce against fp64, "
@@ -55,6 +59,7 @@ def add_arguments(parser) -> None:
                         help="round to nearest, stochastic rounding and fp32 accumulation side by "
                              "side (three tests, Holm-Bonferroni corrected)")
     add_report_options(parser)
+    add_progress_options(parser)
 
 
 def _row(r) -> dict:
@@ -70,36 +75,43 @@ def _row(r) -> dict:
             "message": r.message}
 
 
-def _progress(stream):
-    if not stream.isatty():
-        return None
+def _trials_progress(p, labels: int, trials: int):
+    """The probes' progress([label,] done, total) as one count of trials over every row of
+    the table; a borderline row that confirms (twice the trials) grows the total."""
+    rows: dict = {}
 
     def show(*a):
         label, done, total = a if len(a) == 3 else ("trials", *a)
-        stream.write(f"\r{label}: {done}/{total}" + (" " * 10 if done < total else "\n"))
-        stream.flush()
+        rows[label] = (done, total)
+        p.step(sum(d for d, _ in rows.values()),
+               sum(t for _, t in rows.values()) + (labels - len(rows)) * trials,
+               label if labels > 1 else None)
     return show
 
 
 def run(args) -> int:
     from trainprobes.budget import NEEDS, check_fits
-    from trainprobes.numerics.bias import collective_bias, rounding_side_by_side
+    from trainprobes.numerics.bias import SIDE_BY_SIDE, collective_bias, rounding_side_by_side
 
     check_fits(NEEDS["bias"] * args.world * args.numel, f"--world {args.world} --numel "
                f"{args.numel}", fix="lower --numel or --world (the trials run one at a time)")
 
+    labels = len(SIDE_BY_SIDE) if args.compare else 1
     kwargs = dict(dtype=args.dtype, world=args.world, numel=args.numel, algorithm=args.algorithm, op=args.op,
                   accum_dtype=args.accum_dtype, trials=args.trials, seed=args.seed, alpha=args.alpha,
                   min_effect=args.min_effect, confirm=args.confirm, scale=args.scale,
-                  noise=args.noise, progress=_progress(sys.stderr))
+                  noise=args.noise)
     if args.ranks_per_node is not None:
         kwargs["ranks_per_node"] = args.ranks_per_node
     if args.avg is not None:
         kwargs["avg"] = args.avg
-    if args.compare:
-        results = rounding_side_by_side(**kwargs)
-    else:
-        results = [collective_bias(rounding=args.rounding, reduce_dtype=args.reduce_dtype, **kwargs)]
+    with progress_for(args, "bias", labels * args.trials, unit="trials") as p:
+        kwargs["progress"] = _trials_progress(p, labels, args.trials)
+        if args.compare:
+            results = rounding_side_by_side(**kwargs)
+        else:
+            results = [collective_bias(rounding=args.rounding, reduce_dtype=args.reduce_dtype,
+                                       **kwargs)]
     emit_report(args, results)
     if args.json:
         return _exit_status(results)

@@ -3,9 +3,9 @@ tokens; without --target, probe the reference routers and print their verdicts."
 from __future__ import annotations
 
 import argparse
-import sys
+import itertools
 
-from trainprobes.commands.options import add_report_options, emit_report
+from trainprobes.commands.options import add_progress_options, add_report_options, emit_report, progress_for
 from trainprobes.errors import InvalidArgument, TargetError
 from trainprobes.validation import parse_choice, parse_int, parse_number, parse_with
 
@@ -57,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--show", type=parse_int("show", min=0), default=10, metavar="N",
                    help="leaks to print (10)")
     add_report_options(p)
+    add_progress_options(p)
 
 
 def _picker(s: str):
@@ -77,13 +78,6 @@ def check_cuts(value, name: str = "cuts"):
         raise InvalidArgument(f"{name}={value!r} must be 'all', a count, or positions like "
                               "10,20,30")
     return cuts
-
-
-def _progress():
-    if not sys.stderr.isatty():
-        return None
-    return lambda done, total: print(f"\r  cuts {done}/{total}", end="" if done < total else "\n",
-                                     file=sys.stderr, flush=True)
 
 
 def _inputs(args):
@@ -128,12 +122,13 @@ def run(args) -> int:
     fn = load_target(args.target, from_cwd=True)
     x = _inputs(args)
     _first_call(fn, x, args)
-    res = check(fn, x, mode=args.mode, cuts=args.cuts, trials=args.trials,
-                seed=args.seed, atol=args.atol, decision=args.decision,
-                scores=args.scores, layout="flat" if args.flat else "batched",
-                vocab=None if args.hidden else (args.vocab or 1000),
-                fp64=False if args.no_fp64 else None, max_batch_tokens=args.max_batch_tokens,
-                target=args.target, near_ties=args.near_ties, progress=_progress())
+    with progress_for(args, f"causality {args.target}", unit="cuts x trials") as p:
+        res = check(fn, x, mode=args.mode, cuts=args.cuts, trials=args.trials,
+                    seed=args.seed, atol=args.atol, decision=args.decision,
+                    scores=args.scores, layout="flat" if args.flat else "batched",
+                    vocab=None if args.hidden else (args.vocab or 1000),
+                    fp64=False if args.no_fp64 else None, max_batch_tokens=args.max_batch_tokens,
+                    target=args.target, near_ties=args.near_ties, progress=p.step)
     emit_report(args, [res])
     if not args.json:
         print(format_result(res, show=args.show))
@@ -141,11 +136,13 @@ def run(args) -> int:
 
 
 def _controls(args) -> int:
-    from trainprobes.causality.suite import expected, run_controls
-
-    say = (lambda s: print(f"  {s}", file=sys.stderr, flush=True)) if sys.stderr.isatty() else None
-    rows = run_controls(seq_len=args.seq_len, batch=args.batch, seed=args.seed, cuts=args.cuts,
-                        progress=say)
+    from trainprobes.causality.suite import controls, expected, run_controls
+    modes = ("perturb", "truncate")
+    total = len(controls()) * len(modes)
+    with progress_for(args, "causality", total, unit="controls") as p:
+        started = itertools.count()   # run_controls reports each control as it begins
+        rows = run_controls(seq_len=args.seq_len, batch=args.batch, seed=args.seed, cuts=args.cuts,
+                            modes=modes, progress=lambda what: p.step(next(started), current=what))
     for ctl, mode, res in rows:  # controls: each key once, with its known verdict
         res.target = f"{ctl.name}[{mode}]"
         res.expected = "pass" if expected(ctl, mode) else "fail"

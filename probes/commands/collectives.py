@@ -1,15 +1,15 @@
 """`trainprobes collectives`: a real (or emulated) collective against its emulator and fp64."""
 from __future__ import annotations
 
-import sys
-
 from trainprobes.commands.choices import ALGORITHMS, COLLECTIVES, DATA, OPS
 from trainprobes.commands.options import (
+    add_progress_options,
     add_report_options,
     check_dtype,
     emit_report,
     parse_backend,
     parse_dtype,
+    progress_for,
 )
 from trainprobes.errors import InvalidArgument
 from trainprobes.validation import check_int, parse_choice, parse_int, parse_number
@@ -59,6 +59,7 @@ def add_arguments(parser) -> None:
                         help="instead: reveal the backend's per-element order with crafted "
                              "inputs and compare it with trainprobes.reference.gloo's model")
     add_report_options(parser)
+    add_progress_options(parser)
 
 
 def check_backend(args) -> None:
@@ -93,9 +94,10 @@ def check_backend(args) -> None:
 
 
 def _progress(args):
-    if args.json:
-        return None
-    return lambda line: print(f"  .. {line}", file=sys.stderr, flush=True)
+    """Progress of the ranks: what they are doing (they report only when done, so the
+    estimate is their timeout's bound)."""
+    return progress_for(args, f"collectives {args.backend} x{args.world}",
+                        limit=args.timeout if args.backend != "emulated" else None)
 
 
 def _summary(res, args) -> dict:
@@ -136,10 +138,11 @@ def _human(s: dict) -> str:
 
 def _reveal(args) -> int:
     from trainprobes.distributed.reveal import reveal_result
-    res = reveal_result(backend=args.backend, world=args.world, numel=args.numel,
-                        dtype=args.dtype,
-                        collective="reduce" if args.collective == "reduce" else "all_reduce",
-                        timeout=args.timeout, port=args.port, progress=_progress(args))
+    with _progress(args) as p:
+        res = reveal_result(backend=args.backend, world=args.world, numel=args.numel,
+                            dtype=args.dtype,
+                            collective="reduce" if args.collective == "reduce" else "all_reduce",
+                            timeout=args.timeout, port=args.port, progress=p.say)
     emit_report(args, [res])
     if not args.json:
         print(res.summary_line())
@@ -154,10 +157,11 @@ def run(args) -> int:
     check_backend(args)
     if args.reveal:
         return _reveal(args)
-    res = run_collective(backend=args.backend, world=args.world, collective=args.collective,
-                         dtype=args.dtype, op=args.op, numel=args.numel, data=args.data,
-                         seed=args.seed, root=args.root, timeout=args.timeout,
-                         port=args.port, algorithm=args.algorithm, progress=_progress(args))
+    with _progress(args) as p:
+        res = run_collective(backend=args.backend, world=args.world, collective=args.collective,
+                             dtype=args.dtype, op=args.op, numel=args.numel, data=args.data,
+                             seed=args.seed, root=args.root, timeout=args.timeout,
+                             port=args.port, algorithm=args.algorithm, progress=p.say)
     emit_report(args, [res])
     if not args.json:
         print(_human(_summary(res, args)))

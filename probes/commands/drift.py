@@ -1,9 +1,16 @@
 """`trainprobes drift`: compare train and inference log-probs (files) or run the engine-pair demo."""
 from __future__ import annotations
 
-import sys
+from pathlib import Path
 
-from trainprobes.commands.options import add_alpha_option, add_int_options, add_report_options, emit_report
+from trainprobes.commands.options import (
+    add_alpha_option,
+    add_int_options,
+    add_progress_options,
+    add_report_options,
+    emit_report,
+    progress_for,
+)
 from trainprobes.errors import InvalidArgument
 from trainprobes.validation import check_number, parse_number, parse_with
 
@@ -45,6 +52,7 @@ def add_arguments(p) -> None:
                     ("--demo-tokens", 32, 1, "demo tokens per sequence"))
     out = p.add_argument_group("output")
     add_report_options(out)
+    add_progress_options(out)
     out.add_argument("--plot", metavar="PNG", help="histogram of log-ratios and bias by probability")
     # `trainprobes drift localize ...`: a mode with its own options (given after the word
     # `localize`); without it the command compares log-probs as it always has
@@ -122,12 +130,11 @@ def _results(args) -> list:
             raise InvalidArgument("--demo runs its own engine pair: it takes no --train/--infer/"
                                   "--rollouts and no --threshold")
 
-        def progress(i, n, name):
-            print(f"[{i + 1}/{n}] {name}", file=sys.stderr, flush=True)
 
         options = {k: v for k, v in kw.items() if k != "thresholds"}
-        return run_demo(n_prompts=args.demo_prompts, max_new_tokens=args.demo_tokens, seed=args.seed,
-                        progress=progress, **options)
+        with progress_for(args, "drift --demo", unit="scenarios") as p:
+            return run_demo(n_prompts=args.demo_prompts, max_new_tokens=args.demo_tokens,
+                            seed=args.seed, progress=p.step, **options)
     if args.rollouts:
         if args.train or args.infer:
             raise InvalidArgument("give --rollouts FILE alone (it holds both sides), or --train "
@@ -187,7 +194,9 @@ def plot(results, path, *, replace: bool = True) -> None:
     rows = []
     for r in results:
         specs = drift_plots(r)
-        title = f"{r.metrics.get('drift_verdict', '?')}: {r.target}"
+        # two files' names, not their folders: the title stays whole
+        names = " vs ".join(Path(t).name for t in r.target.split(" vs "))
+        title = f"{r.metrics.get('drift_verdict', '?')}: {names}"
         for spec in specs[:1]:
             spec["title"] = f"{title[:60]}: log-ratio per token"
         rows.append(specs)

@@ -2,9 +2,14 @@
 convention makes the trainer and the engine disagree (trainprobes.drift.decompose)."""
 from __future__ import annotations
 
-import sys
-
-from trainprobes.commands.options import add_alpha_option, add_int_options, add_report_options, emit_report
+from trainprobes.commands.options import (
+    add_alpha_option,
+    add_int_options,
+    add_progress_options,
+    add_report_options,
+    emit_report,
+    progress_for,
+)
 from trainprobes.errors import InvalidArgument, TargetError
 from trainprobes.validation import parse_number
 
@@ -45,6 +50,7 @@ def add_arguments(p) -> None:
                           "engine's parameter dtype; needed for a dtype without a known floor, e.g. fp8)")
     out = p.add_argument_group("output")
     add_report_options(out)
+    add_progress_options(out)
     out.add_argument("--plot", metavar="PNG",
                      help="per-stage plot: free-running and own error, log scale, noise floor band")
 
@@ -111,9 +117,8 @@ def _results(args) -> list:
             raise InvalidArgument("--demo runs its own engine pairs: it takes no --target/--engine/--dumps")
         from trainprobes.drift.localize_demo import run_demo
 
-        def progress(i, n, name):
-            print(f"[{i + 1}/{n}] {name}", file=sys.stderr, flush=True)
-        return run_demo(progress=progress, margin=args.margin, alpha=args.alpha, seed=args.seed)
+        with progress_for(args, "drift localize --demo", unit="cases") as p:
+            return run_demo(progress=p.step, margin=args.margin, alpha=args.alpha, seed=args.seed)
     if args.dumps:
         if args.target or args.engine:
             raise InvalidArgument("give --dumps TRAINER ENGINE alone, or --target and --engine")

@@ -30,8 +30,8 @@ def add_arguments(p):
                    help="print the verdict as JSON: {schema_version, command, exit_code, "
                         "compared, cannot_judge, regressions, expired_waivers, unused_waivers}")
     p.add_argument("--markdown", metavar="FILE",
-                   help="also write the Markdown verdict to FILE (e.g. a PR comment); an "
-                        "existing FILE is refused unless --force")
+                   help="also write the verdict as Markdown to FILE (e.g. a PR comment; "
+                        "stdout shows it as plain text); an existing FILE is refused unless --force")
     add_force_option(p)
 
 
@@ -45,8 +45,9 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({"schema_version": SCHEMA_VERSION, "command": "gate",
                           **report.to_dict()}, indent=2))
-    else:
-        print(md)
+    else:  # a terminal or a log: plain text; the Markdown goes to --markdown and the job summary
+        from trainprobes.gate_render import render_text
+        print(render_text(report), end="")
     if args.markdown:
         write_atomic(args.markdown, md, replace=args.force)
     append_step_summary(md)

@@ -1,7 +1,13 @@
 """`trainprobes gemm`: low-precision GEMMs (recipe x accumulator) against fp64."""
 from __future__ import annotations
 
-from trainprobes.commands.options import add_report_options, emit_report, parse_list
+from trainprobes.commands.options import (
+    add_progress_options,
+    add_report_options,
+    emit_report,
+    parse_list,
+    progress_for,
+)
 from trainprobes.validation import parse_choice, parse_int, parse_number
 
 # the names, without importing torch before argparse needs them
@@ -60,6 +66,7 @@ def add_arguments(parser) -> None:
                         type=parse_number("alpha", min=0.0, max=1.0, min_open=True, max_open=True))
     parser.add_argument("--seed", type=parse_int("seed", min=0), default=0)
     add_report_options(parser)
+    add_progress_options(parser)
 
 
 # the share of random operands the e4m3 cast may saturate before the table is refused
@@ -74,7 +81,7 @@ def operands_for(choice: str, recipe: str) -> str:
     return "e4m3" if recipe == "exact" else "bf16"
 
 
-def _random_results(args):
+def _random_results(args, progress):
     import torch
     from trainprobes.budget import check_fits
     from trainprobes.errors import InvalidArgument
@@ -93,6 +100,7 @@ def _random_results(args):
                fix="lower --rows, --samples or --k")
     dtypes = {"e4m3": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
     out = []
+    total = len(ks) * len(recipes) * len(args.presets)
     for K in ks:
         g = torch.Generator().manual_seed(args.seed + K)
         raw = [torch.randn(args.rows, K, generator=g) + mean for _ in "ab"]
@@ -110,6 +118,7 @@ def _random_results(args):
             a, b = (r.to(dtypes[fmt]).double() for r in raw)
             for preset in args.presets:
                 kw = {} if args.tolerance is None else {"tolerance": args.tolerance}
+                progress.step(len(out), total, f"K={K} {recipe} {preset}")
                 r = gemm_bias(a, b, preset=preset, recipe=recipe, gemm=args.gemm,
                               samples=args.samples, trials=args.trials, seed=args.seed,
                               alpha=args.alpha, **kw)
@@ -118,7 +127,7 @@ def _random_results(args):
     return out
 
 
-def _model_results(args):
+def _model_results(args, progress):
     from trainprobes.numerics.gemm_model import judge_model
     from trainprobes.targets import load_target
 
@@ -132,7 +141,7 @@ def _model_results(args):
     kw = {} if args.tolerance is None else {"tolerance": args.tolerance}
     return judge_model(model, batch, preset=args.presets[0], recipe=(args.recipes or ["exact"])[0],
                        samples=args.samples, trials=args.trials, seed=args.seed, alpha=args.alpha,
-                       target=args.target, **kw)
+                       target=args.target, progress=progress.step, **kw)
 
 
 def _impact(args) -> int:
@@ -170,7 +179,8 @@ def _impact(args) -> int:
 def run(args) -> int:
     if args.impact:
         return _impact(args)
-    results = _model_results(args) if args.target else _random_results(args)
+    with progress_for(args, "gemm", unit="GEMMs") as p:
+        results = (_model_results if args.target else _random_results)(args, p)
     emit_report(args, results)
     if not args.json:
         head = ("target", "K", "relative bias", f"{1 - args.alpha:.0%} CI", "max err", "SQNR dB",

@@ -12,8 +12,6 @@ per-op map exits 0: it maps the machine), 2 could not run.
 """
 from __future__ import annotations
 
-import sys
-
 HELP = "packed-document isolation and batch invariance (per op, end to end, vLLM)"
 SUBCOMMANDS = ("documents", "table", "batch", "ops", "vllm")
 
@@ -50,8 +48,10 @@ def _lengths(text: str):
 
 
 def _common(p, json_too: bool = True) -> None:
+    from trainprobes.commands.options import add_progress_options
     from trainprobes.validation import parse_int
     p.add_argument("--seed", type=parse_int("seed", min=0), default=0, help="seed (0)")
+    add_progress_options(p)
     if json_too:
         from trainprobes.commands.options import add_report_options
         add_report_options(p)
@@ -142,8 +142,9 @@ def run(args) -> int:
     return code
 
 
-def _say():
-    return (lambda s: print(f"  {s}", file=sys.stderr, flush=True)) if sys.stderr.isatty() else None
+def _progress(args, unit: str):
+    from trainprobes.commands.options import progress_for
+    return progress_for(args, f"isolation {args.isolation_command}", unit=unit)
 
 
 # --- documents ---------------------------------------------------------------------------
@@ -170,9 +171,10 @@ def _documents(args):
     else:
         x = torch.randn(*shape, args.hidden, generator=g) if args.hidden else torch.randint(0, vocab, shape, generator=g)
     fp64 = False if args.no_fp64 else load_target(args.fp64) if args.fp64 else None
-    r = documents(fn, x, packing, output=_picker(args.output_key), seed=args.seed, vocab=vocab,
-                  fp64=fp64, batched=args.batched,
-                  causal=not args.no_causal, target=name)
+    with _progress(args, "calls") as p:
+        r = documents(fn, x, packing, output=_picker(args.output_key), seed=args.seed,
+                      vocab=vocab, fp64=fp64, batched=args.batched, causal=not args.no_causal,
+                      target=name, progress=p.step)
     if not args.json:
         print(format_documents(r))
     return [r], 1 if r.verdict == "fail" else 0
@@ -196,6 +198,11 @@ def _load_tokens(path: str):
     return (x[None] if x.dim() == 1 else x).long()
 
 
+def _said(flag) -> str:
+    """A verdict boolean in words: unknown, never None."""
+    return {True: "True", False: "False", None: "unknown"}[flag]
+
+
 def format_documents(r) -> str:
     m, ev = r.metrics, r.evidence
     lines = [r.summary_line(), ""]
@@ -203,9 +210,12 @@ def format_documents(r) -> str:
         return "\n".join(lines)
     docs = ev["documents"]
     lines.append(f"documents      {len(docs)} (lengths {ev['lengths']}), seed {r.seed}")
-    lines.append(f"isolated       {m['isolated']}  (structural {m['n_leaks']}, numerical "
+    lines.append(f"isolated       {_said(m['isolated'])}  (structural {m['n_leaks']}, numerical "
                  f"{m['n_numerical']} excused, unverified {m['n_unverified']})")
-    lines.append(f"causal         {m['causal']}  (causality probe: {m['causality_evaluations']} evaluations)")
+    lines.append("causal         not checked (--no-causal)" if m["causal"] is None
+                 and not m["causality_evaluations"] else
+                 f"causal         {_said(m['causal'])}  (causality probe: "
+                 f"{m['causality_evaluations']} evaluations)")
     budget = "batched: 2" if m.get("batched") else f"d + 2 = {len(docs) + 2}"
     lines.append(f"evaluations    {m['n_evaluations']} ({budget}); fp64 twin "
                  f"{m['n_fp64_evaluations']}, {m['fp64']}")
@@ -237,8 +247,9 @@ def _table(args):
     convs = args.convention or list(CONVENTIONS)
     for c in convs:
         check_choice(c, "--convention", CONVENTIONS)
-    rows = packed_table(fams, args.attn, convs, lengths=tuple(args.lengths), seed=args.seed,
-                        progress=_say())
+    with _progress(args, "cases") as p:
+        rows = packed_table(fams, args.attn, convs, lengths=tuple(args.lengths), seed=args.seed,
+                            progress=p.step)
     agree = [table_agrees(row) for row in rows]
     if not args.json:
         print(format_table(rows))
@@ -268,7 +279,7 @@ def format_table(rows) -> str:
     for row in rows:
         m = row.result.metrics
         out.append(f"{row.family:10} {row.implementation:15} {row.convention:20} "
-                   f"{row.result.verdict:8} {str(m['isolated']):8} {m['n_leaks']:5d} "
+                   f"{row.result.verdict:8} {_said(m['isolated']):8} {m['n_leaks']:5d} "
                    f"{m['n_numerical']:5d} {m['max_leak']:9.3g} {row.by_hand:9.3g} "
                    f"{m['n_evaluations']:5d}  {'yes' if table_agrees(row) else 'NO'}")
     return "\n".join(out)
@@ -290,9 +301,10 @@ def _batch(args):
         x = torch.randint(0, args.vocab, tuple(args.shape[:2]), generator=g)
     else:
         x = torch.randn(*args.shape, generator=g)
-    r = batch_invariance(fn, x, sizes=args.sizes or DEFAULT_SIZES, trials=args.trials, seed=args.seed,
-                         output=_picker(args.output_key), atol=args.atol,
-                         target=args.target)
+    with _progress(args, "calls") as p:
+        r = batch_invariance(fn, x, sizes=args.sizes or DEFAULT_SIZES, trials=args.trials,
+                             seed=args.seed, output=_picker(args.output_key), atol=args.atol,
+                             target=args.target, progress=p.step)
     if not args.json:
         print(r.summary_line())
         print(format_sizes(r))
@@ -310,8 +322,9 @@ def format_sizes(r) -> str:
 def _ops(args):
     from trainprobes.isolation.batch import DEFAULT_SIZES
     from trainprobes.isolation.ops import op_map
-    results = op_map(args.ops, dtypes=args.dtype, sizes=args.sizes or DEFAULT_SIZES, rows=args.rows,
-                     seed=args.seed, device=args.device, quick=args.quick, progress=_say())
+    with _progress(args, "ops") as p:
+        results = op_map(args.ops, dtypes=args.dtype, sizes=args.sizes or DEFAULT_SIZES, rows=args.rows,
+                         seed=args.seed, device=args.device, quick=args.quick, progress=p.step)
     if not args.json:
         print(format_ops(results))
     return results, 0
@@ -324,7 +337,7 @@ def format_ops(results) -> str:
            head, "-" * len(head)]
     for r in results:
         ev, m = r.evidence, r.metrics
-        out.append(f"{ev['op']:30} {ev['shape']:18} {ev['dtype']:5} {str(m['batch_invariant']):9} "
+        out.append(f"{ev['op']:30} {ev['shape']:18} {ev['dtype']:5} {_said(m['batch_invariant']):9} "
                    f"{','.join(map(str, m['breaking_sizes'])) or '-':22} {m['max_abs_diff']:10.3g} "
                    f"{m['max_ulps']:8.3g}")
     return "\n".join(out)

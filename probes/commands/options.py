@@ -245,3 +245,14 @@ def add_alpha_option(group, test: str, default: float = 0.01) -> None:
     from trainprobes.validation import parse_number
     group.add_argument("--alpha", default=default, help=f"level of {test} (default {default:g})",
                        type=parse_number("alpha", min=0.0, max=1.0, min_open=True, max_open=True))
+
+
+def progress_for(args, what: str, total: int | None = None, *, unit: str = "", stream=None,
+                 limit: float | None = None):
+    """The command's trainprobes.progress.Progress: lines on stderr at least every 5 s while
+    it works, quiet unless progress_wanted(args). Use it as a context manager around the work
+    (it starts the heartbeat and clears a terminal's bar before the results are printed)."""
+    from trainprobes.progress import Progress
+    stream = sys.stderr if stream is None else stream
+    return Progress(what, total, unit=unit, stream=stream, limit=limit,
+                    quiet=not progress_wanted(args, stream))

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from trainprobes.commands.options import add_report_options, options_of, parse_backend
+from trainprobes.commands.options import add_progress_options, add_report_options, options_of, parse_backend
 from trainprobes.transforms.options import add_probe_options, add_step_options, user_steps
 from trainprobes.validation import parse_int, parse_number
 
@@ -41,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds before every rank is stopped (default 600)")
     p.add_argument("--list", action="store_true", help="list the transforms, their options and the zoo")
     add_report_options(p)  # each result also carries the summary fields at its top level
+    add_progress_options(p)
 
 
 def _summary(r) -> dict:
@@ -69,10 +69,11 @@ def _emit(args, results) -> None:
         print(json.dumps(_document(args, results), indent=2, allow_nan=False))
 
 
-def _progress(args):
-    if args.json or not sys.stderr.isatty():
-        return None
-    return lambda line: print(f"  .. {line}", file=sys.stderr, flush=True)
+def _progress(args, what: str):
+    """Progress of the ranks: what they are doing (they report only when done, so the
+    estimate is their timeout's bound)."""
+    from trainprobes.commands.options import progress_for
+    return progress_for(args, what, limit=args.timeout)
 
 
 def _list() -> int:
@@ -112,8 +113,9 @@ def run(args) -> int:
     transforms = [parse_transform(t) for t in (args.transform or ([] if mine else ["ddp"]))] + mine
     probes = [Probe(args.target, t, trials=args.trials, seed=args.seed, alpha=args.alpha,
                     min_effect=args.min_effect, noise_tol=args.noise_tol) for t in transforms]
-    results = run_probes(probes, world=args.world, backend=args.backend or "gloo", timeout=args.timeout,
-                         progress=_progress(args))
+    with _progress(args, f"transforms {args.target}") as p:
+        results = run_probes(probes, world=args.world, backend=args.backend or "gloo",
+                             timeout=args.timeout, progress=p.say)
     _emit(args, results)
     if not args.json:
         for r in results:
@@ -142,8 +144,9 @@ def _mark(flag) -> str:
 def _zoo(args) -> int:
     from trainprobes.transforms.zoo import analytic_checks, run_zoo
 
-    rows = run_zoo(trials=args.trials, seed=args.seed, alpha=args.alpha, min_effect=args.min_effect,
-                   timeout=args.timeout, progress=_progress(args))
+    with _progress(args, "transforms (the zoo)") as p:
+        rows = run_zoo(trials=args.trials, seed=args.seed, alpha=args.alpha,
+                       min_effect=args.min_effect, timeout=args.timeout, progress=p.say)
     results = [r for row in rows for r in (row.buggy, row.fixed)]
     _emit(args, results)
     ok = all(row.reproduced for row in rows)

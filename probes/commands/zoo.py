@@ -9,6 +9,7 @@ closest names are listed) or an unreadable map.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 
@@ -26,6 +27,8 @@ def add_arguments(parser) -> None:
     from trainprobes.validation import parse_int
     parser.add_argument("--seed", type=parse_int("--seed", min=0), default=0, help="seed (0)")
     parser.add_argument("--json", action="store_true", help="print the row (or the diff) as JSON")
+    from trainprobes.commands.options import add_progress_options
+    add_progress_options(parser)
 
 
 def run(args) -> int:
@@ -52,7 +55,16 @@ def run(args) -> int:
     warnings.filterwarnings("ignore")
     import transformers
     transformers.logging.set_verbosity_error()
-    cells = row(args.model, probes=probes, seed=args.seed)
+    from trainprobes.commands.options import progress_for
+    from trainprobes.zoo.cells import IMPLEMENTATIONS
+    from trainprobes.zoo.targets import CONVENTIONS
+    # the steps row() reports: one per isolation cell, one per other probe (an estimate: a
+    # build that fails leaves its cells out)
+    total = sum(len(IMPLEMENTATIONS) * len(CONVENTIONS) if pr == "isolation" else 1 for pr in probes)
+    with progress_for(args, f"zoo --model {args.model}", total, unit="cells") as p:
+        started = itertools.count()   # row() reports each cell as it begins
+        cells = row(args.model, probes=probes, seed=args.seed,
+                    progress=lambda what: p.step(next(started), current=what))
     findings = [c for c in cells if c.finding]
     if args.json:
         print(json.dumps({"command": "zoo", "versions": versions(), "model_type": args.model,
@@ -82,11 +94,15 @@ def _diff(args) -> int:
 def _findings(args) -> int:
     import warnings
     warnings.filterwarnings("ignore")
+    from trainprobes.commands.options import progress_for
     from trainprobes.zoo.findings import FINDINGS, rerun
     missed = 0
-    rows = []
-    for f in FINDINGS:
-        ok, now = rerun(f, args.seed)
+    rows, reruns = [], []
+    with progress_for(args, "zoo --findings", len(FINDINGS), unit="findings") as p:
+        for i, f in enumerate(FINDINGS):
+            p.step(i, current=f"{f.model_type} {f.probe} {f.variant}")
+            reruns.append(rerun(f, args.seed))
+    for f, (ok, now) in zip(FINDINGS, reruns):
         missed += not ok
         rows.append({"finding": f.__dict__, "reproduced": ok, "now": now})
         if not args.json:

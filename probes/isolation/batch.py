@@ -87,7 +87,8 @@ def _diff(alone: torch.Tensor, got: torch.Tensor, atol: float):
 
 def batch_invariance(fn: Callable, inputs: torch.Tensor, *, sizes=DEFAULT_SIZES, trials: int = 3,
                      seed: int = 0, output=None, atol: float = 0.0,
-                     target: str | None = None) -> Result:
+                     target: str | None = None,
+                     progress: Callable[[int, int, str], None] | None = None) -> Result:
     """Probe fn for outputs that depend on the batch a row is computed in.
 
     fn: [b, ...] -> [b, ...] row-wise (output picks the tensor from a structure: an index,
@@ -95,7 +96,7 @@ def batch_invariance(fn: Callable, inputs: torch.Tensor, *, sizes=DEFAULT_SIZES,
       kernel cannot change the pool. inputs: the pool of rows [N, ...], N >= 1.
     sizes: batch sizes to try (>= 2); trials: batches per size (the watched row first,
       last, first with other companions, middle, ...). atol: differences up to it are not
-      differences (default 0: bit for bit).
+      differences (default 0: bit for bit). progress(done, total, what): after each call.
 
     Returns a Result (probe "isolation.batch_invariance"): metrics batch_invariant,
     frac_outputs_differ, frac_rows_differ, max_abs_diff, mean_abs_diff, max_ulps,
@@ -117,7 +118,13 @@ def batch_invariance(fn: Callable, inputs: torch.Tensor, *, sizes=DEFAULT_SIZES,
     g = torch.Generator().manual_seed(seed)
     common = dict(probe="isolation.batch_invariance", target=name, seed=seed)
 
-    alone = torch.cat([call(x[i:i + 1]) for i in range(N)])  # 1. every row alone
+    total = N + 1 + len(sizes) * trials + (N >= 2 and N not in sizes)
+    say = progress or (lambda *a: None)
+    alone = []
+    for i in range(N):  # 1. every row alone
+        alone.append(call(x[i:i + 1]))
+        say(i + 1, total, "each row alone")
+    alone = torch.cat(alone)
     again = call(x[:1])
     if _diff(alone[:1], again, atol)[1].any():
         return _nondeterministic(common, call, "the first row alone", sizes)
@@ -137,6 +144,7 @@ def batch_invariance(fn: Callable, inputs: torch.Tensor, *, sizes=DEFAULT_SIZES,
         got = call(x[idx])
         d, differ, ulps = _diff(alone[idx], got, atol)
         rows.append((b, t, pos, idx, got, d, differ, ulps))
+        say(N + 1 + len(rows), total, f"batches of {b}")
     # 3. batch variance is told from nondeterminism: the largest batch again, and the first
     # batches that differ from the rows alone again, each with its first differing row
     # alone: a difference that does not reproduce is nondeterminism (an occasional atomic,

@@ -67,7 +67,8 @@ def _batched(x: torch.Tensor) -> torch.Tensor:
 
 def documents(fn: Callable, tokens: torch.Tensor, lengths, *, output=None, seed: int = 0,
               vocab: int | None = None, fp64=None, atol: float = 0.0, batched: bool = False,
-              causal: bool = True, cuts=None, target: str | None = None) -> Result:
+              causal: bool = True, cuts=None, target: str | None = None,
+              progress: Callable[[int, int, str], None] | None = None) -> Result:
     """Probe fn for outputs of one packed document that depend on another's tokens.
 
     fn(tokens, packing) -> per-token outputs [B, L, ...] (or a structure; `output` picks
@@ -82,6 +83,8 @@ def documents(fn: Callable, tokens: torch.Tensor, lengths, *, output=None, seed:
     batched: one call holding the d perturbed copies, checked against one call alone
       (valid for batch-isolated targets; otherwise it falls back to one call per document).
     causal / cuts: also run trainprobes.causality.check on the packed row (cuts as there).
+    progress(done, total, what): after each call of the target (d + 2 of them), then the
+      causality check's (cut, trial) pairs on top.
 
     Returns a Result (probe "isolation.documents"): metrics isolated, n_documents, n_leaks,
     n_numerical, n_unverified, n_blind_tokens (all-NaN outputs), max_leak,
@@ -103,10 +106,10 @@ def documents(fn: Callable, tokens: torch.Tensor, lengths, *, output=None, seed:
     if fp64 is not None and fp64 is not False and not callable(fp64):
         raise InvalidType(f"fp64={fp64!r} must be None (auto), False (none) or a callable "
                           f"fn64(tokens, packing) computing in float64")
-    tgt = Target(Packed(fn, packing, name), name, decision=output)
-    twin = Twin(fn, fp64, packing, name, output)
     docs = packing.documents
     D, B = len(docs), packing.batch
+    tgt = Target(Packed(_counted(fn, D + 2, progress), packing, name), name, decision=output)
+    twin = Twin(fn, fp64, packing, name, output)
     g = torch.Generator().manual_seed(seed)
     R = replacements(x, 1, vocab, g)[0].to(x.device)
     gid = packing.global_doc_ids()  # [B, L] on the CPU, where outputs are compared
@@ -144,12 +147,29 @@ def documents(fn: Callable, tokens: torch.Tensor, lengths, *, output=None, seed:
         from trainprobes.causality import check
         sub = check(Packed(fn, packing, name), x, cuts=cuts, seed=seed, vocab=vocab,
                     decision=output, fp64=twin.packed if twin.packed is not None else False,
-                    atol=atol, target=name)
+                    atol=atol, target=name,
+                    progress=None if progress is None else
+                    lambda d, t: progress(D + 2 + d, D + 2 + t, "within-row causality"))
     r = _result(common, packing, docs, leak_max, leak_mean, kind, moved, fp64_max,
                 twin.status, n_eval, twin.n_evaluations, sub, batched, x, blind & (D > 1))
     if fallback is not None:
         r.evidence["batched_fallback"] = fallback
     return r
+
+
+def _counted(fn, total: int, progress):
+    """fn, saying progress(calls so far, total, what) after each call (a leak's reruns
+    count past total: the count stops there)."""
+    if progress is None:
+        return fn
+    calls = [0]
+
+    def call(x, packing):
+        out = fn(x, packing)
+        calls[0] += 1
+        progress(min(calls[0], total), total, "the target on each perturbed document")
+        return out
+    return call
 
 
 # Kind -> severity, so that a document's worst token decides: structural > unverified > numerical
@@ -330,8 +350,10 @@ def _result(common, packing, docs, leak_max, leak_mean, kind, moved, fp64_max, f
         if n_num:
             msg += f" ({n_num} pairs moved within rounding noise, excused by the fp64 twin)"
         if n_unver:
+            why = (f"the fp64 twin is {fp64_status}" if fp64_status.startswith("unavailable")
+                   else "pass fp64=")
             msg = (f"{n_unver} document pairs moved within rounding noise and no fp64 twin could "
-                   f"settle them (pass fp64=); isolation unknown")
+                   f"settle them ({why}); isolation unknown")
         if n_blind:
             msg = (f"the outputs of documents {blind_docs[:5]} are NaN at {n_blind} tokens, where "
                    f"a leak that leaves them NaN cannot show; isolation unknown"

@@ -240,13 +240,16 @@ def packed_table(families=tuple(FAMILIES), implementations=None, conventions=CON
                  progress=None) -> list[TableRow]:
     """The documents probe on every family x implementation x convention available here,
     beside the by-hand check, in fp32 (bf16 for flash_attention_2, which has no fp32
-    kernel). Combinations that cannot run (a boolean mask for flex_attention) are left out."""
+    kernel). Combinations that cannot run (a boolean mask for flex_attention) are left out.
+    progress(done, total, case) is called before each case."""
     from trainprobes.isolation.documents import documents
 
     impls = available_implementations() if implementations is None else list(implementations)
     packing = Packing.of(list(lengths))
     tokens = torch.randint(0, VOCAB, (1, packing.length),
                            generator=torch.Generator().manual_seed(seed)).to(device)
+    total = sum(not (impl == "flex_attention" and conv == "mask_4d_bool")
+                for impl in impls for conv in conventions) * len(families)
     rows = []
     for family in families:
         for impl in impls:
@@ -256,7 +259,7 @@ def packed_table(families=tuple(FAMILIES), implementations=None, conventions=CON
                 if impl == "flex_attention" and conv == "mask_4d_bool":
                     continue
                 if progress is not None:
-                    progress(f"{family} {impl} {conv}")
+                    progress(len(rows), total, f"{family} {impl} {conv}")
                 model = PackedModel(base, conv)
                 name = f"{family}[{impl},{conv}]"
                 res = documents(model, tokens, packing, seed=seed, vocab=VOCAB, causal=causal,

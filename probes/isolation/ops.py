@@ -114,24 +114,24 @@ def _as_map_entry(r):
 
 def op_map(ops=None, *, dtypes=("fp32", "bf16"), sizes=DEFAULT_SIZES, rows: int = 8,
            trials: int = 3, seed: int = 0, device: str = "cpu", quick: bool = False,
-           progress: Callable[[str], None] | None = None) -> list:
+           progress: Callable[[int, int, str], None] | None = None) -> list:
     """One batch-invariance Result per op x shape x dtype on `device`.
 
     ops: op names to include (default all, see OP_NAMES); dtypes: format names
     (trainprobes.reference.formats); rows: pool rows per op (the batches draw from them).
+    progress(done, total, target) is called before each op x shape x dtype.
     """
     names = OP_NAMES if ops is None else tuple(ops)
     for op in names:
         check_choice(op, "ops[...]", OP_NAMES)
     torch_dtypes = [(get_format(d).name, get_format(d).torch_dtype) for d in dtypes]
+    cases = [c for c in op_cases(quick) if c.op in names]
     results = []
-    for case in op_cases(quick):
-        if case.op not in names:
-            continue
+    for case in cases:
         for label, dt in torch_dtypes:
             target = case.target(label, device)
             if progress is not None:
-                progress(target)
+                progress(len(results), len(cases) * len(torch_dtypes), target)
             g = torch.Generator().manual_seed(seed)
             x, fn = case.make(g, rows, dt, device)
             r = batch_invariance(fn, x, sizes=sizes, trials=trials, seed=seed, target=target)

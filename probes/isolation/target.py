@@ -61,6 +61,15 @@ def _twin_builder(fn, spec) -> Callable[[], Callable] | None:
     needs the twin: a float64 copy of a real model takes 2-4x its memory."""
     if spec is False:
         return None
+    if isinstance(spec, torch.nn.Module):
+        def given():   # the user's float64 module: its kernels without float64 swapped too
+            swapped = _float64_kernels(spec)
+
+            def call(x, p):
+                return spec(x, p)
+            call.substituted = swapped
+            return call
+        return given
     if callable(spec) and spec is not True:
         return lambda: spec
     own = getattr(fn, "fp64_twin", None)
@@ -102,6 +111,18 @@ def _float64_kernels(module) -> list[str]:
 _HOW = ("build the twin yourself and pass it: fp64=fn64(tokens, packing) in Python, "
         "--fp64 PKG.MOD:FN on the command line (a float64 copy whose kernels all have float64 "
         "versions, e.g. model.config._experts_implementation = 'eager' for grouped_mm experts)")
+# torch._grouped_mm's refusal of float64 ("Expected mat_a to be Float32, BFloat16 or
+# Float16 matrix, got Double"): the fix is known, so the message says it first
+_GROUPED_MM = ("the twin's experts run torch._grouped_mm, which has no float64 kernel: on its "
+               "float64 copy set model.config._experts_implementation = 'eager' (a module "
+               "passed as the twin gets this done for it)")
+
+
+def _unavailable(what: str, e: BaseException) -> str:
+    text = str(e).splitlines()[0] if str(e) else ""
+    fix = _GROUPED_MM if ("mat_a" in text and "Double" in text) or "grouped_mm" in text else _HOW
+    kind = "" if isinstance(e, TargetError) else f"{type(e).__name__}: "  # it names its own
+    return f"unavailable: {what}{kind}{text}; {fix}"
 
 
 class Twin:
@@ -128,8 +149,7 @@ class Twin:
                 self._fn = self._build()
             except Exception as e:  # a model that cannot be copied or cast: no twin
                 self._build, self.tgt = None, None
-                self.status = (f"unavailable: building the fp64 twin raised {type(e).__name__}: "
-                               f"{str(e).splitlines()[0] if str(e) else ''}; {_HOW}")
+                self.status = _unavailable("building the fp64 twin raised ", e)
         return self._fn
 
     def _call(self, x, packing):
@@ -158,7 +178,7 @@ class Twin:
             try:
                 out, _ = self.tgt(self.tgt_input)
             except TargetError as e:  # e.g. a float64 kernel missing: say how to give one
-                self.tgt, self.status = None, f"unavailable: {str(e).splitlines()[0]}; {_HOW}"
+                self.tgt, self.status = None, _unavailable("", e)
                 return None
             if out.is_floating_point() and out.dtype != torch.float64:
                 self.tgt = None

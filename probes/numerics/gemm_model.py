@@ -79,11 +79,15 @@ def capture_linears(model: torch.nn.Module, batch, loss_fn=None, skipped: list |
 
 def judge_model(model, batch, *, preset="h200-scaled-mm", recipe="exact", samples=512, trials=16,
                 seed=0, alpha=0.01, tolerance=DEFAULT_TOLERANCE, loss_fn=None,
-                target: str = "model") -> list[Result]:
-    """Step 3: one Result per (Linear, GEMM), riskiest first (module docstring)."""
+                target: str = "model", progress=None) -> list[Result]:
+    """Step 3: one Result per (Linear, GEMM), riskiest first (module docstring).
+    progress(done, total, name) is called before each GEMM."""
     results, skipped = [], []
-    for c in capture_linears(model, batch, loss_fn, skipped):
-        for gemm, a, b in linear_gemms(c.x, c.w, c.dy):
+    captured = list(capture_linears(model, batch, loss_fn, skipped))
+    for i, c in enumerate(captured):
+        for j, (gemm, a, b) in enumerate(linear_gemms(c.x, c.w, c.dy)):
+            if progress is not None:
+                progress(3 * i + j, 3 * len(captured), f"{c.name}.{gemm}")
             if not a.abs().sum() or not b.abs().sum():
                 # an all-zero operand (a dead layer): nothing to judge, listed with the reason
                 skipped.append({"layer": c.name, "gemm": gemm, "reason": "an all-zero operand"})

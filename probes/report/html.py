@@ -1,4 +1,5 @@
-"""report.html: one self-contained file (inline CSS, plots as base64 PNG), no script, no network.
+"""report.html: one self-contained file (inline CSS, plots as base64 PNG, one small inline
+script: the filter), nothing fetched, so it works offline and from a CI artifact.
 
 The page reads top to bottom in the order a person needs it:
   1. the headline (findings by verdict, controls reproduced) and the run's facts;
@@ -7,7 +8,11 @@ The page reads top to bottom in the order a person needs it:
   3. calibration: one line per family ("20 of 20 controls reproduced") and one overview
      plot per family where its Results carry one;
   4. trends across runs (with --history);
-  Each Result appears in one place only; report.json holds them all.
+  Each Result appears in one place only; report.json holds them all. A filter above the
+  findings (by what a Result did, finding or control, family, and words in its target,
+  probe, codes or message) hides what does not match and opens the folded tables that
+  hold a match; without JavaScript it stays hidden and the page reads as it is. No text
+  from a Result ever enters the script: it reads data-* attributes, escaped like any text.
 Plots are drawn only where the page shows them.
 """
 from __future__ import annotations
@@ -48,7 +53,47 @@ ul.calib{list-style:none;padding-left:0} ul.calib li{margin:.25em 0}
 .plots figcaption{font-size:12px;color:#555;max-width:640px}
 code{background:#f4f4f4;padding:0 3px} details summary{cursor:pointer;color:#444}
 details table{margin:.3em 0} .advice{background:#fff8e1;border-radius:4px;padding:.1em .7em}
+[hidden]{display:none!important}
+form.filter{position:sticky;top:0;background:#fff;border-bottom:1px solid #ddd;padding:.4em 0;
+ margin:1em 0 0;z-index:1;font-size:13px} form.filter select,form.filter input{font:inherit;
+ margin-right:.4em} form.filter input{width:16em}
 """
+
+# The filter: reads each Result's data-* attributes (data-show, data-kind, data-family,
+# data-words), hides what does not match, opens the folded tables holding a match and
+# hides the groups holding none; clearing it restores the page as written. A link may
+# set it: report.html#show=problem&kind=finding (keys show, kind, family, words). A
+# constant: nothing from a Result is ever written into it.
+FILTER_JS = """(function(){
+var f=document.getElementById('filter');if(!f)return;f.hidden=false;
+var items=[].slice.call(document.querySelectorAll('[data-family]'));
+var groups=[].slice.call(document.querySelectorAll('.group'));
+groups.forEach(function(d){d.dataset.wasOpen=d.open?'1':'';});
+function val(id){return document.getElementById(id).value;}
+function apply(){
+ var show=val('f-show'),kind=val('f-kind'),fam=val('f-family'),q=val('f-words').trim().toLowerCase();
+ var active=!!(show||kind||fam||q),n=0;
+ items.forEach(function(el){
+  var ok=(!show||el.dataset.show.split(' ').indexOf(show)>=0)&&(!kind||el.dataset.kind===kind)
+   &&(!fam||el.dataset.family===fam)&&(!q||el.dataset.words.indexOf(q)>=0);
+  el.hidden=!ok;if(ok)n++;});
+ groups.forEach(function(d){
+  var any=!!d.querySelector('[data-family]:not([hidden])');
+  if(d.tagName==='DETAILS')d.open=active?any:d.dataset.wasOpen==='1';
+  (d.closest('li')||d).hidden=active&&!any;});
+ document.getElementById('f-count').textContent=active?n+' of '+items.length+' results match'
+  :items.length+' results';}
+var ids={show:'f-show',kind:'f-kind',family:'f-family',words:'f-words'};
+var h=new URLSearchParams(location.hash.slice(1));
+Object.keys(ids).forEach(function(k){if(h.get(k))document.getElementById(ids[k]).value=h.get(k);});
+f.addEventListener('input',apply);f.addEventListener('change',apply);
+f.addEventListener('submit',function(e){e.preventDefault();});
+document.getElementById('f-clear').addEventListener('click',function(){f.reset();apply();});
+apply();})();"""
+
+# What the first filter chooses, against the badge each Result shows (outline.badge).
+SHOW = (("problem", "problems: FAIL, ERROR, MISSED"), ("warn", "WARN"), ("pass", "PASS"),
+        ("ok", "OK: controls that reproduced"))
 
 
 _e = html_text  # every text from a Result or the run's facts, in text and attributes alike
@@ -137,6 +182,34 @@ def _evidence_outline(r: Result) -> str:
     return f"<details><summary>evidence ({len(rows)} fields)</summary><table>{''.join(rows)}</table></details>"
 
 
+def _data(r: Result) -> str:
+    """The attributes the filter reads: what the Result did (its badge, and 'problem' for
+    what fails the audit), finding or control, family, and its words (lower case)."""
+    show = outline.badge(r).css[2:] + (" problem" if outline.is_problem(r) else "")
+    words = " ".join([r.target, r.probe, *r.codes, r.message]).lower()
+    return (f' data-show="{_e(show)}" data-kind="{"control" if r.is_control else "finding"}"'
+            f' data-family="{_e(outline.family(r))}" data-words="{_e(words)}"')
+
+
+def _filter(results: list[Result]) -> str:
+    """The filter's form: hidden until the script shows it (a page without JavaScript has
+    no dead controls)."""
+    fams = sorted({outline.family(r) for r in results})
+    opt = "".join(f"<option value='{_e(v)}'>{_e(t)}</option>" for v, t in SHOW)
+    famopt = "".join(f"<option value='{_e(f)}'>{_e(f)}</option>" for f in fams)
+    return ("<form id='filter' class='filter' hidden><b>Filter</b> "
+            f"<select id='f-show' aria-label='what a result did'><option value=''>every outcome"
+            f"</option>{opt}</select>"
+            "<select id='f-kind' aria-label='finding or control'><option value=''>findings and "
+            "controls</option><option value='finding'>findings (your stack)</option>"
+            "<option value='control'>controls (known verdicts)</option></select>"
+            f"<select id='f-family' aria-label='family'><option value=''>every family</option>"
+            f"{famopt}</select>"
+            "<input id='f-words' type='search' placeholder='target, probe, code or words' "
+            "aria-label='words'> <button type='button' id='f-clear'>clear</button> "
+            "<span id='f-count' class='muted'></span></form>")
+
+
 def _seed(r: Result) -> str:
     return "" if r.seed is None else f" · seed {_e(r.seed)}"
 
@@ -144,15 +217,11 @@ def _seed(r: Result) -> str:
 def _card(page: Page, r: Result) -> None:
     b = outline.badge(r)
     kind = "control" if r.is_control else "finding"
-    page.add(f'<div class="card {kind} v-{b.css[2:]}"><h3>{_badge(r)} <span class="target">'
+    page.add(f'<div class="card {kind} v-{b.css[2:]}"{_data(r)}><h3>{_badge(r)} <span class="target">'
              f'{_target(r.target)}</span></h3><p class="small muted">{_e(outline.known(r))} · '
              f"{_e(r.probe)} {_codes(r)}{_seed(r)}</p><p>{_e(r.message)}</p>")
     if not r.is_control and r.verdict == "warn":
-        tips = outline.advice(r)
-        page.add("<div class='advice'>" + ("".join(
-            f"<p><b>What {_e(c)} means:</b> {_e(a.means)}.<br><b>What to do:</b> {_e(a.todo)}.</p>"
-            for c, a in tips) or "<p><b>WARN</b> is not a failure: worth a look. The message "
-                                 "above says what was seen.</p>") + "</div>")
+        page.add(_advice(r))
     if r.reproduced is False:
         page.add(f"<p><b>expected {_e(r.expected)}, got {_e(r.verdict)}</b>: this control's "
                  "verdict is known from its mechanism, so the harness did not work as designed "
@@ -176,7 +245,7 @@ def _results_table(results: list[Result], *, full: bool = True) -> str:
             + "<th>target / probe</th><th>codes</th><th>message</th></tr>")
     rows = []
     for i, r in enumerate(results, 1):
-        rows.append("<tr>" + (f"<td>{i}</td>" if full else "") + f"<td>{_badge(r)}</td>"
+        rows.append(f"<tr{_data(r)}>" + (f"<td>{i}</td>" if full else "") + f"<td>{_badge(r)}</td>"
                     + (f"<td class='small'>{_e(outline.known(r))}</td>" if full else "")
                     + f"<td><span class='target'>{_target(r.target)}</span><br>"
                     f"<span class='small muted'>{_e(r.probe)}{_seed(r)}</span></td>"
@@ -210,6 +279,44 @@ def _notes(meta: dict, draw: bool) -> str:
     return out
 
 
+def _alike(problems: list[Result]) -> list[list[Result]]:
+    """Findings that say the same thing (one probe, one verdict, the same codes, no plots of
+    their own: six ops that are batch-variant) as one group, in the order of their first;
+    errors and missed controls stay one card each (each has its own traceback or cause)."""
+    groups: dict = {}
+    for r in problems:
+        alone = (r.verdict == "error" or r.is_control
+                 or (isinstance(r.evidence, dict) and r.evidence.get("plots")))
+        key = id(r) if alone else (r.probe, r.verdict, tuple(r.codes))
+        groups.setdefault(key, []).append(r)
+    return list(groups.values())
+
+
+def _advice(r: Result) -> str:
+    """What each of r's codes means and what to do (outline.ADVICE), `code` as code."""
+    def words(text: str) -> str:   # ADVICE is ours: only its backticks become <code>
+        parts = _e(text).split("`")
+        return "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(parts))
+    tips = outline.advice(r)
+    return "<div class='advice'>" + ("".join(
+        f"<p><b>What {_e(c)} means:</b> {words(a.means)}.<br><b>What to do:</b> {words(a.todo)}.</p>"
+        for c, a in tips) or "<p><b>WARN</b> is not a failure: worth a look. The message "
+                             "above says what was seen.</p>") + "</div>"
+
+
+def _group_card(page: Page, group: list[Result]) -> None:
+    """One card for findings that say the same thing: the advice once, then a row each."""
+    r = group[0]
+    b = outline.badge(r)
+    codes = f" {_codes(r)}" if r.codes else ""
+    page.add(f'<div class="card finding group v-{b.css[2:]}"><h3>{_badge(r)} {len(group)} '
+             f'findings of {_e(r.probe)}{codes}</h3><p class="small muted">the same verdict '
+             "and codes on each target below</p>")
+    if r.verdict == "warn":
+        page.add(_advice(r))
+    page.add(_results_table(group, full=False), "</div>")
+
+
 def _findings(page: Page, results: list[Result]) -> None:
     found = outline.findings(results)
     problems = sorted((r for r in results if outline.is_problem(r)
@@ -223,11 +330,14 @@ def _findings(page: Page, results: list[Result]) -> None:
              "<span class='b b-ok'>OK</span> a control reproduced its known verdict</p>")
     if not problems and not found:
         page.add("<p>No findings in this suite: only controls (see calibration).</p>")
-    for r in problems:
-        _card(page, r)
+    for group in _alike(problems):
+        if len(group) == 1:
+            _card(page, group[0])
+        else:
+            _group_card(page, group)
     fine = [r for r in found if r.verdict == "pass"]
     if fine:
-        page.add(f"<details><summary>{len(fine)} finding{'s' if len(fine) != 1 else ''} "
+        page.add(f"<details class='group'><summary>{len(fine)} finding{'s' if len(fine) != 1 else ''} "
                  "passed (open to see each)</summary>", _results_table(fine, full=False),
                  "</details>")
 
@@ -243,9 +353,11 @@ def _calibration(page: Page, results: list[Result]) -> None:
              "this machine; a missed one is listed under findings.</p><ul class='calib'>")
     for f in fams:
         css = "b-ok" if not f.missed else "b-missed"
-        page.add(f"<li><details{' open' if f.missed else ''}><summary>"
+        page.add(f"<li><details class='group'{' open' if f.missed else ''}><summary>"
                  f"<span class='b {css}'>{'OK' if not f.missed else 'MISSED'}</span> "
-                 f"{_e(f.line())}</summary>", _results_table(f.controls, full=False),
+                 f"{_e(f.line())}</summary>",
+                 # a missed control is a card under findings: here only the others
+                 _results_table([r for r in f.controls if not outline.is_problem(r)], full=False),
                  "</details></li>")
     page.add("</ul>")
     if page.draws:
@@ -258,9 +370,10 @@ def _calibration(page: Page, results: list[Result]) -> None:
 
 
 # Estimates drawn side by side per family, with their confidence intervals: the metric,
-# how it is shown (a relative error in %), its unit and what it is.
-CI_METRICS = {"bias": (100.0, "%", "bias: mean signed relative error"),
-              "mean_log_ratio": (1.0, "nats/token", "mean log-ratio log p_infer - log p_train")}
+# how it is shown (a relative error in %), its unit, what it is and its axis label.
+CI_METRICS = {"bias": (100.0, "%", "bias: mean signed relative error", "bias"),
+              "mean_log_ratio": (1.0, "nats/token", "mean log-ratio log p_infer - log p_train",
+                                 "mean log-ratio")}
 
 
 def row_status(r: Result) -> str:
@@ -271,7 +384,7 @@ def row_status(r: Result) -> str:
 def family_plots(results: list[Result]) -> list[dict]:
     """One forest plot per estimate that several Results of a family carry (ci_low, ci_high)."""
     plots = []
-    for name, (scale, unit, what) in CI_METRICS.items():
+    for name, (scale, unit, what, label) in CI_METRICS.items():
         rows = [r for r in results if all(isinstance(r.metrics.get(k), (int, float))
                                           and not isinstance(r.metrics.get(k), bool)
                                           for k in (name, "ci_low", "ci_high"))]
@@ -280,7 +393,7 @@ def family_plots(results: list[Result]) -> list[dict]:
                           "labels": [r.target for r in rows],
                           "estimate": [r.metrics[name] for r in rows],
                           "low": [r.metrics["ci_low"] for r in rows],
-                          "high": [r.metrics["ci_high"] for r in rows], "xlabel": name,
+                          "high": [r.metrics["ci_high"] for r in rows], "xlabel": label,
                           "scale": scale, "unit": unit,
                           "control": [r.is_control for r in rows],
                           "status": [row_status(r) for r in rows],
@@ -325,6 +438,8 @@ def build_page(results: list[Result], meta: dict | None = None) -> Page:
              f"<style>{CSS}</style></head><body><h1>{_e(title)}</h1>"
              f"<p class='lead'>{status} {_e(outline.headline(results) or 'no results')}</p>",
              _notes(meta, draw), lambda: _meta_table(meta))
+    if results:
+        page.add(_filter(results))
     _findings(page, results)
     _calibration(page, results)
     trends = meta.get("history_plots") or []
@@ -337,5 +452,5 @@ def build_page(results: list[Result], meta: dict | None = None) -> Page:
              "cards, passing findings in one table, controls under their family in calibration "
              "(open a family to see them). report.json holds every Result with its metrics and "
              "summarised evidence (<code>--full-evidence</code> keeps long lists).</p>",
-             "</body></html>")
+             f"<script>{FILTER_JS}</script></body></html>" if results else "</body></html>")
     return page

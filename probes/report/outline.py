@@ -33,6 +33,31 @@ METRIC_UNITS = {"n_leaks": "decisions", "flip_rate": "fraction of decisions",
                 "update_relative_error": "relative error",
                 "max_abs_relative_error": "relative error", "mismatch_rate": "fraction",
                 "rel_error": "relative error"}
+# Where a family measures a metric in another unit: a collective's bias is the mean signed
+# error in ulps of the output (trainprobes.distributed.compare), not a relative error.
+FAMILY_UNITS = {"distributed.collective": {"bias": "ulp"}}
+
+
+def metric_unit(family_name: str, metric: str) -> str:
+    """The unit `metric` has in Results of `family_name` (numerics.bias, ...)."""
+    return FAMILY_UNITS.get(family_name, {}).get(metric, METRIC_UNITS.get(metric, ""))
+
+
+# What each trend metric is, in words: plot titles and axes say this, never the key.
+METRIC_LABELS = {"causal": "causal", "n_leaks": "leaking decisions", "flip_rate": "flip rate",
+                 "bias": "bias",
+                 "mean_log_ratio": "mean log-ratio (infer - train)", "k3_kl": "KL estimate k3",
+                 "frac_ratio_outside": "tokens with importance ratio outside the clip",
+                 "accumulator_mantissa_bits": "accumulator mantissa bits",
+                 "max_ulp_error": "largest error", "bitwise_match_fraction": "bitwise match",
+                 "relative_error": "relative error", "update_relative_error": "update relative error",
+                 "max_abs_relative_error": "largest relative error", "mismatch_rate": "mismatch rate",
+                 "rel_error": "relative error", "p_value": "p-value"}
+
+
+def metric_label(name: str) -> str:
+    """A metric in words (METRIC_LABELS), its key where no label is known."""
+    return METRIC_LABELS.get(name, name)
 
 
 @dataclass(frozen=True)

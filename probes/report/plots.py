@@ -27,6 +27,7 @@ import base64
 import io
 import math
 import os
+import re
 from dataclasses import dataclass
 
 from trainprobes.display import format_number
@@ -408,6 +409,63 @@ def _draw_panels(fig, spec: dict) -> None:
 DIRECT_LABEL_CHARS = 34
 
 
+_BRACKETED = re.compile(r"^(.*?)\[(.*)\](.*)$")
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$")
+
+
+def _fields(name: str) -> list[str]:
+    """all_reduce[bf16,avg,w=2] (control) -> [all_reduce, bf16, avg, w=2, (control)]."""
+    m = _BRACKETED.match(name)
+    if not m:
+        return [name]
+    head, inner, tail = m.groups()
+    return [head] + inner.split(",") + ([tail.strip()] if tail.strip() else [])
+
+
+def short_names(names: list[str]) -> dict[str, str]:
+    """What tells each name apart from the others beside it: the fields of a bracketed name
+    that not every name shares (all_reduce[bf16,avg,...,gradient] -> 'bf16,avg,gradient'),
+    with the shortest tail of its head that still tells the names apart
+    (trainprobes.reference.routing:top1 -> top1); the names as written where nothing is
+    shared."""
+    if len(names) < 2:
+        return {n: n for n in names}
+    fields = [_fields(n) for n in names]
+    common = set.intersection(*map(set, fields))
+    prefix = os.path.commonprefix([f[0] for f in fields])
+    if not common and not any(c in prefix for c in ".:/ "):
+        return {n: n for n in names}
+    best = {n: n for n in names}
+    tails = [lambda h: h]
+    if all(_IMPORT_PATH.match(f[0]) for f in fields):  # pkg.mod:fn: its last parts may do
+        tails += [lambda h: h.rpartition(":")[2], lambda h: h.rpartition(".")[2]]
+    for tail in tails:
+        heads = [tail(f[0][max(prefix.rfind(c) for c in ".:/ ") + 1:]) for f in fields]
+        out = {n: ",".join(x for x in [h, *f[1:]] if x and x not in common) or n
+               for n, h, f in zip(names, heads, fields)}
+        if len(set(out.values())) == len(out) and sum(map(len, out.values())) < sum(map(len, best.values())):
+            best = out
+    # a tail every name shares (" (control)") says nothing beside a line either
+    suffix = os.path.commonprefix([v[::-1] for v in best.values()])[::-1]
+    cut = suffix.find(" ") if " " in suffix else -1
+    if cut >= 0 and all(len(v) > len(suffix) - cut for v in best.values()):
+        best = {n: v[:len(v) - (len(suffix) - cut)] for n, v in best.items()}
+    return best
+
+
+def spread(wanted: list[float], gap: float = 0.16, top: float = 1.05) -> list[float]:
+    """Label centres (axes fractions) as near their lines' ends as `gap` between them
+    allows: pushed up from the lowest, then, past `top`, down from the highest, so a
+    crowd at one end never pushes a lone label far from its line."""
+    placed: list[float] = []
+    for f in wanted:                       # ascending
+        placed.append(f if not placed else max(f, placed[-1] + gap))
+    for i in range(len(placed) - 1, -1, -1):
+        limit = top if i == len(placed) - 1 else placed[i + 1] - gap
+        placed[i] = min(placed[i], limit)
+    return placed
+
+
 def _direct_labels(ax, x, series: dict, colors: dict) -> None:
     """Each line's name at its last finite point, right of the axes, in its colour, spread
     apart so no two overlap; lines whose values are equal there share one label."""
@@ -420,21 +478,17 @@ def _direct_labels(ax, x, series: dict, colors: dict) -> None:
         return
     lo, hi = ax.get_ylim()
     span = (hi - lo) or 1.0
-    placed, gap = [], 0.16  # axes fraction between label centres
-    for yv in sorted(ends):
-        f = (yv - lo) / span
-        if placed and f - placed[-1] < gap:
-            f = placed[-1] + gap
-        placed.append(f)
-    shift = max(0.0, placed[-1] - 1.0)
-    # the part every name shares (trainprobes.reference.routing:) says nothing beside a line
-    common = os.path.commonprefix(list(series)) if len(series) > 1 else ""
-    cut = max(common.rfind(c) for c in ".:/ ") + 1 if common else 0
+    placed = spread([(yv - lo) / span for yv in sorted(ends)])
+    short = short_names(list(series))
     for (yv, labels), f in zip(sorted(ends.items()), placed):
-        text = " = ".join(lab[cut:] for lab in labels)
-        if len(text) > DIRECT_LABEL_CHARS:
-            text = text[:DIRECT_LABEL_CHARS - 1] + "\u2026"
-        ax.annotate(text, xy=(1.01, f - shift), xycoords="axes fraction", va="center",
+        names = [short[lab] for lab in labels]
+        text = " = ".join(names)
+        if len(text) > DIRECT_LABEL_CHARS and len(names) > 1:  # the legend names each
+            text = f"{names[0]} = {len(names) - 1} more"
+        if len(text) > DIRECT_LABEL_CHARS:   # names differ at either end: keep both
+            half = (DIRECT_LABEL_CHARS - 1) // 2
+            text = text[:half] + "\u2026" + text[len(text) - (DIRECT_LABEL_CHARS - 1 - half):]
+        ax.annotate(text, xy=(1.01, f), xycoords="axes fraction", va="center",
                     fontsize=7, color=colors.get(labels[0], "k"), annotation_clip=False,
                     gid="direct-label")
 

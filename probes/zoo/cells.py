@@ -270,7 +270,11 @@ def row(model_type: str, *, probes=PROBES, implementations=IMPLEMENTATIONS,
                 cells.append(Cell(model_type, "router", "", "error", None, "", f"{type(e).__name__}: {first}"))
             cells[-1].seconds = cells[-1].seconds or round(time.perf_counter() - t, 3)
         if "batch" in probes:
+            if progress:
+                progress(f"{model_type} batch")
             cells.append(_cell(model_type, "batch", "", lambda: batch_cell(model_type, main.model, seed)))
         if "drift" in probes:
+            if progress:
+                progress(f"{model_type} drift")
             cells.append(_cell(model_type, "drift", "bf16 vs fp32", lambda: drift_cell(model_type, main.model, seed)))
     return cells
