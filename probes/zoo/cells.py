@@ -143,12 +143,22 @@ def expected_isolation(model, conv: str) -> str | None:
     return None
 
 
-def isolation_cell(mt, model, impl, conv, seed=0) -> Cell:
+def design_leak(model, conv: str) -> str:
+    """Why a leak is by design where the design promises no isolation (expected None)."""
+    if _recurrent(model):
+        return "by design: recurrent state (Mamba, linear attention, short conv) flows across documents"
+    if conv in ("position_ids", "collator") and _packs_from_position_ids(model):
+        return ("by design: the default use_cache makes a DynamicCache, and masking_utils."
+                "_preprocess_mask_arguments reads packed position ids only without a cache")
+    return "no isolation promised: the model's mask is not built from packed position ids"
+
+
+def isolation_cell(mt, model, impl, conv, seed=0, twins: dict | None = None) -> Cell:
     from trainprobes.isolation.documents import documents
     V = _vocab(model)
     packing = Packing.of(list(LENGTHS))
     tokens = torch.randint(0, V, (1, packing.length), generator=torch.Generator().manual_seed(seed))
-    r = documents(ZooPacked(model, conv), tokens, packing, seed=seed, vocab=V, causal=False,
+    r = documents(ZooPacked(model, conv, twins), tokens, packing, seed=seed, vocab=V, causal=False,
                   target=f"{mt}[{impl},{conv}]")
     iso = r.metrics.get("isolated")
     verdict = {True: "isolated", False: "leaky", None: "unknown"}[iso]
@@ -157,11 +167,13 @@ def isolation_cell(mt, model, impl, conv, seed=0) -> Cell:
     reason = r.message.split(";")[0]
     if r.metrics.get("fp64") not in (None, "not needed"):
         reason += f" [fp64 twin {r.metrics['fp64']}]"
+    if verdict == "leaky" and expected is None:
+        reason += f"; {design_leak(model, conv)}"
     return Cell(mt, "isolation", f"{impl},{conv}", verdict, num, "largest change of another document's logits",
                 reason, expected, expected is not None and verdict == "leaky")
 
 
-def router_cells(mt, model, seed=0, modes=("perturb", "truncate")) -> list[Cell]:
+def router_cells(mt, model, seed=0, modes=("perturb", "truncate"), twins: dict | None = None) -> list[Cell]:
     from trainprobes.causality import check
     routing = Routing(model)
     if not routing.has_router:
@@ -175,7 +187,7 @@ def router_cells(mt, model, seed=0, modes=("perturb", "truncate")) -> list[Cell]
     V = _vocab(model)
     x = torch.randint(0, V, (2, 32), generator=torch.Generator().manual_seed(seed))
     kind = routing.kind(x)
-    twin_model, swapped = fp64_copy(model)
+    twin_model, swapped = fp64_copy(model, twins)
     twin = Routing(twin_model)
     expected = "causal" if kind.startswith("token choice") and "capacity" not in kind else "non-causal"
     out = []
@@ -240,6 +252,7 @@ def row(model_type: str, *, probes=PROBES, implementations=IMPLEMENTATIONS,
     torch.manual_seed(seed)
     cells: list[Cell] = []
     models = {}
+    twins: dict = {}   # one fp64 copy per built model, shared by its cells
     for impl in implementations:
         t = time.perf_counter()
         b = build(model_type, attn_implementation=impl, seed=seed)
@@ -255,7 +268,7 @@ def row(model_type: str, *, probes=PROBES, implementations=IMPLEMENTATIONS,
                     if progress:
                         progress(f"{model_type} isolation {impl},{conv}")
                     cells.append(_cell(model_type, "isolation", f"{impl},{conv}",
-                                       lambda: isolation_cell(model_type, b.model, impl, conv, seed)))
+                                       lambda: isolation_cell(model_type, b.model, impl, conv, seed, twins)))
         if not models:
             return cells
         main = models.get("sdpa") or next(iter(models.values()))
@@ -264,7 +277,7 @@ def row(model_type: str, *, probes=PROBES, implementations=IMPLEMENTATIONS,
                 progress(f"{model_type} router")
             t = time.perf_counter()
             try:
-                cells += router_cells(model_type, main.model, seed)
+                cells += router_cells(model_type, main.model, seed, twins=twins)
             except Exception as e:  # noqa: BLE001 - the cell says why
                 first = (str(e).strip().splitlines() or [""])[0][:200]
                 cells.append(Cell(model_type, "router", "", "error", None, "", f"{type(e).__name__}: {first}"))

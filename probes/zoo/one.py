@@ -73,6 +73,9 @@ def main(argv=None) -> int:
     sys.stdout = sys.stderr
     _quiet()
     if argv and argv[0] == "--serve":
+        if "--parent" in argv:   # dies with the sweep, even when the sweep is SIGKILLed
+            from trainprobes.lifetime import die_with
+            die_with(int(argv[argv.index("--parent") + 1]), 24 * 3600.0, group=False)
         out.write(json.dumps({"ready": True}) + "\n")
         out.flush()
         for line in sys.stdin:

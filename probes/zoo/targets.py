@@ -16,6 +16,8 @@ import inspect
 
 import torch
 from trainprobes.errors import InvalidArgument
+from trainprobes.isolation.hf import sliding_window
+from trainprobes.zoo.fp64 import run_in_float64
 from trainprobes.isolation.packing import Packing
 
 __all__ = ["CONVENTIONS", "ZooPacked", "Routing", "fp64_copy"]
@@ -23,10 +25,16 @@ __all__ = ["CONVENTIONS", "ZooPacked", "Routing", "fp64_copy"]
 CONVENTIONS = ("position_ids", "position_ids_no_cache", "mask_4d", "collator")
 
 
-def fp64_copy(model):
+def fp64_copy(model, cache: dict | None = None):
     """A float64 copy of model and the kernels swapped to get one: grouped expert matmuls
     (torch._grouped_mm refuses float64) run the eager loop over experts, and attention
-    without a float64 CPU kernel (flex_attention) runs eager."""
+    without a float64 CPU kernel (flex_attention) runs eager. With `cache` (a dict the caller
+    owns, by id(model)) one copy serves every cell of a row: a row's cells only call it."""
+    if cache is not None and id(model) in cache:
+        return cache[id(model)]
+    if cache is not None:
+        cache[id(model)] = fp64_copy(model)
+        return cache[id(model)]
     twin = copy.deepcopy(model).double()
     swapped = []
     cfg = twin.config
@@ -39,18 +47,8 @@ def fp64_copy(model):
     if getattr(cfg, "_attn_implementation", None) == "flex_attention":
         twin.set_attn_implementation("eager")
         swapped.append("attention: flex_attention -> eager")
-    return twin, sorted(set(swapped))
-
-
-def _window(model) -> int | None:
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    w = getattr(cfg, "sliding_window", None)
-    if not w or getattr(cfg, "use_sliding_window", True) is False:
-        return None
-    types = getattr(cfg, "layer_types", None)
-    if types is not None and "sliding_attention" not in types:
-        return None
-    return int(w)
+    # the modeling code's deliberate float32 upcasts (softmax, norms, rotary) stay float64
+    return run_in_float64(twin), sorted(set(swapped))
 
 
 def _masks(model, packing: Packing, dev):
@@ -59,7 +57,7 @@ def _masks(model, packing: Packing, dev):
     prepared mask (transformers 5: `if not isinstance(causal_mask_mapping := attention_mask,
     dict)`). Where every document fits the window one mask is exact for every layer."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    w = _window(model)
+    w = sliding_window(model)
     types = set(getattr(cfg, "layer_types", None) or [])
     dtype = model.dtype
     if w is None or packing.max_seqlen <= w or len(types) <= 1:
@@ -75,11 +73,12 @@ def _masks(model, packing: Packing, dev):
 class ZooPacked(torch.nn.Module):
     """forward(tokens, packing) -> logits [B, L, V] of `model` called by `convention`."""
 
-    def __init__(self, model, convention: str):
+    def __init__(self, model, convention: str, twins: dict | None = None):
         super().__init__()
         if convention not in CONVENTIONS:
             raise InvalidArgument(f"convention={convention!r}; expected one of {CONVENTIONS}")
         self.model, self.convention = model, convention
+        self.twins = twins          # fp64 copies by id(model), shared by a row's cells
         self.substituted: list[str] = []
         self.__qualname__ = f"{type(model).__name__}[{model.config._attn_implementation},{convention}]"
 
@@ -95,7 +94,7 @@ class ZooPacked(torch.nn.Module):
         return self.model(input_ids=tokens, **kw).logits
 
     def fp64_twin(self) -> "ZooPacked":
-        model, swapped = fp64_copy(self.model)
+        model, swapped = fp64_copy(self.model, self.twins)
         twin = ZooPacked(model, self.convention)
         twin.substituted = swapped
         return twin
