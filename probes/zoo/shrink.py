@@ -19,7 +19,7 @@ from trainprobes.errors import InvalidArgument
 from trainprobes.zoo import layers
 from trainprobes.zoo.layers import MAX_LAYERS
 
-__all__ = ["shrink", "build", "survey", "Built", "Failure", "causal_lm_types", "SIZES", "MAX_PARAMS"]
+__all__ = ["shrink", "build", "survey", "Built", "Failure", "causal_lm_types", "SIZES", "MAX_PARAMS", "all_configs"]
 
 MAX_PARAMS = 5_000_000  # a tiny model; the largest shrunk zoo model is far below
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, WINDOW, STATE = 64, 4, 2, 16, 64, 128, 8, 8
@@ -58,7 +58,7 @@ SIZES = {
                      "top_k", "experts_per_token", "num_experts_per_token", "moe_top_k"), 2),
     **dict.fromkeys(("n_group", "topk_group", "num_expert_group", "moe_n_group"), 1),
     **dict.fromkeys(("n_groups", "mamba_n_groups", "mamba_ngroups"), 1),   # SSM groups divide the heads
-    **dict.fromkeys(("vocab_size", "text_vocab_size"), VOCAB),
+    **dict.fromkeys(("vocab_size", "text_vocab_size", "unpadded_vocab_size"), VOCAB),
     **dict.fromkeys(("sliding_window", "attention_window", "local_window_size", "window_size",
                      "sliding_window_size", "swa_window_size", "local_attention_window"), WINDOW),
     **dict.fromkeys(("state_size", "mamba_d_state", "ssm_state_size", "d_state", "mamba_state_dim",
@@ -115,6 +115,9 @@ _MAMBA_HEADS = (("mamba_expand", "mamba_n_heads", "mamba_d_head"), ("expand", "m
                 ("expand", "num_heads", "head_dim"), ("mamba_expand", "n_mamba_heads", "mamba_headdim"))
 
 
+_UNSET_MOE = ("n_routed_experts", "num_experts_per_tok")
+
+
 def _hidden_name(d) -> str:
     return next((k for k in ("hidden_size", "d_model") if isinstance(d.get(k), int)), "hidden_size")
 
@@ -139,7 +142,12 @@ def _shrink_one(cfg, changed: dict, prefix: str = "") -> None:
             size = {"hidden_size_per_layer_input": 16, "lru_width": HIDDEN, "attention_dim": HIDDEN,
                     "audio_hidden_size": HIDDEN, "expert_ffn_hidden_size": FFN,
                     "zero_expert_num": 2, "num_kv_shared_layers": 0}[name]
-        if isinstance(v, int) and not isinstance(v, bool) and v > size:
+        if v is None and name in d and name in _UNSET_MOE:
+            # a MoE type whose default leaves its expert counts unset (deepseek_v2, dots1):
+            # the modeling file builds its routed layers from them all the same
+            setattr(cfg, name, size)
+            changed[prefix + name] = (None, size)
+        elif isinstance(v, int) and not isinstance(v, bool) and v > size:
             if name in ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num",
                         "n_head_kv") and v == 1:
                 continue
@@ -224,14 +232,14 @@ def shrink(config):
     cfg = copy.deepcopy(config)
     changed: dict = {}
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as names
-    for c in _configs(cfg):   # a default holding one kind of a hybrid: one layer of each
+    for c in all_configs(cfg):   # a default holding one kind of a hybrid: one layer of each
         if getattr(c, "model_type", None) in names:
             layers.widen(c, c.model_type, changed, "" if c is cfg else f"{_path(cfg, c)}.")
-    before = {id(c): layers.kinds(c) for c in _configs(cfg)}
-    paths = {id(c): _path(cfg, c) for c in _configs(cfg)}
+    before = {id(c): layers.kinds(c) for c in all_configs(cfg)}
+    paths = {id(c): _path(cfg, c) for c in all_configs(cfg)}
     _shrink_one(cfg, changed)
     out = _rederived(cfg)
-    after = {paths[id(c)]: layers.kinds(c2) for c, c2 in zip(_configs(cfg), _configs(out))}
+    after = {paths[id(c)]: layers.kinds(c2) for c, c2 in zip(all_configs(cfg), all_configs(out))}
     lost = [f"{paths[k] + '.' if paths[k] else ''}{f}: {sorted(v - after[paths[k]].get(f, frozenset()))}"
             for k, ks in before.items() for f, v in ks.items()
             if f not in SIZES and v - after[paths[k]].get(f, frozenset())]
@@ -240,12 +248,12 @@ def shrink(config):
     return out, changed
 
 
-def _configs(cfg) -> list:
+def all_configs(cfg) -> list:
     """cfg and its nested sub-configs, depth first, in attribute order."""
     out = [cfg]
     for k, v in vars(cfg).items():
         if hasattr(v, "to_dict") and hasattr(v, "model_type") and k != "_parent":
-            out += _configs(v)
+            out += all_configs(v)
     return out
 
 

@@ -192,7 +192,8 @@ INDEX_ARGS = ("top_k_index", "router_indices", "selected_experts", "topk_idx", "
 WEIGHT_ARGS = ("top_k_weights", "routing_weights", "topk_weight", "topk_weights",
                "router_weights", "expert_weights", "router_scores")
 # config attributes that say a model has routed experts
-MOE_CONFIG = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+MOE_CONFIG = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts",
+              "n_experts", "expert_num")
 
 
 def _routing_args(m) -> tuple[str, str | None] | None:
@@ -208,13 +209,13 @@ def _routing_args(m) -> tuple[str, str | None] | None:
 
 
 def moe_config(model) -> str | None:
-    """'num_local_experts=4' where the config (or its text config) says the model routes over
-    more than one expert, else None."""
-    cfg = model.config
-    for c in (cfg, getattr(cfg, "text_config", None)):
+    """'num_local_experts=4' where the config (or one of its sub-configs) says the model routes
+    over more than one expert, else None."""
+    from trainprobes.zoo.shrink import all_configs
+    for c in all_configs(model.config):   # the config and every sub-config (dbrx's ffn_config)
         for name in MOE_CONFIG:
-            v = getattr(c, name, None) if c is not None else None
-            if isinstance(v, int) and v > 1:
+            v = getattr(c, name, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 1:
                 return f"{name}={v}"
     return None
 
