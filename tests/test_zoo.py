@@ -155,6 +155,9 @@ def test_gpt_oss_router_is_measured_and_a_hidden_router_cannot_be_measured():
     mlp = type(model.model.layers[0].mlp.experts)
     monkey = pytest.MonkeyPatch()
     monkey.setattr(mlp, "forward", lambda self, hidden_states, idx=None, w=None: hidden_states)
+    import trainprobes.zoo.targets as targets
+    monkey.setattr(targets, "_router_modules", lambda model: [])   # and no other tap either
+    monkey.setattr(targets, "_expert_tables", lambda model: [])
     try:
         cell, = router_cells("gpt_oss", model)
     finally:
@@ -185,3 +188,26 @@ def test_patched_routers_run_the_experts_loop_that_skips_unchosen_slots(monkeypa
     assert torch.isfinite(model(input_ids=x, use_cache=False).logits).all()
     model.config._experts_implementation = "grouped_mm"    # what patch_gates no longer leaves
     assert model(input_ids=x, use_cache=False).logits.isnan().any()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mt, tap, causal", [
+    ("llama4_text", "router", True),    # a dense [N, E] score, zeros outside the top-k
+    ("jetmoe", "router", True),         # JetMoE's expert-sorted (slot, token, gate, sizes)
+    # Doge's product-key router splits the token axis (view(2, B*T, -1)): a finding
+    ("doge", "tables", False)])
+def test_routers_the_experts_never_see_are_read_at_their_output_or_tables(mt, tap, causal):
+    perturb, = router_cells(mt, build(mt).model, modes=("perturb",))
+    assert f"(tap: {tap})" in perturb.reason and "token choice top-" in perturb.reason
+    assert perturb.verdict == ("causal" if causal else "non-causal")
+    assert perturb.finding == (not causal)
+
+
+def test_a_router_output_in_no_known_layout_is_an_error_not_no_decision():
+    from trainprobes.errors import TargetError
+    from trainprobes.zoo.targets import _router_output
+    gate = torch.nn.Linear(8, 4)
+    with pytest.raises(TargetError, match="no routing decision in a known layout"):
+        _router_output(gate, torch.randn(6, 4))          # logits only: every expert scored
+    dense = torch.tensor([[0.3, 0.0, 0.7, 0.0]])
+    assert torch.equal(_router_output(gate, (dense, torch.randn(1, 4))), dense)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from trainprobes.audit.run import Check
+from trainprobes.audit.zoo_family import zoo_checks
 from trainprobes.validation import check_choice
 
 STACK, CALIBRATION = "stack", "calibration"
@@ -388,6 +389,7 @@ FAMILIES = {
                           worker=True),
     "causality": Family(CALIBRATION, "trainprobes.causality", causality_checks),
     "drift": Family(CALIBRATION, "trainprobes.drift.demo", drift_checks),
+    "zoo": Family(CALIBRATION, "transformers", zoo_checks, default=False),
 }
 
 

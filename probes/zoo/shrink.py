@@ -55,7 +55,7 @@ SIZES = {
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",
                      "num_routed_experts", "n_experts", "expert_num"), 4),
     **dict.fromkeys(("num_experts_per_tok", "moe_k", "num_selected_experts", "moe_topk",
-                     "top_k", "experts_per_token", "num_experts_per_token", "moe_top_k"), 2),
+                     "top_k", "experts_per_token", "num_experts_per_token", "moe_top_k", "top_k_experts"), 2),
     **dict.fromkeys(("n_group", "topk_group", "num_expert_group", "moe_n_group"), 1),
     **dict.fromkeys(("n_groups", "mamba_n_groups", "mamba_ngroups"), 1),   # SSM groups divide the heads
     **dict.fromkeys(("vocab_size", "text_vocab_size", "unpadded_vocab_size"), VOCAB),
@@ -116,6 +116,7 @@ _MAMBA_HEADS = (("mamba_expand", "mamba_n_heads", "mamba_d_head"), ("expand", "m
 
 
 _UNSET_MOE = ("n_routed_experts", "num_experts_per_tok")
+_MOE_SWITCHES = ("is_moe", "enable_moe_block")
 
 
 def _hidden_name(d) -> str:
@@ -136,13 +137,19 @@ def _min_depth(cfg) -> int:
 def _shrink_one(cfg, changed: dict, prefix: str = "") -> None:
     """Shrink cfg in place by the names in SIZES, its depth and its per-layer lists."""
     d = vars(cfg)
+    unset = _UNSET_MOE
+    for switch in _MOE_SWITCHES:   # a type whose MoE variant is a flag (doge, gemma4): the router on
+        if d.get(switch) is False:
+            setattr(cfg, switch, True)
+            changed[prefix + switch] = (False, True)
+            unset = _UNSET_MOE + ("num_experts", "top_k_experts", "moe_intermediate_size")
     for name, size in SIZES.items():
         v = d.get(name)
         if size == 0:  # sizes that follow from others: a small fixed value, or none at all
             size = {"hidden_size_per_layer_input": 16, "lru_width": HIDDEN, "attention_dim": HIDDEN,
                     "audio_hidden_size": HIDDEN, "expert_ffn_hidden_size": FFN,
                     "zero_expert_num": 2, "num_kv_shared_layers": 0}[name]
-        if v is None and name in d and name in _UNSET_MOE:
+        if v is None and name in d and name in unset:
             # a MoE type whose default leaves its expert counts unset (deepseek_v2, dots1):
             # the modeling file builds its routed layers from them all the same
             setattr(cfg, name, size)
@@ -322,6 +329,11 @@ def build(model_type: str, *, attn_implementation: str | None = None, seed: int 
     try:
         model_cls = _model_class(model_type)
         cfg = _for_class(cfg, model_cls)
+        if getattr(cfg, "is_decoder", True) is False:
+            # the causal-LM head of an encoder family (BertLMHeadModel, RobertaForCausalLM, ...)
+            # is causal only as a decoder: "add `is_decoder=True`" says its own warning
+            cfg.is_decoder = True
+            changed["is_decoder"] = (False, True)
         if attn_implementation is not None:
             cfg._attn_implementation = attn_implementation
         n, meta = _count_on_meta(cfg, model_cls)

@@ -42,6 +42,7 @@ def load_rows(jsonl: Path) -> dict:
 # worker is planned at 1 GB and hard-limited by its address space (memory_mb)
 WORKER_BYTES = 1 << 30
 READY_S = 120.0       # importing torch + transformers in a new worker, on a loaded machine
+WORKER = [sys.executable, "-m", "trainprobes.zoo.one", "--serve"]
 
 
 class _Dead(Exception):
@@ -51,13 +52,13 @@ class _Dead(Exception):
 class _Worker:
     """A long-lived `python -m trainprobes.zoo.one --serve` process: one row per request."""
 
-    def __init__(self, memory_mb: int, log: Path):
+    def __init__(self, memory_mb: int, log: Path, command: list | None = None):
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         self.log = log
         self.rows = 0
         with open(log, "a") as err:
             self.p = subprocess.Popen(
-                [sys.executable, "-m", "trainprobes.zoo.one", "--serve", "--parent", str(os.getpid())],
+                (command or WORKER) + ["--parent", str(os.getpid())],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
                 preexec_fn=_limit(memory_mb) if memory_mb else None)
         self._read(READY_S)
@@ -109,7 +110,8 @@ def _failed(mt, reason, t) -> dict:
                        "finding": False, "seconds": 0.0}]}
 
 
-def _slot(todo: queue.Queue, emit, *, timeout: float, memory_mb: int, recycle: int, log: Path) -> None:
+def _slot(todo: queue.Queue, emit, *, timeout: float, memory_mb: int, recycle: int, log: Path,
+          command: list | None) -> None:
     """One worker's share: rows until the queue is empty; a worker that hangs (timeout) or dies
     costs the row it held, and a new one takes the next; every `recycle` rows it is replaced so
     what a model leaves behind (caches, fragmentation) cannot grow without bound."""
@@ -126,7 +128,7 @@ def _slot(todo: queue.Queue, emit, *, timeout: float, memory_mb: int, recycle: i
                     if w is not None:
                         w.close()
                     w = None
-                    w = _Worker(memory_mb, log)
+                    w = _Worker(memory_mb, log, command)
                 r = w.ask(mt, timeout)
             except TimeoutError:
                 r = _failed(mt, f"timeout: no row after {timeout:g} s (the worker was killed)", t)
@@ -149,10 +151,12 @@ def estimate(workers: int, memory_mb: int) -> int:
 
 
 def sweep(model_types, jsonl: Path, *, workers: int = 2, timeout: float = 300.0,
-          memory_mb: int = 4096, recycle: int = 40, progress=print) -> dict:
+          memory_mb: int = 4096, recycle: int = 40, progress=print, command: list | None = None) -> dict:
     """Rows of model_types not yet in jsonl, appended to it as they finish, by `workers`
     long-lived worker processes; returns every row in jsonl (old and new) by model type.
-    Refuses (TooLarge, exit 2) a worker count whose planned memory the machine lacks."""
+    Refuses (TooLarge, exit 2) a worker count whose planned memory the machine lacks.
+    command: the worker's argv (default WORKER; a test gives a stub speaking the protocol:
+    a {"ready": true} line, then one JSON row per model type read from stdin)."""
     from trainprobes.budget import check_fits
     from trainprobes.validation import check_int
     check_int(workers, "workers", min=1, max=16)
@@ -185,7 +189,7 @@ def sweep(model_types, jsonl: Path, *, workers: int = 2, timeout: float = 300.0,
                              f"about {el / n * (len(todo) - n):.0f} s left")
         threads = [threading.Thread(target=_slot, args=(q, emit), daemon=True,
                                     kwargs=dict(timeout=timeout, memory_mb=memory_mb, recycle=recycle,
-                                                log=jsonl.with_suffix(".log")))
+                                                log=jsonl.with_suffix(".log"), command=command))
                    for _ in range(min(workers, max(len(todo), 1)))]
         for t in threads:
             t.start()

@@ -15,7 +15,7 @@ import copy
 import inspect
 
 import torch
-from trainprobes.errors import InvalidArgument
+from trainprobes.errors import InvalidArgument, TargetError
 from trainprobes.isolation.hf import sliding_window
 from trainprobes.zoo.fp64 import run_in_float64
 from trainprobes.isolation.packing import Packing
@@ -38,8 +38,8 @@ def fp64_copy(model, cache: dict | None = None):
     twin = copy.deepcopy(model).double()
     swapped = []
     cfg = twin.config
-    for c in {id(c): c for c in (cfg, *(getattr(cfg, k) for k in vars(cfg)
-                                        if hasattr(getattr(cfg, k), "to_dict")))}.values():
+    from trainprobes.zoo.shrink import all_configs
+    for c in all_configs(cfg):
         impl = getattr(c, "_experts_implementation", None)
         if impl not in (None, "eager"):
             c._experts_implementation = "eager"
@@ -117,31 +117,58 @@ def _collated(tokens, packing: Packing) -> dict:
 
 
 class Routing:
-    """The routing decisions of every MoE layer, captured where the experts receive them: a
-    forward pre-hook on each module whose forward takes a routing index (INDEX_ARGS: top_k_index, router_indices, ...; the experts of the
-    transformers 5 MoE blocks). `decisions(tokens)` -> [B, T, n_layers * E] float: the weight
-    each layer gives each expert (0 where not chosen), so a changed choice and a changed
-    weight both show, and a float change can be told rounding noise by an fp64 twin."""
+    """The routing decisions of every MoE layer, captured where the model hands them on, by
+    the first of these taps the model has:
+      1. experts   a forward pre-hook on each module whose forward takes a routing index
+                   (INDEX_ARGS: top_k_index, router_indices, ...; the experts of the
+                   transformers 5 MoE blocks), with its weights (WEIGHT_ARGS);
+      2. router    a forward hook on each router module (class name with Router / Gating /
+                   ending in Gate) whose output holds its decisions in a known layout: a
+                   dense [N, E] score with zeros where not chosen (Llama 4), or JetMoE's
+                   expert-sorted (slot, token, gate, expert sizes, logits);
+      3. tables    a forward pre-hook on the expert tables a MoE block indexes by routing
+                   (nn.Embedding inside a *MoE module: Doge's product-key experts).
+    `decisions(tokens)` -> [B, T, sum of E] float: the weight each layer gives each expert (0
+    where not chosen; 1 where a tap sees the choice only), so a changed choice and a changed
+    weight both show, and a float change can be told rounding noise by an fp64 twin. A
+    router output in no known layout raises TargetError: never read as "no decision"."""
 
     def __init__(self, model):
         self.model = model
         self.experts = [m for m in model.modules() if _routing_args(m) is not None]
-        self._seen: list = []
-        self._hooks = []
+        self.tap = "experts"
+        if not self.experts:
+            self.experts, self.tap = _router_modules(model), "router"
+        if not self.experts:
+            self.experts, self.tap = _expert_tables(model), "tables"
+        if not self.experts:
+            self.tap = "none"
+        self._seen: list = []   # (module, dense [N, E]) per call of a tapped module
 
     @property
     def has_router(self) -> bool:
         return bool(self.experts)
 
-    def _hook(self, module, args, kwargs):
+    def _pre(self, module, args, kwargs):
+        if self.tap == "tables":
+            idx = args[0] if args else kwargs["input"]
+            self._seen.append((module, _dense(idx, None, module.num_embeddings)))
+            return
         names = list(inspect.signature(type(module).forward).parameters)[1:]
         bound = dict(zip(names, args), **kwargs)
         idx_name, w_name = _routing_args(module)
-        self._seen.append((module, bound[idx_name], bound.get(w_name) if w_name else None))
+        idx = bound[idx_name]
+        self._seen.append((module, _dense(idx, bound.get(w_name) if w_name else None, _n_experts(module, idx))))
+
+    def _post(self, module, args, output):
+        self._seen.append((module, _router_output(module, output)))
 
     def decisions(self, tokens):
         self._seen = []
-        hooks = [m.register_forward_pre_hook(self._hook, with_kwargs=True) for m in self.experts]
+        if self.tap == "router":
+            hooks = [m.register_forward_hook(self._post) for m in self.experts]
+        else:
+            hooks = [m.register_forward_pre_hook(self._pre, with_kwargs=True) for m in self.experts]
         try:
             self.model(input_ids=tokens, use_cache=False)
         finally:
@@ -149,12 +176,11 @@ class Routing:
                 h.remove()
         B, T = tokens.shape
         out = []
-        for module, idx, w in self._seen:
-            E = _n_experts(module, idx)
-            idx = idx.reshape(B * T, -1).long()
-            w = torch.ones_like(idx, dtype=torch.float64) if w is None else w.reshape(B * T, -1)
-            dense = torch.zeros(B * T, E, dtype=w.dtype).scatter(1, idx, w)
-            out.append(dense.reshape(B, T, E))
+        for module, dense in self._seen:
+            if dense.shape[0] != B * T:
+                raise TargetError(f"{type(module).__name__} routed {dense.shape[0]} tokens of a call with "
+                                  f"{B * T}: its decisions cannot be told apart by position")
+            out.append(dense.reshape(B, T, -1))
         return torch.cat(out, -1)
 
     def kind(self, tokens) -> str:
@@ -163,13 +189,12 @@ class Routing:
         and an aux-loss-free bias where the router holds one."""
         if not self.experts:
             return "no router"
+        self.decisions(tokens)
         counts = set()
-        for module, idx, w in (self.decisions(tokens), self._seen)[1]:
-            E = _n_experts(module, idx)
-            real = (idx.reshape(-1, idx.shape[-1]) < getattr(module, "num_experts", E))
-            if w is not None:
-                real &= w.reshape(real.shape) != 0
-            counts |= set(real.sum(-1).unique().tolist())
+        for module, dense in self._seen:
+            E = getattr(module, "num_experts", None)
+            real = dense[:, :E] if isinstance(E, int) and self.tap == "experts" else dense
+            counts |= set((real != 0).sum(-1).unique().tolist())
         routers = [m for m in self.model.modules() if "router" in type(m).__name__.lower()
                    or type(m).__name__.lower().endswith("gate")]
         bias = any(hasattr(m, "e_score_correction_bias") or hasattr(m, "expert_bias") for m in routers)
@@ -218,6 +243,70 @@ def moe_config(model) -> str | None:
             if isinstance(v, int) and not isinstance(v, bool) and v > 1:
                 return f"{name}={v}"
     return None
+
+
+def _dense(idx, w, E: int) -> torch.Tensor:
+    """[N, E'] float: w scattered at idx (ones without weights), E' = max(E, idx + 1) so an
+    index past the experts (a dropped slot) stays a column of its own."""
+    idx = idx.reshape(-1, idx.shape[-1]).long() if idx.dim() > 1 else idx.reshape(-1, 1).long()
+    w = torch.ones_like(idx, dtype=torch.float64) if w is None else w.reshape(idx.shape)
+    E = max(E, int(idx.max()) + 1) if idx.numel() else E
+    return torch.zeros(idx.shape[0], E, dtype=w.dtype).scatter(1, idx, w)
+
+
+def _router_modules(model) -> list:
+    """Router modules (class name with Router or Gating, or ending in Gate) that hold an
+    expert count: their output carries the decisions (Llama 4, JetMoE)."""
+    out = []
+    for m in model.modules():
+        name = type(m).__name__.lower()
+        if ("router" in name or "gating" in name or name.endswith("gate")) and _router_width(m):
+            out.append(m)
+    return out
+
+
+def _router_width(m) -> int | None:
+    for name in ("num_experts", "out_features"):
+        v = getattr(m, name, None)
+        if isinstance(v, int) and v > 1:
+            return v
+    return None
+
+
+def _router_output(module, output) -> torch.Tensor:
+    """A router's decisions [N, E] from its output, in the layouts transformers' routers use;
+    TargetError for any other (fail closed: an unread output is not 'no decision')."""
+    E = _router_width(module)
+    outs = output if isinstance(output, tuple) else (output,)
+    # JetMoE: (slot index sorted by expert, token of each slot, gate of each slot, tokens per
+    # expert, logits); the expert of the i-th sorted slot follows from the sizes
+    if len(outs) >= 4 and isinstance(outs[3], (list, tuple, torch.Tensor)) and torch.is_tensor(outs[1]):
+        sizes = torch.as_tensor(outs[3]).long()
+        if sizes.dim() == 1 and len(sizes) == E and int(sizes.sum()) == outs[1].numel():
+            N = outs[4].shape[0] if len(outs) > 4 and torch.is_tensor(outs[4]) else int(outs[1].max()) + 1
+            expert = torch.repeat_interleave(torch.arange(E), sizes)
+            gates = outs[2].reshape(-1).to(torch.float64)
+            return torch.zeros(N, E, dtype=torch.float64).index_put_((outs[1].long(), expert), gates)
+    # a dense score: zeros where not chosen (Llama 4's sigmoid of -inf outside the top-k)
+    for t in outs:
+        if torch.is_tensor(t) and t.is_floating_point() and t.shape[-1] == E:
+            dense = t.reshape(-1, E)
+            if bool(((dense == 0).sum(-1) > 0).all()):
+                return dense
+    raise TargetError(f"{type(module).__name__} returns {[tuple(t.shape) if torch.is_tensor(t) else type(t).__name__ for t in outs]}: "
+                      f"no routing decision in a known layout (dense [N, {E}] with zeros, or JetMoE's)")
+
+
+def _expert_tables(model) -> list:
+    """The first nn.Embedding of each *MoE / *Moe module other than the token embedding:
+    expert tables indexed by the routing decision (Doge's product-key experts)."""
+    inputs = model.get_input_embeddings()
+    out = []
+    for m in model.modules():
+        if "moe" in type(m).__name__.lower():
+            tables = [c for c in m.children() if isinstance(c, torch.nn.Embedding) and c is not inputs]
+            out += tables[:1]
+    return out
 
 
 def _n_experts(module, idx) -> int:
