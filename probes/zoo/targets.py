@@ -143,7 +143,7 @@ class Routing:
             self.experts, self.tap = _expert_tables(model), "tables"
         if not self.experts:
             self.tap = "none"
-        self._seen: list = []   # (module, dense [N, E]) per call of a tapped module
+        self._seen: list = []   # (module, dense [N, E], slots per token [N]) per tapped call
 
     @property
     def has_router(self) -> bool:
@@ -152,16 +152,18 @@ class Routing:
     def _pre(self, module, args, kwargs):
         if self.tap == "tables":
             idx = args[0] if args else kwargs["input"]
-            self._seen.append((module, _dense(idx, None, module.num_embeddings)))
+            self._seen.append((module, _dense(idx, None, module.num_embeddings), _slots(idx, None, None)))
             return
         names = list(inspect.signature(type(module).forward).parameters)[1:]
         bound = dict(zip(names, args), **kwargs)
         idx_name, w_name = _routing_args(module)
-        idx = bound[idx_name]
-        self._seen.append((module, _dense(idx, bound.get(w_name) if w_name else None, _n_experts(module, idx))))
+        idx, w = bound[idx_name], bound.get(w_name) if w_name else None
+        E = _n_experts(module, idx)
+        self._seen.append((module, _dense(idx, w, E), _slots(idx, w, _expert_count(module))))
 
     def _post(self, module, args, output):
-        self._seen.append((module, _router_output(module, output)))
+        dense = _router_output(module, output)
+        self._seen.append((module, dense, (dense != 0).sum(-1)))
 
     def decisions(self, tokens):
         self._seen = []
@@ -176,7 +178,7 @@ class Routing:
                 h.remove()
         B, T = tokens.shape
         out = []
-        for module, dense in self._seen:
+        for module, dense, _ in self._seen:
             if dense.shape[0] != B * T:
                 raise TargetError(f"{type(module).__name__} routed {dense.shape[0]} tokens of a call with "
                                   f"{B * T}: its decisions cannot be told apart by position")
@@ -191,10 +193,8 @@ class Routing:
             return "no router"
         self.decisions(tokens)
         counts = set()
-        for module, dense in self._seen:
-            E = getattr(module, "num_experts", None)
-            real = dense[:, :E] if isinstance(E, int) and self.tap == "experts" else dense
-            counts |= set((real != 0).sum(-1).unique().tolist())
+        for _, _, slots in self._seen:
+            counts |= set(slots.unique().tolist())
         routers = [m for m in self.model.modules() if "router" in type(m).__name__.lower()
                    or type(m).__name__.lower().endswith("gate")]
         bias = any(hasattr(m, "e_score_correction_bias") or hasattr(m, "expert_bias") for m in routers)
@@ -254,6 +254,17 @@ def _dense(idx, w, E: int) -> torch.Tensor:
     return torch.zeros(idx.shape[0], E, dtype=w.dtype).scatter(1, idx, w)
 
 
+def _slots(idx, w, E) -> torch.Tensor:
+    """[N] routing slots each token fills: an index below the expert count (a slot past it is
+    dropped) with a nonzero weight. Slots, not distinct experts: a random hash table sending
+    both of a token's slots to expert 0 is still top-2."""
+    idx = idx.reshape(-1, idx.shape[-1]) if idx.dim() > 1 else idx.reshape(-1, 1)
+    real = idx < E if isinstance(E, int) else torch.ones_like(idx, dtype=torch.bool)
+    if w is not None:
+        real &= w.reshape(idx.shape) != 0
+    return real.sum(-1)
+
+
 def _router_modules(model) -> list:
     """Router modules (class name with Router or Gating, or ending in Gate) that hold an
     expert count: their output carries the decisions (Llama 4, JetMoE)."""
@@ -307,6 +318,14 @@ def _expert_tables(model) -> list:
             tables = [c for c in m.children() if isinstance(c, torch.nn.Embedding) and c is not inputs]
             out += tables[:1]
     return out
+
+
+def _expert_count(module) -> int | None:
+    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+        v = getattr(module, name, None)
+        if isinstance(v, int):
+            return v
+    return None
 
 
 def _n_experts(module, idx) -> int:
