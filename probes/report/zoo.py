@@ -13,7 +13,8 @@ __all__ = ["render_zoo_html"]
 _ZOO_CSS = """
 table.zoo{border-collapse:collapse} table.zoo td,table.zoo th{font-size:11px;padding:2px 4px;
  text-align:center;white-space:nowrap} table.zoo th.v{writing-mode:vertical-rl;transform:rotate(180deg);
- vertical-align:bottom;height:11em} table.zoo td.mt{text-align:left;font-family:ui-monospace,Menlo,monospace}
+ vertical-align:bottom;height:9.5em} table.zoo td.mt{text-align:left;font-family:ui-monospace,Menlo,monospace}
+table.zoo td.why{text-align:left;white-space:normal;font-size:11px}
 table.zoo tr:nth-child(even) td.mt{background:#fafafa}
 .t-good{background:#e6f4ea;color:#1e5e2e} .t-design{background:#e8eef8;color:#2c4a7a}
 .t-rounding{background:#fff4d6;color:#6b5100} .t-finding{background:#c62828;color:#fff;font-weight:bold}
@@ -31,6 +32,29 @@ def _cell(c: dict | None) -> str:
         tip += f" (design: {c['expected']})"
     mark = MARK.get(c["verdict"], c["verdict"])
     return f"<td class='t-{tone(c)}' title='{_e(tip)}'>{_e(mark.upper() if c.get('finding') else mark)}</td>"
+
+
+_CONV = {"position_ids": "pos ids, cache", "position_ids_no_cache": "pos ids", "mask_4d": "4-D mask",
+         "collator": "collator"}
+_GROUP = {"isolation": "packed documents", "router": "router", "batch": "batch", "drift": "drift"}
+
+
+def _short(probe: str, variant: str) -> str:
+    if probe == "isolation" and "," in variant:
+        impl, conv = variant.split(",", 1)
+        return f"{impl}: {_CONV.get(conv, conv)}"
+    return {"perturb": "train (perturb)", "truncate": "infer (prefix)", "": probe}.get(variant, variant)
+
+
+def _group_row(cols) -> str:
+    """One header cell per probe, spanning its columns."""
+    out, last = ["<tr><th></th>"], None
+    for p, _ in cols:
+        if p != last:
+            n = sum(1 for q, _ in cols if q == p)
+            out.append(f"<th colspan='{n}'>{_e(_GROUP.get(p, p))}</th>")
+            last = p
+    return "".join(out) + "</tr>"
 
 
 def render_zoo_html(m: dict, findings=()) -> str:
@@ -52,12 +76,18 @@ def render_zoo_html(m: dict, findings=()) -> str:
                    ("largest peak RSS of one row", f"{m.get('peak_rss_mb')} MB"))) + "</table>",
            "<p class='legend small'>" + "".join(
                f"<span class='t-{t}'>{_e(t)}</span>{_e(what)}<br>" for t, what in TONES.items()) + "</p>",
-           "<table class='zoo'><tr><th>model type</th>"
-           + "".join(f"<th class='v'>{_e(column_label(p, var))}</th>" for p, var in cols) + "</tr>"]
+           "<table class='zoo'>" + _group_row(cols) + "<tr><th>model type</th>"
+           + "".join(f"<th class='v' title='{_e(column_label(p, var))}'>{_e(_short(p, var))}</th>"
+                     for p, var in cols) + "</tr>"]
     for mt in sorted(rows):
         by = {(c["probe"], c["variant"]): c for c in rows[mt]}
         built = [c for c in rows[mt] if c["probe"] == "build"]
         tip = "; ".join(f"{c['variant']}: {c['reason']}" for c in built)
+        if len(built) == len(rows[mt]):   # built under no attention implementation: say why, once
+            why = "; ".join(dict.fromkeys(c["reason"] for c in built))
+            out.append(f"<tr><td class='mt'>{_e(mt)}</td><td class='t-na why' colspan='{len(cols)}'>"
+                       f"not built: {_e(why[:160])}</td></tr>")
+            continue
         out.append(f"<tr><td class='mt' title='{_e(tip)}'>{_e(mt)}</td>"
                    + "".join(_cell(by.get(k)) for k in cols) + "</tr>")
     out.append("</table>")
