@@ -211,3 +211,16 @@ def test_a_router_output_in_no_known_layout_is_an_error_not_no_decision():
         _router_output(gate, torch.randn(6, 4))          # logits only: every expert scored
     dense = torch.tensor([[0.3, 0.0, 0.7, 0.0]])
     assert torch.equal(_router_output(gate, (dense, torch.randn(1, 4))), dense)
+
+
+@torch.no_grad()
+def test_a_router_whose_decisions_reach_no_tapped_module_makes_the_cell_unknown():
+    """Fail closed: one MoE layer's experts hidden from the tap, its router still there."""
+    from trainprobes.zoo.targets import Routing
+    model = build("mixtral").model
+    moe = model.model.layers[1].mlp
+    moe.experts = torch.nn.Identity()         # the experts no longer take top_k_index...
+    moe.forward = lambda h: h                 # ...and the block no longer calls them
+    assert Routing(model).untapped == "2 router modules but 1 modules receiving their decisions"
+    cell, = router_cells("mixtral", model)
+    assert cell.verdict == "unknown" and cell.reason.startswith("cannot measure every router")

@@ -235,6 +235,8 @@ def router_cells(mt, model, seed=0, modes=("perturb", "truncate"), twins: dict |
                          f"and no MoE block indexes an expert table")]
         return [Cell(mt, "router", "", "n/a", None, "",
                      "no MoE layer (no expert count in the config, no module takes routing indices)")]
+    if routing.untapped:
+        return [Cell(mt, "router", "", "unknown", None, "", f"cannot measure every router: {routing.untapped}")]
     V = _vocab(model)
     x = torch.randint(0, V, (2, 32), generator=torch.Generator().manual_seed(seed))
     kind = routing.kind(x)

@@ -143,6 +143,11 @@ class Routing:
             self.experts, self.tap = _expert_tables(model), "tables"
         if not self.experts:
             self.tap = "none"
+        # fail closed: a router module for which no tapped module receives decisions would go
+        # unmeasured, and a pass over the others would say nothing of it
+        routers = _router_modules(model) if self.tap == "experts" else []
+        self.untapped = (f"{len(routers)} router modules but {len(self.experts)} modules receiving "
+                         f"their decisions" if len(routers) > len(self.experts) else None)
         self._seen: list = []   # (module, dense [N, E], slots per token [N]) per tapped call
 
     @property
