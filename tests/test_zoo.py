@@ -224,3 +224,19 @@ def test_a_router_whose_decisions_reach_no_tapped_module_makes_the_cell_unknown(
     assert Routing(model).untapped == "2 router modules but 1 modules receiving their decisions"
     cell, = router_cells("mixtral", model)
     assert cell.verdict == "unknown" and cell.reason.startswith("cannot measure every router")
+
+
+def test_every_confirmed_finding_is_a_cell_of_the_map_with_its_verdict():
+    """FINDINGS and docs/zoo_map.json agree: each finding names a cell the map measured, with
+    the verdict it was confirmed at, and its reproduction script exists."""
+    from pathlib import Path
+
+    from trainprobes.zoo.findings import FINDINGS
+    root = Path(__file__).parents[1]
+    m = json.loads((root / "docs" / "zoo_map.json").read_text())
+    cells = {(c["model_type"], c["probe"], c["variant"]): c for cs in m["rows"].values() for c in cs}
+    for f in FINDINGS:
+        c = cells.get((f.model_type, f.probe, f.variant))
+        assert c is not None and c["verdict"] == f.verdict, f
+        assert (root / f.script.split()[0]).is_file(), f.script
+        assert c["finding"] == (f.call == "bug"), f     # a by-design call no longer counts
