@@ -35,13 +35,15 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per model")
     p.add_argument("--moe-first", action="store_true", help="MoE model types first")
-    p.add_argument("--memory-mb", type=int, default=6144, help="address-space limit per model process")
+    p.add_argument("--memory-mb", type=int, default=4096, help="address-space limit per worker process")
+    p.add_argument("--recycle", type=int, default=40, help="rows a worker measures before it is replaced")
     a = p.parse_args()
     models = a.models.split(",") if a.models else causal_lm_types()
     if a.moe_first:  # the routers first, so a sweep cut short still maps them
         models = sorted(models, key=lambda m: not _has_experts(m))
     t = time.perf_counter()
-    rows = sweep(models, Path(a.jsonl), workers=a.workers, timeout=a.timeout, memory_mb=a.memory_mb)
+    rows = sweep(models, Path(a.jsonl), workers=a.workers, timeout=a.timeout, memory_mb=a.memory_mb,
+                 recycle=a.recycle)
     m = to_map({k: rows[k] for k in models if k in rows}, wall_seconds=round(time.perf_counter() - t, 1))
     Path(a.out).write_text(json.dumps(m, indent=1, allow_nan=False) + "\n")
     print(f"zoo: {m['n_model_types']} model types in {m['wall_seconds']} s (this run), map in {a.out}")
@@ -49,4 +51,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from trainprobes.exits import guarded
+    raise SystemExit(guarded("zoo_sweep", main))

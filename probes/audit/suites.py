@@ -23,6 +23,7 @@ from typing import Callable
 from trainprobes.audit.localize_family import localize_checks
 from trainprobes.audit.run import Check
 from trainprobes.audit.suite_gemm import gemm_checks
+from trainprobes.audit.zoo_family import zoo_checks
 from trainprobes.validation import check_choice
 
 STACK, CALIBRATION = "stack", "calibration"
@@ -392,6 +393,7 @@ FAMILIES = {
     "drift": Family(CALIBRATION, "trainprobes.drift.demo", drift_checks),
     "gemm": Family(CALIBRATION, "trainprobes.audit.suite_gemm", gemm_checks, default=False),
     "drift_localize": Family(CALIBRATION, "transformers", localize_checks, default=False),
+    "zoo": Family(CALIBRATION, "transformers", zoo_checks, default=False),
 }
 
 

@@ -25,7 +25,7 @@ from trainprobes.errors import InvalidArgument
 from trainprobes.isolation.packing import Packing
 from trainprobes.validation import check_choice
 
-__all__ = ["FAMILIES", "IMPLEMENTATIONS", "CONVENTIONS", "tiny_model", "PackedModel",
+__all__ = ["FAMILIES", "IMPLEMENTATIONS", "CONVENTIONS", "tiny_model", "PackedModel", "sliding_window",
            "available_implementations", "packed_table", "TableRow"]
 
 # family: (config class, model class, extra config): hidden 32, 2 layers, vocab 128 below
@@ -83,6 +83,20 @@ def tiny_model(family: str, attn_implementation: str = "sdpa", *, seed: int = 0,
     return model.to(dtype=dtype, device=device).eval()
 
 
+def sliding_window(model) -> int | None:
+    """The model's sliding window (Mistral), which a correct 4-D mask keeps too; None where
+    no layer slides (Qwen2 keeps sliding_window=0 beside use_sliding_window=False). Read from
+    the text config of a composite model."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    w = getattr(cfg, "sliding_window", None)
+    if not w or getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    types = getattr(cfg, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return None
+    return int(w)
+
+
 class PackedModel(torch.nn.Module):
     """A HF causal LM called on packed rows the way `convention` says: forward(tokens,
     packing) -> logits [B, L, V]. An nn.Module, so the isolation probe's fp64 twin is a
@@ -99,16 +113,7 @@ class PackedModel(torch.nn.Module):
 
     @property
     def window(self) -> int | None:
-        """The model's sliding window (Mistral), which a correct 4-D mask keeps too; None
-        where no layer slides (Qwen2 keeps sliding_window=0 beside use_sliding_window=False)."""
-        cfg = self.model.config
-        w = getattr(cfg, "sliding_window", None)
-        if not w or getattr(cfg, "use_sliding_window", True) is False:
-            return None
-        types = getattr(cfg, "layer_types", None)
-        if types is not None and "sliding_attention" not in types:
-            return None
-        return int(w)
+        return sliding_window(self.model)
 
     def _flex_window(self, packing: Packing) -> int | None:
         w = self.window

@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
 from trainprobes.isolation.packing import Packing
 from trainprobes.zoo.shrink import Failure, build
 from trainprobes.zoo.targets import CONVENTIONS, INDEX_ARGS, Routing, ZooPacked, fp64_copy, moe_config
 
-__all__ = ["Cell", "row", "IMPLEMENTATIONS", "PROBES"]
+__all__ = ["Cell", "row", "IMPLEMENTATIONS", "PROBES", "MaskPath", "mask_path", "expected_isolation",
+           "design_leak", "isolation_cell", "router_cells", "batch_cell", "drift_cell"]
 
 IMPLEMENTATIONS = ("eager", "sdpa")
 PROBES = ("isolation", "router", "batch", "drift")
@@ -40,6 +41,9 @@ _RECURRENT_TOKENS = frozenset({
     "mamba", "mamba2", "ssm", "rwkv", "rwkv5", "rwkv6", "rwkv7", "lstm", "mlstm", "slstm", "gru",
     "rnn", "rglru", "recurrent", "deltanet", "gateddeltanet", "linearattention", "shortconv",
     "retention", "hyena", "lightningattention", "xlstm"})
+# the drift cells' family-wise level: each model type's bias test runs at this / the number
+# of registered types
+DRIFT_ALPHA = 0.01
 # a batch difference beyond this share of the logits' scale is not rounding
 _BATCH_RTOL = 1e-3
 
@@ -57,9 +61,11 @@ class Cell:
     expected: str | None = None   # the design's answer, where it makes one
     finding: bool = False         # the verdict contradicts `expected`
     seconds: float = 0.0
+    result: object = field(default=None, repr=False, compare=False)   # the probe's Result
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        # the map keeps the cell; the Result serves the audit and the gate
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "result"}
 
 
 def _name_tokens(name: str) -> list[str]:
@@ -110,58 +116,114 @@ def _cell(mt, probe, variant, fn) -> Cell:
     return c
 
 
-def _packs_from_position_ids(model) -> bool:
-    """Whether the model's modeling file builds its mask with transformers' masking_utils
-    (create_causal_mask and kin), whose documented packed-sequence detection
-    (find_packed_sequence_indices) makes restarting position ids a document boundary."""
+@dataclass(frozen=True)
+class MaskPath:
+    """How one forward of the model on a packed row built its attention mask, read from the
+    mechanism: transformers.masking_utils._preprocess_mask_arguments (every create_*_mask
+    calls it) watched during the call. None where it could not be read."""
+    masking_utils: bool | None        # the mask was built by masking_utils (a 4-D mask passes as given)
+    position_ids: bool | None         # ... and it was handed the position ids (packing detection runs)
+    takes_position_ids: bool          # the base model's forward names position_ids
+    why: str = ""                     # what could not be read
+
+
+def mask_path(model, packing: Packing | None = None) -> MaskPath:
+    """One forward of a packed row (restarting position ids, use_cache=False), watching
+    masking_utils._preprocess_mask_arguments: was it called, with the position ids?"""
     import inspect
-    import sys
+    base = getattr(model, "base_model", model)
+    takes = "position_ids" in inspect.signature(type(base).forward).parameters
     try:
-        src = inspect.getsource(sys.modules[type(model).__module__])
-    except (OSError, TypeError, KeyError):
-        return False
-    return "create_causal_mask" in src or "create_sliding_window_causal_mask" in src
+        import transformers.masking_utils as mu
+        real = mu._preprocess_mask_arguments
+    except (ImportError, AttributeError) as e:
+        return MaskPath(None, None, takes, f"masking_utils cannot be watched here ({type(e).__name__})")
+    sig = inspect.signature(real)
+    seen = []
+
+    def watch(*args, **kwargs):
+        seen.append(sig.bind(*args, **kwargs).arguments.get("position_ids") is not None)
+        return real(*args, **kwargs)
+    packing = packing or Packing.of(list(LENGTHS))
+    tokens = torch.zeros(1, packing.length, dtype=torch.long)
+    mu._preprocess_mask_arguments = watch
+    try:
+        with torch.no_grad():
+            model(input_ids=tokens, position_ids=packing.position_ids(tokens.device), use_cache=False)
+    except Exception as e:  # noqa: BLE001 - a path that cannot be read promises nothing
+        return MaskPath(None, None, takes, f"the packed forward raised {type(e).__name__}")
+    finally:
+        mu._preprocess_mask_arguments = real
+    return MaskPath(bool(seen), bool(seen) and all(seen), takes)
 
 
 def _vocab(model) -> int:
     return int(min(model.get_input_embeddings().num_embeddings, 128))
 
 
-def expected_isolation(model, conv: str) -> str | None:
-    """What the design promises: a 4-D block mask isolates documents in any attention-only
-    model; restarting position ids alone isolate only where masking_utils builds the mask
-    (find_packed_sequence_indices) and only without a cache: _preprocess_mask_arguments
-    reads packing "only if ... we don't have cache, i.e. generally a training setup", and a
-    causal LM makes a DynamicCache unless use_cache=False, so the cached calls (position_ids,
-    collator) carry no promise. Recurrent layers carry state across documents: none."""
-    if _recurrent(model):
+def expected_isolation(model, conv: str, path: MaskPath | None = None) -> str | None:
+    """What the design promises, from the mechanism: a 4-D block mask isolates documents in an
+    attention-only model whose mask masking_utils builds (it passes a 4-D mask as given);
+    restarting position ids alone isolate where, besides, the model takes position ids (its
+    mask should then see them: find_packed_sequence_indices), and only without a cache:
+    _preprocess_mask_arguments reads packing "only if ... we don't have cache, i.e. generally
+    a training setup", and a causal LM makes a DynamicCache unless use_cache=False, so the
+    cached calls (position_ids, collator) carry no promise. Recurrent layers carry state
+    across documents: none."""
+    path = path or mask_path(model)
+    if _recurrent(model) or not path.masking_utils:
         return None
     if conv == "mask_4d":
         return "isolated"
-    if conv == "position_ids_no_cache" and _packs_from_position_ids(model):
+    if conv == "position_ids_no_cache" and path.takes_position_ids:
         return "isolated"
     return None
 
 
-def isolation_cell(mt, model, impl, conv, seed=0) -> Cell:
+def design_leak(model, conv: str, path: MaskPath | None = None) -> str:
+    """Why a leak is by design where the design promises no isolation (expected None), or
+    what the mechanism shows where it breaks the promise."""
+    path = path or mask_path(model)
+    if _recurrent(model):
+        return "by design: recurrent state (Mamba, linear attention, short conv) flows across documents"
+    if path.masking_utils is None:
+        return f"no promise read: {path.why}"
+    if not path.masking_utils:
+        return "no promise: the model builds its mask without masking_utils"
+    if conv in ("position_ids", "collator"):
+        return ("by design: the default use_cache makes a DynamicCache, and masking_utils."
+                "_preprocess_mask_arguments reads packed position ids only without a cache")
+    if not path.takes_position_ids:
+        return "no promise: the model's forward takes no position_ids"
+    if not path.position_ids:
+        return ("the mask is built without the position ids (masking_utils._preprocess_mask_arguments "
+                "got position_ids=None): packing detection never runs")
+    return "the mask saw the packed position ids"
+
+
+def isolation_cell(mt, model, impl, conv, seed=0, twins: dict | None = None,
+                   path: MaskPath | None = None) -> Cell:
     from trainprobes.isolation.documents import documents
     V = _vocab(model)
     packing = Packing.of(list(LENGTHS))
     tokens = torch.randint(0, V, (1, packing.length), generator=torch.Generator().manual_seed(seed))
-    r = documents(ZooPacked(model, conv), tokens, packing, seed=seed, vocab=V, causal=False,
+    r = documents(ZooPacked(model, conv, twins), tokens, packing, seed=seed, vocab=V, causal=False,
                   target=f"{mt}[{impl},{conv}]")
     iso = r.metrics.get("isolated")
     verdict = {True: "isolated", False: "leaky", None: "unknown"}[iso]
-    expected = expected_isolation(model, conv)
+    path = path or mask_path(model, packing)
+    expected = expected_isolation(model, conv, path)
     num = r.metrics.get("max_leak") if iso is False else r.metrics.get("max_cross_change")
     reason = r.message.split(";")[0]
     if r.metrics.get("fp64") not in (None, "not needed"):
         reason += f" [fp64 twin {r.metrics['fp64']}]"
+    if verdict == "leaky":
+        reason += f"; {design_leak(model, conv, path)}"
     return Cell(mt, "isolation", f"{impl},{conv}", verdict, num, "largest change of another document's logits",
-                reason, expected, expected is not None and verdict == "leaky")
+                reason, expected, expected is not None and verdict == "leaky", result=r)
 
 
-def router_cells(mt, model, seed=0, modes=("perturb", "truncate")) -> list[Cell]:
+def router_cells(mt, model, seed=0, modes=("perturb", "truncate"), twins: dict | None = None) -> list[Cell]:
     from trainprobes.causality import check
     routing = Routing(model)
     if not routing.has_router:
@@ -169,13 +231,16 @@ def router_cells(mt, model, seed=0, modes=("perturb", "truncate")) -> list[Cell]
         if moe:   # a router we cannot find is not an absent one: fail closed
             return [Cell(mt, "router", "", "unknown", None, "",
                          f"cannot measure: the config says {moe} but no module's forward takes a "
-                         f"routing decision ({', '.join(INDEX_ARGS)})")]
+                         f"routing decision ({', '.join(INDEX_ARGS)}), no router module returns one, "
+                         f"and no MoE block indexes an expert table")]
         return [Cell(mt, "router", "", "n/a", None, "",
                      "no MoE layer (no expert count in the config, no module takes routing indices)")]
+    if routing.untapped:
+        return [Cell(mt, "router", "", "unknown", None, "", f"cannot measure every router: {routing.untapped}")]
     V = _vocab(model)
     x = torch.randint(0, V, (2, 32), generator=torch.Generator().manual_seed(seed))
     kind = routing.kind(x)
-    twin_model, swapped = fp64_copy(model)
+    twin_model, swapped = fp64_copy(model, twins)
     twin = Routing(twin_model)
     expected = "causal" if kind.startswith("token choice") and "capacity" not in kind else "non-causal"
     out = []
@@ -188,9 +253,9 @@ def router_cells(mt, model, seed=0, modes=("perturb", "truncate")) -> list[Cell]
             msg = r.message.split(";")[0]
             return Cell(mt, "router", mode, verdict, float(r.metrics.get("n_leaks", 0) or 0),
                         "structural leaks (decision changes at t <= cut)",
-                        f"{kind}; {len(routing.experts)} MoE layers; {msg}"
+                        f"{kind}; {len(routing.experts)} MoE layers (tap: {routing.tap}); {msg}"
                         + (f" [twin swapped {', '.join(swapped)}]" if swapped else ""),
-                        expected, verdict != "unknown" and verdict != expected)
+                        expected, verdict != "unknown" and verdict != expected, result=r)
         out.append(_cell(mt, "router", mode, one))
     return out
 
@@ -211,7 +276,7 @@ def batch_cell(mt, model, seed=0) -> Cell:
     reason = r.message + (f" ({rel:.2g} of the logits' scale: beyond rounding)" if finding else
                           f" ({rel:.2g} of the logits' scale)" if inv is False else "")
     return Cell(mt, "batch", "", verdict, r.metrics.get("max_abs_diff"), "largest |logit| difference",
-                reason, "invariant up to rounding", finding)
+                reason, "invariant up to rounding", finding, result=r)
 
 
 def drift_cell(mt, model, seed=0) -> Cell:
@@ -228,10 +293,15 @@ def drift_cell(mt, model, seed=0) -> Cell:
                           generator=torch.Generator().manual_seed(seed + 1)).reshape(x.shape)
     train = lp.gather(-1, y[..., None])[..., 0]
     infer = lq.gather(-1, y[..., None])[..., 0]
-    r = compare(train, infer, target=f"{mt} fp32 vs bf16")
+    # one bias test per model type of the map: alpha split over them (Bonferroni), so the
+    # whole map calls a model biased by chance with probability <= DRIFT_ALPHA
+    from trainprobes.zoo.shrink import causal_lm_types
+    alpha = DRIFT_ALPHA / len(causal_lm_types())
+    r = compare(train, infer, alpha=alpha, target=f"{mt} fp32 vs bf16")
     v = r.metrics["drift_verdict"]
     return Cell(mt, "drift", "bf16 vs fp32", v, r.metrics.get("mean_log_ratio"),
-                "mean log-ratio (bf16 - fp32), nats/token", r.message, "not biased", v == "biased")
+                "mean log-ratio (bf16 - fp32), nats/token", f"{r.message} [alpha {alpha:.2g}: {DRIFT_ALPHA} "
+                f"over the map's model types]", "not biased", v == "biased", result=r)
 
 
 def row(model_type: str, *, probes=PROBES, implementations=IMPLEMENTATIONS,
@@ -240,6 +310,7 @@ def row(model_type: str, *, probes=PROBES, implementations=IMPLEMENTATIONS,
     torch.manual_seed(seed)
     cells: list[Cell] = []
     models = {}
+    twins: dict = {}   # one fp64 copy per built model, shared by its cells
     for impl in implementations:
         t = time.perf_counter()
         b = build(model_type, attn_implementation=impl, seed=seed)
@@ -251,11 +322,12 @@ def row(model_type: str, *, probes=PROBES, implementations=IMPLEMENTATIONS,
     with torch.no_grad():
         if "isolation" in probes:
             for impl, b in models.items():
+                path = mask_path(b.model)   # one watched forward per model serves its cells
                 for conv in conventions:
                     if progress:
                         progress(f"{model_type} isolation {impl},{conv}")
                     cells.append(_cell(model_type, "isolation", f"{impl},{conv}",
-                                       lambda: isolation_cell(model_type, b.model, impl, conv, seed)))
+                                       lambda: isolation_cell(model_type, b.model, impl, conv, seed, twins, path)))
         if not models:
             return cells
         main = models.get("sdpa") or next(iter(models.values()))
@@ -264,7 +336,7 @@ def row(model_type: str, *, probes=PROBES, implementations=IMPLEMENTATIONS,
                 progress(f"{model_type} router")
             t = time.perf_counter()
             try:
-                cells += router_cells(model_type, main.model, seed)
+                cells += router_cells(model_type, main.model, seed, twins=twins)
             except Exception as e:  # noqa: BLE001 - the cell says why
                 first = (str(e).strip().splitlines() or [""])[0][:200]
                 cells.append(Cell(model_type, "router", "", "error", None, "", f"{type(e).__name__}: {first}"))
@@ -277,4 +349,6 @@ def row(model_type: str, *, probes=PROBES, implementations=IMPLEMENTATIONS,
             if progress:
                 progress(f"{model_type} drift")
             cells.append(_cell(model_type, "drift", "bf16 vs fp32", lambda: drift_cell(model_type, main.model, seed)))
+    from trainprobes.zoo.findings import annotate
+    annotate(cells)   # the confirmed calls: a bug named, a by-design leak no longer a finding
     return cells

@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 from trainprobes.errors import InvalidArgument
+from trainprobes.zoo import layers
+from trainprobes.zoo.layers import MAX_LAYERS
 
-__all__ = ["shrink", "build", "survey", "Built", "Failure", "causal_lm_types", "SIZES", "MAX_PARAMS"]
+__all__ = ["shrink", "build", "survey", "Built", "Failure", "causal_lm_types", "SIZES", "MAX_PARAMS", "all_configs"]
 
 MAX_PARAMS = 5_000_000  # a tiny model; the largest shrunk zoo model is far below
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, WINDOW, STATE = 64, 4, 2, 16, 64, 128, 8, 8
@@ -28,7 +30,8 @@ SIZES = {
                      "word_embed_proj_dim", "hidden_dim", "embedding_size", "emb_dim"), HIDDEN),
     **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "attention_heads",
                      "decoder_attention_heads", "num_q_heads", "global_num_attention_heads",
-                     "linear_num_value_heads", "linear_num_key_heads", "swa_num_attention_heads"), HEADS),
+                     "linear_num_value_heads", "linear_num_key_heads", "swa_num_attention_heads",
+                     "num_attention_heads_per_layer"), HEADS),
     **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num",
                      "n_head_kv", "num_kv_groups", "global_num_key_value_heads",
                      "swa_num_key_value_heads"), KV_HEADS),
@@ -52,9 +55,10 @@ SIZES = {
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",
                      "num_routed_experts", "n_experts", "expert_num"), 4),
     **dict.fromkeys(("num_experts_per_tok", "moe_k", "num_selected_experts", "moe_topk",
-                     "top_k", "experts_per_token", "num_experts_per_token", "moe_top_k"), 2),
+                     "top_k", "experts_per_token", "num_experts_per_token", "moe_top_k", "top_k_experts"), 2),
     **dict.fromkeys(("n_group", "topk_group", "num_expert_group", "moe_n_group"), 1),
-    **dict.fromkeys(("vocab_size", "text_vocab_size"), VOCAB),
+    **dict.fromkeys(("n_groups", "mamba_n_groups", "mamba_ngroups"), 1),   # SSM groups divide the heads
+    **dict.fromkeys(("vocab_size", "text_vocab_size", "unpadded_vocab_size"), VOCAB),
     **dict.fromkeys(("sliding_window", "attention_window", "local_window_size", "window_size",
                      "sliding_window_size", "swa_window_size", "local_attention_window"), WINDOW),
     **dict.fromkeys(("state_size", "mamba_d_state", "ssm_state_size", "d_state", "mamba_state_dim",
@@ -68,7 +72,6 @@ SIZES = {
 LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_decoder_layers", "decoder_layers")
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "cls_token_id",
               "decoder_start_token_id", "mask_token_id", "unk_token_id")
-MAX_LAYERS = 6  # enough for a hybrid's pattern (one of each kind) at tiny cost
 
 
 @dataclass
@@ -106,50 +109,70 @@ def _layers_of(cfg) -> tuple[str | None, int | None]:
     return None, None
 
 
-def _depth(cfg, full: int) -> int:
-    """The fewest layers (>= 2, <= MAX_LAYERS) whose prefix holds every kind of layer that
-    the full model's per-layer lists name (a Mamba/attention hybrid keeps both)."""
+# (expand, heads, head dim) of a Mamba-2 mixer: the config checks heads * head dim == expand *
+# hidden (bamba, falcon_h1, nemotron_h, mamba2, zamba2, granitemoehybrid)
+_MAMBA_HEADS = (("mamba_expand", "mamba_n_heads", "mamba_d_head"), ("expand", "mamba_num_heads", "mamba_head_dim"),
+                ("expand", "num_heads", "head_dim"), ("mamba_expand", "n_mamba_heads", "mamba_headdim"))
+
+
+_UNSET_MOE = ("n_routed_experts", "num_experts_per_tok")
+_MOE_SWITCHES = ("is_moe", "enable_moe_block")
+
+
+def _hidden_name(d) -> str:
+    return next((k for k in ("hidden_size", "d_model") if isinstance(d.get(k), int)), "hidden_size")
+
+
+def _min_depth(cfg) -> int:
+    """The depth a layer pattern set by a step needs to show both of its kinds (a MoE layer
+    every k-th layer: k + 1 layers), at most MAX_LAYERS."""
     n = 2
-    for v in vars(cfg).values():
-        if isinstance(v, (list, tuple, str)) and len(v) == full and full > 2:
-            try:
-                kinds = {repr(k) for k in v}
-            except Exception:  # noqa: BLE001 - an unhashable entry: keep the default depth
-                continue
-            for m in range(2, min(full, MAX_LAYERS) + 1):
-                if {repr(k) for k in v[:m]} == kinds:
-                    n = max(n, m)
-                    break
-            else:
-                n = max(n, min(full, MAX_LAYERS))
-    for name in ("attn_layer_period", "expert_layer_period", "full_attn_every", "decoder_sparse_step",
-                 "global_attn_every_n_layers", "moe_layer_freq", "mamba_layer_period"):
+    for name in ("full_attn_every", "decoder_sparse_step", "global_attn_every_n_layers", "moe_layer_freq"):
         v = getattr(cfg, name, None)
-        if isinstance(v, int) and not isinstance(v, bool) and 1 < v <= MAX_LAYERS:
-            n = max(n, v + int(getattr(cfg, name.replace("period", "offset"), 0) or 0) % v + 1)
-    return min(n, MAX_LAYERS, full)
+        if isinstance(v, int) and not isinstance(v, bool) and 1 < v < MAX_LAYERS:
+            n = max(n, v + 1)
+    return n
 
 
 def _shrink_one(cfg, changed: dict, prefix: str = "") -> None:
     """Shrink cfg in place by the names in SIZES, its depth and its per-layer lists."""
     d = vars(cfg)
+    unset = _UNSET_MOE
+    for switch in _MOE_SWITCHES:   # a type whose MoE variant is a flag (doge, gemma4): the router on
+        if d.get(switch) is False:
+            setattr(cfg, switch, True)
+            changed[prefix + switch] = (False, True)
+            unset = _UNSET_MOE + ("num_experts", "top_k_experts", "moe_intermediate_size")
     for name, size in SIZES.items():
         v = d.get(name)
         if size == 0:  # sizes that follow from others: a small fixed value, or none at all
             size = {"hidden_size_per_layer_input": 16, "lru_width": HIDDEN, "attention_dim": HIDDEN,
                     "audio_hidden_size": HIDDEN, "expert_ffn_hidden_size": FFN,
                     "zero_expert_num": 2, "num_kv_shared_layers": 0}[name]
-        if isinstance(v, int) and not isinstance(v, bool) and v > size:
+        if v is None and name in d and name in unset:
+            # a MoE type whose default leaves its expert counts unset (deepseek_v2, dots1):
+            # the modeling file builds its routed layers from them all the same
+            setattr(cfg, name, size)
+            changed[prefix + name] = (None, size)
+        elif isinstance(v, int) and not isinstance(v, bool) and v > size:
             if name in ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num",
                         "n_head_kv") and v == 1:
                 continue
             setattr(cfg, name, size)
             changed[prefix + name] = (v, size)
-    # heads must divide the hidden size where the model derives head_dim from them
-    hidden = d.get("hidden_size")
+        elif isinstance(v, list) and v and all(isinstance(e, int) and not isinstance(e, bool) for e in v) \
+                and max(v) > size:   # a size per layer (gemma3n's intermediate_size)
+            setattr(cfg, name, [min(e, size) for e in v])
+            changed[prefix + name] = (f"per layer, up to {max(v)}", f"per layer, up to {size}")
     lname, full = _layers_of(cfg)
     if lname is not None and full > 2:
-        n = _depth(cfg, full)
+        keep = layers.plan(cfg, full)
+        for i in range(full):      # a depth a step pattern needs, filled with the first layers
+            if len(keep) >= min(_min_depth(cfg), full):
+                break
+            keep = sorted(set(keep) | {i})
+        n = len(keep)
+        layers.apply(cfg, full, keep, changed, prefix)
         try:
             setattr(cfg, lname, n)
         except NotImplementedError:  # an alias of other depths (prophetnet): set those
@@ -157,10 +180,6 @@ def _shrink_one(cfg, changed: dict, prefix: str = "") -> None:
                 if isinstance(d.get(alt), int):
                     setattr(cfg, alt, min(d[alt], n))
         changed[prefix + lname] = (full, n)
-        for key, v in list(d.items()):
-            if isinstance(v, (list, tuple, str)) and len(v) == full and key != lname:
-                setattr(cfg, key, v[:n] if isinstance(v, str) else type(v)(v[:n]))
-                changed[prefix + key] = (f"{full} entries", f"{n} entries")
         for key in ("first_k_dense_replace", "num_dense_layers", "first_dense_layers"):
             if isinstance(d.get(key), int) and d[key] >= n:
                 setattr(cfg, key, n - 1)   # keep at least one MoE layer
@@ -173,8 +192,6 @@ def _shrink_one(cfg, changed: dict, prefix: str = "") -> None:
                 setattr(cfg, key, vocab - 1)
             elif isinstance(v, list):
                 setattr(cfg, key, [min(t, vocab - 1) for t in v])
-    if hidden is not None and isinstance(d.get("num_attention_heads"), int):
-        pass
     for key, v in list(d.items()):  # hybrid patterns by period: one of each kind in 2 layers
         if key.endswith("_period") and isinstance(v, int) and not isinstance(v, bool) and v > 2:
             setattr(cfg, key, 2)
@@ -186,6 +203,14 @@ def _shrink_one(cfg, changed: dict, prefix: str = "") -> None:
     if "head_dim" in d and d["head_dim"] is None and isinstance(d.get("num_attention_heads"), int) \
             and isinstance(d.get("hidden_size"), int):
         cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads  # the model would derive it
+    for expand, heads, head in _MAMBA_HEADS:   # Mamba-2 heads tile expand * hidden exactly
+        if all(isinstance(d.get(k), int) and not isinstance(d.get(k), bool) for k in (expand, heads)) \
+                and head in d and isinstance(d.get(_hidden_name(d)), int):
+            inner = d[expand] * d[_hidden_name(d)]
+            if isinstance(d.get("mamba_d_ssm"), int):
+                inner = d["mamba_d_ssm"] = min(d["mamba_d_ssm"], inner)
+            if inner % d[heads] == 0:
+                setattr(cfg, head, inner // d[heads])
     if isinstance(d.get("kv_lora_rank"), int) and isinstance(d.get("num_key_value_heads"), int):
         # latent attention expands the compressed KV to every query head
         cfg.num_key_value_heads = cfg.num_attention_heads
@@ -213,8 +238,41 @@ def shrink(config):
         config = CONFIG_MAPPING[config]()
     cfg = copy.deepcopy(config)
     changed: dict = {}
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as names
+    for c in all_configs(cfg):   # a default holding one kind of a hybrid: one layer of each
+        if getattr(c, "model_type", None) in names:
+            layers.widen(c, c.model_type, changed, "" if c is cfg else f"{_path(cfg, c)}.")
+    before = {id(c): layers.kinds(c) for c in all_configs(cfg)}
+    paths = {id(c): _path(cfg, c) for c in all_configs(cfg)}
     _shrink_one(cfg, changed)
-    return _rederived(cfg), changed
+    out = _rederived(cfg)
+    after = {paths[id(c)]: layers.kinds(c2) for c, c2 in zip(all_configs(cfg), all_configs(out))}
+    lost = [f"{paths[k] + '.' if paths[k] else ''}{f}: {sorted(v - after[paths[k]].get(f, frozenset()))}"
+            for k, ks in before.items() for f, v in ks.items()
+            if f not in SIZES and v - after[paths[k]].get(f, frozenset())]
+    if lost:  # refused, never built without a kind of layer the model has
+        raise InvalidArgument(f"shrinking would drop layer kinds ({'; '.join(lost)})")
+    return out, changed
+
+
+def all_configs(cfg) -> list:
+    """cfg and its nested sub-configs, depth first, in attribute order."""
+    out = [cfg]
+    for k, v in vars(cfg).items():
+        if hasattr(v, "to_dict") and hasattr(v, "model_type") and k != "_parent":
+            out += all_configs(v)
+    return out
+
+
+def _path(root, c, prefix="") -> str:
+    if c is root:
+        return prefix
+    for k, v in vars(root).items():
+        if hasattr(v, "to_dict") and hasattr(v, "model_type") and k != "_parent":
+            p = _path(v, c, f"{prefix}.{k}" if prefix else k)
+            if p is not None and (p or v is c):
+                return p
+    return None
 
 
 def _rederived(cfg):
@@ -271,6 +329,11 @@ def build(model_type: str, *, attn_implementation: str | None = None, seed: int 
     try:
         model_cls = _model_class(model_type)
         cfg = _for_class(cfg, model_cls)
+        if getattr(cfg, "is_decoder", True) is False:
+            # the causal-LM head of an encoder family (BertLMHeadModel, RobertaForCausalLM, ...)
+            # is causal only as a decoder: "add `is_decoder=True`" says its own warning
+            cfg.is_decoder = True
+            changed["is_decoder"] = (False, True)
         if attn_implementation is not None:
             cfg._attn_implementation = attn_implementation
         n, meta = _count_on_meta(cfg, model_cls)

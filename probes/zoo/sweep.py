@@ -1,18 +1,23 @@
-"""The sweep: every model type's row, one process per model (a timeout ends a hang, a
-crash costs one row), `workers` at once, finished rows appended to a JSONL file and skipped
-when the sweep runs again (resumable), a progress line per row. `to_map` folds the rows into
-the map saved as JSON (versions, rows, time and peak memory)."""
+"""The sweep: every model type's row, measured by `workers` long-lived worker processes (torch
+and transformers imported once per worker, not once per model: about 9 s of a row here), each
+row bounded by a timeout (a hang kills its worker, which is replaced) and the worker's address
+space (a runaway model dies alone); finished rows appended to a JSONL file and skipped when the
+sweep runs again (resumable), a progress line per row, every worker's stderr in one log beside
+the JSONL. `to_map` folds the rows into the map saved as JSON (versions, rows, time and peak
+memory)."""
 from __future__ import annotations
 
 import json
 import os
+import queue
+import select
 import subprocess
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-__all__ = ["sweep", "to_map", "versions", "load_rows"]
+__all__ = ["sweep", "to_map", "versions", "load_rows", "estimate"]
 
 
 def versions() -> dict:
@@ -33,24 +38,66 @@ def load_rows(jsonl: Path) -> dict:
     return rows
 
 
-def _run_one(mt: str, timeout: float, memory_mb: int) -> dict:
-    t = time.perf_counter()
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    try:
-        p = subprocess.run([sys.executable, "-m", "trainprobes.zoo.one", mt], capture_output=True,
-                           text=True, timeout=timeout, env=env,
-                           preexec_fn=_limit(memory_mb) if memory_mb else None)
-    except subprocess.TimeoutExpired:  # run() kills the child on timeout
-        return _failed(mt, f"timeout: no row after {timeout:g} s (the process was killed)", t)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if p.returncode != 0 or not lines:
-        last = (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1][:200]
-        return _failed(mt, f"process exited {p.returncode}: {last}", t)
-    return json.loads(lines[-1])
+# measured: a worker's own peak RSS stays under 0.6 GB on every zoo row (largest 485 MB); a
+# worker is planned at 1 GB and hard-limited by its address space (memory_mb)
+WORKER_BYTES = 1 << 30
+READY_S = 120.0       # importing torch + transformers in a new worker, on a loaded machine
+WORKER = [sys.executable, "-m", "trainprobes.zoo.one", "--serve"]
+
+
+class _Dead(Exception):
+    """The worker exited or broke its protocol; the message says how."""
+
+
+class _Worker:
+    """A long-lived `python -m trainprobes.zoo.one --serve` process: one row per request."""
+
+    def __init__(self, memory_mb: int, log: Path, command: list | None = None):
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        self.log = log
+        self.rows = 0
+        with open(log, "a") as err:
+            self.p = subprocess.Popen(
+                (command or WORKER) + ["--parent", str(os.getpid())],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
+                preexec_fn=_limit(memory_mb) if memory_mb else None)
+        self._read(READY_S)
+
+    def _read(self, timeout: float) -> dict:
+        ready, _, _ = select.select([self.p.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError
+        line = self.p.stdout.readline()
+        if not line:
+            self.p.wait()
+            raise _Dead(f"worker exited {self.p.returncode}: {self._tail()}")
+        return json.loads(line)
+
+    def _tail(self) -> str:
+        try:
+            lines = [ln for ln in self.log.read_text(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            return "no log"
+        return (lines[-1] if lines else "nothing logged")[:200]
+
+    def ask(self, model_type: str, timeout: float) -> dict:
+        try:
+            self.p.stdin.write(model_type + "\n")
+            self.p.stdin.flush()
+        except OSError as e:
+            raise _Dead(f"worker gone ({type(e).__name__}): {self._tail()}") from None
+        r = self._read(timeout)
+        self.rows += 1
+        return r
+
+    def close(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.wait()
 
 
 def _limit(memory_mb: int):
-    def apply():  # bounded memory: the child's address space, so a runaway model dies alone
+    def apply():  # bounded memory: the worker's address space, so a runaway model dies alone
         import resource
         resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
     return apply
@@ -63,30 +110,91 @@ def _failed(mt, reason, t) -> dict:
                        "finding": False, "seconds": 0.0}]}
 
 
+def _slot(todo: queue.Queue, emit, *, timeout: float, memory_mb: int, recycle: int, log: Path,
+          command: list | None) -> None:
+    """One worker's share: rows until the queue is empty; a worker that hangs (timeout) or dies
+    costs the row it held, and a new one takes the next; every `recycle` rows it is replaced so
+    what a model leaves behind (caches, fragmentation) cannot grow without bound."""
+    w = None
+    try:
+        while True:
+            try:
+                mt = todo.get_nowait()
+            except queue.Empty:
+                return
+            t = time.perf_counter()
+            try:
+                if w is None or w.rows >= recycle:
+                    if w is not None:
+                        w.close()
+                    w = None
+                    w = _Worker(memory_mb, log, command)
+                r = w.ask(mt, timeout)
+            except TimeoutError:
+                r = _failed(mt, f"timeout: no row after {timeout:g} s (the worker was killed)", t)
+                w.close() if w is not None else None
+                w = None
+            except _Dead as e:
+                r = _failed(mt, str(e), t)
+                w = None
+            emit(r)
+    finally:
+        if w is not None:
+            w.close()
+
+
+def estimate(workers: int, memory_mb: int) -> int:
+    """Bytes the sweep plans to hold: each worker at WORKER_BYTES (its measured peak with
+    headroom), never more than its hard limit."""
+    per = min(WORKER_BYTES, memory_mb << 20) if memory_mb else WORKER_BYTES
+    return workers * per
+
+
 def sweep(model_types, jsonl: Path, *, workers: int = 2, timeout: float = 300.0,
-          memory_mb: int = 6144, progress=print) -> dict:
-    """Rows of model_types not yet in jsonl, appended to it as they finish; returns every
-    row in jsonl (old and new) by model type."""
+          memory_mb: int = 4096, recycle: int = 40, progress=print, command: list | None = None) -> dict:
+    """Rows of model_types not yet in jsonl, appended to it as they finish, by `workers`
+    long-lived worker processes; returns every row in jsonl (old and new) by model type.
+    Refuses (TooLarge, exit 2) a worker count whose planned memory the machine lacks.
+    command: the worker's argv (default WORKER; a test gives a stub speaking the protocol:
+    a {"ready": true} line, then one JSON row per model type read from stdin)."""
+    from trainprobes.budget import check_fits
+    from trainprobes.validation import check_int
+    check_int(workers, "workers", min=1, max=16)
+    check_fits(estimate(workers, memory_mb), f"a zoo sweep on {workers} worker processes",
+               fix="fewer --workers")
     jsonl = Path(jsonl)
     done = load_rows(jsonl)
-    todo = [m for m in model_types if m not in done]
+    todo = [m for m in dict.fromkeys(model_types) if m not in done]
     if progress:
-        progress(f"zoo: {len(done)} rows already in {jsonl}, {len(todo)} to run on {workers} processes")
+        progress(f"zoo: {len(done)} rows already in {jsonl}, {len(todo)} to run on {workers} processes "
+                 f"(worker log {jsonl.with_suffix('.log')})")
     start, n = time.perf_counter(), 0
-    with ThreadPoolExecutor(workers) as pool, jsonl.open("a") as out:
-        futures = [pool.submit(_run_one, m, timeout, memory_mb) for m in todo]
-        for f in as_completed(futures):  # as each finishes: a slow row holds up no line
-            r = f.result()
-            out.write(json.dumps(r, allow_nan=False) + "\n")
-            out.flush()
-            done[r["model_type"]] = r
-            n += 1
-            if progress:
-                el = time.perf_counter() - start
-                findings = sum(c["finding"] for c in r["cells"])
-                progress(f"[{n}/{len(todo)}] {r['model_type']}: {len(r['cells'])} cells, "
-                         f"{findings} findings, {r['seconds']:.1f} s; elapsed {el:.0f} s, "
-                         f"about {el / n * (len(todo) - n):.0f} s left")
+    lock = threading.Lock()
+    q: queue.Queue = queue.Queue()
+    for m in todo:
+        q.put(m)
+    with jsonl.open("a") as out:
+        def emit(r):
+            nonlocal n
+            with lock:
+                out.write(json.dumps(r, allow_nan=False) + "\n")
+                out.flush()
+                done[r["model_type"]] = r
+                n += 1
+                if progress:
+                    el = time.perf_counter() - start
+                    findings = sum(c["finding"] for c in r["cells"])
+                    progress(f"[{n}/{len(todo)}] {r['model_type']}: {len(r['cells'])} cells, "
+                             f"{findings} findings, {r['seconds']:.1f} s; elapsed {el:.0f} s, "
+                             f"about {el / n * (len(todo) - n):.0f} s left")
+        threads = [threading.Thread(target=_slot, args=(q, emit), daemon=True,
+                                    kwargs=dict(timeout=timeout, memory_mb=memory_mb, recycle=recycle,
+                                                log=jsonl.with_suffix(".log"), command=command))
+                   for _ in range(min(workers, max(len(todo), 1)))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     return done
 
 

@@ -15,7 +15,9 @@ import copy
 import inspect
 
 import torch
-from trainprobes.errors import InvalidArgument
+from trainprobes.errors import InvalidArgument, TargetError
+from trainprobes.isolation.hf import sliding_window
+from trainprobes.zoo.fp64 import run_in_float64
 from trainprobes.isolation.packing import Packing
 
 __all__ = ["CONVENTIONS", "ZooPacked", "Routing", "fp64_copy"]
@@ -23,15 +25,21 @@ __all__ = ["CONVENTIONS", "ZooPacked", "Routing", "fp64_copy"]
 CONVENTIONS = ("position_ids", "position_ids_no_cache", "mask_4d", "collator")
 
 
-def fp64_copy(model):
+def fp64_copy(model, cache: dict | None = None):
     """A float64 copy of model and the kernels swapped to get one: grouped expert matmuls
     (torch._grouped_mm refuses float64) run the eager loop over experts, and attention
-    without a float64 CPU kernel (flex_attention) runs eager."""
+    without a float64 CPU kernel (flex_attention) runs eager. With `cache` (a dict the caller
+    owns, by id(model)) one copy serves every cell of a row: a row's cells only call it."""
+    if cache is not None and id(model) in cache:
+        return cache[id(model)]
+    if cache is not None:
+        cache[id(model)] = fp64_copy(model)
+        return cache[id(model)]
     twin = copy.deepcopy(model).double()
     swapped = []
     cfg = twin.config
-    for c in {id(c): c for c in (cfg, *(getattr(cfg, k) for k in vars(cfg)
-                                        if hasattr(getattr(cfg, k), "to_dict")))}.values():
+    from trainprobes.zoo.shrink import all_configs
+    for c in all_configs(cfg):
         impl = getattr(c, "_experts_implementation", None)
         if impl not in (None, "eager"):
             c._experts_implementation = "eager"
@@ -39,18 +47,8 @@ def fp64_copy(model):
     if getattr(cfg, "_attn_implementation", None) == "flex_attention":
         twin.set_attn_implementation("eager")
         swapped.append("attention: flex_attention -> eager")
-    return twin, sorted(set(swapped))
-
-
-def _window(model) -> int | None:
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    w = getattr(cfg, "sliding_window", None)
-    if not w or getattr(cfg, "use_sliding_window", True) is False:
-        return None
-    types = getattr(cfg, "layer_types", None)
-    if types is not None and "sliding_attention" not in types:
-        return None
-    return int(w)
+    # the modeling code's deliberate float32 upcasts (softmax, norms, rotary) stay float64
+    return run_in_float64(twin), sorted(set(swapped))
 
 
 def _masks(model, packing: Packing, dev):
@@ -59,7 +57,7 @@ def _masks(model, packing: Packing, dev):
     prepared mask (transformers 5: `if not isinstance(causal_mask_mapping := attention_mask,
     dict)`). Where every document fits the window one mask is exact for every layer."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    w = _window(model)
+    w = sliding_window(model)
     types = set(getattr(cfg, "layer_types", None) or [])
     dtype = model.dtype
     if w is None or packing.max_seqlen <= w or len(types) <= 1:
@@ -75,11 +73,12 @@ def _masks(model, packing: Packing, dev):
 class ZooPacked(torch.nn.Module):
     """forward(tokens, packing) -> logits [B, L, V] of `model` called by `convention`."""
 
-    def __init__(self, model, convention: str):
+    def __init__(self, model, convention: str, twins: dict | None = None):
         super().__init__()
         if convention not in CONVENTIONS:
             raise InvalidArgument(f"convention={convention!r}; expected one of {CONVENTIONS}")
         self.model, self.convention = model, convention
+        self.twins = twins          # fp64 copies by id(model), shared by a row's cells
         self.substituted: list[str] = []
         self.__qualname__ = f"{type(model).__name__}[{model.config._attn_implementation},{convention}]"
 
@@ -95,7 +94,7 @@ class ZooPacked(torch.nn.Module):
         return self.model(input_ids=tokens, **kw).logits
 
     def fp64_twin(self) -> "ZooPacked":
-        model, swapped = fp64_copy(self.model)
+        model, swapped = fp64_copy(self.model, self.twins)
         twin = ZooPacked(model, self.convention)
         twin.substituted = swapped
         return twin
@@ -118,31 +117,65 @@ def _collated(tokens, packing: Packing) -> dict:
 
 
 class Routing:
-    """The routing decisions of every MoE layer, captured where the experts receive them: a
-    forward pre-hook on each module whose forward takes a routing index (INDEX_ARGS: top_k_index, router_indices, ...; the experts of the
-    transformers 5 MoE blocks). `decisions(tokens)` -> [B, T, n_layers * E] float: the weight
-    each layer gives each expert (0 where not chosen), so a changed choice and a changed
-    weight both show, and a float change can be told rounding noise by an fp64 twin."""
+    """The routing decisions of every MoE layer, captured where the model hands them on, by
+    the first of these taps the model has:
+      1. experts   a forward pre-hook on each module whose forward takes a routing index
+                   (INDEX_ARGS: top_k_index, router_indices, ...; the experts of the
+                   transformers 5 MoE blocks), with its weights (WEIGHT_ARGS);
+      2. router    a forward hook on each router module (class name with Router / Gating /
+                   ending in Gate) whose output holds its decisions in a known layout: a
+                   dense [N, E] score with zeros where not chosen (Llama 4), or JetMoE's
+                   expert-sorted (slot, token, gate, expert sizes, logits);
+      3. tables    a forward pre-hook on the expert tables a MoE block indexes by routing
+                   (nn.Embedding inside a *MoE module: Doge's product-key experts).
+    `decisions(tokens)` -> [B, T, sum of E] float: the weight each layer gives each expert (0
+    where not chosen; 1 where a tap sees the choice only), so a changed choice and a changed
+    weight both show, and a float change can be told rounding noise by an fp64 twin. A
+    router output in no known layout raises TargetError: never read as "no decision"."""
 
     def __init__(self, model):
         self.model = model
         self.experts = [m for m in model.modules() if _routing_args(m) is not None]
-        self._seen: list = []
-        self._hooks = []
+        self.tap = "experts"
+        if not self.experts:
+            self.experts, self.tap = _router_modules(model), "router"
+        if not self.experts:
+            self.experts, self.tap = _expert_tables(model), "tables"
+        if not self.experts:
+            self.tap = "none"
+        # fail closed: a router module for which no tapped module receives decisions would go
+        # unmeasured, and a pass over the others would say nothing of it
+        routers = _router_modules(model) if self.tap == "experts" else []
+        self.untapped = (f"{len(routers)} router modules but {len(self.experts)} modules receiving "
+                         f"their decisions" if len(routers) > len(self.experts) else None)
+        self._seen: list = []   # (module, dense [N, E], slots per token [N]) per tapped call
 
     @property
     def has_router(self) -> bool:
         return bool(self.experts)
 
-    def _hook(self, module, args, kwargs):
+    def _pre(self, module, args, kwargs):
+        if self.tap == "tables":
+            idx = args[0] if args else kwargs["input"]
+            self._seen.append((module, _dense(idx, None, module.num_embeddings), _slots(idx, None, None)))
+            return
         names = list(inspect.signature(type(module).forward).parameters)[1:]
         bound = dict(zip(names, args), **kwargs)
         idx_name, w_name = _routing_args(module)
-        self._seen.append((module, bound[idx_name], bound.get(w_name) if w_name else None))
+        idx, w = bound[idx_name], bound.get(w_name) if w_name else None
+        E = _n_experts(module, idx)
+        self._seen.append((module, _dense(idx, w, E), _slots(idx, w, _expert_count(module))))
+
+    def _post(self, module, args, output):
+        dense = _router_output(module, output)
+        self._seen.append((module, dense, (dense != 0).sum(-1)))
 
     def decisions(self, tokens):
         self._seen = []
-        hooks = [m.register_forward_pre_hook(self._hook, with_kwargs=True) for m in self.experts]
+        if self.tap == "router":
+            hooks = [m.register_forward_hook(self._post) for m in self.experts]
+        else:
+            hooks = [m.register_forward_pre_hook(self._pre, with_kwargs=True) for m in self.experts]
         try:
             self.model(input_ids=tokens, use_cache=False)
         finally:
@@ -150,12 +183,11 @@ class Routing:
                 h.remove()
         B, T = tokens.shape
         out = []
-        for module, idx, w in self._seen:
-            E = _n_experts(module, idx)
-            idx = idx.reshape(B * T, -1).long()
-            w = torch.ones_like(idx, dtype=torch.float64) if w is None else w.reshape(B * T, -1)
-            dense = torch.zeros(B * T, E, dtype=w.dtype).scatter(1, idx, w)
-            out.append(dense.reshape(B, T, E))
+        for module, dense, _ in self._seen:
+            if dense.shape[0] != B * T:
+                raise TargetError(f"{type(module).__name__} routed {dense.shape[0]} tokens of a call with "
+                                  f"{B * T}: its decisions cannot be told apart by position")
+            out.append(dense.reshape(B, T, -1))
         return torch.cat(out, -1)
 
     def kind(self, tokens) -> str:
@@ -164,13 +196,10 @@ class Routing:
         and an aux-loss-free bias where the router holds one."""
         if not self.experts:
             return "no router"
+        self.decisions(tokens)
         counts = set()
-        for module, idx, w in (self.decisions(tokens), self._seen)[1]:
-            E = _n_experts(module, idx)
-            real = (idx.reshape(-1, idx.shape[-1]) < getattr(module, "num_experts", E))
-            if w is not None:
-                real &= w.reshape(real.shape) != 0
-            counts |= set(real.sum(-1).unique().tolist())
+        for _, _, slots in self._seen:
+            counts |= set(slots.unique().tolist())
         routers = [m for m in self.model.modules() if "router" in type(m).__name__.lower()
                    or type(m).__name__.lower().endswith("gate")]
         bias = any(hasattr(m, "e_score_correction_bias") or hasattr(m, "expert_bias") for m in routers)
@@ -193,7 +222,8 @@ INDEX_ARGS = ("top_k_index", "router_indices", "selected_experts", "topk_idx", "
 WEIGHT_ARGS = ("top_k_weights", "routing_weights", "topk_weight", "topk_weights",
                "router_weights", "expert_weights", "router_scores")
 # config attributes that say a model has routed experts
-MOE_CONFIG = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+MOE_CONFIG = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts",
+              "n_experts", "expert_num")
 
 
 def _routing_args(m) -> tuple[str, str | None] | None:
@@ -209,14 +239,97 @@ def _routing_args(m) -> tuple[str, str | None] | None:
 
 
 def moe_config(model) -> str | None:
-    """'num_local_experts=4' where the config (or its text config) says the model routes over
-    more than one expert, else None."""
-    cfg = model.config
-    for c in (cfg, getattr(cfg, "text_config", None)):
+    """'num_local_experts=4' where the config (or one of its sub-configs) says the model routes
+    over more than one expert, else None."""
+    from trainprobes.zoo.shrink import all_configs
+    for c in all_configs(model.config):   # the config and every sub-config (dbrx's ffn_config)
         for name in MOE_CONFIG:
-            v = getattr(c, name, None) if c is not None else None
-            if isinstance(v, int) and v > 1:
+            v = getattr(c, name, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 1:
                 return f"{name}={v}"
+    return None
+
+
+def _dense(idx, w, E: int) -> torch.Tensor:
+    """[N, E'] float: w scattered at idx (ones without weights), E' = max(E, idx + 1) so an
+    index past the experts (a dropped slot) stays a column of its own."""
+    idx = idx.reshape(-1, idx.shape[-1]).long() if idx.dim() > 1 else idx.reshape(-1, 1).long()
+    w = torch.ones_like(idx, dtype=torch.float64) if w is None else w.reshape(idx.shape)
+    E = max(E, int(idx.max()) + 1) if idx.numel() else E
+    return torch.zeros(idx.shape[0], E, dtype=w.dtype).scatter(1, idx, w)
+
+
+def _slots(idx, w, E) -> torch.Tensor:
+    """[N] routing slots each token fills: an index below the expert count (a slot past it is
+    dropped) with a nonzero weight. Slots, not distinct experts: a random hash table sending
+    both of a token's slots to expert 0 is still top-2."""
+    idx = idx.reshape(-1, idx.shape[-1]) if idx.dim() > 1 else idx.reshape(-1, 1)
+    real = idx < E if isinstance(E, int) else torch.ones_like(idx, dtype=torch.bool)
+    if w is not None:
+        real &= w.reshape(idx.shape) != 0
+    return real.sum(-1)
+
+
+def _router_modules(model) -> list:
+    """Router modules (class name with Router or Gating, or ending in Gate) that hold an
+    expert count: their output carries the decisions (Llama 4, JetMoE)."""
+    out = []
+    for m in model.modules():
+        name = type(m).__name__.lower()
+        if ("router" in name or "gating" in name or name.endswith("gate")) and _router_width(m):
+            out.append(m)
+    return out
+
+
+def _router_width(m) -> int | None:
+    for name in ("num_experts", "out_features"):
+        v = getattr(m, name, None)
+        if isinstance(v, int) and v > 1:
+            return v
+    return None
+
+
+def _router_output(module, output) -> torch.Tensor:
+    """A router's decisions [N, E] from its output, in the layouts transformers' routers use;
+    TargetError for any other (fail closed: an unread output is not 'no decision')."""
+    E = _router_width(module)
+    outs = output if isinstance(output, tuple) else (output,)
+    # JetMoE: (slot index sorted by expert, token of each slot, gate of each slot, tokens per
+    # expert, logits); the expert of the i-th sorted slot follows from the sizes
+    if len(outs) >= 4 and isinstance(outs[3], (list, tuple, torch.Tensor)) and torch.is_tensor(outs[1]):
+        sizes = torch.as_tensor(outs[3]).long()
+        if sizes.dim() == 1 and len(sizes) == E and int(sizes.sum()) == outs[1].numel():
+            N = outs[4].shape[0] if len(outs) > 4 and torch.is_tensor(outs[4]) else int(outs[1].max()) + 1
+            expert = torch.repeat_interleave(torch.arange(E), sizes)
+            gates = outs[2].reshape(-1).to(torch.float64)
+            return torch.zeros(N, E, dtype=torch.float64).index_put_((outs[1].long(), expert), gates)
+    # a dense score: zeros where not chosen (Llama 4's sigmoid of -inf outside the top-k)
+    for t in outs:
+        if torch.is_tensor(t) and t.is_floating_point() and t.shape[-1] == E:
+            dense = t.reshape(-1, E)
+            if bool(((dense == 0).sum(-1) > 0).all()):
+                return dense
+    raise TargetError(f"{type(module).__name__} returns {[tuple(t.shape) if torch.is_tensor(t) else type(t).__name__ for t in outs]}: "
+                      f"no routing decision in a known layout (dense [N, {E}] with zeros, or JetMoE's)")
+
+
+def _expert_tables(model) -> list:
+    """The first nn.Embedding of each *MoE / *Moe module other than the token embedding:
+    expert tables indexed by the routing decision (Doge's product-key experts)."""
+    inputs = model.get_input_embeddings()
+    out = []
+    for m in model.modules():
+        if "moe" in type(m).__name__.lower():
+            tables = [c for c in m.children() if isinstance(c, torch.nn.Embedding) and c is not inputs]
+            out += tables[:1]
+    return out
+
+
+def _expert_count(module) -> int | None:
+    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+        v = getattr(module, name, None)
+        if isinstance(v, int):
+            return v
     return None
 
 

@@ -60,11 +60,21 @@ class ProbabilityCapacityRouter(_Router):
 
 def patch_gates(model, router_cls, **kw) -> int:
     """Replace every MoE block's `gate` (a module with weight [E, D] and top_k) by
-    router_cls(gate, **kw); returns how many were replaced."""
+    router_cls(gate, **kw); returns how many were replaced.
+
+    The block's experts are switched to transformers' eager loop, the one implementation
+    that skips the index E these routers put in unchosen slots: the grouped_mm experts
+    (transformers/integrations/moe.py, grouped_mm_experts_forward) sort E to the tail and
+    mask it only under expert parallelism, and torch's CPU grouped_mm leaves the rows past
+    offs[-1] uninitialised, so those slots would multiply whatever the allocator last left
+    there (a NaN, late in a long process) by their weight 0."""
     n = 0
     for m in model.modules():
         g = getattr(m, "gate", None)
         if g is not None and hasattr(g, "top_k") and isinstance(getattr(g, "weight", None), torch.nn.Parameter):
             m.gate = router_cls(g, **kw)
+            cfg = getattr(getattr(m, "experts", None), "config", None)
+            if getattr(cfg, "_experts_implementation", "eager") != "eager":
+                cfg._experts_implementation = "eager"
             n += 1
     return n

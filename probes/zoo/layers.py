@@ -1,0 +1,210 @@
+"""The kinds of layer a config lists, and which layers a shrunk model keeps so that it holds
+at least one of each.
+
+A config names its layers' kinds in several ways (transformers 5.24):
+  per-layer lists     layer_types, layers_block_type, mlp_layer_types, attention_layers,
+                      no_rope_layers, ...: one entry per layer
+  index lists         attn_layer_indices, full_attn_idxs, hybrid_layer_ids, moe_layers: the
+                      layers of one kind (strictly increasing layer numbers)
+  cyclic patterns     recurrent_gemma's block_types ('recurrent', 'recurrent', 'attention'),
+                      repeated over the depth
+  periods             jamba's attn_layer_period / attn_layer_offset
+The per-layer kinds are read with getattr, so the properties and attribute maps that derive
+them (bamba's layers_block_type from attn_layer_indices, recurrent_gemma's from block_types)
+are read as the model reads them.
+
+Steps of `plan(cfg, full)`:
+  1. each layer's signature: its entry in every per-layer list, its membership of every index
+     list, its entry of every cyclic pattern;
+  2. the first layer of each signature, in order (at least 2 layers); where that needs more
+     than MAX_LAYERS layers, a greedy cover of every (list, kind) pair instead;
+  3. `apply` cuts the stored per-layer lists to those layers, renumbers the index lists and
+     writes the cyclic patterns out over the kept layers.
+`kinds(cfg)` is what `shrink` checks afterwards: a shrunk config that lost a kind is refused
+(a listed failure), never built silently without it.
+
+A default config may hold one kind of a hybrid whose released checkpoints hold several
+(granitemoehybrid and bamba default to Mamba layers only, lfm2 to attention only). The kinds a
+model can take are read from its modeling file: the keys of the per-kind mask mapping its
+forward builds (`causal_mask_mapping = {"full_attention": ..., "linear_attention": ...}`).
+`widen(cfg, model_type)` gives such a config one layer of every kind its mask mapping names.
+"""
+from __future__ import annotations
+
+import re
+
+__all__ = ["kinds", "plan", "apply", "source_kinds", "widen", "MAX_LAYERS", "KIND_FIELDS"]
+
+MAX_LAYERS = 6           # enough for one layer of each kind at tiny cost
+_MAX_COVER = 8           # a greedy cover may take up to this many when the kinds need them
+# per-layer kind lists read with getattr (some are properties or attribute-map aliases)
+KIND_FIELDS = ("layer_types", "layers_block_type", "mlp_layer_types", "attention_layers",
+               "attn_layers", "no_rope_layers", "indexer_types", "block_types")
+# attention kinds (a mask separates documents); the others carry state along the sequence
+_ATTENTION = frozenset({"full_attention", "sliding_attention", "chunked_attention", "indexed_attention"})
+_INDEX_NAME = re.compile(r"(idx|idxs|indices|ids|_layers)$")
+
+
+def _get(cfg, name):
+    try:
+        return getattr(cfg, name, None)
+    except Exception:  # noqa: BLE001 - a property that cannot be computed lists nothing
+        return None
+
+
+def _is_index_list(name: str, v, full: int) -> bool:
+    return (bool(_INDEX_NAME.search(name)) and isinstance(v, (list, tuple)) and len(v) > 0
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+            and all(a < b for a, b in zip(v, v[1:])) and 0 <= v[0] and v[-1] < full)
+
+
+def _is_per_layer(v, full: int) -> bool:
+    return (isinstance(v, (list, tuple)) and len(v) == full
+            and all(isinstance(e, (str, int, float, bool)) for e in v))
+
+
+def _fields(cfg, full: int) -> tuple[dict, dict, dict]:
+    """(per-layer lists, index lists, cyclic patterns) of cfg, each {name: value}."""
+    per, idx, cyc = {}, {}, {}
+    names = [k for k in vars(cfg) if not k.startswith("_")] + list(KIND_FIELDS)
+    for name in dict.fromkeys(names):
+        v = _get(cfg, name)
+        if _is_index_list(name, v, full) and not (len(v) == full and name in KIND_FIELDS):
+            idx[name] = list(v)
+        elif _is_per_layer(v, full):
+            per[name] = list(v)
+        elif (name in KIND_FIELDS and isinstance(v, (list, tuple)) and 1 < len(v) < full
+              and all(isinstance(e, str) for e in v)):
+            cyc[name] = list(v)
+    return per, idx, cyc
+
+
+def kinds(cfg, full: int | None = None) -> dict[str, frozenset]:
+    """{field: the set of kinds its layers take} for every per-layer list, index list
+    (membership: True / False) and cyclic pattern of cfg."""
+    from trainprobes.zoo.shrink import _layers_of
+    if full is None:
+        full = _layers_of(cfg)[1]
+    if not full:
+        return {}
+    per, idx, cyc = _fields(cfg, full)
+    out = {k: frozenset(map(repr, v)) for k, v in per.items()}
+    out.update({k: frozenset(repr(i in set(v)) for i in range(full)) for k, v in idx.items()})
+    out.update({k: frozenset(map(repr, v[:full])) for k, v in cyc.items()})
+    return out
+
+
+def _signatures(cfg, full: int) -> list[tuple]:
+    per, idx, cyc = _fields(cfg, full)
+    sets = {k: set(v) for k, v in idx.items()}
+    return [tuple(repr(v[i]) for v in per.values()) + tuple(i in s for s in sets.values())
+            + tuple(v[i % len(v)] for v in cyc.values()) for i in range(full)]
+
+
+def plan(cfg, full: int) -> list[int]:
+    """The layers (numbers in the full model, increasing) a shrunk model keeps: one of each
+    signature, at least 2; a greedy cover of every field's kinds where the signatures need
+    more than MAX_LAYERS."""
+    sig = _signatures(cfg, full)
+    first = list(dict.fromkeys(sig))
+    keep = sorted(sig.index(s) for s in first)
+    if len(keep) > MAX_LAYERS:
+        want = {(f, s[f]) for s in sig for f in range(len(s))}
+        keep = []
+        while want:
+            best = max(range(full), key=lambda i: (len({(f, sig[i][f]) for f in range(len(sig[i]))} & want), -i))
+            keep.append(best)
+            want -= {(f, sig[best][f]) for f in range(len(sig[best]))}
+        keep = sorted(keep)
+    for i in range(full):   # at least 2 layers: a pass through a layer boundary
+        if len(keep) >= min(2, full):
+            break
+        if i not in keep:
+            keep = sorted(keep + [i])
+    return keep[:_MAX_COVER]
+
+
+def apply(cfg, full: int, keep: list[int], changed: dict, prefix: str = "") -> None:
+    """Cut cfg's stored per-layer lists to `keep`, renumber its index lists and write its
+    cyclic patterns out over the kept layers (the depth itself is set by the caller)."""
+    stored = vars(cfg)
+    per, idx, cyc = _fields(cfg, full)
+    where = {j: n for n, j in enumerate(keep)}
+    for name, v in per.items():
+        if name in stored and stored[name] is not None:
+            old = stored[name]
+            new = [old[i] for i in keep]
+            setattr(cfg, name, type(old)(new) if isinstance(old, (list, tuple)) else new)
+            changed[prefix + name] = (f"{full} entries", f"{len(keep)} entries")
+    for name, v in idx.items():
+        if name in stored and stored[name] is not None:
+            new = [where[i] for i in v if i in where]
+            setattr(cfg, name, type(stored[name])(new))
+            changed[prefix + name] = (list(v), new)
+    for name, v in cyc.items():
+        if name in stored and stored[name] is not None:
+            new = [v[i % len(v)] for i in keep]
+            setattr(cfg, name, type(stored[name])(new))
+            changed[prefix + name] = (list(v), new)
+
+
+_MAPPING = re.compile(r"causal_mask_mapping\s*=\s*\{(.*?)\n\s*\}", re.S)
+_KEY = re.compile(r'"([a-z_0-9]+)"\s*:')
+_SET_KEY = re.compile(r'causal_mask_mapping\["([a-z_0-9]+)"\]\s*=')
+
+
+def source_kinds(model_type: str) -> frozenset:
+    """The layer kinds the model type's modeling file builds a mask for: the string keys of
+    its `causal_mask_mapping` (empty where it builds none, or the source cannot be read)."""
+    import inspect
+    import sys
+
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as names
+    try:
+        src = inspect.getsource(sys.modules[getattr(transformers, names[model_type]).__module__])
+    except (OSError, TypeError, KeyError, AttributeError):
+        return frozenset()
+    keys = set(_SET_KEY.findall(src))
+    for m in _MAPPING.finditer(src):
+        keys |= set(_KEY.findall(m.group(1)))
+    return frozenset(keys)
+
+
+def widen(cfg, model_type: str, changed: dict, prefix: str = "") -> None:
+    """Where cfg's layer_types takes only some of the kinds its modeling file masks for (and
+    nothing else), give the kept layers one of each, in the mapping's order after those the
+    config had; index lists of attention layers (attn_layer_indices, full_attn_idxs) follow
+    the "full_attention" layers. A config that uses kinds the mapping does not name (falcon_h1's
+    'hybrid' layers carry both) is left as it is."""
+    from trainprobes.zoo.shrink import _layers_of
+    want = source_kinds(model_type)
+    _, n = _layers_of(cfg)
+    have = _get(cfg, "layer_types")
+    if not want or not n:
+        return
+    have = list(have) if have is not None else []
+    if have and not set(have) <= want:
+        return
+    # only the other family's kinds: a recurrent layer where the default is all attention,
+    # attention where it is all recurrent (qwen2's optional sliding layers stay optional)
+    attention_only = bool(have) and set(have) <= _ATTENTION
+    recurrent_only = bool(have) and not set(have) & _ATTENTION
+    missing = sorted(k for k in want - set(have) if not (attention_only and k in _ATTENTION)
+                     and not (recurrent_only and k not in _ATTENTION)
+                     and (k != "sliding_attention" or _get(cfg, "sliding_window")))
+    if not missing or len(set(have) | set(missing)) > n:
+        return
+    base = have[:n] if len(have) >= n else (have + [have[-1] if have else missing[0]] * n)[:n]
+    # the last layers take the missing kinds: the first keeps the default's kind
+    new = base[:n - len(missing)] + missing
+    stored = vars(cfg)
+    attn = [i for i, k in enumerate(new) if k == "full_attention"]
+    for name in list(stored):
+        if re.search(r"attn|attention", name) and _INDEX_NAME.search(name) and (
+                stored[name] is None or isinstance(stored[name], (list, tuple))):
+            changed[prefix + name] = (stored[name], attn)
+            setattr(cfg, name, attn)
+    if "layer_types" in stored:
+        setattr(cfg, "layer_types", new)
+    changed[prefix + "layer_types:widened"] = (f"{sorted(set(have))} only", new)

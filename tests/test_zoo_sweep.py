@@ -1,0 +1,80 @@
+"""The sweep's machinery with a stub worker (the real one imports torch and transformers: ~9 s):
+every model type gets a row, a hang or a crash costs that row only and says why, finished rows
+are not run again, a worker is replaced after `recycle` rows, and a worker count the machine
+cannot hold is refused before anything starts."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from trainprobes.budget import TooLarge
+from trainprobes.zoo.sweep import load_rows, sweep, to_map
+
+STUB = r'''
+import json, os, sys, time
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    mt = line.strip()
+    if mt == "hang":
+        time.sleep(60)
+    if mt == "die":
+        print("the stub dies", file=sys.stderr, flush=True)
+        os._exit(7)
+    cell = {"model_type": mt, "probe": "batch", "variant": "", "verdict": "invariant", "number": 0.0,
+            "what": "", "reason": f"pid {os.getpid()}", "expected": None, "finding": False, "seconds": 0.0}
+    print(json.dumps({"model_type": mt, "cells": [cell], "seconds": 0.01, "peak_rss_mb": 1.0}), flush=True)
+'''
+
+
+@pytest.fixture
+def stub(tmp_path):
+    path = tmp_path / "stub.py"
+    path.write_text(STUB)
+    return [sys.executable, str(path)]
+
+
+def test_every_type_gets_a_row_and_a_hang_or_crash_costs_one_row(tmp_path, stub):
+    lines = []
+    rows = sweep(["a", "hang", "b", "die", "c"], tmp_path / "rows.jsonl", workers=2, timeout=3,
+                 memory_mb=0, progress=lines.append, command=stub)
+    assert sorted(rows) == ["a", "b", "c", "die", "hang"]
+    hang, die = rows["hang"]["cells"][0], rows["die"]["cells"][0]
+    assert hang["verdict"] == "error" and hang["reason"].startswith("timeout: no row after 3 s")
+    assert die["verdict"] == "error" and "worker exited 7" in die["reason"] and "the stub dies" in die["reason"]
+    assert all(rows[m]["cells"][0]["verdict"] == "invariant" for m in "abc")
+    assert len(lines) == 6 and lines[-1].startswith("[5/5]")
+    assert "the stub dies" in (tmp_path / "rows.log").read_text()   # the workers' stderr, kept
+
+
+def test_finished_rows_are_not_run_again(tmp_path, stub):
+    jsonl = tmp_path / "rows.jsonl"
+    sweep(["a", "b"], jsonl, workers=1, memory_mb=0, progress=None, command=stub)
+    before = jsonl.read_text()
+    lines = []
+    rows = sweep(["a", "b", "c"], jsonl, workers=1, memory_mb=0, progress=lines.append, command=stub)
+    assert jsonl.read_text().startswith(before) and len(jsonl.read_text().splitlines()) == 3
+    assert lines[0].startswith("zoo: 2 rows already") and sorted(rows) == ["a", "b", "c"]
+    assert sorted(load_rows(jsonl)) == ["a", "b", "c"]
+
+
+def test_a_worker_is_replaced_after_recycle_rows(tmp_path, stub):
+    rows = sweep(list("abcde"), tmp_path / "rows.jsonl", workers=1, recycle=2, memory_mb=0,
+                 progress=None, command=stub)
+    pids = [rows[m]["cells"][0]["reason"] for m in "abcde"]
+    assert pids[0] == pids[1] != pids[2] == pids[3] != pids[4]
+
+
+def test_a_sweep_the_machine_cannot_hold_is_refused_before_it_starts(tmp_path, stub, monkeypatch):
+    import trainprobes.budget as budget
+    monkeypatch.setattr(budget, "available_bytes", lambda: 1 << 30)
+    with pytest.raises(TooLarge, match="fewer --workers"):
+        sweep(["a"], tmp_path / "rows.jsonl", workers=4, progress=None, command=stub)
+    assert not (tmp_path / "rows.jsonl").exists()
+
+
+def test_the_map_holds_versions_rows_and_the_largest_peak(tmp_path, stub):
+    rows = sweep(["b", "a"], tmp_path / "rows.jsonl", workers=1, memory_mb=0, progress=None, command=stub)
+    m = to_map(rows, wall_seconds=1.5)
+    assert list(m["rows"]) == ["a", "b"] and m["peak_rss_mb"] == 1.0 and m["wall_seconds"] == 1.5
+    assert m["versions"]["transformers"] and json.loads(json.dumps(m)) == m
