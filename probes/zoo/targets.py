@@ -17,8 +17,8 @@ import inspect
 import torch
 from trainprobes.errors import InvalidArgument, TargetError
 from trainprobes.isolation.hf import sliding_window
-from trainprobes.zoo.fp64 import run_in_float64
 from trainprobes.isolation.packing import Packing
+from trainprobes.zoo.fp64 import run_in_float64
 
 __all__ = ["CONVENTIONS", "ZooPacked", "Routing", "fp64_copy"]
 
