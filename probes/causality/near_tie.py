@@ -9,10 +9,11 @@ the margin small by construction:
      x[b, t], the input's own and another, with different decisions at t.
   2. Bisect the segment between them (every candidate in one call, one call per step) until
      the two ends are ~2^-20 apart, or adjacent floats: a bracket [lo, hi] around the tie.
-  3. Run both ends with the future replaced, and unchanged, in two calls of the same layout
-     (row for row: rounding that depends on a row's place or the batch size is the same in
-     both). A causal target cannot move either decision; a leak that shifts the boundary by
-     more than the bracket moves exactly one of them.
+  3. Run both ends with the future replaced, and unchanged (twice), in calls of the same
+     layout (row for row: rounding that depends on a row's place or the batch size is the
+     same in each). Two unchanged calls that disagree are nondeterminism (TP-C2): at a tie any
+     run-to-run noise flips a choice. A causal target cannot move either decision; a leak
+     that shifts the boundary by more than the bracket moves exactly one of them.
   4. A flip is a leak (structural) if it persists farther from the tie than reordered
      reductions could reach, max(32, T) ulps of relative input distance (the bound classify
      uses for a score gap),
@@ -32,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from trainprobes.causality.classify import Judge, Kind, Outputs, reduction_ulps
+from trainprobes.causality.classify import Judge, Kind, Nondeterministic, Outputs, reduction_ulps
 from trainprobes.causality.target import Target, differs
 
 __all__ = ["NearTies", "search", "skipped"]
@@ -117,6 +118,13 @@ def search(judge: Judge, tgt: Target, R: torch.Tensor, cuts: list, *, points: in
     dec = torch.cat([calls(base_x), calls(_future(base_x, tt, trial[bb]))])
     n = 2 * len(b)
     idx = torch.arange(n)
+    # the unchanged ends once more, same layout: at a tie any nondeterminism flips a decision,
+    # and a flip that two identical calls disagree on is TP-C2, never a leak (nor a pass)
+    again = differs(dec[:n], calls(base_x), judge.atol)
+    if again.any():
+        where = again.nonzero()
+        raise Nondeterministic([[int(bb[i]), int(p)] for i, p in where[:10].tolist()],
+                               int(again.sum()))
     held = ~differs(torch.cat([d for _, d in ends])[:, None], dec[idx, tt][:, None], judge.atol)[:, 0]
     moved = differs(dec[idx, tt][:, None], dec[n + idx, tt][:, None], judge.atol)[:, 0] & held
     alpha = torch.cat([a for a, _ in ends])

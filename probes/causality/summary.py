@@ -297,7 +297,7 @@ def nondeterministic(common: dict, setup: Setup, name: str, where: list, count: 
                   evidence={"nondeterministic_positions": where, "mode": setup.mode,
                             "shape": setup.shape},
                   message=f"{name} gave different outputs on the same input at {count} "
-                          f"tokens (first (batch, position): {where[:3]}); nondeterminism "
+                          f"token{'s' if count != 1 else ''} (first (batch, position): {where[:3]}); nondeterminism "
                           f"is not a causality verdict: make the target deterministic "
                           f"(.eval() for dropout and router jitter, fixed seeds, "
                           f"torch.use_deterministic_algorithms) and probe again")
