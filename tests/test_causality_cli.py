@@ -167,3 +167,30 @@ def test_a_float_router_without_hidden_is_told_to_pass_it(here, capsys):
 def test_unimportable_targets_say_the_fix(here, capsys, spec, match):
     code, _, err = run(capsys, "--target", spec, "--hidden", "16")
     assert code == 2 and match in err
+
+
+def test_a_nondeterministic_target_cannot_be_judged_exit_2(capsys, tmp_path, monkeypatch):
+    """Nondeterminism is not a causality verdict: causal=None beside fail is a cannot-judge (2),
+    never a finding (1) nor a pass."""
+    (tmp_path / "noisy_router.py").write_text(
+        "import torch\n\ndef route(x):\n    return (x + 1e-2 * torch.randn(x.shape)).argmax(-1)\n")
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run(capsys, "--target", "noisy_router:route", "--seq-len", "16", "--batch", "2",
+                       "--hidden", "8", "--json")
+    r = json.loads(out)["results"][0]
+    assert r["metrics"]["causal"] is None and "TP-C2" in r["codes"]
+    assert code == 2
+
+
+def test_exit_for_a_finding_wins_over_an_unknown():
+    from trainprobes.commands.options import exit_for
+    from trainprobes.result import Result
+    leak = Result(probe="causality.check", target="a", verdict="fail", codes=["TP-C1"],
+                  metrics={"causal": False})
+    unknown = Result(probe="causality.check", target="b", verdict="fail", codes=["TP-C2"],
+                     metrics={"causal": None})
+    fine = Result(probe="causality.check", target="c", verdict="pass", metrics={"causal": True})
+    errored = Result(probe="numerics.bias", target="d", verdict="error", codes=["TP-E1"])
+    assert exit_for([fine]) == 0
+    assert exit_for([fine, unknown]) == 2 and exit_for([errored]) == 2
+    assert exit_for([unknown, leak, errored]) == 1

@@ -6,6 +6,7 @@ from trainprobes.commands.options import (
     add_progress_options,
     add_report_options,
     emit_report,
+    exit_for,
     parse_dtype,
     progress_for,
 )
@@ -143,6 +144,4 @@ def run(args) -> int:
 
 def _exit_status(results) -> int:
     # an errored probe (TP-E1) measured nothing: exit 2 like `trainprobes audit`, never 0
-    if any(r.verdict == "error" for r in results):
-        return 2
-    return 1 if any(r.verdict == "fail" for r in results) else 0
+    return exit_for(results)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import itertools
 
-from trainprobes.commands.options import add_progress_options, add_report_options, emit_report, progress_for
+from trainprobes.commands.options import (
+    add_progress_options,
+    add_report_options,
+    emit_report,
+    exit_for,
+    progress_for,
+)
 from trainprobes.errors import InvalidArgument, TargetError
 from trainprobes.validation import parse_choice, parse_int, parse_number, parse_with
 
@@ -132,7 +138,7 @@ def run(args) -> int:
     emit_report(args, [res])
     if not args.json:
         print(format_result(res, show=args.show))
-    return 1 if res.verdict == "fail" else 0
+    return exit_for([res])
 
 
 def _controls(args) -> int:

@@ -177,7 +177,8 @@ def _documents(args):
                       target=name, progress=p.step)
     if not args.json:
         print(format_documents(r))
-    return [r], 1 if r.verdict == "fail" else 0
+    from trainprobes.commands.options import exit_for
+    return [r], exit_for([r])
 
 
 def _load_tokens(path: str):
@@ -308,7 +309,8 @@ def _batch(args):
     if not args.json:
         print(r.summary_line())
         print(format_sizes(r))
-    return [r], 1 if r.verdict == "fail" else 0
+    from trainprobes.commands.options import exit_for
+    return [r], exit_for([r])
 
 
 def format_sizes(r) -> str:

@@ -256,3 +256,22 @@ def progress_for(args, what: str, total: int | None = None, *, unit: str = "", s
     stream = sys.stderr if stream is None else stream
     return Progress(what, total, unit=unit, stream=stream, limit=limit,
                     quiet=not progress_wanted(args, stream))
+
+
+# --- the exit code a command's Results give -----------------------------------------------
+
+def exit_for(results) -> int:
+    """0 pass, 1 a finding, 2 cannot judge (trainprobes.exits): a Result that errored, or failed
+    with its verdict boolean None (nothing could decide it: an unverified leak, a
+    nondeterministic target), is a cannot-judge, not a finding. A definite finding anywhere
+    wins, so a run with one leak and one unknown exits 1."""
+    from trainprobes.result import PROBES
+    findings = unjudged = False
+    for r in results:
+        spec = PROBES.get(r.probe)
+        flag = r.metrics.get(spec.flag) if spec is not None and spec.flag else False
+        if r.verdict == "error" or (r.verdict == "fail" and flag is None):
+            unjudged = True
+        elif r.verdict == "fail":
+            findings = True
+    return 1 if findings else 2 if unjudged else 0
