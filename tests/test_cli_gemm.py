@@ -68,3 +68,10 @@ def test_impact_table_and_exit_status(capsys):
     assert code == 1 and "accumulator share" in out and "bf16 x h200-scaled-mm" in out
     assert main(["gemm", "--impact", "--k", "512,1024"]) == 2
     assert "one --k" in capsys.readouterr().err
+
+
+def test_a_significant_bias_within_tolerance_is_not_shown_as_noise():
+    from trainprobes.commands.gemm import _shown
+    assert _shown({"gemm_verdict": "noise", "ci_low": -9.9e-5, "ci_high": -9.6e-5}) == "bias<tol"
+    assert _shown({"gemm_verdict": "noise", "ci_low": -1e-6, "ci_high": 2e-6}) == "noise"
+    assert _shown({"gemm_verdict": "biased", "ci_low": -3e-2, "ci_high": -2e-2}) == "biased"

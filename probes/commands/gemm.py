@@ -176,6 +176,14 @@ def _impact(args) -> int:
     return 1 if r.verdict == "fail" else 0
 
 
+def _shown(m: dict) -> str:
+    """The verdict column: a 'noise' whose CI excludes 0 is a real bias shown to lie within
+    the tolerance, which a reader should not mistake for rounding noise."""
+    if m["gemm_verdict"] == "noise" and (m["ci_low"] > 0 or m["ci_high"] < 0):
+        return "bias<tol"
+    return m["gemm_verdict"]
+
+
 def run(args) -> int:
     if args.impact:
         return _impact(args)
@@ -191,7 +199,7 @@ def run(args) -> int:
             rows.append((r.target, str(m["k"]), f"{m['relative_bias']:+.2e}",
                          f"[{m['ci_low']:+.1e}, {m['ci_high']:+.1e}]", f"{m['max_relative_error']:.2e}",
                          f"{m['sqnr_db']:.1f}", f"{m['growth_exponent']:.2f}", f"{m['stall_k']:g}",
-                         f"{m['promote_every_needed']:g}", m["gemm_verdict"]))
+                         f"{m['promote_every_needed']:g}", _shown(m)))
         w = [max(len(t[i]) for t in rows) for i in range(len(head))]
         for k, t in enumerate(rows):
             print("  ".join(c.ljust(x) if i in (0, 9) else c.rjust(x) for i, (c, x) in enumerate(zip(t, w))))
@@ -200,7 +208,9 @@ def run(args) -> int:
         print("\nrelative bias: sum(sign(ref) (out - ref)) / sum |ref| over sampled outputs (< 0: too "
               "small); max err: max |out - ref| / rms(ref); growth: exponent of the accumulator's "
               "error in K (~0.5 noise, ~1 bias); N_C needed: fp32 promotion interval that keeps the "
-              "bias within tolerance (K: none needed, nan: none found)")
+              "bias within tolerance (K: none needed, nan: none found); bias<tol: a bias whose "
+              f"whole CI lies within the tolerance ({results[0].metrics['tolerance']:g}), passed"
+              if results else "")
         if results:
             print(f"{results[0].evidence['sampling']}")
             for ops in dict.fromkeys(r.evidence["operands"] for r in results if "operands" in r.evidence):
