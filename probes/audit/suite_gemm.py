@@ -102,7 +102,7 @@ def gemm_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
     """The presets' known verdicts (controls) and this machine's fp8 GEMM accumulator
     (stack: on the GPU where it has fp8 GEMMs, else the CPU kernel)."""
     import torch
-    from trainprobes.audit.suites import _cuda
+    from trainprobes.audit.machine import cuda_missing as _cuda
     device = "cpu"
     if _cuda() is None and torch.cuda.get_device_capability(0) >= (8, 9):
         device = "cuda"

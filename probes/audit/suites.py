@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from trainprobes.audit.localize_family import localize_checks
+from trainprobes.audit.machine import cuda_missing
 from trainprobes.audit.run import Check
 from trainprobes.audit.suite_gemm import gemm_checks
 from trainprobes.audit.zoo_family import zoo_checks
@@ -41,14 +42,7 @@ def _available(module: str) -> bool:
 
 
 def _cuda() -> str | None:
-    """Why there is no usable CUDA device here, or None when there is one."""
-    import torch
-    try:
-        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-            return None
-    except Exception as e:  # a broken driver: say so, run the rest
-        return f"CUDA unusable: {e}"
-    return "no CUDA device"
+    return cuda_missing()
 
 
 def _nccl() -> str | None:

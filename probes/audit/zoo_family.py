@@ -55,7 +55,8 @@ def zoo_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
         return out
 
     def findings():
-        from trainprobes.zoo.findings import FINDINGS, measure
+        from trainprobes.zoo.confirm import measure
+        from trainprobes.zoo.findings import FINDINGS
         # one finding per reproduction and call (the same cause in 18 model types is one check);
         # the finding's verdict is the known one: leaky / non-causal are the probe's "fail"
         firsts = list({(f.script, f.call): f for f in reversed(FINDINGS)}.values())[::-1]

@@ -221,9 +221,8 @@ def run(args) -> int:
         return 1
     unjudged = [r.target for r in results if r.metrics.get("gemm_verdict") == "inconclusive"]
     if unjudged:  # fail closed: a sample that cannot rule a bias out never passes
-        import sys
-        print(f"cannot judge {len(unjudged)} GEMM(s) at the tolerance ({', '.join(unjudged[:4])}"
-              f"{', ...' if len(unjudged) > 4 else ''}): their CI holds 0 and reaches past it; raise "
-              "--samples or state a --tolerance", file=sys.stderr)
-        return 2
+        from trainprobes.errors import CannotJudge
+        raise CannotJudge(f"cannot judge {len(unjudged)} GEMM(s) at the tolerance ({', '.join(unjudged[:4])}"
+                          f"{', ...' if len(unjudged) > 4 else ''}): their CI holds 0 and reaches past "
+                          "it; raise --samples or state a --tolerance")
     return 0

@@ -95,7 +95,8 @@ def _findings(args) -> int:
     import warnings
     warnings.filterwarnings("ignore")
     from trainprobes.commands.options import progress_for
-    from trainprobes.zoo.findings import FINDINGS, rerun
+    from trainprobes.zoo.confirm import rerun
+    from trainprobes.zoo.findings import FINDINGS
     missed = 0
     rows, reruns = [], []
     with progress_for(args, "zoo --findings", len(FINDINGS), unit="findings") as p:

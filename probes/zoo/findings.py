@@ -1,14 +1,14 @@
 """Confirmed zoo findings, kept as controls: each names the cell, the verdict it had when
 confirmed, the call (bug or by design) and the library code that causes it, and the
 reproduction script (transformers and torch pinned, no downloads, exit 0 when it reproduces).
-`rerun()` measures the cell again: a library upgrade that changes it shows as a control no
-longer reproduced. `annotate(cells)` writes the call into the map's cells: a cell confirmed
+trainprobes.zoo.confirm measures each again: a library upgrade that changes it shows as a
+control no longer reproduced. `annotate(cells)` writes the call into the map's cells: a cell confirmed
 by design is no longer counted as a finding, and says why."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Finding", "FINDINGS", "rerun", "measure", "annotate"]
+__all__ = ["Finding", "FINDINGS", "annotate"]
 
 
 @dataclass(frozen=True)
@@ -101,28 +101,3 @@ def annotate(cells) -> None:
             c.reason += f"; by design ({f.cause}: {f.script})"
         else:
             c.reason += f"; confirmed bug ({f.cause}: {f.script})"
-
-
-def measure(f: Finding, seed: int = 0):
-    """The finding's cell measured now (a Cell; verdict 'error' where the model cannot be built)."""
-    import torch
-    from trainprobes.zoo.cells import Cell, batch_cell, isolation_cell, router_cells
-    from trainprobes.zoo.shrink import Failure, build
-    impl = f.variant.split(",")[0] if f.probe == "isolation" else None
-    b = build(f.model_type, attn_implementation=impl, seed=seed)
-    if isinstance(b, Failure):
-        return Cell(f.model_type, f.probe, f.variant, "error", None, "", f"cannot build: {b.reason}")
-    with torch.no_grad():
-        if f.probe == "isolation":
-            return isolation_cell(f.model_type, b.model, impl, f.variant.split(",")[1], seed)
-        if f.probe == "router":
-            return router_cells(f.model_type, b.model, seed, modes=(f.variant,))[0]
-        if f.probe == "batch":
-            return batch_cell(f.model_type, b.model, seed)
-    raise NotImplementedError(f"a {f.probe} finding cannot be measured again")
-
-
-def rerun(f: Finding, seed: int = 0) -> tuple[bool, str]:
-    """(reproduced, the cell's verdict and reason now)."""
-    c = measure(f, seed)
-    return c.verdict == f.verdict, f"{c.verdict}: {c.reason}"

@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["kinds", "plan", "apply", "source_kinds", "widen", "MAX_LAYERS", "KIND_FIELDS"]
+__all__ = ["layer_count", "kinds", "plan", "apply", "source_kinds", "widen", "MAX_LAYERS", "KIND_FIELDS"]
 
+# the names configs give their layer count, first match wins
+LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_decoder_layers", "decoder_layers")
 MAX_LAYERS = 6           # enough for one layer of each kind at tiny cost
 _MAX_COVER = 8           # a greedy cover may take up to this many when the kinds need them
 # per-layer kind lists read with getattr (some are properties or attribute-map aliases)
@@ -79,12 +81,20 @@ def _fields(cfg, full: int) -> tuple[dict, dict, dict]:
     return per, idx, cyc
 
 
+def layer_count(cfg) -> tuple[str | None, int | None]:
+    """(the config's layer-count attribute, its value), or (None, None) where it has none."""
+    for name in LAYER_COUNTS:
+        v = getattr(cfg, name, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return name, v
+    return None, None
+
+
 def kinds(cfg, full: int | None = None) -> dict[str, frozenset]:
     """{field: the set of kinds its layers take} for every per-layer list, index list
     (membership: True / False) and cyclic pattern of cfg."""
-    from trainprobes.zoo.shrink import _layers_of
     if full is None:
-        full = _layers_of(cfg)[1]
+        full = layer_count(cfg)[1]
     if not full:
         return {}
     per, idx, cyc = _fields(cfg, full)
@@ -177,9 +187,8 @@ def widen(cfg, model_type: str, changed: dict, prefix: str = "") -> None:
     config had; index lists of attention layers (attn_layer_indices, full_attn_idxs) follow
     the "full_attention" layers. A config that uses kinds the mapping does not name (falcon_h1's
     'hybrid' layers carry both) is left as it is."""
-    from trainprobes.zoo.shrink import _layers_of
     want = source_kinds(model_type)
-    _, n = _layers_of(cfg)
+    _, n = layer_count(cfg)
     have = _get(cfg, "layer_types")
     if not want or not n:
         return

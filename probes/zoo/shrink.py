@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from trainprobes.errors import InvalidArgument
 from trainprobes.zoo import layers
-from trainprobes.zoo.layers import MAX_LAYERS
+from trainprobes.zoo.layers import MAX_LAYERS, layer_count
 
 __all__ = ["shrink", "build", "survey", "Built", "Failure", "causal_lm_types", "SIZES", "MAX_PARAMS", "all_configs"]
 
@@ -69,7 +69,6 @@ SIZES = {
     **dict.fromkeys(("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
                      "max_sequence_length", "n_ctx", "original_max_position_embeddings"), 256),
 }
-LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_decoder_layers", "decoder_layers")
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "cls_token_id",
               "decoder_start_token_id", "mask_token_id", "unk_token_id")
 
@@ -99,14 +98,6 @@ def causal_lm_types() -> list[str]:
     """Every model type transformers registers for AutoModelForCausalLM, sorted."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-
-
-def _layers_of(cfg) -> tuple[str | None, int | None]:
-    for name in LAYERS:
-        v = getattr(cfg, name, None)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return name, v
-    return None, None
 
 
 # (expand, heads, head dim) of a Mamba-2 mixer: the config checks heads * head dim == expand *
@@ -164,7 +155,7 @@ def _shrink_one(cfg, changed: dict, prefix: str = "") -> None:
                 and max(v) > size:   # a size per layer (gemma3n's intermediate_size)
             setattr(cfg, name, [min(e, size) for e in v])
             changed[prefix + name] = (f"per layer, up to {max(v)}", f"per layer, up to {size}")
-    lname, full = _layers_of(cfg)
+    lname, full = layer_count(cfg)
     if lname is not None and full > 2:
         keep = layers.plan(cfg, full)
         for i in range(full):      # a depth a step pattern needs, filled with the first layers
