@@ -88,7 +88,8 @@ def test_an_undeclared_bf16_wire_fails_and_says_how_to_declare_it(results):
     (UserStep(M + "forgetful_step"), InvalidArgument,
      r"returned no gradient for 2 parameter\(s\) on any rank, e.g. \['4.weight', '4.bias'\]"),
     (UserStep(M + "plain_step", setup_fn=M + "plain_setup", partitions=u.bad_partitions), InvalidArgument,
-     r"partitions\['3.weight'\] does not tile the parameter"),
+     r"partitions\['3.weight'\]: rank \d holds a piece of shape \(4, 4\), which is not a slice along dim 0 "
+     r"of the parameter \(4, 8\)"),
     (UserStep(M + "fsdp_step", setup_fn=M + "renaming_setup"), InvalidArgument,
      r"missing 8 parameter\(s\) of the single-device model: '0.weight' \(closest found: \['net.0.weight'\]\)"),
 ])

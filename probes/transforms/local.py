@@ -25,7 +25,7 @@ import time
 
 import torch
 from trainprobes.transforms.base import RankContext
-from trainprobes.transforms.judge import sums
+from trainprobes.transforms.judge import rounded, sums
 from trainprobes.transforms.rank_case import (
     DTYPES,
     RankCase,
@@ -43,7 +43,7 @@ _BIG = 2 ** 62
 def fingerprint(x: torch.Tensor) -> torch.Tensor:
     """[T] int64: a weighted sum of the bits of each trial's values (any changed bit changes
     it, barring a 2^-62 collision); x [T, numel] in its own dtype."""
-    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
     v = x.contiguous().view(bits).to(torch.int64)
     w = torch.arange(1, v.shape[1] + 1, dtype=torch.int64) * 2654435761 % (2 ** 31 - 1) + 1
     return (v * w).sum(1)  # int64 arithmetic wraps: still a function of every bit
@@ -120,7 +120,7 @@ def run_case_local(case: RankCase, ctx: RankContext, replica_tol: float) -> dict
                 continue
             rt = r[n][trial:trial + 1]
             G[:, trial, i] = sums(x64, rt)[:, 0]
-            if not torch.equal(x64, rt.to(x.dtype).double()):
+            if not torch.equal(x64, rounded(rt, x.dtype)):
                 exact[i] = 0.0
             if base_ok:
                 bt = bg[n][trial:trial + 1]

@@ -9,8 +9,9 @@ from trainprobes.errors import InvalidArgument
 from trainprobes.transforms.base import RankContext, Transform
 from trainprobes.transforms.step import TrainingStep
 
-DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-
+# the gradient and loss dtypes a rank reports by index (-1: another); append only
+DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+          torch.float8_e5m2, torch.int8, torch.uint8)
 
 
 class RankCase(NamedTuple):

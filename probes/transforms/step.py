@@ -146,10 +146,21 @@ def _as_batch(b, name: str = "batch(generator)") -> dict:
     return dict(b)
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """One shape, one dtype, the same bits (1-byte formats included: torch.equal has no fp8
+    kernel on the CPU; a NaN equals itself, -0 differs from +0)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point():
+        bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        a, b = a.contiguous().view(bits), b.contiguous().view(bits)
+    return torch.equal(a, b)
+
+
 def _same_batch(a: dict, b: dict) -> bool:
     def same(x, y):
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-            return x.shape == y.shape and torch.equal(x, y)
+            return same_bits(x, y)
         return type(x) is type(y) and x == y
     return set(a) == set(b) and all(same(a[k], b[k]) for k in a)
 
@@ -171,7 +182,7 @@ def _differs(pa: dict, pb: dict, kind: str) -> str | None:
         q = pb[name]
         if p.shape != q.shape or p.dtype != q.dtype:
             return f"{name!r} is {tuple(p.shape)} {p.dtype} then {tuple(q.shape)} {q.dtype}"
-        if not torch.equal(p.detach(), q.detach()):
+        if not same_bits(p.detach(), q.detach()):
             return f"{kind} {name!r} holds different values"
     return None
 
@@ -227,7 +238,7 @@ def check_step(step: TrainingStep, seed: int) -> dict:
     if not loss.requires_grad:
         raise InvalidArgument(f"loss={step.loss!r} returned a tensor that does not depend on the "
                               f"model's parameters (requires_grad is False)")
-    if not torch.isfinite(loss.detach()).all():
+    if not torch.isfinite(loss.detach().double()).all():
         raise InvalidArgument(f"loss={step.loss!r} is {loss.item()!r} on trial 0's batch")
     with torch.no_grad():
         again = step.loss(step.forward(m2, b1), b1)
@@ -244,7 +255,8 @@ def _same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit for bit on the CPU; elsewhere within 1e-3 relative (GPU kernels may reduce in
     another order on every call, dropout moves a loss by far more)."""
     if a.device.type == "cpu":
-        return torch.equal(a, b)
+        return same_bits(a, b)
+    a, b = a.double(), b.double()
     return bool(((a - b).abs() <= 1e-3 * a.abs()).all())
 
 
