@@ -152,23 +152,6 @@ def test_an_audit_entry_takes_a_step_and_its_declarations():
 
 
 @pytest.mark.slow
-def test_the_torchrun_entry_runs_the_users_step():
-    import json
-    import subprocess
-
-    from trainprobes.distributed.launcher import free_port
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), "-m", "trainprobes.transforms.torchrun",
-           "--target", M + "step", "--step", "transforms_user_fsdp", "--backend", "gloo",
-           "--trials", "4", "--json"]
-    p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=HERE, capture_output=True,
-                       text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    doc = json.loads(p.stdout[p.stdout.index("{"):])
-    assert doc["metrics"]["transform_verdict"] == "noise" and doc["metrics"]["transform"] == "step"
-
-
-@pytest.mark.slow
 def test_a_trainers_batches_several_inputs_and_num_items_in_batch(results):
     ok, bug = results["lm_ddp_step"], results["lm_ddp_local_mean"]
     assert ok.metrics["equivalent"] is True, ok.message
