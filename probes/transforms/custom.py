@@ -21,7 +21,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
-import torch
 from trainprobes.errors import InvalidType
 from trainprobes.transforms.base import RankContext, StepOutput, Transform, step_loss, zero_grads
 

@@ -21,19 +21,11 @@ Traffic per trial O(parameters' count), not O(world x elements) into one process
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 from trainprobes.transforms.base import RankContext
 from trainprobes.transforms.judge import rounded, sums
-from trainprobes.transforms.rank_case import (
-    DTYPES,
-    RankCase,
-    _checked,
-    _coverage,
-    _import_like_caller,
-    resolve_step,
-)
+from trainprobes.transforms.rank_case import DTYPES, RankCase, _import_like_caller, resolve_step, run_trials
 
 __all__ = ["run_case_local", "fingerprint"]
 
@@ -78,35 +70,17 @@ def run_case_local(case: RankCase, ctx: RankContext, replica_tol: float) -> dict
     losses, has_loss, loss_code, codes, seconds = [], None, -1, None, 0.0
     held, owner, kept = None, None, {}
     state = t.setup(step, ctx)
-    for trial, batch in enumerate(step.batches(seeds)):
-        from trainprobes.transforms.step import to_device
-        batch = to_device(batch, ctx.device)
-        start = time.perf_counter()
-        out = t.run(state, step, batch, ctx)
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize(ctx.device)
-        seconds += time.perf_counter() - start
-        grads = _checked(out, names, shapes, ctx, t.label, trial)
-        returned = torch.tensor([n in grads for n in names], dtype=torch.bool)
+    for tr in run_trials(step, t, state, seeds, names, shapes, ctx):
+        trial, out, grads = tr.index, tr.out, tr.grads
+        seconds += tr.seconds
         if trial == 0:
-            _coverage(returned, list(names), ctx, t.label)
             masks = [torch.zeros(P, dtype=torch.float32, device=ctx.device) for _ in range(ctx.world)]
-            dist.all_gather(masks, returned.float().to(ctx.device))
+            dist.all_gather(masks, tr.returned.float().to(ctx.device))
             held = torch.stack([m.cpu() for m in masks]).bool()          # [world, P]
             owner = held.float().argmax(0)                                # lowest holder
             codes = torch.tensor([DTYPES.index(grads[n].dtype) if n in grads and grads[n].dtype in DTYPES
                                   else -1 for n in names])
-        elif not torch.equal(returned, held[ctx.rank]):
-            from trainprobes.errors import InvalidArgument
-            raise InvalidArgument(f"the step ({t.label}) returned other parameters on trial {trial} "
-                                  f"than on trial 0 (rank {ctx.rank})")
-        if has_loss is None:
             has_loss = out.loss is not None
-        elif has_loss != (out.loss is not None):
-            from trainprobes.errors import InvalidArgument
-            raise InvalidArgument(f"the step ({t.label}) returned a loss on some trials and None on "
-                                  f"others (trial {trial}, rank {ctx.rank}): return it on every trial "
-                                  f"or never")
         for n, i in names.items():
             if n not in grads:
                 continue

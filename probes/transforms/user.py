@@ -29,8 +29,8 @@ from typing import ClassVar
 import torch
 from trainprobes.errors import InvalidArgument, InvalidType, TargetError
 from trainprobes.transforms.base import RankContext, StepOutput, Transform, step_loss
-from trainprobes.transforms.readout import Partition, check_partitions, partition_layout, read_gradients
 from trainprobes.transforms.flat import flat_units
+from trainprobes.transforms.readout import Partition, check_partitions, partition_layout, read_gradients
 from trainprobes.transforms.weights import (
     check_held,
     clear_gradients,
@@ -128,7 +128,9 @@ class UserStep(Transform):
     def setup(self, step, ctx: RankContext):
         fn, setup, parts = self.resolve()
         model = step.model().to(ctx.device)
-        initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        # by parameter and buffer name, not state_dict(): a state-dict hook may rename or
+        # split what it saves (torchtitan's fused QKV saves wq, wk, wv)
+        initial = {k: v.detach().clone() for k, v in [*model.named_parameters(), *model.named_buffers()]}
         proxy = [n for n, p in model.named_parameters() if p.requires_grad]
         wrapped = model
         if setup is not None:
