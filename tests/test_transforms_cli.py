@@ -90,3 +90,28 @@ def test_a_probe_runs_under_torchrun():
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     doc = json.loads(p.stdout[p.stdout.index("{"):])
     assert doc["metrics"]["equivalent"] is True and doc["metrics"]["world"] == 2
+
+
+R = "transforms_review_steps:"
+U = "transforms_user_steps:"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, says", [
+    (["--target", U + "step", "--step", U + "fsdp_step", "--setup", U + "raising_setup"],
+     "setup transforms_user_steps:raising_setup raised on rank 1 of 2: RuntimeError: no such device mesh"),
+    (["--target", U + "step", "--step", U + "forgetful_step", "--setup", U + "fsdp_setup"],
+     "returned no gradient for 2 parameter(s) on any rank, e.g. ['4.weight', '4.bias']"),
+    (["--target", R + "step", "--step", "transforms_user_bad_partition"],
+     "partitions['0.weight'] does not tile the parameter: the pieces of ranks [0, 1] along dim 0 have sizes [8, 8]"),
+    (["--target", R + "short_step", "--step", R + "dp_step", "--setup", R + "plain_ddp_setup"],
+     "ran dry after 3 batch(es); 4 trials need 4"),
+    (["--target", U + "step", "--step", U + "fsdp_step", "--setup", U + "renaming_setup"],
+     "missing 8 parameter(s) of the single-device model: '0.weight' (closest found: ['net.0.weight'])"),
+], ids=["setup raises", "gradients missing", "partition does not tile", "data runs dry", "names mismatch"])
+def test_bad_input_to_a_users_step_exits_2_naming_it(capsys, monkeypatch, args, says):
+    import os
+    monkeypatch.chdir(os.path.dirname(os.path.abspath(__file__)))
+    assert main(["transforms", *args, "--trials", "4", "--timeout", "120"]) == 2
+    err = capsys.readouterr().err
+    assert says in err, err[-2000:]

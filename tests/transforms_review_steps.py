@@ -254,3 +254,12 @@ def uneven_step(model, b, ctx):
     l = loss(model(b["input"]), b)
     l.backward()
     return l.detach()
+
+
+# ---- a data iterable shorter than the trials -----------------------------------------------
+def data_short():
+    g = torch.Generator().manual_seed(0)
+    return [batch_even(g) for _ in range(3)]
+
+
+short_step = TrainingStep(model=model, data=data_short, loss=loss, tokens=tokens, name="short")
