@@ -164,11 +164,15 @@ def test_a_batch_keeps_its_scalars_whole_when_split(lm):
 
 @pytest.mark.slow
 def test_statistics_summed_on_the_ranks_give_the_gathered_verdict_bit_for_bit(results):
-    """No gather (the default) against every gradient sent to rank 0: one judgement."""
+    """No gather (the default) against every gradient sent to rank 0: one judgement; where
+    replicas disagree (the verdict inconsistent) the summed statistics mix the replicas
+    trial by trial, so only the verdict and what it says about the replicas agree."""
     gathered = run_probes(bitwise_cases(), world=2, gather=True)
     for b in gathered:
         a = results[b.target]
         assert a.evidence["statistics"] == "summed on the ranks" != b.evidence["statistics"]
-        assert a.metrics == b.metrics and a.message == b.message
-        assert a.evidence["tolerances"] == b.evidence["tolerances"]
-    assert results["bitwise.sp"].metrics["transform_verdict"] == "inconsistent"
+        assert a.message == b.message and a.evidence["replica_disagreements"] == b.evidence["replica_disagreements"]
+        if b.target == "bitwise.plain":
+            assert a.metrics == b.metrics and a.evidence["tolerances"] == b.evidence["tolerances"]
+    sp = results["bitwise.sp"].metrics
+    assert sp["transform_verdict"] == "inconsistent" == gathered[1].metrics["transform_verdict"]

@@ -290,17 +290,19 @@ def grads_of(model: torch.nn.Module, loss: torch.Tensor) -> dict:
 
 
 def single_device(step: TrainingStep, seeds: list, *, fp64: bool = True,
-                  param_dtype: torch.dtype | None = None, device: str = "cpu") -> Truth:
+                  param_dtype: torch.dtype | None = None, device: str = "cpu", pick=None) -> Truth:
     """The single-device step on every trial's batch: in float64 (the truth), or with
     fp64=False in the model's own dtype (what parity tests compare against); both with the
     weights rounded to param_dtype first where given (the base must compute with the
     weights the transform and the truth compute with, or the paired tests charge the
     weights' rounding to the transform). device: where it runs (the base runs on the
     transform's device: GPU and CPU kernels round differently, and that difference is not
-    the transform's); the result is on the CPU."""
+    the transform's); the result is on the CPU. pick: the indices of the trials to run
+    (None: all), in that order."""
     model = (fp64_model(step, param_dtype) if fp64 else rounded_model(step, param_dtype)).to(device)
     losses, grads = [], {}
-    for b in step.batches(seeds):
+    batches = step.batches(seeds)
+    for b in batches if pick is None else [batches[k] for k in pick]:
         b = _to_fp64(b) if fp64 else b
         b = to_device(b, device)
         loss = step.loss(step.forward(model, b), b)
@@ -310,12 +312,13 @@ def single_device(step: TrainingStep, seeds: list, *, fp64: bool = True,
     return Truth(torch.stack(losses), {n: torch.stack(v) for n, v in grads.items()})
 
 
-def references(step: TrainingStep, seeds: list, transform, device: str = "cpu") -> tuple:
+def references(step: TrainingStep, seeds: list, transform, device: str = "cpu", pick=None) -> tuple:
     """(fp64 truth, single device in the model's dtype on `device`), both with the weights
-    the transform computes with (trainprobes.transforms.base.Transform.weight_dtype)."""
+    the transform computes with (trainprobes.transforms.base.Transform.weight_dtype), of the
+    trials `pick` (None: all)."""
     w = transform.weight_dtype()
-    return (single_device(step, seeds, param_dtype=w),
-            single_device(step, seeds, fp64=False, param_dtype=w, device=device))
+    return (single_device(step, seeds, param_dtype=w, pick=pick),
+            single_device(step, seeds, fp64=False, param_dtype=w, device=device, pick=pick))
 
 
 def check_truth(ref: Truth, step: TrainingStep) -> None:
