@@ -134,8 +134,8 @@ def main(argv=None) -> int:
              "setup, divided by the trials (at " + str(many) + ", and at " + str(few) + " beside it). By hand: the step on every "
              "rank, every trial, and one fp64 single-device step per trial on rank 0. Probe: "
              "`run_probes`, statistics summed on the ranks (weights restored and gradients read "
-             "through the wrapper every trial; the fp64 truth and the fp32 single-device base per "
-             "trial on the ranks that own a parameter; the statistics). Medians of interleaved "
+             "through the wrapper every trial; the fp64 truth and the fp32 single-device base of each "
+             "trial on one of the ranks, spread over them; the statistics). Medians of interleaved "
              "repeats; target: probe <= 1.1x by hand.", "",
              f"| model | step | by hand per trial (ms) | probe per trial (ms) | probe / by hand | at {few} trials: by hand / probe (ms) |",
              "|---|---|---:|---:|---:|---:|"]

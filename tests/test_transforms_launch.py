@@ -56,3 +56,15 @@ def test_a_setup_that_raises_under_torchrun_exits_2_naming_the_rank():
     p = launch("--step", M + "fsdp_step", "--setup", M + "raising_setup")
     assert p.returncode == 2, p.stderr[-3000:]
     assert "setup transforms_user_steps:raising_setup raised on rank 1 of 2" in p.stderr
+
+
+def test_two_torchrun_nodes_on_one_host_gave_the_local_ranks_verdict_bit_for_bit():
+    """scripts/transforms_two_nodes.py's saved run (about a minute; not rerun here)."""
+    with open(os.path.join(HERE, "data", "transforms_two_nodes.json"), encoding="utf-8") as f:
+        doc = json.load(f)
+    bug, ok = doc["cases"]["fsdp2 local tokens (bug)"], doc["cases"]["fsdp2 module (correct)"]
+    for case in (bug, ok):
+        assert case["same_verdict"] and case["metrics"] == case["local"]
+        assert case["wall_s"] < 120  # both agents shut down at once (plain torchrun waited 300 s)
+    assert bug["metrics"]["transform_verdict"] == "biased" and bug["exit_codes"] == [0, 1]
+    assert ok["metrics"]["transform_verdict"] == "noise" and ok["exit_codes"] == [0, 0]
