@@ -21,6 +21,7 @@ M = "transforms_user_steps:"
     ([], [-15, RECORDED + 3], 3),
     ([], [RECORDED + 3, RECORDED + 2], 2),        # the deliberate error before peers' crashes
     ([], [1, -15], 3),                            # exit 1 outside the contract is no finding
+    ([{"rank": 1, "code": 2}], [RECORDED + 3], 2),  # the refusal recorded, its peer crashed first
 ])
 def test_a_node_exits_with_the_contracts_code(records, failures, code):
     assert node_code(records, failures, 2)[0] == code

@@ -17,7 +17,10 @@ for a rendezvous that never closes. Here torch's own launcher runs
      the other ranks down, and this launcher reads the code back from the failures.
 
 The node whose records hold rank 0 exits with rank 0's code; the others exit 0 when their
-ranks finished. What the contract cannot read is 3: a child that exited outside it (a
+ranks finished. A refusal (2) is read from the failing rank's record as well as its exit
+code: its peers may crash in the collective it left and be seen failing first; the node
+where it happened says 2 (another node sees only its own ranks). What the contract cannot
+read is 3: a child that exited outside it (a
 signal, an uncaught error before the entry ran), or a clean run without every local
 rank's record.
 """
@@ -51,7 +54,10 @@ def node_code(records: list, failures: list | None, local_ranks: int) -> tuple:
     """(exit code, why) of this node from its ranks' records ({"rank", "code"}) and, when
     torchrun failed, the children's exit codes (module docstring)."""
     if failures is not None:
+        # a rank records its code before it exits: a refusal's peer may crash in the
+        # collective it left (connection reset) and be seen failing first
         mine = {c - RECORDED for c in failures if RECORDED < c <= RECORDED + 3}
+        mine |= {int(r["code"]) for r in records}
         for code in (2, 3):  # a deliberate refusal names the cause; peers' crashes follow it
             if code in mine:
                 return code, f"a rank exited {code}"
