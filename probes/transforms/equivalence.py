@@ -318,8 +318,9 @@ def _not_rounding(j, found: dict) -> bool:
 
 def run_probes(probes: list, *, world: int = 2, backend: str = "gloo", timeout: float = 600.0,
                port: int | None = None, progress: Callable | None = None, gather: bool = False) -> list:
-    """Every probe on one set of `world` ranks; one Result each, in order. Each rank
-    computes the fp64 truth and sums its own statistics (trainprobes.transforms.local);
+    """Every probe on one set of `world` ranks; one Result each, in order. The ranks
+    compute the fp64 truth of the trials they judge and sum their own statistics
+    (trainprobes.transforms.local);
     gather=True sends every rank's gradients to rank 0 instead (memory O(world x
     parameters) there; kept to check that both give one verdict)."""
     from trainprobes.distributed.launcher import WorkerFailed, launch

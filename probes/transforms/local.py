@@ -106,12 +106,14 @@ def run_case_local(case: RankCase, ctx: RankContext, replica_tol: float) -> dict
                 continue
             x = grads[n].detach().to("cpu").reshape(1, -1)
             prints[trial, i] = fingerprint(x)[0]
-            x64 = x.double()
-            if not bool(torch.isfinite(x64).all()):
+            # in the gradient's own dtype (fp64 only where a 1-byte dtype has no kernel):
+            # a holder that does not judge this trial pays no fp64 copy
+            if not bool(torch.isfinite(x if x.element_size() > 1 else x.double()).all()):
                 nonfinite[i] = 1.0
-            kept.setdefault(n, []).append(x64[0])
+            kept.setdefault(n, []).append(x[0].clone())  # a view may be reused by the next step
             if int(judge[trial, i]) != ctx.rank:
                 continue
+            x64 = x.double()
             rt = r[n][trial][None]
             G[:, trial, i] = sums(x64, rt)[:, 0]
             if not torch.equal(x64, rounded(rt, x.dtype)):
@@ -211,10 +213,10 @@ def _replicas(prints, held, owner, kept, names, ctx, replica_tol) -> torch.Tenso
             continue
         size = torch.tensor([kept[n][0].numel() if n in kept else 0], dtype=torch.int64, device=ctx.device)
         dist.all_reduce(size, op=dist.ReduceOp.MAX)
-        theirs = torch.stack(kept[n]).to(ctx.device) if ctx.rank == o else \
+        theirs = torch.stack(kept[n]).double().to(ctx.device) if ctx.rank == o else \
             torch.empty(prints.shape[1], int(size.item()), dtype=torch.float64, device=ctx.device)
         dist.broadcast(theirs, o)
-        d = torch.tensor([(torch.stack(kept[n]).to(ctx.device) - theirs).abs().max().item()
+        d = torch.tensor([(torch.stack(kept[n]).double().to(ctx.device) - theirs).abs().max().item()
                           if n in kept else 0.0], dtype=torch.float64, device=ctx.device)
         every = [torch.empty_like(d) for _ in range(ctx.world)]
         dist.all_gather(every, d)

@@ -4,7 +4,7 @@
         --target mypkg.train:step --transform "fsdp2:reduce_dtype=bf16" --json
 
 Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT; every rank runs the
-transformed steps and computes the fp64 truth itself; only statistics are all-reduced
+transformed steps and computes the fp64 truth of the trials it judges; only statistics are all-reduced
 (trainprobes.transforms.local), and rank 0 prints the Result. Each rank exits by the contract
 (0 equivalent, 1 not, 2 bad usage or cannot judge, 3 internal error), but plain torchrun
 exits 1 whenever a rank exits non-zero: `python -m trainprobes.transforms.launch [torchrun
