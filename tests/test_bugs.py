@@ -10,7 +10,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_every_entry_cites_its_source_and_knows_its_verdict():
-    assert len(ZOO) == 9 and len({b.name for b in ZOO}) == 9
+    assert len(ZOO) == 13 and len({b.name for b in ZOO}) == 13
     for b in ZOO:
         assert b.url.startswith("https://github.com/") and ("#" in b.source or "PipeDream" in b.source)
         assert b.expected in ("biased", "inconsistent") and b.where and b.world == 2

@@ -58,9 +58,9 @@ def test_a_target_with_two_transforms_prints_one_object_each(capsys, tmp_path):
 def test_the_zoo_table_reports_caught_n_of_n(capsys):
     assert main(["transforms", "--trials", "8"]) == 0
     out = capsys.readouterr().out
-    assert "caught 9 of 9 published bugs with their known verdict; fixed twins equivalent: 9 of 9" in out
-    assert "a 5% loss tolerance flags 6 of 9" in out and "rtol 1e-5 on gradients flags 8 of 9" in out
-    assert "analytic scale factors inside the measured CI: 15 of 15" in out
+    assert "caught 13 of 13 published bugs with their known verdict; fixed twins equivalent: 13 of 13" in out
+    assert "a 5% loss tolerance flags 6 of 13" in out and "rtol 1e-5 on gradients flags 12 of 13" in out
+    assert "analytic scale factors inside the measured CI: 36 of 36" in out
 
 
 def test_torchrun_entry_without_environment_says_what_to_do(capsys, monkeypatch):
@@ -90,3 +90,28 @@ def test_a_probe_runs_under_torchrun():
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     doc = json.loads(p.stdout[p.stdout.index("{"):])
     assert doc["metrics"]["equivalent"] is True and doc["metrics"]["world"] == 2
+
+
+R = "transforms_review_steps:"
+U = "transforms_user_steps:"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, says", [
+    (["--target", U + "step", "--step", U + "fsdp_step", "--setup", U + "raising_setup"],
+     "setup transforms_user_steps:raising_setup raised on rank 1 of 2: RuntimeError: no such device mesh"),
+    (["--target", U + "step", "--step", U + "forgetful_step", "--setup", U + "fsdp_setup"],
+     "returned no gradient for 2 parameter(s) on any rank, e.g. ['4.weight', '4.bias']"),
+    (["--target", R + "step", "--step", "transforms_user_bad_partition"],
+     "partitions['0.weight'] does not tile the parameter: the pieces of ranks [0, 1] along dim 0 have sizes [8, 8]"),
+    (["--target", R + "short_step", "--step", R + "dp_step", "--setup", R + "plain_ddp_setup"],
+     "ran dry after 3 batch(es); 4 trials need 4"),
+    (["--target", U + "step", "--step", U + "fsdp_step", "--setup", U + "renaming_setup"],
+     "missing 8 parameter(s) of the single-device model: '0.weight' (closest found: ['net.0.weight'])"),
+], ids=["setup raises", "gradients missing", "partition does not tile", "data runs dry", "names mismatch"])
+def test_bad_input_to_a_users_step_exits_2_naming_it(capsys, monkeypatch, args, says):
+    import os
+    monkeypatch.chdir(os.path.dirname(os.path.abspath(__file__)))
+    assert main(["transforms", *args, "--trials", "4", "--timeout", "120"]) == 2
+    err = capsys.readouterr().err
+    assert says in err, err[-2000:]

@@ -112,3 +112,41 @@ def test_the_single_device_base_computes_with_the_weights_the_truth_rounds_to():
     assert base.loss.dtype == torch.float32
     for n, r in truth.grads.items():
         assert torch.allclose(base.grads[n].double(), r, rtol=1e-5, atol=1e-7), n
+
+
+class Quantised(torch.nn.Module):
+    """A frozen fp8 weight and an int8 buffer (1-byte dtypes), dequantised in the forward,
+    beside a trainable head; `fresh` draws the fp8 weight anew on every call."""
+
+    def __init__(self, fresh: bool = False):
+        super().__init__()
+        g = None if fresh else torch.Generator().manual_seed(0)
+        w = torch.randn(data.D, data.D, generator=g).to(torch.float8_e4m3fn)
+        self.frozen = torch.nn.Parameter(w, requires_grad=False)
+        self.register_buffer("codes", torch.arange(data.D, dtype=torch.int8))
+        self.head = data.mlp(seed=3)
+
+    def forward(self, x):
+        return self.head(x @ self.frozen.to(x.dtype) + self.codes.to(x.dtype) / 64)
+
+
+def test_one_byte_parameters_and_buffers_are_compared_by_their_bits():
+    check_step(TrainingStep(model=Quantised, batch=BATCH, loss=data.loss), 0)
+    with pytest.raises(InvalidArgument, match=r"parameter 'frozen' holds different values"):
+        check_step(TrainingStep(model=functools.partial(Quantised, fresh=True), batch=BATCH, loss=data.loss), 0)
+    truth = single_device(TrainingStep(model=Quantised, batch=BATCH, loss=data.loss), [0, 1])
+    assert set(truth.grads) == {n for n, p in Quantised().named_parameters() if p.requires_grad}
+
+
+_CACHED = [{**data.documents(data.full(4, 4), torch.Generator().manual_seed(k)),
+            "scale": torch.full((4,), 0.5).to(torch.float8_e4m3fn)} for k in range(4)]
+
+
+def cached_batches():
+    """A dataset that hands out the same tensors on every pass (a cached TensorDataset),
+    an fp8 entry among them: torch.equal(x, x) has no fp8 kernel on the CPU."""
+    return iter(_CACHED)
+
+
+def test_a_cached_dataset_with_one_byte_tensors_is_checked_by_bits():
+    check_step(TrainingStep(model=functools.partial(data.mlp, seed=3), data=cached_batches, loss=data.loss), 0)

@@ -53,3 +53,48 @@ def test_a_pure_normalisation_bug_gets_no_undeclared_format_hint():
     (r,) = run_probes([Probe(s.long_step, t, trials=8, seed=0)], world=2)
     assert r.metrics["transform_verdict"] == "biased", r.message
     assert "undeclared_format" not in r.evidence and "did not declare" not in r.message
+
+
+@pytest.fixture(scope="module")
+def narrow():
+    """Gradients handed back in 1-byte dtypes: fp8 e4m3fn undeclared and declared, int8."""
+    cases = {"fp8": UserStep(M + "fp8_grads_step", setup_fn=M + "plain_ddp_setup"),
+             "fp8 declared": UserStep(M + "fp8_grads_step", setup_fn=M + "plain_ddp_setup",
+                                      precisions=("e4m3",)),
+             "int8": UserStep(M + "int8_grads_step", setup_fn=M + "plain_ddp_setup")}
+    out = run_probes([Probe(s.step, t, trials=8, seed=1, target=k) for k, t in cases.items()], world=2)
+    return {r.target: r for r in out}
+
+
+@pytest.mark.slow
+def test_fp8_gradients_are_judged_at_the_declared_format_and_named_when_undeclared(narrow):
+    bare, declared = narrow["fp8"], narrow["fp8 declared"]
+    assert bare.metrics["equivalent"] is False  # fail-closed: judged at the model's fp32
+    assert bare.evidence["undeclared_returned_formats"] == ["fp8_e4m3fn"]
+    assert 'precisions=("fp8_e4m3fn",)' in bare.message
+    assert declared.metrics["equivalent"] is True, declared.message
+    assert declared.metrics["dtype"] == "fp8_e4m3fn" and 0.005 < declared.metrics["max_added_error"] < 0.25
+
+
+@pytest.mark.slow
+def test_int8_gradients_are_never_exact_nor_noise(narrow):
+    r = narrow["int8"]
+    assert r.metrics["equivalent"] is False and r.metrics["transform_verdict"] != "exact"
+    assert "undeclared_returned_formats" not in r.evidence  # an integer is no format to declare
+
+
+@pytest.mark.slow
+def test_a_loss_that_is_not_one_value_is_bad_input_naming_its_shape():
+    from trainprobes.errors import InvalidArgument
+    t = UserStep(M + "loss_vector_step", setup_fn=M + "plain_ddp_setup")
+    with pytest.raises(InvalidArgument, match=r"returned a loss of shape \(2,\) on rank \d; return one value"):
+        run_probes([Probe(s.step, t, trials=4)], world=2)
+
+
+def test_truth_rounding_is_one_step_and_integers_are_not_rounded():
+    import torch
+    from trainprobes.transforms.judge import rounded
+    x = torch.tensor([1 + 2 ** -8 + 2 ** -40, 0.3, 2.5], dtype=torch.float64)
+    assert rounded(x, torch.bfloat16)[0] == 1 + 2 ** -7  # fp64 -> fp32 -> bf16 would give 1.0
+    assert rounded(x, torch.float8_e4m3fn)[1] == 0.3125
+    assert torch.equal(rounded(x, torch.int8), x)

@@ -43,7 +43,9 @@ def test_what_tolerance_checks_would_have_flagged(rows):
     flagged = {k: {r.bug.name for r in rows if r.buggy.evidence["tolerances"][k]}
                for k in ("loss_rtol_5pct", "grad_rtol_1e-5", "loss_bitwise")}
     names = {b.name for b in ZOO}
-    assert names - flagged["loss_rtol_5pct"] == {"sp_layernorm", "doubled_expert_grads", "pp_repeated_scaling"}
+    assert names - flagged["loss_rtol_5pct"] == {"sp_layernorm", "doubled_expert_grads", "pp_repeated_scaling",
+                                                 "cp_loss_scaling", "cp_mtp_loss", "ep_expert_grad_scale",
+                                                 "ep_lost_remote_grad"}
     assert names - flagged["grad_rtol_1e-5"] == {"cp_eval_loss"}
     assert flagged["loss_bitwise"] == names
     assert not any(r.fixed.evidence["tolerances"]["grad_rtol_1e-5"] for r in rows)

@@ -59,12 +59,32 @@ def fsdp_step(model, batch, ctx):
     return logged(loss)
 
 
+def moving_fsdp_step(model, batch, ctx):
+    """The trainer's whole step: forward, backward, an optimizer step (the weights move;
+    the probe must put them back through the wrapper before the next trial)."""
+    loss = fsdp_step(model, batch, ctx)
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    return loss
+
+
 def fsdp_local_tokens(model, batch, ctx):
     """The bug: each rank divides by its own token count (Megatron-LM #7452's kind)."""
     piece = mine(batch, ctx)
     loss = data.token_loss_sum(model(piece["input"]), piece) / piece["mask"].sum()
     loss.backward()  # FSDP2's average over ranks: the mean of the ranks' means
     return logged(loss) / ctx.world
+
+
+# -- FSDP1: FlatParameters (one per unit; the Linears their own units in the nested form) --
+def fsdp1_setup(model, ctx, orig=False, nested=False):
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    policy = ModuleWrapPolicy({torch.nn.Linear}) if nested else None
+    return FullyShardedDataParallel(model, device_id=ctx.device, use_orig_params=orig,
+                                    auto_wrap_policy=policy)
+
+
+fsdp1_orig_nested_setup = functools.partial(fsdp1_setup, orig=True, nested=True)
 
 
 # -- tensor parallel on DTensor -------------------------------------------------------------

@@ -25,6 +25,7 @@ _WHERE = {
     "TRANSFORMS": "registry", "build_transform": "registry", "parse_transform": "registry",
     "FSDP2": "sharded", "TrainingStep": "step", "TensorParallel": "tensor_parallel",
     "UserStep": "user", "Partition": "readout",
+    "ContextParallel": "context", "ExpertParallel": "experts",
 }
 __all__ = sorted(_WHERE)
 

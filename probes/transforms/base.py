@@ -156,6 +156,25 @@ def with_zeros(module: torch.nn.Module, grads: dict, ctx: RankContext, held=None
     return out
 
 
+def step_loss(loss, label: str, ctx: RankContext) -> torch.Tensor | None:
+    """The loss a step returned, as a 0-dim tensor (None where this rank logs none): one
+    value, the whole batch's; a per-token or per-sample vector is refused by shape, not
+    reshaped (its mean is a guess at the trainer's normalisation)."""
+    if loss is None:
+        return None
+    if not isinstance(loss, (torch.Tensor, float, int)) or isinstance(loss, bool):
+        raise InvalidArgument(f"the step ({label}) returned a loss of type {type(loss).__name__} on "
+                              f"rank {ctx.rank}; return a scalar tensor (the whole batch's loss) "
+                              f"or None")
+    loss = torch.as_tensor(loss).detach()
+    if loss.numel() != 1:
+        raise InvalidArgument(f"the step ({label}) returned a loss of shape {tuple(loss.shape)} on "
+                              f"rank {ctx.rank}; return one value, the loss of the whole batch as "
+                              f"the trainer logs it (reduce a per-token or per-sample loss as "
+                              f"the trainer does), or None on a rank that logs none")
+    return loss.reshape(())
+
+
 def zero_grads(model: torch.nn.Module) -> None:
     for p in model.parameters():
         p.grad = None

@@ -21,9 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
-import torch
 from trainprobes.errors import InvalidType
-from trainprobes.transforms.base import RankContext, StepOutput, Transform, zero_grads
+from trainprobes.transforms.base import RankContext, StepOutput, Transform, step_loss, zero_grads
 
 __all__ = ["Custom"]
 
@@ -84,6 +83,4 @@ class Custom(Transform):
         if not isinstance(grads, Mapping):
             raise InvalidType(f"fn={self.label} returned grads of type {type(grads).__name__}; "
                               f"expected a dict name -> gradient tensor")
-        if loss is not None:
-            loss = torch.as_tensor(loss).detach().reshape(())
-        return StepOutput(loss, dict(grads))
+        return StepOutput(step_loss(loss, self.label, ctx), dict(grads))

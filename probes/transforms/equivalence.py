@@ -35,6 +35,7 @@ from trainprobes.transforms.judge import (
     default_noise_tol,
     judge_statistics,
     lowest_precision,
+    rounded,
     statistics,
     undeclared_format,
 )
@@ -52,7 +53,6 @@ from trainprobes.validation import check_choice, check_int, check_number
 
 PROBE = "transforms.equivalence"
 CODES = {"biased": "TP-T1", "inconsistent": "TP-T2", "wrong": "TP-T3"}
-FORMAT_OF = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 __all__ = ["Probe", "probe", "run_probes", "prepare", "finish", "PROBE"]
 
@@ -110,6 +110,16 @@ class Prepared(NamedTuple):
     base: Truth | None     # the single-device step in the model's own dtype
 
 
+def format_name(dtype: torch.dtype) -> str:
+    """The format name of a floating dtype (bf16, fp8_e4m3fn, ...; one resolver for every
+    face), its torch name where trainprobes does not model it (ranked least precise)."""
+    from trainprobes.reference.formats import get_format
+    try:
+        return get_format(dtype).name
+    except InvalidArgument:
+        return str(dtype)
+
+
 def _seeds(seed: int, trials: int) -> list:
     return torch.randint(0, 2**62, (trials,), generator=torch.Generator().manual_seed(int(seed))).tolist()
 
@@ -121,7 +131,7 @@ def prepare(p: Probe, world: int, *, truth: bool = True, device: str = "cpu") ->
     batch = check_step(step, seeds[0])
     model = step.model()
     p.transform.check(step, world, batch, model)
-    own = {FORMAT_OF.get(q.dtype, str(q.dtype)) for q in model.parameters() if q.is_floating_point()}
+    own = {format_name(q.dtype) for q in model.parameters() if q.is_floating_point()}
     dtype = lowest_precision(tuple(own) + tuple(p.transform.dtypes()))
     for what, obj in (("step", p.step), ("transform", p.transform)):
         try:
@@ -212,6 +222,7 @@ def finish(prep: Prepared, out: dict, *, world: int, backend: str) -> Result:
     evidence = {**j.evidence, "transform": t.label, "transform_options": t.options,
                 "step": prep.step.name, "trial_seeds": prep.seeds,
                 "rank_step_seconds": out["seconds"].tolist(),
+                **({"rank_case_seconds": out["case_seconds"].tolist()} if "case_seconds" in out else {}),
                 "statistics": "summed on the ranks" if "G" in out else "gathered to rank 0"}
     if p.tolerances:
         evidence["tolerances"] = tolerances
@@ -223,10 +234,26 @@ def finish(prep: Prepared, out: dict, *, world: int, backend: str) -> Result:
         if found is not None and not _not_rounding(j, found):
             evidence["undeclared_format"] = found
             message += declaration_hint(found)
+        narrow = undeclared_returned(out["codes"], prep.dtype, t.dtypes())
+        if narrow:
+            evidence["undeclared_returned_formats"] = narrow
+            message += (f" The step returned values in {', '.join(narrow)}, narrower than the "
+                        f"{prep.dtype} it is judged in: if that is its contract, declare it, "
+                        f"precisions=(\"{narrow[0]}\",) (--precisions {narrow[0]}); until then the "
+                        f"verdict stands.")
     return Result(probe=PROBE, target=target, verdict="pass" if j.equivalent else "fail",
                   metrics=metrics, evidence=evidence, seed=p.seed,
                   codes=[CODES[j.kind]] if j.kind in CODES else [], message=message,
                   expected=p.expected)
+
+
+def undeclared_returned(codes: torch.Tensor, dtype: str, declared) -> list:
+    """The floating formats of the gradients and losses the ranks returned (codes: indices
+    into DTYPES, -1 another) that are narrower than `dtype` and not declared."""
+    found = {format_name(DTYPES[c]) for c in codes.reshape(-1).tolist()
+             if c >= 0 and DTYPES[c].is_floating_point}
+    return sorted(f for f in found if f not in declared and f != dtype
+                  and lowest_precision((dtype, f)) == f)
 
 
 def local_statistics(out: dict, prep: Prepared) -> tuple:
@@ -239,7 +266,7 @@ def local_statistics(out: dict, prep: Prepared) -> tuple:
     codes = [int(c) for c in out["loss_codes"] if c >= 0]
     loss_dtype = DTYPES[codes[0]] if codes else torch.float32
     exact = bool(out["exact"].min() > 0)
-    if loss is not None and not torch.equal(loss, out["truth_loss"].to(loss_dtype).double()):
+    if loss is not None and not torch.equal(loss, rounded(out["truth_loss"], loss_dtype)):
         exact = False
     nonfinite = [n for i, n in enumerate(names) if out["nonfinite"][i] > 0]
     if out["nonfinite"][len(names)] > 0:
@@ -291,8 +318,9 @@ def _not_rounding(j, found: dict) -> bool:
 
 def run_probes(probes: list, *, world: int = 2, backend: str = "gloo", timeout: float = 600.0,
                port: int | None = None, progress: Callable | None = None, gather: bool = False) -> list:
-    """Every probe on one set of `world` ranks; one Result each, in order. Each rank
-    computes the fp64 truth and sums its own statistics (trainprobes.transforms.local);
+    """Every probe on one set of `world` ranks; one Result each, in order. The ranks
+    compute the fp64 truth of the trials they judge and sum their own statistics
+    (trainprobes.transforms.local);
     gather=True sends every rank's gradients to rank 0 instead (memory O(world x
     parameters) there; kept to check that both give one verdict)."""
     from trainprobes.distributed.launcher import WorkerFailed, launch

@@ -1,20 +1,27 @@
-"""No gather: every rank computes the fp64 truth itself and compares its own gradients;
-only the statistics the verdict needs travel.
+"""No gather: the ranks compare the gradients they hold with the fp64 truth they compute
+themselves; only the statistics the verdict needs travel.
 
 Per case, each rank:
-  1. computes the fp64 truth and the single-device base of every trial itself (the proxy
-     fits one process: memory O(parameters x trials) per rank, whatever the world);
-  2. runs the transform's steps (trainprobes.transforms.worker checks what they return);
-     after trial 0 the ranks agree which parameters each returned (a [world, P] mask) and the
-     lowest rank that returned a parameter owns it;
-  3. sums, per trial and owned parameter, the judge's statistics over its elements
+  1. runs the transform's steps (trainprobes.transforms.rank_case.run_trials checks what
+     they return); after trial 0 the ranks agree which parameters each returned (a [world,
+     P] mask): the lowest rank that returned a parameter owns it (its bits are the
+     replicas' reference), and its holders take turns to judge it, trial t by holder
+     t mod holders (`judges`);
+  2. computes the fp64 truth and the single-device base of the trials it judges something
+     in, and nothing else: where every rank holds every parameter (data parallelism,
+     gathered shards) the truth's trials are spread over the ranks, once each, in parallel;
+     a pipeline stage's rank judges its parameters on every trial (memory O(parameters x
+     trials) at most per rank, whatever the world);
+  3. sums, per trial and parameter it judges, the judge's statistics over its elements
      (trainprobes.transforms.judge.sums: <g, r>, |r|^2, |g|^2, |g - r|^2, signed error,
-     |r|, the same against the base, |g - b|^2), and per held parameter whether every value
-     equals the truth rounded, whether one is not finite, and a bit fingerprint;
-  4. all-reduces those: SUM of the owners' sums, MIN/MAX of the flags, an all_gather of the
-     fingerprints and losses ([world, T, P] integers, [world, T]); replicas whose
+     |r|, the same against the base, |g - b|^2) and whether every value equals the truth
+     rounded; per held parameter whether one is not finite, and a bit fingerprint; per
+     trial the truth's and the base's loss (the judge of the first parameter);
+  4. all-reduces those: SUM of the sums and losses, MIN/MAX of the flags, an all_gather of
+     the fingerprints and losses ([world, T, P] integers, [world, T]); replicas whose
      fingerprints differ are measured by an element-wise MAX/MIN over their holders (the
-     only O(parameters) traffic, and only when replicas disagree).
+     only O(parameters) traffic, and only when replicas disagree; the verdict is then
+     inconsistent, and the statistics mix the replicas trial by trial).
 Rank 0 returns the joined statistics (trainprobes.transforms.judge.Statistics as tensors).
 Traffic per trial O(parameters' count), not O(world x elements) into one process.
 """
@@ -25,15 +32,9 @@ import time
 
 import torch
 from trainprobes.transforms.base import RankContext
-from trainprobes.transforms.judge import sums
-from trainprobes.transforms.rank_case import (
-    DTYPES,
-    RankCase,
-    _checked,
-    _coverage,
-    _import_like_caller,
-    resolve_step,
-)
+from trainprobes.transforms.judge import rounded, sums
+from trainprobes.transforms.rank_case import DTYPES, RankCase, _import_like_caller, resolve_step, run_trials
+from trainprobes.transforms.step import references
 
 __all__ = ["run_case_local", "fingerprint"]
 
@@ -43,7 +44,7 @@ _BIG = 2 ** 62
 def fingerprint(x: torch.Tensor) -> torch.Tensor:
     """[T] int64: a weighted sum of the bits of each trial's values (any changed bit changes
     it, barring a 2^-62 collision); x [T, numel] in its own dtype."""
-    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
     v = x.contiguous().view(bits).to(torch.int64)
     w = torch.arange(1, v.shape[1] + 1, dtype=torch.int64) * 2654435761 % (2 ** 31 - 1) + 1
     return (v * w).sum(1)  # int64 arithmetic wraps: still a function of every bit
@@ -52,22 +53,20 @@ def fingerprint(x: torch.Tensor) -> torch.Tensor:
 def run_case_local(case: RankCase, ctx: RankContext, replica_tol: float) -> dict | None:
     """Steps 1-4 of the module docstring; rank 0 returns the statistics as tensors."""
     import torch.distributed as dist
-    from trainprobes.transforms.step import references
     _import_like_caller(case.sys_path)
     step = resolve_step(case.step)
     t = case.transform
     seeds = case.seeds
     T = len(seeds)
-    from trainprobes.transforms.step import check_truth
-    truth, base = references(step, seeds, t, ctx.device.type)
-    check_truth(truth, step)  # every rank refuses alike
     layout = [(n, tuple(p.shape)) for n, p in step.model().named_parameters() if p.requires_grad]
     names = {n: i for i, (n, _) in enumerate(layout)}
     shapes = dict(layout)
     P = len(layout)
-    r = {n: truth.grads[n].reshape(T, -1) for n in names}
-    bg = {n: base.grads[n].reshape(T, -1).double() for n in names}
-    base_ok = all(bool(torch.isfinite(v).all()) for v in bg.values()) and bool(torch.isfinite(base.loss).all())
+    r = bg = None
+    base_ok = True
+    truth_loss = torch.zeros(T, dtype=torch.float64)
+    base_loss = torch.zeros(T, dtype=torch.float64)
+    refused = torch.zeros(2, dtype=torch.float64)          # [truth not finite, trials whose truth is 0]
     G = torch.zeros(6, T, P, dtype=torch.float64)
     B = torch.zeros(6, T, P, dtype=torch.float64)
     added2 = torch.zeros(T, P, dtype=torch.float64)
@@ -78,52 +77,49 @@ def run_case_local(case: RankCase, ctx: RankContext, replica_tol: float) -> dict
     losses, has_loss, loss_code, codes, seconds = [], None, -1, None, 0.0
     held, owner, kept = None, None, {}
     state = t.setup(step, ctx)
-    for trial, batch in enumerate(step.batches(seeds)):
-        from trainprobes.transforms.step import to_device
-        batch = to_device(batch, ctx.device)
-        start = time.perf_counter()
-        out = t.run(state, step, batch, ctx)
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize(ctx.device)
-        seconds += time.perf_counter() - start
-        grads = _checked(out, names, shapes, ctx, t.label, trial)
-        returned = torch.tensor([n in grads for n in names], dtype=torch.bool)
+    start = time.perf_counter()
+    for tr in run_trials(step, t, state, seeds, names, shapes, ctx):
+        trial, out, grads = tr.index, tr.out, tr.grads
+        seconds += tr.seconds
         if trial == 0:
-            _coverage(returned, list(names), ctx, t.label)
             masks = [torch.zeros(P, dtype=torch.float32, device=ctx.device) for _ in range(ctx.world)]
-            dist.all_gather(masks, returned.float().to(ctx.device))
+            dist.all_gather(masks, tr.returned.float().to(ctx.device))
             held = torch.stack([m.cpu() for m in masks]).bool()          # [world, P]
             owner = held.float().argmax(0)                                # lowest holder
+            judge = judges(held, T)                                       # [T, P]
+            mine = [k for k in range(T) if bool((judge[k] == ctx.rank).any())]
+            if mine:
+                truth, base = references(step, seeds, t, ctx.device.type, pick=mine)
+                r = {n: dict(zip(mine, truth.grads[n].reshape(len(mine), -1))) for n in names}
+                bg = {n: dict(zip(mine, base.grads[n].reshape(len(mine), -1).double())) for n in names}
+                base_ok = all(bool(torch.isfinite(v).all()) for v in base.grads.values()) and \
+                    bool(torch.isfinite(base.loss).all())
+                refused += truth_refusals(truth)
+                for k, tl, bl in zip(mine, truth.loss.tolist(), base.loss.tolist()):
+                    if int(judge[k, 0]) == ctx.rank:  # one rank reports each trial's loss truth
+                        truth_loss[k], base_loss[k] = tl, bl
             codes = torch.tensor([DTYPES.index(grads[n].dtype) if n in grads and grads[n].dtype in DTYPES
                                   else -1 for n in names])
-        elif not torch.equal(returned, held[ctx.rank]):
-            from trainprobes.errors import InvalidArgument
-            raise InvalidArgument(f"the step ({t.label}) returned other parameters on trial {trial} "
-                                  f"than on trial 0 (rank {ctx.rank})")
-        if has_loss is None:
             has_loss = out.loss is not None
-        elif has_loss != (out.loss is not None):
-            from trainprobes.errors import InvalidArgument
-            raise InvalidArgument(f"the step ({t.label}) returned a loss on some trials and None on "
-                                  f"others (trial {trial}, rank {ctx.rank}): return it on every trial "
-                                  f"or never")
         for n, i in names.items():
             if n not in grads:
                 continue
             x = grads[n].detach().to("cpu").reshape(1, -1)
             prints[trial, i] = fingerprint(x)[0]
-            x64 = x.double()
-            if not bool(torch.isfinite(x64).all()):
+            # in the gradient's own dtype (fp64 only where a 1-byte dtype has no kernel):
+            # a holder that does not judge this trial pays no fp64 copy
+            if not bool(torch.isfinite(x if x.element_size() > 1 else x.double()).all()):
                 nonfinite[i] = 1.0
-            kept.setdefault(n, []).append(x64[0])
-            if int(owner[i]) != ctx.rank:
+            kept.setdefault(n, []).append(x[0].clone())  # a view may be reused by the next step
+            if int(judge[trial, i]) != ctx.rank:
                 continue
-            rt = r[n][trial:trial + 1]
+            x64 = x.double()
+            rt = r[n][trial][None]
             G[:, trial, i] = sums(x64, rt)[:, 0]
-            if not torch.equal(x64, rt.to(x.dtype).double()):
+            if not torch.equal(x64, rounded(rt, x.dtype)):
                 exact[i] = 0.0
             if base_ok:
-                bt = bg[n][trial:trial + 1]
+                bt = bg[n][trial][None]
                 B[:, trial, i] = sums(bt, rt)[:, 0]
                 added2[trial, i] = ((x64 - bt) ** 2).sum()
                 if not torch.allclose(x64, bt, rtol=1e-5, atol=4e-5):
@@ -140,25 +136,68 @@ def run_case_local(case: RankCase, ctx: RankContext, replica_tol: float) -> dict
         y = x.to(ctx.device)
         dist.all_reduce(y, op=op)
         return y.cpu()
-    G, B, added2, tol_grad = (reduce(x, dist.ReduceOp.SUM) for x in (G, B, added2, tol_grad))
-    exact = reduce(exact, dist.ReduceOp.MIN)
+    refused = reduce(refused, dist.ReduceOp.SUM)
+    check_truth_sums(refused, T, step)  # every rank refuses alike
+    G, B, added2, tol_grad, truth_loss, base_loss = (reduce(x, dist.ReduceOp.SUM) for x in
+                                                     (G, B, added2, tol_grad, truth_loss, base_loss))
+    base_ok = bool(reduce(torch.tensor([float(base_ok)], dtype=torch.float64), dist.ReduceOp.MIN)[0] > 0)
     nonfinite = reduce(nonfinite, dist.ReduceOp.MAX)
+    case_seconds = time.perf_counter() - start  # steps, truth, statistics: this rank's whole case
     meta = torch.cat([torch.tensor([float(has_loss), seconds, float(loss_code)], dtype=torch.float64),
-                      torch.tensor(losses, dtype=torch.float64), codes.double()]).to(ctx.device)
+                      torch.tensor(losses, dtype=torch.float64), codes.double(),
+                      torch.tensor([case_seconds], dtype=torch.float64)]).to(ctx.device)
     metas = [torch.empty_like(meta) for _ in range(ctx.world)]
     dist.all_gather(metas, meta)
     metas = torch.stack([m.cpu() for m in metas])
     everyone = [torch.empty_like(prints).to(ctx.device) for _ in range(ctx.world)]
     dist.all_gather(everyone, prints.to(ctx.device))
     everyone = torch.stack([e.cpu() for e in everyone])                   # [world, T, P]
+    # the owner alone compares with the truth: its exactness holds for every holder only
+    # where all holders' bits agree (a replica within replica_tol is not exact)
+    same = (everyone == everyone[owner, :, torch.arange(P)].T[None]) | ~held[:, None, :]
+    exact = reduce(exact, dist.ReduceOp.MIN) * same.all(0).all(0).double()
     replicas = _replicas(everyone, held, owner, kept, names, ctx, replica_tol)
     if ctx.rank != 0:
         return None
     return {"G": G, "B": B if base_ok else torch.zeros(0), "added2": added2, "exact": exact,
             "nonfinite": nonfinite, "held": held, "has_loss": metas[:, 0].bool(),
             "seconds": metas[:, 1], "loss_codes": metas[:, 2].long(), "loss": metas[:, 3:3 + T],
-            "codes": metas[:, 3 + T:].long(), "replicas": replicas, "tol_grad": tol_grad,
-            "truth_loss": truth.loss, "base_loss": base.loss.double() if base_ok else torch.zeros(0)}
+            "codes": metas[:, 3 + T:-1].long(), "case_seconds": metas[:, -1], "replicas": replicas,
+            "tol_grad": tol_grad,
+            "truth_loss": truth_loss, "base_loss": base_loss if base_ok else torch.zeros(0)}
+
+
+def judges(held: torch.Tensor, T: int) -> torch.Tensor:
+    """[T, P]: the rank that compares parameter p with the truth on trial t: its holders in
+    turn (holders[t % len]), so a parameter every rank holds (data parallelism, gathered
+    shards) spreads the truth's trials over the ranks, and one held by a single rank (a
+    pipeline stage) is judged there on every trial."""
+    out = torch.empty(T, held.shape[1], dtype=torch.long)
+    for i in range(held.shape[1]):
+        holders = held[:, i].nonzero().squeeze(-1)
+        out[:, i] = holders[torch.arange(T) % len(holders)]
+    return out
+
+
+def truth_refusals(truth) -> torch.Tensor:
+    """[not finite (0/1), trials whose fp64 gradient is 0] of this rank's trials of the truth."""
+    bad = any(not bool(torch.isfinite(g).all()) for g in truth.grads.values()) or \
+        not bool(torch.isfinite(truth.loss).all())
+    norms = torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in truth.grads.values()]).sum(0)
+    return torch.tensor([float(bad), float((norms == 0).sum())], dtype=torch.float64)
+
+
+def check_truth_sums(refused: torch.Tensor, T: int, step) -> None:
+    """trainprobes.transforms.step.check_truth's refusals, from the ranks' summed refusals."""
+    from trainprobes.errors import InvalidArgument
+    if refused[0] > 0:
+        raise InvalidArgument(f"the fp64 single-device step of {step.name!r} is not finite: the truth "
+                              f"itself overflows or meets NaN")
+    zero = int(refused[1])
+    if zero > T - 3:
+        raise InvalidArgument(f"the fp64 gradient of {step.name!r} is exactly zero on {zero} of {T} "
+                              f"trials: nothing to compare (does the loss depend on the parameters "
+                              f"through the batch?)")
 
 
 def _replicas(prints, held, owner, kept, names, ctx, replica_tol) -> torch.Tensor:
@@ -174,10 +213,10 @@ def _replicas(prints, held, owner, kept, names, ctx, replica_tol) -> torch.Tenso
             continue
         size = torch.tensor([kept[n][0].numel() if n in kept else 0], dtype=torch.int64, device=ctx.device)
         dist.all_reduce(size, op=dist.ReduceOp.MAX)
-        theirs = torch.stack(kept[n]).to(ctx.device) if ctx.rank == o else \
+        theirs = torch.stack(kept[n]).double().to(ctx.device) if ctx.rank == o else \
             torch.empty(prints.shape[1], int(size.item()), dtype=torch.float64, device=ctx.device)
         dist.broadcast(theirs, o)
-        d = torch.tensor([(torch.stack(kept[n]).to(ctx.device) - theirs).abs().max().item()
+        d = torch.tensor([(torch.stack(kept[n]).double().to(ctx.device) - theirs).abs().max().item()
                           if n in kept else 0.0], dtype=torch.float64, device=ctx.device)
         every = [torch.empty_like(d) for _ in range(ctx.world)]
         dist.all_gather(every, d)

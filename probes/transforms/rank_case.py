@@ -2,15 +2,17 @@
 gathered to rank 0) and trainprobes.transforms.local (statistics summed on the ranks)."""
 from __future__ import annotations
 
-from typing import NamedTuple
+import time
+from typing import Iterator, NamedTuple
 
 import torch
 from trainprobes.errors import InvalidArgument
-from trainprobes.transforms.base import RankContext, Transform
+from trainprobes.transforms.base import RankContext, StepOutput, Transform
 from trainprobes.transforms.step import TrainingStep
 
-DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-
+# the gradient and loss dtypes a rank reports by index (-1: another); append only
+DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+          torch.float8_e5m2, torch.int8, torch.uint8)
 
 
 class RankCase(NamedTuple):
@@ -82,3 +84,44 @@ def _coverage(mask: torch.Tensor, names: list, ctx: RankContext, label: str) -> 
         raise InvalidArgument(f"the step ({label}) returned no gradient for {len(missing)} "
                               f"parameter(s) on any rank, e.g. {missing[:5]}: return every "
                               f"parameter's full gradient from the rank(s) that hold it")
+
+
+class Trial(NamedTuple):
+    """One transformed step on one rank: its output, the gradients it returned (checked),
+    which parameters those are ([P] bool, in layout order) and the step's seconds."""
+
+    index: int
+    out: StepOutput
+    grads: dict
+    returned: torch.Tensor
+    seconds: float
+
+
+def run_trials(step: TrainingStep, t: Transform, state, seeds: list, names: dict, shapes: dict,
+               ctx: RankContext) -> Iterator[Trial]:
+    """The timed trials of one case on this rank, each checked as it comes: known names and
+    full shapes; after trial 0 (all ranks together) every parameter returned by some rank;
+    on every later trial the same parameters, and a loss on every trial or on none (whether
+    a rank reports one is what it returns, never its value: a NaN loss is not a missing one)."""
+    from trainprobes.transforms.step import to_device
+    first, has_loss = None, None
+    for trial, batch in enumerate(step.batches(seeds)):
+        batch = to_device(batch, ctx.device)
+        start = time.perf_counter()
+        out = t.run(state, step, batch, ctx)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        seconds = time.perf_counter() - start
+        grads = _checked(out, names, shapes, ctx, t.label, trial)
+        returned = torch.tensor([n in grads for n in names], dtype=torch.bool)
+        if first is None:
+            first, has_loss = returned, out.loss is not None
+            _coverage(returned, list(names), ctx, t.label)
+        elif not torch.equal(returned, first):
+            raise InvalidArgument(f"the step ({t.label}) returned other parameters on trial {trial} "
+                                  f"than on trial 0 (rank {ctx.rank})")
+        elif has_loss != (out.loss is not None):
+            raise InvalidArgument(f"the step ({t.label}) returned a loss on some trials and None on "
+                                  f"others (trial {trial}, rank {ctx.rank}): return it on every trial "
+                                  f"or never")
+        yield Trial(trial, out, grads, returned, seconds)

@@ -9,8 +9,11 @@ the collectives below line up):
      holds it, so replicas that disagree show);
   3. a plain tensor with a declared Partition(dim, ranks): this rank's piece along `dim`;
      the pieces of `ranks` (None: every rank, in rank order) are gathered and joined, and
-     must tile the parameter exactly;
-  4. any other plain tensor: the full gradient as this rank holds it.
+     must tile the parameter exactly (equal or not: their extents are gathered once, at
+     setup, by partition_layout);
+  4. any other plain tensor: the full gradient as this rank holds it;
+  5. the originals inside an FSDP1 FlatParameter: its sharded gradient gathered over the
+     unit's group and cut back into parameters (trainprobes.transforms.flat).
 A parameter with no gradient on this rank is not returned (the probe checks, after trial 0,
 that some rank returned every parameter, and names those none did).
 """
@@ -24,7 +27,7 @@ from trainprobes.transforms.base import RankContext
 from trainprobes.transforms.gather import full_tensor
 from trainprobes.transforms.weights import is_dtensor
 
-__all__ = ["Partition", "check_partitions", "read_gradients"]
+__all__ = ["Partition", "Piece", "check_partitions", "partition_layout", "read_gradients"]
 
 
 class Partition(NamedTuple):
@@ -54,73 +57,123 @@ def check_partitions(parts) -> dict:
     return out
 
 
-def _joined(piece: torch.Tensor, part: Partition, full_shape: tuple, name: str,
-            ctx: RankContext) -> torch.Tensor | None:
-    """Step 3: the pieces of part.ranks joined along part.dim (collective over all ranks)."""
+class Piece(NamedTuple):
+    """Where each rank's piece of a declared partition lies: `sizes[r]` is rank r's extent
+    along `dim` (0 where it holds none), joined in the order of `ranks`; the pieces may be
+    unequal (a 5 / 3 split) but must tile the parameter."""
+
+    dim: int
+    ranks: tuple
+    sizes: tuple
+
+    def offset(self, rank: int) -> int:
+        return sum(self.sizes[r] for r in self.ranks[:self.ranks.index(rank)])
+
+
+def partition_layout(held: dict, partitions: dict, shapes: dict, ctx: RankContext) -> dict:
+    """{name: Piece} for every declared partition (collective: one all_gather of the
+    pieces' extents). held: {single-device name: parameter} this rank holds. Refuses,
+    naming the parameter, a piece that is not a slice along `dim`, a rank outside the world
+    or left out of `ranks` while holding a piece, and pieces that do not tile the parameter."""
     import torch.distributed as dist
-    ranks = part.ranks if part.ranks is not None else tuple(range(ctx.world))
-    bad = [r for r in ranks if not 0 <= r < ctx.world]
-    if bad:
-        raise InvalidArgument(f"partitions[{name!r}] names ranks {bad} outside world={ctx.world}")
-    mine = ctx.rank in ranks
-    if part.dim >= len(full_shape):
-        raise InvalidArgument(f"partitions[{name!r}] dim={part.dim}, but the parameter has shape "
-                              f"{full_shape}")
-    size = torch.tensor([piece.shape[part.dim] if mine and piece is not None else 0], device=ctx.device)
-    sizes = [torch.zeros_like(size) for _ in range(ctx.world)]
-    dist.all_gather(sizes, size)
-    sizes = [int(s.item()) for s in sizes]
-    if mine and piece is not None:
-        other = tuple(s for i, s in enumerate(piece.shape) if i != part.dim)
-        want = tuple(s for i, s in enumerate(full_shape) if i != part.dim)
-        if piece.dim() != len(full_shape) or other != want:
+    mine = []
+    for name, part in partitions.items():
+        full = tuple(shapes[name])
+        ranks = part.ranks if part.ranks is not None else tuple(range(ctx.world))
+        bad = [r for r in ranks if not 0 <= r < ctx.world]
+        if bad:
+            raise InvalidArgument(f"partitions[{name!r}] names ranks {bad} outside world={ctx.world}")
+        if part.dim >= len(full):
+            raise InvalidArgument(f"partitions[{name!r}] dim={part.dim}, but the parameter has shape {full}")
+        p = held.get(name)
+        if p is None:
+            mine.append(0)
+            continue
+        if is_dtensor(p):
+            raise InvalidArgument(f"partitions[{name!r}] declares a plain-tensor shard, but the "
+                                  f"parameter is a DTensor (its gradient is read whole): drop the declaration")
+        other = tuple(x for i, x in enumerate(p.shape) if i != part.dim)
+        want = tuple(x for i, x in enumerate(full) if i != part.dim)
+        if p.dim() != len(full) or other != want:
             raise InvalidArgument(f"partitions[{name!r}]: rank {ctx.rank} holds a piece of shape "
-                                  f"{tuple(piece.shape)}, which is not a slice along dim "
-                                  f"{part.dim} of the parameter {full_shape}")
-    total = sum(sizes[r] for r in ranks)
-    if total != full_shape[part.dim]:
-        raise InvalidArgument(f"partitions[{name!r}] does not tile the parameter: the pieces of ranks "
-                              f"{list(ranks)} along dim {part.dim} have sizes "
-                              f"{[sizes[r] for r in ranks]} (sum {total}); the parameter has "
-                              f"{full_shape[part.dim]} (shape {full_shape})")
-    width = max(sizes)
+                                  f"{tuple(p.shape)}, which is not a slice along dim {part.dim} of "
+                                  f"the parameter {full}")
+        if ctx.rank not in ranks:
+            raise InvalidArgument(f"partitions[{name!r}] leaves rank {ctx.rank} out of ranks "
+                                  f"{list(ranks)}, yet it holds a piece: list every rank that holds one")
+        mine.append(int(p.shape[part.dim]))
+    if not partitions:
+        return {}
+    local = torch.tensor(mine, dtype=torch.int64, device=ctx.device)
+    every = [torch.empty_like(local) for _ in range(ctx.world)]
+    dist.all_gather(every, local)
+    every = torch.stack([e.cpu() for e in every])                        # [world, partitions]
+    out = {}
+    for k, (name, part) in enumerate(partitions.items()):
+        ranks = part.ranks if part.ranks is not None else tuple(range(ctx.world))
+        sizes = tuple(int(x) for x in every[:, k])
+        total = sum(sizes[r] for r in ranks)
+        want = shapes[name][part.dim]
+        if total != want:
+            raise InvalidArgument(
+                f"partitions[{name!r}] does not tile the parameter: the pieces of ranks "
+                f"{list(ranks)} along dim {part.dim} have sizes {[sizes[r] for r in ranks]} (sum "
+                f"{total}); the single-device parameter has {want} there (shape "
+                f"{tuple(shapes[name])})")
+        out[name] = Piece(part.dim, ranks, sizes)
+    return out
+
+
+def _joined(piece: torch.Tensor | None, layout: Piece, full_shape: tuple,
+            ctx: RankContext) -> torch.Tensor | None:
+    """Step 3: the pieces of layout.ranks joined along layout.dim (collective over all
+    ranks; pieces padded to the largest); the whole on the ranks that hold a piece."""
+    import torch.distributed as dist
     shape = list(full_shape)
-    shape[part.dim] = width
+    shape[layout.dim] = max(layout.sizes)
     padded = torch.zeros(shape, dtype=torch.float64, device=ctx.device)
-    if mine and piece is not None:
-        padded.narrow(part.dim, 0, piece.shape[part.dim]).copy_(piece.detach())
+    if piece is not None:
+        padded.narrow(layout.dim, 0, piece.shape[layout.dim]).copy_(piece.detach())
     pieces = [torch.empty_like(padded) for _ in range(ctx.world)]
     dist.all_gather(pieces, padded)
-    whole = torch.cat([pieces[r].narrow(part.dim, 0, sizes[r]) for r in ranks], part.dim)
-    return whole.to(piece.dtype if piece is not None else torch.float32) if mine else None
+    whole = torch.cat([pieces[r].narrow(layout.dim, 0, layout.sizes[r]) for r in layout.ranks], layout.dim)
+    return whole.to(piece.dtype) if piece is not None else None
 
 
-def read_gradients(wrapped: torch.nn.Module, names: dict, partitions: dict, shapes: dict,
-                   ctx: RankContext) -> dict:
-    """{single-device name: full gradient} (module docstring); shapes: the single-device
-    model's parameter shapes."""
-    out = {}
-    unknown = sorted(set(partitions) - set(names.values()))
-    if unknown:
-        raise InvalidArgument(f"partitions name {unknown[:4]}, which are not parameters of the model "
-                              f"(its names: {list(names.values())[:6]}...)")
-    for n, p in wrapped.named_parameters():
-        if n not in names:
+def read_gradients(wrapped: torch.nn.Module, names: dict, layouts: dict, shapes: dict,
+                   ctx: RankContext, units: list = ()) -> dict:
+    """{single-device name: full gradient} (module docstring); layouts: partition_layout's
+    {name: Piece}; shapes: the single-device model's parameter shapes. A rank may hold a
+    subset of the parameters (a pipeline stage): every rank still joins every declared
+    partition, in one order, so the collectives line up."""
+    from trainprobes.transforms.flat import read_flat
+    from trainprobes.transforms.weights import trainable
+    out, pieces = {}, {}
+    for unit in units:
+        out.update(read_flat(unit, names))
+    for n, p in trainable(wrapped, units):
+        if n not in names or p is None:
             continue
         name = names[n]
         g = p.grad
         main = getattr(p, "main_grad", None)
         if g is None and isinstance(main, torch.Tensor):
             g = main
-        if name in partitions:
+        if name in layouts:
             if g is not None and is_dtensor(g):
                 raise InvalidArgument(f"partitions[{name!r}] declares a plain-tensor shard, but the "
                                       f"gradient is a DTensor: drop the declaration")
-            full = _joined(g, partitions[name], tuple(shapes[name]), name, ctx)
-            if full is not None:
-                out[name] = full
+            pieces[name] = g
             continue
         if g is None:
             continue
         out[name] = full_tensor(g).clone()
+    for name, layout in layouts.items():
+        if pieces.get(name) is not None and tuple(pieces[name].shape)[layout.dim] != layout.sizes[ctx.rank]:
+            raise InvalidArgument(f"partitions[{name!r}]: rank {ctx.rank}'s gradient has shape "
+                                  f"{tuple(pieces[name].shape)}, its parameter piece "
+                                  f"{layout.sizes[ctx.rank]} along dim {layout.dim}")
+        full = _joined(pieces.get(name), layout, tuple(shapes[name]), ctx)
+        if full is not None:
+            out[name] = full
     return out

@@ -15,16 +15,18 @@ import difflib
 import json
 
 from trainprobes.errors import InvalidArgument, InvalidType
+from trainprobes.transforms.context import ContextParallel
 from trainprobes.transforms.data_parallel import DDP, Accumulation
+from trainprobes.transforms.experts import ExpertParallel
 from trainprobes.transforms.pipeline import Pipeline
 from trainprobes.transforms.sharded import FSDP2
 from trainprobes.transforms.tensor_parallel import TensorParallel
 from trainprobes.validation import check_choice
 
 TRANSFORMS = {"ddp": DDP, "accumulation": Accumulation, "fsdp2": FSDP2, "tp": TensorParallel,
-              "pp": Pipeline}
+              "pp": Pipeline, "cp": ContextParallel, "ep": ExpertParallel}
 ALIASES = {"fsdp": "fsdp2", "dp": "ddp", "accum": "accumulation", "ga": "accumulation",
-           "pipeline": "pp", "tensor-parallel": "tp"}
+           "pipeline": "pp", "tensor-parallel": "tp", "context-parallel": "cp", "expert-parallel": "ep"}
 
 __all__ = ["TRANSFORMS", "parse_transform", "build_transform"]
 

@@ -146,10 +146,21 @@ def _as_batch(b, name: str = "batch(generator)") -> dict:
     return dict(b)
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """One shape, one dtype, the same bits (1-byte formats included: torch.equal has no fp8
+    kernel on the CPU; a NaN equals itself, -0 differs from +0)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point():
+        bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        a, b = a.contiguous().view(bits), b.contiguous().view(bits)
+    return torch.equal(a, b)
+
+
 def _same_batch(a: dict, b: dict) -> bool:
     def same(x, y):
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-            return x.shape == y.shape and torch.equal(x, y)
+            return same_bits(x, y)
         return type(x) is type(y) and x == y
     return set(a) == set(b) and all(same(a[k], b[k]) for k in a)
 
@@ -171,7 +182,7 @@ def _differs(pa: dict, pb: dict, kind: str) -> str | None:
         q = pb[name]
         if p.shape != q.shape or p.dtype != q.dtype:
             return f"{name!r} is {tuple(p.shape)} {p.dtype} then {tuple(q.shape)} {q.dtype}"
-        if not torch.equal(p.detach(), q.detach()):
+        if not same_bits(p.detach(), q.detach()):
             return f"{kind} {name!r} holds different values"
     return None
 
@@ -227,7 +238,7 @@ def check_step(step: TrainingStep, seed: int) -> dict:
     if not loss.requires_grad:
         raise InvalidArgument(f"loss={step.loss!r} returned a tensor that does not depend on the "
                               f"model's parameters (requires_grad is False)")
-    if not torch.isfinite(loss.detach()).all():
+    if not torch.isfinite(loss.detach().double()).all():
         raise InvalidArgument(f"loss={step.loss!r} is {loss.item()!r} on trial 0's batch")
     with torch.no_grad():
         again = step.loss(step.forward(m2, b1), b1)
@@ -244,7 +255,8 @@ def _same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit for bit on the CPU; elsewhere within 1e-3 relative (GPU kernels may reduce in
     another order on every call, dropout moves a loss by far more)."""
     if a.device.type == "cpu":
-        return torch.equal(a, b)
+        return same_bits(a, b)
+    a, b = a.double(), b.double()
     return bool(((a - b).abs() <= 1e-3 * a.abs()).all())
 
 
@@ -278,17 +290,19 @@ def grads_of(model: torch.nn.Module, loss: torch.Tensor) -> dict:
 
 
 def single_device(step: TrainingStep, seeds: list, *, fp64: bool = True,
-                  param_dtype: torch.dtype | None = None, device: str = "cpu") -> Truth:
+                  param_dtype: torch.dtype | None = None, device: str = "cpu", pick=None) -> Truth:
     """The single-device step on every trial's batch: in float64 (the truth), or with
     fp64=False in the model's own dtype (what parity tests compare against); both with the
     weights rounded to param_dtype first where given (the base must compute with the
     weights the transform and the truth compute with, or the paired tests charge the
     weights' rounding to the transform). device: where it runs (the base runs on the
     transform's device: GPU and CPU kernels round differently, and that difference is not
-    the transform's); the result is on the CPU."""
+    the transform's); the result is on the CPU. pick: the indices of the trials to run
+    (None: all), in that order."""
     model = (fp64_model(step, param_dtype) if fp64 else rounded_model(step, param_dtype)).to(device)
     losses, grads = [], {}
-    for b in step.batches(seeds):
+    batches = step.batches(seeds)
+    for b in batches if pick is None else [batches[k] for k in pick]:
         b = _to_fp64(b) if fp64 else b
         b = to_device(b, device)
         loss = step.loss(step.forward(model, b), b)
@@ -298,12 +312,13 @@ def single_device(step: TrainingStep, seeds: list, *, fp64: bool = True,
     return Truth(torch.stack(losses), {n: torch.stack(v) for n, v in grads.items()})
 
 
-def references(step: TrainingStep, seeds: list, transform, device: str = "cpu") -> tuple:
+def references(step: TrainingStep, seeds: list, transform, device: str = "cpu", pick=None) -> tuple:
     """(fp64 truth, single device in the model's dtype on `device`), both with the weights
-    the transform computes with (trainprobes.transforms.base.Transform.weight_dtype)."""
+    the transform computes with (trainprobes.transforms.base.Transform.weight_dtype), of the
+    trials `pick` (None: all)."""
     w = transform.weight_dtype()
-    return (single_device(step, seeds, param_dtype=w),
-            single_device(step, seeds, fp64=False, param_dtype=w, device=device))
+    return (single_device(step, seeds, param_dtype=w, pick=pick),
+            single_device(step, seeds, fp64=False, param_dtype=w, device=device, pick=pick))
 
 
 def check_truth(ref: Truth, step: TrainingStep) -> None:

@@ -4,8 +4,12 @@
         --target mypkg.train:step --transform "fsdp2:reduce_dtype=bf16" --json
 
 Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT; every rank runs the
-transformed steps and computes the fp64 truth itself; only statistics are all-reduced
-(trainprobes.transforms.local), and rank 0 prints the Result. Exit 0 when equivalent, 1 when not, 2 on bad usage.
+transformed steps and computes the fp64 truth of the trials it judges; only statistics are all-reduced
+(trainprobes.transforms.local), and rank 0 prints the Result. Each rank exits by the contract
+(0 equivalent, 1 not, 2 bad usage or cannot judge, 3 internal error), but plain torchrun
+exits 1 whenever a rank exits non-zero: `python -m trainprobes.transforms.launch [torchrun
+options] -- [these options]` runs this entry under torch's launcher and exits with the
+contract's code (trainprobes.transforms.launch).
 """
 from __future__ import annotations
 
@@ -72,5 +76,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    import os
+
     from trainprobes.exits import guarded
-    sys.exit(guarded("trainprobes.transforms.torchrun", main))
+    from trainprobes.transforms.launch import finish_rank
+    sys.exit(finish_rank(int(os.environ.get("RANK", "0")), guarded("trainprobes.transforms.torchrun", main)))

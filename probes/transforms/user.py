@@ -28,9 +28,17 @@ from typing import ClassVar
 
 import torch
 from trainprobes.errors import InvalidArgument, InvalidType, TargetError
-from trainprobes.transforms.base import RankContext, StepOutput, Transform
-from trainprobes.transforms.readout import Partition, check_partitions, read_gradients
-from trainprobes.transforms.weights import clear_gradients, name_map, restore, single_device_name
+from trainprobes.transforms.base import RankContext, StepOutput, Transform, step_loss
+from trainprobes.transforms.flat import flat_units
+from trainprobes.transforms.readout import Partition, check_partitions, partition_layout, read_gradients
+from trainprobes.transforms.weights import (
+    check_held,
+    clear_gradients,
+    name_map,
+    restore,
+    single_device_name,
+    trainable,
+)
 
 __all__ = ["UserStep", "Partition"]
 
@@ -120,7 +128,9 @@ class UserStep(Transform):
     def setup(self, step, ctx: RankContext):
         fn, setup, parts = self.resolve()
         model = step.model().to(ctx.device)
-        initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        # by parameter and buffer name, not state_dict(): a state-dict hook may rename or
+        # split what it saves (torchtitan's fused QKV saves wq, wk, wv)
+        initial = {k: v.detach().clone() for k, v in [*model.named_parameters(), *model.named_buffers()]}
         proxy = [n for n, p in model.named_parameters() if p.requires_grad]
         wrapped = model
         if setup is not None:
@@ -136,28 +146,33 @@ class UserStep(Transform):
                                       f"{ctx.rank}; it must return the wrapped torch.nn.Module (or None "
                                       f"when it wraps in place)")
                 wrapped = out
-        names = name_map(wrapped, proxy, f"setup {_describe(setup)}" if setup else "the model")
+        what = f"setup {_describe(setup)}" if setup else "the model"
+        units = flat_units(wrapped)
+        names = name_map(wrapped, proxy, what, units)
+        check_held(names, proxy, what, ctx)
         unknown = sorted(set(parts) - set(proxy))
         if unknown:
             raise InvalidArgument(f"partitions name {unknown[:4]}, which are not parameters of the "
                                   f"model (its names: {proxy[:6]}...)")
-        return {"fn": fn, "model": wrapped, "initial": initial, "names": names, "partitions": parts,
-                "shapes": {n: tuple(initial[n].shape) for n in proxy}}
+        shapes = {n: tuple(initial[n].shape) for n in proxy}
+        held = {names[n]: p for n, p in trainable(wrapped, units) if p is not None}
+        layouts = partition_layout(held, parts, shapes, ctx)
+        return {"fn": fn, "model": wrapped, "initial": initial, "names": names, "layouts": layouts,
+                "shapes": shapes, "units": units}
 
     def run(self, state, step, batch, ctx: RankContext) -> StepOutput:
         model = state["model"]
-        restore(model, state["initial"], state["names"], state["partitions"], ctx.rank, ctx.world)
+        restore(model, state["initial"], state["names"], state["layouts"], ctx.rank, state["units"])
         clear_gradients(model)
         out = state["fn"](model, batch, ctx)
         loss, grads = _split(out, self.label)
         if grads is None:
-            grads = read_gradients(model, state["names"], state["partitions"], state["shapes"], ctx)
+            grads = read_gradients(model, state["names"], state["layouts"], state["shapes"], ctx,
+                                   state["units"])
         else:  # names as the wrapper spells them are the single-device names
             proxy = set(state["shapes"])
             grads = {single_device_name(n, proxy): g for n, g in grads.items()}
-        if loss is not None:
-            loss = torch.as_tensor(loss).detach().reshape(())
-        return StepOutput(loss, dict(grads))
+        return StepOutput(step_loss(loss, self.label, ctx), dict(grads))
 
 
 def _agree_on_setup(failure: str | None, name: str, ctx: RankContext) -> None:

@@ -18,7 +18,7 @@ from trainprobes.errors import InvalidArgument
 WRAPPER_SEGMENTS = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module",
                     "_forward_module")
 
-__all__ = ["single_device_name", "name_map", "restore", "clear_gradients", "is_dtensor"]
+__all__ = ["single_device_name", "name_map", "check_held", "restore", "clear_gradients", "is_dtensor"]
 
 
 def is_dtensor(t) -> bool:
@@ -41,22 +41,32 @@ def single_device_name(name: str, proxy: set) -> str:
         parts = parts[:i] + parts[i + 1:]
 
 
-def name_map(wrapped: torch.nn.Module, proxy: list, what: str) -> dict:
-    """{wrapped name: proxy name} for every trainable parameter, or InvalidArgument naming
-    the parameters missing, duplicated or left over, with what was found instead."""
+def trainable(wrapped: torch.nn.Module, units: list = ()) -> list:
+    """[(name, parameter or None)] of what `wrapped` trains: its trainable parameters, the
+    originals inside FSDP1 flat parameters in their place (units:
+    trainprobes.transforms.flat.flat_units; None: held inside a flat parameter)."""
+    flat = set().union(*(u.ids for u in units)) if units else set()
+    out = [(n, p) for n, p in wrapped.named_parameters() if p.requires_grad and id(p) not in flat]
+    return out + [(n, None) for u in units for n in u.names]
+
+
+def name_map(wrapped: torch.nn.Module, proxy: list, what: str, units: list = ()) -> dict:
+    """{wrapped name: proxy name} for every trainable parameter this rank holds, or
+    InvalidArgument naming the parameters duplicated or the model does not have, with the
+    closest names missing. A rank may hold a subset (a pipeline stage deletes the other
+    stages' layers, keeping its names): check_held then checks, over all ranks, that each
+    parameter is held somewhere."""
     import difflib
     want = set(proxy)
     out, seen = {}, {}
-    for n, p in wrapped.named_parameters():
-        if not p.requires_grad:
-            continue
+    for n, _ in trainable(wrapped, units):
         m = single_device_name(n, want)
         out[n] = m
         seen.setdefault(m, []).append(n)
     twice = {m: ns for m, ns in seen.items() if len(ns) > 1}
-    missing = [n for n in proxy if n not in seen]
     extra = [n for n, m in out.items() if m not in want]
-    if twice or missing or extra:
+    if twice or extra:
+        missing = [n for n in proxy if n not in seen]
         parts = []
         if missing:
             found = [f"{n!r} (closest found: {difflib.get_close_matches(n, extra or list(out), 1)})"
@@ -74,6 +84,21 @@ def name_map(wrapped: torch.nn.Module, proxy: list, what: str) -> dict:
     return out
 
 
+def check_held(names: dict, proxy: list, what: str, ctx) -> None:
+    """Every parameter of the single-device model held by some rank (collective: a MAX
+    all-reduce of this rank's [parameters] mask); else InvalidArgument naming those none holds."""
+    import torch.distributed as dist
+    mine = set(names.values())
+    mask = torch.tensor([float(n in mine) for n in proxy], device=ctx.device)
+    dist.all_reduce(mask, op=dist.ReduceOp.MAX)
+    missing = [n for n, m in zip(proxy, mask.cpu().tolist()) if not m]
+    if missing:
+        raise InvalidArgument(f"{what}: no rank holds {len(missing)} parameter(s) of the single-device "
+                              f"model, e.g. {missing[:5]} (rank {ctx.rank} holds {sorted(mine)[:4]}...): "
+                              f"wrap the model the setup is given, keep its parameter names, and keep "
+                              f"every parameter on some rank")
+
+
 def _check_shape(p, full: torch.Tensor, name: str) -> None:
     shape = tuple(p.shape)  # a DTensor's shape is the global one
     if shape != tuple(full.shape):
@@ -82,32 +107,24 @@ def _check_shape(p, full: torch.Tensor, name: str) -> None:
                               f"the parameter (a flattened or padded parameter cannot be restored)")
 
 
-def _piece(p, full: torch.Tensor, part, name: str, rank: int, world: int) -> torch.Tensor:
-    """This rank's equal piece of `full` along a declared partition (what it holds)."""
-    ranks = part.ranks if part.ranks is not None else tuple(range(world))
-    if rank not in ranks:
-        raise InvalidArgument(f"partitions[{name!r}] leaves rank {rank} out of ranks {list(ranks)}, "
-                              f"yet it holds the parameter: list every rank that holds a piece")
-    size = p.shape[part.dim] if p.dim() > part.dim else -1
-    if p.dim() != full.dim() or size * len(ranks) != full.shape[part.dim]:
-        raise InvalidArgument(f"partitions[{name!r}] does not tile the parameter: rank {rank} holds "
-                              f"{tuple(p.shape)}, and {len(ranks)} pieces of that size along dim "
-                              f"{part.dim} do not make the single-device {tuple(full.shape)}")
-    return full.narrow(part.dim, ranks.index(rank) * size, size)
-
-
 @torch.no_grad()
-def restore(wrapped: torch.nn.Module, initial: dict, names: dict, partitions: dict | None = None,
-            rank: int = 0, world: int = 1) -> None:
+def restore(wrapped: torch.nn.Module, initial: dict, names: dict, layouts: dict | None = None,
+            rank: int = 0, units: list = ()) -> None:
     """Every trainable parameter of `wrapped` set to its initial value (module docstring);
-    a plain shard with a declared partition gets its piece."""
-    partitions = partitions or {}
-    for n, p in wrapped.named_parameters():
-        if n not in names:
+    a plain shard with a declared partition gets its piece (layouts: {name:
+    trainprobes.transforms.readout.Piece}), an FSDP1 unit its flat shard."""
+    from trainprobes.transforms.flat import restore_flat
+    layouts = layouts or {}
+    for unit in units:
+        restore_flat(unit, initial, names)
+    for n, p in trainable(wrapped, units):
+        if n not in names or p is None:
             continue
         full = initial[names[n]]
-        if names[n] in partitions and not is_dtensor(p):
-            p.copy_(_piece(p, full, partitions[names[n]], names[n], rank, world).to(p.device, p.dtype))
+        if names[n] in layouts:
+            piece = layouts[names[n]]
+            part = full.narrow(piece.dim, piece.offset(rank), piece.sizes[rank])
+            p.copy_(part.to(p.device, p.dtype))
             continue
         _check_shape(p, full, names[n])
         if is_dtensor(p):

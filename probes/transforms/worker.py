@@ -14,19 +14,16 @@ Per case, each rank:
 from __future__ import annotations
 
 import math
-import time
 
 import torch
-from trainprobes.errors import InvalidArgument
 from trainprobes.transforms.base import RankContext
 from trainprobes.transforms.rank_case import (  # noqa: F401 (re-exported)
     DTYPES,
     RankCase,
-    _checked,
-    _coverage,
     _import_like_caller,
     device_of,
     resolve_step,
+    run_trials,
 )
 
 __all__ = ["RankCase", "cases_task", "run_case", "resolve_step"]
@@ -40,35 +37,15 @@ def run_case(case: RankCase, ctx: RankContext) -> dict | None:
     names = {n: i for i, (n, _) in enumerate(layout)}
     shapes = dict(layout)
     state = t.setup(step, ctx)
-    kept, losses, mask, codes, seconds, loss_code = None, [], None, None, 0.0, -1
-    has_loss = None
-    from trainprobes.transforms.step import to_device
-    for trial, batch in enumerate(step.batches(case.seeds)):
-        batch = to_device(batch, ctx.device)
-        start = time.perf_counter()
-        out = t.run(state, step, batch, ctx)
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize(ctx.device)
-        seconds += time.perf_counter() - start
-        grads = _checked(out, names, shapes, ctx, t.label, trial)
-        returned = torch.tensor([n in grads for n in names], dtype=torch.bool)
-        if trial == 0:
-            mask = returned
-            _coverage(mask, list(names), ctx, t.label)
+    kept, losses, mask, codes, seconds, loss_code, has_loss = None, [], None, None, 0.0, -1, False
+    for tr in run_trials(step, t, state, case.seeds, names, shapes, ctx):
+        out, grads = tr.out, tr.grads
+        seconds += tr.seconds
+        if tr.index == 0:
+            mask, has_loss = tr.returned, out.loss is not None
             kept = {n: [] for n in names if n in grads}
             codes = torch.tensor([DTYPES.index(grads[n].dtype) if n in grads and grads[n].dtype in DTYPES
                                   else -1 for n in names])
-        elif not torch.equal(returned, mask):
-            raise InvalidArgument(f"the step ({t.label}) returned other parameters on trial {trial} "
-                                  f"than on trial 0 (rank {ctx.rank})")
-        # whether this rank reports a loss is what it returns (None or not), never its value:
-        # a loss that is NaN on every trial is a NaN loss, not a missing one
-        if has_loss is None:
-            has_loss = out.loss is not None
-        elif has_loss != (out.loss is not None):
-            raise InvalidArgument(f"the step ({t.label}) returned a loss on some trials and None on "
-                                  f"others (trial {trial}, rank {ctx.rank}): return it on every trial "
-                                  f"or never")
         for n in kept:
             kept[n].append(grads[n].detach().to("cpu", torch.float64).reshape(-1))
         losses.append(math.nan if out.loss is None else float(out.loss.detach().double().item()))

@@ -36,7 +36,7 @@ class ZooRow(NamedTuple):
 
 
 def step_of(bug: Bug) -> TrainingStep:
-    return TrainingStep(model=bug.model, batch=bug.batch, loss=data.loss, tokens=data.tokens,
+    return TrainingStep(model=bug.model, batch=bug.batch, loss=bug.loss or data.loss, tokens=data.tokens,
                         name=f"zoo.{bug.name}")
 
 

@@ -18,6 +18,13 @@ rounding noise) and, where the arithmetic gives one, the analytic scale of the e
   pp_repeated_scaling   deepspeedai/DeepSpeed PR #8154        biased        stage 0 x0.25
   pipedream_staleness   PipeDream weight staleness            biased        -
                         (marin PR #6423 injects it)
+  cp_loss_scaling       NVIDIA/Megatron-LM #673, #906         biased        grad x2 (cp), loss x1
+  cp_mtp_loss           NVIDIA/Megatron-LM #3943, PR #3959    biased        MTP head x1/2 (1/cp)
+  ep_expert_grad_scale  NVIDIA/Megatron-LM PR #5956           biased        experts x2 (ep)
+  ep_lost_remote_grad   NVIDIA-NeMo/Automodel PR #1260        biased        -
+The cp_ and ep_ entries run a real context-parallel attention (all-gathered keys and values)
+and a real expert-parallel dispatch (all_to_all_single): trainprobes.reference.
+context_parallel and .expert_parallel.
 
 No verdicts are computed here; trainprobes.transforms judges the entries.
 """
@@ -27,7 +34,8 @@ import functools
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from trainprobes.reference.bugs import accumulation, data, experts, parallel, pipeline
+from trainprobes.reference.bugs import accumulation, context, data, experts, parallel, pipeline
+from trainprobes.reference.bugs import expert_parallel as ep
 
 __all__ = ["Analytic", "Bug", "ZOO", "bug"]
 
@@ -54,6 +62,7 @@ class Bug:
     batch: Callable          # batch(generator) -> dict
     analytic: Analytic | None = None
     world: int = 2
+    loss: Callable | None = None   # the single-device loss (None: data.loss)
 
     @property
     def buggy(self) -> Callable:
@@ -66,6 +75,10 @@ class Bug:
 
 def _docs(layout, **kw):
     return functools.partial(data.documents, layout, **kw)
+
+
+def _with_next(layout, generator):
+    return context.with_next(data.documents(layout, generator))
 
 
 def _equal_weights(layout, pieces) -> Analytic:
@@ -120,6 +133,27 @@ ZOO = (
         "https://github.com/marin-community/marin/pull/6423",
         "biased", ("0.weight", "0.bias", "2.weight", "2.bias"), pipeline.stale_weights, _MLP,
         _docs(data.full(8, 4), with_previous=True)),
+    Bug("cp_loss_scaling", "context-parallel loss multiplied by cp, gradients divided by dp only",
+        "NVIDIA/Megatron-LM #673, #906", "https://github.com/NVIDIA/Megatron-LM/issues/906",
+        "biased", ("qkv.weight", "qkv.bias", "out.weight", "out.bias", "mtp.weight", "mtp.bias"),
+        context.cp_loss_scaling, context.model, functools.partial(_with_next, data.full(4, 8)),
+        Analytic(2.0, 1.0), loss=context.loss),
+    Bug("cp_mtp_loss", "multi-token-prediction loss gradient divided by cp once more",
+        "NVIDIA/Megatron-LM #3943, PR #3959", "https://github.com/NVIDIA/Megatron-LM/pull/3959",
+        "biased", ("mtp.weight", "mtp.bias"), context.cp_mtp_loss, context.model,
+        functools.partial(_with_next, data.full(4, 8)),
+        Analytic(None, 1.0, {"mtp.weight": 0.5, "mtp.bias": 0.5, "out.weight": 1.0, "out.bias": 1.0}),
+        loss=context.loss),
+    Bug("ep_expert_grad_scale", "expert gradients not divided by the expert-parallel size",
+        "NVIDIA/Megatron-LM PR #5956", "https://github.com/NVIDIA/Megatron-LM/pull/5956",
+        "biased", tuple(f"experts.{e}.{n}" for e in range(ep.EXPERTS) for n in ("weight", "bias")),
+        ep.ep_expert_grad_scale, ep.model, _docs(data.full(8, 4)),
+        Analytic(None, 1.0, {**{f"experts.{e}.{n}": 2.0 for e in range(ep.EXPERTS) for n in ("weight", "bias")},
+                             "proj.weight": 1.0, "head.weight": 1.0})),
+    Bug("ep_lost_remote_grad", "tokens' gradients from experts on other ranks never sent back",
+        "NVIDIA-NeMo/Automodel PR #1260", "https://github.com/NVIDIA-NeMo/Automodel/pull/1260",
+        "biased", ("proj.weight", "proj.bias"), ep.ep_lost_remote_grad, ep.model, _docs(data.full(8, 4)),
+        Analytic(None, 1.0, {"head.weight": 1.0, "experts.0.weight": 1.0})),
 )
 
 
