@@ -50,3 +50,22 @@ def test_an_unjudgeable_candidate_blocks_and_an_edited_one_cannot_be_judged(oper
     edited = Result.from_dict(d)
     report = compare([base], [edited])
     assert report.exit_code == 2 and "noise means the whole CI lies within" in report.cannot_judge
+
+
+def test_a_promotion_fix_the_ci_does_not_show_cannot_be_judged(operands):
+    # a biased candidate whose search found no candidate with its CI within the tolerance,
+    # edited to claim the first candidate (its CI holds 0 and reaches past the tolerance:
+    # no bias shown, but none ruled out) as the fix
+    g = torch.Generator().manual_seed(4)
+    a, b = ((torch.randn(64, 2048, generator=g)).to(torch.float8_e4m3fn).double() for _ in "ab")
+    cand = gemm_bias(a, b, preset="h200-scaled-mm", samples=128, trials=16, seed=4,
+                     target="mlp.up_proj.fprop")
+    tol = cand.metrics["tolerance"]
+    promo = cand.evidence["promotion"]
+    k = next(i for i, c in enumerate(promo)
+             if c["ci_low"] <= 0 <= c["ci_high"] and max(-c["ci_low"], c["ci_high"]) > tol)
+    d = cand.to_dict()
+    d["evidence"]["promotion"] = [dict(c, within=i == k) for i, c in enumerate(promo[:k + 1])]
+    d["metrics"]["promote_every_needed"] = float(promo[k]["promote_every"])
+    report = compare([judged(operands, "bf16", "fp32")], [Result.from_dict(d)])
+    assert report.exit_code == 2 and "is not judged against tolerance" in report.cannot_judge
