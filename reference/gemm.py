@@ -225,10 +225,11 @@ def check_operands(a: torch.Tensor, b: torch.Tensor, what: str = "operands") -> 
             raise InvalidArgument(f"{what}: {name} holds {int(bad.sum())} non-finite value(s), "
                                   f"the first {t[idx].item()!r} at index {idx}; a GEMM of them has "
                                   "no relative error to judge (look for the overflow upstream)")
-    # fast path: both within 26 significant bits (fp32 and narrower), read off the low 26 bits
-    # of the float64 mantissa field
-    low26 = (1 << 26) - 1
-    if not bool((a.view(torch.int64) & low26).any()) and not bool((b.view(torch.int64) & low26).any()):
+    # fast path: both within 24 significant bits (fp32 and narrower: 23 bits of the float64
+    # mantissa field and the implicit one), read off the low 52 - 23 = 29 bits of the field;
+    # 24 + 24 <= 53 (with 26 bits free, 27-bit values would pass and their products not)
+    low29 = (1 << 29) - 1
+    if not bool((a.view(torch.int64) & low29).any()) and not bool((b.view(torch.int64) & low29).any()):
         return
     sa, sb = _significant_bits(a), _significant_bits(b)
     if sa + sb > 53:

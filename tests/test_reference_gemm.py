@@ -276,3 +276,13 @@ def test_aligned_terms_whose_sum_passes_53_bits_are_summed_exactly():
     p[0, 0] = 2 - 2 * 2.0 ** -45
     want = slow_dot([_to_int(x) for x in p[0].tolist()], acc)
     assert _to_int(dot(p, torch.ones_like(p), acc).item()) == want
+
+
+def test_operands_of_27_significant_bits_are_refused():
+    # (2^27 - 1)^2 needs 54 bits: not exact in float64. Its float64 has 26 zero bits at the
+    # bottom of the mantissa field, which must not read as "fp32 or narrower" (24 bits)
+    a = torch.tensor([[2.0 ** 27 - 1]], dtype=torch.float64)
+    with pytest.raises(InvalidArgument, match="not exact in float64"):
+        dot(a, a, "b200-25bit")
+    f = torch.tensor([[1 - 2.0 ** -24, 3.0]], dtype=torch.float64)  # fp32 values pass
+    assert dot(f, f, "fp32").item() == 10.0  # accepted; (1 - 2^-24)^2 + 9 rounds to 24 bits
