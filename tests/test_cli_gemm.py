@@ -68,3 +68,23 @@ def test_impact_table_and_exit_status(capsys):
     assert code == 1 and "accumulator share" in out and "bf16 x h200-scaled-mm" in out
     assert main(["gemm", "--impact", "--k", "512,1024"]) == 2
     assert "one --k" in capsys.readouterr().err
+
+
+def test_target_refuses_what_it_would_silently_drop(capsys, tmp_path, monkeypatch):
+    # --target judges one preset and one recipe: a second one named was dropped without a
+    # word, as were the random operands' options; now each is a usage error naming it
+    (tmp_path / "gemm_cli_target.py").write_text(
+        "import torch\n"
+        "def make():\n"
+        "    torch.manual_seed(0)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(16, 16)), torch.randn(32, 16)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    base = ["gemm", "--target", "gemm_cli_target:make", "--samples", "64", "--trials", "8"]
+    for extra, named in ((["--presets", "h200-scaled-mm,fp32"], "--presets"),
+                         (["--recipes", "bf16,mxfp8"], "--recipes"),
+                         (["--k", "64"], "--k"), (["--mean", "1"], "--mean"),
+                         (["--rows", "8"], "--rows"), (["--operands", "bf16"], "--operands")):
+        assert main(base + extra) == 2, extra
+        assert named in capsys.readouterr().err
+    assert main(base + ["--presets", "fp32", "--tolerance", "1"]) == 0
+    assert "fp32" not in capsys.readouterr().err
