@@ -265,7 +265,7 @@ def dot(a: torch.Tensor, b: torch.Tensor, acc, *, checkpoints=None, trace: dict 
 def dot_products(p: torch.Tensor, acc: Accumulator, checkpoints=None, trace=None):
     """dot() on products p (..., K) already formed (exact; check_operands was the caller's)."""
     K = p.shape[-1]
-    F, m = acc.fused_terms, acc.mantissa_bits
+    F = acc.fused_terms
     marks = sorted(set(checkpoints or ()))
     for k in marks:
         if not (0 < k <= K and (k % F == 0 or k == K)):
