@@ -1028,7 +1028,7 @@ def _gemm(rd: Reader) -> None:
     'errors'), SQNR and maximum error from the sums the probe keeps, the growth fit from its
     points, stall_k and the promotion interval from their records."""
     from scipy import stats
-    from trainprobes.numerics.gemm import GEMMS, growth_exponent, is_biased
+    from trainprobes.numerics.gemm import GEMMS, growth_exponent, is_biased, is_within
     from trainprobes.power import min_detectable_effect
 
     if rd.label("gemm") not in GEMMS:
@@ -1105,14 +1105,14 @@ def _gemm(rd: Reader) -> None:
                     f"writes k={K} and searches nothing")
     elif promo:
         for c in promo:
-            within = not is_biased(rd.field(c, "ci_low", "promotion"), rd.field(c, "ci_high", "promotion"), tol)
+            within = is_within(rd.field(c, "ci_low", "promotion"), rd.field(c, "ci_high", "promotion"), tol)
             if within != c.get("within"):
                 rd.fail(f"evidence['promotion'] entry {c!r} is not judged against tolerance={_fmt(tol)}")
         hit = [c["promote_every"] for c in promo if c.get("within")]
         if not close(need, float(hit[0]) if hit else math.nan):
             rd.fail(f"promote_every_needed={_fmt(need)} is not the first candidate within the "
                     f"tolerance ({hit[:1] or 'none'})")
-    if verdict == "noise" and max(abs(lo), abs(hi)) > tol:
+    if verdict == "noise" and not is_within(lo, hi, tol):
         rd.fail(f"gemm_verdict='noise' beside the CI [{_fmt(lo)}, {_fmt(hi)}] reaching past tolerance="
                 f"{_fmt(tol)}: noise means the whole CI lies within it (else the probe cannot judge)")
     if verdict != "exact" and (verdict == "biased") != is_biased(lo, hi, tol):

@@ -139,11 +139,14 @@ def _two_sum(a, b):
 def _round_pair(s, r, m: int, mode: str) -> torch.Tensor:
     """round_m(s + r) where s = fl(s + r) in float64 and r the exact remainder.
 
-    m <= 45 < 52, so every m-bit grid point and midpoint is a float64: s + r rounds as s does,
-    unless s itself is a grid point or midpoint and r != 0; then the neighbour of s on r's
-    side rounds as s + r does (no grid point or midpoint lies strictly between them)."""
+    m <= 45 < 52, so every m-bit grid point and midpoint is a float64 (a point of the m+1-bit
+    grid), and none lies strictly between s and s + r (|r| is at most half of s's spacing).
+    So s + r rounds as s does, unless s itself is a grid point or midpoint and r != 0; then
+    the neighbour of s on r's side rounds as s + r does. Only then: where s is not on the
+    grid, its neighbour may be, and would round differently from s + r."""
+    on_grid = _round_bits(s, m + 1, "toward_zero") == s
     toward = torch.where(r > 0, torch.full_like(s, math.inf), torch.full_like(s, -math.inf))
-    s = torch.where(r != 0, torch.nextafter(s, toward), s)
+    s = torch.where((r != 0) & on_grid, torch.nextafter(s, toward), s)
     return _round_bits(s, m, mode)
 
 
@@ -187,13 +190,18 @@ def _exact_round(terms: torch.Tensor, m: int, mode: str) -> torch.Tensor:
 
 def _aligned_round(terms: torch.Tensor, m: int, mode: str) -> torch.Tensor:
     """'terms' alignment: every term truncated to the grid 2^(emax - m) of the row's largest
-    exponent, summed exactly (at most 4097 integers below 2^(m+1) <= 2^46), then rounded."""
+    exponent, summed exactly, then rounded. The T aligned terms are integers below 2^(m+1)
+    in units of the grid: a float64 sum is exact while T 2^(m+1) <= 2^53; past it (a wide
+    accumulator with a wide fused add, e.g. 45 bits and 256 terms) the lanes of
+    _exact_round sum them."""
     nz = terms != 0
     e = torch.where(nz, _exponent(terms), torch.full_like(terms, -(2 ** 40), dtype=torch.int64))
     emax = e.amax(dim=-1, keepdim=True)
     emax = torch.where(emax < -(2 ** 39), torch.zeros_like(emax), emax)  # a row of zeros
     Q = torch.ldexp(torch.ones_like(terms[..., :1]), emax - m)
     aligned = torch.trunc(terms / Q) * Q
+    if terms.shape[-1] << (m + 1) > 1 << 53:
+        return _exact_round(aligned, m, mode)
     return _round_bits(aligned.sum(-1), m, mode)
 
 
@@ -217,10 +225,11 @@ def check_operands(a: torch.Tensor, b: torch.Tensor, what: str = "operands") -> 
             raise InvalidArgument(f"{what}: {name} holds {int(bad.sum())} non-finite value(s), "
                                   f"the first {t[idx].item()!r} at index {idx}; a GEMM of them has "
                                   "no relative error to judge (look for the overflow upstream)")
-    # fast path: both within 26 significant bits (fp32 and narrower), read off the low 26 bits
-    # of the float64 mantissa field
-    low26 = (1 << 26) - 1
-    if not bool((a.view(torch.int64) & low26).any()) and not bool((b.view(torch.int64) & low26).any()):
+    # fast path: both within 24 significant bits (fp32 and narrower: 23 bits of the float64
+    # mantissa field and the implicit one), read off the low 52 - 23 = 29 bits of the field;
+    # 24 + 24 <= 53 (with 26 bits free, 27-bit values would pass and their products not)
+    low29 = (1 << 29) - 1
+    if not bool((a.view(torch.int64) & low29).any()) and not bool((b.view(torch.int64) & low29).any()):
         return
     sa, sb = _significant_bits(a), _significant_bits(b)
     if sa + sb > 53:

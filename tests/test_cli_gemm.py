@@ -75,3 +75,23 @@ def test_a_significant_bias_within_tolerance_is_not_shown_as_noise():
     assert _shown({"gemm_verdict": "noise", "ci_low": -9.9e-5, "ci_high": -9.6e-5}) == "bias<tol"
     assert _shown({"gemm_verdict": "noise", "ci_low": -1e-6, "ci_high": 2e-6}) == "noise"
     assert _shown({"gemm_verdict": "biased", "ci_low": -3e-2, "ci_high": -2e-2}) == "biased"
+
+
+def test_target_refuses_what_it_would_silently_drop(capsys, tmp_path, monkeypatch):
+    # --target judges one preset and one recipe: a second one named was dropped without a
+    # word, as were the random operands' options; now each is a usage error naming it
+    (tmp_path / "gemm_cli_target.py").write_text(
+        "import torch\n"
+        "def make():\n"
+        "    torch.manual_seed(0)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(16, 16)), torch.randn(32, 16)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    base = ["gemm", "--target", "gemm_cli_target:make", "--samples", "64", "--trials", "8"]
+    for extra, named in ((["--presets", "h200-scaled-mm,fp32"], "--presets"),
+                         (["--recipes", "bf16,mxfp8"], "--recipes"),
+                         (["--k", "64"], "--k"), (["--mean", "1"], "--mean"),
+                         (["--rows", "8"], "--rows"), (["--operands", "bf16"], "--operands")):
+        assert main(base + extra) == 2, extra
+        assert named in capsys.readouterr().err
+    assert main(base + ["--presets", "fp32", "--tolerance", "1"]) == 0
+    assert "fp32" not in capsys.readouterr().err

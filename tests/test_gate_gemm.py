@@ -50,3 +50,37 @@ def test_an_unjudgeable_candidate_blocks_and_an_edited_one_cannot_be_judged(oper
     edited = Result.from_dict(d)
     report = compare([base], [edited])
     assert report.exit_code == 2 and "noise means the whole CI lies within" in report.cannot_judge
+
+
+def test_a_promotion_fix_the_ci_does_not_show_cannot_be_judged(operands):
+    # a biased candidate whose search found no candidate with its CI within the tolerance,
+    # edited to claim the first candidate (its CI holds 0 and reaches past the tolerance:
+    # no bias shown, but none ruled out) as the fix
+    g = torch.Generator().manual_seed(4)
+    a, b = ((torch.randn(64, 2048, generator=g)).to(torch.float8_e4m3fn).double() for _ in "ab")
+    cand = gemm_bias(a, b, preset="h200-scaled-mm", samples=128, trials=16, seed=4,
+                     target="mlp.up_proj.fprop")
+    tol = cand.metrics["tolerance"]
+    promo = cand.evidence["promotion"]
+    k = next(i for i, c in enumerate(promo)
+             if c["ci_low"] <= 0 <= c["ci_high"] and max(-c["ci_low"], c["ci_high"]) > tol)
+    d = cand.to_dict()
+    d["evidence"]["promotion"] = [dict(c, within=i == k) for i, c in enumerate(promo[:k + 1])]
+    d["metrics"]["promote_every_needed"] = float(promo[k]["promote_every"])
+    report = compare([judged(operands, "bf16", "fp32")], [Result.from_dict(d)])
+    assert report.exit_code == 2 and "is not judged against tolerance" in report.cannot_judge
+
+
+def test_a_biased_candidate_whose_point_estimate_is_under_the_tolerance_blocks():
+    # the probe's fail-closed rule: deepseek-v3 on mostly positive data, 64 samples: a bias
+    # of -9.9e-5 (under the 1e-4 tolerance) with a CI reaching -1.2e-4 is biased. The gate
+    # must block it as the probe judged it, not call the genuine Result edited (exit 2)
+    g = torch.Generator().manual_seed(1024)
+    a, b = ((torch.randn(32, 1024, generator=g) + 1).to(torch.float8_e4m3fn).double() for _ in "ab")
+    cand = gemm_bias(a, b, preset="deepseek-v3", samples=64, trials=8, target="mlp.up_proj.fprop")
+    m = cand.metrics
+    assert m["gemm_verdict"] == "biased" and abs(m["relative_bias"]) < m["tolerance"]
+    base = gemm_bias(a, b, preset="fp32", samples=64, trials=8, target="mlp.up_proj.fprop")
+    report = compare([base], [cand])
+    assert report.cannot_judge is None, report.cannot_judge
+    assert report.exit_code == 1 and "TP-B1" in [r.code for r in report.blocking]

@@ -119,10 +119,11 @@ def test_nearest_accumulator_is_not_called_biased_over_seeds():
 
 
 def test_one_fail_closed_rule_for_verdict_and_promotion():
-    from trainprobes.numerics.gemm import is_biased
+    from trainprobes.numerics.gemm import is_biased, is_within
     assert is_biased(-1.21e-4, -7.83e-5, 1e-4)      # point estimate under, CI past: biased
     assert not is_biased(-9.7e-5, -9.5e-5, 1e-4)    # whole CI within: shown not to matter
     assert not is_biased(-3e-4, 2e-4, 1e-4)         # CI holds 0: no bias shown
+    assert not is_within(-3e-4, 2e-4, 1e-4)         # ... and none ruled out: no fix shown
     # the review's case: deepseek-v3, K=1024, mean 1, 32 rows, 64 samples, 8 groups
     g = torch.Generator().manual_seed(1024)
     a, b = ((torch.randn(32, 1024, generator=g) + 1).to(torch.float8_e4m3fn).double() for _ in "ab")
@@ -132,7 +133,7 @@ def test_one_fail_closed_rule_for_verdict_and_promotion():
     assert m["gemm_verdict"] == "biased" and r.verdict == "fail", r.message
     assert "does not matter" not in r.message
     for c in r.evidence["promotion"]:
-        assert c["within"] == (not is_biased(c["ci_low"], c["ci_high"], m["tolerance"]))
+        assert c["within"] == is_within(c["ci_low"], c["ci_high"], m["tolerance"])
 
 
 def test_all_zero_operand_is_refused_for_every_recipe():
@@ -196,3 +197,25 @@ def test_a_recipe_bias_is_its_operands_scale_error():
     qc = quantize(c, "fp8-tensor", "grad")
     rho_c = ((c * (qc.values * qc.scale - c)).sum() / (c * c).sum()).item()
     assert -6e-3 < rho_c < -1e-3
+
+
+def test_a_promotion_interval_is_claimed_only_where_its_ci_lies_within_the_tolerance():
+    # zero-mean data, 128 samples: the unpromoted bias is shown (CI [-5.2e-4, -2.3e-5]), and
+    # the candidate N_C = 1024 has a CI that holds 0 but reaches -3.1e-4, three times the
+    # tolerance. No bias shown is not a bias shown small: "promoting every 1024 keeps it
+    # within 1e-4" would be a claim the sample does not support.
+    g = torch.Generator().manual_seed(4)
+    a, b = ((torch.randn(64, 2048, generator=g)).to(torch.float8_e4m3fn).double() for _ in "ab")
+    r = gemm_bias(a, b, preset="h200-scaled-mm", samples=128, trials=16, seed=4)
+    m = r.metrics
+    assert m["gemm_verdict"] == "biased", r.message
+    tried = r.evidence["promotion"]
+    assert any(c["ci_low"] <= 0 <= c["ci_high"] and -c["ci_low"] > m["tolerance"] for c in tried)
+    for c in tried:
+        assert c["within"] == (max(-c["ci_low"], c["ci_high"]) <= m["tolerance"]), c
+    need = m["promote_every_needed"]
+    if math.isfinite(need):
+        hit = next(c for c in tried if c["promote_every"] == need)
+        assert max(-hit["ci_low"], hit["ci_high"]) <= m["tolerance"], hit
+    else:
+        assert "no promotion interval keeps it within" in r.message

@@ -69,3 +69,56 @@ def test_a_nan_weight_names_the_layer():
         lin.weight[0, 0] = float("nan")
     with pytest.raises(InvalidArgument, match="layer '0'"):
         judge_model(torch.nn.Sequential(lin), torch.randn(4, 16, 16), samples=64, trials=8)
+
+
+class _Twice(torch.nn.Module):
+    """One bias-free Linear called twice (weights shared across two calls), then another."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = torch.nn.Linear(16, 16, bias=False)
+        self.out = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.out(self.shared(torch.relu(self.shared(x))))
+
+
+def test_a_linear_called_twice_is_judged_on_its_real_weight_gradient():
+    # its weight gradient sums both calls: dW = dy1^T x1 + dy2^T x2, one GEMM of K = twice the
+    # tokens. Pairing one call's input with the other call's output gradient judges a GEMM the
+    # step never runs
+    torch.manual_seed(0)
+    model, x = _Twice(), torch.randn(4, 6, 16)
+    caught = {c.name: c for c in capture_linears(model, x)}
+    for name in ("shared", "out"):
+        c, mod = caught[name], getattr(model, name)
+        assert torch.allclose(c.dy.t() @ c.x, mod.weight.grad.double(), rtol=1e-5, atol=1e-8), name
+    assert caught["shared"].x.shape == (2 * 24, 16) and caught["out"].x.shape == (24, 16)
+
+
+class _Custom(torch.nn.Module):
+    """A Linear of its own (F.linear on its weight): a GEMM no hook can see."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(16, 16) / 4)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight)
+
+
+def test_gpt2_conv1d_is_judged_and_unseen_gemms_are_listed():
+    # GPT-2's attention and MLP projections are transformers' Conv1D (y = x W + b, W stored
+    # (in, out)), not nn.Linear: a table of the lm_head alone would pass a model whose
+    # block GEMMs were never looked at
+    conv1d = pytest.importorskip("transformers.pytorch_utils").Conv1D
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(conv1d(16, 16), torch.nn.ReLU(), torch.nn.Sequential(_Custom()),
+                                torch.nn.Linear(16, 8))
+    skipped = []
+    caught = {c.name: c for c in capture_linears(model, torch.randn(4, 6, 16), skipped=skipped)}
+    assert set(caught) == {"0", "3"}
+    c = caught["0"]
+    assert c.w.shape == (16, 16) and torch.equal(c.w, model[0].weight.detach().double().t())
+    assert torch.allclose(c.dy.t() @ c.x, model[0].weight.grad.double().t(), rtol=1e-5, atol=1e-8)
+    assert [s["layer"] for s in skipped] == ["2.0"] and "not seen" in skipped[0]["reason"]

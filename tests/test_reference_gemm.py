@@ -246,3 +246,43 @@ def test_the_fp32_fast_path_is_the_general_model(monkeypatch):
         assert torch.equal(got, want) and all(torch.equal(parts[k], parts2[k]) for k in parts2)
         assert torch.equal(tr["first_absorbed"], tr2["first_absorbed"])
         assert torch.equal(tr["absorbed"], tr2["absorbed"])
+
+
+# --- sums that need more than float64's 53 bits ---------------------------------------------
+
+def test_a_sum_just_off_the_grid_is_rounded_as_the_exact_sum():
+    # 745472 - 3 2^-35 (0.75 of float64's spacing there): fl() gives the float64 just below
+    # 745472, which is not on the 14-bit grid (spacing 64 there), but its upper neighbour is;
+    # the exact sum lies below 745472, so truncation gives 745408 and nearest 745472 (the sum
+    # needs more than 53 bits: wide operands such as bf16 or fp32 products give such sums)
+    for rounding, want in (("toward_zero", 745408.0), ("nearest", 745472.0)):
+        acc = Accumulator("x", 13, 1, rounding, "sum")
+        p = torch.tensor([[-3 * 2.0 ** -35, 745472.0]], dtype=torch.float64)
+        got = dot(p, torch.ones_like(p), acc).item()
+        assert got == want
+        assert _to_int(got) == slow_dot([_to_int(x) for x in p[0].tolist()], acc)
+    # the same through the lanes of a fused add of three terms
+    acc = Accumulator("x", 13, 3, "toward_zero", "sum")
+    p = torch.tensor([[-3 * 2.0 ** -35, 745472.0, 0.0]], dtype=torch.float64)
+    assert dot(p, torch.ones_like(p), acc).item() == 745408.0
+
+
+def test_aligned_terms_whose_sum_passes_53_bits_are_summed_exactly():
+    # 45-bit grid, 256-term fused add of values in [1, 2): the aligned integers sum past 2^53
+    # units of the grid, where a float64 sum rounds (here onto a 45-bit grid point above the
+    # exact sum, which truncation must not reach)
+    acc = Accumulator("x", 45, 256, "toward_zero", "terms")
+    p = torch.full((1, 256), 2 - 2.0 ** -45, dtype=torch.float64)
+    p[0, 0] = 2 - 2 * 2.0 ** -45
+    want = slow_dot([_to_int(x) for x in p[0].tolist()], acc)
+    assert _to_int(dot(p, torch.ones_like(p), acc).item()) == want
+
+
+def test_operands_of_27_significant_bits_are_refused():
+    # (2^27 - 1)^2 needs 54 bits: not exact in float64. Its float64 has 26 zero bits at the
+    # bottom of the mantissa field, which must not read as "fp32 or narrower" (24 bits)
+    a = torch.tensor([[2.0 ** 27 - 1]], dtype=torch.float64)
+    with pytest.raises(InvalidArgument, match="not exact in float64"):
+        dot(a, a, "b200-25bit")
+    f = torch.tensor([[1 - 2.0 ** -24, 3.0]], dtype=torch.float64)  # fp32 values pass
+    assert dot(f, f, "fp32").item() == 10.0  # accepted; (1 - 2^-24)^2 + 9 rounds to 24 bits

@@ -15,6 +15,8 @@ PRESET_NAMES = ("h200-scaled-mm", "h200-scaled-mm-sum", "deepseek-v3", "b200-25b
 RECIPE_NAMES = ("exact", "bf16", "fp8-tensor", "fp8-tensor-e4m3", "fp8-rowwise", "mxfp8",
                 "mxfp8-e5m2-grads", "mxfp4", "nvfp4", "nvfp4-paper")
 IMPACT_RECIPES = ("bf16", "fp8-tensor", "mxfp8", "nvfp4")  # numerics.gemm_impact.RECIPES
+TABLE_PRESETS = ("h200-scaled-mm", "deepseek-v3", "fp32")
+ROWS = 256
 
 HELP = ("bias of low-precision GEMMs (FP8/MXFP8/NVFP4 recipes, tensor-core accumulators) against "
         "fp64: the preset x recipe x K table, or a model's Linear GEMMs (exit status 1 when biased)")
@@ -22,8 +24,9 @@ HELP = ("bias of low-precision GEMMs (FP8/MXFP8/NVFP4 recipes, tensor-core accum
 
 def add_arguments(parser) -> None:
     parser.add_argument("--presets", type=parse_list(parse_choice("presets", PRESET_NAMES), "--presets"),
-                        default=["h200-scaled-mm", "deepseek-v3", "fp32"], metavar="A,B",
-                        help="accumulator presets (default: %(default)s)")
+                        default=None, metavar="A,B",
+                        help=f"accumulator presets (default: {','.join(TABLE_PRESETS)}; with "
+                             f"--target one, default {TABLE_PRESETS[0]})")
     parser.add_argument("--recipes", type=parse_list(parse_choice("recipes", RECIPE_NAMES), "--recipes"), default=None,
                         metavar="A,B", help="quantisation recipes (default: exact: the operands "
                         "are already e4m3, the accumulator alone is judged; with --impact: "
@@ -51,8 +54,8 @@ def add_arguments(parser) -> None:
                              "exact), bf16 under a quantising one (what a bf16 training step "
                              "hands it: e4m3 values re-quantised under a scale that is not a "
                              "power of two are a double rounding, a bias of their own)")
-    parser.add_argument("--rows", type=parse_int("rows", min=1), default=256,
-                        help="M = N of the random GEMMs (default: %(default)s)")
+    parser.add_argument("--rows", type=parse_int("rows", min=1), default=None,
+                        help=f"M = N of the random GEMMs (default: {ROWS})")
     parser.add_argument("--target", default=None, metavar="pkg.mod:factory",
                         help="a factory returning (model, batch): judge every Linear's three GEMMs "
                              "from one fp32 step instead of random operands")
@@ -90,20 +93,21 @@ def _random_results(args, progress):
     from trainprobes.reference.recipes import E4M3_MAX, get_recipe
 
     recipes, ks = args.recipes or ["exact"], args.k or [1024, 4096]
+    presets, rows = args.presets or list(TABLE_PRESETS), args.rows or ROWS
     mean = 0.0 if args.mean is None else args.mean
-    for p in args.presets:
+    for p in presets:
         get_preset(p)  # unknown names stop here, with the list
     for r in recipes:
         get_recipe(r)
-    check_fits(8 * 12 * max(ks) * (2 * args.rows + args.samples),
-               f"--k {max(ks)} --rows {args.rows} --samples {args.samples}",
+    check_fits(8 * 12 * max(ks) * (2 * rows + args.samples),
+               f"--k {max(ks)} --rows {rows} --samples {args.samples}",
                fix="lower --rows, --samples or --k")
     dtypes = {"e4m3": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
     out = []
-    total = len(ks) * len(recipes) * len(args.presets)
+    total = len(ks) * len(recipes) * len(presets)
     for K in ks:
         g = torch.Generator().manual_seed(args.seed + K)
-        raw = [torch.randn(args.rows, K, generator=g) + mean for _ in "ab"]
+        raw = [torch.randn(rows, K, generator=g) + mean for _ in "ab"]
         for recipe in recipes:
             fmt = operands_for(args.operands, recipe)
             if fmt == "e4m3":
@@ -116,20 +120,34 @@ def _random_results(args, progress):
                         f"+-{E4M3_MAX:g} (more than {SATURATED_SHARE:.0%}), so every output is the "
                         f"same and no accumulator can be judged; use |--mean| <= {E4M3_MAX - 5:g}")
             a, b = (r.to(dtypes[fmt]).double() for r in raw)
-            for preset in args.presets:
+            for preset in presets:
                 kw = {} if args.tolerance is None else {"tolerance": args.tolerance}
                 progress.step(len(out), total, f"K={K} {recipe} {preset}")
                 r = gemm_bias(a, b, preset=preset, recipe=recipe, gemm=args.gemm,
                               samples=args.samples, trials=args.trials, seed=args.seed,
                               alpha=args.alpha, **kw)
-                r.evidence["operands"] = f"random {fmt}, mean {mean:g}, {args.rows} x {K} each"
+                r.evidence["operands"] = f"random {fmt}, mean {mean:g}, {rows} x {K} each"
                 out.append(r)
     return out
 
 
 def _model_results(args, progress):
+    from trainprobes.errors import InvalidArgument
     from trainprobes.numerics.gemm_model import judge_model
     from trainprobes.targets import load_target
+
+    # one preset and one recipe per model table (its rows are keyed by layer and GEMM), and
+    # the random operands' options mean nothing here: refused, never dropped without a word
+    for flag, value in (("--presets", args.presets), ("--recipes", args.recipes)):
+        if value and len(value) > 1:
+            raise InvalidArgument(f"--target judges one preset and one recipe per run; {flag} "
+                                  f"names {len(value)} ({','.join(value)}): run once per {flag[2:-1]}")
+    given = [flag for flag, value in (("--k", args.k), ("--mean", args.mean), ("--rows", args.rows))
+             if value is not None] + (["--operands"] if args.operands != "auto" else [])
+    if given:
+        raise InvalidArgument(f"{', '.join(given)} set(s) the random operands, which --target does "
+                              "not use (its operands are the model's own, K from its shapes); drop "
+                              f"{'it' if len(given) == 1 else 'them'}")
 
     factory = load_target(args.target)
     made = factory()
@@ -139,7 +157,8 @@ def _model_results(args, progress):
                           f"{type(made).__name__}")
     model, batch = made
     kw = {} if args.tolerance is None else {"tolerance": args.tolerance}
-    return judge_model(model, batch, preset=args.presets[0], recipe=(args.recipes or ["exact"])[0],
+    return judge_model(model, batch, preset=(args.presets or TABLE_PRESETS)[0],
+                       recipe=(args.recipes or ["exact"])[0],
                        samples=args.samples, trials=args.trials, seed=args.seed, alpha=args.alpha,
                        target=args.target, progress=progress.step, **kw)
 
@@ -153,7 +172,7 @@ def _impact(args) -> int:
                               "--impact to judge your model's GEMMs)")
     if args.k and len(args.k) != 1:
         raise InvalidArgument(f"--impact takes one --k (the weight gradient's tokens), got {args.k!r}")
-    recipes, presets = args.recipes or IMPACT_RECIPES, args.presets
+    recipes, presets = args.recipes or IMPACT_RECIPES, args.presets or list(TABLE_PRESETS)
     r = gemm_impact(recipes=recipes, presets=presets, tokens=args.k[0] if args.k else 4096,
                     steps=args.steps, mean=1.0 if args.mean is None else args.mean,
                     seed=args.seed, tol=args.loss_tol)

@@ -24,8 +24,9 @@ output elements, each one dot product of K terms:
      CI within +-tolerance: any bias is shown not to matter), else inconclusive (the CI
      holds 0 and reaches past +-tolerance: the sample can neither show a bias nor rule one
      out; a cannot-judge Result, verdict error and TP-E1, never a pass); and
-     the promotion interval: the largest N_C (F 2^j <= K) that is not biased by the same rule
-     (K: none needed; NaN: none found).
+     the promotion interval: the largest N_C (F 2^j <= K) whose CI lies within +-tolerance
+     (is_within, the rule of noise: a CI that holds 0 and reaches past the tolerance does
+     not show a fix) (K: none needed; NaN: none found).
 What the sample rules out is the bias error_stats can detect with 80% power
 (min_detectable_bias): a smaller bias may exist in the unsampled elements.
 """
@@ -72,9 +73,16 @@ DEFAULT_TOLERANCE = 1e-4
 
 
 def is_biased(ci_low: float, ci_high: float, tolerance: float) -> bool:
-    """The one rule of the verdict and the promotion search (and the gate): biased when the
-    CI excludes 0 (a bias exists) and is not within +-tolerance (not shown not to matter)."""
-    return bool((ci_low > 0 or ci_high < 0) and max(abs(ci_low), abs(ci_high)) > tolerance)
+    """The one rule of a biased verdict (and the gate's): the CI excludes 0 (a bias exists)
+    and is not within +-tolerance (not shown not to matter)."""
+    return bool((ci_low > 0 or ci_high < 0) and not is_within(ci_low, ci_high, tolerance))
+
+
+def is_within(ci_low: float, ci_high: float, tolerance: float) -> bool:
+    """The one rule of a pass (noise) and of a promotion interval that fixes a bias (and the
+    gate's): the whole CI within +-tolerance, any bias shown not to matter. A CI that holds 0
+    and reaches past the tolerance is neither biased nor within: it shows nothing."""
+    return bool(max(abs(ci_low), abs(ci_high)) <= tolerance)
 
 
 
@@ -252,7 +260,7 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
         growth.append({"k": k, "relative_rms_error": e.pow(2).mean().sqrt().item() / den if den else math.nan})
     exact = max_abs_err == 0.0
     biased = not exact and is_biased(st["ci_low"], st["ci_high"], floor)
-    shown_small = max(abs(st["ci_low"]), abs(st["ci_high"])) <= floor
+    shown_small = is_within(st["ci_low"], st["ci_high"], floor)
     verdict = ("exact" if exact else "biased" if biased else "noise" if shown_small
                else "inconclusive")
     promo, needed = [], float(K)
@@ -268,7 +276,7 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
                 sc = sample_gemm(prep, cand)
                 e2 = [e for e in _trial_errors(sc.ref, sc.low, trials) if math.isfinite(e)]
                 s2 = error_stats(e2, alpha=alpha, min_effect=floor)
-                inside = not is_biased(s2["ci_low"], s2["ci_high"], floor)
+                inside = is_within(s2["ci_low"], s2["ci_high"], floor)
                 promo.append({"promote_every": n, "relative_bias": s2["bias"], "ci_low": s2["ci_low"],
                               "ci_high": s2["ci_high"], "within": inside})
                 if inside:

@@ -1,9 +1,13 @@
 """A model's GEMMs: capture every nn.Linear's input and output gradient from one fp32 step,
 and judge its three training GEMMs (numerics.gemm) under a recipe and an accumulator.
+transformers' Conv1D (GPT-2's Linear with its weight stored transposed) counts as one; other
+modules with a 2-D weight (not embeddings) are listed as not seen.
 
-  1. hooks: a forward hook keeps each Linear's input x (flattened to tokens x in_features),
-     a full backward hook its output gradient dy (tokens x out_features); the weight w is
-     the Linear's own;
+  1. hooks: a forward hook keeps each call's input x (flattened to tokens x in_features)
+     and hooks that call's output tensor for its gradient dy (tokens x out_features), so a
+     Linear called several times (shared weights) pairs each call's x with its own dy and
+     its weight gradient, sum_calls dy^T x, is one GEMM over all the calls' tokens; calls
+     whose output gets no gradient are dropped from both; the weight w is the Linear's own;
   2. one step in fp32: loss = the output's `loss` (HF models given labels), else loss_fn(out),
      else the mean square of the output; backward;
   3. fprop (x . w, K = in), dgrad (dy . w^T, K = out), wgrad (dy^T . x^T, K = tokens) each
@@ -30,23 +34,57 @@ class Captured:
     dy: torch.Tensor
 
 
+def _linear_shape(mod: torch.nn.Module):
+    """(in_features, out_features, weight as (out, in)) of a module that is one GEMM of its
+    input and weight, else None: nn.Linear, and transformers' Conv1D (GPT-2 and its kin:
+    y = x W + b with W stored (in, out), pytorch_utils.Conv1D)."""
+    if isinstance(mod, torch.nn.Linear):
+        return mod.in_features, mod.out_features, mod.weight
+    w = getattr(mod, "weight", None)
+    if type(mod).__name__ == "Conv1D" and torch.is_tensor(w) and w.dim() == 2 \
+            and tuple(w.shape) == (getattr(mod, "nx", None), getattr(mod, "nf", None)):
+        return mod.nx, mod.nf, w.t()
+    return None
+
+
+def _unseen(model: torch.nn.Module, linears: list) -> list[dict]:
+    """Modules outside `linears` that hold a 2-D weight (other than an embedding table, a
+    lookup): likely GEMMs of their own (F.linear, matmul) the hooks cannot see; listed, so a
+    table that covers part of a model says so."""
+    seen = {n for n, _ in linears}
+    return [{"layer": n, "gemm": "all", "reason": f"a {type(m).__name__} with a 2-D weight, not an "
+             "nn.Linear: its GEMMs (if any) are not seen"}
+            for n, m in model.named_modules()
+            if n not in seen and not isinstance(m, torch.nn.Embedding)
+            and isinstance(getattr(m, "weight", None), torch.nn.Parameter) and m.weight.dim() == 2]
+
+
 def capture_linears(model: torch.nn.Module, batch, loss_fn=None, skipped: list | None = None) -> list[Captured]:
-    """Steps 1-2: every nn.Linear's (x, w, dy) from one fp32 forward and backward; a Linear
-    not on the loss's path is appended to `skipped` as {layer, gemm, reason}."""
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    """Steps 1-2: every Linear's (x, w, dy) (nn.Linear and transformers' Conv1D, _linear_shape)
+    from one fp32 forward and backward; a Linear not on the loss's path, and a module with a
+    2-D weight that is not one, are appended to `skipped` as {layer, gemm, reason}."""
+    linears = [(n, m) for n, m in model.named_modules() if _linear_shape(m) is not None]
+    if skipped is not None:
+        skipped.extend(_unseen(model, linears))
     if not linears:
         raise InvalidArgument(f"the model ({type(model).__name__}) has no torch.nn.Linear: there "
                               "are no GEMMs to judge (modules of its own that call F.linear are not "
                               "seen; wrap them in nn.Linear)")
-    seen: dict[str, dict] = {n: {} for n, _ in linears}
+    # per Linear, one [x, dy] per call; dy stays None unless the call's output gets a gradient
+    calls: dict[str, list] = {n: [] for n, _ in linears}
     hooks = []
     for name, mod in linears:
         def fwd(m, inp, out, name=name):
-            seen[name]["x"] = inp[0].detach().reshape(-1, m.in_features).double()
+            if not (torch.is_tensor(out) and out.requires_grad):
+                return  # no gradient can reach this call: no wgrad or dgrad of it runs
+            n_in, n_out, _ = _linear_shape(m)
+            call = [inp[0].detach().reshape(-1, n_in).double(), None]
+            calls[name].append(call)
 
-        def bwd(m, grad_in, grad_out, name=name):
-            seen[name]["dy"] = grad_out[0].detach().reshape(-1, m.out_features).double()
-        hooks += [mod.register_forward_hook(fwd), mod.register_full_backward_hook(bwd)]
+            def grad(g, call=call):
+                call[1] = g.detach().reshape(-1, n_out).double()
+            out.register_hook(grad)
+        hooks.append(mod.register_forward_hook(fwd))
     try:
         model = model.float()
         model.zero_grad(set_to_none=True)
@@ -65,13 +103,15 @@ def capture_linears(model: torch.nn.Module, batch, loss_fn=None, skipped: list |
             h.remove()
     got = []
     for name, mod in linears:
-        s = seen[name]
-        if "x" not in s or "dy" not in s:
+        done = [c for c in calls[name] if c[1] is not None]
+        if not done:
             if skipped is not None:  # not on the loss's path in this step: said, not dropped
                 skipped.append({"layer": name, "gemm": "all", "reason": "not on the loss's path in "
                                 "this step (no input or no output gradient)"})
             continue
-        got.append(Captured(name, s["x"], mod.weight.detach().double(), s["dy"]))
+        got.append(Captured(name, torch.cat([c[0] for c in done]),
+                            _linear_shape(mod)[2].detach().double().contiguous(),
+                            torch.cat([c[1] for c in done])))
     if not got:
         raise TargetError("no Linear received a gradient in the step: the loss does not depend on them")
     return got
