@@ -71,6 +71,37 @@ def test_router_verdict_comes_from_the_mechanism(router, causal):
     assert not perturb.finding     # the kind read from the routing expects what was found
 
 
+class _CallMeanGate(torch.nn.Module):
+    """Token-choice top-k whose logits take eps of the mean logits of every token in the call:
+    a row's routing depends on the other rows, by far less than 1e-3 of the logits' scale."""
+
+    def __init__(self, gate, eps=1e-5):
+        super().__init__()
+        self.weight, self.top_k, self.eps = gate.weight, gate.top_k, eps
+
+    def forward(self, h):
+        logits = torch.nn.functional.linear(h.reshape(-1, self.weight.shape[1]), self.weight)
+        logits = logits + self.eps * logits.mean(0, keepdim=True)
+        w, i = torch.softmax(logits.float(), -1).topk(self.top_k, -1)
+        return logits, (w / w.sum(-1, keepdim=True)).to(h.dtype), i
+
+
+@torch.no_grad()
+def test_batch_cell_tells_a_leak_between_rows_from_rounding_by_the_fp64_twin():
+    """A batch difference is a finding when it survives in float64 (data crossed rows), not by
+    its size: the grouped experts' tiling moves mixtral's logits by ulps (rounding), a router
+    mixing the rows of the call by 1e-5 of its logits is a leak however small."""
+    from trainprobes.zoo.cells import batch_cell
+    model = build("mixtral").model
+    plain = batch_cell("mixtral", model)
+    assert not plain.finding and plain.verdict in ("invariant", "variant")
+    assert patch_gates(model, _CallMeanGate) == 2
+    leaky = batch_cell("mixtral", model)
+    assert leaky.verdict == "variant" and leaky.finding, leaky.reason
+    assert leaky.number < 1e-3 * float(model(input_ids=torch.zeros(1, 16, dtype=torch.long)).logits.abs().max())
+    assert "fp64" in leaky.reason
+
+
 def test_cli_unknown_model_exits_2_with_close_names(capsys):
     assert main(["zoo", "--model", "mixtrl"]) == 2
     assert "mixtral" in capsys.readouterr().err
