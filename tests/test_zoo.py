@@ -121,6 +121,21 @@ def test_cli_one_row_json_and_exit_1_on_a_finding(capsys, monkeypatch):
     assert "FINDING" in capsys.readouterr().out
 
 
+def test_cli_a_row_that_cannot_be_judged_exits_2_never_0(capsys, monkeypatch):
+    """Fail closed: nothing built (bart's shrunk decoder raises), or a cell that raised or
+    came out unknown, is not a row agreeing with its design."""
+    assert main(["zoo", "--model", "bart", "--no-progress"]) == 2
+    assert "could not be built" in capsys.readouterr().err
+    import trainprobes.zoo.cells as cells
+
+    def unknown_router(mt, **kw):
+        return [cells.Cell(mt, "batch", "", "invariant", 0.0, "", "same bits", "invariant up to rounding"),
+                cells.Cell(mt, "router", "", "unknown", None, "", "cannot measure every router: 2 of 4")]
+    monkeypatch.setattr(cells, "row", unknown_router)
+    assert main(["zoo", "--model", "mixtral", "--no-progress"]) == 2
+    assert "cannot measure every router" in capsys.readouterr().err
+
+
 def test_diff_names_changed_cells(tmp_path):
     cell = {"model_type": "llama", "probe": "batch", "variant": "", "verdict": "invariant"}
     a = {"versions": {"transformers": "5.24.0"}, "rows": {"llama": [cell]}}
