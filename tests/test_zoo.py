@@ -149,6 +149,22 @@ def test_diff_names_changed_cells(tmp_path):
     assert main(["zoo", "--diff", str(pa), str(pb)]) == 1
 
 
+@pytest.mark.parametrize("row, says", [
+    ([{"model_type": "llama"}], "rows['llama'][0] lacks probe, variant, verdict"),
+    ({"x": 1}, "rows['llama'] is dict, expected a list"),
+    (None, "rows['llama'] is NoneType"),
+    ([{"model_type": "mixtral", "probe": "batch", "variant": "", "verdict": "variant"}],
+     "a cell of 'mixtral', in the row of 'llama'")])
+def test_diff_refuses_a_hand_edited_map_it_cannot_read(tmp_path, capsys, row, says):
+    """Exit 2 naming the cell, never a KeyError (exit 3) or a cell read into another row."""
+    good = {"rows": {"llama": [{"model_type": "llama", "probe": "batch", "variant": "", "verdict": "invariant"}]}}
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(good))
+    pb.write_text(json.dumps({"rows": {"llama": row}}))
+    assert main(["zoo", "--diff", str(pa), str(pb)]) == 2
+    assert says in capsys.readouterr().err
+
+
 @torch.no_grad()
 def test_ci_subset_of_the_sweep(tmp_path):
     """A small fixed subset of the sweep, measured in this process: llama's packed-document
