@@ -36,6 +36,41 @@ def test_shrink_keeps_every_kind_of_layer_of_a_hybrid():
     assert len(cfg.layer_types) == cfg.num_hidden_layers
 
 
+# positional sizes left as they are, each with why it removes no mechanism the cells probe
+_KEPT_POSITIONAL = {
+    "chunk_size": "a Mamba-2 / xLSTM scan computed in chunks: the recurrence itself runs at any length",
+    "mamba_chunk_size": "as chunk_size", "audio_chunk_size": "an audio encoder's input framing",
+    "conf_attention_chunk_size": "gemma3n's audio conformer, not the text decoder",
+    "max_window_layers": "a count of layers, not of positions"}
+
+
+def test_every_mechanism_counted_in_positions_is_shrunk_below_the_documents():
+    """A window, chunk or top-k of positions left at its full size (Llama 4's 8192-token
+    attention chunks, a DeepSeek sparse-attention indexer's 2048 selected tokens) is wider
+    than the probes' 30-token rows: the tiny model would lack the mechanism. Every such size
+    a registered config declares is shrunk (or kept, with why)."""
+    import re
+
+    from transformers import CONFIG_MAPPING
+
+    from trainprobes.zoo.shrink import SIZES, WINDOW, all_configs, causal_lm_types
+    positional = re.compile(r"window|chunk_size|topk|local_attention")
+    missed = set()
+    for mt in causal_lm_types():
+        try:
+            cfg = CONFIG_MAPPING[mt]()
+        except Exception:  # noqa: BLE001 - a config that cannot be built is listed by build()
+            continue
+        for c in all_configs(cfg):
+            for k, v in vars(c).items():
+                if positional.search(k) and isinstance(v, int) and not isinstance(v, bool) and v > WINDOW \
+                        and k not in SIZES and k not in _KEPT_POSITIONAL:
+                    missed.add(f"{mt}.{k}={v}")
+    assert not missed, sorted(missed)
+    cfg, changed = shrink("llama4_text")
+    assert cfg.attention_chunk_size == WINDOW and changed["attention_chunk_size"] == (8192, WINDOW)
+
+
 def test_build_counts_on_meta_first_and_refuses_what_stays_large():
     b = build("llama")
     assert isinstance(b, Built) and 0 < b.n_params < MAX_PARAMS

@@ -59,8 +59,16 @@ SIZES = {
     **dict.fromkeys(("n_group", "topk_group", "num_expert_group", "moe_n_group"), 1),
     **dict.fromkeys(("n_groups", "mamba_n_groups", "mamba_ngroups"), 1),   # SSM groups divide the heads
     **dict.fromkeys(("vocab_size", "text_vocab_size", "unpadded_vocab_size"), VOCAB),
+    # every mechanism counted in positions, below the probes' documents (10, 12 tokens) so the
+    # tiny model still has it: sliding windows, Llama 4's attention chunks, ModernBERT's local
+    # attention, recurrent_gemma's local window, Doge's dynamic-mask window, and the tokens a
+    # DeepSeek sparse-attention indexer selects (index_topk 2048 of 30 tokens selects them all)
     **dict.fromkeys(("sliding_window", "attention_window", "local_window_size", "window_size",
-                     "sliding_window_size", "swa_window_size", "local_attention_window"), WINDOW),
+                     "sliding_window_size", "swa_window_size", "local_attention_window",
+                     "attention_chunk_size", "local_attention", "attention_window_size",
+                     "keep_window_size", "local_attention_window_len", "index_topk"), WINDOW),
+    # MiniMax-M3's block-sparse indexer: blocks of 4 keys, 2 of them kept per query
+    "index_block_size": 4, "index_topk_blocks": 2,
     **dict.fromkeys(("state_size", "mamba_d_state", "ssm_state_size", "d_state", "mamba_state_dim",
                      "linear_state_size"), STATE),
     **dict.fromkeys(("mamba_n_heads", "mamba_num_heads", "ssm_num_heads", "linear_num_heads"), 4),
