@@ -226,6 +226,18 @@ def test_ci_subset_of_the_sweep(tmp_path):
     assert "| llama | iso | leak | iso |" in render(m)   # mask_4d, position_ids, no cache
 
 
+@torch.no_grad()
+def test_an_isolation_cell_whose_documents_never_move_is_unknown_not_isolated():
+    """A model whose outputs ignore the tokens (gpt2 with its token embedding, tied to the
+    head, zeroed) moves no document, not even the perturbed one: isolated would be vacuous.
+    The probe says so after its first clause, which the cell once cut off."""
+    from trainprobes.zoo.cells import isolation_cell
+    model = build("gpt2").model
+    model.get_input_embeddings().weight.zero_()
+    cell = isolation_cell("gpt2", model, "sdpa", "mask_4d")
+    assert cell.verdict == "unknown" and "changed not even their own outputs" in cell.reason
+
+
 def test_recurrence_is_read_from_the_mechanism_not_a_substring():
     from trainprobes.zoo.cells import _recurrent_class, expected_isolation
     # "ssm" inside GptOss / SeedOss, "conv1d" in transformers' Conv1D are not recurrence

@@ -212,7 +212,12 @@ def isolation_cell(mt, model, impl, conv, seed=0, twins: dict | None = None,
     path = path or mask_path(model, packing)
     expected = expected_isolation(model, conv, path)
     num = r.metrics.get("max_leak") if iso is False else r.metrics.get("max_cross_change")
-    reason = r.message.split(";")[0]
+    # the probe's whole message: what follows its first clause says what the verdict rests on
+    # (documents whose own outputs never moved, unsettled rounding, within-row causality)
+    reason = r.message
+    if verdict == "isolated" and r.evidence.get("unmoved_documents"):
+        # no change reached even the perturbed document: nothing could have reached another
+        verdict = "unknown"
     if r.metrics.get("fp64") not in (None, "not needed"):
         reason += f" [fp64 twin {r.metrics['fp64']}]"
     if verdict == "leaky":
@@ -248,7 +253,7 @@ def router_cells(mt, model, seed=0, modes=("perturb", "truncate"), twins: dict |
                       target=f"{mt} router [{mode}]")
             c = r.metrics.get("causal")
             verdict = {True: "causal", False: "non-causal", None: "unknown"}[c]
-            msg = r.message.split(";")[0]
+            msg = r.message   # whole: "decisions of one sequence change with another in the batch" too
             return Cell(mt, "router", mode, verdict, float(r.metrics.get("n_leaks", 0) or 0),
                         "structural leaks (decision changes at t <= cut)",
                         f"{kind}; {len(routing.experts)} MoE layers (tap: {routing.tap}); {msg}"
