@@ -71,6 +71,15 @@ def test_every_mechanism_counted_in_positions_is_shrunk_below_the_documents():
     assert cfg.attention_chunk_size == WINDOW and changed["attention_chunk_size"] == (8192, WINDOW)
 
 
+def test_group_limited_routing_keeps_more_than_one_group():
+    """DeepSeek-V3 routes within the best 4 of 8 expert groups: shrunk to one group the group
+    step would select everything and the tiny router would lack it."""
+    cfg, _ = shrink("deepseek_v3")
+    assert (cfg.n_routed_experts, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok) == (4, 2, 1, 2)
+    cfg, _ = shrink("glm4_moe")          # a default of one group stays one
+    assert cfg.n_group == 1 and cfg.topk_group == 1
+
+
 def test_build_counts_on_meta_first_and_refuses_what_stays_large():
     b = build("llama")
     assert isinstance(b, Built) and 0 < b.n_params < MAX_PARAMS

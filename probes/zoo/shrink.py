@@ -56,7 +56,10 @@ SIZES = {
                      "num_routed_experts", "n_experts", "expert_num"), 4),
     **dict.fromkeys(("num_experts_per_tok", "moe_k", "num_selected_experts", "moe_topk",
                      "top_k", "experts_per_token", "num_experts_per_token", "moe_top_k", "top_k_experts"), 2),
-    **dict.fromkeys(("n_group", "topk_group", "num_expert_group", "moe_n_group"), 1),
+    # group-limited routing (DeepSeek-V3: 8 groups, 4 kept) kept as a mechanism: 2 groups of 2
+    # of the 4 experts, 1 kept, so a token's group choice still decides its experts (one
+    # group would make the group step select everything)
+    **dict.fromkeys(("n_group", "num_expert_group", "moe_n_group"), 2), "topk_group": 1,
     **dict.fromkeys(("n_groups", "mamba_n_groups", "mamba_ngroups"), 1),   # SSM groups divide the heads
     **dict.fromkeys(("vocab_size", "text_vocab_size", "unpadded_vocab_size"), VOCAB),
     # every mechanism counted in positions, below the probes' documents (10, 12 tokens) so the
