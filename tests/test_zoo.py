@@ -247,6 +247,20 @@ def test_an_isolation_cell_whose_documents_never_move_is_unknown_not_isolated():
     assert cell.verdict == "unknown" and "changed not even their own outputs" in cell.reason
 
 
+@torch.no_grad()
+def test_a_forward_that_ignores_the_4d_mask_is_a_leak_past_the_mask():
+    from trainprobes.zoo.cells import isolation_cell
+    model = build("llama", attn_implementation="sdpa").model
+    inner = model.model
+    real = type(inner).forward
+
+    def ignore_4d(self, *a, attention_mask=None, **k):   # silently plain causal attention
+        return real(self, *a, attention_mask=None if torch.is_tensor(attention_mask) else attention_mask, **k)
+    inner.forward = ignore_4d.__get__(inner)
+    cell = isolation_cell("llama", model, "sdpa", "mask_4d")
+    assert cell.verdict == "leaky" and cell.finding and "the leak is past the mask" in cell.reason
+
+
 def test_recurrence_is_read_from_the_mechanism_not_a_substring():
     from trainprobes.zoo.cells import _recurrent_class, expected_isolation
     # "ssm" inside GptOss / SeedOss, "conv1d" in transformers' Conv1D are not recurrence

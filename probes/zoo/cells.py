@@ -191,6 +191,9 @@ def design_leak(model, conv: str, path: MaskPath | None = None) -> str:
     if conv in ("position_ids", "collator"):
         return ("by design: the default use_cache makes a DynamicCache, and masking_utils."
                 "_preprocess_mask_arguments reads packed position ids only without a cache")
+    if conv == "mask_4d":   # the position ids do not matter to a mask given in full
+        return ("the 4-D block mask was given, and masking_utils passes it on as given: the leak is "
+                "past the mask (a layer ignores it, or mixes tokens outside attention)")
     if not path.takes_position_ids:
         return "no promise: the model's forward takes no position_ids"
     if not path.position_ids:
