@@ -191,6 +191,10 @@ def test_diff_names_changed_cells(tmp_path):
     pb.write_text(json.dumps(b))
     assert main(["zoo", "--diff", str(pa), str(pa)]) == 0
     assert main(["zoo", "--diff", str(pa), str(pb)]) == 1
+    # the same verdict turned into a finding (or a finding called by design) is a change too
+    c = dict(cell, probe="isolation", variant="sdpa,position_ids_no_cache", verdict="leaky", finding=False)
+    ch = diff_maps({"rows": {"llama": [c]}}, {"rows": {"llama": [dict(c, finding=True)]}})
+    assert [(x.before, x.after) for x in ch] == [("leaky", "leaky (finding)")]
 
 
 @pytest.mark.parametrize("row, says", [
