@@ -54,7 +54,7 @@ def test_every_mechanism_counted_in_positions_is_shrunk_below_the_documents():
     from transformers import CONFIG_MAPPING
 
     from trainprobes.zoo.shrink import SIZES, WINDOW, all_configs, causal_lm_types
-    positional = re.compile(r"window|chunk_size|topk|local_attention")
+    positional = re.compile(r"window|chunk_size|topk|local_attention|compress_rate")
     missed = set()
     for mt in causal_lm_types():
         try:
@@ -63,12 +63,17 @@ def test_every_mechanism_counted_in_positions_is_shrunk_below_the_documents():
             continue
         for c in all_configs(cfg):
             for k, v in vars(c).items():
-                if positional.search(k) and isinstance(v, int) and not isinstance(v, bool) and v > WINDOW \
+                if isinstance(v, dict):   # a size per layer kind
+                    v = max((e for e in v.values() if isinstance(e, int)), default=0)
+                n = v
+                if positional.search(k) and isinstance(n, int) and not isinstance(n, bool) and n > WINDOW \
                         and k not in SIZES and k not in _KEPT_POSITIONAL:
                     missed.add(f"{mt}.{k}={v}")
     assert not missed, sorted(missed)
     cfg, changed = shrink("llama4_text")
     assert cfg.attention_chunk_size == WINDOW and changed["attention_chunk_size"] == (8192, WINDOW)
+    cfg, _ = shrink("deepseek_v4")
+    assert max(cfg.compress_rates.values()) <= WINDOW
 
 
 def test_group_limited_routing_keeps_more_than_one_group():

@@ -69,7 +69,10 @@ SIZES = {
     **dict.fromkeys(("sliding_window", "attention_window", "local_window_size", "window_size",
                      "sliding_window_size", "swa_window_size", "local_attention_window",
                      "attention_chunk_size", "local_attention", "attention_window_size",
-                     "keep_window_size", "local_attention_window_len", "index_topk"), WINDOW),
+                     "keep_window_size", "local_attention_window_len", "index_topk",
+                     # DeepSeek-V4: tokens pooled into one compressed KV entry, per layer kind
+                     # (128 for its heavily compressed layers: no entry in a 30-token row)
+                     "compress_rates"), WINDOW),
     # MiniMax-M3's block-sparse indexer: blocks of 4 keys, 2 of them kept per query
     "index_block_size": 4, "index_topk_blocks": 2,
     **dict.fromkeys(("state_size", "mamba_d_state", "ssm_state_size", "d_state", "mamba_state_dim",
@@ -175,6 +178,10 @@ def _shrink_one(cfg, changed: dict, prefix: str = "") -> None:
                 and max(v) > size:   # a size per layer (gemma3n's intermediate_size)
             setattr(cfg, name, [min(e, size) for e in v])
             changed[prefix + name] = (f"per layer, up to {max(v)}", f"per layer, up to {size}")
+        elif isinstance(v, dict) and v and all(isinstance(e, int) and not isinstance(e, bool) for e in v.values()) \
+                and max(v.values()) > size:   # a size per layer kind (DeepSeek-V4's compress_rates)
+            setattr(cfg, name, {k: min(e, size) for k, e in v.items()})
+            changed[prefix + name] = (dict(v), dict(getattr(cfg, name)))
     lname, full = _layers_of(cfg)
     if lname is not None and full > 2:
         keep = layers.plan(cfg, full)
