@@ -51,9 +51,8 @@ def test_every_mechanism_counted_in_positions_is_shrunk_below_the_documents():
     a registered config declares is shrunk (or kept, with why)."""
     import re
 
-    from transformers import CONFIG_MAPPING
-
     from trainprobes.zoo.shrink import SIZES, WINDOW, all_configs, causal_lm_types
+    from transformers import CONFIG_MAPPING
     positional = re.compile(r"window|chunk_size|topk|local_attention|compress_rate")
     missed = set()
     for mt in causal_lm_types():
