@@ -2,6 +2,7 @@
 
   python scripts/zoo_sweep.py                          # every registered type, 2 processes
   python scripts/zoo_sweep.py --models llama,mixtral --jsonl /tmp/z.jsonl --out /tmp/z.json
+An existing map at --out is replaced only with --force (docs/zoo_map.json: --force).
 Resumable: rows already in --jsonl are skipped. The map (JSON) holds the versions, every
 cell, the wall time and the largest peak RSS of one model's process.
 """
@@ -37,7 +38,12 @@ def main() -> int:
     p.add_argument("--moe-first", action="store_true", help="MoE model types first")
     p.add_argument("--memory-mb", type=int, default=4096, help="address-space limit per worker process")
     p.add_argument("--recycle", type=int, default=40, help="rows a worker measures before it is replaced")
+    p.add_argument("--force", action="store_true", help="replace an existing map at --out")
     a = p.parse_args()
+    if Path(a.out).exists() and not a.force:   # checked before minutes of work, never someone else's map
+        from trainprobes.errors import OutputExists
+        raise OutputExists(f"--out {a.out!r} exists (a map someone made?); pass --force to replace it, "
+                           f"or name a new file")
     models = a.models.split(",") if a.models else causal_lm_types()
     if a.moe_first:  # the routers first, so a sweep cut short still maps them
         models = sorted(models, key=lambda m: not _has_experts(m))

@@ -273,3 +273,28 @@ def test_the_fp64_twin_is_built_only_when_a_change_needs_it():
     assert r.metrics["isolated"] is True and _CountsTwins.built == 0
     r = documents(_CountsTwins("block", noise=True), X, P, vocab=V, causal=False)
     assert r.metrics["n_numerical"] > 0 and _CountsTwins.built == 1
+
+
+def test_a_pair_the_twin_never_ran_reports_no_fp64_change_not_zero():
+    """With a substituted twin only near-tie changes go to it: a pair judged structural by its
+    size alone was never run in fp64, and reporting its fp64 change as 0 read as "the twin
+    shows no leak" (the zoo's DeepSeek-V4 cells said "output change 0.105 (fp64 0)")."""
+    emb = torch.nn.Embedding(V, 4)
+
+    def leaky(e, gid):   # document 0 reaches document 1 in full, document 2 reaches 0 by ~1 ulp
+        y = e.clone()
+        y[gid == 1] += e[gid == 0].mean(0)
+        y[gid == 0] += 1e-7 * e[gid == 2].mean(0)
+        return y
+
+    def fn(x, p):
+        return leaky(emb(x)[0], p.global_doc_ids()[0])[None]
+
+    def twin(x, p):
+        return leaky(emb(x)[0].double(), p.global_doc_ids()[0])[None]
+    twin.substituted = ["a kernel"]
+    r = documents(fn, X, P, vocab=V, fp64=twin, causal=False)
+    assert r.metrics["isolated"] is False and r.metrics["n_fp64_evaluations"] > 0
+    first = next(lk for lk in r.evidence["leaks"] if (lk["source"], lk["affected"]) == (0, 1))
+    assert first["kind"] == "structural" and first["fp64_change"] is None, first
+    assert "(fp64 0)" not in r.message

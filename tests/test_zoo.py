@@ -36,6 +36,54 @@ def test_shrink_keeps_every_kind_of_layer_of_a_hybrid():
     assert len(cfg.layer_types) == cfg.num_hidden_layers
 
 
+# positional sizes left as they are, each with why it removes no mechanism the cells probe
+_KEPT_POSITIONAL = {
+    "chunk_size": "a Mamba-2 / xLSTM scan computed in chunks: the recurrence itself runs at any length",
+    "mamba_chunk_size": "as chunk_size", "audio_chunk_size": "an audio encoder's input framing",
+    "conf_attention_chunk_size": "gemma3n's audio conformer, not the text decoder",
+    "max_window_layers": "a count of layers, not of positions"}
+
+
+def test_every_mechanism_counted_in_positions_is_shrunk_below_the_documents():
+    """A window, chunk or top-k of positions left at its full size (Llama 4's 8192-token
+    attention chunks, a DeepSeek sparse-attention indexer's 2048 selected tokens) is wider
+    than the probes' 30-token rows: the tiny model would lack the mechanism. Every such size
+    a registered config declares is shrunk (or kept, with why)."""
+    import re
+
+    from trainprobes.zoo.shrink import SIZES, WINDOW, all_configs, causal_lm_types
+    from transformers import CONFIG_MAPPING
+    positional = re.compile(r"window|chunk_size|topk|local_attention|compress_rate")
+    missed = set()
+    for mt in causal_lm_types():
+        try:
+            cfg = CONFIG_MAPPING[mt]()
+        except Exception:  # noqa: BLE001 - a config that cannot be built is listed by build()
+            continue
+        for c in all_configs(cfg):
+            for k, v in vars(c).items():
+                if isinstance(v, dict):   # a size per layer kind
+                    v = max((e for e in v.values() if isinstance(e, int)), default=0)
+                n = v
+                if positional.search(k) and isinstance(n, int) and not isinstance(n, bool) and n > WINDOW \
+                        and k not in SIZES and k not in _KEPT_POSITIONAL:
+                    missed.add(f"{mt}.{k}={v}")
+    assert not missed, sorted(missed)
+    cfg, changed = shrink("llama4_text")
+    assert cfg.attention_chunk_size == WINDOW and changed["attention_chunk_size"] == (8192, WINDOW)
+    cfg, _ = shrink("deepseek_v4")
+    assert max(cfg.compress_rates.values()) <= WINDOW
+
+
+def test_group_limited_routing_keeps_more_than_one_group():
+    """DeepSeek-V3 routes within the best 4 of 8 expert groups: shrunk to one group the group
+    step would select everything and the tiny router would lack it."""
+    cfg, _ = shrink("deepseek_v3")
+    assert (cfg.n_routed_experts, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok) == (4, 2, 1, 2)
+    cfg, _ = shrink("glm4_moe")          # a default of one group stays one
+    assert cfg.n_group == 1 and cfg.topk_group == 1
+
+
 def test_build_counts_on_meta_first_and_refuses_what_stays_large():
     b = build("llama")
     assert isinstance(b, Built) and 0 < b.n_params < MAX_PARAMS
@@ -71,6 +119,37 @@ def test_router_verdict_comes_from_the_mechanism(router, causal):
     assert not perturb.finding     # the kind read from the routing expects what was found
 
 
+class _CallMeanGate(torch.nn.Module):
+    """Token-choice top-k whose logits take eps of the mean logits of every token in the call:
+    a row's routing depends on the other rows, by far less than 1e-3 of the logits' scale."""
+
+    def __init__(self, gate, eps=1e-5):
+        super().__init__()
+        self.weight, self.top_k, self.eps = gate.weight, gate.top_k, eps
+
+    def forward(self, h):
+        logits = torch.nn.functional.linear(h.reshape(-1, self.weight.shape[1]), self.weight)
+        logits = logits + self.eps * logits.mean(0, keepdim=True)
+        w, i = torch.softmax(logits.float(), -1).topk(self.top_k, -1)
+        return logits, (w / w.sum(-1, keepdim=True)).to(h.dtype), i
+
+
+@torch.no_grad()
+def test_batch_cell_tells_a_leak_between_rows_from_rounding_by_the_fp64_twin():
+    """A batch difference is a finding when it survives in float64 (data crossed rows), not by
+    its size: the grouped experts' tiling moves mixtral's logits by ulps (rounding), a router
+    mixing the rows of the call by 1e-5 of its logits is a leak however small."""
+    from trainprobes.zoo.cells import batch_cell
+    model = build("mixtral").model
+    plain = batch_cell("mixtral", model)
+    assert not plain.finding and plain.verdict in ("invariant", "variant")
+    assert patch_gates(model, _CallMeanGate) == 2
+    leaky = batch_cell("mixtral", model)
+    assert leaky.verdict == "variant" and leaky.finding, leaky.reason
+    assert leaky.number < 1e-3 * float(model(input_ids=torch.zeros(1, 16, dtype=torch.long)).logits.abs().max())
+    assert "fp64" in leaky.reason
+
+
 def test_cli_unknown_model_exits_2_with_close_names(capsys):
     assert main(["zoo", "--model", "mixtrl"]) == 2
     assert "mixtral" in capsys.readouterr().err
@@ -90,6 +169,21 @@ def test_cli_one_row_json_and_exit_1_on_a_finding(capsys, monkeypatch):
     assert "FINDING" in capsys.readouterr().out
 
 
+def test_cli_a_row_that_cannot_be_judged_exits_2_never_0(capsys, monkeypatch):
+    """Fail closed: nothing built (bart's shrunk decoder raises), or a cell that raised or
+    came out unknown, is not a row agreeing with its design."""
+    assert main(["zoo", "--model", "bart", "--no-progress"]) == 2
+    assert "could not be built" in capsys.readouterr().err
+    import trainprobes.zoo.cells as cells
+
+    def unknown_router(mt, **kw):
+        return [cells.Cell(mt, "batch", "", "invariant", 0.0, "", "same bits", "invariant up to rounding"),
+                cells.Cell(mt, "router", "", "unknown", None, "", "cannot measure every router: 2 of 4")]
+    monkeypatch.setattr(cells, "row", unknown_router)
+    assert main(["zoo", "--model", "mixtral", "--no-progress"]) == 2
+    assert "cannot measure every router" in capsys.readouterr().err
+
+
 def test_diff_names_changed_cells(tmp_path):
     cell = {"model_type": "llama", "probe": "batch", "variant": "", "verdict": "invariant"}
     a = {"versions": {"transformers": "5.24.0"}, "rows": {"llama": [cell]}}
@@ -101,6 +195,26 @@ def test_diff_names_changed_cells(tmp_path):
     pb.write_text(json.dumps(b))
     assert main(["zoo", "--diff", str(pa), str(pa)]) == 0
     assert main(["zoo", "--diff", str(pa), str(pb)]) == 1
+    # the same verdict turned into a finding (or a finding called by design) is a change too
+    c = dict(cell, probe="isolation", variant="sdpa,position_ids_no_cache", verdict="leaky", finding=False)
+    ch = diff_maps({"rows": {"llama": [c]}}, {"rows": {"llama": [dict(c, finding=True)]}})
+    assert [(x.before, x.after) for x in ch] == [("leaky", "leaky (finding)")]
+
+
+@pytest.mark.parametrize("row, says", [
+    ([{"model_type": "llama"}], "rows['llama'][0] lacks probe, variant, verdict"),
+    ({"x": 1}, "rows['llama'] is dict, expected a list"),
+    (None, "rows['llama'] is NoneType"),
+    ([{"model_type": "mixtral", "probe": "batch", "variant": "", "verdict": "variant"}],
+     "a cell of 'mixtral', in the row of 'llama'")])
+def test_diff_refuses_a_hand_edited_map_it_cannot_read(tmp_path, capsys, row, says):
+    """Exit 2 naming the cell, never a KeyError (exit 3) or a cell read into another row."""
+    good = {"rows": {"llama": [{"model_type": "llama", "probe": "batch", "variant": "", "verdict": "invariant"}]}}
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(good))
+    pb.write_text(json.dumps({"rows": {"llama": row}}))
+    assert main(["zoo", "--diff", str(pa), str(pb)]) == 2
+    assert says in capsys.readouterr().err
 
 
 @torch.no_grad()
@@ -127,6 +241,32 @@ def test_ci_subset_of_the_sweep(tmp_path):
                      "peak_rss_mb": None} for mt, cs in cells.items()})
     assert diff_maps(m, json.loads(json.dumps(m))) == []
     assert "| llama | iso | leak | iso |" in render(m)   # mask_4d, position_ids, no cache
+
+
+@torch.no_grad()
+def test_an_isolation_cell_whose_documents_never_move_is_unknown_not_isolated():
+    """A model whose outputs ignore the tokens (gpt2 with its token embedding, tied to the
+    head, zeroed) moves no document, not even the perturbed one: isolated would be vacuous.
+    The probe says so after its first clause, which the cell once cut off."""
+    from trainprobes.zoo.cells import isolation_cell
+    model = build("gpt2").model
+    model.get_input_embeddings().weight.zero_()
+    cell = isolation_cell("gpt2", model, "sdpa", "mask_4d")
+    assert cell.verdict == "unknown" and "changed not even their own outputs" in cell.reason
+
+
+@torch.no_grad()
+def test_a_forward_that_ignores_the_4d_mask_is_a_leak_past_the_mask():
+    from trainprobes.zoo.cells import isolation_cell
+    model = build("llama", attn_implementation="sdpa").model
+    inner = model.model
+    real = type(inner).forward
+
+    def ignore_4d(self, *a, attention_mask=None, **k):   # silently plain causal attention
+        return real(self, *a, attention_mask=None if torch.is_tensor(attention_mask) else attention_mask, **k)
+    inner.forward = ignore_4d.__get__(inner)
+    cell = isolation_cell("llama", model, "sdpa", "mask_4d")
+    assert cell.verdict == "leaky" and cell.finding and "the leak is past the mask" in cell.reason
 
 
 def test_recurrence_is_read_from_the_mechanism_not_a_substring():

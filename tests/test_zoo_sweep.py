@@ -58,6 +58,24 @@ def test_finished_rows_are_not_run_again(tmp_path, stub):
     assert sorted(load_rows(jsonl)) == ["a", "b", "c"]
 
 
+def test_a_row_cut_short_by_a_kill_is_measured_again_and_breaks_no_line(tmp_path, stub):
+    """Killed while writing a row: the unterminated tail is not a row (resume used to raise a
+    JSONDecodeError), and the rows appended next do not continue its line."""
+    jsonl = tmp_path / "rows.jsonl"
+    sweep(["a", "b"], jsonl, workers=1, memory_mb=0, progress=None, command=stub)
+    first, second = jsonl.read_text().splitlines()
+    jsonl.write_text(first + "\n" + second[:len(second) // 2])
+    lines = []
+    rows = sweep(["a", "b", "c"], jsonl, workers=1, memory_mb=0, progress=lines.append, command=stub)
+    assert sorted(rows) == ["a", "b", "c"] and "dropped an unfinished last row" in lines[0]
+    assert sorted(load_rows(jsonl)) == ["a", "b", "c"]
+    assert [json.loads(line)["model_type"] for line in jsonl.read_text().splitlines()] == ["a", "b", "c"]
+    jsonl.write_text(first + "\nnot a row\n")              # damage inside the file: refused
+    from trainprobes.errors import DataFileError
+    with pytest.raises(DataFileError, match="rows.jsonl:2: not a zoo row"):
+        load_rows(jsonl)
+
+
 def test_a_worker_is_replaced_after_recycle_rows(tmp_path, stub):
     rows = sweep(list("abcde"), tmp_path / "rows.jsonl", workers=1, recycle=2, memory_mb=0,
                  progress=None, command=stub)

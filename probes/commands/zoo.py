@@ -5,7 +5,9 @@
   trainprobes zoo --diff docs/zoo_map.json new_map.json
 Exit 0: every cell agrees with the model's design (diff: no verdict changed); 1: a finding
 (a cell contradicts the design; diff: a verdict changed); 2: an unknown model type (the
-closest names are listed) or an unreadable map.
+closest names are listed), an unreadable map, or a row that cannot be judged (the model
+could not be built, or a cell raised or came out unknown: the cells are printed, and the
+ones not judged named on stderr).
 """
 from __future__ import annotations
 
@@ -76,7 +78,18 @@ def run(args) -> int:
             num = "" if c.number is None else f"{c.number:.3g}"
             flag = "FINDING" if c.finding else ""
             print(f"  {c.probe:9s} {c.variant:28s} {c.verdict:10s} {num:>9s} {flag:7s} {c.reason}")
-    return 1 if findings else 0
+    if findings:
+        return 1
+    # fail closed: a row with nothing built, or a cell that raised or could not decide, has
+    # not shown the model agrees with its design
+    unjudged = [c for c in cells if c.verdict in ("error", "unknown")]
+    if unjudged or all(c.probe == "build" for c in cells):
+        what = ("the model could not be built" if all(c.probe == "build" for c in cells) else
+                f"{len(unjudged)} cells not judged: "
+                + "; ".join(f"{c.probe} {c.variant}: {c.reason[:120]}".replace("  ", " ") for c in unjudged[:3]))
+        print(f"trainprobes zoo: cannot judge {args.model}: {what}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _diff(args) -> int:

@@ -203,7 +203,9 @@ def _judge(y0, ys, gid, D, twin: Twin, x, perturbed, atol):
             0, gid[where], _SEVERITY[kinds], "amax", include_self=True)
         kind[s] = torch.where(worst >= 0, _FROM_SEVERITY[worst.clamp_min(0)], -1)
         if got.get("pair") is not None:
-            fp64_max = torch.zeros(D, D, dtype=torch.float64) if fp64_max is None else fp64_max
+            # NaN: a source the twin never ran (its changes were judged by size alone), which
+            # is no fp64 change of 0
+            fp64_max = torch.full((D, D), float("nan"), dtype=torch.float64) if fp64_max is None else fp64_max
             fp64_max[s] = _matrices(got["pair"][0].decision, got["pair"][1].decision[None], gid, D)[0][0]
     return kind, fp64_max
 
@@ -283,6 +285,13 @@ def _matrices(y0, ys, gid, D):
     return leak_max, total / sizes[None, :]
 
 
+def _or_none(m, s, a):
+    """m[s, a] as a float, None where m is None or the entry was never measured (NaN)."""
+    if m is None or bool(m[s, a].isnan()):
+        return None
+    return float(m[s, a])
+
+
 def _result(common, packing, docs, leak_max, leak_mean, kind, moved, fp64_max, fp64_status,
             n_eval, n64, sub, batched, x, blind) -> Result:
     D = len(docs)
@@ -298,7 +307,7 @@ def _result(common, packing, docs, leak_max, leak_mean, kind, moved, fp64_max, f
                       "direction": ("other row" if rs.row != ra.row else
                                     "forward" if rs.start < ra.start else "backward"),
                       "max_change": float(leak_max[s, a]), "mean_change": float(leak_mean[s, a]),
-                      "fp64_change": None if fp64_max is None else float(fp64_max[s, a])})
+                      "fp64_change": _or_none(fp64_max, s, a)})
     leaks.sort(key=lambda r: (r["kind"] != "structural", -r["max_change"]))
     n_blind = int(blind.sum())
     blind_docs = sorted(set(packing.global_doc_ids()[blind].tolist()))
@@ -330,7 +339,8 @@ def _result(common, packing, docs, leak_max, leak_mean, kind, moved, fp64_max, f
         "documents": [{"index": i, "row": r, "start": s, "length": n} for i, (r, s, n) in enumerate(gdoc)],
         "leak_max": leak_max.tolist(), "leak_mean": leak_mean.tolist(),
         "leak_kind": [[None if k < 0 else Kind(k).label for k in row] for row in kind.tolist()],
-        "fp64_change": None if fp64_max is None else fp64_max.tolist(),
+        "fp64_change": None if fp64_max is None else [[None if v != v else v for v in row]
+                                                      for row in fp64_max.tolist()],
         "leaks": leaks, "self_change": self_change.tolist(), "unmoved_documents": dead,
         "blind_documents": blind_docs,
     }

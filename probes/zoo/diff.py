@@ -20,6 +20,9 @@ class Change:
     after: str | None      # None: the cell is gone
 
 
+_KEYS = ("model_type", "probe", "variant", "verdict")
+
+
 def load_map(path) -> dict:
     try:
         m = json.loads(Path(path).read_text())
@@ -27,11 +30,23 @@ def load_map(path) -> dict:
         raise DataFileError(f"{path}: cannot read a zoo map ({type(e).__name__}: {e})") from None
     if not isinstance(m, dict) or not isinstance(m.get("rows"), dict):
         raise DataFileError(f"{path}: not a zoo map (no 'rows'); make one with scripts/zoo_sweep.py")
+    for mt, cells in m["rows"].items():   # a hand-edited map is read or refused, never half-read
+        if not isinstance(cells, list):
+            raise DataFileError(f"{path}: rows[{mt!r}] is {type(cells).__name__}, expected a list of cells")
+        for i, c in enumerate(cells):
+            bad = ([k for k in _KEYS if not isinstance(c.get(k), str)] if isinstance(c, dict) else list(_KEYS))
+            if bad:
+                raise DataFileError(f"{path}: rows[{mt!r}][{i}] lacks {', '.join(bad)} (each cell names "
+                                    f"{', '.join(_KEYS)} as strings)")
+            if c["model_type"] != mt:
+                raise DataFileError(f"{path}: rows[{mt!r}][{i}] is a cell of {c['model_type']!r}, in the row of {mt!r}")
     return m
 
 
 def _cells(m: dict) -> dict:
-    return {(c["model_type"], c["probe"], c["variant"]): c["verdict"]
+    # a verdict and whether it contradicts the design: the same "leaky" that becomes a finding
+    # (a model that now takes position_ids, a by-design call withdrawn) changed what the map says
+    return {(c["model_type"], c["probe"], c["variant"]): c["verdict"] + (" (finding)" if c.get("finding") else "")
             for cells in m["rows"].values() for c in cells}
 
 

@@ -56,11 +56,25 @@ SIZES = {
                      "num_routed_experts", "n_experts", "expert_num"), 4),
     **dict.fromkeys(("num_experts_per_tok", "moe_k", "num_selected_experts", "moe_topk",
                      "top_k", "experts_per_token", "num_experts_per_token", "moe_top_k", "top_k_experts"), 2),
-    **dict.fromkeys(("n_group", "topk_group", "num_expert_group", "moe_n_group"), 1),
+    # group-limited routing (DeepSeek-V3: 8 groups, 4 kept) kept as a mechanism: 2 groups of 2
+    # of the 4 experts, 1 kept, so a token's group choice still decides its experts (one
+    # group would make the group step select everything)
+    **dict.fromkeys(("n_group", "num_expert_group", "moe_n_group"), 2), "topk_group": 1,
     **dict.fromkeys(("n_groups", "mamba_n_groups", "mamba_ngroups"), 1),   # SSM groups divide the heads
     **dict.fromkeys(("vocab_size", "text_vocab_size", "unpadded_vocab_size"), VOCAB),
+    # every mechanism counted in positions, below the probes' documents (10, 12 tokens) so the
+    # tiny model still has it: sliding windows, Llama 4's attention chunks, ModernBERT's local
+    # attention, recurrent_gemma's local window, Doge's dynamic-mask window, and the tokens a
+    # DeepSeek sparse-attention indexer selects (index_topk 2048 of 30 tokens selects them all)
     **dict.fromkeys(("sliding_window", "attention_window", "local_window_size", "window_size",
-                     "sliding_window_size", "swa_window_size", "local_attention_window"), WINDOW),
+                     "sliding_window_size", "swa_window_size", "local_attention_window",
+                     "attention_chunk_size", "local_attention", "attention_window_size",
+                     "keep_window_size", "local_attention_window_len", "index_topk",
+                     # DeepSeek-V4: tokens pooled into one compressed KV entry, per layer kind
+                     # (128 for its heavily compressed layers: no entry in a 30-token row)
+                     "compress_rates"), WINDOW),
+    # MiniMax-M3's block-sparse indexer: blocks of 4 keys, 2 of them kept per query
+    "index_block_size": 4, "index_topk_blocks": 2,
     **dict.fromkeys(("state_size", "mamba_d_state", "ssm_state_size", "d_state", "mamba_state_dim",
                      "linear_state_size"), STATE),
     **dict.fromkeys(("mamba_n_heads", "mamba_num_heads", "ssm_num_heads", "linear_num_heads"), 4),
@@ -155,6 +169,10 @@ def _shrink_one(cfg, changed: dict, prefix: str = "") -> None:
                 and max(v) > size:   # a size per layer (gemma3n's intermediate_size)
             setattr(cfg, name, [min(e, size) for e in v])
             changed[prefix + name] = (f"per layer, up to {max(v)}", f"per layer, up to {size}")
+        elif isinstance(v, dict) and v and all(isinstance(e, int) and not isinstance(e, bool) for e in v.values()) \
+                and max(v.values()) > size:   # a size per layer kind (DeepSeek-V4's compress_rates)
+            setattr(cfg, name, {k: min(e, size) for k, e in v.items()})
+            changed[prefix + name] = (dict(v), dict(getattr(cfg, name)))
     lname, full = layer_count(cfg)
     if lname is not None and full > 2:
         keep = layers.plan(cfg, full)

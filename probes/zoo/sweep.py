@@ -29,13 +29,37 @@ def versions() -> dict:
 
 
 def load_rows(jsonl: Path) -> dict:
+    """The finished rows of jsonl by model type. Each row is one line ended by a newline
+    when complete: an unterminated last line is a row cut short (the sweep killed while
+    writing it) and is not a row; any other line that is not a row is a DataFileError."""
+    from trainprobes.errors import DataFileError
     rows = {}
     if jsonl.exists():
-        for line in jsonl.read_text().splitlines():
+        text = jsonl.read_text()
+        lines = text.split("\n")[:-1]   # the part after the last newline is unfinished
+        for i, line in enumerate(lines, 1):
             if line.strip():
-                r = json.loads(line)
-                rows[r["model_type"]] = r
+                try:
+                    r = json.loads(line)
+                    rows[r["model_type"]] = r
+                except (ValueError, KeyError, TypeError) as e:
+                    raise DataFileError(f"{jsonl}:{i}: not a zoo row ({type(e).__name__}: {e}); "
+                                        f"remove the line to measure that row again") from None
     return rows
+
+
+def _drop_unfinished(jsonl: Path) -> str | None:
+    """Cut an unterminated last line (a row the sweep was killed while writing) so the rows
+    appended next start on a line of their own; returns what was cut, or None."""
+    if not jsonl.exists():
+        return None
+    data = jsonl.read_bytes()
+    keep = data.rfind(b"\n") + 1
+    if keep == len(data):
+        return None
+    with jsonl.open("r+b") as f:
+        f.truncate(keep)
+    return data[keep:keep + 60].decode(errors="replace")
 
 
 # measured: a worker's own peak RSS stays under 0.6 GB on every zoo row (largest 485 MB); a
@@ -163,6 +187,9 @@ def sweep(model_types, jsonl: Path, *, workers: int = 2, timeout: float = 300.0,
     check_fits(estimate(workers, memory_mb), f"a zoo sweep on {workers} worker processes",
                fix="fewer --workers")
     jsonl = Path(jsonl)
+    cut = _drop_unfinished(jsonl)
+    if cut is not None and progress:
+        progress(f"zoo: dropped an unfinished last row of {jsonl} ({cut!r}...): it is measured again")
     done = load_rows(jsonl)
     todo = [m for m in dict.fromkeys(model_types) if m not in done]
     if progress:
