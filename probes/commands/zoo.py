@@ -87,8 +87,8 @@ def run(args) -> int:
         what = ("the model could not be built" if all(c.probe == "build" for c in cells) else
                 f"{len(unjudged)} cells not judged: "
                 + "; ".join(f"{c.probe} {c.variant}: {c.reason[:120]}".replace("  ", " ") for c in unjudged[:3]))
-        print(f"trainprobes zoo: cannot judge {args.model}: {what}", file=sys.stderr)
-        return 2
+        from trainprobes.errors import CannotJudge
+        raise CannotJudge(f"cannot judge {args.model}: {what}")
     return 0
 
 
