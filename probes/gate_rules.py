@@ -927,13 +927,18 @@ def _localize(rd: Reader) -> None:
         if v == "exact" and own != 0 or v == "noise" and own == 0:
             rd.fail(f"stage {name!r}: verdict {v!r} beside own_error {_fmt(own)}")
         low = rd.field(st, "min_ratio", f"stages[{i}]")
-        past = ratio > margin and (p < alpha / len(stages) or low > margin / 4)
+        high = rd.field(st, "max_ratio", f"stages[{i}]")
+        past = ratio > margin and (p < alpha / len(stages) or low > margin / 4) or high > margin ** 2
         if v == "beyond" and not st.get("nonfinite") and not past:
             rd.fail(f"stage {name!r} is beyond noise, but its ratio {_fmt(ratio)} <= margin {_fmt(margin)}, "
-                    f"or its p {_fmt(p)} >= alpha / stages and a sequence's ratio {_fmt(low)} <= margin / 4")
+                    f"or its p {_fmt(p)} >= alpha / stages and a sequence's ratio {_fmt(low)} <= margin / 4; "
+                    f"and its largest sequence ratio {_fmt(high)} <= margin^2")
         if v == "noise" and past:
             rd.fail(f"stage {name!r} is called noise, but its ratio {_fmt(ratio)} > margin and p "
-                    f"{_fmt(p)} < alpha / stages or every sequence's ratio > margin / 4")
+                    f"{_fmt(p)} < alpha / stages or every sequence's ratio > margin / 4, or a sequence's "
+                    f"ratio {_fmt(high)} > margin^2")
+        if v != "exact" and high < ratio * (1 - 1e-9):
+            rd.fail(f"stage {name!r}: max_ratio {_fmt(high)} is below the geometric mean ratio {_fmt(ratio)}")
         if v != "exact" and low > ratio * (1 + 1e-9):
             rd.fail(f"stage {name!r}: min_ratio {_fmt(low)} exceeds the geometric mean ratio {_fmt(ratio)}")
         if v == "beyond":

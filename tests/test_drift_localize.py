@@ -73,6 +73,35 @@ def test_fault_outside_the_blocks():
     assert loc.first_layer == "model.norm" and loc.op == "norm"
 
 
+def _only_where(module, hit):
+    """A module whose output is rounded to bf16 where hit(args, out) [B, L] holds: a fault only
+    some tokens or sequences meet."""
+    def post(m, args, out):
+        return torch.where(hit(args, out)[..., None], out.bfloat16().float(), out)
+    module.register_forward_hook(post)
+
+
+@pytest.mark.parametrize("where, stage, op", [
+    # one token id's embedding row rounded: the sequences without that id are bit-exact there
+    ("token", "model.embed_tokens", "embedding"),
+    # one batch slot (row 0) of an MLP in bf16: a single sequence of six carries the fault
+    ("row", "model.layers.1", "mlp"),
+])
+def test_fault_only_some_sequences_meet_is_found(where, stage, op):
+    tok = int(IDS[3, 5])
+    if where == "token":
+        fault = lambda m: _only_where(m.model.embed_tokens, lambda a, o: a[0] == tok)  # noqa: E731
+    else:
+        def fault(m):
+            _only_where(m.model.layers[1].mlp, lambda a, o: (torch.arange(o.shape[0]) == 0)[:, None]
+                        .expand(o.shape[:2]))
+    t, e = _pair("llama", fault)
+    loc = localize_layers(t, e, IDS)
+    assert loc.first_layer == stage and loc.op == op
+    row = next(r for r in loc.stages if r.name == stage)
+    assert row.max_ratio > 8.0 ** 2 and row.verdict == "beyond"
+
+
 def test_layer_count_and_names_must_match():
     a = tiny_model("llama", num_hidden_layers=2)
     b = tiny_model("llama", num_hidden_layers=3)
