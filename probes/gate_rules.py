@@ -984,6 +984,9 @@ def _localize(rd: Reader) -> None:
     rows = rd.evidence("weights", list)
     if stale != sum(isinstance(w, dict) and w.get("status") in ("mismatch", "missing") for w in rows):
         rd.fail(f"n_stale_tensors={stale} is not the tensors evidence['weights'] calls mismatch or missing")
+    held = rd.count("n_trainer_rounded_tensors")
+    if held != sum(isinstance(w, dict) and w.get("status") == "trainer_rounded" for w in rows):
+        rd.fail(f"n_trainer_rounded_tensors={held} is not the tensors evidence['weights'] calls trainer_rounded")
     temperature, renorm = rd.flag("temperature"), rd.flag("renormalised")
     slope, lo, hi = rd.num("temperature_slope"), rd.num("temperature_slope_ci_low"), rd.num("temperature_slope_ci_high")
     if not lo - 1e-12 <= slope <= hi + 1e-12:
