@@ -982,8 +982,11 @@ def _localize(rd: Reader) -> None:
              "the sum of share_numerics[stage]", 0, 1e-9)
     stale = rd.count("n_stale_tensors")
     rows = rd.evidence("weights", list)
-    if stale != sum(isinstance(w, dict) and w.get("status") in ("mismatch", "missing") for w in rows):
-        rd.fail(f"n_stale_tensors={stale} is not the tensors evidence['weights'] calls mismatch or missing")
+    if stale != sum(isinstance(w, dict) and w.get("status") == "mismatch" for w in rows):
+        rd.fail(f"n_stale_tensors={stale} is not the tensors evidence['weights'] calls mismatch")
+    unmatched = rd.count("n_unmatched_tensors")
+    if unmatched != sum(isinstance(w, dict) and w.get("status") == "missing" for w in rows):
+        rd.fail(f"n_unmatched_tensors={unmatched} is not the tensors evidence['weights'] calls missing")
     held = rd.count("n_trainer_rounded_tensors")
     if held != sum(isinstance(w, dict) and w.get("status") == "trainer_rounded" for w in rows):
         rd.fail(f"n_trainer_rounded_tensors={held} is not the tensors evidence['weights'] calls trainer_rounded")

@@ -138,7 +138,8 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
     n_forwards = loc.n_forwards
     # 1. weights
     sync = weight_sync(trainer.module, engine.module)
-    stale = [s for s in sync if s.status in ("mismatch", "missing")]
+    stale = [s for s in sync if s.status == "mismatch"]
+    unmatched = [s for s in sync if s.status == "missing"]  # not compared: never stale (weights doc)
     parts = {}
     eng = engine
     if stale:
@@ -204,8 +205,8 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
         block = next((s.name for s in loc.stages if flipped.startswith(s.name + ".")), flipped)
         loc.first_layer, loc.op, loc.op_module = block, "router", flipped
     carried = carriers(x, mask, lp_a.gather(-1, tok[..., None]).squeeze(-1), tok, tokenizer)
-    return _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, dropped, margin,
-                   alpha, seed, n_forwards, target, carried)
+    return _result(trainer, engine, loc, kind, shares, sem, rt, stale, unmatched, sync, x, mask, dropped,
+                   margin, alpha, seed, n_forwards, target, carried)
 
 
 # fewest scored tokens that must stay judged (finite on both sides), as a share of the real
@@ -241,8 +242,8 @@ def mask_full(ids, am):
     return torch.ones(ids.shape, dtype=torch.bool) if am is None else am.bool()
 
 
-def _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, dropped, margin, alpha,
-            seed, n_forwards, target, carried) -> Result:
+def _result(trainer, engine, loc, kind, shares, sem, rt, stale, unmatched, sync, x, mask, dropped, margin,
+            alpha, seed, n_forwards, target, carried) -> Result:
     xs = x[mask]
     flips = rt.per_layer() if rt is not None else {}
     rounded = [s for s in sync if s.status == "trainer_rounded"]
@@ -254,7 +255,8 @@ def _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, d
         "mean_abs_log_ratio": xs.abs().mean().item() if xs.numel() else 0.0,
         "max_abs_log_ratio": xs.abs().max().item() if xs.numel() else 0.0,
         "n_dropped_tokens": int(dropped.sum()),
-        "n_stale_tensors": len(stale), "n_trainer_rounded_tensors": len(rounded), "n_forwards": n_forwards,
+        "n_stale_tensors": len(stale), "n_trainer_rounded_tensors": len(rounded),
+        "n_unmatched_tensors": len(unmatched), "n_forwards": n_forwards,
         "margin": margin, "alpha": alpha,
         "nominal_roundoff": loc.u,
         **{f"share_{k}": v[0] for k, v in shares.items() if "[" not in k},
@@ -282,6 +284,11 @@ def _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, d
             f"({', '.join(s.name for s in rounded[:3])}{' ...' if len(rounded) > 3 else ''}: a trainer-side "
             "precision loss, counted in numerics); " if rounded else "")
     parts = "; ".join(f"{k} {shares[k][0]:.0%}" for k in PARTS if abs(shares[k][0]) >= 0.005)
+    odd = ([s.name for s in unmatched if s.note == "not in the engine"],
+           [s.name for s in unmatched if s.note != "not in the engine"])
+    apart = (f" ({len(unmatched)} tensor(s) have no counterpart of the same name and were not compared: "
+             f"only the trainer's {', '.join(odd[0][:3])}{' ...' if len(odd[0]) > 3 else ''}; only the "
+             f"engine's {', '.join(odd[1][:3])}{' ...' if len(odd[1]) > 3 else ''})" if unmatched else "")
     if kind == "exact":
         msg = "exact: the engines agree bit for bit at every stage"
     elif kind == "noise":
@@ -298,6 +305,7 @@ def _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, d
                + (f"{rt.frac_decisions:.1%} of router decisions differ, "
                   f"{rt.frac_tokens_any_layer:.0%} of tokens in >= 1 layer; " if rt and rt.frac_decisions else "")
                + f"shares: {parts}")
+    msg += apart
     evidence = {
         "stages": [r.as_dict() for r in loc.stages], "ops": [r.as_dict() for r in loc.ops],
         "weights": [s.__dict__ for s in sync if s.status != "exact"],

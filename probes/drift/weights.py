@@ -15,7 +15,11 @@ from what:
                    trainer's side, not a stale engine weight
   mismatch         the ENGINE's B differs from the trainer's A (cast to B's dtype) beyond one
                    conversion's rounding: a stale or wrong engine tensor (named)
-  missing          in one side only
+  missing          a name in one side only (a fused qkv, a renamed module): not compared,
+                   so never called stale; its effect on the outputs is the stages' to judge
+Tied tensors (an lm_head sharing the input embedding) are compared under every name they
+carry: a trainer that ties and an engine that holds an equal untied copy have the same
+tensors by name (named_parameters drops the alias otherwise, and the copy was "missing").
 Checksum: the tensor's bits as integers, summed with weights (index mod 65521) + 1 in
 int64 (wrapping): equal tensors give equal sums; any one changed element changes it.
 """
@@ -58,7 +62,7 @@ def checksums(module: torch.nn.Module, dtype: torch.dtype | None = None) -> dict
     """name -> Checksum of every parameter and buffer (cast to `dtype` first when given:
     the trainer's side computes the engine's view of its weights)."""
     out = {}
-    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+    for name, t in list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers()):
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
         out[name] = checksum(t)
@@ -82,8 +86,8 @@ def _name(dtype: torch.dtype) -> str:
 @torch.no_grad()
 def weight_sync(trainer: torch.nn.Module, engine: torch.nn.Module) -> list:
     """[TensorSync] for every parameter of either side, in the trainer's order."""
-    pa = dict(trainer.named_parameters())
-    pb = dict(engine.named_parameters())
+    pa = dict(trainer.named_parameters(remove_duplicate=False))  # tied: every name (module doc)
+    pb = dict(engine.named_parameters(remove_duplicate=False))
     out = []
     for name, a in pa.items():
         b = pb.get(name)
@@ -120,7 +124,8 @@ def synced_copy(trainer: torch.nn.Module, engine: torch.nn.Module, names) -> tor
     import copy
 
     fixed = copy.deepcopy(engine)
-    pa, pf = dict(trainer.named_parameters()), dict(fixed.named_parameters())
+    pa = dict(trainer.named_parameters(remove_duplicate=False))
+    pf = dict(fixed.named_parameters(remove_duplicate=False))
     for n in names:
         if n in pa and n in pf and pa[n].shape == pf[n].shape:
             pf[n].copy_(pa[n].to(pf[n].dtype))
