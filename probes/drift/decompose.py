@@ -25,7 +25,7 @@ import torch
 from trainprobes.drift.carriers import carriers
 from trainprobes.drift.engines import Engine
 from trainprobes.drift.localize import Localisation, localize_layers, record
-from trainprobes.drift.postproc import ROLE, judge_post
+from trainprobes.drift.postproc import LOGPROBS_ROLE, ROLE, judge_logprobs, judge_post
 from trainprobes.drift.routing import routing
 from trainprobes.drift.semantics import semantics
 from trainprobes.drift.stage_plot import stage_plot
@@ -184,6 +184,15 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
     loc.stages.append(post.report)
     if post.report.verdict == "beyond" and loc.first_layer is None:
         loc.first_layer, loc.op, loc.op_module = post.report.name, ROLE, post.report.name[len("after "):]
+    # the log-prob functions on the same logits, once temperature and renormalisation are out
+    fn = judge_logprobs(fa, z_b, sem.parts["numerics"], tok, mask, u=loc.u, margin=margin, alpha=alpha,
+                        n_stages=len(loc.stages) + 1, seed=seed)
+    loc.stages.append(fn)
+    if fn.verdict == "beyond":
+        by_stage[fn.name] = sem.parts["numerics"]
+        beyond.append(fn)
+        if loc.first_layer is None:
+            loc.first_layer, loc.op, loc.op_module = fn.name, LOGPROBS_ROLE, fn.name
     parts["numerics"] = sum(by_stage.values(), torch.zeros_like(x))
     for k in PARTS[:-1]:
         parts.setdefault(k, torch.zeros_like(x))
