@@ -230,3 +230,40 @@ def test_unknown_nominal_dtype_is_refused_not_guessed():
         localize_layers(Engine(a), Engine(b), IDS)
     with pytest.raises(InvalidArgument, match="not a unit roundoff"):
         localize_layers(Engine(a), Engine(copy.deepcopy(a)), IDS, u=2.0)
+
+
+def _gpt2():
+    tf = pytest.importorskip("transformers")
+    cfg = tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=128, n_positions=64, bos_token_id=0,
+                        eos_token_id=0)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return tf.GPT2LMHeadModel(cfg).eval()
+
+
+@pytest.mark.parametrize("fault", ["positions off by one", "position embedding in bf16"])
+def test_fault_in_the_code_between_stages_is_found_at_the_hand_off(fault):
+    """GPT-2 adds its position embedding (not a stage: one row for the batch) in the model's
+    forward: every stage was exact and the engine 'noise' with a free error of 1.03."""
+    from trainprobes.drift.decompose import localize
+    a = _gpt2()
+    b = copy.deepcopy(a)
+    if fault == "positions off by one":
+        b.transformer.wpe.register_forward_pre_hook(lambda m, args: (args[0] + 1,))
+    else:
+        faults.in_dtype(b.transformer.wpe, torch.bfloat16)
+    r = localize(Engine(a, name="trainer"), Engine(b, name="engine"), IDS)
+    m = r.metrics
+    assert (m["kind"], m["first_layer"], m["op"], m["op_module"]) == (
+        "numeric", "into transformer.drop", "hand_off", "transformer.drop")
+    assert [s["name"] for s in r.evidence["stages"] if s["verdict"] == "beyond"] == ["into transformer.drop"]
+    assert m["share_numerics[into transformer.drop]"] > 0.9
+
+
+def test_identical_glue_leaves_every_hand_off_exact():
+    t, e = _pair("llama", lambda m: faults.in_dtype(m.model.layers[1].mlp, torch.bfloat16))
+    loc = localize_layers(t, e, IDS)
+    hand = [r for r in loc.stages if r.role == "hand_off"]
+    assert [r.name for r in hand] == ["into model.layers.0", "into model.layers.1", "into model.layers.2",
+                                      "into model.norm", "into lm_head"]
+    assert all(r.verdict == "exact" for r in hand) and loc.first_layer == "model.layers.1"

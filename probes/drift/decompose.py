@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 from trainprobes.drift.carriers import carriers
 from trainprobes.drift.engines import Engine
-from trainprobes.drift.localize import Localisation, localize_layers, record
+from trainprobes.drift.localize import HAND_OFF, Localisation, hand_off_name, localize_layers, record
+from trainprobes.drift.patching import Hooks
 from trainprobes.drift.postproc import LOGPROBS_ROLE, ROLE, judge_logprobs, judge_post
 from trainprobes.drift.routing import routing
 from trainprobes.drift.semantics import semantics
@@ -71,6 +72,17 @@ def _hybrid(trainer: Engine, own: list, name: str, ids, am) -> torch.Tensor:
         return _logits(trainer, ids, am)
     finally:
         h.remove()
+
+
+def _hybrid_in(trainer: Engine, given: list, name: str, blocks: frozenset, ids, am) -> torch.Tensor:
+    """The trainer's logits with stage `name` fed the inputs the engine's code handed it
+    (`given`: the engine's patched Calls, whose inputs are what its hand-off made of the
+    trainer's outputs): the hand-off's numerics carried to the log-probs."""
+    hooks = Hooks({name: trainer.module.get_submodule(name)}, "patch", source={name: given},
+                  convention=trainer.convention, blocks=blocks, shape=tuple(ids.shape))
+    with hooks:
+        hooks.new_forward()
+        return _logits(trainer, ids, am)
 
 
 def _post(trainer: Engine, eng: Engine, loc_engine: Engine, loc: Localisation, z_b, ids, am, mask, tok, lp_a,
@@ -175,8 +187,14 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
         n_forwards += num_loc.n_forwards
     beyond = [r for r in num_loc.stages if r.verdict == "beyond"]
     by_stage = {}
+    blocks = frozenset(s.name for s in loc.layout.stages if s.role == "block")
     for r in beyond:
-        by_stage[r.name] = _tok(fa(_hybrid(trainer, num_loc.runs.b_patched[r.name], r.name, ids, am)), lp_a, tok, mask)
+        if r.role == HAND_OFF:
+            stage = r.name[len(hand_off_name("")):]
+            z_h = _hybrid_in(trainer, num_loc.runs.b_patched[stage], stage, blocks, ids, am)
+        else:
+            z_h = _hybrid(trainer, num_loc.runs.b_patched[r.name], r.name, ids, am)
+        by_stage[r.name] = _tok(fa(z_h), lp_a, tok, mask)
         n_forwards += 1
     if post.report.verdict == "beyond" and not post.affine:
         by_stage[post.report.name] = post_part
