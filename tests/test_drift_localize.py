@@ -267,3 +267,18 @@ def test_identical_glue_leaves_every_hand_off_exact():
     assert [r.name for r in hand] == ["into model.layers.0", "into model.layers.1", "into model.layers.2",
                                       "into model.norm", "into lm_head"]
     assert all(r.verdict == "exact" for r in hand) and loc.first_layer == "model.layers.1"
+
+
+def test_two_faults_are_both_named_with_their_shares():
+    """A small fault first, a large one later: the message named only the first, whose share is
+    ~0, while the later stage carried the drift."""
+    from trainprobes.drift.decompose import localize
+
+    def two(m):
+        faults.in_dtype(m.model.layers[0].mlp, torch.bfloat16)
+        faults.norm_epsilon(m.model.layers[2].input_layernorm, 1e-3)
+    t, e = _pair("llama", two)
+    r = localize(t, e, IDS)
+    assert r.metrics["first_layer"] == "model.layers.0"
+    assert r.metrics["share_numerics[model.layers.2]"] > 0.9
+    assert "also beyond noise: model.layers.2 (numerics " in r.message

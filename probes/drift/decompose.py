@@ -304,8 +304,16 @@ def _result(trainer, engine, loc, kind, shares, sem, rt, stale, unmatched, sync,
     where = ""
     if loc.first_layer:
         beyond = any(r.verdict == "beyond" for r in loc.stages)
-        where = (f"first stage beyond noise {loc.first_layer} (op {loc.op}: {loc.op_module}); " if beyond else
+        own = shares.get(f"numerics[{loc.first_layer}]")
+        where = (f"first stage beyond noise {loc.first_layer} (op {loc.op}: {loc.op_module}"
+                 + (f"; numerics {own[0]:.0%}" if own is not None else "") + "); " if beyond else
                  f"no stage beyond noise; decisions first flip at {loc.op_module}; ")
+        # a second fault later on may carry most of the drift: name every stage beyond with its share
+        later = [r.name for r in loc.stages if r.verdict == "beyond" and r.name != loc.first_layer]
+        if later:
+            where += "also beyond noise: " + ", ".join(
+                f"{n}" + (f" (numerics {shares[f'numerics[{n}]'][0]:.0%})" if f"numerics[{n}]" in shares else "")
+                for n in later) + "; "
     named = ", ".join(s.name for s in stale[:5]) + (" ..." if len(stale) > 5 else "")
     held = (f"the trainer holds {len(rounded)} tensor(s) rounded to a coarser dtype than the engine's "
             f"({', '.join(s.name for s in rounded[:3])}{' ...' if len(rounded) > 3 else ''}: a trainer-side "
