@@ -204,3 +204,16 @@ def test_tensors_without_a_counterpart_are_not_called_stale():
     m = r.metrics
     assert m["kind"] == "exact" and m["n_stale_tensors"] == 0 and m["n_unmatched_tensors"] == 4
     assert "blocks.1.mix.inner.weight" in r.message and "not compared" in r.message
+
+
+def test_one_ulp_in_the_same_dtype_is_a_mismatch_not_rounding():
+    """bf16 on both sides, the engine's weight one ulp off everywhere (a refit missed where a
+    small update moved each weight by one ulp): there is no conversion to round, so it is stale
+    (it was 'rounding', and no tensor was named)."""
+    a = _model().bfloat16()
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        b[1].weight.view(torch.int16).add_(1)
+    rows = {r.name: r for r in weight_sync(a, b)}
+    assert rows["1.weight"].status == "mismatch" and rows["1.weight"].max_ulps <= 1
+    assert rows["1.weight"].frac_mismatched == 1.0

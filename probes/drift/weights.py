@@ -6,9 +6,10 @@ checksums differ.
 Per tensor, A the trainer's value and B the engine's; each status says which side differs
 from what:
   exact            B == A cast to B's dtype (round to nearest even, torch's cast), bit for bit
-  rounding         the ENGINE's B is not that, but |B - A| <= one ulp of B's dtype at |A|
-                   everywhere: the engine's conversion rounded another way (truncation,
-                   stochastic rounding, an fp8 scale)
+  rounding         the ENGINE's B (in another dtype than A) is not that, but |B - A| <= one
+                   ulp of B's dtype at |A| everywhere: the engine's conversion rounded another
+                   way (truncation, stochastic rounding, an fp8 scale); in the same dtype there
+                   is no conversion, and any difference is a mismatch
   trainer_rounded  the TRAINER's A is in a coarser dtype than B and |A - B| <= one ulp of A's
                    dtype at |B| everywhere: the trainer holds the engine's value rounded (a
                    trainer-side precision loss, e.g. a block cast to bf16): numerics on the
@@ -103,15 +104,19 @@ def weight_sync(trainer: torch.nn.Module, engine: torch.nn.Module) -> list:
             continue
         diff = (b.double() - a.double()).abs()
         ulps = diff / _ulp(a.double(), b.dtype) if b.is_floating_point() else diff
-        bad = ulps > 1
+        # one ulp is a conversion's rounding only where there was a conversion: in the same dtype
+        # any difference is another value (a refit missed by a one-ulp update: bf16 weights, small lr)
+        bad = ulps > 1 if a.dtype != b.dtype else diff > 0
         if bool(bad.any()) and _coarser(a.dtype, b.dtype):
             ulps_a = diff / _ulp(b.double(), a.dtype)
             if bool((ulps_a <= 1).all()):
                 out.append(TensorSync(name, "trainer_rounded", float(diff.max()), float(ulps_a.max()), 0.0,
                                       f"the trainer holds the engine's value rounded to {_name(a.dtype)}"))
                 continue
-        note = (f"the engine's {_name(b.dtype)} tensor differs from the trainer's cast to it by more than one "
-                "ulp" if bool(bad.any()) else "")
+        note = ("" if not bool(bad.any()) else
+                f"the engine's {_name(b.dtype)} tensor differs from the trainer's (the same dtype: no conversion "
+                "to round)" if a.dtype == b.dtype else
+                f"the engine's {_name(b.dtype)} tensor differs from the trainer's cast to it by more than one ulp")
         out.append(TensorSync(name, "mismatch" if bool(bad.any()) else "rounding",
                               float(diff.max()), float(ulps.max()), float(bad.double().mean()), note))
     out += [TensorSync(n, "missing", note="not in the trainer") for n in pb if n not in pa]
