@@ -1017,7 +1017,7 @@ def _localize(rd: Reader) -> None:
             rd.fail(f"routing_frac_tokens_any_layer {_fmt(anyl)} is not between the largest and the sum "
                     "of the per-router fractions")
     found = {"weights": stale > 0, "temperature": temperature, "renormalisation": renorm,
-             "routing": bool(dec), "numeric": bool(by_stage)}
+             "routing": bool(dec) and rd.num("share_routing_ci_low") > 0, "numeric": bool(by_stage)}
     named = {"numeric": "numerics"}
     if kind == "exact" and (mean_abs != 0 or any(s.get("verdict") != "exact" for s in stages) or stale):
         rd.fail("kind 'exact' beside a drift, a stage that is not exact or a stale tensor")

@@ -16,8 +16,9 @@ each the difference between two runs, so the parts add up to x exactly:
 share_j = sum x_j x / sum x^2 (they sum to 1 with unexplained), a ratio estimator whose
 interval is cluster-robust over sequences (trainprobes.drift.stats.cluster_t).
 kind: "exact" when the engines agree bit for bit; else the part found (weights named,
-temperature or renormalisation detected, routing decisions differing, a stage beyond
-noise) with the largest share; "noise" when none is found.
+temperature or renormalisation detected, routing decisions differing with a routing share
+whose interval excludes 0, a stage beyond noise) with the largest share; "noise" when none
+is found.
 """
 from __future__ import annotations
 
@@ -220,7 +221,10 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
     # 5. kind
     exact = bool((x[mask] == 0).all()) and all(r.verdict == "exact" for r in loc.stages) and not stale
     found = {"weights": bool(stale), "temperature": sem.temperature, "renormalisation": sem.renormalised,
-             "routing": rt is not None and rt.frac_decisions > 0,
+             # flips are a cause only where replaying the trainer's choices removes a share of
+             # the drift that is not zero (flips at unscored positions, or whose experts agree,
+             # explain nothing: a bf16 noise pair was kind 'routing' at a share of 0.0)
+             "routing": rt is not None and rt.frac_decisions > 0 and shares["routing"][1] > 0,
              "numeric": bool(beyond)}
     share_of = {"weights": "weights", "temperature": "temperature", "renormalisation": "renormalisation",
                 "routing": "routing", "numeric": "numerics"}
