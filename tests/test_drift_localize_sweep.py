@@ -59,3 +59,4 @@ def test_moe_noise_pairs_with_flips_are_noise_not_routing():
     m = r.metrics
     assert m["routing_frac_decisions"] > 0 and m["share_routing_ci_low"] <= 0
     assert (m["kind"], m["first_layer"], m["engines_agree"]) == ("noise", "", True)
+    assert "of router decisions flip" in r.message

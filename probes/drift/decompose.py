@@ -334,6 +334,10 @@ def _result(trainer, engine, loc, kind, shares, sem, rt, stale, unmatched, sync,
         msg = (f"noise: every stage's own error is within its noise floor (x{margin:g}) at the nominal "
                f"precision (unit roundoff {loc.u:.3g}); no stage is to blame; mean |log-ratio| "
                f"{metrics['mean_abs_log_ratio']:.3g} nats")
+        if rt is not None and rt.frac_decisions:  # R3's figures, though replay explains no share
+            lo, hi = shares["routing"][1:]
+            msg += (f"; {rt.frac_decisions:.1%} of router decisions flip ({rt.frac_tokens_any_layer:.0%} of "
+                    f"tokens in >= 1 layer), replay explains a share in [{lo:.2g}, {hi:.2g}]")
     else:
         msg = (f"{kind}: {where}"
                + (f"engine tensors that differ from the trainer's beyond its dtype conversion (stale or "
