@@ -172,3 +172,17 @@ def test_plain_modules_with_other_vocabularies_cannot_be_judged():
         localize_layers(Engine(_PlainLM(128), name="trainer"), Engine(_PlainLM(130)), IDS)
     with pytest.raises(InvalidArgument, match="outside the vocabulary"):
         localize_layers(Engine(_PlainLM(128)), Engine(_PlainLM(128)), IDS + 100)
+
+
+def test_an_engine_that_splits_the_batch_is_refused_saying_so():
+    import types
+    a = tiny_model("llama", "eager", seed=0, num_hidden_layers=2)
+    b = copy.deepcopy(a)
+    inner = b.forward
+
+    def halves(self, input_ids=None, attention_mask=None, use_cache=None, **kw):
+        return types.SimpleNamespace(logits=torch.cat([inner(input_ids=input_ids[i:i + 3], use_cache=False).logits
+                                                       for i in (0, 3)]))
+    b.forward = types.MethodType(halves, b)
+    with pytest.raises(InvalidArgument, match="runs the batch in parts of 3 rows"):
+        localize(Engine(a), Engine(b), IDS)

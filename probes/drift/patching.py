@@ -166,8 +166,12 @@ class Hooks:
             if self.mode == "jitter" and new.is_floating_point():
                 new = self._noise(new, "in")
             if new.shape != cur.shape:
+                split = (cur.ndim and new.ndim and cur.shape[0] < new.shape[0] and cur.shape[1:] == new.shape[1:])
                 raise InvalidArgument(f"{name}: input {k!r} has shape {tuple(cur.shape)} here and "
-                                      f"{tuple(new.shape)} in the other engine")
+                                      f"{tuple(new.shape)} in the other engine"
+                                      + (f" (this engine runs the batch in parts of {cur.shape[0]} rows: localise "
+                                         "on a batch it runs in one call, or make it run the whole batch)"
+                                         if split else ""))
             bound.arguments[k] = new.to(cur.dtype) if cur.is_floating_point() else new
         if self.convention == "vllm" and name in self.blocks and "residual" in bound.arguments:
             bound.arguments["residual"] = None  # hidden_states holds the whole stream
