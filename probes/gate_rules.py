@@ -927,13 +927,18 @@ def _localize(rd: Reader) -> None:
         if v == "exact" and own != 0 or v == "noise" and own == 0:
             rd.fail(f"stage {name!r}: verdict {v!r} beside own_error {_fmt(own)}")
         low = rd.field(st, "min_ratio", f"stages[{i}]")
-        past = ratio > margin and (p < alpha / len(stages) or low > margin / 4)
+        high = rd.field(st, "max_ratio", f"stages[{i}]")
+        past = ratio > margin and (p < alpha / len(stages) or low > margin / 4) or high > margin ** 2
         if v == "beyond" and not st.get("nonfinite") and not past:
             rd.fail(f"stage {name!r} is beyond noise, but its ratio {_fmt(ratio)} <= margin {_fmt(margin)}, "
-                    f"or its p {_fmt(p)} >= alpha / stages and a sequence's ratio {_fmt(low)} <= margin / 4")
+                    f"or its p {_fmt(p)} >= alpha / stages and a sequence's ratio {_fmt(low)} <= margin / 4; "
+                    f"and its largest sequence ratio {_fmt(high)} <= margin^2")
         if v == "noise" and past:
             rd.fail(f"stage {name!r} is called noise, but its ratio {_fmt(ratio)} > margin and p "
-                    f"{_fmt(p)} < alpha / stages or every sequence's ratio > margin / 4")
+                    f"{_fmt(p)} < alpha / stages or every sequence's ratio > margin / 4, or a sequence's "
+                    f"ratio {_fmt(high)} > margin^2")
+        if v != "exact" and high < ratio * (1 - 1e-9):
+            rd.fail(f"stage {name!r}: max_ratio {_fmt(high)} is below the geometric mean ratio {_fmt(ratio)}")
         if v != "exact" and low > ratio * (1 + 1e-9):
             rd.fail(f"stage {name!r}: min_ratio {_fmt(low)} exceeds the geometric mean ratio {_fmt(ratio)}")
         if v == "beyond":
@@ -977,12 +982,14 @@ def _localize(rd: Reader) -> None:
              "the sum of share_numerics[stage]", 0, 1e-9)
     stale = rd.count("n_stale_tensors")
     rows = rd.evidence("weights", list)
-    if stale != sum(isinstance(w, dict) and w.get("status") in ("mismatch", "missing") for w in rows):
-        rd.fail(f"n_stale_tensors={stale} is not the tensors evidence['weights'] calls mismatch or missing")
-    rounded = rd.count("n_trainer_rounded_tensors")
-    if rounded != sum(isinstance(w, dict) and w.get("status") == "trainer_rounded" for w in rows):
-        rd.fail(f"n_trainer_rounded_tensors={rounded} is not the tensors evidence['weights'] calls "
-                "trainer_rounded")
+    if stale != sum(isinstance(w, dict) and w.get("status") == "mismatch" for w in rows):
+        rd.fail(f"n_stale_tensors={stale} is not the tensors evidence['weights'] calls mismatch")
+    unmatched = rd.count("n_unmatched_tensors")
+    if unmatched != sum(isinstance(w, dict) and w.get("status") == "missing" for w in rows):
+        rd.fail(f"n_unmatched_tensors={unmatched} is not the tensors evidence['weights'] calls missing")
+    held = rd.count("n_trainer_rounded_tensors")
+    if held != sum(isinstance(w, dict) and w.get("status") == "trainer_rounded" for w in rows):
+        rd.fail(f"n_trainer_rounded_tensors={held} is not the tensors evidence['weights'] calls trainer_rounded")
     temperature, renorm = rd.flag("temperature"), rd.flag("renormalised")
     slope, lo, hi = rd.num("temperature_slope"), rd.num("temperature_slope_ci_low"), rd.num("temperature_slope_ci_high")
     if not lo - 1e-12 <= slope <= hi + 1e-12:
@@ -1010,7 +1017,7 @@ def _localize(rd: Reader) -> None:
             rd.fail(f"routing_frac_tokens_any_layer {_fmt(anyl)} is not between the largest and the sum "
                     "of the per-router fractions")
     found = {"weights": stale > 0, "temperature": temperature, "renormalisation": renorm,
-             "routing": bool(dec), "numeric": bool(by_stage)}
+             "routing": bool(dec) and rd.num("share_routing_ci_low") > 0, "numeric": bool(by_stage)}
     named = {"numeric": "numerics"}
     if kind == "exact" and (mean_abs != 0 or any(s.get("verdict") != "exact" for s in stages) or stale):
         rd.fail("kind 'exact' beside a drift, a stage that is not exact or a stale tensor")

@@ -179,7 +179,7 @@ PROBES = {
     "drift.localize": ProbeMetrics("engines_agree", "TP-D4", ("n_tokens",), (
         "engines_agree", "kind", "first_layer", "op", "op_module", "n_tokens", "n_sequences",
         "mean_log_ratio", "mean_abs_log_ratio", "max_abs_log_ratio", "n_dropped_tokens",
-        "n_stale_tensors", "n_trainer_rounded_tensors", "n_forwards", "margin", "alpha", "nominal_roundoff",
+        "n_stale_tensors", "n_trainer_rounded_tensors", "n_unmatched_tensors", "n_forwards", "margin", "alpha", "nominal_roundoff",
         *(f"share_{p}{s}" for p in ("weights", "routing", "temperature", "renormalisation",
                                     "numerics", "unexplained") for s in ("", "_ci_low", "_ci_high")),
         "share_numerics[...]", "own_error[...]", "free_error[...]", "noise_floor[...]",

@@ -139,3 +139,51 @@ def test_metadata_is_stated_not_guessed(edit, words, tmp_path, capsys, hf_dumps)
         load_dump(bad)
     assert main(["drift", "localize", "--dumps", str(hf_dumps["qwen2_moe"]), str(bad)]) == 2
     assert "bad.safetensors" in capsys.readouterr().err
+
+
+def _edited(tmp_path, name, edit):
+    t, meta = _read(VLLM / "llama_float32.safetensors")
+    edit(t, meta)
+    return _write(tmp_path / f"{name}.safetensors", t, meta)
+
+
+def _set(t, key, i, value):
+    t[key] = t[key].clone()
+    t[key][i] = value
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda t, m: m.update(stages="[]"), "must be a JSON list of distinct stage names"),
+    (lambda t, m: m.update(stages='"model.norm"'), "must be a JSON list"),   # not read letter by letter
+    (lambda t, m: m.update(stages=json.dumps(json.loads(m["stages"]) * 2)), "distinct"),
+    (lambda t, m: t.update({"stage:model.norm": t["stage:model.norm"].round().int()}), "expected a float stream"),
+    (lambda t, m: _set(t, "logprobs", (0, 3), float("nan")), "'logprobs' .* holds NaN or \\+inf"),
+])
+def test_a_hand_edited_dump_is_refused(tmp_path, edit, match):
+    with pytest.raises(DataFileError, match=match):
+        load_dump(_edited(tmp_path, "edited", edit))
+
+
+@pytest.mark.parametrize("edit, match", [
+    # the noise dump must be the same tokens re-run: other tokens give a floor of ~1 that passed
+    # vLLM's served epsilon fault (free error 0.29) as noise; fewer rows crashed (exit 3)
+    (lambda t, m: t.update(input_ids=(t["input_ids"] + 7) % 128), "holds other tokens"),
+    (lambda t, m: t.update({k: v[:2] for k, v in t.items()}), "holds other tokens"),  # 2 of 4 rows
+])
+def test_a_noise_dump_of_other_tokens_is_refused(tmp_path, edit, match):
+    noise = _edited(tmp_path, "noise", edit)
+    assert main(["drift", "localize", "--dumps", str(VLLM / "llama_float32.safetensors"),
+                 str(VLLM / "llama_eps_float32.safetensors"), "--noise-dump", str(noise)]) == 2
+    with pytest.raises(Exception, match=match):
+        compare_dumps(load_dump(VLLM / "llama_float32.safetensors"),
+                      load_dump(VLLM / "llama_eps_float32.safetensors"), load_dump(noise))
+
+
+def test_masks_must_match_and_hold_a_real_token(tmp_path):
+    half = _edited(tmp_path, "half", lambda t, m: _set(t, "attention_mask", (slice(None), slice(6, None)), 0))
+    with pytest.raises(Exception, match="attention masks .* differ at 24 of 48"):
+        compare_dumps(load_dump(VLLM / "llama_float32.safetensors"), load_dump(half))
+    none = _edited(tmp_path, "none", lambda t, m: t.update(attention_mask=torch.zeros_like(t["attention_mask"])))
+    with pytest.raises(Exception, match="no real token"):  # was 'noise' on zero tokens
+        compare_dumps(load_dump(none), load_dump(none))
+    assert main(["drift", "localize", "--dumps", str(none), str(none)]) == 2

@@ -73,6 +73,35 @@ def test_fault_outside_the_blocks():
     assert loc.first_layer == "model.norm" and loc.op == "norm"
 
 
+def _only_where(module, hit):
+    """A module whose output is rounded to bf16 where hit(args, out) [B, L] holds: a fault only
+    some tokens or sequences meet."""
+    def post(m, args, out):
+        return torch.where(hit(args, out)[..., None], out.bfloat16().float(), out)
+    module.register_forward_hook(post)
+
+
+@pytest.mark.parametrize("where, stage, op", [
+    # one token id's embedding row rounded: the sequences without that id are bit-exact there
+    ("token", "model.embed_tokens", "embedding"),
+    # one batch slot (row 0) of an MLP in bf16: a single sequence of six carries the fault
+    ("row", "model.layers.1", "mlp"),
+])
+def test_fault_only_some_sequences_meet_is_found(where, stage, op):
+    tok = int(IDS[3, 5])
+    if where == "token":
+        fault = lambda m: _only_where(m.model.embed_tokens, lambda a, o: a[0] == tok)  # noqa: E731
+    else:
+        def fault(m):
+            _only_where(m.model.layers[1].mlp, lambda a, o: (torch.arange(o.shape[0]) == 0)[:, None]
+                        .expand(o.shape[:2]))
+    t, e = _pair("llama", fault)
+    loc = localize_layers(t, e, IDS)
+    assert loc.first_layer == stage and loc.op == op
+    row = next(r for r in loc.stages if r.name == stage)
+    assert row.max_ratio > 8.0 ** 2 and row.verdict == "beyond"
+
+
 def test_layer_count_and_names_must_match():
     a = tiny_model("llama", num_hidden_layers=2)
     b = tiny_model("llama", num_hidden_layers=3)
@@ -201,3 +230,55 @@ def test_unknown_nominal_dtype_is_refused_not_guessed():
         localize_layers(Engine(a), Engine(b), IDS)
     with pytest.raises(InvalidArgument, match="not a unit roundoff"):
         localize_layers(Engine(a), Engine(copy.deepcopy(a)), IDS, u=2.0)
+
+
+def _gpt2():
+    tf = pytest.importorskip("transformers")
+    cfg = tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=128, n_positions=64, bos_token_id=0,
+                        eos_token_id=0)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return tf.GPT2LMHeadModel(cfg).eval()
+
+
+@pytest.mark.parametrize("fault", ["positions off by one", "position embedding in bf16"])
+def test_fault_in_the_code_between_stages_is_found_at_the_hand_off(fault):
+    """GPT-2 adds its position embedding (not a stage: one row for the batch) in the model's
+    forward: every stage was exact and the engine 'noise' with a free error of 1.03."""
+    from trainprobes.drift.decompose import localize
+    a = _gpt2()
+    b = copy.deepcopy(a)
+    if fault == "positions off by one":
+        b.transformer.wpe.register_forward_pre_hook(lambda m, args: (args[0] + 1,))
+    else:
+        faults.in_dtype(b.transformer.wpe, torch.bfloat16)
+    r = localize(Engine(a, name="trainer"), Engine(b, name="engine"), IDS)
+    m = r.metrics
+    assert (m["kind"], m["first_layer"], m["op"], m["op_module"]) == (
+        "numeric", "into transformer.drop", "hand_off", "transformer.drop")
+    assert [s["name"] for s in r.evidence["stages"] if s["verdict"] == "beyond"] == ["into transformer.drop"]
+    assert m["share_numerics[into transformer.drop]"] > 0.9
+
+
+def test_identical_glue_leaves_every_hand_off_exact():
+    t, e = _pair("llama", lambda m: faults.in_dtype(m.model.layers[1].mlp, torch.bfloat16))
+    loc = localize_layers(t, e, IDS)
+    hand = [r for r in loc.stages if r.role == "hand_off"]
+    assert [r.name for r in hand] == ["into model.layers.0", "into model.layers.1", "into model.layers.2",
+                                      "into model.norm", "into lm_head"]
+    assert all(r.verdict == "exact" for r in hand) and loc.first_layer == "model.layers.1"
+
+
+def test_two_faults_are_both_named_with_their_shares():
+    """A small fault first, a large one later: the message named only the first, whose share is
+    ~0, while the later stage carried the drift."""
+    from trainprobes.drift.decompose import localize
+
+    def two(m):
+        faults.in_dtype(m.model.layers[0].mlp, torch.bfloat16)
+        faults.norm_epsilon(m.model.layers[2].input_layernorm, 1e-3)
+    t, e = _pair("llama", two)
+    r = localize(t, e, IDS)
+    assert r.metrics["first_layer"] == "model.layers.0"
+    assert r.metrics["share_numerics[model.layers.2]"] > 0.9
+    assert "also beyond noise: model.layers.2 (numerics " in r.message

@@ -56,7 +56,7 @@ def test_logit_rescale_after_lm_head_is_a_temperature():
     m = r.metrics
     assert r.verdict == "fail" and m["kind"] == "temperature" and m["op"] == "post_processing"
     assert m["temperature_slope"] == pytest.approx(1.02, rel=1e-4)
-    assert all(s["verdict"] == "exact" for s in r.evidence["stages"][:-1])
+    assert all(s["verdict"] == "exact" for s in r.evidence["stages"] if s["role"] != "post_processing")
     check_judgeable(r, "candidate")
 
 
@@ -84,6 +84,40 @@ def test_same_post_processing_is_exact_after_lm_head():
     a = tiny_model("llama", "eager", seed=0, num_hidden_layers=2)
     r = localize(Engine(_Scaled(a, 1.5)), Engine(_Scaled(copy.deepcopy(a), 1.5)), IDS)
     assert r.metrics["kind"] == "exact" and r.evidence["stages"][-1]["verdict"] == "exact"
+
+
+def _with_head_scaled(seed=0):
+    a = tiny_model("llama", "eager", seed=seed, num_hidden_layers=2)
+    with torch.no_grad():
+        a.lm_head.weight.mul_(30.0)  # peaked distributions, as a trained LM's
+    return a
+
+
+@pytest.mark.parametrize("name, lp_b", [
+    ("bf16 log-softmax", lambda z: torch.log_softmax(z.bfloat16(), -1).float()),
+    ("logits rounded to bf16 first", lambda z: torch.log_softmax(z.bfloat16().float(), -1)),
+    ("a soft-cap inside the log-prob function", lambda z: torch.log_softmax(30 * torch.tanh(z.float() / 30), -1)),
+])
+def test_engine_logprob_function_is_judged_on_the_same_logits(name, lp_b):
+    """Every stage exact, the drift from the engine's log-prob function alone (as large as a bf16
+    lm_head's): was 'noise', engines agreeing."""
+    a = _with_head_scaled()
+    r = localize(Engine(a), Engine(copy.deepcopy(a), lp_b), IDS)
+    m = r.metrics
+    assert (r.verdict, m["kind"], m["first_layer"], m["op"]) == ("fail", "numeric", "log-probs", "logprobs"), name
+    assert m["share_numerics[log-probs]"] > 0.5
+    check_judgeable(r, "candidate")
+
+
+@pytest.mark.parametrize("lp_a, lp_b", [
+    (faults.temperature_logprobs(0.7), lambda z: torch.log_softmax(z.float() * (1 / 0.7), -1)),  # same T
+    (lambda z: torch.log_softmax(z.float(), -1), lambda z: torch.log_softmax(z.double(), -1).float()),
+])
+def test_logprob_functions_that_differ_by_rounding_are_noise(lp_a, lp_b):
+    a = _with_head_scaled()
+    r = localize(Engine(a, lp_a), Engine(copy.deepcopy(a), lp_b), IDS)
+    row = r.evidence["stages"][-1]
+    assert row["name"] == "log-probs" and row["verdict"] == "noise" and r.metrics["kind"] == "noise"
 
 
 def test_cross_sequence_leak_is_not_excused_by_the_batch_floor():
@@ -138,3 +172,17 @@ def test_plain_modules_with_other_vocabularies_cannot_be_judged():
         localize_layers(Engine(_PlainLM(128), name="trainer"), Engine(_PlainLM(130)), IDS)
     with pytest.raises(InvalidArgument, match="outside the vocabulary"):
         localize_layers(Engine(_PlainLM(128)), Engine(_PlainLM(128)), IDS + 100)
+
+
+def test_an_engine_that_splits_the_batch_is_refused_saying_so():
+    import types
+    a = tiny_model("llama", "eager", seed=0, num_hidden_layers=2)
+    b = copy.deepcopy(a)
+    inner = b.forward
+
+    def halves(self, input_ids=None, attention_mask=None, use_cache=None, **kw):
+        return types.SimpleNamespace(logits=torch.cat([inner(input_ids=input_ids[i:i + 3], use_cache=False).logits
+                                                       for i in (0, 3)]))
+    b.forward = types.MethodType(halves, b)
+    with pytest.raises(InvalidArgument, match="runs the batch in parts of 3 rows"):
+        localize(Engine(a), Engine(b), IDS)

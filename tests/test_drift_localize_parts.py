@@ -160,3 +160,60 @@ def test_trainer_side_rounding_is_not_a_stale_engine_tensor():
     faults.stale(b[0].weight)  # and a real stale engine tensor beside it is still named
     rows = {r.name: r for r in weight_sync(a, b)}
     assert rows["0.weight"].status == "mismatch" and "engine's float32 tensor differs" in rows["0.weight"].note
+
+
+def _tied():
+    from trainprobes.reference.models.stack import TinyStack
+    m = TinyStack(seed=0)
+    m.head.weight = m.embed.weight  # an lm_head tied to the input embedding
+    return m
+
+
+def test_tied_tensors_are_compared_under_every_name():
+    """A trainer that ties its lm_head to the embedding and an engine holding an equal untied
+    copy hold the same tensors by name (the alias was 'missing', and kind 'weights')."""
+    a = _tied()
+    b = copy.deepcopy(a)
+    b.head.weight = torch.nn.Parameter(b.embed.weight.detach().clone())
+    for x, y in ((a, b), (b, a)):
+        assert {r.status for r in weight_sync(x, y)} == {"exact"}
+        assert checksums(x) == checksums(y)
+    faults.stale(b.head.weight)  # the engine's untied copy missed by the refit: named
+    assert [r.name for r in weight_sync(a, b) if r.status != "exact"] == ["head.weight"]
+
+
+def test_tensors_without_a_counterpart_are_not_called_stale():
+    """An engine whose module holds the same weights under other names (a fused or wrapped
+    projection) and computes the same: exact, with the unmatched tensors said, not 'weights'."""
+    from trainprobes.drift.decompose import localize
+    from trainprobes.drift.engines import Engine
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    a = _tied()
+    b = copy.deepcopy(a)
+    b.blocks[1].mix = Wrapped(b.blocks[1].mix)
+    ids = torch.randint(0, 64, (4, 10), generator=torch.Generator().manual_seed(0))
+    r = localize(Engine(a, name="trainer"), Engine(b, name="engine"), ids)
+    m = r.metrics
+    assert m["kind"] == "exact" and m["n_stale_tensors"] == 0 and m["n_unmatched_tensors"] == 4
+    assert "blocks.1.mix.inner.weight" in r.message and "not compared" in r.message
+
+
+def test_one_ulp_in_the_same_dtype_is_a_mismatch_not_rounding():
+    """bf16 on both sides, the engine's weight one ulp off everywhere (a refit missed where a
+    small update moved each weight by one ulp): there is no conversion to round, so it is stale
+    (it was 'rounding', and no tensor was named)."""
+    a = _model().bfloat16()
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        b[1].weight.view(torch.int16).add_(1)
+    rows = {r.name: r for r in weight_sync(a, b)}
+    assert rows["1.weight"].status == "mismatch" and rows["1.weight"].max_ulps <= 1
+    assert rows["1.weight"].frac_mismatched == 1.0

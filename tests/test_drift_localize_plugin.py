@@ -40,4 +40,4 @@ def test_assert_engines_agree(pytester):
     res.assert_outcomes(passed=2, failed=2)
     out = res.stdout.str()
     assert "engines not bit-identical" in out and "kind = noise" in out
-    assert "numeric: first stage beyond noise blocks.2 (op mlp: blocks.2.mlp)" in out
+    assert "numeric: first stage beyond noise blocks.2 (op mlp: blocks.2.mlp; numerics 100%)" in out

@@ -45,3 +45,18 @@ def test_faults_found_at_first_middle_last_block(family):
             fault(b, k)
             loc = localize_layers(Engine(a), Engine(b), _ids(2))
             assert (loc.first_layer, loc.op) == (f"model.layers.{k}", op), (family, op, k)
+
+
+def test_moe_noise_pairs_with_flips_are_noise_not_routing():
+    """The whole decomposition on MoE noise pairs: decisions flip at near-ties (reported), but
+    replaying them removes no share of the drift distinguishable from 0, so the kind is noise
+    (it was 'routing', with a router blamed, in 7 of 10 such pairs; once at a share of 0.0)."""
+    from trainprobes.drift.decompose import localize
+    g = torch.Generator().manual_seed(100)
+    ids = torch.randint(0, 128, (4, 12), generator=g)
+    a = tiny_model("qwen2_moe", "eager", seed=0, num_hidden_layers=4)
+    r = localize(Engine(a), Engine(copy.deepcopy(a).bfloat16()), ids)
+    m = r.metrics
+    assert m["routing_frac_decisions"] > 0 and m["share_routing_ci_low"] <= 0
+    assert (m["kind"], m["first_layer"], m["engines_agree"]) == ("noise", "", True)
+    assert "of router decisions flip" in r.message

@@ -56,7 +56,12 @@ def _localized() -> dict:
              "noise engines": (lambda m: faults.in_dtype(m.blocks[1].mlp, torch.float64), None),
              "bf16 block": (lambda m: faults.in_dtype(m.blocks[1].mlp, torch.bfloat16), None),
              "stale tensor": (lambda m: faults.stale(m.blocks[2].mix.weight), None),
-             "temperature twice": (lambda m: None, faults.temperature_logprobs(0.49))}
+             "temperature twice": (lambda m: None, faults.temperature_logprobs(0.49)),
+             # beyond noise through one sequence's ratio alone (max_ratio > margin^2): the others
+             # at noise (fp64), the first in bf16
+             "one sequence's fault": (lambda m: faults.in_dtype(m.blocks[1].mlp, torch.float64)
+                                      .register_forward_hook(lambda mod, args, o: torch.cat(
+                                          [o[:1].bfloat16().float(), o[1:]])), None)}
     out = {}
     for name, (edit, logprobs) in edits.items():
         b = copy.deepcopy(a)
@@ -382,3 +387,20 @@ def test_a_broken_threshold_s_code_is_explained(real, case, section, limit):
                          section)
     assert r.verdict == "fail" and r.evidence["thresholds"]["broken"]
     assert compare([r], [r], today=TODAY).exit_code == 0
+
+
+@pytest.mark.parametrize("edit, match", [
+    ("max_ratio", "is beyond noise, but its ratio"),         # the one sequence's ratio hidden
+    ("n_trainer_rounded_tensors", "n_trainer_rounded_tensors=1 is not"),
+])
+def test_a_localisation_edited_where_its_verdict_comes_from_cannot_be_judged(real, edit, match):
+    r = real["one sequence's fault"]
+    row = next(s for s in r.evidence["stages"] if s["verdict"] == "beyond")
+    assert row["ratio"] < r.metrics["margin"] < row["max_ratio"] ** 0.5  # beyond by one sequence alone
+    d = json.loads(r.to_json())
+    if edit == "max_ratio":
+        next(s for s in d["evidence"]["stages"] if s["name"] == row["name"])["max_ratio"] = row["ratio"]
+    else:
+        d["metrics"][edit] = 1
+    rep = compare([r], [Result.from_dict(d)], today=TODAY)
+    assert rep.exit_code == 2 and match in rep.cannot_judge, rep.cannot_judge

@@ -16,16 +16,18 @@ each the difference between two runs, so the parts add up to x exactly:
 share_j = sum x_j x / sum x^2 (they sum to 1 with unexplained), a ratio estimator whose
 interval is cluster-robust over sequences (trainprobes.drift.stats.cluster_t).
 kind: "exact" when the engines agree bit for bit; else the part found (weights named,
-temperature or renormalisation detected, routing decisions differing, a stage beyond
-noise) with the largest share; "noise" when none is found.
+temperature or renormalisation detected, routing decisions differing with a routing share
+whose interval excludes 0, a stage beyond noise) with the largest share; "noise" when none
+is found.
 """
 from __future__ import annotations
 
 import torch
 from trainprobes.drift.carriers import carriers
 from trainprobes.drift.engines import Engine
-from trainprobes.drift.localize import Localisation, localize_layers, record
-from trainprobes.drift.postproc import ROLE, judge_post
+from trainprobes.drift.localize import HAND_OFF, Localisation, hand_off_name, localize_layers, record
+from trainprobes.drift.patching import Hooks
+from trainprobes.drift.postproc import LOGPROBS_ROLE, ROLE, judge_logprobs, judge_post
 from trainprobes.drift.routing import routing
 from trainprobes.drift.semantics import semantics
 from trainprobes.drift.stage_plot import stage_plot
@@ -71,6 +73,17 @@ def _hybrid(trainer: Engine, own: list, name: str, ids, am) -> torch.Tensor:
         return _logits(trainer, ids, am)
     finally:
         h.remove()
+
+
+def _hybrid_in(trainer: Engine, given: list, name: str, blocks: frozenset, ids, am) -> torch.Tensor:
+    """The trainer's logits with stage `name` fed the inputs the engine's code handed it
+    (`given`: the engine's patched Calls, whose inputs are what its hand-off made of the
+    trainer's outputs): the hand-off's numerics carried to the log-probs."""
+    hooks = Hooks({name: trainer.module.get_submodule(name)}, "patch", source={name: given},
+                  convention=trainer.convention, blocks=blocks, shape=tuple(ids.shape))
+    with hooks:
+        hooks.new_forward()
+        return _logits(trainer, ids, am)
 
 
 def _post(trainer: Engine, eng: Engine, loc_engine: Engine, loc: Localisation, z_b, ids, am, mask, tok, lp_a,
@@ -138,7 +151,8 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
     n_forwards = loc.n_forwards
     # 1. weights
     sync = weight_sync(trainer.module, engine.module)
-    stale = [s for s in sync if s.status in ("mismatch", "missing")]
+    stale = [s for s in sync if s.status == "mismatch"]
+    unmatched = [s for s in sync if s.status == "missing"]  # not compared: never stale (weights doc)
     parts = {}
     eng = engine
     if stale:
@@ -174,8 +188,14 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
         n_forwards += num_loc.n_forwards
     beyond = [r for r in num_loc.stages if r.verdict == "beyond"]
     by_stage = {}
+    blocks = frozenset(s.name for s in loc.layout.stages if s.role == "block")
     for r in beyond:
-        by_stage[r.name] = _tok(fa(_hybrid(trainer, num_loc.runs.b_patched[r.name], r.name, ids, am)), lp_a, tok, mask)
+        if r.role == HAND_OFF:
+            stage = r.name[len(hand_off_name("")):]
+            z_h = _hybrid_in(trainer, num_loc.runs.b_patched[stage], stage, blocks, ids, am)
+        else:
+            z_h = _hybrid(trainer, num_loc.runs.b_patched[r.name], r.name, ids, am)
+        by_stage[r.name] = _tok(fa(z_h), lp_a, tok, mask)
         n_forwards += 1
     if post.report.verdict == "beyond" and not post.affine:
         by_stage[post.report.name] = post_part
@@ -183,6 +203,15 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
     loc.stages.append(post.report)
     if post.report.verdict == "beyond" and loc.first_layer is None:
         loc.first_layer, loc.op, loc.op_module = post.report.name, ROLE, post.report.name[len("after "):]
+    # the log-prob functions on the same logits, once temperature and renormalisation are out
+    fn = judge_logprobs(fa, z_b, sem.parts["numerics"], tok, mask, u=loc.u, margin=margin, alpha=alpha,
+                        n_stages=len(loc.stages) + 1, seed=seed)
+    loc.stages.append(fn)
+    if fn.verdict == "beyond":
+        by_stage[fn.name] = sem.parts["numerics"]
+        beyond.append(fn)
+        if loc.first_layer is None:
+            loc.first_layer, loc.op, loc.op_module = fn.name, LOGPROBS_ROLE, fn.name
     parts["numerics"] = sum(by_stage.values(), torch.zeros_like(x))
     for k in PARTS[:-1]:
         parts.setdefault(k, torch.zeros_like(x))
@@ -192,7 +221,10 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
     # 5. kind
     exact = bool((x[mask] == 0).all()) and all(r.verdict == "exact" for r in loc.stages) and not stale
     found = {"weights": bool(stale), "temperature": sem.temperature, "renormalisation": sem.renormalised,
-             "routing": rt is not None and rt.frac_decisions > 0,
+             # flips are a cause only where replaying the trainer's choices removes a share of
+             # the drift that is not zero (flips at unscored positions, or whose experts agree,
+             # explain nothing: a bf16 noise pair was kind 'routing' at a share of 0.0)
+             "routing": rt is not None and rt.frac_decisions > 0 and shares["routing"][1] > 0,
              "numeric": bool(beyond)}
     share_of = {"weights": "weights", "temperature": "temperature", "renormalisation": "renormalisation",
                 "routing": "routing", "numeric": "numerics"}
@@ -204,8 +236,8 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
         block = next((s.name for s in loc.stages if flipped.startswith(s.name + ".")), flipped)
         loc.first_layer, loc.op, loc.op_module = block, "router", flipped
     carried = carriers(x, mask, lp_a.gather(-1, tok[..., None]).squeeze(-1), tok, tokenizer)
-    return _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, dropped, margin,
-                   alpha, seed, n_forwards, target, carried)
+    return _result(trainer, engine, loc, kind, shares, sem, rt, stale, unmatched, sync, x, mask, dropped,
+                   margin, alpha, seed, n_forwards, target, carried)
 
 
 # fewest scored tokens that must stay judged (finite on both sides), as a share of the real
@@ -241,8 +273,8 @@ def mask_full(ids, am):
     return torch.ones(ids.shape, dtype=torch.bool) if am is None else am.bool()
 
 
-def _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, dropped, margin, alpha,
-            seed, n_forwards, target, carried) -> Result:
+def _result(trainer, engine, loc, kind, shares, sem, rt, stale, unmatched, sync, x, mask, dropped, margin,
+            alpha, seed, n_forwards, target, carried) -> Result:
     xs = x[mask]
     flips = rt.per_layer() if rt is not None else {}
     rounded = [s for s in sync if s.status == "trainer_rounded"]
@@ -254,7 +286,8 @@ def _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, d
         "mean_abs_log_ratio": xs.abs().mean().item() if xs.numel() else 0.0,
         "max_abs_log_ratio": xs.abs().max().item() if xs.numel() else 0.0,
         "n_dropped_tokens": int(dropped.sum()),
-        "n_stale_tensors": len(stale), "n_trainer_rounded_tensors": len(rounded), "n_forwards": n_forwards,
+        "n_stale_tensors": len(stale), "n_trainer_rounded_tensors": len(rounded),
+        "n_unmatched_tensors": len(unmatched), "n_forwards": n_forwards,
         "margin": margin, "alpha": alpha,
         "nominal_roundoff": loc.u,
         **{f"share_{k}": v[0] for k, v in shares.items() if "[" not in k},
@@ -275,19 +308,36 @@ def _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, d
     where = ""
     if loc.first_layer:
         beyond = any(r.verdict == "beyond" for r in loc.stages)
-        where = (f"first stage beyond noise {loc.first_layer} (op {loc.op}: {loc.op_module}); " if beyond else
+        own = shares.get(f"numerics[{loc.first_layer}]")
+        where = (f"first stage beyond noise {loc.first_layer} (op {loc.op}: {loc.op_module}"
+                 + (f"; numerics {own[0]:.0%}" if own is not None else "") + "); " if beyond else
                  f"no stage beyond noise; decisions first flip at {loc.op_module}; ")
+        # a second fault later on may carry most of the drift: name every stage beyond with its share
+        later = [r.name for r in loc.stages if r.verdict == "beyond" and r.name != loc.first_layer]
+        if later:
+            where += "also beyond noise: " + ", ".join(
+                f"{n}" + (f" (numerics {shares[f'numerics[{n}]'][0]:.0%})" if f"numerics[{n}]" in shares else "")
+                for n in later) + "; "
     named = ", ".join(s.name for s in stale[:5]) + (" ..." if len(stale) > 5 else "")
     held = (f"the trainer holds {len(rounded)} tensor(s) rounded to a coarser dtype than the engine's "
             f"({', '.join(s.name for s in rounded[:3])}{' ...' if len(rounded) > 3 else ''}: a trainer-side "
             "precision loss, counted in numerics); " if rounded else "")
     parts = "; ".join(f"{k} {shares[k][0]:.0%}" for k in PARTS if abs(shares[k][0]) >= 0.005)
+    odd = ([s.name for s in unmatched if s.note == "not in the engine"],
+           [s.name for s in unmatched if s.note != "not in the engine"])
+    apart = (f" ({len(unmatched)} tensor(s) have no counterpart of the same name and were not compared: "
+             f"only the trainer's {', '.join(odd[0][:3])}{' ...' if len(odd[0]) > 3 else ''}; only the "
+             f"engine's {', '.join(odd[1][:3])}{' ...' if len(odd[1]) > 3 else ''})" if unmatched else "")
     if kind == "exact":
         msg = "exact: the engines agree bit for bit at every stage"
     elif kind == "noise":
         msg = (f"noise: every stage's own error is within its noise floor (x{margin:g}) at the nominal "
                f"precision (unit roundoff {loc.u:.3g}); no stage is to blame; mean |log-ratio| "
                f"{metrics['mean_abs_log_ratio']:.3g} nats")
+        if rt is not None and rt.frac_decisions:  # R3's figures, though replay explains no share
+            lo, hi = shares["routing"][1:]
+            msg += (f"; {rt.frac_decisions:.1%} of router decisions flip ({rt.frac_tokens_any_layer:.0%} of "
+                    f"tokens in >= 1 layer), replay explains a share in [{lo:.2g}, {hi:.2g}]")
     else:
         msg = (f"{kind}: {where}"
                + (f"engine tensors that differ from the trainer's beyond its dtype conversion (stale or "
@@ -298,6 +348,7 @@ def _result(trainer, engine, loc, kind, shares, sem, rt, stale, sync, x, mask, d
                + (f"{rt.frac_decisions:.1%} of router decisions differ, "
                   f"{rt.frac_tokens_any_layer:.0%} of tokens in >= 1 layer; " if rt and rt.frac_decisions else "")
                + f"shares: {parts}")
+    msg += apart
     evidence = {
         "stages": [r.as_dict() for r in loc.stages], "ops": [r.as_dict() for r in loc.ops],
         "weights": [s.__dict__ for s in sync if s.status != "exact"],

@@ -119,7 +119,11 @@ def load_dump(path) -> Dump:
     try:
         stages = json.loads(meta["stages"])
     except (KeyError, ValueError):
-        raise DataFileError(f"{str(path)!r}: metadata 'stages' must be a JSON list of stage names") from None
+        stages = None
+    if (not isinstance(stages, list) or not stages or not all(isinstance(n, str) for n in stages)
+            or len(set(stages)) != len(stages)):
+        raise DataFileError(f"{str(path)!r}: metadata stages={meta.get('stages')!r} must be a JSON list of "
+                            "distinct stage names in call order, e.g. '[\"model.embed_tokens\", \"model.layers.0\"]'")
     where = repr(str(path))
     conv = meta.get("residual_convention")
     if conv not in CONVENTIONS:
@@ -156,6 +160,10 @@ def load_dump(path) -> Dump:
             raise DataFileError(f"{where}: residual_convention 'vllm' but block {name!r} has no "
                                 f"'stage:{name}:residual': its stream (hidden_states + residual) cannot be "
                                 "formed, and hidden_states alone would look divergent at every block")
+        if not t.is_floating_point() or r is not None and not r.is_floating_point():
+            raise DataFileError(f"{where}: 'stage:{name}' has dtype {t.dtype}"
+                                + ("" if r is None else f" and its ':residual' {r.dtype}")
+                                + ", expected a float stream")
         t = t.double() if r is None else t.double() + r.double()
         if t.shape[:2] != ids.shape:
             raise DataFileError(f"{str(path)!r}: 'stage:{name}' has shape {tuple(t.shape)}, expected "
@@ -173,6 +181,12 @@ def load_dump(path) -> Dump:
     if lp is not None and tuple(lp.shape) != (ids.shape[0], ids.shape[1] - 1):
         raise DataFileError(f"{where}: 'logprobs' has shape {tuple(lp.shape)}, expected "
                             f"[{ids.shape[0]}, {ids.shape[1] - 1}] (token i+1 scored at position i)")
+    if lp is not None:
+        real = mask[:, 1:] & mask[:, :-1]
+        bad = not lp.is_floating_point() or bool((lp.isnan() | (lp == float("inf")))[real].any())
+        if bad:
+            raise DataFileError(f"{where}: 'logprobs' ({lp.dtype}) holds NaN or +inf (or is not float) at a real "
+                                "position: a log-prob is finite or -inf (a token the engine cannot emit)")
     return Dump(str(path), stages, streams, ids, mask, _DTYPES[name_dtype], conv, routers,
                 None if lp is None else lp.double())
 
@@ -195,6 +209,17 @@ def compare_dumps(a: Dump, b: Dump, noise: Dump | None = None, *, margin: float 
         n = int((a.input_ids != b.input_ids).sum())
         raise InvalidArgument(f"the dumps hold different tokens ({n} of {a.input_ids.numel()} ids "
                               "differ): both engines must run the same token ids (same tokenizer)")
+    for d in (b,) + (() if noise is None else (noise,)):  # the same inputs, padding included
+        if d is not b and (d.input_ids.shape != a.input_ids.shape or not torch.equal(d.input_ids, a.input_ids)):
+            raise InvalidArgument(f"the noise dump {d.path!r} holds other tokens than {a.path!r} (shape "
+                                  f"{tuple(d.input_ids.shape)} against {tuple(a.input_ids.shape)}): a floor is "
+                                  "measured on the same tokens, re-run in another batch composition")
+        if not torch.equal(d.mask, a.mask):
+            raise InvalidArgument(f"the attention masks of {a.path!r} and {d.path!r} differ at "
+                                  f"{int((d.mask != a.mask).sum())} of {a.mask.numel()} positions: the engines "
+                                  "must run the same inputs, padding included")
+    if not bool(a.mask.any()):
+        raise InvalidArgument(f"{a.path!r}: attention_mask holds no real token (all zeros): nothing to judge")
     missing = [s for s in a.stages if s not in b.streams]
     extra = [s for s in b.stages if s not in a.streams]
     if missing or extra:
@@ -211,6 +236,9 @@ def compare_dumps(a: Dump, b: Dump, noise: Dump | None = None, *, margin: float 
         free = rel_error(B, A)[m].mean().item()
         floor = u / math.sqrt(3)
         if noise is not None and name in noise.streams:
+            if noise.streams[name].shape != A.shape:
+                raise InvalidArgument(f"stage {name!r} has shape {tuple(noise.streams[name].shape)} in the noise "
+                                      f"dump {noise.path!r} and {tuple(A.shape)} in {a.path!r}")
             floor = math.hypot(floor, rel_error(noise.streams[name], A)[m].mean().item())
         out.append(DumpStage(name, free, floor, free > margin * floor))
     return out

@@ -13,6 +13,12 @@ replay   a router's expert choices are replaced by the recorded ones; its weight
          sets norm_topk_prob, as HF's routers do).
 rows     a different batch composition: recorded tensors with B rows (or B * L token
          rows) are taken at these rows, so the same tokens run beside other companions.
+hand-off (patch and jitter, with hand_off=True) each watched module's output is replaced, once
+         recorded, by the source's output (jittered: its own, jittered), and the float inputs
+         each module is actually called with, before they are patched, are recorded: what the
+         code BETWEEN two modules (the parent's forward: an embedding scale, GPT-2's
+         position embedding added, a final residual add) makes of the source's output, so
+         a fault there is measured on its own (trainprobes.drift.localize's hand-off rows).
 
 A block recorded for a call on its own keeps the autocast state it ran under (a model whose
 forward enters torch.autocast runs its blocks' GEMMs in bf16; the block called alone,
@@ -62,6 +68,7 @@ class Hooks:
     shape: tuple = (0, 0)         # (B, L) of the recorded run
     u: float = 0.0
     seed: int = 0
+    hand_off: bool = False        # replace outputs and record the actual inputs (module doc)
     calls: dict = field(default_factory=dict)
     _count: dict = field(default_factory=dict)
     _handles: list = field(default_factory=list)
@@ -140,6 +147,15 @@ class Hooks:
             self._pending.setdefault(name, []).append((ins, full, autocast_state()))
             return None
         src = self._source_call(name)
+        actual = {}
+        if self.hand_off:  # what the code before this module made of the source's outputs
+            actual = {k: v.detach() for k, v in bound.arguments.items()
+                      if k in src.inputs and isinstance(v, torch.Tensor) and v.is_floating_point()}
+            r = bound.arguments.get("residual")
+            if self.convention == "vllm" and name in self.blocks and isinstance(r, torch.Tensor) \
+                    and "hidden_states" in actual:
+                actual["hidden_states"] = actual["hidden_states"] + r.detach()
+        self._pending.setdefault(name, []).append((actual, src, ()))
         for k, v in src.inputs.items():
             if k not in bound.arguments and k in _params(m, self._sigs):
                 bound.arguments[k] = v
@@ -150,25 +166,34 @@ class Hooks:
             if self.mode == "jitter" and new.is_floating_point():
                 new = self._noise(new, "in")
             if new.shape != cur.shape:
+                split = (cur.ndim and new.ndim and cur.shape[0] < new.shape[0] and cur.shape[1:] == new.shape[1:])
                 raise InvalidArgument(f"{name}: input {k!r} has shape {tuple(cur.shape)} here and "
-                                      f"{tuple(new.shape)} in the other engine")
+                                      f"{tuple(new.shape)} in the other engine"
+                                      + (f" (this engine runs the batch in parts of {cur.shape[0]} rows: localise "
+                                         "on a batch it runs in one call, or make it run the whole batch)"
+                                         if split else ""))
             bound.arguments[k] = new.to(cur.dtype) if cur.is_floating_point() else new
         if self.convention == "vllm" and name in self.blocks and "residual" in bound.arguments:
             bound.arguments["residual"] = None  # hidden_states holds the whole stream
         return bound.args, bound.kwargs
 
     def _post(self, name, m, out):
-        ins, full, amp = self._pending[name].pop() if self.mode == "record" else ({}, None, ())
+        ins, full, amp = self._pending[name].pop()
+        src = None if self.mode == "record" else full  # patch / jitter: (actual inputs, source call, ())
+        full = None if self.mode != "record" else full
         self.order.append(name)
-        stream = stream_of(out, self.convention if name in self.blocks else "hf")
+        conv = self.convention if name in self.blocks else "hf"
+        stream = stream_of(out, conv)
         indices, probs = router_outputs(out)
         if stream is None:
             return None
         if self.mode == "jitter":  # the output's own rounding belongs to the floor too
             out = _replace_first(out, self._noise(first_tensor(out), "out"))
-            stream = stream_of(out, self.convention if name in self.blocks else "hf")
+            stream = stream_of(out, conv)
         self.calls[name].append(Call(ins, stream.detach(), indices,
                                      None if probs is None else probs.detach(), full, amp))
+        if self.hand_off and self.mode == "patch":  # the next module's hand-off sees the source's output
+            return _as_output(out, self.take(src.out), conv)
         return out if self.mode == "jitter" else None
 
     def _replay(self, name, m, out):
@@ -303,6 +328,16 @@ def replay_router(m, out, indices: torch.Tensor):
         elif isinstance(t, torch.Tensor) and t.is_floating_point() and t.shape == old.shape:
             out[i] = torch.where(differ, w.to(t.dtype), t)
     return tuple(out)
+
+
+def _as_output(out, stream: torch.Tensor, convention: str):
+    """`out` with its stream replaced by `stream` (another engine's, cast and shaped like it):
+    under "vllm" a block's (hidden_states, residual) becomes (stream, 0), whose sum is exact."""
+    ref = first_tensor(out)
+    new = stream.reshape(ref.shape).to(ref.dtype)
+    if convention == "vllm" and isinstance(out, (tuple, list)) and len(out) == 2:
+        return type(out)((new, torch.zeros_like(new)))
+    return _replace_first(out, new)
 
 
 def _replace_first(out, new):

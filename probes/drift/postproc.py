@@ -56,3 +56,35 @@ def judge_post(z_b: torch.Tensor, z_h: torch.Tensor, mask: torch.Tensor, *, lm_h
     affine = (rep.verdict == "beyond" and not nonfinite and math.isfinite(s) and res_u.numel() > 0
               and bool((res_u <= margin * floor).all()) and abs(s - 1) > (half if math.isfinite(half) else math.inf))
     return PostProcessing(rep, affine, s, (s - half, s + half))
+
+
+# the row of the log-prob functions themselves (judge_logprobs)
+LOGPROBS = "log-probs"
+LOGPROBS_ROLE = "logprobs"
+
+
+def judge_logprobs(trainer_logprobs, z: torch.Tensor, e: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor,
+                   *, u: float, margin: float, alpha: float, n_stages: int, seed: int = 0) -> StageReport:
+    """The two sides' log-prob functions on the SAME logits z [B, T, V] (no numerics of the model
+    enter): e [B, T], what remains of the scored token's log-ratio once a temperature and a
+    renormalisation are taken out (trainprobes.drift.semantics' numerics part), judged per
+    sequence against what one rounding at the nominal precision u does to the trainer's
+    function: its logits and its output each jittered by (1 + u d), d uniform in [-1, 1]. An
+    engine that computes its log-softmax in bf16, or rounds fp32 logits to bf16 first, drifts
+    as much as a bf16 lm_head (0.009 nats a token in the demo's Llama) with every stage exact."""
+    g = torch.Generator().manual_seed(seed)
+    t = tokens[..., None]
+    with torch.no_grad():
+        lp = trainer_logprobs(z).double()
+        d = torch.rand(z.shape, generator=g, dtype=torch.float64).mul_(2).sub_(1)
+        zj = (z.double() * (1 + u * d)).to(z.dtype)
+        jit = trainer_logprobs(zj).double().gather(-1, t).squeeze(-1) - lp.gather(-1, t).squeeze(-1)
+    lp_t = lp.gather(-1, t).squeeze(-1)
+    m = mask.double()
+    own = torch.where(mask, e.double().abs(), 0.0)
+    floor2 = torch.where(mask, jit ** 2 + (u * lp_t) ** 2, 0.0)
+    test = stage_test(own, floor2, mask, margin=margin, alpha=alpha, n_tests=n_stages)
+    n = m.sum().clamp_min(1).item()
+    mean_own = (own * m).sum().item() / n
+    return StageReport(LOGPROBS, LOGPROBS_ROLE, 0, None, mean_own, mean_own,
+                       (floor2.sqrt() * m).sum().item() / n, *test)

@@ -6,16 +6,21 @@ checksums differ.
 Per tensor, A the trainer's value and B the engine's; each status says which side differs
 from what:
   exact            B == A cast to B's dtype (round to nearest even, torch's cast), bit for bit
-  rounding         the ENGINE's B is not that, but |B - A| <= one ulp of B's dtype at |A|
-                   everywhere: the engine's conversion rounded another way (truncation,
-                   stochastic rounding, an fp8 scale)
+  rounding         the ENGINE's B (in another dtype than A) is not that, but |B - A| <= one
+                   ulp of B's dtype at |A| everywhere: the engine's conversion rounded another
+                   way (truncation, stochastic rounding, an fp8 scale); in the same dtype there
+                   is no conversion, and any difference is a mismatch
   trainer_rounded  the TRAINER's A is in a coarser dtype than B and |A - B| <= one ulp of A's
                    dtype at |B| everywhere: the trainer holds the engine's value rounded (a
                    trainer-side precision loss, e.g. a block cast to bf16): numerics on the
                    trainer's side, not a stale engine weight
   mismatch         the ENGINE's B differs from the trainer's A (cast to B's dtype) beyond one
                    conversion's rounding: a stale or wrong engine tensor (named)
-  missing          in one side only
+  missing          a name in one side only (a fused qkv, a renamed module): not compared,
+                   so never called stale; its effect on the outputs is the stages' to judge
+Tied tensors (an lm_head sharing the input embedding) are compared under every name they
+carry: a trainer that ties and an engine that holds an equal untied copy have the same
+tensors by name (named_parameters drops the alias otherwise, and the copy was "missing").
 Checksum: the tensor's bits as integers, summed with weights (index mod 65521) + 1 in
 int64 (wrapping): equal tensors give equal sums; any one changed element changes it.
 """
@@ -58,7 +63,7 @@ def checksums(module: torch.nn.Module, dtype: torch.dtype | None = None) -> dict
     """name -> Checksum of every parameter and buffer (cast to `dtype` first when given:
     the trainer's side computes the engine's view of its weights)."""
     out = {}
-    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+    for name, t in list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers()):
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
         out[name] = checksum(t)
@@ -82,8 +87,8 @@ def _name(dtype: torch.dtype) -> str:
 @torch.no_grad()
 def weight_sync(trainer: torch.nn.Module, engine: torch.nn.Module) -> list:
     """[TensorSync] for every parameter of either side, in the trainer's order."""
-    pa = dict(trainer.named_parameters())
-    pb = dict(engine.named_parameters())
+    pa = dict(trainer.named_parameters(remove_duplicate=False))  # tied: every name (module doc)
+    pb = dict(engine.named_parameters(remove_duplicate=False))
     out = []
     for name, a in pa.items():
         b = pb.get(name)
@@ -99,15 +104,19 @@ def weight_sync(trainer: torch.nn.Module, engine: torch.nn.Module) -> list:
             continue
         diff = (b.double() - a.double()).abs()
         ulps = diff / _ulp(a.double(), b.dtype) if b.is_floating_point() else diff
-        bad = ulps > 1
+        # one ulp is a conversion's rounding only where there was a conversion: in the same dtype
+        # any difference is another value (a refit missed by a one-ulp update: bf16 weights, small lr)
+        bad = ulps > 1 if a.dtype != b.dtype else diff > 0
         if bool(bad.any()) and _coarser(a.dtype, b.dtype):
             ulps_a = diff / _ulp(b.double(), a.dtype)
             if bool((ulps_a <= 1).all()):
                 out.append(TensorSync(name, "trainer_rounded", float(diff.max()), float(ulps_a.max()), 0.0,
                                       f"the trainer holds the engine's value rounded to {_name(a.dtype)}"))
                 continue
-        note = (f"the engine's {_name(b.dtype)} tensor differs from the trainer's cast to it by more than one "
-                "ulp" if bool(bad.any()) else "")
+        note = ("" if not bool(bad.any()) else
+                f"the engine's {_name(b.dtype)} tensor differs from the trainer's (the same dtype: no conversion "
+                "to round)" if a.dtype == b.dtype else
+                f"the engine's {_name(b.dtype)} tensor differs from the trainer's cast to it by more than one ulp")
         out.append(TensorSync(name, "mismatch" if bool(bad.any()) else "rounding",
                               float(diff.max()), float(ulps.max()), float(bad.double().mean()), note))
     out += [TensorSync(n, "missing", note="not in the trainer") for n in pb if n not in pa]
@@ -120,7 +129,8 @@ def synced_copy(trainer: torch.nn.Module, engine: torch.nn.Module, names) -> tor
     import copy
 
     fixed = copy.deepcopy(engine)
-    pa, pf = dict(trainer.named_parameters()), dict(fixed.named_parameters())
+    pa = dict(trainer.named_parameters(remove_duplicate=False))
+    pf = dict(fixed.named_parameters(remove_duplicate=False))
     for n in names:
         if n in pa and n in pf and pa[n].shape == pf[n].shape:
             pf[n].copy_(pa[n].to(pf[n].dtype))
