@@ -356,3 +356,23 @@ def test_isolation_batch_counts_its_calls(clock, stderr, monkeypatch, tmp_path):
     assert main(["isolation", "batch", "--target", "slowbatch:fn", "--shape", "4,8",
                  "--sizes", "2,3", "--trials", "1", "--json", "--progress"]) == 0
     assert "about 1 min 10 s left" in slowed.seen[0]
+
+
+def test_drift_localize_on_a_users_pair_counts_its_forwards(clock, stderr, monkeypatch):
+    pytest.importorskip("transformers")
+    stderr = stderr()
+    slowed = Slowed(clock, stderr)
+    import trainprobes.drift.localize as localize
+    real, calls = localize.record, []
+
+    def record(*a, **kw):   # the engine's forward (the second) runs with one of ~10 done in 10 s
+        calls.append(1)
+        if len(calls) == 2:
+            slowed.check_heartbeat("1/10 forwards")
+        return real(*a, **kw)
+    monkeypatch.setattr(localize, "record", record)
+    demo = "trainprobes.drift.localize_demo"
+    assert main(["drift", "localize", "--target", f"{demo}:example_trainer", "--engine",
+                 f"{demo}:example_engine_sdpa", "--json", "--sequences", "4", "--length", "8",
+                 "--progress"]) in (0, 1)
+    assert "engine" in slowed.seen[0] and "about 1 min 30 s left" in slowed.seen[0], slowed.seen

@@ -70,6 +70,9 @@ def _build(spec: str, role: str):
     return Engine(obj.eval(), name=role)
 
 
+ESTIMATED_FORWARDS = 10
+
+
 def _tokens(args, engine):
     import torch
     if args.tokens:
@@ -135,8 +138,13 @@ def _results(args) -> list:
         from trainprobes.drift.adapters import _require
         tokenizer = _require("transformers", "'trainprobes[hf]'").AutoTokenizer.from_pretrained(
             args.tokenizer, local_files_only=True)
-    return [localize(trainer, engine, ids, am, margin=args.margin, alpha=args.alpha, seed=args.seed,
-                     target=f"{args.target} vs {args.engine}", tokenizer=tokenizer, u=args.unit_roundoff)]
+    # about ten forwards of the pair's model: six to the stage, a few for the op and the parts
+    with progress_for(args, "drift localize", ESTIMATED_FORWARDS, unit="forwards") as p:
+        def step(done, what):
+            p.step(min(round(done), ESTIMATED_FORWARDS - 1), ESTIMATED_FORWARDS, what)
+        return [localize(trainer, engine, ids, am, margin=args.margin, alpha=args.alpha, seed=args.seed,
+                         target=f"{args.target} vs {args.engine}", tokenizer=tokenizer, u=args.unit_roundoff,
+                         progress=step)]
 
 
 def _dump_result(args):

@@ -120,15 +120,19 @@ def _shares(x: torch.Tensor, parts: dict, mask: torch.Tensor, alpha: float) -> d
 
 def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *, margin: float = 8.0,
              alpha: float = 0.01, seed: int = 0, tol: float = 1e-3, target: str | None = None,
-             tokenizer=None, u: float | None = None) -> Result:
+             tokenizer=None, u: float | None = None, progress=None) -> Result:
     """Localise the engine's drift from the trainer on the same tokens: per stage own and
     free errors against the noise floor, the op inside the first stage beyond noise, the
     weight sync, the log-prob semantics, the routing, and the decomposition (module doc).
     input_ids [B, L] (B >= 4 sequences); positions 0..L-2 score tokens 1..L-1. tokenizer:
     optional, to name the heaviest tokens (trainprobes.drift.carriers). u: the unit roundoff
-    of the nominal precision (default: from the coarser engine's dtype)."""
+    of the nominal precision (default: from the coarser engine's dtype). progress(forwards
+    done, what runs next): said before each run (a long model's command line shows it)."""
     ids = torch.as_tensor(input_ids)
-    loc = localize_layers(trainer, engine, ids, attention_mask, margin=margin, alpha=alpha, seed=seed, u=u)
+    tell = progress or (lambda done, what: None)
+    loc = localize_layers(trainer, engine, ids, attention_mask, margin=margin, alpha=alpha, seed=seed, u=u,
+                          progress=progress)
+    tell(loc.n_forwards, "weights, routing replay, log-prob semantics and the decomposition")
     am = None if attention_mask is None else torch.as_tensor(attention_mask)
     mask = torch.ones(ids.shape, dtype=torch.bool) if am is None else am.bool()
     mask = mask[:, 1:] & mask[:, :-1]

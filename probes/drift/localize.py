@@ -320,9 +320,11 @@ class Localisation:
 
 def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
                     margin: float = 8.0, alpha: float = 0.01, seed: int = 0, ops: bool = True,
-                    u: float | None = None) -> Localisation:
+                    u: float | None = None, progress=None) -> Localisation:
     """The runs of the module doc and the verdict per stage, then per op of the first stage
-    beyond noise. input_ids [B, L] (B >= MIN_SEQUENCES sequences: the units of the test)."""
+    beyond noise. input_ids [B, L] (B >= MIN_SEQUENCES sequences: the units of the test).
+    progress(forwards done, what runs next): called before each run, for a long model."""
+    tell = progress or (lambda done, what: None)
     ids = torch.as_tensor(input_ids)
     if ids.ndim != 2 or ids.shape[0] < MIN_SEQUENCES or ids.shape[1] < 2:
         raise InvalidArgument(f"input_ids has shape {tuple(ids.shape)}, expected [B, L] with B >= "
@@ -356,6 +358,7 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
     names = ca.stages + [o.name for ops_ in ca.ops.values() for o in ops_ if o.role == "router"]
     blocks = frozenset(f"{ca.list_name}.{i}" for i in range(ca.n_blocks))
     order: list = []
+    tell(0, f"the {trainer.name}'s forward, recorded")
     a, z = record(trainer, names, ids, am, blocks=blocks, order=order)
     B_, L_ = ids.shape
     la = layout_from(ca, order, {n: (tuple(c[0].out.shape) if c else None) for n, c in a.items()},
@@ -363,6 +366,7 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
     stages = la.stages
     _check_finite(a, trainer, order, ca)
     routers = _routers(a)
+    tell(1, f"the {engine.name}'s forward, recorded")
     b_free, z_b = record(engine, names, ids, am, blocks=blocks, order=(order_b := []))
     if tuple(z_b.shape) != tuple(z.shape):
         raise InvalidArgument(f"the {trainer.name}'s logits have shape {tuple(z.shape)} and the {engine.name}'s "
@@ -382,11 +386,13 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
         j = patched(trainer, group, a, ids, am, mode="jitter", u=u, seed=seed, call=ca_, **kw)
         return p1, judge_stages(group, a, b_free, p1, p2, j, mask, margin=margin, alpha=alpha, u=u)
 
+    tell(2, f"the {engine.name} patched at every stage, and the {trainer.name} jittered")
     b_pat, reports = depth_runs(stages)
     n += 4  # the composed run is two half-batch forwards
     first = next((r for r in reports if r.verdict == "beyond"), None)
     op_reports, op_role, op_module = [], None, None
     if first is not None and first.role == "block" and ops:
+        tell(n, f"the ops of {first.name}")
         block_ops = [o for o in la.ops[first.block] if o.name not in a]
         a.update(record_block(trainer, block_ops, a[first.name][0])[0])
         b_free.update(record_block(engine, block_ops, b_free[first.name][0])[0])
