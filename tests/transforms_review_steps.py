@@ -340,3 +340,16 @@ def twice_returned_step(model, b, ctx):
     grads = {"module.2.bias": model[2].bias.grad * 2}
     grads.update({n: q.grad for n, q in model.named_parameters()})
     return {"loss": l, "grads": grads}
+
+
+def hanging_setup(model, ctx):
+    """rank 1 never returns (a setup waiting on a device or a file that never comes); its pid
+    written to $PIDS_DIR first, so a test can see whether it outlives its launcher"""
+    import os
+    import time
+    folder = os.environ.get("PIDS_DIR")
+    if folder:
+        with open(os.path.join(folder, f"rank{ctx.rank}"), "w") as f:
+            f.write(str(os.getpid()))
+    if ctx.rank == 1:
+        time.sleep(3600)
