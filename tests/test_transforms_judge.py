@@ -217,3 +217,14 @@ def test_replicas_one_rounding_apart_are_named_as_rounding_not_a_missing_reducti
     assert j.kind == "inconsistent" and "rounding-sized" in j.message and "0.0%" not in j.message
     far = two_replicas(lambda v: v + 1.0)
     assert far.kind == "inconsistent" and "a reduction missing" in far.message
+
+
+def test_ranks_reporting_different_losses_are_told_about_the_loss_not_a_gradient_reduction():
+    """Each rank returning its own piece's loss: the advice named sequence-parallel LayerNorm
+    weights and dropout seeds, about gradients every rank held alike."""
+    truth, base, g = make()
+    obs = observed({n: noisy(r, g) for n, r in truth.grads.items()}, noisy(truth.loss, g), ranks=(0, 1))
+    obs.losses[1] = obs.losses[1] * 0.6
+    j = run(truth, obs, base)
+    assert j.kind == "inconsistent" and j.worst_parameter == LOSS
+    assert "report different losses" in j.message and "LayerNorm" not in j.message

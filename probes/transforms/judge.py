@@ -410,6 +410,9 @@ def _verdict(names, metrics, tests, table, significant, replicas, nonfinite, exa
         why = (f"rounding-sized (<= noise_tol {noise_tol:g}): the replicas reduce in different orders "
                f"or formats, so they drift apart step by step (pass replica_tol= to accept it)"
                if top["relative"] <= noise_tol else
+               "the ranks report different losses: return the loss the trainer logs, the whole "
+               "batch's (each rank's own piece reduced over the ranks), or None on a rank that logs "
+               "none" if bad == [LOSS] else
                "a reduction missing over the group that replicates it (sequence-parallel "
                "LayerNorm weights, a bias of a row-parallel layer) or rank-dependent computation "
                "(an unsynchronised dropout seed)")
