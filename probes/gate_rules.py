@@ -724,10 +724,11 @@ def _transform_kind(rd: Reader, kind: str | None) -> None:
                     f"the probe calls that wrong")
     table = rd.ev.get("parameters")
     for row in table if isinstance(table, list) else ():
-        v = row.get("median_added_error") if isinstance(row, dict) else None
-        if v is not None and not rd.as_number(v, "parameters[...]") <= tol:
-            rd.fail(f"transform_verdict='noise' beside parameter {row.get('parameter')!r} with "
-                    f"median_added_error={_fmt(v)} > noise_tol={_fmt(tol)}: the probe calls that wrong")
+        for key in ("median_added_error", "peak_added_error"):
+            v = row.get(key) if isinstance(row, dict) else None
+            if v is not None and not rd.as_number(v, "parameters[...]") <= tol:
+                rd.fail(f"transform_verdict='noise' beside parameter {row.get('parameter')!r} with "
+                        f"{key}={_fmt(v)} > noise_tol={_fmt(tol)}: the probe calls that wrong")
 
 
 def _transform_tests(rd: Reader) -> None:
