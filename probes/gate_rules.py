@@ -696,6 +696,39 @@ def _transform(rd: Reader) -> None:
     if known is not None and matches is not None and kind is not None and matches != (known == kind):
         rd.fail(f"matches_known_verdict={matches} beside known_verdict={known!r}, "
                 f"transform_verdict={kind!r}")
+    _transform_kind(rd, kind)
+
+
+def _transform_kind(rd: Reader, kind: str | None) -> None:
+    """judge._verdict: 'noise' is what is left when nothing else holds (no test significant;
+    the whole gradient's and the loss's added errors, and each parameter's median, within
+    noise_tol); 'biased' needs a significant test. A verdict edited to noise beside the
+    figures that made it wrong or biased contradicts them."""
+    tests = rd.ev.get("tests")
+    significant = None if not isinstance(tests, dict) else [
+        k for k, t in tests.items() if isinstance(t, dict) and t.get("significant") is True]
+    if kind == "biased" and significant == []:
+        rd.fail("transform_verdict='biased' beside no significant test in evidence['tests']")
+    if kind != "noise":
+        return
+    if significant:
+        rd.fail(f"transform_verdict='noise' beside significant tests {significant[:4]}: the "
+                f"probe calls that biased")
+    tol = rd.opt("noise_tol")
+    if tol is None:
+        return
+    for name in ("max_added_error", "max_added_loss_error"):
+        v = rd.opt(name)
+        if v is not None and not v <= tol:
+            rd.fail(f"transform_verdict='noise' beside {name}={_fmt(v)} > noise_tol={_fmt(tol)}: "
+                    f"the probe calls that wrong")
+    table = rd.ev.get("parameters")
+    for row in table if isinstance(table, list) else ():
+        for key in ("median_added_error", "peak_added_error"):
+            v = row.get(key) if isinstance(row, dict) else None
+            if v is not None and not rd.as_number(v, "parameters[...]") <= tol:
+                rd.fail(f"transform_verdict='noise' beside parameter {row.get('parameter')!r} with "
+                        f"{key}={_fmt(v)} > noise_tol={_fmt(tol)}: the probe calls that wrong")
 
 
 def _transform_tests(rd: Reader) -> None:

@@ -4,7 +4,16 @@ mean-of-means normalisation over uneven documents is biased. One set of ranks fo
 import pytest
 import torch
 from trainprobes.errors import InvalidArgument
-from trainprobes.transforms import DDP, FSDP2, Accumulation, Pipeline, Probe, TensorParallel, run_probes
+from trainprobes.transforms import (
+    DDP,
+    FSDP2,
+    Accumulation,
+    ContextParallel,
+    Pipeline,
+    Probe,
+    TensorParallel,
+    run_probes,
+)
 from trainprobes.transforms.demo import SP_PLAN, TP_PLAN, step
 from trainprobes.transforms.step import TrainingStep
 
@@ -88,3 +97,29 @@ def test_a_parameter_the_loss_never_reaches_has_a_zero_gradient():
         assert r.metrics["n_parameters"] == 9
     with pytest.raises(InvalidArgument, match=r"find_unused_parameters=true"):
         run_probes([Probe(SPARE, DDP(), trials=4)], world=2)
+
+
+def _sum_loss(out, b):
+    return step.loss(out, b) * step.tokens(b)
+
+
+SUMMED = TrainingStep(model=step.model, batch=step.batch, loss=_sum_loss, tokens=step.tokens, name="summed")
+
+
+@pytest.mark.parametrize("transform", [DDP(), Accumulation(micro_batches=2), FSDP2(), Pipeline(),
+                                       ContextParallel()], ids=lambda t: t.name)
+def test_a_loss_already_shared_over_the_batch_is_refused_before_token_weighting_it_again(transform):
+    """A loss over num_items_in_batch (a whole-batch scalar every piece keeps) or a sum: each
+    piece's loss is its share of the batch's already, and the built-ins weighted it again
+    by n_i / N, a scale of their own the verdict charged to the trainer (the user_step
+    example under `--transform ddp`: biased x0.68). Refused before any rank starts, naming
+    normalization=sum (under which the example is noise)."""
+    import transforms_review_steps as rv
+    from trainprobes.transforms.equivalence import prepare
+    for target in (rv.step, SUMMED):
+        with pytest.raises(InvalidArgument, match=f"pieces' losses add up to the batch's.*"
+                                                  f"{transform.name}:normalization=sum"):
+            prepare(Probe(target, transform, trials=4), 2, truth=False)
+    kw = {"micro_batches": 2} if transform.name == "accumulation" else {}
+    prepare(Probe(rv.step, type(transform)(normalization="sum", **kw), trials=4), 2, truth=False)
+    prepare(Probe(step, transform, trials=4), 2, truth=False)  # a token mean: nothing to refuse

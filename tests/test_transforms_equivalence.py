@@ -39,7 +39,7 @@ def zero_loss(output, batch):
     (lambda: Probe(step, Accumulation(micro_batches=3)), "not divisible by world=2 x micro_batches=3"),
     (lambda: Probe(TrainingStep(step.model, step.batch, vector_loss), DDP()), "must return a scalar"),
     (lambda: Probe(step, Pipeline(split=[["0", "1"], ["2", "3"]])), "does not cover the model's children"),
-    (lambda: Probe(TrainingStep(step.model, step.batch, lambda o, b: o.sum()), DDP()), "cannot be sent to the ranks"),
+    (lambda: Probe(TrainingStep(step.model, step.batch, lambda o, b: o.mean()), DDP()), "cannot be sent to the ranks"),
     (lambda: Probe(TrainingStep(step.model, step.batch, zero_loss), DDP()), "exactly zero on"),
     (lambda: Probe(step, DDP(), trials=2), "trials=2 must be an int >= 4"),
     (lambda: Probe(step, "ddp"), "must be a trainprobes.transforms transform"),

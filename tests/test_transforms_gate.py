@@ -2,6 +2,7 @@
 candidate's kind; a scale or loss error that grows is judged like bias; a candidate that
 lost (or mistyped) its `equivalent` cannot be judged."""
 import pytest
+import torch
 from trainprobes.gate import compare
 from trainprobes.result import Result
 
@@ -46,3 +47,46 @@ def test_a_candidate_without_the_verdict_boolean_cannot_be_judged():
     for broken in ("drop", "yes"):
         report = compare([result("noise")], [result("noise", equivalent=broken)])
         assert report.exit_code == 2 and "equivalent" in report.cannot_judge
+
+
+def _judged(bug) -> Result:
+    """A Result as the probe writes it, from judge() on synthetic gradients (no ranks):
+    rounding noise everywhere, and `bug` applied to 0.bias."""
+    import torch
+    from trainprobes.transforms.judge import LOSS, Observed, judge
+    from trainprobes.transforms.step import Truth
+    g = torch.Generator().manual_seed(0)
+    T = 16
+    grads = {"0.weight": 1.0 + 0.3 * torch.randn(T, 64, generator=g, dtype=torch.float64),
+             "0.bias": 1.0 + 0.3 * torch.randn(T, 4, generator=g, dtype=torch.float64)}
+    loss = 2.0 + 0.1 * torch.randn(T, generator=g, dtype=torch.float64)
+
+    def noise(x):
+        return x * (1 + 1e-7 * torch.randn(x.shape, generator=g, dtype=torch.float64))
+    seen = {n: noise(bug(v) if n == "0.bias" else v) for n, v in grads.items()}
+    obs = Observed({n: {0: v} for n, v in seen.items()},
+                   {n: torch.float32 for n in grads} | {LOSS: torch.float32}, {0: noise(loss)})
+    j = judge(Truth(loss, grads), obs, alpha=0.01, min_effect=1e-6, noise_tol=1e-4, base=None)
+    return Result(probe="transforms.equivalence", target="trainer.fsdp2",
+                  metrics={**j.metrics, "transform": "ddp", "world": 2, "dtype": "fp32"},
+                  evidence=dict(j.evidence), verdict="pass" if j.equivalent else "fail",
+                  codes={"biased": ["TP-T1"], "wrong": ["TP-T3"]}.get(j.kind, []), message=j.message)
+
+
+@pytest.mark.parametrize("bug, kind, named", [
+    (lambda x: x * (1 + 0.3 * torch.randn(x.shape, generator=torch.Generator().manual_seed(1),
+                                          dtype=torch.float64)), "wrong", "max_added_error"),
+    (lambda x: x * 1.01, "biased", "significant tests"),
+])
+def test_a_finding_edited_to_noise_cannot_be_judged(bug, kind, named):
+    """A wrong (0.bias 30% off at random) or biased (0.bias x1.01) Result with its verdict
+    edited to noise, equivalent, pass and no codes: the gate passed the wrong one (no scale
+    grew); its added error, or its significant tests, contradict 'noise'."""
+    found, clean = _judged(bug), _judged(lambda x: x)
+    assert (found.metrics["transform_verdict"], clean.metrics["transform_verdict"]) == (kind, "noise")
+    assert compare([clean], [found]).exit_code == 1
+    found.metrics.update(transform_verdict="noise", equivalent=True)
+    found.verdict, found.codes = "pass", []
+    report = compare([clean], [found])
+    assert report.exit_code == 2 and "transform_verdict='noise' beside" in report.cannot_judge
+    assert named in report.cannot_judge

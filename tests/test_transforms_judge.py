@@ -217,3 +217,51 @@ def test_replicas_one_rounding_apart_are_named_as_rounding_not_a_missing_reducti
     assert j.kind == "inconsistent" and "rounding-sized" in j.message and "0.0%" not in j.message
     far = two_replicas(lambda v: v + 1.0)
     assert far.kind == "inconsistent" and "a reduction missing" in far.message
+
+
+def test_ranks_reporting_different_losses_are_told_about_the_loss_not_a_gradient_reduction():
+    """Each rank returning its own piece's loss: the advice named sequence-parallel LayerNorm
+    weights and dropout seeds, about gradients every rank held alike."""
+    truth, base, g = make()
+    obs = observed({n: noisy(r, g) for n, r in truth.grads.items()}, noisy(truth.loss, g), ranks=(0, 1))
+    obs.losses[1] = obs.losses[1] * 0.6
+    j = run(truth, obs, base)
+    assert j.kind == "inconsistent" and j.worst_parameter == LOSS
+    assert "report different losses" in j.message and "LayerNorm" not in j.message
+
+
+@pytest.mark.parametrize("bad_trials, factor", [([3], 2.0), ([3, 5, 9], 0.0)])
+def test_a_small_parameter_wrong_on_a_few_trials_is_wrong_not_noise(bad_trials, factor):
+    """An 8-element bias doubled (or dropped) on 1 to 3 of 16 trials beside 100k weights, with
+    bf16-sized rounding everywhere: the whole gradient's error (1%) is inside bf16's noise_tol,
+    the bias's median is rounding, and its t-test has no power: it was called noise. Against
+    the bias's typical gradient (its RMS over trials) those trials are off by ~100%."""
+    g = torch.Generator().manual_seed(0)
+    T = 16
+    grads = {"w": 0.1 + 0.3 * torch.randn(T, 100_000, generator=g, dtype=torch.float64),
+             "b": 0.1 + 0.3 * torch.randn(T, 8, generator=g, dtype=torch.float64)}
+    loss = 2.0 + 0.1 * torch.randn(T, generator=g, dtype=torch.float64)
+    base = Truth(noisy(loss, g, 3e-3), {n: noisy(v, g, 3e-3) for n, v in grads.items()})
+    seen = {n: noisy(v, g, 3e-3) for n, v in grads.items()}
+    for t in bad_trials:
+        seen["b"][t] *= factor
+    j = run(Truth(loss, grads), observed(seen, noisy(loss, g, 3e-3)), base, noise_tol=5e-2)
+    assert j.kind == "wrong" and j.worst_parameter == "b", j.message
+    clean = run(Truth(loss, grads), observed({n: noisy(v, g, 3e-3) for n, v in grads.items()},
+                                             noisy(loss, g, 3e-3)), base, noise_tol=5e-2)
+    assert clean.kind == "noise", clean.message
+
+
+def test_a_trial_whose_gradient_nearly_cancels_is_not_wrong():
+    """Rounding of a size set by the summands on a trial whose fp64 gradient is 1e-3 of its
+    usual size: per-trial relative error ~1 there, rounding against the typical gradient."""
+    truth, base, g = make()
+    truth.grads["0.bias"][4] *= 1e-3
+    base = Truth(base.loss, {n: r + 1e-7 * torch.randn(r.shape, generator=g, dtype=torch.float64)
+                             for n, r in truth.grads.items()})
+    obs = observed({n: r + 1e-7 * torch.randn(r.shape, generator=g, dtype=torch.float64)
+                    for n, r in truth.grads.items()}, noisy(truth.loss, g))
+    j = run(truth, obs, base)
+    row = next(x for x in j.evidence["parameters"] if x["parameter"] == "0.bias")
+    assert row["max_added_error"] > 1e-4 > row["peak_added_error"]
+    assert j.kind == "noise", j.message

@@ -69,3 +69,57 @@ def test_two_torchrun_nodes_on_one_host_gave_the_local_ranks_verdict_bit_for_bit
         assert case["wall_s"] < 120  # both agents shut down at once (plain torchrun waited 300 s)
     assert bug["metrics"]["transform_verdict"] == "biased" and bug["exit_codes"] == [0, 1]
     assert ok["metrics"]["transform_verdict"] == "noise" and ok["exit_codes"] == [0, 0]
+
+
+RV = "transforms_review_steps:"
+
+
+@pytest.mark.slow
+def test_a_setup_that_never_returns_under_torchrun_stops_at_the_timeout_with_exit_2():
+    """The torchrun entry had no timeout: rank 1 asleep in its setup, rank 0 in the next
+    collective, the launcher waited for gloo's 30 minutes (or forever)."""
+    p = subprocess.run([sys.executable, "-m", "trainprobes.transforms.launch", "--nproc-per-node", "2",
+                        "--master-port", str(_port()), "--", "--target", RV + "step", "--step",
+                        RV + "dp_step", "--setup", RV + "hanging_setup", "--trials", "4", "--timeout", "5"],
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=HERE, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "did not finish within timeout=5s" in p.stderr
+
+
+def _port():
+    from trainprobes.distributed.launcher import free_port
+    return free_port()
+
+
+@pytest.mark.slow
+def test_the_ranks_die_with_a_killed_launcher(tmp_path):
+    """SIGKILL of `python -m trainprobes.transforms.launch` left its ranks running, orphaned."""
+    import signal
+    import time
+
+    from trainprobes.lifetime import is_alive
+    p = subprocess.Popen([sys.executable, "-m", "trainprobes.transforms.launch", "--nproc-per-node", "2",
+                          "--master-port", str(_port()), "--", "--target", RV + "step", "--step",
+                          RV + "dp_step", "--setup", RV + "hanging_setup", "--trials", "4"],
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PIDS_DIR": str(tmp_path)}, cwd=HERE,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pids = []
+    try:
+        end = time.monotonic() + 90
+        while len(pids) < 2 and time.monotonic() < end and p.poll() is None:
+            time.sleep(0.2)
+            pids = [int(f.read_text()) for f in tmp_path.iterdir() if f.read_text()]
+        assert len(pids) == 2, "the ranks never reached their setup"
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+        end = time.monotonic() + 10
+        while any(is_alive(q) for q in pids) and time.monotonic() < end:
+            time.sleep(0.2)
+        assert not [q for q in pids if is_alive(q)], "ranks outlived their launcher"
+    finally:
+        for q in pids:
+            if is_alive(q):
+                os.kill(q, signal.SIGKILL)
+        if p.poll() is None:
+            p.kill()

@@ -98,3 +98,31 @@ def test_truth_rounding_is_one_step_and_integers_are_not_rounded():
     assert rounded(x, torch.bfloat16)[0] == 1 + 2 ** -7  # fp64 -> fp32 -> bf16 would give 1.0
     assert rounded(x, torch.float8_e4m3fn)[1] == 0.3125
     assert torch.equal(rounded(x, torch.int8), x)
+
+
+@pytest.mark.slow
+def test_a_pipeline_stage_holding_a_tied_weight_under_its_other_name_is_read_as_that_parameter():
+    """The last stage holds the embedding's tied weight as head.weight (named_parameters()
+    lists it once, as embed.weight): it was refused as a parameter the model does not have.
+    Both stages now return embed.weight: a replica, equal when the trainer all-reduces it."""
+    ok = UserStep(M + "tied_pp_step", setup_fn=M + "tied_pp_setup")
+    bug = UserStep(M + "tied_pp_unreduced", setup_fn=M + "tied_pp_setup")
+    r_ok, r_bug = run_probes([Probe(s.tied_step, ok, trials=8), Probe(s.tied_step, bug, trials=8)], world=2)
+    assert r_ok.metrics["transform_verdict"] == "noise", r_ok.message
+    assert r_bug.metrics["transform_verdict"] == "inconsistent", r_bug.message
+    assert r_bug.metrics["worst_parameter"] == "embed.weight"
+
+
+def test_tied_aliases_map_every_other_name_of_a_parameter_to_its_first():
+    from trainprobes.transforms.weights import single_device_name, tied_aliases
+    aliases = tied_aliases(s.TiedLM())
+    assert aliases == {"head.weight": "embed.weight"}
+    assert single_device_name("module.head.weight", {"embed.weight", "body.weight"}, aliases) == "embed.weight"
+
+
+@pytest.mark.slow
+def test_a_gradient_returned_under_two_spellings_of_one_name_is_refused_naming_both(capsys):
+    from trainprobes.cli import main
+    assert main(["transforms", "--target", M + "step", "--step", M + "twice_returned_step", "--setup",
+                 M + "manual_setup", "--trials", "4", "--timeout", "90"]) == 2
+    assert "returned two gradients for parameter '2.bias'" in capsys.readouterr().err

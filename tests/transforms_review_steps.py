@@ -263,3 +263,93 @@ def data_short():
 
 
 short_step = TrainingStep(model=model, data=data_short, loss=loss, tokens=tokens, name="short")
+
+
+# ---- a language model whose head is tied to its embedding, in a 2-stage pipeline: stage 0
+# keeps the embedding, stage 1 the head (Megatron keeps the tied weight on the first and
+# last stages and all-reduces its gradient over them; the bug forgets that all-reduce)
+V = 16
+
+
+class TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(V, D)
+        self.body = nn.Linear(D, D)
+        self.head = nn.Linear(D, V, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.body(self.embed(ids))))
+
+
+def tied_batch(g):
+    ids = torch.randint(0, V, (B, T + 1), generator=g)
+    return {"input": ids[:, :-1], "labels": ids[:, 1:]}
+
+
+def tied_loss(out, b):
+    return nn.functional.cross_entropy(out.flatten(0, 1), b["labels"].flatten())
+
+
+tied_step = TrainingStep(model=TiedLM, batch=tied_batch, loss=tied_loss, name="tied")
+
+
+def tied_pp_setup(model, ctx):
+    if ctx.rank == 0:
+        model.head = None
+    else:  # the last stage's own copy of the tied weight, under the head's name
+        del model.embed
+        model.head.weight = nn.Parameter(model.head.weight.detach().clone())
+
+
+def _tied_pp(model, b, ctx, reduce_tied):
+    if ctx.rank == 0:
+        h = torch.tanh(model.body(model.embed(b["input"])))
+        dist.send(h.detach().contiguous(), 1)
+        g = torch.empty_like(h)
+        dist.recv(g, 1)
+        h.backward(g)
+        tied, out = model.embed.weight, None
+    else:
+        h = torch.empty(b["input"].shape + (D,))
+        dist.recv(h, 0)
+        h.requires_grad_(True)
+        out = tied_loss(model.head(h), b)
+        out.backward()
+        dist.send(h.grad.contiguous(), 0)
+        tied, out = model.head.weight, out.detach()
+    if reduce_tied:
+        dist.all_reduce(tied.grad)
+    return out
+
+
+def tied_pp_step(model, b, ctx):
+    return _tied_pp(model, b, ctx, reduce_tied=True)
+
+
+def tied_pp_unreduced(model, b, ctx):
+    return _tied_pp(model, b, ctx, reduce_tied=False)
+
+
+def twice_returned_step(model, b, ctx):
+    """correct gradients, and one of them again under DDP's spelling, doubled (the two
+    spellings collapsed into one name, the one kept depended on the dict's order)"""
+    l = dp_step(model, b, ctx)
+    grads = {"module.2.bias": model[2].bias.grad * 2}
+    grads.update({n: q.grad for n, q in model.named_parameters()})
+    return {"loss": l, "grads": grads}
+
+
+def hanging_setup(model, ctx):
+    """rank 1 never returns (a setup waiting on a device or a file that never comes); its pid
+    written to $PIDS_DIR first, so a test can see whether it outlives its launcher"""
+    import os
+    import time
+    folder = os.environ.get("PIDS_DIR")
+    if folder:
+        with open(os.path.join(folder, f"rank{ctx.rank}"), "w") as f:
+            f.write(str(os.getpid()))
+    if ctx.rank == 1:
+        time.sleep(3600)

@@ -27,7 +27,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 from trainprobes.errors import InvalidArgument
-from trainprobes.transforms.step import TrainingStep, count_tokens, rows, samples
+from trainprobes.transforms.step import TrainingStep, count_tokens, is_scalar, rows, samples
 from trainprobes.validation import check_choice, check_int
 
 NORMALIZATIONS = ("token-weighted", "mean-of-means", "sum")
@@ -68,6 +68,47 @@ def piece_weights(step: TrainingStep, batch: dict, pieces: list, normalization: 
     if normalization == "mean-of-means":
         return [1.0 / len(pieces)] * len(pieces)
     return [1.0] * len(pieces)
+
+
+def check_split_loss(step: TrainingStep, batch: dict, pieces_of, axis: int, transform: str,
+                     normalization: str) -> None:
+    """Token-weighted promises the single-device loss whatever the split: sum_i (n_i / N)
+    loss(piece_i) = loss(batch), true of a loss that is its piece's token mean. A loss that
+    divides by a whole-batch value (num_items_in_batch, a 0-dim scalar kept whole in every
+    piece) or none (a sum loss) is already its piece's share of the batch's: the pieces'
+    losses add up to it, and weighting them again by n_i / N is a scale error of the
+    built-in's own making, which the verdict would charge to the trainer. Checked before any
+    rank starts, in fp64 on the batch's output cut as the batch is (pieces_of, along `axis`
+    of the output); such a loss is refused, naming normalization=sum. An output that is not
+    one tensor with that axis is not checked."""
+    from trainprobes.transforms.step import _to_fp64, fp64_model
+    if normalization != "token-weighted":
+        return
+    whole_batch = _to_fp64(batch)
+    length = int(next(v.shape[axis] for v in whole_batch.values() if not is_scalar(v) and v.dim() > axis))
+    with torch.no_grad():
+        out = step.forward(fp64_model(step), whole_batch)
+        if not isinstance(out, torch.Tensor) or out.dim() <= axis or out.shape[axis] != length:
+            return
+        key = "\0output"  # the output cut with the batch, under a key no batch uses
+        pieces = pieces_of({**whole_batch, key: out})
+        if len(pieces) < 2:
+            return
+        losses = [float(step.loss(p.pop(key), p)) for p in pieces]
+        whole = float(step.loss(out, whole_batch))
+    weighted = sum(w * x for w, x in zip(piece_weights(step, whole_batch, pieces, normalization), losses))
+    added = sum(losses)
+
+    def same(x: float) -> bool:
+        return abs(x - whole) <= 1e-9 * abs(whole)
+    if same(added) and not same(weighted):
+        raise InvalidArgument(
+            f"{transform}: the loss of a piece of the batch is already its share of the whole batch's "
+            f"(it divides by a whole-batch value, such as num_items_in_batch kept whole in every "
+            f"piece, or it is a sum): on trial 0's batch the {len(pieces)} pieces' losses add up to "
+            f"the batch's {whole:.6g}, and weighted by their token shares (normalization="
+            f"'token-weighted') they give {weighted:.6g}, a scale the built-in would add itself. "
+            f"Add them as a trainer passing num_items_in_batch does: {transform}:normalization=sum")
 
 
 def check_divisible(batch: dict, world: int, parts: int, what: str) -> None:

@@ -25,6 +25,7 @@ from trainprobes.transforms.base import (
     StepOutput,
     Transform,
     check_normalization,
+    check_split_loss,
     piece_weights,
     reduce_loss,
     zero_grads,
@@ -59,6 +60,9 @@ class ContextParallel(Transform):
         if n % world:
             raise InvalidArgument(f"the sequence has {n} positions, not divisible by world={world}: every "
                                   f"rank needs an equal span (a multiple of {world} positions)")
+        from trainprobes.reference.context_parallel import span
+        check_split_loss(step, batch, lambda b: [span(b, r, world, n, self.seq_dim) for r in range(world)],
+                         self.seq_dim, self.name, self.normalization)
 
     def setup(self, step, ctx: RankContext):
         return step.model().to(ctx.device)

@@ -29,6 +29,7 @@ from trainprobes.transforms.base import (
     check_divisible,
     check_normalization,
     check_parts,
+    check_split_loss,
     piece_weights,
     reduce_loss,
     split,
@@ -94,6 +95,8 @@ class DDP(Transform):
 
     def check(self, step, world, batch, model) -> None:
         check_divisible(batch, world, self.parts, "micro_batches")
+        check_split_loss(step, batch, lambda b: split(b, world * self.parts), 0, self.name,
+                         self.normalization)
 
     def setup(self, step, ctx: RankContext):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

@@ -25,6 +25,7 @@ from trainprobes.transforms.base import (
     Transform,
     check_divisible,
     check_normalization,
+    check_split_loss,
     piece_weights,
     reduce_loss,
     split,
@@ -51,6 +52,7 @@ class ExpertParallel(Transform):
 
     def check(self, step, world, batch, model) -> None:
         check_divisible(batch, world, 1, "parts")
+        check_split_loss(step, batch, lambda b: split(b, world), 0, self.name, self.normalization)
         layers = moe_layers(model)
         if not layers:
             raise InvalidArgument(

@@ -284,11 +284,18 @@ def judge_statistics(st: Statistics, *, alpha: float, min_effect: float, noise_t
         b = against_sums(st.b, st.base_loss if loss is not None else None, st.truth_loss)
         added = _relative(st.added2.sum(1), a.rr.sum(1))
         p_added = _relative(st.added2, a.rr)  # [T, P]
+        err2 = st.added2
         added_loss = None if loss is None else ((loss - st.base_loss) / st.truth_loss.abs()).abs()
     else:
         added = a.rel
         p_added = a.p_rel
+        err2 = st.g[3]
         added_loss = None if loss is None else a.loss_rel.abs()
+
+    # each trial's added error over the parameter's typical gradient (its RMS over trials): a
+    # small parameter all wrong on a few trials (a bug of uneven batches) stands out, and a
+    # trial whose own fp64 gradient nearly cancels does not (why p_added is read by median)
+    p_peak = _relative(err2, a.rr.mean(0, keepdim=True).expand_as(err2))  # [T, P]
 
     def paired(x, y):
         return x if y is None else x - y
@@ -371,7 +378,8 @@ def judge_statistics(st: Statistics, *, alpha: float, min_effect: float, noise_t
                       # the median over trials: one trial whose fp64 gradient nearly cancels
                       # must not turn rounding into "wrong"; a wrong shard is wrong on most
                       "median_added_error": float(p_added[:, i].nan_to_num(0.0).median()),
-                      "max_added_error": float(p_added[:, i].nan_to_num(0.0).max())})
+                      "max_added_error": float(p_added[:, i].nan_to_num(0.0).max()),
+                      "peak_added_error": float(p_peak[:, i].nan_to_num(0.0).max())})
     evidence = {"parameters": table, "tests": tests, "replica_disagreements": replicas[:20],
                 "per_trial": {"scale": a.scale.tolist(), "signed_relative_error": a.signed.tolist(),
                               "relative_error": a.rel.tolist(), "added_error": added.tolist(),
@@ -410,6 +418,9 @@ def _verdict(names, metrics, tests, table, significant, replicas, nonfinite, exa
         why = (f"rounding-sized (<= noise_tol {noise_tol:g}): the replicas reduce in different orders "
                f"or formats, so they drift apart step by step (pass replica_tol= to accept it)"
                if top["relative"] <= noise_tol else
+               "the ranks report different losses: return the loss the trainer logs, the whole "
+               "batch's (each rank's own piece reduced over the ranks), or None on a rank that logs "
+               "none" if bad == [LOSS] else
                "a reduction missing over the group that replicates it (sequence-parallel "
                "LayerNorm weights, a bias of a row-parallel layer) or rank-dependent computation "
                "(an unsynchronised dropout seed)")
@@ -455,14 +466,17 @@ def _verdict(names, metrics, tests, table, significant, replicas, nonfinite, exa
             f"(dropout) or a stale or missing reduction")
     # the whole gradient's error is dominated by its largest parameters: a small one (a
     # LayerNorm weight) can be 100% wrong inside the whole's noise_tol, so each is judged too
-    off = sorted((x for x in table if x["median_added_error"] > noise_tol),
-                 key=lambda x: -x["median_added_error"])
+    # ... and on any one trial against its typical size (a bug of a few trials, in one parameter)
+    off = sorted((x for x in table if max(x["median_added_error"], x["peak_added_error"]) > noise_tol),
+                 key=lambda x: -max(x["median_added_error"], x["peak_added_error"]))
     if off:
-        shown = ", ".join(f"{x['parameter']} {x['median_added_error']:.3g}" for x in off[:4])
+        shown = ", ".join(f"{x['parameter']} {x['median_added_error']:.3g} / {x['peak_added_error']:.3g}"
+                          for x in off[:4])
         return "wrong", off[0]["parameter"], (
             f"wrong: in {len(off)} of {len(names)} parameters the transform moves the gradient by "
-            f"more than rounding explains (median relative error added per trial: {shown}; "
-            f"noise_tol {noise_tol:g}), though the whole gradient's ({metrics['max_added_error']:.3g}) "
+            f"more than rounding explains (relative error added per trial, the median / the largest "
+            f"against the parameter's typical gradient: {shown}; noise_tol {noise_tol:g}), though "
+            f"the whole gradient's ({metrics['max_added_error']:.3g}) "
             f"is within it: look for the wrong data shard or a missing reduction of "
             f"{off[0]['parameter']}")
     unseen = "" if loss else "; the step reports no loss, so loss-level bugs are not checked"

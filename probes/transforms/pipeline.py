@@ -27,6 +27,7 @@ from trainprobes.transforms.base import (
     check_divisible,
     check_normalization,
     check_parts,
+    check_split_loss,
     piece_weights,
     split,
     with_zeros,
@@ -94,6 +95,8 @@ class Pipeline(Transform):
                                   f"probe your own pipeline with Custom(fn))")
         stages([n for n, _ in model.named_children()], world * self.per_rank, self.split)
         check_divisible(batch, 1, self.micro_batches, "micro_batches")
+        check_split_loss(step, batch, lambda b: split(b, self.micro_batches), 0, self.name,
+                         self.normalization)
         if self.per_rank > 1 and self.micro_batches % world:
             raise InvalidArgument(f"micro_batches={self.micro_batches} with schedule "
                                   f"'interleaved-1f1b' must be a multiple of world={world}")

@@ -25,6 +25,7 @@ from trainprobes.transforms.base import (
     Transform,
     check_divisible,
     check_normalization,
+    check_split_loss,
     piece_weights,
     reduce_loss,
     split,
@@ -74,6 +75,7 @@ class FSDP2(Transform):
 
     def check(self, step, world, batch, model) -> None:
         check_divisible(batch, world, 1, "micro_batches")
+        check_split_loss(step, batch, lambda b: split(b, world), 0, self.name, self.normalization)
 
     def setup(self, step, ctx: RankContext):
         from torch.distributed.device_mesh import init_device_mesh

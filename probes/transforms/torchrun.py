@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 import torch
@@ -26,7 +27,7 @@ from trainprobes.transforms.local import run_case_local
 from trainprobes.transforms.options import add_probe_options, add_step_options, user_steps
 from trainprobes.transforms.registry import parse_transform
 from trainprobes.transforms.worker import RankCase, device_of
-from trainprobes.validation import parse_choice
+from trainprobes.validation import parse_choice, parse_number
 
 
 def main(argv=None) -> int:
@@ -40,12 +41,15 @@ def main(argv=None) -> int:
     p.add_argument("--backend", type=parse_choice("backend", ("gloo", "nccl")),
                    default="nccl" if torch.cuda.is_available() else "gloo")
     add_probe_options(p)
+    p.add_argument("--timeout", type=parse_number("timeout", min=0, min_open=True), default=600.0,
+                   help="seconds before this rank stops, exit 2 (default 600)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     ranks = torchrun_ranks("trainprobes transforms")
     if ranks is None:
         return 2
     rank, world, local = ranks
+    bounded(rank, args.timeout)
     from trainprobes.errors import InvalidArgument
     from trainprobes.targets import search_cwd
     search_cwd()
@@ -73,6 +77,28 @@ def main(argv=None) -> int:
     res = finish(prep, out, world=world, backend=args.backend)
     print(json.dumps(res.to_dict(), indent=2) if args.json else res.summary_line())
     return 0 if res.metrics.get("equivalent") is True else 1
+
+
+def bounded(rank: int, timeout: float) -> None:
+    """This rank dies with the agent that started it (torchrun does not take its ranks down
+    when it is SIGKILLed: they hung on, orphaned, in a peer's collective) and stops after
+    `timeout` seconds, exit 2 by the contract (a setup that never returns, a peer that never
+    joins, a run too large for the timeout), its record written under the launcher."""
+    import os
+    import threading
+
+    from trainprobes.lifetime import die_with
+    from trainprobes.transforms.launch import finish_rank
+    die_with(os.getppid(), math.inf, group=False)
+
+    def expire():
+        print(f"python -m trainprobes.transforms.torchrun: error: rank {rank} did not finish within "
+              f"timeout={timeout:g}s (a hang, or a run too large for the timeout: raise --timeout); "
+              f"stopped", file=sys.stderr, flush=True)
+        os._exit(finish_rank(rank, 2))
+    timer = threading.Timer(timeout, expire)
+    timer.daemon = True  # a rank that finished exits without waiting for it
+    timer.start()
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from trainprobes.transforms.weights import (
     name_map,
     restore,
     single_device_name,
+    tied_aliases,
     trainable,
 )
 
@@ -132,6 +133,7 @@ class UserStep(Transform):
         # split what it saves (torchtitan's fused QKV saves wq, wk, wv)
         initial = {k: v.detach().clone() for k, v in [*model.named_parameters(), *model.named_buffers()]}
         proxy = [n for n, p in model.named_parameters() if p.requires_grad]
+        aliases = tied_aliases(model)
         wrapped = model
         if setup is not None:
             out, failure = None, None
@@ -148,7 +150,7 @@ class UserStep(Transform):
                 wrapped = out
         what = f"setup {_describe(setup)}" if setup else "the model"
         units = flat_units(wrapped)
-        names = name_map(wrapped, proxy, what, units)
+        names = name_map(wrapped, proxy, what, units, aliases)
         check_held(names, proxy, what, ctx)
         unknown = sorted(set(parts) - set(proxy))
         if unknown:
@@ -158,7 +160,7 @@ class UserStep(Transform):
         held = {names[n]: p for n, p in trainable(wrapped, units) if p is not None}
         layouts = partition_layout(held, parts, shapes, ctx)
         return {"fn": fn, "model": wrapped, "initial": initial, "names": names, "layouts": layouts,
-                "shapes": shapes, "units": units}
+                "shapes": shapes, "units": units, "aliases": aliases}
 
     def run(self, state, step, batch, ctx: RankContext) -> StepOutput:
         model = state["model"]
@@ -169,10 +171,23 @@ class UserStep(Transform):
         if grads is None:
             grads = read_gradients(model, state["names"], state["layouts"], state["shapes"], ctx,
                                    state["units"])
-        else:  # names as the wrapper spells them are the single-device names
-            proxy = set(state["shapes"])
-            grads = {single_device_name(n, proxy): g for n, g in grads.items()}
+        else:
+            grads = _single_device_names(grads, set(state["shapes"]), state["aliases"], self.label, ctx)
         return StepOutput(step_loss(loss, self.label, ctx), dict(grads))
+
+
+def _single_device_names(grads: Mapping, proxy: set, aliases: dict, label: str, ctx) -> dict:
+    """The returned gradients under the single-device names (as the wrapper spells them, or
+    a tied parameter's other name); two spellings of one parameter are refused, naming both:
+    keeping either would judge one and drop the other unseen."""
+    out, spelled = {}, {}
+    for n, g in grads.items():
+        m = single_device_name(n, proxy, aliases)
+        if m in out:
+            raise InvalidArgument(f"step {label} returned two gradients for parameter {m!r} on rank "
+                                  f"{ctx.rank}, as {spelled[m]!r} and {n!r}: return each parameter once")
+        out[m], spelled[m] = g, n
+    return out
 
 
 def _agree_on_setup(failure: str | None, name: str, ctx: RankContext) -> None:

@@ -18,26 +18,42 @@ from trainprobes.errors import InvalidArgument
 WRAPPER_SEGMENTS = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module",
                     "_forward_module")
 
-__all__ = ["single_device_name", "name_map", "check_held", "restore", "clear_gradients", "is_dtensor"]
+__all__ = ["single_device_name", "tied_aliases", "name_map", "check_held", "restore", "clear_gradients", "is_dtensor"]
 
 
 def is_dtensor(t) -> bool:
     return hasattr(t, "placements") and hasattr(t, "device_mesh") and hasattr(t, "to_local")
 
 
-def single_device_name(name: str, proxy: set) -> str:
+def tied_aliases(model: torch.nn.Module) -> dict:
+    """{alias: single-device name} of the trainable parameters the model holds under several
+    names (a head tied to the embedding): named_parameters() lists each once, under its
+    first name, but a pipeline stage that keeps only the head holds it as `head.weight`."""
+    first, out = {}, {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if p.requires_grad:
+            out[n] = first.setdefault(id(p), n)
+    return {a: n for a, n in out.items() if a != n}
+
+
+def single_device_name(name: str, proxy: set, aliases: dict | None = None) -> str:
     """`name` as the single-device model spells it: wrapper segments removed one at a time,
     stopping at the first spelling that is a proxy name (a model may have its own child
-    called `module`: DDP over it gives `module.module.0.weight`, which is `module.0.weight`).
+    called `module`: DDP over it gives `module.module.0.weight`, which is `module.0.weight`)
+    or another name of a tied parameter (aliases: tied_aliases, mapped to the proxy's).
     Wrappers nest anywhere (FSDP1 or checkpointing around a block), so when no prefix-strip
     is a proxy name, every wrapper segment is dropped as the last resort."""
+    aliases = aliases or {}
     parts = name.split(".")
     while True:
-        if ".".join(parts) in proxy:
-            return ".".join(parts)
+        spelled = ".".join(parts)
+        if spelled in proxy:
+            return spelled
+        if spelled in aliases:
+            return aliases[spelled]
         i = next((k for k, seg in enumerate(parts[:-1]) if seg in WRAPPER_SEGMENTS), None)
         if i is None:
-            return ".".join(parts)
+            return spelled
         parts = parts[:i] + parts[i + 1:]
 
 
@@ -50,7 +66,8 @@ def trainable(wrapped: torch.nn.Module, units: list = ()) -> list:
     return out + [(n, None) for u in units for n in u.names]
 
 
-def name_map(wrapped: torch.nn.Module, proxy: list, what: str, units: list = ()) -> dict:
+def name_map(wrapped: torch.nn.Module, proxy: list, what: str, units: list = (),
+             aliases: dict | None = None) -> dict:
     """{wrapped name: proxy name} for every trainable parameter this rank holds, or
     InvalidArgument naming the parameters duplicated or the model does not have, with the
     closest names missing. A rank may hold a subset (a pipeline stage deletes the other
@@ -60,7 +77,7 @@ def name_map(wrapped: torch.nn.Module, proxy: list, what: str, units: list = ())
     want = set(proxy)
     out, seen = {}, {}
     for n, _ in trainable(wrapped, units):
-        m = single_device_name(n, want)
+        m = single_device_name(n, want, aliases)
         out[n] = m
         seen.setdefault(m, []).append(n)
     twice = {m: ns for m, ns in seen.items() if len(ns) > 1}
