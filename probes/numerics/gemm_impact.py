@@ -42,10 +42,10 @@ def _emulated(recipe, acc, seed: int):
     def gradient(step, X, r):
         x = X.reshape(-1, X.shape[-1])
         T, F = x.shape
-        # every one of the F outputs once (Latin hypercube strata over F columns, S = F); a
-        # fresh seed per step for stochastic rounding and the Hadamard signs
+        # every one of the F outputs once; a fresh seed per step for stochastic rounding and
+        # the Hadamard signs
         p = prepare_gemm(r.reshape(1, -1), x.t().contiguous(), recipe=recipe, gemm="wgrad",
-                         samples=F, seed=seed + 4 * step)
+                         samples=F, seed=seed + 4 * step, every=True)
         low = sample_gemm(p, acc).low
         out = torch.zeros(F, dtype=torch.float64)
         out[p.rows[1]] = low
