@@ -7,13 +7,24 @@ behavior of NVIDIA tensor cores"; DeepSeek-V3 report, arXiv 2412.19437, section 
 
   mantissa_bits  m: explicit bits of the running sum (13: a 14-bit significand).
   fused_terms    F: products added in one fused step (1: an ordinary sequential sum).
-  rounding       of each fused step's result to m bits: "toward_zero" or "nearest" (even).
+  rounding       of each fused step's result to m bits: "toward_zero", "nearest" (even) or
+                 "down" (toward -inf: a two's-complement sum whose low bits are dropped).
   alignment      "terms": every term of a fused step (the F products and the running sum) is
-                 shifted to the largest exponent emax among them and truncated to the grid
+                 shifted to the largest exponent emax among them and cut to the grid
                  2^(emax - m) before an exact integer sum (what the hardware papers describe:
                  bits shifted out are dropped); "sum": the F products and the running sum are
                  added exactly and the result rounded once. The two disagree whenever small
                  terms are lost in the alignment; hardware reports disagree, so both exist.
+  term_rounding  how "terms" cuts each aligned term: "toward_zero" (a sign-magnitude shift:
+                 what this project's H200 reveal read, on positive terms only) or "down"
+                 (toward -inf: a sign-fill right shift of a two's-complement term, as the
+                 DeepSeek-V3 report, section 3.5.2, and DeepGEMM #37 describe Hopper's fixed-
+                 point alignment: "the highest 14 bits of each mantissa product after
+                 sign-fill right shifting"). The two agree on positive terms and differ on
+                 every negative term that is not on the grid: "down" moves it by up to one
+                 grid step away from zero, so every output shifts down whatever its sign (an
+                 offset, not a shrinking toward zero). Unsettled until a GPU run saves
+                 _scaled_mm outputs on crafted negative terms (numerics.gemm_pin).
   promote_every  N_C: every N_C elements of K the narrow partial sum is added to an fp32
                  accumulator (round to nearest, fp32) and restarted from 0: DeepSeek-V3's fix.
 
@@ -22,7 +33,8 @@ inside fp32's). Step by step, for one dot product of the products p_0 .. p_{K-1}
   1. acc = 0; for each group g of F consecutive products (the last may be shorter):
   2. "sum":   acc = round_m(acc + sum(g)), the sum exact (two-lane split, _exact_round);
      "terms": emax = max floor(log2 |x|) over x in g and acc; Q = 2^(emax - m);
-              acc = round_m(sum(trunc(x / Q) * Q)), the sum exact (integers below 2^(m+1));
+              acc = round_m(sum(cut(x / Q) * Q)), cut = trunc ("toward_zero") or floor
+              ("down"), the sum exact (integers of at most m + 1 bits);
   3. with N_C: after every N_C products, acc32 = round_23(acc32 + acc), acc = 0;
      the result is round_23(acc32 + acc) (the last, partial interval included).
 """
@@ -36,10 +48,12 @@ import torch
 from trainprobes.errors import InvalidArgument
 from trainprobes.validation import check_choice, check_int
 
-__all__ = ["Accumulator", "PRESETS", "get_preset", "dot", "dot_products", "matmul", "ROUNDINGS", "ALIGNMENTS"]
+__all__ = ["Accumulator", "PRESETS", "get_preset", "dot", "dot_products", "matmul", "ROUNDINGS",
+           "ALIGNMENTS", "TERM_ROUNDINGS"]
 
-ROUNDINGS = ("toward_zero", "nearest")
+ROUNDINGS = ("toward_zero", "nearest", "down")
 ALIGNMENTS = ("terms", "sum")
+TERM_ROUNDINGS = ("toward_zero", "down")
 FP32_BITS = 23
 
 
@@ -54,6 +68,11 @@ class Accumulator:
     alignment: str
     promote_every: int | None = None
     source: str = ""
+    term_rounding: str = "toward_zero"
+    # the element formats whose products the model was measured on (None: any, e.g. the
+    # IEEE fp32 adds of CUDA cores); numerics.gemm refuses other products (a setup no
+    # hardware runs) unless asked for a what-if
+    inputs: tuple | None = None
 
     def __post_init__(self):
         check_int(self.mantissa_bits, "mantissa_bits", min=1, max=45,
@@ -61,6 +80,11 @@ class Accumulator:
         check_int(self.fused_terms, "fused_terms", min=1, max=4096, hint="e.g. 1, 16 or 32")
         check_choice(self.rounding, "rounding", ROUNDINGS)
         check_choice(self.alignment, "alignment", ALIGNMENTS)
+        check_choice(self.term_rounding, "term_rounding", TERM_ROUNDINGS)
+        if self.alignment == "sum" and self.term_rounding != "toward_zero":
+            raise InvalidArgument(f"term_rounding={self.term_rounding!r} cuts aligned terms: it "
+                                  "applies to alignment='terms' only (the 'sum' alignment adds "
+                                  "the terms exactly); use alignment='terms'")
         if self.promote_every is not None:
             check_int(self.promote_every, "promote_every", min=1, hint="e.g. 128 (DeepSeek-V3)")
             if self.promote_every % self.fused_terms:
@@ -78,8 +102,10 @@ class Accumulator:
         return new
 
     def describe(self) -> str:
+        cut = (f" (each term cut {self.term_rounding.replace('_', ' ')})"
+               if self.alignment == "terms" else "")
         s = (f"{self.mantissa_bits} mantissa bits, {self.fused_terms}-term fused adds, "
-             f"{self.rounding.replace('_', ' ')}, {self.alignment} alignment")
+             f"{self.rounding.replace('_', ' ')}, {self.alignment} alignment{cut}")
         return s + (f", promoted to fp32 every {self.promote_every}" if self.promote_every else "")
 
 
@@ -88,18 +114,33 @@ _H200 = ("reports/gpu-check.md: torch._scaled_mm e4m3 -> bf16 on an H200 (sm90),
          "consistent fused node and a 13-bit precision are what the 'terms' alignment gives; an "
          "exact fused sum would cancel +M - M exactly and keep every small term (the reveal "
          "would see pairs of size 2 and no precision limit)")
+# The products a tensor-core model was measured on: fp8 x fp8 (e4m3, e5m2, either pairing).
+# Fed bf16 or fp32 products (24 or 48 significant bits) the same model judges a setup no
+# hardware runs: Hopper's bf16 and tf32 MMAs accumulate differently (reports/gpu-check.md:
+# 23-25 bits for bf16 matmul), and the alignment would cut bits fp8 products never have.
+FP8_INPUTS = ("fp8_e4m3fn", "fp8_e5m2")
 PRESETS: dict[str, Accumulator] = {p.name: p for p in (
-    Accumulator("h200-scaled-mm", 13, 32, "toward_zero", "terms", None, _H200),
+    Accumulator("h200-scaled-mm", 13, 32, "toward_zero", "terms", None, _H200, inputs=FP8_INPUTS),
+    Accumulator("h200-scaled-mm-signfill", 13, 32, "down", "terms", None,
+                "the DeepSeek-V3 report's reading of Hopper's fp8 alignment (section 3.5.2; "
+                "DeepGEMM #37): fixed-point accumulation of two's-complement terms, 'the highest "
+                "14 bits of each mantissa product after sign-fill right shifting': each term "
+                "and the sum cut toward -inf. Agrees with h200-scaled-mm on every positive term "
+                "(the H200 reveal used only those); negative terms tell them apart "
+                "(numerics.gemm_pin's crafted cases), unsettled until a GPU run saves them",
+                term_rounding="down", inputs=FP8_INPUTS),
     Accumulator("h200-scaled-mm-sum", 13, 32, "toward_zero", "sum", None,
                 "the other reading of the same measurements (FIELD_NOTES: an exact 32-term sum "
-                "truncated to a 14-bit significand); the H200 reveal did not match it"),
+                "truncated to a 14-bit significand); the H200 reveal did not match it",
+                inputs=FP8_INPUTS),
     Accumulator("deepseek-v3", 13, 32, "toward_zero", "terms", 128,
                 "DeepSeek-V3 report (arXiv 2412.19437) section 3.3: ~14 bits of accumulation on "
                 "Hopper, partial sums copied to fp32 CUDA-core registers every N_C = 128 "
-                "elements; the narrow part is the h200-scaled-mm model"),
+                "elements; the narrow part is the h200-scaled-mm model", inputs=FP8_INPUTS),
     Accumulator("b200-25bit", 25, 32, "toward_zero", "terms", None,
-                "DeepGEMM issue #176: 25 accumulator mantissa bits measured on B200; fused width "
-                "and alignment not reported there (32 and 'terms' assumed, as on Hopper)"),
+                "DeepGEMM issue #176: 25 accumulator mantissa bits measured on B200 (fp8 GEMMs); "
+                "fused width and alignment not reported there (32 and 'terms' assumed, as on "
+                "Hopper)", inputs=FP8_INPUTS),
     Accumulator("fp32", FP32_BITS, 1, "nearest", "sum", None,
                 "IEEE 754 binary32, one correctly rounded add per product: CUDA-core FMA "
                 "accumulation, and what torch._scaled_mm on the CPU (torch 2.13) reveals"),
@@ -125,7 +166,7 @@ def _round_bits(x: torch.Tensor, m: int, mode: str) -> torch.Tensor:
     """x (float64, exact) rounded to an m-bit mantissa, unbounded exponent."""
     q = torch.ldexp(torch.ones_like(x), _exponent(x) - m)
     y = x / q  # exact: a power-of-two scale
-    y = torch.round(y) if mode == "nearest" else torch.trunc(y)  # torch.round: half to even
+    y = torch.round(y) if mode == "nearest" else torch.floor(y) if mode == "down" else torch.trunc(y)  # round: half to even
     return torch.where(x == 0, x, y * q)
 
 
@@ -188,9 +229,9 @@ def _exact_round(terms: torch.Tensor, m: int, mode: str) -> torch.Tensor:
     return _round_pair(s, r, m, mode)
 
 
-def _aligned_round(terms: torch.Tensor, m: int, mode: str) -> torch.Tensor:
-    """'terms' alignment: every term truncated to the grid 2^(emax - m) of the row's largest
-    exponent, summed exactly, then rounded. The T aligned terms are integers below 2^(m+1)
+def _aligned_round(terms: torch.Tensor, m: int, mode: str, cut: str = "toward_zero") -> torch.Tensor:
+    """'terms' alignment: every term cut (truncated toward zero, or floored: `cut`) to the
+    grid 2^(emax - m) of the row's largest exponent, summed exactly, then rounded. The T aligned terms are integers below 2^(m+1)
     in units of the grid: a float64 sum is exact while T 2^(m+1) <= 2^53; past it (a wide
     accumulator with a wide fused add, e.g. 45 bits and 256 terms) the lanes of
     _exact_round sum them."""
@@ -199,7 +240,7 @@ def _aligned_round(terms: torch.Tensor, m: int, mode: str) -> torch.Tensor:
     emax = e.amax(dim=-1, keepdim=True)
     emax = torch.where(emax < -(2 ** 39), torch.zeros_like(emax), emax)  # a row of zeros
     Q = torch.ldexp(torch.ones_like(terms[..., :1]), emax - m)
-    aligned = torch.trunc(terms / Q) * Q
+    aligned = (torch.floor(terms / Q) if cut == "down" else torch.trunc(terms / Q)) * Q
     if terms.shape[-1] << (m + 1) > 1 << 53:
         return _exact_round(aligned, m, mode)
     return _round_bits(aligned.sum(-1), m, mode)
@@ -300,7 +341,11 @@ def _loop(p, acc, marks, checkpoints, trace):
     """Steps 1-3 of the module docstring, one fused add at a time."""
     K = p.shape[-1]
     F, m = acc.fused_terms, acc.mantissa_bits
-    step = _aligned_round if acc.alignment == "terms" else _exact_round
+    if acc.alignment == "terms":
+        def step(t, m, mode):
+            return _aligned_round(t, m, mode, acc.term_rounding)
+    else:
+        step = _exact_round
     shape = p.shape[:-1]
     narrow = torch.zeros(shape, dtype=torch.float64)
     wide = torch.zeros(shape, dtype=torch.float64) if acc.promote_every else None

@@ -293,3 +293,21 @@ def test_unbiased_accumulators_stay_unbiased_over_a_hundred_seeds():
     for case, n in hits.items():
         high = stats.binomtest(n, 100).proportion_ci(0.95, method="exact").high
         assert n <= 4, (case, n, f"95% CI up to {high:.1%}")
+
+
+def test_a_constant_offset_on_zero_mean_outputs_is_not_missed():
+    # a sign-fill alignment (each aligned term floored, toward -inf: DeepSeek-V3 section
+    # 3.5.2) shifts every output down whatever its sign. On zero-mean outputs the signed
+    # metric sum(sign(ref) err) / sum|ref| cancels it (its CI lies within a 2e-3 tolerance
+    # here: alone it would read noise); the offset sum(err) / sum|ref| is -6.0e-3
+    from trainprobes.numerics.gemm import is_within
+    a, b = _e4m3(64, 1024, seed=21), _e4m3(64, 1024, seed=22)
+    r = gemm_bias(a, b, preset="h200-scaled-mm-signfill", samples=1024, tolerance=2e-3,
+                  promotion=False)
+    m = r.metrics
+    assert is_within(m["ci_low"], m["ci_high"], 2e-3), r.message
+    assert m["offset_ci_high"] < -3e-3 and m["gemm_verdict"] == "biased", r.message
+    assert "every output shifted down on average whatever its sign" in r.message
+    # truncation toward zero on the same data: no offset to speak of
+    t = gemm_bias(a, b, preset="h200-scaled-mm", samples=1024, tolerance=2e-3, promotion=False)
+    assert t.metrics["gemm_verdict"] == "noise", t.message
