@@ -1041,9 +1041,20 @@ def _gemm(rd: Reader) -> None:
 
     if rd.label("gemm") not in GEMMS:
         rd.fail(f"metric gemm={rd.m['gemm']!r} is not one of {list(GEMMS)}")
-    rd.label("preset")
-    rd.label("recipe")
+    preset, recipe = rd.label("preset"), rd.label("recipe")
     verdict = rd.label("gemm_verdict")
+    # a what-if (a preset fed products it was not measured on) is named so, never silently
+    said = rd.ev.get("combination")
+    if not isinstance(said, str) or rd.m.get("what_if") is not (not said.endswith("was measured on these operands")):
+        rd.fail(f"what_if={rd.m.get('what_if')!r} beside evidence['combination']={said!r}")
+    from trainprobes.numerics.gemm import combination
+    from trainprobes.reference.gemm import PRESETS
+    from trainprobes.reference.recipes import RECIPES
+    if preset in PRESETS and recipe in RECIPES:
+        formats = rd.evidence("operand_formats", list)
+        if bool(combination(PRESETS[preset], RECIPES[recipe], rd.m["gemm"], tuple(formats))) != rd.m["what_if"]:
+            rd.fail(f"what_if={rd.m['what_if']!r} for preset {preset!r}, recipe {recipe!r} on "
+                    f"{formats} operands: the preset's measured inputs say otherwise")
     n, S, K = rd.count("trials"), rd.count("samples"), rd.count("k")
     alpha, tol = rd.num("alpha"), rd.num("tolerance")
     if not 0 < alpha < 1:

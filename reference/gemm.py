@@ -70,9 +70,11 @@ class Accumulator:
     source: str = ""
     term_rounding: str = "toward_zero"
     # the element formats whose products the model was measured on (None: any, e.g. the
-    # IEEE fp32 adds of CUDA cores); numerics.gemm refuses other products (a setup no
-    # hardware runs) unless asked for a what-if
+    # IEEE fp32 adds of CUDA cores), and whether with block scales applied inside the MMA
+    # (MXFP8, NVFP4: Blackwell's block-scaled kinds); numerics.gemm refuses what a preset was
+    # not measured for (a setup no hardware runs) unless asked for a what-if
     inputs: tuple | None = None
+    block_scales: bool = False
 
     def __post_init__(self):
         check_int(self.mantissa_bits, "mantissa_bits", min=1, max=45,
@@ -138,9 +140,11 @@ PRESETS: dict[str, Accumulator] = {p.name: p for p in (
                 "Hopper, partial sums copied to fp32 CUDA-core registers every N_C = 128 "
                 "elements; the narrow part is the h200-scaled-mm model", inputs=FP8_INPUTS),
     Accumulator("b200-25bit", 25, 32, "toward_zero", "terms", None,
-                "DeepGEMM issue #176: 25 accumulator mantissa bits measured on B200 (fp8 GEMMs); "
-                "fused width and alignment not reported there (32 and 'terms' assumed, as on "
-                "Hopper)", inputs=FP8_INPUTS),
+                "DeepGEMM issue #176: 25 accumulator mantissa bits measured on B200 with "
+                "tcgen05.mma kind::f8f6f4 (fp8/fp6/fp4 operands, no block scales; the "
+                "block-scaled kinds mxf8f6f4 and mxf4nvf4 were left unsettled there); fused "
+                "width and alignment not reported (32 and 'terms' assumed, as on Hopper)",
+                inputs=FP8_INPUTS + ("fp4_e2m1fn",)),
     Accumulator("fp32", FP32_BITS, 1, "nearest", "sum", None,
                 "IEEE 754 binary32, one correctly rounded add per product: CUDA-core FMA "
                 "accumulation, and what torch._scaled_mm on the CPU (torch 2.13) reveals"),

@@ -184,6 +184,7 @@ class Prepared:
     scale_error: tuple  # (a, b): each operand's quantisation as a scale error (_scale_error)
     weight: torch.Tensor  # each draw's Horvitz-Thompson weight 1 / (S p_i q_j)
     design: dict          # what the sample covers (step 1 and the exact verdict's message)
+    formats: tuple        # the element formats the tensor core multiplies (a, b)
 
 
 def _scale_error(x: torch.Tensor, q: torch.Tensor) -> float:
@@ -198,6 +199,52 @@ def _scale_error(x: torch.Tensor, q: torch.Tensor) -> float:
     x, q = x.reshape(-1), q.reshape(-1)
     den = torch.dot(x, x).item()
     return (torch.dot(x, q) - den).item() / den if den else math.nan
+
+
+# the formats an operand's values may hold, narrowest first (what the tensor core sees under
+# a recipe that quantises nothing): a cast to each round-trips the values or not
+_HELD = (("fp8_e4m3fn", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2),
+         ("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32))
+
+
+def held_in(t: torch.Tensor) -> str:
+    """The narrowest of _HELD (then "fp64") that holds every value of t exactly."""
+    for name, dtype in _HELD:
+        if torch.equal(t.to(dtype).to(t.dtype), t):
+            return name
+    return "fp64"
+
+
+def _fits(acc, recipe, formats) -> str | None:
+    """None where the accumulator preset was measured for what the tensor core multiplies
+    under `recipe` (formats: the two operands' element formats), else why not."""
+    if acc.inputs is None:
+        return None
+    if recipe.scaling in ("mx", "nvfp4") and not acc.block_scales:
+        return (f"recipe {recipe.name!r} applies {recipe.block}-element block scales inside the "
+                f"MMA, and the {acc.name} accumulator was measured without them")
+    bad = [f"{side} holds {f}" for side, f in zip("ab", formats) if f not in acc.inputs]
+    if bad:
+        return (f"the {acc.name} accumulator models products of {'/'.join(acc.inputs)} operands, "
+                f"and under recipe {recipe.name!r} operand {' and '.join(bad)}")
+    return None
+
+
+def combination(acc, recipe, gemm: str, formats=None) -> str | None:
+    """Why the preset `acc` was not measured for `recipe` in `gemm` (None: it was). formats:
+    the operands' formats where the recipe quantises nothing (held_in of their values)."""
+    ra, rb = ROLES[gemm]
+    formats = formats or (recipe.element_for(ra), recipe.element_for(rb))
+    return _fits(acc, recipe, formats)
+
+
+def what_works(acc, gemm: str) -> str:
+    """The recipes (and operands) a preset was measured for, for a refusal's message."""
+    from trainprobes.reference.recipes import RECIPES
+    ok = [r for r in RECIPES.values() if r.scaling != "none"
+          and combination(acc, r, gemm) is None]
+    return (f"recipes {', '.join(r.name for r in ok) or '(none)'}, or 'exact' on operands that "
+            f"hold {'/'.join(acc.inputs)} values; or the fp32 preset for these products")
 
 
 def _scan(t: torch.Tensor, name: str, gemm: str) -> float:
@@ -250,7 +297,8 @@ def prepare_gemm(a, b, *, recipe, gemm: str, samples: int, seed: int, every: boo
     qb, sb = _quantised_rows(b, j, bj, recipe, rb, torch.Generator().manual_seed(seed + 3), amax_b)
     check_operands(qa, qb, f"gemm {gemm} under recipe {recipe.name!r}")
     rho = (_scale_error(ai, qa * sa), _scale_error(bj, qb * sb))
-    return Prepared(qa, qb, (sa * sb).reshape(-1), ref, (i, j), rho, weight, design)
+    formats = tuple(recipe.element_for(r) or held_in(q) for r, q in ((ra, qa), (rb, qb)))
+    return Prepared(qa, qb, (sa * sb).reshape(-1), ref, (i, j), rho, weight, design, formats)
 
 
 def sample_gemm(prep: Prepared, acc) -> Sampled:
@@ -352,12 +400,16 @@ def _promotion(prep, acc, trials, alpha, floor):
 
 def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", samples=2048,
               trials=32, seed=0, alpha=0.01, tolerance=DEFAULT_TOLERANCE, promotion=True,
-              target: str | None = None) -> Result:
+              what_if: bool = False, target: str | None = None) -> Result:
     """Judge C = a @ b.T (a: M x K, b: N x K) under `recipe` and the accumulator `preset`
     against fp64 (module docstring). gemm names the operands' roles (fprop: activation x
     weight, dgrad: grad x weight, wgrad: grad x activation). tolerance: the smallest |relative
     bias| that matters (DEFAULT_TOLERANCE); promotion: also search the promotion interval
-    that keeps a biased GEMM's CIs within +-tolerance.
+    that keeps a biased GEMM's CIs within +-tolerance. A preset states the operands it was
+    measured on (Accumulator.inputs, block_scales): other products (fp32 or bf16 operands
+    under an fp8 tensor core's model, block scales it never saw) are refused, naming what
+    works, unless what_if=True, which judges them and says in the Result that no hardware
+    runs that combination (metrics what_if, evidence combination).
     metrics: preset, recipe, gemm, k, samples, trials, relative_bias, ci_low, ci_high, std,
     p_value, relative_offset, offset_ci_low, offset_ci_high, offset_std, offset_p_value,
     alpha, confidence, tolerance, min_detectable_bias, max_relative_error, sqnr_db,
@@ -387,6 +439,12 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
     S = min(samples, M * N)
     S -= S % trials
     prep = prepare_gemm(a, b, recipe=rec, gemm=gemm, samples=S, seed=seed)
+    unmeasured = combination(acc, rec, gemm, prep.formats)
+    if unmeasured and not what_if:
+        raise InvalidArgument(f"gemm {gemm}: {unmeasured}: a combination no hardware runs (its "
+                              f"bias would be the model's, not a machine's). What works with "
+                              f"{acc.name}: {what_works(acc, gemm)}; what_if=True (CLI --what-if) "
+                              "judges it anyway, named as a what-if")
     s = sample_gemm(prep, acc)
     try:
         ratios = _ratio_stats(s, trials, alpha, floor)
@@ -425,6 +483,7 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
                "growth_exponent": growth_exponent(growth), "stall_k": sk,
                "promote_every_needed": needed,
                "rows_drawn": prep.design["rows_drawn"], "columns_drawn": prep.design["columns_drawn"],
+               "what_if": bool(unmeasured),
                "biased": None if verdict == "inconclusive" else biased, "gemm_verdict": verdict}
     q_err = s.quantised - s.ref
     acc_err = s.low - s.quantised
@@ -440,7 +499,8 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
                 "accumulator_offset": _weighted_ratio(acc_err, mag, w),
                 "stall": {"stalled_outputs": int((s.first_absorbed >= 0).sum().item()),
                           "stalled_share": stalled_share, "stall_k": sk},
-                "design": prep.design,
+                "design": prep.design, "operand_formats": list(prep.formats),
+                "combination": unmeasured or f"{acc.name} was measured on these operands",
                 "sampling": f"{S} of {M * N} output elements drawn in proportion to row and column "
                             f"norms (probability-proportional-to-size Latin hypercube strata, "
                             f"Horvitz-Thompson weights: {prep.design['rows_drawn']} of {M} rows, "
@@ -449,6 +509,8 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
                             f"column(s) holding 2/S of the norm mass or more drawn for certain), in "
                             f"{trials} interleaved groups"}
     msg = _message(metrics, prep.design) + _cause(metrics, evidence)
+    if unmeasured:
+        msg = f"WHAT-IF, no hardware runs this ({unmeasured}): " + msg
     return Result(probe="numerics.gemm", target=target or f"{gemm}[{rec.name},{acc.name},K={K}]",
                   verdict={"biased": "fail", "inconclusive": "error"}.get(verdict, "pass"),
                   metrics=metrics, evidence=evidence, seed=seed,

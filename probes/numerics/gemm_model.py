@@ -169,10 +169,14 @@ def _step(model, batch, loss_fn, linears, calls, skipped) -> list[Captured]:
     return got
 
 
-def judge_model(model, batch, *, preset="h200-scaled-mm", recipe="exact", samples=512, trials=16,
-                seed=0, alpha=0.01, tolerance=DEFAULT_TOLERANCE, loss_fn=None,
-                target: str = "model", progress=None) -> list[Result]:
+def judge_model(model, batch, *, preset="h200-scaled-mm", recipe="fp8-tensor", samples=512,
+                trials=16, seed=0, alpha=0.01, tolerance=DEFAULT_TOLERANCE, loss_fn=None,
+                what_if: bool = False, target: str = "model", progress=None) -> list[Result]:
     """Step 3: one Result per (Linear, GEMM), riskiest first (module docstring).
+    The default is what an fp8 training step on Hopper runs: the fp8-tensor recipe (e4m3
+    forward, e5m2 gradients, per-tensor scales) under the H200's accumulator; the fp32 step's
+    operands under 'exact' are fp32 values, which no fp8 tensor core multiplies (refused
+    unless what_if, numerics.gemm.gemm_bias).
     progress(done, total, name) is called before each GEMM."""
     results, skipped = [], []
     captured = list(capture_linears(model, batch, loss_fn, skipped))
@@ -187,7 +191,7 @@ def judge_model(model, batch, *, preset="h200-scaled-mm", recipe="exact", sample
             try:
                 r = gemm_bias(a, b, preset=preset, recipe=recipe, gemm=gemm, samples=samples,
                               trials=trials, seed=seed, alpha=alpha, tolerance=tolerance,
-                              promotion=False, target=f"{target}:{c.name}.{gemm}")
+                              promotion=False, what_if=what_if, target=f"{target}:{c.name}.{gemm}")
             except InvalidArgument as e:
                 raise type(e)(f"layer {c.name!r}: {e}") from None
             r.evidence["layer"] = c.name
