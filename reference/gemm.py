@@ -43,13 +43,14 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 from trainprobes.errors import InvalidArgument
 from trainprobes.validation import check_choice, check_int
 
-__all__ = ["Accumulator", "PRESETS", "get_preset", "dot", "dot_products", "matmul", "ROUNDINGS",
-           "ALIGNMENTS", "TERM_ROUNDINGS"]
+__all__ = ["Accumulator", "PRESETS", "get_preset", "dot", "dot_products", "promotion_runs", "matmul",
+           "ROUNDINGS", "ALIGNMENTS", "TERM_ROUNDINGS"]
 
 ROUNDINGS = ("toward_zero", "nearest", "down")
 ALIGNMENTS = ("terms", "sum")
@@ -318,6 +319,13 @@ def dot_products(p: torch.Tensor, acc: Accumulator, checkpoints=None, trace=None
     fast = _fp32_sequential(p, acc, marks, trace)
     if fast is not None:
         return fast if checkpoints is not None else fast[0]
+    if acc.promote_every and checkpoints is None and trace is None and K > acc.promote_every:
+        return _promoted_in_chunks(p, acc)
+    return _looped(p, acc, marks, checkpoints, trace)
+
+
+def _looped(p, acc, marks, checkpoints, trace):
+    """_loop, on one intra-op thread (_one_thread)."""
     if p.numel() < GRAIN:  # torch runs ops this small on one thread anyway
         return _loop(p, acc, marks, checkpoints, trace)
     with _one_thread():
@@ -325,14 +333,50 @@ def dot_products(p: torch.Tensor, acc: Accumulator, checkpoints=None, trace=None
 
 
 GRAIN = 32768  # at::internal::GRAIN_SIZE: below it an op does not fork
+# rows of intervals emulated together: a fused add's temporaries (rows x F float64) stay in
+# cache (measured, 2,048 x 16,384 products at N_C = 128: 1.6 s in one block of 262,144 rows)
+BLOCK_ROWS = 4096
+
+
+def _promoted_in_chunks(p: torch.Tensor, acc: Accumulator, gexp=None) -> torch.Tensor:
+    """Step 3 without the loop over all of K: the narrow sum restarts from 0 every N_C
+    products, so each interval of N_C products is a dot product of its own under the narrow
+    model (zero products pad the last one: a zero group leaves the narrow sum as it is), all
+    run at once as rows of one (rows * K / N_C, N_C) emulation; the fp32 accumulator then
+    adds the intervals' results in order, round to nearest: an fp32 sequential sum
+    (_fp32_sequential, where every result is an fp32 value, else one _exact_round per
+    interval). The result is _loop's bit for bit (tests/test_reference_gemm.py)."""
+    N, K = acc.promote_every, p.shape[-1]
+    C = -(-K // N)
+    shape = p.shape[:-1]
+    pp = torch.nn.functional.pad(p, (0, C * N - K)) if C * N != K else p
+    narrow = replace(acc, promote_every=None)
+    flat = pp.reshape(-1, N)
+    if _fast_terms(acc):  # the groups' exponents, per interval (zero groups pad the last)
+        F = acc.fused_terms
+        gexp = _group_exponents(p, F) if gexp is None else gexp
+        gexp = torch.nn.functional.pad(gexp, (0, C * N // F - gexp.shape[-1]), value=NONE)
+        gexp = gexp.reshape(-1, N // F)
+    with _one_thread():
+        r = torch.cat([_loop(flat[i:i + BLOCK_ROWS], narrow, [], None, None,
+                             None if gexp is None else gexp[i:i + BLOCK_ROWS])
+                       for i in range(0, flat.shape[0], BLOCK_ROWS)]).reshape(*shape, C)
+    fast = _fp32_sequential(r, PRESETS["fp32"], [], None)
+    if fast is not None:
+        return fast[0]
+    wide = torch.zeros(shape, dtype=torch.float64)
+    for c in range(C):
+        wide = _exact_round(torch.stack((wide, r[..., c]), -1), FP32_BITS, "nearest")
+    return wide
 
 
 @contextmanager
 def _one_thread():
     """The loop below runs ~20 small torch ops per fused add; with intra-op threads each op
     pays a fork-join, which on a loaded machine costs more than the op (measured: a sampled
-    1024 x 1024 x 4096 verdict took 26 s with 2 threads, 5 s with 1). The previous setting
-    is restored on the way out."""
+    1024 x 1024 x 4096 verdict took 26 s with 2 threads, 5 s with 1; the promotion intervals'
+    blocks, 4096 x 33 per op, 0.67 s on one thread against 2.3 s on two). The previous
+    setting is restored on the way out."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -341,16 +385,68 @@ def _one_thread():
         torch.set_num_threads(before)
 
 
-def _loop(p, acc, marks, checkpoints, trace):
-    """Steps 1-3 of the module docstring, one fused add at a time."""
+NONE = -(2 ** 30)  # the exponent of 0 where a maximum is taken (int32; any real one is larger)
+_ROUND = {"toward_zero": torch.trunc, "nearest": torch.round, "down": torch.floor}  # round: half to even
+
+
+def _fast_terms(acc: Accumulator) -> bool:
+    """_loop's fast "terms" path applies: the aligned integers of a fused add sum exactly."""
+    return acc.alignment == "terms" and (acc.fused_terms + 1) << (acc.mantissa_bits + 1) <= 1 << 53
+
+
+def _group_exponents(p: torch.Tensor, F: int) -> torch.Tensor:
+    """floor(log2 max |p|) of each group of F consecutive products (..., ceil(K / F)), int32,
+    NONE for a group of zeros (the last group padded with zeros)."""
+    K = p.shape[-1]
+    G = -(-K // F)
+    pp = torch.nn.functional.pad(p, (0, G * F - K)) if G * F != K else p
+    gmax = pp.reshape(*p.shape[:-1], G, F).abs().amax(-1)
+    _, e = torch.frexp(gmax)
+    return torch.where(gmax > 0, e - 1, torch.full_like(e, NONE))
+
+
+def promotion_runs(p: torch.Tensor, acc) -> Callable:
+    """run(n) = dot_products(p, acc with promote_every=n), for the several n a promotion
+    search tries on the same products: the groups' largest exponents (the part of the fast
+    "terms" step that does not depend on n) are taken once for all of them."""
+    acc = get_preset(acc)
+    gexp = _group_exponents(p, acc.fused_terms) if _fast_terms(acc) else None
+
+    def run(n: int) -> torch.Tensor:
+        cand = acc.with_(promote_every=n)
+        if p.shape[-1] <= n:
+            return dot_products(p, cand)
+        return _promoted_in_chunks(p, cand, gexp)
+    return run
+
+
+def _loop(p, acc, marks, checkpoints, trace, gexp=None):
+    """Steps 1-3 of the module docstring, one fused add at a time.
+
+    "terms" alignment, where the aligned integers sum exactly in float64 ((F + 1) 2^(m+1)
+    <= 2^53): the largest exponent of each group of products is taken once for all groups
+    (the exponent of the group's largest |p|), so each step only finds the running sum's,
+    scales the group and the sum by 2^(m - emax) (exact: a power of two), cuts them to
+    integers, sums, and rounds: _aligned_round's arithmetic without its per-term frexp and
+    concatenation (the slow path, and the "sum" alignment, run _aligned_round and
+    _exact_round on [sum, group])."""
     K = p.shape[-1]
     F, m = acc.fused_terms, acc.mantissa_bits
-    if acc.alignment == "terms":
+    shape = p.shape[:-1]
+    fast = _fast_terms(acc)
+    if fast:
+        G = -(-K // F)
+        grouped = (torch.nn.functional.pad(p, (0, G * F - K)) if G * F != K else p).reshape(*shape, G, F)
+        if gexp is None:
+            gexp = _group_exponents(p, F)
+        cut = torch.floor if acc.term_rounding == "down" else torch.trunc
+        one = torch.ones(shape, dtype=torch.float64)
+        nonzero = (gexp != NONE) if trace is not None else None
+    elif acc.alignment == "terms":
         def step(t, m, mode):
             return _aligned_round(t, m, mode, acc.term_rounding)
     else:
         step = _exact_round
-    shape = p.shape[:-1]
     narrow = torch.zeros(shape, dtype=torch.float64)
     wide = torch.zeros(shape, dtype=torch.float64) if acc.promote_every else None
     seen, out = 0, {}
@@ -363,13 +459,27 @@ def _loop(p, acc, marks, checkpoints, trace):
             return narrow.clone()
         return _exact_round(torch.stack((wide, narrow), -1), FP32_BITS, "nearest")
 
-    for start in range(0, K, F):
-        g = p[..., start:start + F]
+    for t, start in enumerate(range(0, K, F)):
         before = narrow
-        narrow = step(torch.cat((narrow.unsqueeze(-1), g), -1), m, acc.rounding)
+        if fast:
+            _, e = torch.frexp(narrow)  # floor(log2 |narrow|) + 1 (0 for 0)
+            own = torch.where(narrow != 0, e - 1, torch.full_like(e, NONE))
+            emax = torch.maximum(gexp[..., t], own)
+            emax = torch.where(emax == NONE, torch.zeros_like(emax), emax)  # all zero: any grid
+            scale = torch.ldexp(one, m - emax)  # 1 / Q: the grid becomes the integers
+            s = cut(grouped[..., t, :] * scale.unsqueeze(-1)).sum(-1) + cut(narrow * scale)
+            # round_m(s Q) = round_m(s) Q (Q a power of two): s's significand to m + 1 bits
+            ms, es = torch.frexp(s)
+            r = _ROUND[acc.rounding](torch.ldexp(ms, torch.full_like(es, m + 1)))
+            narrow = torch.ldexp(r, es + emax - (2 * m + 1))
+            gnz = nonzero[..., t] if trace is not None else None
+        else:
+            g = p[..., start:start + F]
+            narrow = step(torch.cat((narrow.unsqueeze(-1), g), -1), m, acc.rounding)
+            gnz = (g != 0).any(-1) if trace is not None else None
         seen = min(start + F, K)
         if trace is not None:
-            lost = (narrow == before) & (g != 0).any(-1)
+            lost = (narrow == before) & gnz
             absorbed += lost
             first = torch.where(lost & (first < 0), torch.full_like(first, seen), first)
         if wide is not None and seen % acc.promote_every == 0:

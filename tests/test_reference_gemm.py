@@ -296,3 +296,26 @@ def test_operands_of_27_significant_bits_are_refused():
         dot(a, a, "b200-25bit")
     f = torch.tensor([[1 - 2.0 ** -24, 3.0]], dtype=torch.float64)  # fp32 values pass
     assert dot(f, f, "fp32").item() == 10.0  # accepted; (1 - 2^-24)^2 + 9 rounds to 24 bits
+
+
+@pytest.mark.parametrize("preset,N", [("deepseek-v3", 128), ("b200-25bit", 64), ("h200-scaled-mm-signfill", 32)])
+def test_promotion_in_chunks_is_the_loop(preset, N):
+    # without checkpoints or a trace, a promoting accumulator runs each interval of N_C
+    # products as a dot product of its own and sums the intervals in fp32 (25-bit intervals
+    # are no fp32 values: the per-interval _exact_round path); with them, the loop over K
+    acc = get_preset(preset).with_(promote_every=N)
+    for kind in KINDS:
+        for K in (N + 7, 3 * N, 5 * N - 32):
+            a, b = _batch(kind, K, 25, K, "e5m2")
+            chunked = dot(a, b, acc)
+            looped, _ = dot(a, b, acc, checkpoints=[K])
+            assert torch.equal(chunked, looped), (kind, K)
+
+
+def test_promotion_runs_share_the_groups_and_agree_with_dot():
+    from trainprobes.reference.gemm import promotion_runs
+    a, b = _batch("mixed", 3, 20, 300, "e4m3")
+    for preset in ("h200-scaled-mm", "h200-scaled-mm-sum", "b200-25bit"):
+        run = promotion_runs(a * b, preset)
+        for n in (32, 64, 256, 512):
+            assert torch.equal(run(n), dot(a, b, get_preset(preset).with_(promote_every=n))), (preset, n)

@@ -65,7 +65,7 @@ import torch
 from trainprobes.errors import InvalidArgument
 from trainprobes.numerics.bias import error_stats
 from trainprobes.power import min_detectable_effect
-from trainprobes.reference.gemm import check_operands, dot_products, get_preset
+from trainprobes.reference.gemm import check_operands, dot_products, get_preset, promotion_runs
 from trainprobes.reference.recipes import get_recipe, hadamard, quantize, rotate
 from trainprobes.result import Result
 from trainprobes.validation import check_choice, check_int, check_number, check_seed
@@ -174,10 +174,10 @@ def _quantised_rows(x, rows, gathered, recipe, role, g, tensor_amax):
 
 @dataclass(frozen=True)
 class Prepared:
-    """The sampled rows of one GEMM, quantised: what every accumulator model is run on."""
+    """The sampled dot products of one GEMM, quantised: what every accumulator model is run
+    on (prods: the exact products of the quantised rows, block scales folded in)."""
 
-    qa: torch.Tensor
-    qb: torch.Tensor
+    prods: torch.Tensor
     scale: torch.Tensor
     ref: torch.Tensor
     rows: tuple
@@ -210,7 +210,7 @@ _HELD = (("fp8_e4m3fn", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2),
 def held_in(t: torch.Tensor) -> str:
     """The narrowest of _HELD (then "fp64") that holds every value of t exactly."""
     for name, dtype in _HELD:
-        if torch.equal(t.to(dtype).to(t.dtype), t):
+        if t.dtype == dtype or torch.equal(t.to(dtype).to(t.dtype), t):
             return name
     return "fp64"
 
@@ -288,26 +288,32 @@ def prepare_gemm(a, b, *, recipe, gemm: str, samples: int, seed: int, every: boo
     ra, rb = ROLES[gemm]
     ai, bj = a[i].double(), b[j].double()
     ref = torch.bmm(ai.unsqueeze(1), bj.unsqueeze(2)).reshape(-1)
-    if recipe.hadamard_wgrad and gemm == "wgrad":
-        blocks = hadamard(K, torch.Generator().manual_seed(seed + 1))
-        a, b = rotate(a.double(), blocks), rotate(b.double(), blocks)
-        amax_a, amax_b = a.abs().amax().item(), b.abs().amax().item()
-        ai, bj = a[i], b[j]
-    qa, sa = _quantised_rows(a, i, ai, recipe, ra, torch.Generator().manual_seed(seed + 2), amax_a)
-    qb, sb = _quantised_rows(b, j, bj, recipe, rb, torch.Generator().manual_seed(seed + 3), amax_b)
-    check_operands(qa, qb, f"gemm {gemm} under recipe {recipe.name!r}")
-    rho = (_scale_error(ai, qa * sa), _scale_error(bj, qb * sb))
-    formats = tuple(recipe.element_for(r) or held_in(q) for r, q in ((ra, qa), (rb, qb)))
-    return Prepared(qa, qb, (sa * sb).reshape(-1), ref, (i, j), rho, weight, design, formats)
+    if recipe.scaling == "none" and recipe.element is None:  # 'exact': the operands as given
+        formats = (held_in(a[torch.unique(i)]), held_in(b[torch.unique(j)]))
+        one = torch.ones(len(i), 1, dtype=torch.float64)
+        qa, qb, sa, sb, rho = ai, bj, one, one, (0.0, 0.0)
+    else:
+        if recipe.hadamard_wgrad and gemm == "wgrad":
+            blocks = hadamard(K, torch.Generator().manual_seed(seed + 1))
+            a, b = rotate(a.double(), blocks), rotate(b.double(), blocks)
+            amax_a, amax_b = a.abs().amax().item(), b.abs().amax().item()
+            ai, bj = a[i], b[j]
+        qa, sa = _quantised_rows(a, i, ai, recipe, ra, torch.Generator().manual_seed(seed + 2), amax_a)
+        qb, sb = _quantised_rows(b, j, bj, recipe, rb, torch.Generator().manual_seed(seed + 3), amax_b)
+        rho = (_scale_error(ai, qa * sa), _scale_error(bj, qb * sb))
+        formats = (recipe.element_for(ra), recipe.element_for(rb))
+    if "fp64" in formats:  # values of fp32 width or less (and every recipe's) multiply exactly
+        check_operands(qa, qb, f"gemm {gemm} under recipe {recipe.name!r}")
+    return Prepared(qa * qb, (sa * sb).reshape(-1), ref, (i, j), rho, weight, design, formats)
 
 
 def sample_gemm(prep: Prepared, acc) -> Sampled:
     """Emulate the prepared dot products under the accumulator `acc`."""
     acc = get_preset(acc)
-    K = prep.qa.shape[1]
+    prods = prep.prods
+    K = prods.shape[1]
     marks = _checkpoints(K, acc.fused_terms)
     trace: dict = {}
-    prods = prep.qa * prep.qb
     low, parts = dot_products(prods, acc, marks, trace)
     sums = torch.cumsum(prods, -1) if len(marks) > 1 else None
     quantised = {k: (sums[:, k - 1] if sums is not None else prods.sum(-1)) * prep.scale for k in marks}
@@ -329,15 +335,15 @@ def group_ratios(y, x, weight, trials: int) -> tuple[float, list[float]]:
     return R, (R + (Y - R * X) / (tx / trials)).tolist()
 
 
-def _ratio_stats(s: Sampled, trials: int, alpha: float, floor: float) -> dict:
+def _ratio_stats(ref, low, weight, trials: int, alpha: float, floor: float) -> dict:
     """error_stats of each ratio (RATIOS), at alpha / 2 each."""
-    err = s.low - s.ref
-    ys = {"": torch.sign(s.ref) * err, "offset_": err}
+    err = low - ref
+    ys = {"": torch.sign(ref) * err, "offset_": err}
     out = {}
     for prefix, _ in RATIOS:
-        R, pseudo = group_ratios(ys[prefix], s.ref.abs(), s.weight, trials)
+        R, pseudo = group_ratios(ys[prefix], ref.abs(), weight, trials)
         if not math.isfinite(R):
-            raise InvalidArgument(f"the {s.ref.numel()} sampled exact outputs are all 0: no relative "
+            raise InvalidArgument(f"the {ref.numel()} sampled exact outputs are all 0: no relative "
                                   "error exists")
         out[prefix] = (error_stats(pseudo, alpha=alpha / 2, min_effect=floor), pseudo)
     return out
@@ -377,14 +383,17 @@ def _promotion(prep, acc, trials, alpha, floor):
     """The promotion search (step 5): candidates F 2^j below K (and below a preset's own
     interval), largest first, each judged by both ratios; stops at the first within."""
     promo, needed = [], math.nan
-    F, K = acc.fused_terms, prep.qa.shape[1]
+    F, K = acc.fused_terms, prep.prods.shape[1]
     n = (K // F) * F
     if n == K:  # promoting every K is no promotion: the run above
         n //= 2
+    run = promotion_runs(prep.prods, acc)
     while n >= F:
         if acc.promote_every is None or n < acc.promote_every:
-            sc = sample_gemm(prep, acc.with_(promote_every=n))
-            st = _ratio_stats(sc, trials, alpha, floor)
+            # the candidate's output alone (no partial sums, no trace): the emulator runs each
+            # interval of n products at once, the groups' exponents shared by the candidates
+            low = run(n) * prep.scale
+            st = _ratio_stats(prep.ref, low, prep.weight, trials, alpha, floor)
             inside = all(is_within(st[p][0]["ci_low"], st[p][0]["ci_high"], floor) for p, _ in RATIOS)
             promo.append({"promote_every": n, "relative_bias": st[""][0]["bias"],
                           "ci_low": st[""][0]["ci_low"], "ci_high": st[""][0]["ci_high"],
@@ -419,8 +428,11 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
     rec = get_recipe(recipe)
     check_choice(gemm, "gemm", GEMMS)
     # the operands stay in their own float dtype (a 4096 x 16384 fp32 operand is 256 MiB, 512
-    # MiB in float64): only the sampled rows are converted, exactly, to float64
-    a, b = (t if torch.is_tensor(t) and t.is_floating_point() else
+    # MiB in float64): only the sampled rows are converted, exactly, to float64 (fp8 tensors,
+    # which torch reduces little on the CPU, to fp32)
+    a, b = (t if torch.is_tensor(t) and t.dtype in (torch.float64, torch.float32, torch.bfloat16,
+                                                     torch.float16) else
+            t.float() if torch.is_tensor(t) and t.is_floating_point() else
             torch.as_tensor(t).to(torch.float64) for t in (a, b))
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
         raise InvalidArgument(f"a has shape {tuple(a.shape)}, b {tuple(b.shape)}: expected (M, K) "
@@ -447,7 +459,7 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
                               "judges it anyway, named as a what-if")
     s = sample_gemm(prep, acc)
     try:
-        ratios = _ratio_stats(s, trials, alpha, floor)
+        ratios = _ratio_stats(s.ref, s.low, s.weight, trials, alpha, floor)
     except InvalidArgument as e:
         raise InvalidArgument(f"gemm {gemm}: {e}") from None
     st, so = ratios[""][0], ratios["offset_"][0]
