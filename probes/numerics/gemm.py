@@ -450,6 +450,10 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
                               "fewer --trials (at least 3)")
     S = min(samples, M * N)
     S -= S % trials
+    # the sampled rows in float64 (a, b, their quantised values, the products, their partial
+    # sums) and a recipe's temporaries: about 8 arrays of S x K float64 at the peak
+    from trainprobes.budget import check_fits
+    check_fits(8 * 8 * S * K, f"gemm {gemm}: {S} samples of K={K}", fix="lower samples (--samples)")
     prep = prepare_gemm(a, b, recipe=rec, gemm=gemm, samples=S, seed=seed)
     unmeasured = combination(acc, rec, gemm, prep.formats)
     if unmeasured and not what_if:
