@@ -5,8 +5,9 @@ sums each 32-product group exactly and rounds once, and fp32), recipe `exact`, o
 16 x 16 x 512 GEMMs of random e4m3 operands (zero-mean, and mean 1: the same-signed data on
 which a truncating accumulator is biased), 256 sampled outputs in 16 groups, one seed per run
 (the operands and the sample both move with it). A run counts as a false positive when the
-probe's own verdict is biased (is_biased: the CI excludes 0 and reaches past the tolerance),
-at the default tolerance and at tolerance 0 (the t-test alone). Each rate comes with its 95%
+probe's own verdict is biased (judge: the CI of the signed bias or of the offset excludes 0
+and reaches past the tolerance), at the default tolerance and at tolerance 0 (the t-tests
+alone, each at alpha / 2). Each rate comes with its 95%
 Clopper-Pearson interval. docs/gemm.md quotes the figures.
 
     python benchmarks/gemm_false_positives.py [--seeds 200]
@@ -22,7 +23,7 @@ import torch
 from scipy import stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainprobes.numerics.gemm import DEFAULT_TOLERANCE, gemm_bias, is_biased  # noqa: E402
+from trainprobes.numerics.gemm import DEFAULT_TOLERANCE, gemm_bias, judge  # noqa: E402
 from trainprobes.reference.gemm import PRESETS  # noqa: E402
 
 NEAREST = PRESETS["h200-scaled-mm"].with_(rounding="nearest", alignment="sum")
@@ -51,8 +52,10 @@ def main(argv=None) -> None:
         for seed in range(seeds):
             a, b = e4m3(16, 512, seed=2 * seed, mean=mean), e4m3(16, 512, seed=2 * seed + 1, mean=mean)
             r = gemm_bias(a, b, preset=acc, samples=256, trials=16, seed=seed, promotion=False)
-            hits[DEFAULT_TOLERANCE] += r.metrics["biased"]
-            hits[0.0] += is_biased(r.metrics["ci_low"], r.metrics["ci_high"], 0.0)
+            m = r.metrics
+            hits[DEFAULT_TOLERANCE] += m["biased"] is True  # None: inconclusive, not biased
+            cis = [(m["ci_low"], m["ci_high"]), (m["offset_ci_low"], m["offset_ci_high"])]
+            hits[0.0] += judge(False, cis, 0.0) == "biased"
         print(f"  {label:28} tolerance {DEFAULT_TOLERANCE:g} (default): {rate(hits[DEFAULT_TOLERANCE], seeds)}; "
               f"tolerance 0: {rate(hits[0.0], seeds)}", flush=True)
     print(f"({time.perf_counter() - t0:.0f} s)")

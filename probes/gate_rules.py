@@ -1064,63 +1064,88 @@ def _localize(rd: Reader) -> None:
 # --- numerics.gemm ------------------------------------------------------------------------
 
 def _gemm(rd: Reader) -> None:
-    """trainprobes.numerics.gemm: error_stats over the groups' signed errors (evidence
-    'errors'), SQNR and maximum error from the sums the probe keeps, the growth fit from its
-    points, stall_k and the promotion interval from their records."""
+    """trainprobes.numerics.gemm: error_stats (at alpha / 2: two ratios) over the groups'
+    pseudo-values of the signed bias (evidence 'errors') and of the offset ('offset_errors'),
+    SQNR and maximum error from the weighted sums the probe keeps, the growth fit from its
+    points, stall_k and the promotion interval from their records, the verdict by judge()."""
     from scipy import stats
-    from trainprobes.numerics.gemm import GEMMS, growth_exponent, is_biased, is_within
+    from trainprobes.numerics.gemm import GEMMS, growth_exponent, is_within, judge
     from trainprobes.power import min_detectable_effect
 
     if rd.label("gemm") not in GEMMS:
         rd.fail(f"metric gemm={rd.m['gemm']!r} is not one of {list(GEMMS)}")
-    rd.label("preset")
-    rd.label("recipe")
+    preset, recipe = rd.label("preset"), rd.label("recipe")
     verdict = rd.label("gemm_verdict")
+    # a what-if (a preset fed products it was not measured on) is named so, never silently
+    said = rd.ev.get("combination")
+    if not isinstance(said, str) or rd.m.get("what_if") is not (not said.endswith("was measured on these operands")):
+        rd.fail(f"what_if={rd.m.get('what_if')!r} beside evidence['combination']={said!r}")
+    from trainprobes.numerics.gemm import combination
+    from trainprobes.reference.gemm import PRESETS
+    from trainprobes.reference.recipes import RECIPES
+    if preset in PRESETS and recipe in RECIPES:
+        formats = rd.evidence("operand_formats", list)
+        if bool(combination(PRESETS[preset], RECIPES[recipe], rd.m["gemm"], tuple(formats))) != rd.m["what_if"]:
+            rd.fail(f"what_if={rd.m['what_if']!r} for preset {preset!r}, recipe {recipe!r} on "
+                    f"{formats} operands: the preset's measured inputs say otherwise")
     n, S, K = rd.count("trials"), rd.count("samples"), rd.count("k")
-    bias, std, alpha, tol = rd.num("relative_bias"), rd.num("std"), rd.num("alpha"), rd.num("tolerance")
-    lo, hi, p = rd.num("ci_low"), rd.num("ci_high"), rd.num("p_value")
+    alpha, tol = rd.num("alpha"), rd.num("tolerance")
     if not 0 < alpha < 1:
         rd.fail(f"metric alpha={_fmt(alpha)} is not a significance level in (0, 1)")
+    rd.agree("confidence", rd.num("confidence"), 1 - alpha / 2, "1 - alpha/2 (two ratios judged)")
     shape = rd.evidence("shape", list)
     if len(shape) != 3 or shape[2] != K:
         rd.fail(f"metric k={K} is not the K of evidence['shape']={shape!r}")
     if not (n <= S <= shape[0] * shape[1]):
         rd.fail(f"samples={S} is not between trials={n} and the {shape[0] * shape[1]} outputs")
-    # 1. the groups' errors: mean, spread, t-test, CI, detectable bias
-    errors = [rd.as_number(e, "evidence['errors'][...]") for e in rd.evidence("errors", list)]
-    finite = [e for e in errors if math.isfinite(e)]
-    if len(finite) != n or n < 3 or S % len(errors):
-        rd.fail(f"evidence['errors'] holds {len(errors)} groups, {len(finite)} finite; trials={n}, "
-                f"samples={S} (the groups split the samples evenly)")
-    mean = math.fsum(finite) / n
-    sd = math.sqrt(math.fsum((e - mean) ** 2 for e in finite) / (n - 1))
-    scale = max(abs(e) for e in finite)
-    rd.agree("relative_bias", bias, mean, "the mean of the groups' errors", tiny=REL * scale)
-    rd.agree("std", std, sd, "the spread of the groups' errors", tiny=REL * scale)
-    se = std / math.sqrt(n)
-    half = 0.0 if std == 0 else float(stats.t.ppf(1 - alpha / 2, n - 1)) * se
-    tiny = REL * (abs(bias) + half)
-    rd.agree("ci_low", lo, bias - half, "relative_bias - t(1 - alpha/2, trials - 1) std / sqrt(trials)",
-             tiny=tiny)
-    rd.agree("ci_high", hi, bias + half, "relative_bias + t(1 - alpha/2, trials - 1) std / sqrt(trials)",
-             tiny=tiny)
-    _p_agree(rd, "p_value", p, _t_p(bias, se, n - 1), "the t-test of the groups' errors")
-    rd.agree("min_detectable_bias", rd.num("min_detectable_bias"),
-             min_detectable_effect(se, n - 1, alpha), "the 80%-power effect of std / sqrt(trials)")
-    # 2. SQNR and the maximum error, from the sums kept
+    design = rd.evidence("design", dict)
+    for name, size in (("rows_drawn", shape[0]), ("columns_drawn", shape[1])):
+        got = rd.count(name)
+        if not 1 <= got <= min(size, S) or got != design.get(name):
+            rd.fail(f"{name}={got} is not the design's {design.get(name)!r} (between 1 and "
+                    f"min({size}, samples={S}))")
+    # 1. each ratio's group pseudo-values: mean, spread, t-test, CI (at alpha / 2)
+    cis = []
+    for prefix, key in (("", "errors"), ("offset_", "offset_errors")):
+        bias_name = "relative_bias" if not prefix else "relative_offset"
+        bias, std = rd.num(bias_name), rd.num(prefix + "std")
+        lo, hi, p = rd.num(prefix + "ci_low"), rd.num(prefix + "ci_high"), rd.num(prefix + "p_value")
+        errors = [rd.as_number(e, f"evidence[{key!r}][...]") for e in rd.evidence(key, list)]
+        finite = [e for e in errors if math.isfinite(e)]
+        if len(finite) != n or n < 3 or S % len(errors):
+            rd.fail(f"evidence[{key!r}] holds {len(errors)} groups, {len(finite)} finite; trials={n}, "
+                    f"samples={S} (the groups split the samples evenly)")
+        mean = math.fsum(finite) / n
+        sd = math.sqrt(math.fsum((e - mean) ** 2 for e in finite) / (n - 1))
+        scale = max(abs(e) for e in finite)
+        rd.agree(bias_name, bias, mean, f"the mean of evidence[{key!r}]", tiny=REL * scale)
+        rd.agree(prefix + "std", std, sd, f"the spread of evidence[{key!r}]", tiny=REL * scale)
+        se = std / math.sqrt(n)
+        half = 0.0 if std == 0 else float(stats.t.ppf(1 - alpha / 4, n - 1)) * se
+        tiny = REL * (abs(bias) + half)
+        how = f"{bias_name} -+ t(1 - alpha/4, trials - 1) {prefix}std / sqrt(trials)"
+        rd.agree(prefix + "ci_low", lo, bias - half, how, tiny=tiny)
+        rd.agree(prefix + "ci_high", hi, bias + half, how, tiny=tiny)
+        _p_agree(rd, prefix + "p_value", p, _t_p(bias, se, n - 1), f"the t-test of evidence[{key!r}]")
+        if not prefix:
+            rd.agree("min_detectable_bias", rd.num("min_detectable_bias"),
+                     min_detectable_effect(se, n - 1, alpha / 2), "the 80%-power effect of std / sqrt(trials)")
+        cis.append((lo, hi))
+    # 2. SQNR and the maximum error, from the weighted sums kept
     ssr, sse = rd.as_number(rd.ev.get("sum_sq_ref"), "evidence['sum_sq_ref']"), \
         rd.as_number(rd.ev.get("sum_sq_err"), "evidence['sum_sq_err']")
+    wsum = rd.as_number(rd.ev.get("weight_sum"), "evidence['weight_sum']")
     mae = rd.as_number(rd.ev.get("max_abs_err"), "evidence['max_abs_err']")
-    if ssr <= 0 or sse < 0 or mae < 0:
-        rd.fail("evidence sums of squares or maximum error are negative")
+    if ssr <= 0 or sse < 0 or mae < 0 or not wsum > 0:
+        rd.fail("evidence sums of squares, weight sum or maximum error are negative")
     rd.agree("sqnr_db", rd.num("sqnr_db"), 10 * math.log10(ssr / sse) if sse else math.inf,
              "10 log10(sum_sq_ref / sum_sq_err)")
-    rd.agree("max_relative_error", rd.num("max_relative_error"), mae / math.sqrt(ssr / S),
-             "max_abs_err / rms of the exact outputs")
+    rd.agree("max_relative_error", rd.num("max_relative_error"), mae / math.sqrt(ssr / wsum),
+             "max_abs_err / rms of the exact outputs (sqrt(sum_sq_ref / weight_sum))")
     if (verdict == "exact") != (mae == 0):
         rd.fail(f"gemm_verdict={verdict!r} beside a largest error of {_fmt(mae)}: exact means "
                 "every sampled output equals fp64")
-    if (mae == 0) != (sse == 0) or (mae == 0 and (bias != 0 or std != 0)):
+    if (mae == 0) != (sse == 0) or (mae == 0 and any(lo != 0 or hi != 0 for lo, hi in cis)):
         rd.fail("an exact GEMM (no error) with a non-zero error sum, bias or spread")
     # 3. the growth fit and its points
     growth = rd.evidence("growth", list)
@@ -1128,14 +1153,16 @@ def _gemm(rd: Reader) -> None:
         rd.fail(f"evidence['growth'] does not end at k={K}")
     rd.agree("growth_exponent", rd.num("growth_exponent"), growth_exponent(growth),
              "the log-log slope of evidence['growth']")
-    # 4. stall_k: where half the sampled outputs had a fused add absorbed
+    # 4. stall_k: where half the outputs (by weight) had a fused add absorbed
     stall = rd.evidence("stall", dict)
     stalled = rd.as_count(rd.field(stall, "stalled_outputs", "evidence['stall']"), "stalled_outputs")
+    share = rd.field(stall, "stalled_share", "evidence['stall']")
     sk = rd.num("stall_k")
-    if stalled > S or (2 * stalled < S) != math.isinf(sk) or not (sk <= K or math.isinf(sk)) \
+    if stalled > S or not 0 <= share <= 1 or (share == 0) != (stalled == 0) \
+            or (share < 0.5) != math.isinf(sk) or not (sk <= K or math.isinf(sk)) \
             or not close(sk, rd.field(stall, "stall_k", "evidence['stall']")):
-        rd.fail(f"stall_k={_fmt(sk)} beside {stalled} of {S} stalled outputs and k={K} (inf exactly "
-                "when fewer than half stalled; else the K by which half did)")
+        rd.fail(f"stall_k={_fmt(sk)} beside {stalled} of {S} stalled outputs (a share {_fmt(share)} "
+                f"by weight) and k={K} (inf exactly when under half stalled; else the K by which half did)")
     # 5. the promotion interval: K unless biased, else the first candidate within tolerance
     need = rd.num("promote_every_needed")
     promo = rd.evidence("promotion", list)
@@ -1145,19 +1172,20 @@ def _gemm(rd: Reader) -> None:
                     f"writes k={K} and searches nothing")
     elif promo:
         for c in promo:
-            within = is_within(rd.field(c, "ci_low", "promotion"), rd.field(c, "ci_high", "promotion"), tol)
+            within = all(is_within(rd.field(c, lo, "promotion"), rd.field(c, hi, "promotion"), tol)
+                         for lo, hi in (("ci_low", "ci_high"), ("offset_ci_low", "offset_ci_high")))
             if within != c.get("within"):
                 rd.fail(f"evidence['promotion'] entry {c!r} is not judged against tolerance={_fmt(tol)}")
         hit = [c["promote_every"] for c in promo if c.get("within")]
         if not close(need, float(hit[0]) if hit else math.nan):
             rd.fail(f"promote_every_needed={_fmt(need)} is not the first candidate within the "
                     f"tolerance ({hit[:1] or 'none'})")
-    if verdict == "noise" and not is_within(lo, hi, tol):
-        rd.fail(f"gemm_verdict='noise' beside the CI [{_fmt(lo)}, {_fmt(hi)}] reaching past tolerance="
-                f"{_fmt(tol)}: noise means the whole CI lies within it (else the probe cannot judge)")
-    if verdict != "exact" and (verdict == "biased") != is_biased(lo, hi, tol):
-        rd.fail(f"gemm_verdict={verdict!r} beside the CI [{_fmt(lo)}, {_fmt(hi)}] and tolerance="
-                f"{_fmt(tol)}: biased exactly when the CI excludes 0 and reaches past +-tolerance")
+    if verdict != judge(mae == 0, cis, tol):
+        shown = ", ".join(f"[{_fmt(lo)}, {_fmt(hi)}]" for lo, hi in cis)
+        rd.fail(f"gemm_verdict={verdict!r} beside the CIs {shown} (bias, offset) and tolerance="
+                f"{_fmt(tol)}: biased exactly when a CI excludes 0 and reaches past +-tolerance, "
+                f"noise means the whole CI lies within it (else the probe cannot judge): "
+                f"{judge(mae == 0, cis, tol)!r}")
     if (rd.m.get("biased") is True) != (verdict == "biased"):
         rd.fail(f"gemm_verdict={verdict!r} contradicts biased={rd.m.get('biased')}")
     rd.codes_agree("TP-B1", verdict == "biased", f"gemm_verdict is {verdict!r}")

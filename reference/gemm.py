@@ -7,13 +7,24 @@ behavior of NVIDIA tensor cores"; DeepSeek-V3 report, arXiv 2412.19437, section 
 
   mantissa_bits  m: explicit bits of the running sum (13: a 14-bit significand).
   fused_terms    F: products added in one fused step (1: an ordinary sequential sum).
-  rounding       of each fused step's result to m bits: "toward_zero" or "nearest" (even).
+  rounding       of each fused step's result to m bits: "toward_zero", "nearest" (even) or
+                 "down" (toward -inf: a two's-complement sum whose low bits are dropped).
   alignment      "terms": every term of a fused step (the F products and the running sum) is
-                 shifted to the largest exponent emax among them and truncated to the grid
+                 shifted to the largest exponent emax among them and cut to the grid
                  2^(emax - m) before an exact integer sum (what the hardware papers describe:
                  bits shifted out are dropped); "sum": the F products and the running sum are
                  added exactly and the result rounded once. The two disagree whenever small
                  terms are lost in the alignment; hardware reports disagree, so both exist.
+  term_rounding  how "terms" cuts each aligned term: "toward_zero" (a sign-magnitude shift:
+                 what this project's H200 reveal read, on positive terms only) or "down"
+                 (toward -inf: a sign-fill right shift of a two's-complement term, as the
+                 DeepSeek-V3 report, section 3.5.2, and DeepGEMM #37 describe Hopper's fixed-
+                 point alignment: "the highest 14 bits of each mantissa product after
+                 sign-fill right shifting"). The two agree on positive terms and differ on
+                 every negative term that is not on the grid: "down" moves it by up to one
+                 grid step away from zero, so every output shifts down whatever its sign (an
+                 offset, not a shrinking toward zero). Unsettled until a GPU run saves
+                 _scaled_mm outputs on crafted negative terms (numerics.gemm_pin).
   promote_every  N_C: every N_C elements of K the narrow partial sum is added to an fp32
                  accumulator (round to nearest, fp32) and restarted from 0: DeepSeek-V3's fix.
 
@@ -22,7 +33,8 @@ inside fp32's). Step by step, for one dot product of the products p_0 .. p_{K-1}
   1. acc = 0; for each group g of F consecutive products (the last may be shorter):
   2. "sum":   acc = round_m(acc + sum(g)), the sum exact (two-lane split, _exact_round);
      "terms": emax = max floor(log2 |x|) over x in g and acc; Q = 2^(emax - m);
-              acc = round_m(sum(trunc(x / Q) * Q)), the sum exact (integers below 2^(m+1));
+              acc = round_m(sum(cut(x / Q) * Q)), cut = trunc ("toward_zero") or floor
+              ("down"), the sum exact (integers of at most m + 1 bits);
   3. with N_C: after every N_C products, acc32 = round_23(acc32 + acc), acc = 0;
      the result is round_23(acc32 + acc) (the last, partial interval included).
 """
@@ -31,15 +43,18 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 from trainprobes.errors import InvalidArgument
 from trainprobes.validation import check_choice, check_int
 
-__all__ = ["Accumulator", "PRESETS", "get_preset", "dot", "dot_products", "matmul", "ROUNDINGS", "ALIGNMENTS"]
+__all__ = ["Accumulator", "PRESETS", "get_preset", "dot", "dot_products", "promotion_runs", "matmul",
+           "ROUNDINGS", "ALIGNMENTS", "TERM_ROUNDINGS"]
 
-ROUNDINGS = ("toward_zero", "nearest")
+ROUNDINGS = ("toward_zero", "nearest", "down")
 ALIGNMENTS = ("terms", "sum")
+TERM_ROUNDINGS = ("toward_zero", "down")
 FP32_BITS = 23
 
 
@@ -54,6 +69,13 @@ class Accumulator:
     alignment: str
     promote_every: int | None = None
     source: str = ""
+    term_rounding: str = "toward_zero"
+    # the element formats whose products the model was measured on (None: any, e.g. the
+    # IEEE fp32 adds of CUDA cores), and whether with block scales applied inside the MMA
+    # (MXFP8, NVFP4: Blackwell's block-scaled kinds); numerics.gemm refuses what a preset was
+    # not measured for (a setup no hardware runs) unless asked for a what-if
+    inputs: tuple | None = None
+    block_scales: bool = False
 
     def __post_init__(self):
         check_int(self.mantissa_bits, "mantissa_bits", min=1, max=45,
@@ -61,6 +83,11 @@ class Accumulator:
         check_int(self.fused_terms, "fused_terms", min=1, max=4096, hint="e.g. 1, 16 or 32")
         check_choice(self.rounding, "rounding", ROUNDINGS)
         check_choice(self.alignment, "alignment", ALIGNMENTS)
+        check_choice(self.term_rounding, "term_rounding", TERM_ROUNDINGS)
+        if self.alignment == "sum" and self.term_rounding != "toward_zero":
+            raise InvalidArgument(f"term_rounding={self.term_rounding!r} cuts aligned terms: it "
+                                  "applies to alignment='terms' only (the 'sum' alignment adds "
+                                  "the terms exactly); use alignment='terms'")
         if self.promote_every is not None:
             check_int(self.promote_every, "promote_every", min=1, hint="e.g. 128 (DeepSeek-V3)")
             if self.promote_every % self.fused_terms:
@@ -78,8 +105,10 @@ class Accumulator:
         return new
 
     def describe(self) -> str:
+        cut = (f" (each term cut {self.term_rounding.replace('_', ' ')})"
+               if self.alignment == "terms" else "")
         s = (f"{self.mantissa_bits} mantissa bits, {self.fused_terms}-term fused adds, "
-             f"{self.rounding.replace('_', ' ')}, {self.alignment} alignment")
+             f"{self.rounding.replace('_', ' ')}, {self.alignment} alignment{cut}")
         return s + (f", promoted to fp32 every {self.promote_every}" if self.promote_every else "")
 
 
@@ -88,18 +117,35 @@ _H200 = ("reports/gpu-check.md: torch._scaled_mm e4m3 -> bf16 on an H200 (sm90),
          "consistent fused node and a 13-bit precision are what the 'terms' alignment gives; an "
          "exact fused sum would cancel +M - M exactly and keep every small term (the reveal "
          "would see pairs of size 2 and no precision limit)")
+# The products a tensor-core model was measured on: fp8 x fp8 (e4m3, e5m2, either pairing).
+# Fed bf16 or fp32 products (24 or 48 significant bits) the same model judges a setup no
+# hardware runs: Hopper's bf16 and tf32 MMAs accumulate differently (reports/gpu-check.md:
+# 23-25 bits for bf16 matmul), and the alignment would cut bits fp8 products never have.
+FP8_INPUTS = ("fp8_e4m3fn", "fp8_e5m2")
 PRESETS: dict[str, Accumulator] = {p.name: p for p in (
-    Accumulator("h200-scaled-mm", 13, 32, "toward_zero", "terms", None, _H200),
+    Accumulator("h200-scaled-mm", 13, 32, "toward_zero", "terms", None, _H200, inputs=FP8_INPUTS),
+    Accumulator("h200-scaled-mm-signfill", 13, 32, "down", "terms", None,
+                "the DeepSeek-V3 report's reading of Hopper's fp8 alignment (section 3.5.2; "
+                "DeepGEMM #37): fixed-point accumulation of two's-complement terms, 'the highest "
+                "14 bits of each mantissa product after sign-fill right shifting': each term "
+                "and the sum cut toward -inf. Agrees with h200-scaled-mm on every positive term "
+                "(the H200 reveal used only those); negative terms tell them apart "
+                "(numerics.gemm_pin's crafted cases), unsettled until a GPU run saves them",
+                term_rounding="down", inputs=FP8_INPUTS),
     Accumulator("h200-scaled-mm-sum", 13, 32, "toward_zero", "sum", None,
                 "the other reading of the same measurements (FIELD_NOTES: an exact 32-term sum "
-                "truncated to a 14-bit significand); the H200 reveal did not match it"),
+                "truncated to a 14-bit significand); the H200 reveal did not match it",
+                inputs=FP8_INPUTS),
     Accumulator("deepseek-v3", 13, 32, "toward_zero", "terms", 128,
                 "DeepSeek-V3 report (arXiv 2412.19437) section 3.3: ~14 bits of accumulation on "
                 "Hopper, partial sums copied to fp32 CUDA-core registers every N_C = 128 "
-                "elements; the narrow part is the h200-scaled-mm model"),
+                "elements; the narrow part is the h200-scaled-mm model", inputs=FP8_INPUTS),
     Accumulator("b200-25bit", 25, 32, "toward_zero", "terms", None,
-                "DeepGEMM issue #176: 25 accumulator mantissa bits measured on B200; fused width "
-                "and alignment not reported there (32 and 'terms' assumed, as on Hopper)"),
+                "DeepGEMM issue #176: 25 accumulator mantissa bits measured on B200 with "
+                "tcgen05.mma kind::f8f6f4 (fp8/fp6/fp4 operands, no block scales; the "
+                "block-scaled kinds mxf8f6f4 and mxf4nvf4 were left unsettled there); fused "
+                "width and alignment not reported (32 and 'terms' assumed, as on Hopper)",
+                inputs=FP8_INPUTS + ("fp4_e2m1fn",)),
     Accumulator("fp32", FP32_BITS, 1, "nearest", "sum", None,
                 "IEEE 754 binary32, one correctly rounded add per product: CUDA-core FMA "
                 "accumulation, and what torch._scaled_mm on the CPU (torch 2.13) reveals"),
@@ -125,7 +171,7 @@ def _round_bits(x: torch.Tensor, m: int, mode: str) -> torch.Tensor:
     """x (float64, exact) rounded to an m-bit mantissa, unbounded exponent."""
     q = torch.ldexp(torch.ones_like(x), _exponent(x) - m)
     y = x / q  # exact: a power-of-two scale
-    y = torch.round(y) if mode == "nearest" else torch.trunc(y)  # torch.round: half to even
+    y = torch.round(y) if mode == "nearest" else torch.floor(y) if mode == "down" else torch.trunc(y)  # round: half to even
     return torch.where(x == 0, x, y * q)
 
 
@@ -188,9 +234,9 @@ def _exact_round(terms: torch.Tensor, m: int, mode: str) -> torch.Tensor:
     return _round_pair(s, r, m, mode)
 
 
-def _aligned_round(terms: torch.Tensor, m: int, mode: str) -> torch.Tensor:
-    """'terms' alignment: every term truncated to the grid 2^(emax - m) of the row's largest
-    exponent, summed exactly, then rounded. The T aligned terms are integers below 2^(m+1)
+def _aligned_round(terms: torch.Tensor, m: int, mode: str, cut: str = "toward_zero") -> torch.Tensor:
+    """'terms' alignment: every term cut (truncated toward zero, or floored: `cut`) to the
+    grid 2^(emax - m) of the row's largest exponent, summed exactly, then rounded. The T aligned terms are integers below 2^(m+1)
     in units of the grid: a float64 sum is exact while T 2^(m+1) <= 2^53; past it (a wide
     accumulator with a wide fused add, e.g. 45 bits and 256 terms) the lanes of
     _exact_round sum them."""
@@ -199,7 +245,7 @@ def _aligned_round(terms: torch.Tensor, m: int, mode: str) -> torch.Tensor:
     emax = e.amax(dim=-1, keepdim=True)
     emax = torch.where(emax < -(2 ** 39), torch.zeros_like(emax), emax)  # a row of zeros
     Q = torch.ldexp(torch.ones_like(terms[..., :1]), emax - m)
-    aligned = torch.trunc(terms / Q) * Q
+    aligned = (torch.floor(terms / Q) if cut == "down" else torch.trunc(terms / Q)) * Q
     if terms.shape[-1] << (m + 1) > 1 << 53:
         return _exact_round(aligned, m, mode)
     return _round_bits(aligned.sum(-1), m, mode)
@@ -273,6 +319,13 @@ def dot_products(p: torch.Tensor, acc: Accumulator, checkpoints=None, trace=None
     fast = _fp32_sequential(p, acc, marks, trace)
     if fast is not None:
         return fast if checkpoints is not None else fast[0]
+    if acc.promote_every and checkpoints is None and trace is None and K > acc.promote_every:
+        return _promoted_in_chunks(p, acc)
+    return _looped(p, acc, marks, checkpoints, trace)
+
+
+def _looped(p, acc, marks, checkpoints, trace):
+    """_loop, on one intra-op thread (_one_thread)."""
     if p.numel() < GRAIN:  # torch runs ops this small on one thread anyway
         return _loop(p, acc, marks, checkpoints, trace)
     with _one_thread():
@@ -280,14 +333,50 @@ def dot_products(p: torch.Tensor, acc: Accumulator, checkpoints=None, trace=None
 
 
 GRAIN = 32768  # at::internal::GRAIN_SIZE: below it an op does not fork
+# rows of intervals emulated together: a fused add's temporaries (rows x F float64) stay in
+# cache (measured, 2,048 x 16,384 products at N_C = 128: 1.6 s in one block of 262,144 rows)
+BLOCK_ROWS = 4096
+
+
+def _promoted_in_chunks(p: torch.Tensor, acc: Accumulator, gexp=None) -> torch.Tensor:
+    """Step 3 without the loop over all of K: the narrow sum restarts from 0 every N_C
+    products, so each interval of N_C products is a dot product of its own under the narrow
+    model (zero products pad the last one: a zero group leaves the narrow sum as it is), all
+    run at once as rows of one (rows * K / N_C, N_C) emulation; the fp32 accumulator then
+    adds the intervals' results in order, round to nearest: an fp32 sequential sum
+    (_fp32_sequential, where every result is an fp32 value, else one _exact_round per
+    interval). The result is _loop's bit for bit (tests/test_reference_gemm.py)."""
+    N, K = acc.promote_every, p.shape[-1]
+    C = -(-K // N)
+    shape = p.shape[:-1]
+    pp = torch.nn.functional.pad(p, (0, C * N - K)) if C * N != K else p
+    narrow = replace(acc, promote_every=None)
+    flat = pp.reshape(-1, N)
+    if _fast_terms(acc):  # the groups' exponents, per interval (zero groups pad the last)
+        F = acc.fused_terms
+        gexp = _group_exponents(p, F) if gexp is None else gexp
+        gexp = torch.nn.functional.pad(gexp, (0, C * N // F - gexp.shape[-1]), value=NONE)
+        gexp = gexp.reshape(-1, N // F)
+    with _one_thread():
+        r = torch.cat([_loop(flat[i:i + BLOCK_ROWS], narrow, [], None, None,
+                             None if gexp is None else gexp[i:i + BLOCK_ROWS])
+                       for i in range(0, flat.shape[0], BLOCK_ROWS)]).reshape(*shape, C)
+    fast = _fp32_sequential(r, PRESETS["fp32"], [], None)
+    if fast is not None:
+        return fast[0]
+    wide = torch.zeros(shape, dtype=torch.float64)
+    for c in range(C):
+        wide = _exact_round(torch.stack((wide, r[..., c]), -1), FP32_BITS, "nearest")
+    return wide
 
 
 @contextmanager
 def _one_thread():
     """The loop below runs ~20 small torch ops per fused add; with intra-op threads each op
     pays a fork-join, which on a loaded machine costs more than the op (measured: a sampled
-    1024 x 1024 x 4096 verdict took 26 s with 2 threads, 5 s with 1). The previous setting
-    is restored on the way out."""
+    1024 x 1024 x 4096 verdict took 26 s with 2 threads, 5 s with 1; the promotion intervals'
+    blocks, 4096 x 33 per op, 0.67 s on one thread against 2.3 s on two). The previous
+    setting is restored on the way out."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -296,12 +385,68 @@ def _one_thread():
         torch.set_num_threads(before)
 
 
-def _loop(p, acc, marks, checkpoints, trace):
-    """Steps 1-3 of the module docstring, one fused add at a time."""
+NONE = -(2 ** 30)  # the exponent of 0 where a maximum is taken (int32; any real one is larger)
+_ROUND = {"toward_zero": torch.trunc, "nearest": torch.round, "down": torch.floor}  # round: half to even
+
+
+def _fast_terms(acc: Accumulator) -> bool:
+    """_loop's fast "terms" path applies: the aligned integers of a fused add sum exactly."""
+    return acc.alignment == "terms" and (acc.fused_terms + 1) << (acc.mantissa_bits + 1) <= 1 << 53
+
+
+def _group_exponents(p: torch.Tensor, F: int) -> torch.Tensor:
+    """floor(log2 max |p|) of each group of F consecutive products (..., ceil(K / F)), int32,
+    NONE for a group of zeros (the last group padded with zeros)."""
+    K = p.shape[-1]
+    G = -(-K // F)
+    pp = torch.nn.functional.pad(p, (0, G * F - K)) if G * F != K else p
+    gmax = pp.reshape(*p.shape[:-1], G, F).abs().amax(-1)
+    _, e = torch.frexp(gmax)
+    return torch.where(gmax > 0, e - 1, torch.full_like(e, NONE))
+
+
+def promotion_runs(p: torch.Tensor, acc) -> Callable:
+    """run(n) = dot_products(p, acc with promote_every=n), for the several n a promotion
+    search tries on the same products: the groups' largest exponents (the part of the fast
+    "terms" step that does not depend on n) are taken once for all of them."""
+    acc = get_preset(acc)
+    gexp = _group_exponents(p, acc.fused_terms) if _fast_terms(acc) else None
+
+    def run(n: int) -> torch.Tensor:
+        cand = acc.with_(promote_every=n)
+        if p.shape[-1] <= n:
+            return dot_products(p, cand)
+        return _promoted_in_chunks(p, cand, gexp)
+    return run
+
+
+def _loop(p, acc, marks, checkpoints, trace, gexp=None):
+    """Steps 1-3 of the module docstring, one fused add at a time.
+
+    "terms" alignment, where the aligned integers sum exactly in float64 ((F + 1) 2^(m+1)
+    <= 2^53): the largest exponent of each group of products is taken once for all groups
+    (the exponent of the group's largest |p|), so each step only finds the running sum's,
+    scales the group and the sum by 2^(m - emax) (exact: a power of two), cuts them to
+    integers, sums, and rounds: _aligned_round's arithmetic without its per-term frexp and
+    concatenation (the slow path, and the "sum" alignment, run _aligned_round and
+    _exact_round on [sum, group])."""
     K = p.shape[-1]
     F, m = acc.fused_terms, acc.mantissa_bits
-    step = _aligned_round if acc.alignment == "terms" else _exact_round
     shape = p.shape[:-1]
+    fast = _fast_terms(acc)
+    if fast:
+        G = -(-K // F)
+        grouped = (torch.nn.functional.pad(p, (0, G * F - K)) if G * F != K else p).reshape(*shape, G, F)
+        if gexp is None:
+            gexp = _group_exponents(p, F)
+        cut = torch.floor if acc.term_rounding == "down" else torch.trunc
+        one = torch.ones(shape, dtype=torch.float64)
+        nonzero = (gexp != NONE) if trace is not None else None
+    elif acc.alignment == "terms":
+        def step(t, m, mode):
+            return _aligned_round(t, m, mode, acc.term_rounding)
+    else:
+        step = _exact_round
     narrow = torch.zeros(shape, dtype=torch.float64)
     wide = torch.zeros(shape, dtype=torch.float64) if acc.promote_every else None
     seen, out = 0, {}
@@ -314,13 +459,27 @@ def _loop(p, acc, marks, checkpoints, trace):
             return narrow.clone()
         return _exact_round(torch.stack((wide, narrow), -1), FP32_BITS, "nearest")
 
-    for start in range(0, K, F):
-        g = p[..., start:start + F]
+    for t, start in enumerate(range(0, K, F)):
         before = narrow
-        narrow = step(torch.cat((narrow.unsqueeze(-1), g), -1), m, acc.rounding)
+        if fast:
+            _, e = torch.frexp(narrow)  # floor(log2 |narrow|) + 1 (0 for 0)
+            own = torch.where(narrow != 0, e - 1, torch.full_like(e, NONE))
+            emax = torch.maximum(gexp[..., t], own)
+            emax = torch.where(emax == NONE, torch.zeros_like(emax), emax)  # all zero: any grid
+            scale = torch.ldexp(one, m - emax)  # 1 / Q: the grid becomes the integers
+            s = cut(grouped[..., t, :] * scale.unsqueeze(-1)).sum(-1) + cut(narrow * scale)
+            # round_m(s Q) = round_m(s) Q (Q a power of two): s's significand to m + 1 bits
+            ms, es = torch.frexp(s)
+            r = _ROUND[acc.rounding](torch.ldexp(ms, torch.full_like(es, m + 1)))
+            narrow = torch.ldexp(r, es + emax - (2 * m + 1))
+            gnz = nonzero[..., t] if trace is not None else None
+        else:
+            g = p[..., start:start + F]
+            narrow = step(torch.cat((narrow.unsqueeze(-1), g), -1), m, acc.rounding)
+            gnz = (g != 0).any(-1) if trace is not None else None
         seen = min(start + F, K)
         if trace is not None:
-            lost = (narrow == before) & (g != 0).any(-1)
+            lost = (narrow == before) & gnz
             absorbed += lost
             first = torch.where(lost & (first < 0), torch.full_like(first, seen), first)
         if wide is not None and seen % acc.promote_every == 0:

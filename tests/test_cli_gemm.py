@@ -62,10 +62,11 @@ def test_a_mean_that_saturates_e4m3_is_refused_not_exact(capsys):
 
 
 def test_impact_table_and_exit_status(capsys):
-    code = main(["gemm", "--impact", "--recipes", "bf16", "--presets", "h200-scaled-mm,fp32",
-                 "--k", "1024", "--steps", "6", "--loss-tol", "0.001"])
+    code = main(["gemm", "--impact", "--recipes", "fp8-rowwise,bf16", "--presets",
+                 "h200-scaled-mm,fp32", "--k", "4096", "--steps", "6", "--loss-tol", "0.002"])
     out = capsys.readouterr().out
-    assert code == 1 and "accumulator share" in out and "bf16 x h200-scaled-mm" in out
+    assert code == 1 and "accumulator share" in out and "fp8-rowwise x h200-scaled-mm" in out
+    assert "not run: bf16 x h200-scaled-mm" in out and "--what-if runs it" in out
     assert main(["gemm", "--impact", "--k", "512,1024"]) == 2
     assert "one --k" in capsys.readouterr().err
 
@@ -95,3 +96,29 @@ def test_target_refuses_what_it_would_silently_drop(capsys, tmp_path, monkeypatc
         assert named in capsys.readouterr().err
     assert main(base + ["--presets", "fp32", "--tolerance", "1"]) == 0
     assert "fp32" not in capsys.readouterr().err
+
+
+def test_a_preset_is_judged_only_on_what_it_was_measured_on(capsys, tmp_path, monkeypatch):
+    # the fp8 tensor core's accumulator fed fp32 products (the old --target default: recipe
+    # exact on the fp32 step's operands) judged a setup no hardware runs
+    (tmp_path / "gemm_cli_fp32.py").write_text(
+        "import torch\n"
+        "def make():\n"
+        "    torch.manual_seed(0)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(64, 16)), torch.randn(32, 64)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    base = ["gemm", "--target", "gemm_cli_fp32:make", "--samples", "64", "--trials", "8",
+            "--presets", "h200-scaled-mm", "--tolerance", "1"]
+    assert main(base + ["--recipes", "exact"]) == 2
+    err = capsys.readouterr().err
+    assert "operand a holds fp32" in err and "fp8-tensor" in err and "--what-if" in err
+    assert main(base + ["--recipes", "exact", "--what-if"]) == 0
+    assert "WHAT-IF" in capsys.readouterr().out
+    assert main(base) == 0  # the default recipe: fp8-tensor, what an fp8 step multiplies
+    out = capsys.readouterr().out
+    assert "fp8-tensor" in out and "WHAT-IF" not in out
+    # in the random table a cell no hardware runs is left out, and said
+    code = main(["gemm", "--k", "64", "--rows", "16", "--samples", "64", "--trials", "8",
+                 "--operands", "fp32", "--presets", "h200-scaled-mm,fp32", "--tolerance", "1"])
+    out = capsys.readouterr().out
+    assert code == 0 and "not run: K=64 exact x h200-scaled-mm" in out

@@ -267,7 +267,6 @@ UNDETECTABLE = {
                                                   "|mean_log_ratio| and max_abs_log_ratio)",
     ("transforms.equivalence", "min_effect"): FLOOR,
     ("numerics.gemm", "tolerance"): FLOOR,
-    ("exact gemm", "alpha"): "std = 0: the CI has no width at any alpha, and p = 1",
     **{("transforms.equivalence", f): SETTING for f in ("noise_tol", "replica_tol", "power",
                                                         "world")},
     **{("transforms.equivalence", f): DESCRIPTIVE for f in (

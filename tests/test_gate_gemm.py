@@ -58,7 +58,7 @@ def test_a_promotion_fix_the_ci_does_not_show_cannot_be_judged(operands):
     # no bias shown, but none ruled out) as the fix
     g = torch.Generator().manual_seed(4)
     a, b = ((torch.randn(64, 2048, generator=g)).to(torch.float8_e4m3fn).double() for _ in "ab")
-    cand = gemm_bias(a, b, preset="h200-scaled-mm", samples=128, trials=16, seed=4,
+    cand = gemm_bias(a, b, preset="h200-scaled-mm", samples=128, trials=16, seed=14,
                      target="mlp.up_proj.fprop")
     tol = cand.metrics["tolerance"]
     promo = cand.evidence["promotion"]
@@ -73,11 +73,12 @@ def test_a_promotion_fix_the_ci_does_not_show_cannot_be_judged(operands):
 
 def test_a_biased_candidate_whose_point_estimate_is_under_the_tolerance_blocks():
     # the probe's fail-closed rule: deepseek-v3 on mostly positive data, 64 samples: a bias
-    # of -9.9e-5 (under the 1e-4 tolerance) with a CI reaching -1.2e-4 is biased. The gate
+    # of -9.6e-5 (under the 1e-4 tolerance) with a CI reaching -1.2e-4 is biased. The gate
     # must block it as the probe judged it, not call the genuine Result edited (exit 2)
     g = torch.Generator().manual_seed(1024)
     a, b = ((torch.randn(32, 1024, generator=g) + 1).to(torch.float8_e4m3fn).double() for _ in "ab")
-    cand = gemm_bias(a, b, preset="deepseek-v3", samples=64, trials=8, target="mlp.up_proj.fprop")
+    cand = gemm_bias(a, b, preset="deepseek-v3", samples=64, trials=8, seed=1,
+                     target="mlp.up_proj.fprop")
     m = cand.metrics
     assert m["gemm_verdict"] == "biased" and abs(m["relative_bias"]) < m["tolerance"]
     base = gemm_bias(a, b, preset="fp32", samples=64, trials=8, target="mlp.up_proj.fprop")

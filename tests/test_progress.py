@@ -236,13 +236,13 @@ def test_gemm_says_which_gemm_runs_and_what_is_left(clock, stderr, monkeypatch):
 
     def one(*a, preset, **kw):
         calls.append(preset)
-        if len(calls) == 2:        # one GEMM of 3 took 10 s
-            slowed.check_heartbeat("1/3 GEMMs done, K=8 exact deepseek-v3")
-            assert "about 20 s left" in slowed.seen[0]
+        if len(calls) == 2:        # one GEMM of 4 took 10 s
+            slowed.check_heartbeat("1/4 GEMMs done, K=8 exact h200-scaled-mm-signfill")
+            assert "about 30 s left" in slowed.seen[0]
         return Result("numerics.gemm", "g", "pass", metrics={"biased": False})
     monkeypatch.setattr(gemm, "gemm_bias", one)
     assert 0 == main(["gemm", "--k", "8", "--rows", "4", "--json", "--progress"])
-    assert len(calls) == 3
+    assert len(calls) == 4
 
 
 def test_causality_on_a_big_target_counts_its_cuts(clock, stderr, monkeypatch, tmp_path):

@@ -36,6 +36,8 @@ def _round_int(v: int, m: int, mode: str) -> int:
     k = _floor_log2(v) - m  # the grid is 2^k units
     if k <= 0:
         return v
+    if mode == "down":  # Python's // floors: toward -inf for either sign
+        return (v >> k) << k
     sign, a = (1 if v > 0 else -1), abs(v)
     q, r = divmod(a, 1 << k)
     if mode == "nearest":
@@ -45,10 +47,13 @@ def _round_int(v: int, m: int, mode: str) -> int:
     return sign * (q << k)
 
 
-def _trunc_to(v: int, k: int) -> int:
-    """v truncated toward zero to a multiple of 2^k units (k <= 0: unchanged)."""
+def _cut_to(v: int, k: int, cut: str) -> int:
+    """v truncated toward zero ("toward_zero") or floored ("down", an arithmetic right shift)
+    to a multiple of 2^k units (k <= 0: unchanged)."""
     if k <= 0:
         return v
+    if cut == "down":
+        return (v >> k) << k
     return (1 if v >= 0 else -1) * ((abs(v) >> k) << k)
 
 
@@ -64,7 +69,8 @@ def slow_dot(products: list[int], acc: Accumulator) -> int:
             nz = [t for t in terms if t]
             if nz:
                 k = max(_floor_log2(t) for t in nz) - m
-                narrow = _round_int(sum(_trunc_to(t, k) for t in terms), m, acc.rounding)
+                narrow = _round_int(sum(_cut_to(t, k, acc.term_rounding) for t in terms), m,
+                                    acc.rounding)
         seen += len(group)
         if acc.promote_every and seen % acc.promote_every == 0:
             wide, narrow = _round_int(wide + narrow, 23, "nearest"), 0
@@ -143,7 +149,10 @@ def test_ten_thousand_dot_products_per_preset_bit_for_bit(preset):
 
 
 @pytest.mark.parametrize("variant", [dict(alignment="sum"), dict(rounding="nearest"),
-                                     dict(fused_terms=1), dict(fused_terms=16, promote_every=64)])
+                                     dict(fused_terms=1), dict(fused_terms=16, promote_every=64),
+                                     dict(term_rounding="down"), dict(rounding="down"),
+                                     dict(alignment="sum", rounding="down"),
+                                     dict(term_rounding="down", rounding="down", promote_every=64)])
 def test_the_variants_match_the_scalar_model(variant):
     acc = get_preset("h200-scaled-mm").with_(**variant)
     for kind in KINDS:
@@ -218,6 +227,7 @@ def test_reveal_on_the_emulator_returns_the_preset(preset):
     assert found.fused_terms == acc.fused_terms
     assert found.rounding == acc.rounding
     assert found.alignment == acc.alignment
+    assert found.term_rounding == acc.term_rounding
 
 
 # --- the fp32 preset's vectorised path is the general path -------------------------------
@@ -286,3 +296,26 @@ def test_operands_of_27_significant_bits_are_refused():
         dot(a, a, "b200-25bit")
     f = torch.tensor([[1 - 2.0 ** -24, 3.0]], dtype=torch.float64)  # fp32 values pass
     assert dot(f, f, "fp32").item() == 10.0  # accepted; (1 - 2^-24)^2 + 9 rounds to 24 bits
+
+
+@pytest.mark.parametrize("preset,N", [("deepseek-v3", 128), ("b200-25bit", 64), ("h200-scaled-mm-signfill", 32)])
+def test_promotion_in_chunks_is_the_loop(preset, N):
+    # without checkpoints or a trace, a promoting accumulator runs each interval of N_C
+    # products as a dot product of its own and sums the intervals in fp32 (25-bit intervals
+    # are no fp32 values: the per-interval _exact_round path); with them, the loop over K
+    acc = get_preset(preset).with_(promote_every=N)
+    for kind in KINDS:
+        for K in (N + 7, 3 * N, 5 * N - 32):
+            a, b = _batch(kind, K, 25, K, "e5m2")
+            chunked = dot(a, b, acc)
+            looped, _ = dot(a, b, acc, checkpoints=[K])
+            assert torch.equal(chunked, looped), (kind, K)
+
+
+def test_promotion_runs_share_the_groups_and_agree_with_dot():
+    from trainprobes.reference.gemm import promotion_runs
+    a, b = _batch("mixed", 3, 20, 300, "e4m3")
+    for preset in ("h200-scaled-mm", "h200-scaled-mm-sum", "b200-25bit"):
+        run = promotion_runs(a * b, preset)
+        for n in (32, 64, 256, 512):
+            assert torch.equal(run(n), dot(a, b, get_preset(preset).with_(promote_every=n))), (preset, n)

@@ -11,11 +11,13 @@ from trainprobes.commands.options import (
 from trainprobes.validation import parse_choice, parse_int, parse_number
 
 # the names, without importing torch before argparse needs them
-PRESET_NAMES = ("h200-scaled-mm", "h200-scaled-mm-sum", "deepseek-v3", "b200-25bit", "fp32")
+PRESET_NAMES = ("h200-scaled-mm", "h200-scaled-mm-signfill", "h200-scaled-mm-sum", "deepseek-v3",
+                "b200-25bit", "fp32")
 RECIPE_NAMES = ("exact", "bf16", "fp8-tensor", "fp8-tensor-e4m3", "fp8-rowwise", "mxfp8",
                 "mxfp8-e5m2-grads", "mxfp4", "nvfp4", "nvfp4-paper")
-IMPACT_RECIPES = ("bf16", "fp8-tensor", "mxfp8", "nvfp4")  # numerics.gemm_impact.RECIPES
-TABLE_PRESETS = ("h200-scaled-mm", "deepseek-v3", "fp32")
+IMPACT_RECIPES = ("bf16", "fp8-tensor", "fp8-rowwise", "mxfp8", "nvfp4")  # numerics.gemm_impact.RECIPES
+TABLE_PRESETS = ("h200-scaled-mm", "h200-scaled-mm-signfill", "deepseek-v3", "fp32")
+TARGET_RECIPE = "fp8-tensor"  # numerics.gemm_model.judge_model's default
 ROWS = 256
 
 HELP = ("bias of low-precision GEMMs (FP8/MXFP8/NVFP4 recipes, tensor-core accumulators) against "
@@ -29,8 +31,15 @@ def add_arguments(parser) -> None:
                              f"--target one, default {TABLE_PRESETS[0]})")
     parser.add_argument("--recipes", type=parse_list(parse_choice("recipes", RECIPE_NAMES), "--recipes"), default=None,
                         metavar="A,B", help="quantisation recipes (default: exact: the operands "
-                        "are already e4m3, the accumulator alone is judged; with --impact: "
+                        "are already e4m3, the accumulator alone is judged; with --target: "
+                        f"{TARGET_RECIPE}, what an fp8 training step multiplies; with --impact: "
                         f"{','.join(IMPACT_RECIPES)})")
+    parser.add_argument("--what-if", action="store_true",
+                        help="also judge a preset on products it was not measured on (e.g. fp32 "
+                             "or bf16 operands, or block scales, under an fp8 tensor core's "
+                             "accumulator): without it such a combination is refused (--target) "
+                             "or left out of the table with the reason; with it the Result says "
+                             "WHAT-IF")
     parser.add_argument("--k", type=parse_list(parse_int("k", min=1), "--k"), default=None,
                         metavar="K1,K2", help="reduction lengths (default: 1024,4096; with "
                         "--impact one K, the tokens of the weight gradient, default 4096)")
@@ -88,7 +97,7 @@ def _random_results(args, progress):
     import torch
     from trainprobes.budget import check_fits
     from trainprobes.errors import InvalidArgument
-    from trainprobes.numerics.gemm import gemm_bias
+    from trainprobes.numerics.gemm import combination, gemm_bias
     from trainprobes.reference.gemm import get_preset
     from trainprobes.reference.recipes import E4M3_MAX, get_recipe
 
@@ -103,7 +112,7 @@ def _random_results(args, progress):
                f"--k {max(ks)} --rows {rows} --samples {args.samples}",
                fix="lower --rows, --samples or --k")
     dtypes = {"e4m3": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
-    out = []
+    out, not_run = [], []
     total = len(ks) * len(recipes) * len(presets)
     for K in ks:
         g = torch.Generator().manual_seed(args.seed + K)
@@ -120,15 +129,31 @@ def _random_results(args, progress):
                         f"+-{E4M3_MAX:g} (more than {SATURATED_SHARE:.0%}), so every output is the "
                         f"same and no accumulator can be judged; use |--mean| <= {E4M3_MAX - 5:g}")
             a, b = (r.to(dtypes[fmt]).double() for r in raw)
+            held = (HELD[fmt],) * 2 if get_recipe(recipe).element is None else None
             for preset in presets:
+                why = combination(get_preset(preset), get_recipe(recipe), args.gemm, held)
+                if why and not args.what_if:  # a cell no hardware runs: left out, said why
+                    not_run.append({"recipe": recipe, "preset": preset, "k": K, "reason": why})
+                    continue
                 kw = {} if args.tolerance is None else {"tolerance": args.tolerance}
                 progress.step(len(out), total, f"K={K} {recipe} {preset}")
                 r = gemm_bias(a, b, preset=preset, recipe=recipe, gemm=args.gemm,
                               samples=args.samples, trials=args.trials, seed=args.seed,
-                              alpha=args.alpha, **kw)
+                              alpha=args.alpha, what_if=args.what_if, **kw)
                 r.evidence["operands"] = f"random {fmt}, mean {mean:g}, {rows} x {K} each"
                 out.append(r)
+    if not out:
+        raise InvalidArgument(f"no recipe x preset named here was measured on the operands it "
+                              f"would judge: {not_run[0]['reason']}; name a combination that "
+                              "was (e.g. --recipes fp8-tensor with an fp8 preset, or --presets "
+                              "fp32), or add --what-if")
+    for r in out:
+        r.evidence["not_run"] = not_run
     return out
+
+
+# --operands' formats as numerics.gemm.held_in names them
+HELD = {"e4m3": "fp8_e4m3fn", "bf16": "bf16", "fp32": "fp32"}
 
 
 def _model_results(args, progress):
@@ -158,7 +183,7 @@ def _model_results(args, progress):
     model, batch = made
     kw = {} if args.tolerance is None else {"tolerance": args.tolerance}
     return judge_model(model, batch, preset=(args.presets or TABLE_PRESETS)[0],
-                       recipe=(args.recipes or ["exact"])[0],
+                       recipe=(args.recipes or [TARGET_RECIPE])[0], what_if=args.what_if,
                        samples=args.samples, trials=args.trials, seed=args.seed, alpha=args.alpha,
                        target=args.target, progress=progress.step, **kw)
 
@@ -175,15 +200,19 @@ def _impact(args) -> int:
     recipes, presets = args.recipes or IMPACT_RECIPES, args.presets or list(TABLE_PRESETS)
     r = gemm_impact(recipes=recipes, presets=presets, tokens=args.k[0] if args.k else 4096,
                     steps=args.steps, mean=1.0 if args.mean is None else args.mean,
-                    seed=args.seed, tol=args.loss_tol)
+                    seed=args.seed, tol=args.loss_tol, what_if=args.what_if)
     emit_report(args, [r])
     if not args.json:
         m = r.metrics
         share = "fp32" in presets
         head = ["recipe"] + list(presets)
-        rows = [head] + [[rec] + [f"{m[f'loss_gap[{label(rec, p)}]']:+.2%}" + (
-            f" ({m[f'accumulator_gap[{label(rec, p)}]']:+.2%})" if share and p != "fp32" else "")
-            for p in presets] for rec in recipes]
+        def cell(rec, p):
+            if f"loss_gap[{label(rec, p)}]" not in m:
+                return "not run"
+            gap = m.get(f"accumulator_gap[{label(rec, p)}]")
+            return f"{m[f'loss_gap[{label(rec, p)}]']:+.2%}" + (
+                f" ({gap:+.2%})" if gap is not None and p != "fp32" else "")
+        rows = [head] + [[rec] + [cell(rec, p) for p in presets] for rec in recipes]
         w = [max(len(t[i]) for t in rows) for i in range(len(head))]
         print(f"final-loss gap to fp64 after {m['steps']} SGD steps (least squares, weight "
               f"gradient K={m['tokens']} emulated{'; in brackets the accumulator share: the gap minus fp32' if share else ''})")
@@ -191,6 +220,8 @@ def _impact(args) -> int:
             print("  ".join(c.ljust(x) for c, x in zip(t, w)))
             if k == 0:
                 print("  ".join("-" * x for x in w))
+        for nr in r.evidence["not_run"]:
+            print(f"not run: {label(nr['recipe'], nr['preset'])}: {nr['reason']} (--what-if runs it)")
         print(r.message)
     return 1 if r.verdict == "fail" else 0
 
@@ -198,7 +229,8 @@ def _impact(args) -> int:
 def _shown(m: dict) -> str:
     """The verdict column: a 'noise' whose CI excludes 0 is a real bias shown to lie within
     the tolerance, which a reader should not mistake for rounding noise."""
-    if m["gemm_verdict"] == "noise" and (m["ci_low"] > 0 or m["ci_high"] < 0):
+    if m["gemm_verdict"] == "noise" and any(m[p + "ci_low"] > 0 or m[p + "ci_high"] < 0
+                                            for p in ("", "offset_") if p + "ci_low" in m):
         return "bias<tol"
     return m["gemm_verdict"]
 
@@ -210,32 +242,46 @@ def run(args) -> int:
         results = (_model_results if args.target else _random_results)(args, p)
     emit_report(args, results)
     if not args.json:
-        head = ("target", "K", "relative bias", f"{1 - args.alpha:.0%} CI", "max err", "SQNR dB",
-                "growth", "stall K", "N_C needed", "verdict")
+        head = ("target", "K", "relative bias", f"{1 - args.alpha / 2:.1%} CI", "offset",
+                "offset CI", "max err", "SQNR dB", "growth", "stall K", "N_C needed", "verdict")
         rows = [head]
         for r in results:
             m = r.metrics
             rows.append((r.target, str(m["k"]), f"{m['relative_bias']:+.2e}",
-                         f"[{m['ci_low']:+.1e}, {m['ci_high']:+.1e}]", f"{m['max_relative_error']:.2e}",
+                         f"[{m['ci_low']:+.1e}, {m['ci_high']:+.1e}]", f"{m['relative_offset']:+.2e}",
+                         f"[{m['offset_ci_low']:+.1e}, {m['offset_ci_high']:+.1e}]",
+                         f"{m['max_relative_error']:.2e}",
                          f"{m['sqnr_db']:.1f}", f"{m['growth_exponent']:.2f}", f"{m['stall_k']:g}",
                          f"{m['promote_every_needed']:g}", _shown(m)))
         w = [max(len(t[i]) for t in rows) for i in range(len(head))]
         for k, t in enumerate(rows):
-            print("  ".join(c.ljust(x) if i in (0, 9) else c.rjust(x) for i, (c, x) in enumerate(zip(t, w))))
+            print("  ".join(c.ljust(x) if i in (0, len(head) - 1) else c.rjust(x)
+                            for i, (c, x) in enumerate(zip(t, w))))
             if k == 0:
                 print("  ".join("-" * x for x in w))
-        print("\nrelative bias: sum(sign(ref) (out - ref)) / sum |ref| over sampled outputs (< 0: too "
-              "small); max err: max |out - ref| / rms(ref); growth: exponent of the accumulator's "
+        print("\nrelative bias: sum(sign(ref) (out - ref)) / sum |ref| over the GEMM (estimated from "
+              "the weighted sample; < 0: too small); offset: sum(out - ref) / sum |ref| (a shift "
+              "whatever the sign, which the bias cancels on zero-mean outputs); each CI at 1 - "
+              "alpha/2, and either one can make a GEMM biased; max err: max |out - ref| / rms(ref); growth: exponent of the accumulator's "
               "error in K (~0.5 noise, ~1 bias); N_C needed: fp32 promotion interval that keeps the "
               "bias within tolerance (K: none needed, nan: none found); bias<tol: a bias whose "
               f"whole CI lies within the tolerance ({results[0].metrics['tolerance']:g}), passed"
               if results else "")
         if results:
+            if args.target:
+                m0 = results[0].metrics
+                print(f"recipe {m0['recipe']} with the {m0['preset']} accumulator")
             print(f"{results[0].evidence['sampling']}")
             for ops in dict.fromkeys(r.evidence["operands"] for r in results if "operands" in r.evidence):
                 print(f"operands: {ops}")
             for sk in results[0].evidence.get("skipped", []):
                 print(f"not judged: {sk['layer']} {sk['gemm']}: {sk['reason']}")
+            for nr in results[0].evidence.get("not_run", []):
+                print(f"not run: K={nr['k']} {nr['recipe']} x {nr['preset']}: {nr['reason']} "
+                      "(no hardware runs it; --what-if judges it anyway)")
+            for r in results:
+                if r.metrics.get("what_if"):
+                    print(f"WHAT-IF {r.target}: {r.evidence['combination']}")
     if any(r.metrics.get("biased") for r in results):
         return 1
     unjudged = [r.target for r in results if r.metrics.get("gemm_verdict") == "inconclusive"]

@@ -9,13 +9,15 @@ modules with a 2-D weight (not embeddings) are listed as not seen.
      its weight gradient, sum_calls dy^T x, is one GEMM over all the calls' tokens; calls
      whose output gets no gradient are dropped from both; the weight w is the Linear's own;
   2. one step in fp32: loss = the output's `loss` (HF models given labels), else loss_fn(out),
-     else the mean square of the output; backward;
+     else the mean square of the output; backward; then the model is put back as it was
+     (kept_as_it_was: dtypes, values, gradients, buffers, training flags, random states);
   3. fprop (x . w, K = in), dgrad (dy . w^T, K = out), wgrad (dy^T . x^T, K = tokens) each
      judged by gemm_bias; the rows sorted by risk: biased first, then by the accumulator's
      own relative bias (evidence accumulator_bias).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -86,21 +88,73 @@ def capture_linears(model: torch.nn.Module, batch, loss_fn=None, skipped: list |
             out.register_hook(grad)
         hooks.append(mod.register_forward_hook(fwd))
     try:
-        model = model.float()
-        model.zero_grad(set_to_none=True)
-        out = model(**batch) if isinstance(batch, dict) else model(batch)
-        loss = getattr(out, "loss", None)
-        if loss is None:
-            if loss_fn is not None:
-                loss = loss_fn(out)
-            else:
-                t = getattr(out, "logits", out)
-                t = t[0] if isinstance(t, (tuple, list)) else t
-                loss = t.float().pow(2).mean()
-        loss.backward()
+        with kept_as_it_was(model):
+            got = _step(model, batch, loss_fn, linears, calls, skipped)
     finally:
         for h in hooks:
             h.remove()
+    if not got:
+        raise TargetError("no Linear received a gradient in the step: the loss does not depend on them")
+    return got
+
+
+@contextmanager
+def kept_as_it_was(model: torch.nn.Module):
+    """Run the fp32 capture step on the caller's model and leave it as it was: every
+    parameter's dtype and values (model.float() converts a bf16 model for good), its gradient
+    (the step's backward writes new ones; an existing .grad is put back, the same tensor), the
+    buffers (a train-mode forward updates BatchNorm's running statistics in place), each
+    module's training flag, and the CPU and CUDA random states (dropout draws from them)."""
+    params = list(model.parameters())
+    saved = [(p, p.data, p.grad) for p in params]
+    buffers = [(m, n, b, b.clone()) for m in model.modules() for n, b in m._buffers.items()
+               if b is not None]
+    modes = [(m, m.training) for m in model.modules()]
+    cuda = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
+    for p in params:
+        p.grad = None  # detached from model.float(), which would convert them in place
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            yield
+    finally:
+        for p, data, grad in saved:
+            p.data = data
+            p.grad = grad
+        for m, n, b, copy in buffers:
+            with torch.no_grad():
+                b.copy_(copy)
+            m._buffers[n] = b
+        for m, mode in modes:
+            m.training = mode
+
+
+def _fp32(batch):
+    """The batch's floating tensors in fp32, as the model is for the step (a bf16 model's
+    bf16 inputs would not multiply its fp32 weights); ids, masks and the caller's own
+    tensors are left alone."""
+    if torch.is_tensor(batch):
+        return batch.float() if batch.is_floating_point() else batch
+    if isinstance(batch, dict):
+        return {k: _fp32(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_fp32(v) for v in batch)
+    return batch
+
+
+def _step(model, batch, loss_fn, linears, calls, skipped) -> list[Captured]:
+    """Step 2 on the model (kept_as_it_was restores it) and the captured operands."""
+    model.float()
+    batch = _fp32(batch)
+    out = model(**batch) if isinstance(batch, dict) else model(batch)
+    loss = getattr(out, "loss", None)
+    if loss is None:
+        if loss_fn is not None:
+            loss = loss_fn(out)
+        else:
+            t = getattr(out, "logits", out)
+            t = t[0] if isinstance(t, (tuple, list)) else t
+            loss = t.float().pow(2).mean()
+    loss.backward()
     got = []
     for name, mod in linears:
         done = [c for c in calls[name] if c[1] is not None]
@@ -112,15 +166,17 @@ def capture_linears(model: torch.nn.Module, batch, loss_fn=None, skipped: list |
         got.append(Captured(name, torch.cat([c[0] for c in done]),
                             _linear_shape(mod)[2].detach().double().contiguous(),
                             torch.cat([c[1] for c in done])))
-    if not got:
-        raise TargetError("no Linear received a gradient in the step: the loss does not depend on them")
     return got
 
 
-def judge_model(model, batch, *, preset="h200-scaled-mm", recipe="exact", samples=512, trials=16,
-                seed=0, alpha=0.01, tolerance=DEFAULT_TOLERANCE, loss_fn=None,
-                target: str = "model", progress=None) -> list[Result]:
+def judge_model(model, batch, *, preset="h200-scaled-mm", recipe="fp8-tensor", samples=512,
+                trials=16, seed=0, alpha=0.01, tolerance=DEFAULT_TOLERANCE, loss_fn=None,
+                what_if: bool = False, target: str = "model", progress=None) -> list[Result]:
     """Step 3: one Result per (Linear, GEMM), riskiest first (module docstring).
+    The default is what an fp8 training step on Hopper runs: the fp8-tensor recipe (e4m3
+    forward, e5m2 gradients, per-tensor scales) under the H200's accumulator; the fp32 step's
+    operands under 'exact' are fp32 values, which no fp8 tensor core multiplies (refused
+    unless what_if, numerics.gemm.gemm_bias).
     progress(done, total, name) is called before each GEMM."""
     results, skipped = [], []
     captured = list(capture_linears(model, batch, loss_fn, skipped))
@@ -135,7 +191,7 @@ def judge_model(model, batch, *, preset="h200-scaled-mm", recipe="exact", sample
             try:
                 r = gemm_bias(a, b, preset=preset, recipe=recipe, gemm=gemm, samples=samples,
                               trials=trials, seed=seed, alpha=alpha, tolerance=tolerance,
-                              promotion=False, target=f"{target}:{c.name}.{gemm}")
+                              promotion=False, what_if=what_if, target=f"{target}:{c.name}.{gemm}")
             except InvalidArgument as e:
                 raise type(e)(f"layer {c.name!r}: {e}") from None
             r.evidence["layer"] = c.name

@@ -3,7 +3,11 @@ accumulator presets stay pinned to the hardware they were read from.
 
   1. crafted_cases(): small GEMMs (16 x K by K x 16, e4m3 operands built on the CPU from
      fixed seeds and constants, so any machine rebuilds them bit for bit): a big term beside
-     small ones (alignment and precision), 0.75 of a spacing (rounding), a big value then
+     small ones (alignment and precision), 0.75 of a spacing (rounding), negative small
+     terms beside a big positive one (each aligned term cut toward zero, or toward -inf by
+     a sign-fill shift: the H200 reveal used positive terms only, so this decides between
+     h200-scaled-mm and h200-scaled-mm-signfill), a negative sum half a grid step past a
+     power of two (the sum's own rounding: toward zero or toward -inf), a big value then
      ones (the narrow sum's stall, and a promotion interval if any), mostly positive random
      rows at K = 1024 and 4096 (the bias the presets predict), zero-mean random rows;
   2. record(run, ...): run(a, b) is the kernel (torch._scaled_mm with unit scales and fp32
@@ -49,6 +53,31 @@ def crafted_cases() -> list[Case]:
     a[:, 0], a[:, 63] = 2.0 ** 8, -(2.0 ** 8)
     a[:, 1] = torch.tensor([0.75 * 2 ** k for k in range(16)]) / 2.0 ** 8  # times b = 2^8
     cases.append(Case("fractions_of_a_spacing", _e4m3(a), _e4m3(torch.full((64, 16), 2.0 ** 8))))
+    # 2^16, then a negative small term, then -2^16 in the last group. The terms' grid is
+    # 2^(16 - m): 8 at 13 bits, 2^-9 at 25; a negative term off it truncates toward zero
+    # (the row reads that many grid steps, rounded toward zero) or floors (one step further
+    # down). The kept rows (ROWS_KEPT) come first: -6 and -0.375 (off the 13-bit grid), and
+    # -0.75 2^-10 and -0.75 2^-11 (off the 25-bit grid); then -0.75 2^(6 - s)
+    small = [-6.0, -0.75 * 2.0 ** -10, -0.375, -0.75 * 2.0 ** -11] + [-0.75 * 2.0 ** (6 - s)
+                                                                     for s in range(12)]
+    a = torch.zeros(16, 64)
+    a[:, 0], a[:, 63] = 2.0 ** 8, -(2.0 ** 8)
+    a[:, 1] = torch.tensor(small) * 2.0 ** 6  # times b = 2^-6
+    b = torch.zeros(64, 16)
+    b[0], b[1], b[63] = 2.0 ** 8, 2.0 ** -6, 2.0 ** 8
+    cases.append(Case("negative_small_term", _e4m3(a), _e4m3(b)))
+    # -2^16, -2^16, -x in the first group, +2^16 +2^16 in the last: the sum -(2^17 + x) lies
+    # on the grid 2^(17 - m) only if x does: its rounding toward zero or toward -inf (and
+    # x's own cut) shows once the last group cancels the rest. x: 8 and 6 (13 bits),
+    # 1.5 2^-9 and 1.5 2^-10 (25 bits) first, then 2^(3 - s)
+    x = [8.0, 1.5 * 2.0 ** -9, 6.0, 1.5 * 2.0 ** -10] + [2.0 ** (3 - s) for s in range(12)]
+    a = torch.zeros(16, 64)
+    a[:, 0], a[:, 1] = -(2.0 ** 8), -(2.0 ** 8)
+    a[:, 62], a[:, 63] = 2.0 ** 8, 2.0 ** 8
+    a[:, 2] = -torch.tensor(x) * 8.0  # times b = 2^-3
+    b = torch.zeros(64, 16)
+    b[0], b[1], b[2], b[62], b[63] = 2.0 ** 8, 2.0 ** 8, 2.0 ** -3, 2.0 ** 8, 2.0 ** 8
+    cases.append(Case("negative_carry", _e4m3(a), _e4m3(b)))
     # 2^12 x 2^8 = 2^20 first, then ones: a 13-bit truncating sum loses every one after it
     a = torch.ones(16, 1024)
     a[:, 0] = 2.0 ** 12

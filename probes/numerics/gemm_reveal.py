@@ -12,7 +12,13 @@ numerics.reveal: matmul_reduction, scaled_mm_reduction, or the emulator itself).
   3. Alignment (F > 1): x = 2^E, 0.75 Q, 0.75 Q in one group (Q = 2^(E - m) the grid of
      2^E) and -2^E in a later one. Aligned terms are each truncated to 0 (result 0); an
      exact fused sum keeps 1.5 Q, which rounds to Q or 2 Q (result != 0).
-  4. Promotion (reveal_promotion): 2^(m + 12) then ones. The narrow sum absorbs every one
+  4. Sign (the reveal's rounding test uses positive terms only, where truncation toward
+     zero and toward -inf agree): the sum's rounding: -2^E, -2^E, -Q in the first inputs
+     (their sum -(2^(E+1) + Q) lies halfway between two points of the grid 2Q above 2^(E+1))
+     and +2^(E+1) last: toward zero (or nearest, ties to even) gives 0, toward -inf -2Q;
+     and with "terms" alignment the cut of each aligned term: 2^E, -0.75 Q in one group and
+     -2^E in a later one: truncation gives 0, a sign-fill shift (floor) -Q.
+  5. Promotion (reveal_promotion): 2^(m + 12) then ones. The narrow sum absorbs every one
      after the big value until it restarts: the ones lost are N_C - 1.
 """
 from __future__ import annotations
@@ -59,15 +65,29 @@ def reveal_accumulator(fn, n: int = 64, *, name: str = "revealed", dtype=DTYPE,
         raise TargetError(f"{name}: the reveal found {r.message!r}: no finite accumulator to model "
                           "(raise the range with max_exponent, or the accumulator is wider)")
     F = fused_width(r, n)
-    alignment = "sum"
+    alignment, cut = "sum", "toward_zero"
+    t = -133 + 8  # a d that bf16 holds with room below
+    E = t + m + 2
+    Q = 2.0 ** (E - m)
+    if rounding == "toward_zero":  # step 4: or toward -inf (the same on positive sums)
+        out = _call(fn, {0: -(2.0 ** E), 1: -(2.0 ** E), 2: -Q, n - 1: 2.0 ** (E + 1)}, n)
+        rounding = "down" if out == -2 * Q else "toward_zero" if out == 0 else _odd(name, "sum", out, Q)
     if F > 2 and F < n:
-        t = -133 + 8  # a d that bf16 holds with room below
-        E = t + m + 2
-        Q = 2.0 ** (E - m)
         out = _call(fn, {0: 2.0 ** E, 1: 0.75 * Q, 2: 0.75 * Q, n - 1: -(2.0 ** E)}, n)
         alignment = "terms" if out == 0 else "sum"
+        if alignment == "terms":  # step 4: each term's cut
+            out = _call(fn, {0: 2.0 ** E, 1: -0.75 * Q, n - 1: -(2.0 ** E)}, n)
+            cut = "down" if out == -Q else "toward_zero" if out == 0 else _odd(name, "term", out, Q)
     return Accumulator(name, m, F, rounding, alignment, None,
-                       f"revealed from crafted inputs (n={n}): {r.message}")
+                       f"revealed from crafted inputs (n={n}): {r.message}; the sum rounds "
+                       f"{rounding.replace('_', ' ')}"
+                       + (f", aligned terms cut {cut.replace('_', ' ')}" if alignment == "terms" else ""),
+                       term_rounding=cut)
+
+
+def _odd(name: str, what: str, out: float, Q: float):
+    raise TargetError(f"{name}: the {what} sign test gave {out!r} ({out / Q:g} grid steps): neither "
+                      "truncation toward zero (0) nor toward -inf: no model here fits it")
 
 
 def reveal_promotion(fn, n: int, mantissa_bits: int, *, dtype=DTYPE) -> int | None:
