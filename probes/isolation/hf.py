@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 from trainprobes.errors import InvalidArgument
+from trainprobes.isolation.fp64 import run_in_float64
 from trainprobes.isolation.packing import Packing
 from trainprobes.validation import check_choice
 
@@ -171,7 +172,8 @@ class PackedModel(torch.nn.Module):
         device are swapped for the eager path of the same function, and named in
         `substituted` (the isolation probe then lets the twin settle only changes within
         rounding noise): flex_attention on the CPU (fp32/fp16/bf16 only in torch 2.13), and
-        grouped expert matmuls (torch._grouped_mm refuses float64)."""
+        grouped expert matmuls (torch._grouped_mm refuses float64). Float64 inside too:
+        trainprobes.isolation.fp64.run_in_float64."""
         import copy
 
         model = copy.deepcopy(self.model).double()
@@ -193,7 +195,8 @@ class PackedModel(torch.nn.Module):
         if experts not in (None, "eager"):
             cfg._experts_implementation = "eager"
             substituted.append(f"experts: {experts} -> eager")
-        twin = PackedModel(model, convention)
+        # the modeling code's deliberate float32 upcasts (softmax, norms, rotary) stay float64
+        twin = PackedModel(run_in_float64(model), convention)
         twin.substituted = substituted
         return twin
 

@@ -18,7 +18,7 @@ import torch
 from trainprobes.errors import InvalidArgument, TargetError
 from trainprobes.isolation.hf import sliding_window
 from trainprobes.isolation.packing import Packing
-from trainprobes.zoo.fp64 import run_in_float64
+from trainprobes.isolation.fp64 import run_in_float64
 
 __all__ = ["CONVENTIONS", "ZooPacked", "Routing", "fp64_copy"]
 
