@@ -1,9 +1,10 @@
 """Confirmed zoo findings, kept as controls: each names the cell, the verdict it had when
-confirmed, the call (bug or by design) and the library code that causes it, and the
-reproduction script (transformers and torch pinned, no downloads, exit 0 when it reproduces).
-trainprobes.zoo.confirm measures each again: a library upgrade that changes it shows as a
-control no longer reproduced. `annotate(cells)` writes the call into the map's cells: a cell confirmed
-by design is no longer counted as a finding, and says why."""
+confirmed, the call (CALLS: a bug, a bug the library keeps on purpose, by design), the
+library code that causes it, and the reproduction script (transformers and torch pinned, no
+downloads, exit 0 when it reproduces). trainprobes.zoo.confirm measures each again: a library
+upgrade that changes it shows as a control no longer reproduced. `annotate(cells)` writes the
+call into the map's cells: a cell confirmed by design is no longer counted as a finding, and
+says why."""
 from __future__ import annotations
 
 from dataclasses import dataclass
