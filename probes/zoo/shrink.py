@@ -343,24 +343,27 @@ def build(model_type: str, *, attn_implementation: str | None = None, seed: int 
     them and `not_probed` says which and why (never a silent narrower model)."""
     kw = dict(attn_implementation=attn_implementation, seed=seed, max_params=max_params, forward=forward)
     b = _build(model_type, widen=True, **kw)
-    added = [] if isinstance(b, Built) else _widened_kinds(model_type)
+    added, gaps = ([], {}) if isinstance(b, Built) else _widened(model_type)
     if not added:
         return b
     plain = _build(model_type, widen=False, **kw)
     if isinstance(plain, Built):
-        plain.changed[layers.NOT_PROBED] = (added, f"{', '.join(added)}: the model fails with them "
-                                                   f"({b.stage}: {b.reason})")
+        failed = f"{', '.join(added)}: the model fails with them ({b.stage}: {b.reason})"
+        kinds, why = gaps.pop(layers.NOT_PROBED, ([], None))   # what widen() could not give, kept
+        plain.changed.update(gaps)
+        plain.changed[layers.NOT_PROBED] = (sorted(set(kinds) | set(added)), "; ".join(filter(None, (why, failed))))
     return plain
 
 
-def _widened_kinds(model_type: str) -> list:
-    """The kinds widen() adds to model_type's default config."""
+def _widened(model_type: str) -> tuple[list, dict]:
+    """(the kinds widen() adds to model_type's default config, the gaps it records)."""
     try:
         _, changed = shrink(model_type)
     except Exception:  # noqa: BLE001 - a config that cannot be shrunk widens nothing here
-        return []
-    return sorted({k for key, (had, now) in changed.items() if key.endswith(":widened")
-                   for k in set(now) - set(had)})
+        return [], {}
+    added = sorted({k for key, (had, now) in changed.items() if key.endswith(":widened")
+                    for k in set(now) - set(had)})
+    return added, {k: v for k, v in changed.items() if k.endswith(layers.NOT_PROBED)}
 
 
 def _on_meta(model_type: str, *, widen: bool = True, attn_implementation=None):
