@@ -52,21 +52,28 @@ def test_ops_family_one_check_per_op_and_results_per_shape_and_dtype(monkeypatch
     assert all(r.metrics["batch_invariant"] is True for r in results)  # a gather: invariant
 
 
-def test_documents_family_marks_the_block_mask_as_a_known_control(monkeypatch):
-    """One check per attention implementation present; the mask_4d rows are controls
-    (expected pass), the others findings. The table itself runs in test_isolation_hf."""
+def test_documents_family_marks_the_verdicts_the_design_fixes_as_controls(monkeypatch):
+    """One check per attention implementation present; rows whose verdict transformers'
+    mechanism fixes are controls: the mask_4d rows expected to isolate, the cached call and
+    packed position ids beside a mask of ones expected to leak (by design); a row the design
+    does not fix stays a finding. The table itself runs in test_isolation_hf."""
     from trainprobes.isolation import hf
     from trainprobes.result import Result
 
     def fake_table(families, impls, seed=0):
         return [hf.TableRow(f, impls[0], conv, Result("isolation.documents", f"{f}[{conv}]", verdict,
                                                       metrics={"isolated": verdict == "pass"}), 0.0)
-                for f in families for conv, verdict in (("flattening", "fail"), ("mask_4d", "pass"))]
+                for f in families for conv, verdict in (("flattening", "fail"), ("mask_4d", "pass"),
+                                                        ("position_ids_ones_mask", "fail"))]
     monkeypatch.setattr(hf, "packed_table", fake_table)
     checks = isolation_documents_checks(quick=True)
     assert [c.name for c in checks] == [f"packed documents under {i} attention"
                                         for i in hf.available_implementations() if i != "flex_attention"]
     assert len(isolation_documents_checks()) == len(hf.available_implementations())
-    leaky, control = checks[0].run()
-    assert leaky.expected is None and control.expected == "pass" and control.reproduced
+    cached, control, ones = checks[0].run()
+    assert control.expected == "pass" and control.reproduced
+    assert cached.expected == ones.expected == "fail" and cached.reproduced and ones.reproduced
+    assert "leaky by transformers' design" in ones.message
+    monkeypatch.setattr(hf, "design_verdict", lambda impl, conv, rows=1: None)   # a row the design leaves open
+    assert checks[0].run()[0].expected is None
     assert control.metrics["by_hand_change"] == 0.0 and control.message.startswith("control")

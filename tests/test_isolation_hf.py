@@ -84,3 +84,21 @@ def test_a_flash_attention_twin_computes_the_varlen_function():
         assert twin.implementation == "sdpa" and twin.convention == "mask_4d"
         assert any("flash_attention_2 -> sdpa" in s for s in twin.substituted)
         assert by_hand(twin, X, P) == 0.0
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_packed_position_ids_with_a_mask_of_ones_leak_by_design(impl):
+    """Restarting position ids beside an all-ones 2-D attention_mask (what many trainers pass
+    for a packed row), no cache: masking_utils looks for packed position ids only when
+    attention_mask is None, so the row is attended as one sequence. The design's verdict says
+    so, and names what to pass instead."""
+    from trainprobes.isolation.hf import CONVENTION_NOTES, design_verdict
+    r, hand = probe("llama", impl, "position_ids_ones_mask")
+    assert hand > 0.01 and r.metrics["isolated"] is False, r.message
+    assert {lk["direction"] for lk in r.evidence["leaks"] if lk["kind"] == "structural"} == {"forward"}
+    assert design_verdict(impl, "position_ids_ones_mask") == "leaky"
+    assert design_verdict("flash_attention_2", "position_ids_ones_mask") == "isolated"
+    assert "attention_mask=None" in CONVENTION_NOTES["position_ids_ones_mask"]
+    # the same row without the mask of ones: isolated (the note's advice holds)
+    r, hand = probe("llama", impl, "flattening_no_cache")
+    assert hand == 0.0 and r.metrics["isolated"] is True and design_verdict(impl, "flattening_no_cache") == "isolated"

@@ -371,7 +371,7 @@ def test_every_confirmed_finding_is_a_cell_of_the_map_with_its_verdict():
     the verdict it was confirmed at, and its reproduction script exists."""
     from pathlib import Path
 
-    from trainprobes.zoo.findings import FINDINGS
+    from trainprobes.zoo.findings import BY_DESIGN, CALLS, FINDINGS
     root = Path(__file__).parents[1]
     m = json.loads((root / "docs" / "zoo_map.json").read_text())
     cells = {(c["model_type"], c["probe"], c["variant"]): c for cs in m["rows"].values() for c in cs}
@@ -379,4 +379,32 @@ def test_every_confirmed_finding_is_a_cell_of_the_map_with_its_verdict():
         c = cells.get((f.model_type, f.probe, f.variant))
         assert c is not None and c["verdict"] == f.verdict, f
         assert (root / f.script.split()[0]).is_file(), f.script
-        assert c["finding"] == (f.call == "bug"), f     # a by-design call no longer counts
+        assert f.call in CALLS, f
+        assert c["finding"] == (f.call != BY_DESIGN), f     # a by-design call no longer counts
+
+
+@torch.no_grad()
+def test_packed_position_ids_beside_a_mask_of_ones_leak_by_design_and_say_what_to_pass():
+    from trainprobes.zoo.cells import isolation_cell
+    from trainprobes.zoo.targets import CONVENTIONS
+    assert "position_ids_ones_mask" in CONVENTIONS       # swept for every model type
+    model = build("llama", attn_implementation="sdpa").model
+    cell = isolation_cell("llama", model, "sdpa", "position_ids_ones_mask")
+    assert cell.verdict == "leaky" and not cell.finding and cell.expected is None
+    assert "by design" in cell.reason and "attention_mask=None" in cell.reason
+
+
+def test_cli_refuses_a_row_the_machine_cannot_hold_before_building_it(capsys, monkeypatch):
+    import trainprobes.budget as budget
+    import trainprobes.zoo.cells as cells
+    from trainprobes.zoo.sweep import row_bytes
+
+    def never(*a, **k):
+        raise AssertionError("built a row the machine cannot hold")
+    monkeypatch.setattr(cells, "row", never)
+    need = row_bytes("mixtral")
+    assert need > row_bytes("gpt2") > 0            # the estimate follows the model's parameters
+    monkeypatch.setattr(budget, "available_bytes", lambda: need // 2)
+    assert main(["zoo", "--model", "mixtral", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "zoo --model mixtral needs about" in err and "available" in err

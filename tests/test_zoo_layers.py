@@ -123,3 +123,29 @@ def test_plan_covers_every_kind_and_renumbers_index_lists():
     changed = {}
     layers.apply(cfg, 12, keep, changed)
     assert cfg.attn_layer_indices == [1] and changed["attn_layer_indices"] == ([4, 9], [1])
+
+
+def test_kinds_named_only_in_the_modeling_file_are_probed():
+    """Kinds a default config does not list, read from the modeling file: MiniMax-M3's sparse
+    layers (its indexer compares config.layer_types[i] with "minimax_m3_sparse"), Laguna's and
+    Mellum's sliding layers (compared, and keys of their mask_creation_functions); the MLP
+    kinds compared in the same files ("sparse", "dense") are not attention kinds."""
+    assert layers.source_kinds("minimax_m3_vl_text") == {"minimax_m3_sparse"}
+    assert layers.source_kinds("laguna") == {"full_attention", "sliding_attention"}
+    for mt, kind in (("minimax_m3_vl_text", "minimax_m3_sparse"), ("laguna", "sliding_attention"),
+                     ("mellum", "sliding_attention")):
+        b = build(mt, forward=False)
+        assert {kind, "full_attention"} <= set(b.config.layer_types) and b.not_probed is None, (mt, b.not_probed)
+
+
+def test_a_kind_that_cannot_be_given_is_listed_with_why_never_dropped_silently():
+    # a setting the kind needs is absent: Qwen2's sliding layers without a sliding_window
+    b = build("qwen2", forward=False)
+    assert set(b.config.layer_types) == {"full_attention"}
+    assert b.not_probed == "sliding_attention: the config sets no sliding_window"
+    # the model fails with the kinds: built without them, and the failure named
+    b = build("zaya", forward=False)
+    assert "conv, hybrid_sliding: the model fails with them (meta: KeyError" in b.not_probed
+    from trainprobes.zoo.cells import row
+    gap, = [c for c in row("qwen2", probes=(), implementations=("sdpa",)) if c.variant == "layer kinds"]
+    assert gap.probe == "build" and gap.verdict == "n/a" and gap.reason.startswith("not probed: sliding_attention")

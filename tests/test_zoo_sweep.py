@@ -18,6 +18,10 @@ for line in sys.stdin:
     mt = line.strip()
     if mt == "hang":
         time.sleep(60)
+    marker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "once.marker")
+    if mt == "once" and not os.path.exists(marker):     # hangs the first time only
+        open(marker, "w").close()
+        time.sleep(60)
     if mt == "die":
         print("the stub dies", file=sys.stderr, flush=True)
         os._exit(7)
@@ -36,15 +40,39 @@ def stub(tmp_path):
 
 def test_every_type_gets_a_row_and_a_hang_or_crash_costs_one_row(tmp_path, stub):
     lines = []
-    rows = sweep(["a", "hang", "b", "die", "c"], tmp_path / "rows.jsonl", workers=2, timeout=3,
+    rows = sweep(["a", "hang", "b", "die", "c"], tmp_path / "rows.jsonl", workers=2, timeout=2,
                  memory_mb=0, progress=lines.append, command=stub)
     assert sorted(rows) == ["a", "b", "c", "die", "hang"]
     hang, die = rows["hang"]["cells"][0], rows["die"]["cells"][0]
-    assert hang["verdict"] == "error" and hang["reason"].startswith("timeout: no row after 3 s")
+    # a hang is tried twice (the second at the end of the queue), then kept as a timeout
+    assert hang["verdict"] == "error" and hang["reason"].startswith("timeout: no row after 2 s")
+    assert "try 2 of 2" in hang["reason"] and rows["hang"]["tries"] == 2
     assert die["verdict"] == "error" and "worker exited 7" in die["reason"] and "the stub dies" in die["reason"]
     assert all(rows[m]["cells"][0]["verdict"] == "invariant" for m in "abc")
-    assert len(lines) == 6 and lines[-1].startswith("[5/5]")
+    assert len(lines) == 7 and lines[-1].startswith("[6/6] hang")
+    assert sum("measured once more at the end" in ln for ln in lines) == 1
     assert "the stub dies" in (tmp_path / "rows.log").read_text()   # the workers' stderr, kept
+
+
+def test_a_row_that_timed_out_is_measured_once_more_in_the_run_or_on_resume(tmp_path, stub):
+    jsonl = tmp_path / "rows.jsonl"
+    lines = []
+    rows = sweep(["a", "once"], jsonl, workers=1, timeout=2, memory_mb=0, progress=lines.append, command=stub)
+    assert rows["once"]["cells"][0]["verdict"] == "invariant" and rows["once"]["tries"] == 2
+    assert any(ln.startswith("[2/3] once: timed out") for ln in lines)
+    assert [json.loads(ln)["model_type"] for ln in jsonl.read_text().splitlines()] == ["a", "once", "once"]
+    # resume: a row stored as a first timeout (an earlier sweep killed before its second try)
+    # is measured once more; one stored after its second try is kept
+    first_try = dict(json.loads(jsonl.read_text().splitlines()[1]), model_type="b")
+    first_try["cells"] = [dict(first_try["cells"][0], model_type="b")]
+    second_try = dict(first_try, model_type="c", tries=2, cells=[dict(first_try["cells"][0], model_type="c")])
+    with jsonl.open("a") as f:
+        f.write(json.dumps(first_try) + "\n" + json.dumps(second_try) + "\n")
+    lines = []
+    rows = sweep(["a", "b", "c"], jsonl, workers=1, timeout=2, memory_mb=0, progress=lines.append, command=stub)
+    assert "1 of them timed out before and are measured once more: b" in lines[0]
+    assert rows["b"]["cells"][0]["verdict"] == "invariant" and rows["b"]["tries"] == 2
+    assert rows["c"]["cells"][0]["reason"].startswith("timeout: ") and len(lines) == 2
 
 
 def test_finished_rows_are_not_run_again(tmp_path, stub):

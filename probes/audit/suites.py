@@ -147,9 +147,11 @@ def isolation_ops_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
 def isolation_documents_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
     """The packed-document table of the HF attention implementations present: tiny random
     Llama and Qwen2-MoE (quick: Llama, and no flex_attention, whose compilation alone takes
-    10-30 s) under each packing convention transformers offers. A correct block-diagonal
-    4-D mask is a control known to isolate (expected pass); the other rows are findings
-    about the installed transformers."""
+    10-30 s) under each packing convention transformers offers. Rows whose verdict the
+    mechanism fixes (isolation.hf.design_verdict: a block-diagonal 4-D mask and the training
+    call isolate, the cached call and packed position ids beside a mask of ones leak) are
+    controls; the others (a boolean mask under flex) are findings about the installed
+    transformers."""
     from trainprobes.isolation.hf import available_implementations
 
     families = ("llama",) if quick else ("llama", "qwen2_moe")
@@ -159,12 +161,14 @@ def isolation_documents_checks(*, seed: int = 0, quick: bool = False) -> list[Ch
         def run():
             from trainprobes.isolation.hf import packed_table
             out = []
+            from trainprobes.isolation.hf import design_verdict
             for row in packed_table(families, [impl], seed=seed):
                 r = row.result
                 r.metrics["by_hand_change"] = row.by_hand
-                if row.convention == "mask_4d":
-                    r.expected = "pass"
-                    r.message = "control, a block-diagonal mask isolates: " + r.message
+                known = design_verdict(impl, row.convention)   # known from the mechanism: a control
+                if known is not None:
+                    r.expected = "pass" if known == "isolated" else "fail"
+                    r.message = f"control, {known} by transformers' design: " + r.message
                 out.append(r)
             return out
         return Check("isolation", f"packed documents under {impl} attention", run)

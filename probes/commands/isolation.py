@@ -71,7 +71,8 @@ def add_arguments(parser) -> None:
     d.add_argument("--attn", default="sdpa", metavar="IMPL",
                    help="with --hf: eager, sdpa, flex_attention, flash_attention_2 (sdpa)")
     d.add_argument("--convention", default="flattening", metavar="NAME",
-                   help="with --hf: flattening, flattening_no_cache, mask_4d, mask_4d_bool")
+                   help="with --hf: flattening, flattening_no_cache, mask_4d, mask_4d_bool, "
+                        "position_ids_ones_mask")
     d.add_argument("--lengths", default="10,12,8", type=_lengths,
                    help="document lengths of the packed row(s): 10,12,8 or 10,12/8,14 (10,12,8)")
     kind = d.add_mutually_exclusive_group()
@@ -274,15 +275,20 @@ def table_agrees(row) -> bool:
 
 
 def format_table(rows) -> str:
-    head = f"{'family':10} {'attention':15} {'convention':20} {'verdict':8} {'isolated':8} " \
+    head = f"{'family':10} {'attention':15} {'convention':22} {'verdict':8} {'isolated':8} " \
            f"{'leaks':>5} {'noise':>5} {'max leak':>9} {'by hand':>9} {'evals':>5}  agrees"
     out = [head, "-" * len(head)]
     for row in rows:
         m = row.result.metrics
-        out.append(f"{row.family:10} {row.implementation:15} {row.convention:20} "
+        out.append(f"{row.family:10} {row.implementation:15} {row.convention:22} "
                    f"{row.result.verdict:8} {_said(m['isolated']):8} {m['n_leaks']:5d} "
                    f"{m['n_numerical']:5d} {m['max_leak']:9.3g} {row.by_hand:9.3g} "
                    f"{m['n_evaluations']:5d}  {'yes' if table_agrees(row) else 'NO'}")
+    from trainprobes.isolation.hf import CONVENTION_NOTES
+    leaked = dict.fromkeys(r.convention for r in rows if r.result.metrics.get("isolated") is False)
+    notes = [f"  {c}: {CONVENTION_NOTES[c]}" for c in leaked if c in CONVENTION_NOTES]
+    if notes:
+        out += ["", "why these leak, and what to pass instead:", *notes]
     return "\n".join(out)
 
 

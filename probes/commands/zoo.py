@@ -5,9 +5,10 @@
   trainprobes zoo --diff docs/zoo_map.json new_map.json
 Exit 0: every cell agrees with the model's design (diff: no verdict changed); 1: a finding
 (a cell contradicts the design; diff: a verdict changed); 2: an unknown model type (the
-closest names are listed), an unreadable map, or a row that cannot be judged (the model
-could not be built, or a cell raised or came out unknown: the cells are printed, and the
-ones not judged named on stderr).
+closest names are listed), an unreadable map, a row the machine cannot hold (its memory
+estimated before anything is built), or a row that cannot be judged (the model could not be
+built, or a cell raised or came out unknown: the cells are printed, and the ones not judged
+named on stderr).
 """
 from __future__ import annotations
 
@@ -57,6 +58,12 @@ def run(args) -> int:
     warnings.filterwarnings("ignore")
     import transformers
     transformers.logging.set_verbosity_error()
+    # bounded: the row's memory estimated (its parameters counted on the meta device) and
+    # refused before anything is built
+    from trainprobes.budget import check_fits
+    from trainprobes.zoo.sweep import row_bytes
+    check_fits(row_bytes(args.model), f"zoo --model {args.model}",
+               fix="free memory, or run it where more is available")
     from trainprobes.commands.options import progress_for
     from trainprobes.zoo.cells import IMPLEMENTATIONS
     from trainprobes.zoo.targets import CONVENTIONS

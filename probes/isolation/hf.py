@@ -14,6 +14,15 @@ Conventions (what a trainer hands the model for one packed row; `PackedModel.CON
                        flex_attention aborts the process in torch 2.13: double free).
   mask_4d_bool         the same mask as booleans (True = attend). eager attention adds the
                        mask to the scores, so True/False become +1/+0 and nothing is masked.
+  position_ids_ones_mask  restarting position ids beside an all-ones attention_mask [B, L] (the
+                       padding mask of a row without padding, which many trainers add to a
+                       packed batch), use_cache=False. masking_utils looks for packed position
+                       ids only "if the 2D attention mask is explicitly None"
+                       (_preprocess_mask_arguments): the row is one sequence under eager, sdpa
+                       and flex. flash attention drops an all-ones mask (flash_attention_mask)
+                       and reads the documents from the position ids.
+`design_verdict(implementation, convention)` is what the mechanism says each should give, and
+CONVENTION_NOTES what a user should pass instead of a convention that leaks.
 """
 from __future__ import annotations
 
@@ -22,11 +31,12 @@ from dataclasses import dataclass
 
 import torch
 from trainprobes.errors import InvalidArgument
+from trainprobes.isolation.fp64 import run_in_float64
 from trainprobes.isolation.packing import Packing
 from trainprobes.validation import check_choice
 
-__all__ = ["FAMILIES", "IMPLEMENTATIONS", "CONVENTIONS", "tiny_model", "PackedModel", "sliding_window",
-           "available_implementations", "packed_table", "TableRow"]
+__all__ = ["FAMILIES", "IMPLEMENTATIONS", "CONVENTIONS", "CONVENTION_NOTES", "design_verdict", "tiny_model",
+           "PackedModel", "sliding_window", "available_implementations", "packed_table", "TableRow"]
 
 # family: (config class, model class, extra config): hidden 32, 2 layers, vocab 128 below
 FAMILIES = {
@@ -40,8 +50,41 @@ FAMILIES = {
                    "shared_expert_intermediate_size": 32, "decoder_sparse_step": 1}),
 }
 IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", "flash_attention_2")
-CONVENTIONS = ("flattening", "flattening_no_cache", "mask_4d", "mask_4d_bool")
+CONVENTIONS = ("flattening", "flattening_no_cache", "mask_4d", "mask_4d_bool", "position_ids_ones_mask")
 VOCAB = 128
+# what to pass instead, for the conventions that leak by the library's design
+CONVENTION_NOTES = {
+    "flattening": "transformers reads packed position ids only without a cache "
+                  "(masking_utils._preprocess_mask_arguments) and a causal LM makes a DynamicCache unless "
+                  "use_cache=False: pass use_cache=False when training",
+    "mask_4d_bool": "eager attention adds a 4-D mask to the scores, so True/False become +1/+0: pass the mask "
+                    "additive (0 / finfo.min) in the model's dtype",
+    "position_ids_ones_mask": "masking_utils._preprocess_mask_arguments looks for packed position ids only when "
+                              "attention_mask is None: with packed position ids pass attention_mask=None (and "
+                              "use_cache=False), or a 4-D block-diagonal mask; a 2-D mask cannot carry document "
+                              "boundaries",
+}
+
+
+def design_verdict(implementation: str, convention: str, rows: int = 1) -> str | None:
+    """'isolated' or 'leaky' as transformers' mechanism makes a tiny family of FAMILIES under
+    this call on `rows` packed rows, or None where it is not known: a 4-D block mask and the
+    training call (no cache) with restarting position ids isolate everywhere; flash_attention_2
+    reads the documents from cu_seq_lens whatever the cache, and from the position ids where
+    an all-ones mask is dropped, for one row only (_is_packed_sequence: batch_size == 1); the
+    cached call and the all-ones mask leak on the mask path (eager, sdpa, flex); eager adds a
+    boolean mask (leaks), sdpa applies it."""
+    if convention in ("mask_4d", "flattening_no_cache"):
+        return "isolated"
+    if implementation == "flash_attention_2":
+        if convention == "position_ids_ones_mask":
+            return "isolated" if rows == 1 else "leaky"
+        return "isolated" if convention == "flattening" else None
+    if convention in ("flattening", "position_ids_ones_mask"):
+        return "leaky"
+    if convention == "mask_4d_bool":
+        return {"eager": "leaky", "sdpa": "isolated"}.get(implementation)
+    return None
 
 
 def _transformers():
@@ -155,6 +198,9 @@ class PackedModel(torch.nn.Module):
             kw.update(_flash_kwargs(packing, dev))
             if self.convention == "flattening_no_cache":
                 kw["use_cache"] = False
+        elif self.convention == "position_ids_ones_mask":
+            kw["attention_mask"] = torch.ones(tokens.shape, dtype=torch.long, device=dev)
+            kw["use_cache"] = False
         elif self.implementation == "flex_attention":
             if self.convention == "mask_4d_bool":
                 raise InvalidArgument("flex_attention takes a BlockMask, not a boolean tensor: "
@@ -171,7 +217,8 @@ class PackedModel(torch.nn.Module):
         device are swapped for the eager path of the same function, and named in
         `substituted` (the isolation probe then lets the twin settle only changes within
         rounding noise): flex_attention on the CPU (fp32/fp16/bf16 only in torch 2.13), and
-        grouped expert matmuls (torch._grouped_mm refuses float64)."""
+        grouped expert matmuls (torch._grouped_mm refuses float64). Float64 inside too:
+        trainprobes.isolation.fp64.run_in_float64."""
         import copy
 
         model = copy.deepcopy(self.model).double()
@@ -193,7 +240,8 @@ class PackedModel(torch.nn.Module):
         if experts not in (None, "eager"):
             cfg._experts_implementation = "eager"
             substituted.append(f"experts: {experts} -> eager")
-        twin = PackedModel(model, convention)
+        # the modeling code's deliberate float32 upcasts (softmax, norms, rotary) stay float64
+        twin = PackedModel(run_in_float64(model), convention)
         twin.substituted = substituted
         return twin
 

@@ -8,6 +8,7 @@ import torch
 from trainprobes.causality.classify import Outputs
 from trainprobes.causality.target import Target, abs_diff
 from trainprobes.errors import TargetError
+from trainprobes.isolation.fp64 import run_in_float64
 from trainprobes.isolation.packing import Packing
 
 __all__ = ["Packed", "Twin"]
@@ -57,7 +58,8 @@ def _twin_builder(fn, spec) -> Callable[[], Callable] | None:
     """What builds the twin, or None where there is none: spec as given, none for False,
     or (None) the target's own `fp64_twin()` where it has one
     (trainprobes.isolation.hf.PackedModel), else a float64 deep copy of an nn.Module target
-    called with float inputs cast to float64. Building is left to the first change that
+    called with float inputs cast to float64, float64 inside (run_in_float64). A twin the
+    user gives is run as given. Building is left to the first change that
     needs the twin: a float64 copy of a real model takes 2-4x its memory."""
     if spec is False:
         return None
@@ -77,7 +79,9 @@ def _twin_builder(fn, spec) -> Callable[[], Callable] | None:
         return own
     if isinstance(fn, torch.nn.Module):
         def deep_copy():
-            twin = copy.deepcopy(fn).double()
+            # float64 inside: the float32 requests its code makes (transformers' softmax,
+            # RMSNorm and rotary upcasts) are float64 too, or the twin rounds like float32
+            twin = run_in_float64(copy.deepcopy(fn).double())
             swapped = _float64_kernels(twin)
 
             def call(x, p):

@@ -35,7 +35,7 @@ def _cell(c: dict | None) -> str:
 
 
 _CONV = {"position_ids": "pos ids, cache", "position_ids_no_cache": "pos ids", "mask_4d": "4-D mask",
-         "collator": "collator"}
+         "collator": "collator", "position_ids_ones_mask": "pos ids, 1s"}
 _GROUP = {"isolation": "packed documents", "router": "router", "batch": "batch", "drift": "drift"}
 
 

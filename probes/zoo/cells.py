@@ -163,11 +163,12 @@ def expected_isolation(model, conv: str, path: MaskPath | None = None) -> str | 
     """What the design promises, from the mechanism: a 4-D block mask isolates documents in an
     attention-only model whose mask masking_utils builds (it passes a 4-D mask as given);
     restarting position ids alone isolate where, besides, the model takes position ids (its
-    mask should then see them: find_packed_sequence_indices), and only without a cache:
-    _preprocess_mask_arguments reads packing "only if ... we don't have cache, i.e. generally
-    a training setup", and a causal LM makes a DynamicCache unless use_cache=False, so the
-    cached calls (position_ids, collator) carry no promise. Recurrent layers carry state
-    across documents: none."""
+    mask should then see them: find_packed_sequence_indices), and only without a cache or a
+    2-D mask: _preprocess_mask_arguments reads packing "only if the 2D attention mask is
+    explicitly None, and we don't have cache, i.e. generally a training setup", and a causal
+    LM makes a DynamicCache unless use_cache=False, so the cached calls (position_ids,
+    collator) and packed position ids beside a mask of ones (position_ids_ones_mask) carry no
+    promise. Recurrent layers carry state across documents: none."""
     path = path or mask_path(model)
     if _recurrent(model) or not path.masking_utils:
         return None
@@ -191,6 +192,9 @@ def design_leak(model, conv: str, path: MaskPath | None = None) -> str:
     if conv in ("position_ids", "collator"):
         return ("by design: the default use_cache makes a DynamicCache, and masking_utils."
                 "_preprocess_mask_arguments reads packed position ids only without a cache")
+    if conv == "position_ids_ones_mask":
+        from trainprobes.isolation.hf import CONVENTION_NOTES
+        return f"by design: {CONVENTION_NOTES[conv]}"
     if conv == "mask_4d":   # the position ids do not matter to a mask given in full
         return ("the 4-D block mask was given, and masking_utils passes it on as given: the leak is "
                 "past the mask (a layer ignores it, or mixes tokens outside attention)")
@@ -344,6 +348,10 @@ def row(model_type: str, *, probes=PROBES, implementations=IMPLEMENTATIONS,
                               f"{b.stage}: {b.reason}", seconds=round(time.perf_counter() - t, 3)))
         else:
             models[impl] = b
+    gaps = sorted({b.not_probed for b in models.values() if b.not_probed})
+    if gaps:   # kinds of layer the modeling file names that no cell below measures
+        cells.append(Cell(model_type, "build", "layer kinds", "n/a", None, "",
+                          f"not probed: {'; '.join(gaps)}"))
     with torch.no_grad():
         if "isolation" in probes:
             for impl, b in models.items():

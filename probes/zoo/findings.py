@@ -1,14 +1,22 @@
 """Confirmed zoo findings, kept as controls: each names the cell, the verdict it had when
-confirmed, the call (bug or by design) and the library code that causes it, and the
-reproduction script (transformers and torch pinned, no downloads, exit 0 when it reproduces).
-trainprobes.zoo.confirm measures each again: a library upgrade that changes it shows as a
-control no longer reproduced. `annotate(cells)` writes the call into the map's cells: a cell confirmed
-by design is no longer counted as a finding, and says why."""
+confirmed, the call (CALLS: a bug, a bug the library keeps on purpose, by design), the
+library code that causes it, and the reproduction script (transformers and torch pinned, no
+downloads, exit 0 when it reproduces). trainprobes.zoo.confirm measures each again: a library
+upgrade that changes it shows as a control no longer reproduced. `annotate(cells)` writes the
+call into the map's cells: a cell confirmed by design is no longer counted as a finding, and
+says why."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Finding", "FINDINGS", "annotate"]
+__all__ = ["Finding", "FINDINGS", "annotate", "CALLS", "BUG", "KEPT", "BY_DESIGN"]
+
+
+# the calls: a bug (a finding: the cell contradicts the design), a bug the library keeps on
+# purpose (still a finding: what the user trains differs from the design, and the library says
+# it will not change), by design (the cell's leak is the design's: no longer a finding)
+BUG, KEPT, BY_DESIGN = "bug", "bug, kept on purpose", "by design"
+CALLS = (BUG, KEPT, BY_DESIGN)
 
 
 @dataclass(frozen=True)
@@ -17,26 +25,10 @@ class Finding:
     probe: str
     variant: str
     verdict: str          # what the probe said when the finding was confirmed
-    call: str             # "bug" or "by design"
+    call: str             # one of CALLS
     cause: str            # library file and function
     why: str
     script: str           # the reproduction, under scripts/zoo_findings/
-
-
-_NO_POSITION_IDS = ("{model}.forward builds its mask with masking_utils.create_causal_mask but without "
-                    "position_ids, so _preprocess_mask_arguments never calls find_packed_sequence_indices "
-                    "and the mask stays causal over the whole packed row (Llama-derived models pass them)")
-_PACKED = "scripts/zoo_findings/packed_position_ids_dropped.py"
-# learned absolute positions, masks from the pre-packing template: position ids index the
-# position table only; packing by position ids was never a feature of these (a 4-D mask isolates)
-_ABSOLUTE_POSITIONS = ("bert", "bert-generation", "big_bird", "biogpt", "camembert", "data2vec-text", "electra",
-                       "ernie", "megatron-bert", "opt", "rembert", "roberta", "roberta-prelayernorm", "roc_bert",
-                       "xglm", "xlm-roberta", "xlm-roberta-xl", "xmod")
-_EAGER_ONLY = ("big_bird", "megatron-bert", "rembert", "xglm")   # their causal-LM class refuses sdpa
-_ABSOLUTE_WHY = ("the forward takes position_ids only to index learned absolute position embeddings and builds "
-                 "its mask with create_causal_mask without them, as its template always did: packing by "
-                 "restarting position ids is not a feature of this family (a 4-D block mask isolates it). "
-                 "AFMoE and GPT-OSS are bugs instead: Llama-template RoPE models whose siblings pass them")
 
 
 def _base(model_type: str) -> str:
@@ -47,57 +39,97 @@ def _base(model_type: str) -> str:
 def _module(model_type: str) -> str:
     from transformers.models.auto.configuration_auto import model_type_to_module_name
     return model_type_to_module_name(model_type)
+
+
+def _forward(model_type: str) -> str:
+    return f"transformers/models/{_module(model_type)}/modeling_{_module(model_type)}.py: {_base(model_type)}.forward"
+
+
+# Packed rows with restarting position ids, the training call (no cache): eager and sdpa keep
+# the documents apart through the mask, which masking_utils builds from the position ids only if
+# the forward hands them to create_causal_mask; flash attention keeps them apart in the kernel,
+# which reads them from the position ids its attention layers receive
+# (_flash_attention_forward -> _is_packed_sequence). One rule for every model
+# (scripts/zoo_findings/packed_position_ids_dropped.py measures each part of it):
+#   - the attention layers receive the position ids and the model supports flash attention, the
+#     mask is built without them: a bug (eager and sdpa compute another function than flash
+#     attention on the same batch; one argument missing). Learned absolute positions are no
+#     reason: GPT-2, GPT-Neo and GPTBigCode hand them to the mask and are isolated.
+#   - no flash attention and the attention layers never receive them: packing by position ids
+#     is offered by no attention path of the model: by design (a 4-D mask isolates).
+_PACKED = "scripts/zoo_findings/packed_position_ids_dropped.py"
+_DROPPED = ("gpt_oss", "afmoe", "opt", "biogpt", "bert", "bert-generation", "camembert", "data2vec-text", "electra",
+            "ernie", "roberta", "roberta-prelayernorm", "roc_bert", "xlm-roberta", "xlm-roberta-xl", "xmod")
+_NO_PACKING_PATH = ("big_bird", "megatron-bert", "rembert", "xglm")
+_ONLY_EAGER = ("big_bird", "gpt_oss", "megatron-bert", "rembert", "xglm")   # the causal-LM class refuses sdpa
+_DROPPED_WHY = ("{base}.forward builds its mask with masking_utils.create_causal_mask without position_ids, so "
+                "_preprocess_mask_arguments never calls find_packed_sequence_indices and eager/sdpa attend over the "
+                "whole packed row; its attention layers receive the position ids, from which flash attention reads "
+                "the documents (_flash_attention_forward -> _is_packed_sequence): the same batch is isolated there"
+                "{extra}")
+_DROPPED_EXTRA = {
+    "biogpt": "; BioGPT also fills attention_mask with ones when none is given, which skips packing detection too "
+              "(OPT keeps it None on purpose, its comment says)",
+    "gpt_oss": "; the Llama template it follows passes them", "afmoe": "; the Llama template it follows passes them"}
+_NO_PATH_WHY = ("{base}.forward builds its mask without position_ids, and no attention path of the model reads "
+                "documents from them: no flash attention support, and its attention modules never receive them. "
+                "Packing by position ids is not offered by this model at all; a 4-D block mask isolates it")
 _DOGE = ("transformers/models/doge/modeling_doge.py: DogeCDMoE.forward", "scripts/zoo_findings/doge_router_mixes_tokens.py")
 _DOGE_WHY = ("router_gate(hidden_states).view(2, bsz * seq_len, -1) splits the flattened token axis, not the "
-             "last one: a token's expert keys come from other tokens of the call, later ones and other rows included "
-             "(the file's own comment: 'routing is not causal in a full forward pass')")
+             "last one: a token's expert keys come from other tokens of the call, later ones and other rows included. "
+             "Kept on purpose, the file's comment says: 'routing is not causal in a full forward pass ... It is kept "
+             "as-is so existing checkpoints give the same outputs'; whoever trains Doge's MoE trains a router that "
+             "reads the future")
 _DSV4 = ("transformers/models/deepseek_v4/modeling_deepseek_v4.py: DeepseekV4CSACompressor.forward",
          "scripts/zoo_findings/deepseek_v4_compressed_attention_packing.py")
 _DSV4_WHY = ("the compressor pools every compress_rate consecutive tokens of the row into one KV entry and masks "
              "entries by position alone ((position_ids + 1) // compress_rate), never by the attention mask: "
              "packed documents share the entries of earlier ones. The paper's compressed attention has no "
              "per-document reset; packing is unsupported, and nothing refuses it")
+_M3 = ("transformers/models/minimax_m3_vl/modeling_minimax_m3_vl.py: MiniMaxM3VLIndexer.forward",
+       "scripts/zoo_findings/minimax_m3_sparse_indexer_packing.py")
+_M3_WHY = ("the sparse layers' indexer marks keys as future by comparing key slots with query position ids "
+           "(k_positions > position_ids) and anchors its local blocks at position_ids // block_size: with restarting "
+           "position ids a later document's queries select the first document's blocks, build_block_mask's "
+           "intersection with the document mask leaves them no key, and a row masked everywhere (min_dtype, not "
+           "-inf) attends uniformly to the whole row, other documents and the future included. The model hands "
+           "position_ids to create_causal_mask and threads them to the indexer to anchor it at content positions "
+           "(its comment): packing is meant to work")
 
 FINDINGS = (
-    Finding("afmoe", "isolation", "sdpa,position_ids_no_cache", "leaky", "bug",
-            "transformers/models/afmoe/modeling_afmoe.py: AfmoeModel.forward",
-            _NO_POSITION_IDS.format(model="AfmoeModel"), "scripts/zoo_findings/afmoe_packed_position_ids.py"),
-    Finding("afmoe", "isolation", "eager,position_ids_no_cache", "leaky", "bug",
-            "transformers/models/afmoe/modeling_afmoe.py: AfmoeModel.forward",
-            "as under sdpa: the mask is built without the position ids",
-            "scripts/zoo_findings/afmoe_packed_position_ids.py"),
-    Finding("gpt_oss", "isolation", "eager,position_ids_no_cache", "leaky", "bug",
-            "transformers/models/gpt_oss/modeling_gpt_oss.py: GptOssModel.forward",
-            _NO_POSITION_IDS.format(model="GptOssModel"), _PACKED),
-
-    *(Finding(mt, "isolation", f"{impl},position_ids_no_cache", "leaky", "by design",
-              f"transformers/models/{_module(mt)}/modeling_{_module(mt)}.py: {_base(mt)}.forward",
-              _ABSOLUTE_WHY, f"{_PACKED} --by-design") for mt in _ABSOLUTE_POSITIONS for impl in ("eager", "sdpa")
-      if not (impl == "sdpa" and mt in _EAGER_ONLY)),
-    Finding("doge", "router", "perturb", "non-causal", "bug", _DOGE[0], _DOGE_WHY, _DOGE[1]),
-    Finding("doge", "batch", "", "variant", "bug", _DOGE[0],
+    *(Finding(mt, "isolation", f"{impl},position_ids_no_cache", "leaky", BUG, _forward(mt),
+              _DROPPED_WHY.format(base=_base(mt), extra=_DROPPED_EXTRA.get(mt, "")),
+              "scripts/zoo_findings/afmoe_packed_position_ids.py" if mt == "afmoe" else _PACKED)
+      for mt in _DROPPED for impl in ("eager", "sdpa") if not (impl == "sdpa" and mt in _ONLY_EAGER)),
+    *(Finding(mt, "isolation", f"{impl},position_ids_no_cache", "leaky", BY_DESIGN, _forward(mt),
+              _NO_PATH_WHY.format(base=_base(mt)), f"{_PACKED} --by-design")
+      for mt in _NO_PACKING_PATH for impl in ("eager", "sdpa") if not (impl == "sdpa" and mt in _ONLY_EAGER)),
+    *(Finding("minimax_m3_vl_text", "isolation", f"{impl},{conv}", "leaky", BUG, _M3[0], _M3_WHY, _M3[1])
+      for impl in ("sdpa", "eager") for conv in ("position_ids_no_cache", "mask_4d")),
+    Finding("doge", "router", "perturb", "non-causal", KEPT, _DOGE[0], _DOGE_WHY, _DOGE[1]),
+    Finding("doge", "batch", "", "variant", KEPT, _DOGE[0],
             "the same token mixing crosses the rows of a batch: a row's logits depend on the others", _DOGE[1]),
-    Finding("doge", "router", "truncate", "non-causal", "bug", _DOGE[0], _DOGE_WHY, _DOGE[1]),
-    *(Finding("doge", "isolation", f"{impl},{conv}", "leaky", "bug", _DOGE[0],
+    Finding("doge", "router", "truncate", "non-causal", KEPT, _DOGE[0], _DOGE_WHY, _DOGE[1]),
+    *(Finding("doge", "isolation", f"{impl},{conv}", "leaky", KEPT, _DOGE[0],
               "the router's token mixing carries one document's tokens into another's routing, whatever the mask",
               _DOGE[1]) for impl in ("sdpa", "eager") for conv in ("mask_4d", "position_ids_no_cache")),
-    Finding("deepseek_v4", "isolation", "eager,mask_4d", "leaky", "by design", _DSV4[0], _DSV4_WHY, _DSV4[1]),
-    Finding("deepseek_v4", "isolation", "eager,position_ids_no_cache", "leaky", "by design", _DSV4[0],
+    Finding("deepseek_v4", "isolation", "eager,mask_4d", "leaky", BY_DESIGN, _DSV4[0], _DSV4_WHY, _DSV4[1]),
+    Finding("deepseek_v4", "isolation", "eager,position_ids_no_cache", "leaky", BY_DESIGN, _DSV4[0],
             _DSV4_WHY, _DSV4[1]),
 )
 
 
 def annotate(cells) -> None:
-    """Write each confirmed finding's call into its cell (in place): 'confirmed bug' or 'by
-    design', with the cause and the script; a by-design cell stops counting as a finding.
-    A cell whose verdict is no longer the confirmed one is left as measured."""
+    """Write each confirmed finding's call into its cell (in place): the call, the cause and
+    the script; a by-design cell stops counting as a finding. A cell whose verdict is no
+    longer the confirmed one is left as measured."""
     by = {(f.model_type, f.probe, f.variant): f for f in FINDINGS}
     for c in cells:
         f = by.get((c.model_type, c.probe, c.variant))
         if f is None or c.verdict != f.verdict:
             continue
-        if f.call == "by design":
+        if f.call == BY_DESIGN:
             c.finding, c.expected = False, None
             c.reason += f"; by design ({f.cause}: {f.script})"
         else:
-            c.reason += f"; confirmed bug ({f.cause}: {f.script})"
+            c.reason += f"; confirmed {f.call} ({f.cause}: {f.script})"

@@ -23,17 +23,23 @@ Steps of `plan(cfg, full)`:
 `kinds(cfg)` is what `shrink` checks afterwards: a shrunk config that lost a kind is refused
 (a listed failure), never built silently without it.
 
-A default config may hold one kind of a hybrid whose released checkpoints hold several
-(granitemoehybrid and bamba default to Mamba layers only, lfm2 to attention only). The kinds a
-model can take are read from its modeling file: the keys of the per-kind mask mapping its
-forward builds (`causal_mask_mapping = {"full_attention": ..., "linear_attention": ...}`).
-`widen(cfg, model_type)` gives such a config one layer of every kind its mask mapping names.
+A default config may hold only some of the kinds its model can run (granitemoehybrid and
+bamba default to Mamba layers only, lfm2 to attention only; MiniMax-M3's default lists no
+sparse layer, Laguna's and Mellum's no sliding one). The kinds a model can take are read from
+its modeling file (`source_kinds`): the keys of the per-kind mask mapping its forward builds
+(`causal_mask_mapping = {"full_attention": ..., "linear_attention": ...}`, laguna's
+`mask_creation_functions`) and the kinds its layers compare theirs with
+(`config.layer_types[layer_idx] == "minimax_m3_sparse"`). `widen(cfg, model_type)` gives the
+config one layer of each; a kind it cannot give (a setting it needs is unset, the config
+derives its kinds from other fields, its own kinds are not named in the file) is recorded
+with why in changed[NOT_PROBED], and `shrink.build` does the same for kinds the model fails
+with (it is built without them): the map lists each such gap, never drops it silently.
 """
 from __future__ import annotations
 
 import re
 
-__all__ = ["layer_count", "kinds", "plan", "apply", "source_kinds", "widen", "MAX_LAYERS", "KIND_FIELDS"]
+__all__ = ["layer_count", "kinds", "plan", "apply", "source_kinds", "widen", "NOT_PROBED", "MAX_LAYERS", "KIND_FIELDS"]
 
 # the names configs give their layer count, first match wins
 LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_decoder_layers", "decoder_layers")
@@ -42,8 +48,6 @@ _MAX_COVER = 8           # a greedy cover may take up to this many when the kind
 # per-layer kind lists read with getattr (some are properties or attribute-map aliases)
 KIND_FIELDS = ("layer_types", "layers_block_type", "mlp_layer_types", "attention_layers",
                "attn_layers", "no_rope_layers", "indexer_types", "block_types")
-# attention kinds (a mask separates documents); the others carry state along the sequence
-_ATTENTION = frozenset({"full_attention", "sliding_attention", "chunked_attention", "indexed_attention"})
 _INDEX_NAME = re.compile(r"(idx|idxs|indices|ids|_layers)$")
 
 
@@ -158,14 +162,29 @@ def apply(cfg, full: int, keep: list[int], changed: dict, prefix: str = "") -> N
             changed[prefix + name] = (list(v), new)
 
 
-_MAPPING = re.compile(r"causal_mask_mapping\s*=\s*\{(.*?)\n\s*\}", re.S)
+# where a modeling file names its attention layers' kinds (transformers 5.24):
+#   the keys of the per-kind mask mapping its forward builds: causal_mask_mapping = {"full_attention":
+#     ..., "linear_attention": ...} (or item by item), laguna's / mellum's mask_creation_functions
+#   the strings its layers compare their own kind with: config.layer_types[layer_idx] ==
+#     "sliding_attention" (laguna, mellum), == "minimax_m3_sparse" (MiniMax-M3's indexer), a
+#     layer_type in ("a", "b")
+# mlp_layer_types and other per-layer lists are not attention kinds: never read here
+_MAPPING = re.compile(r"(?:causal_mask_mapping|mask_creation_functions)\s*=\s*\{(.*?)\n\s*\}", re.S)
 _KEY = re.compile(r'"([a-z_0-9]+)"\s*:')
 _SET_KEY = re.compile(r'causal_mask_mapping\["([a-z_0-9]+)"\]\s*=')
+_LAYER_TYPE = r"(?<![A-Za-z0-9_])layer_types?(?:\[[^\]]*\])?"
+_COMPARED = re.compile(_LAYER_TYPE + r'\s*(?:==|!=)\s*"([a-z_0-9]+)"')
+_COMPARED_R = re.compile(r'"([a-z_0-9]+)"\s*(?:==|!=)\s*(?:[\w.]*\.)?' + _LAYER_TYPE)
+_IN = re.compile(_LAYER_TYPE + r"\s*(?:not\s+)?in\s*[(\[{]([^)\]}]*)[)\]}]")
+_STRING = re.compile(r'"([a-z_0-9]+)"')
+# what a kind needs from the config to be built at all
+_NEEDS = {"sliding_attention": ("sliding_window",), "chunked_attention": ("attention_chunk_size",)}
 
 
 def source_kinds(model_type: str) -> frozenset:
-    """The layer kinds the model type's modeling file builds a mask for: the string keys of
-    its `causal_mask_mapping` (empty where it builds none, or the source cannot be read)."""
+    """The attention-layer kinds the model type's modeling file names: the keys of its per-kind
+    mask mapping and the kinds its layers compare theirs with (empty where it names none, or
+    the source cannot be read)."""
     import inspect
     import sys
 
@@ -175,35 +194,55 @@ def source_kinds(model_type: str) -> frozenset:
         src = inspect.getsource(sys.modules[getattr(transformers, names[model_type]).__module__])
     except (OSError, TypeError, KeyError, AttributeError):
         return frozenset()
-    keys = set(_SET_KEY.findall(src))
+    keys = set(_SET_KEY.findall(src)) | set(_COMPARED.findall(src)) | set(_COMPARED_R.findall(src))
     for m in _MAPPING.finditer(src):
         keys |= set(_KEY.findall(m.group(1)))
+    for m in _IN.finditer(src):
+        keys |= set(_STRING.findall(m.group(1)))
     return frozenset(keys)
 
 
+NOT_PROBED = "layer_types:not_probed"   # changed[...] = (kinds, why) where widen cannot give them
+
+
 def widen(cfg, model_type: str, changed: dict, prefix: str = "") -> None:
-    """Where cfg's layer_types takes only some of the kinds its modeling file masks for (and
-    nothing else), give the kept layers one of each, in the mapping's order after those the
-    config had; index lists of attention layers (attn_layer_indices, full_attn_idxs) follow
-    the "full_attention" layers. A config that uses kinds the mapping does not name (falcon_h1's
-    'hybrid' layers carry both) is left as it is."""
+    """Where cfg's layer_types takes only some of the kinds its modeling file names (and
+    nothing else), give the kept layers one of each, after those the config had (the first
+    layers keep the default's kinds); index lists of attention layers (attn_layer_indices,
+    full_attn_idxs) follow the "full_attention" layers. A kind the config cannot take (a
+    sliding layer without a sliding_window; more kinds than layers) is recorded in
+    changed[NOT_PROBED] with why. A config that uses kinds the file does not name (falcon_h1's
+    'hybrid' layers carry both attention and Mamba) is left as it is, and the kinds it lacks
+    are recorded there too."""
     want = source_kinds(model_type)
     _, n = layer_count(cfg)
     have = _get(cfg, "layer_types")
     if not want or not n:
         return
     have = list(have) if have is not None else []
-    if have and not set(have) <= want:
+    # full attention is every file's default kind, named or not (MiniMax-M3 compares with
+    # "minimax_m3_sparse" only: its other layers are full attention)
+    if have and not set(have) <= want | {"full_attention"}:
+        absent = sorted(want - set(have))
+        if absent:   # not widened, and said so
+            changed[prefix + NOT_PROBED] = (absent, f"{', '.join(absent)}: not given, the config's own kinds "
+                                                    f"{sorted(set(have) - want)} are not named in the modeling "
+                                                    f"file (a 'hybrid' layer may carry them)")
         return
-    # only the other family's kinds: a recurrent layer where the default is all attention,
-    # attention where it is all recurrent (qwen2's optional sliding layers stay optional)
-    attention_only = bool(have) and set(have) <= _ATTENTION
-    recurrent_only = bool(have) and not set(have) & _ATTENTION
-    missing = sorted(k for k in want - set(have) if not (attention_only and k in _ATTENTION)
-                     and not (recurrent_only and k not in _ATTENTION)
-                     and (k != "sliding_attention" or _get(cfg, "sliding_window")))
-    if not missing or len(set(have) | set(missing)) > n:
-        return
+    lacking = {k: [a for a in _NEEDS.get(k, ()) if not _get(cfg, a)] for k in want - set(have)}
+    missing = sorted(k for k, lack in lacking.items() if not lack)
+    cannot = {k: f"the config sets no {', '.join(lack)}" for k, lack in lacking.items() if lack}
+    if missing and len(set(have) | set(missing)) > n:
+        cannot.update({k: f"{len(set(have) | set(missing))} kinds, {n} layers" for k in missing})
+        missing = []
+    if missing:
+        cannot.update(_give(cfg, have, missing, n, changed, prefix))
+    if cannot:   # never silent: what the tiny model lacks, and why
+        changed[prefix + NOT_PROBED] = (sorted(cannot), "; ".join(f"{k}: {w}" for k, w in sorted(cannot.items())))
+
+
+def _give(cfg, have: list, missing: list, n: int, changed: dict, prefix: str) -> dict:
+    """Write the missing kinds into cfg's last layers; {kind: why} for those it could not."""
     base = have[:n] if len(have) >= n else (have + [have[-1] if have else missing[0]] * n)[:n]
     # the last layers take the missing kinds: the first keeps the default's kind
     new = base[:n - len(missing)] + missing
@@ -214,6 +253,12 @@ def widen(cfg, model_type: str, changed: dict, prefix: str = "") -> None:
                 stored[name] is None or isinstance(stored[name], (list, tuple))):
             changed[prefix + name] = (stored[name], attn)
             setattr(cfg, name, attn)
-    if "layer_types" in stored:
+    try:   # stored, or an alias (zamba: attribute_map to layers_block_type)
         setattr(cfg, "layer_types", new)
-    changed[prefix + "layer_types:widened"] = (f"{sorted(set(have))} only", new)
+    except (AttributeError, NotImplementedError):
+        pass   # a property derived from the index lists set above (bamba's layers_block_type)
+    got = set(_get(cfg, "layer_types") or ())
+    lost = [k for k in missing if k not in got]
+    if len(lost) < len(missing):
+        changed[prefix + "layer_types:widened"] = (sorted(set(have)), new)   # the kinds it had, the new list
+    return {k: "the config derives its layer kinds from fields not set here" for k in lost}

@@ -19,7 +19,8 @@ from trainprobes.errors import InvalidArgument
 from trainprobes.zoo import layers
 from trainprobes.zoo.layers import MAX_LAYERS, layer_count
 
-__all__ = ["shrink", "build", "survey", "Built", "Failure", "causal_lm_types", "SIZES", "MAX_PARAMS", "all_configs"]
+__all__ = ["shrink", "build", "survey", "Built", "Failure", "causal_lm_types", "SIZES", "MAX_PARAMS", "all_configs",
+           "count_params"]
 
 MAX_PARAMS = 5_000_000  # a tiny model; the largest shrunk zoo model is far below
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, WINDOW, STATE = 64, 4, 2, 16, 64, 128, 8, 8
@@ -94,6 +95,13 @@ class Built:
     config: object
     n_params: int
     changed: dict = field(default_factory=dict)   # attribute -> (full, shrunk)
+
+    @property
+    def not_probed(self) -> str | None:
+        """The layer kinds the modeling file names that the tiny model lacks, with why."""
+        gaps = [f"{k[:-len(layers.NOT_PROBED)]}{why}" for k, (_, why) in self.changed.items()
+                if k.endswith(layers.NOT_PROBED)]
+        return "; ".join(gaps) or None
 
 
 @dataclass(frozen=True)
@@ -235,10 +243,11 @@ def _shrink_one(cfg, changed: dict, prefix: str = "") -> None:
                     v[name] = size
 
 
-def shrink(config):
+def shrink(config, *, widen: bool = True):
     """A shrunk deep copy of a transformers config (or a model type's default config, given
     its name): every size it names made tiny (hidden 64, 4 heads, 2 KV heads, head dim 16,
-    FFN 64, 4 experts choosing 2, 2-6 layers, vocabulary 128, windows 8, Mamba state 8).
+    FFN 64, 4 experts choosing 2, 2-6 layers, vocabulary 128, windows 8, Mamba state 8), and
+    (widen) one layer of every attention kind its modeling file names (layers.widen).
     Returns (config, changed): changed maps attribute -> (full, shrunk)."""
     if isinstance(config, str):
         from transformers import CONFIG_MAPPING
@@ -249,7 +258,7 @@ def shrink(config):
     changed: dict = {}
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as names
     for c in all_configs(cfg):   # a default holding one kind of a hybrid: one layer of each
-        if getattr(c, "model_type", None) in names:
+        if widen and getattr(c, "model_type", None) in names:
             layers.widen(c, c.model_type, changed, "" if c is cfg else f"{_path(cfg, c)}.")
     before = {id(c): layers.kinds(c) for c in all_configs(cfg)}
     paths = {id(c): _path(cfg, c) for c in all_configs(cfg)}
@@ -329,10 +338,40 @@ def build(model_type: str, *, attn_implementation: str | None = None, seed: int 
           max_params: int = MAX_PARAMS, forward: bool = True) -> Built | Failure:
     """The tiny random model of model_type (float32, eval, CPU), built from shrink() after
     counting its parameters on the meta device; with forward=True one forward pass of 16
-    tokens must run and give finite logits [1, 16, V]. A Failure names the stage and reason."""
+    tokens must run and give finite logits [1, 16, V]. A Failure names the stage and reason.
+    Where the model fails only with the layer kinds widen() gave it, it is built without
+    them and `not_probed` says which and why (never a silent narrower model)."""
+    kw = dict(attn_implementation=attn_implementation, seed=seed, max_params=max_params, forward=forward)
+    b = _build(model_type, widen=True, **kw)
+    added, gaps = ([], {}) if isinstance(b, Built) else _widened(model_type)
+    if not added:
+        return b
+    plain = _build(model_type, widen=False, **kw)
+    if isinstance(plain, Built):
+        failed = f"{', '.join(added)}: the model fails with them ({b.stage}: {b.reason})"
+        kinds, why = gaps.pop(layers.NOT_PROBED, ([], None))   # what widen() could not give, kept
+        plain.changed.update(gaps)
+        plain.changed[layers.NOT_PROBED] = (sorted(set(kinds) | set(added)), "; ".join(filter(None, (why, failed))))
+    return plain
+
+
+def _widened(model_type: str) -> tuple[list, dict]:
+    """(the kinds widen() adds to model_type's default config, the gaps it records)."""
+    try:
+        _, changed = shrink(model_type)
+    except Exception:  # noqa: BLE001 - a config that cannot be shrunk widens nothing here
+        return [], {}
+    added = sorted({k for key, (had, now) in changed.items() if key.endswith(":widened")
+                    for k in set(now) - set(had)})
+    return added, {k: v for k, v in changed.items() if k.endswith(layers.NOT_PROBED)}
+
+
+def _on_meta(model_type: str, *, widen: bool = True, attn_implementation=None):
+    """(config, changed, model class, parameter count, the model on the meta device) of the
+    shrunk model_type, nothing allocated; a Failure (stage shrink or meta) where it cannot be."""
     from transformers import CONFIG_MAPPING
     try:
-        cfg, changed = shrink(CONFIG_MAPPING[model_type]())
+        cfg, changed = shrink(CONFIG_MAPPING[model_type](), widen=widen)
     except Exception as e:  # noqa: BLE001 - listed with the reason, never skipped
         return Failure.of(model_type, "shrink", e)
     try:
@@ -348,6 +387,21 @@ def build(model_type: str, *, attn_implementation: str | None = None, seed: int 
         n, meta = _count_on_meta(cfg, model_cls)
     except Exception as e:  # noqa: BLE001
         return Failure.of(model_type, "meta", e)
+    return cfg, changed, model_cls, n, meta
+
+
+def count_params(model_type: str) -> int | None:
+    """The shrunk model's parameter count, counted on the meta device (nothing allocated);
+    None where it cannot be shrunk or counted (building it fails the same way)."""
+    m = _on_meta(model_type)
+    return None if isinstance(m, Failure) else m[3]
+
+
+def _build(model_type: str, *, widen: bool, attn_implementation, seed, max_params, forward) -> Built | Failure:
+    m = _on_meta(model_type, widen=widen, attn_implementation=attn_implementation)
+    if isinstance(m, Failure):
+        return m
+    cfg, changed, model_cls, n, meta = m
     if n > max_params:
         big = max(meta.named_parameters(), key=lambda kv: kv[1].numel())
         return Failure(model_type, "meta", f"{n:,} parameters after shrinking (limit {max_params:,}); "
@@ -385,16 +439,19 @@ def _vocab(model) -> int:
 
 def survey(model_types=None, *, progress=None) -> dict:
     """build() every type (default attention): {"built": {type: n_params}, "failed": {type:
-    "stage: reason"}, "seconds": wall time}; every registered type is in one of the two."""
+    "stage: reason"}, "not_probed": {type: the layer kinds it lacks, and why}, "seconds": wall
+    time}; every registered type is in one of the first two."""
     import time
     t = time.perf_counter()
-    built, failed = {}, {}
+    built, failed, gaps = {}, {}, {}
     for mt in model_types or causal_lm_types():
         r = build(mt)
         if isinstance(r, Failure):
             failed[mt] = f"{r.stage}: {r.reason}"
         else:
             built[mt] = r.n_params
+            if r.not_probed:
+                gaps[mt] = r.not_probed
         if progress:
             progress(f"{mt}: {'built' if mt in built else failed[mt]}")
-    return {"built": built, "failed": failed, "seconds": round(time.perf_counter() - t, 1)}
+    return {"built": built, "failed": failed, "not_probed": gaps, "seconds": round(time.perf_counter() - t, 1)}

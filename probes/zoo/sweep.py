@@ -2,8 +2,9 @@
 and transformers imported once per worker, not once per model: about 9 s of a row here), each
 row bounded by a timeout (a hang kills its worker, which is replaced) and the worker's address
 space (a runaway model dies alone); finished rows appended to a JSONL file and skipped when the
-sweep runs again (resumable), a progress line per row, every worker's stderr in one log beside
-the JSONL. `to_map` folds the rows into the map saved as JSON (versions, rows, time and peak
+sweep runs again (resumable), except a row that timed out, which is measured once more (at the
+end of the same run, or by the next run), a progress line per row, every worker's stderr in one
+log beside the JSONL. `to_map` folds the rows into the map saved as JSON (versions, rows, time and peak
 memory)."""
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["sweep", "to_map", "versions", "load_rows", "estimate"]
+__all__ = ["sweep", "to_map", "versions", "load_rows", "estimate", "row_bytes", "timed_out", "TRIES"]
 
 
 def versions() -> dict:
@@ -62,9 +63,31 @@ def _drop_unfinished(jsonl: Path) -> str | None:
     return data[keep:keep + 60].decode(errors="replace")
 
 
-# measured: a worker's own peak RSS stays under 0.6 GB on every zoo row (largest 485 MB); a
-# worker is planned at 1 GB and hard-limited by its address space (memory_mb)
-WORKER_BYTES = 1 << 30
+# What one row needs beyond the interpreter with torch (budget.BASE_BYTES): transformers
+# imported, activations and temporaries of 30-token rows (ROW_FIXED), and PER_PARAM bytes per
+# parameter of the shrunk model (at most MAX_PARAMS): an fp32 model per attention
+# implementation (4 B each), their shared fp64 twins (8 B each), the drift cell's bf16 copy, a
+# deep copy at a time. Checked against every row's measured peak RSS (a worker's high-water
+# mark, its imports included) of the map in docs/: the largest, kimi_linear's 1175 MiB
+# (transformers' torch fallback of the chunked delta rule), is estimated at 1272 MiB, bert's
+# 722 MiB at 1251 MiB (reports/zoo-benchmark.md). A worker is planned at the largest row it may take
+# and hard-limited by its address space (memory_mb).
+ROW_FIXED = 850 << 20
+PER_PARAM = 32
+
+
+def row_bytes(model_type: str) -> int:
+    """Bytes one row of model_type needs beyond budget.BASE_BYTES, from its parameter count on
+    the meta device (a type that cannot be counted cannot be built: its row is a build failure,
+    ROW_FIXED)."""
+    from trainprobes.zoo.shrink import count_params
+    return ROW_FIXED + PER_PARAM * (count_params(model_type) or 0)
+
+
+def _worker_bytes() -> int:
+    from trainprobes.budget import BASE_BYTES
+    from trainprobes.zoo.shrink import MAX_PARAMS
+    return BASE_BYTES + ROW_FIXED + PER_PARAM * MAX_PARAMS
 READY_S = 120.0       # importing torch + transformers in a new worker, on a loaded machine
 WORKER = [sys.executable, "-m", "trainprobes.zoo.one", "--serve"]
 
@@ -127,6 +150,10 @@ def _limit(memory_mb: int):
     return apply
 
 
+TIMEOUT = "timeout: "   # the reason of a row whose worker was killed for taking too long
+TRIES = 2              # a row that times out is measured once more (a loaded machine), then kept
+
+
 def _failed(mt, reason, t) -> dict:
     return {"model_type": mt, "seconds": round(time.perf_counter() - t, 2), "peak_rss_mb": None,
             "cells": [{"model_type": mt, "probe": "build", "variant": "", "verdict": "error",
@@ -134,11 +161,19 @@ def _failed(mt, reason, t) -> dict:
                        "finding": False, "seconds": 0.0}]}
 
 
+def timed_out(row: dict) -> bool:
+    """Whether a stored row is a timeout (its worker killed), not a measurement."""
+    cells = row.get("cells") or []
+    return len(cells) == 1 and cells[0]["verdict"] == "error" and cells[0]["reason"].startswith(TIMEOUT)
+
+
 def _slot(todo: queue.Queue, emit, *, timeout: float, memory_mb: int, recycle: int, log: Path,
-          command: list | None) -> None:
+          command: list | None, tries: dict) -> None:
     """One worker's share: rows until the queue is empty; a worker that hangs (timeout) or dies
     costs the row it held, and a new one takes the next; every `recycle` rows it is replaced so
-    what a model leaves behind (caches, fragmentation) cannot grow without bound."""
+    what a model leaves behind (caches, fragmentation) cannot grow without bound. A row that
+    timed out goes back to the end of the queue until it has had TRIES tries (tries: model
+    type -> tries so far, shared by the slots)."""
     w = None
     try:
         while True:
@@ -147,6 +182,8 @@ def _slot(todo: queue.Queue, emit, *, timeout: float, memory_mb: int, recycle: i
             except queue.Empty:
                 return
             t = time.perf_counter()
+            tries[mt] = tries.get(mt, 0) + 1
+            again = False
             try:
                 if w is None or w.rows >= recycle:
                     if w is not None:
@@ -155,22 +192,27 @@ def _slot(todo: queue.Queue, emit, *, timeout: float, memory_mb: int, recycle: i
                     w = _Worker(memory_mb, log, command)
                 r = w.ask(mt, timeout)
             except TimeoutError:
-                r = _failed(mt, f"timeout: no row after {timeout:g} s (the worker was killed)", t)
+                again = tries[mt] < TRIES
+                r = _failed(mt, f"{TIMEOUT}no row after {timeout:g} s (the worker was killed; try "
+                                f"{tries[mt]} of {TRIES})", t)
                 w.close() if w is not None else None
                 w = None
             except _Dead as e:
                 r = _failed(mt, str(e), t)
                 w = None
-            emit(r)
+            r["tries"] = tries[mt]
+            emit(r, again)   # stored even when tried again: a sweep killed meanwhile keeps it
+            if again:
+                todo.put(mt)
     finally:
         if w is not None:
             w.close()
 
 
 def estimate(workers: int, memory_mb: int) -> int:
-    """Bytes the sweep plans to hold: each worker at WORKER_BYTES (its measured peak with
-    headroom), never more than its hard limit."""
-    per = min(WORKER_BYTES, memory_mb << 20) if memory_mb else WORKER_BYTES
+    """Bytes the sweep plans to hold: each worker at the largest row it may take, never more
+    than its hard limit."""
+    per = min(_worker_bytes(), memory_mb << 20) if memory_mb else _worker_bytes()
     return workers * per
 
 
@@ -191,32 +233,40 @@ def sweep(model_types, jsonl: Path, *, workers: int = 2, timeout: float = 300.0,
     if cut is not None and progress:
         progress(f"zoo: dropped an unfinished last row of {jsonl} ({cut!r}...): it is measured again")
     done = load_rows(jsonl)
-    todo = [m for m in dict.fromkeys(model_types) if m not in done]
+    wanted = list(dict.fromkeys(model_types))
+    # a row stored as a timeout is measured once more, until it has had TRIES tries
+    retry = [m for m in wanted if m in done and timed_out(done[m]) and done[m].get("tries", 1) < TRIES]
+    tries = {m: done[m].get("tries", 1) for m in retry}
+    todo = [m for m in wanted if m not in done] + retry
     if progress:
         progress(f"zoo: {len(done)} rows already in {jsonl}, {len(todo)} to run on {workers} processes "
-                 f"(worker log {jsonl.with_suffix('.log')})")
-    start, n = time.perf_counter(), 0
+                 f"(worker log {jsonl.with_suffix('.log')})"
+                 + (f"; {len(retry)} of them timed out before and are measured once more: {', '.join(retry)}"
+                    if retry else ""))
+    start, n, total = time.perf_counter(), 0, len(todo)
     lock = threading.Lock()
     q: queue.Queue = queue.Queue()
     for m in todo:
         q.put(m)
     with jsonl.open("a") as out:
-        def emit(r):
-            nonlocal n
+        def emit(r, again: bool):
+            nonlocal n, total
             with lock:
                 out.write(json.dumps(r, allow_nan=False) + "\n")
                 out.flush()
                 done[r["model_type"]] = r
                 n += 1
+                total += again
                 if progress:
                     el = time.perf_counter() - start
                     findings = sum(c["finding"] for c in r["cells"])
-                    progress(f"[{n}/{len(todo)}] {r['model_type']}: {len(r['cells'])} cells, "
-                             f"{findings} findings, {r['seconds']:.1f} s; elapsed {el:.0f} s, "
-                             f"about {el / n * (len(todo) - n):.0f} s left")
+                    what = (f"timed out after {r['seconds']:.1f} s, measured once more at the end" if again
+                            else f"{len(r['cells'])} cells, {findings} findings, {r['seconds']:.1f} s")
+                    progress(f"[{n}/{total}] {r['model_type']}: {what}; elapsed {el:.0f} s, "
+                             f"about {el / n * (total - n):.0f} s left")
         threads = [threading.Thread(target=_slot, args=(q, emit), daemon=True,
                                     kwargs=dict(timeout=timeout, memory_mb=memory_mb, recycle=recycle,
-                                                log=jsonl.with_suffix(".log"), command=command))
+                                                log=jsonl.with_suffix(".log"), command=command, tries=tries))
                    for _ in range(min(workers, max(len(todo), 1)))]
         for t in threads:
             t.start()

@@ -8,6 +8,10 @@ Packing conventions (`CONVENTIONS`; what a trainer hands the model for one packe
   collator               the batch transformers' own DataCollatorWithFlattening returns for the
                          documents (input_ids, position_ids, and with return_flash_attn_kwargs
                          cu_seq_lens_q/k, max_length_q/k), passed as it is
+  position_ids_ones_mask restarting position ids beside an all-ones attention_mask [B, L] (the
+                         padding mask of an unpadded row, which many trainers add to a packed
+                         batch), use_cache=False; masking_utils looks for packed position ids
+                         only when attention_mask is None (isolation.hf.CONVENTION_NOTES)
 """
 from __future__ import annotations
 
@@ -16,13 +20,13 @@ import inspect
 
 import torch
 from trainprobes.errors import InvalidArgument, TargetError
+from trainprobes.isolation.fp64 import run_in_float64
 from trainprobes.isolation.hf import sliding_window
 from trainprobes.isolation.packing import Packing
-from trainprobes.zoo.fp64 import run_in_float64
 
 __all__ = ["CONVENTIONS", "ZooPacked", "Routing", "fp64_copy"]
 
-CONVENTIONS = ("position_ids", "position_ids_no_cache", "mask_4d", "collator")
+CONVENTIONS = ("position_ids", "position_ids_no_cache", "mask_4d", "collator", "position_ids_ones_mask")
 
 
 def fp64_copy(model, cache: dict | None = None):
@@ -88,6 +92,9 @@ class ZooPacked(torch.nn.Module):
             return self.model(**_collated(tokens, packing)).logits
         kw = {"position_ids": packing.position_ids(dev)}
         if self.convention == "position_ids_no_cache":
+            kw["use_cache"] = False
+        elif self.convention == "position_ids_ones_mask":
+            kw["attention_mask"] = torch.ones(tokens.shape, dtype=torch.long, device=dev)
             kw["use_cache"] = False
         elif self.convention == "mask_4d":
             kw["attention_mask"] = _masks(self.model, packing, dev)

@@ -8,8 +8,11 @@ is no cache (masking_utils._preprocess_mask_arguments -> find_packed_sequence_in
 Llama-style models pass `position_ids` to create_causal_mask. AfmoeModel.forward
 (transformers/models/afmoe/modeling_afmoe.py) builds mask_kwargs without "position_ids", so
 the mask stays causal over the whole packed row: a document's logits change when an earlier
-document's tokens change. Llama, the same call: unchanged. Call: a bug (one key missing from
-mask_kwargs; every other masking_utils model here passes it).
+document's tokens change. Llama, the same call: unchanged. Call: a bug. AFMoE supports flash
+attention and its attention layers receive the position ids, from which flash attention reads
+the documents (modeling_flash_attention_utils._is_packed_sequence): the same batch is isolated
+there and leaks under eager and sdpa, for want of one key in mask_kwargs. The rule and the
+other models it covers: packed_position_ids_dropped.py.
 """
 import sys
 

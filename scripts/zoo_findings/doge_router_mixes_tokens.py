@@ -10,11 +10,15 @@ router_gate returns [bsz, seq_len, 2 * num_keys]; viewing that as [2, bsz * seq_
 splits the flattened token axis in two instead of the last axis, so the "x" keys of the first
 half of the tokens and the "y" keys of every token come from other tokens' logits, later ones
 included. The experts token t gets then depend on tokens after t: in training (a full
-forward) the router sees the future, at generation (one token at a time) it does not. The
-file's own comment says as much ("this split mixes router logits across tokens, so routing is
-not causal in a full forward pass"). Call: a bug (the intended split is over the last axis,
-router_gate(hidden_states).view(bsz * seq_len, 2, -1)); Doge's token-choice top-k router is
-causal by design.
+forward) the router sees the future, at generation (one token at a time) it does not.
+Call: a bug that transformers keeps on purpose. The file's own comment: "this split mixes
+router logits across tokens, so routing is not causal in a full forward pass (token-by-token
+generation is unaffected). It is kept as-is so existing checkpoints give the same outputs."
+The released Doge checkpoints were trained with this router, so the fix (the split over the
+last axis, router_gate(hidden_states).view(bsz * seq_len, 2, -1)) would change their outputs;
+the product-key token-choice top-k router it implements is causal by design. Whoever trains or
+fine-tunes Doge with MoE on trains a router that reads the future (and other rows of the
+batch), which generation never shows it.
 """
 import sys
 

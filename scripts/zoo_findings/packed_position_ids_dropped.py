@@ -1,28 +1,43 @@
-"""Finding: models whose forward takes position ids but never hands them to the mask leak
-across packed documents in the training call (use_cache=False), unlike Llama.
+"""Finding: models that build their mask without the position ids leak across packed documents
+in the training call (use_cache=False) under eager and sdpa; where their attention layers
+receive the position ids, flash attention isolates the same batch: a bug.
 
 Pinned: transformers==5.24.0, torch==2.13.0 (CPU). No downloads: tiny random models.
-Run:    python scripts/zoo_findings/packed_position_ids_dropped.py [MODEL_TYPE ...]
+Run:    python scripts/zoo_findings/packed_position_ids_dropped.py                # the bugs
+        python scripts/zoo_findings/packed_position_ids_dropped.py --by-design    # the others
+        python scripts/zoo_findings/packed_position_ids_dropped.py opt xglm       # chosen types
 
-transformers' masking_utils reads restarting position ids as document boundaries when there is
-no cache (masking_utils._preprocess_mask_arguments -> find_packed_sequence_indices), so a
-packed row with restarting position ids and no cache is isolated for Llama. The models below
-take position_ids, build their mask with masking_utils (create_causal_mask), but call it
-without position_ids: _preprocess_mask_arguments sees position_ids=None, packing detection
-never runs, and the mask stays causal over the whole row. This script watches that function
-and measures the leak: the later documents' logits move when the first document changes.
-  gpt_oss  GptOssModel.forward      (models/gpt_oss/modeling_gpt_oss.py): mask_kwargs without position_ids
-  afmoe    AfmoeModel.forward       (see also afmoe_packed_position_ids.py)
-  llama    the control: mask_kwargs holds position_ids, isolated
-Call for these two: a bug (Llama-template RoPE models; one argument missing where their
-siblings pass it, and the packing support for DataCollatorWithFlattening under sdpa/eager
-relies on it).
-  opt, xglm, biogpt, bert, roberta, ... (with `--by-design`): learned absolute position
-  embeddings; BioGptModel.forward calls create_causal_mask(config, inputs_embeds,
-  attention_mask, cache), OPT and the BERT family likewise. Call: by design. Their position ids
-  only index the position table and their mask code predates packed-sequence detection:
-  packing by restarting position ids is not a feature of these families (a 4-D block mask
-  isolates them, as the zoo map's mask_4d cells show).
+How transformers separates packed documents given restarting position ids (no 2-D mask, no
+cache), one path per attention implementation:
+  eager / sdpa / flex   the mask: masking_utils._preprocess_mask_arguments ->
+                        find_packed_sequence_indices, only if the model's forward hands
+                        create_causal_mask its position_ids
+  flash attention       the kernel: modeling_flash_attention_utils._flash_attention_forward ->
+                        _is_packed_sequence(position_ids) -> flash_varlen_fn, only if the
+                        position ids reach the attention function (the layers' **kwargs)
+The call, one rule for every model: where the position ids reach the attention layers and the
+model supports flash attention (`_supports_flash_attn`), packing by position ids is a feature
+of the model (flash attention keeps the documents apart; DataCollatorWithFlattening's docstring
+even sets `position_ids_start` for the RoBERTa family), and a mask built without them makes
+eager and sdpa compute another function on the same batch: a bug, one missing argument
+(`position_ids=position_ids` in create_causal_mask's call), as in
+  gpt_oss, afmoe                  Llama-template RoPE models (GptOssModel / AfmoeModel.forward:
+                                  mask_kwargs without "position_ids")
+  opt, biogpt                     learned absolute positions (OPTModel / BioGptModel.forward).
+                                  BioGPT also fills attention_mask with ones when none is given,
+                                  which skips packing detection even with the position ids
+                                  (OPT's forward keeps it None on purpose: its own comment)
+  bert, roberta, ... (12 types)   the BERT family run as decoders (BertModel.forward, ...)
+Learned absolute positions are no reason: GPT-2, GPT-Neo and GPTBigCode use them too and hand
+the position ids to create_causal_mask (their packed rows are isolated; controls below).
+By design (--by-design): xglm, big_bird, megatron-bert, rembert support no flash attention and
+their attention modules never receive the position ids: no attention path of these models reads
+documents from position ids, so packing by position ids is not offered at all (transformers'
+padding-free guide: inferring boundaries from position_ids relies on the attention path; a 4-D
+block mask isolates them).
+This script watches _preprocess_mask_arguments (did the mask see the position ids?) and the
+attention modules' inputs (did the position ids reach them?), and measures the leak: the later
+documents' logits move when the first document changes.
 """
 import sys
 
@@ -34,38 +49,57 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 PINNED = {"transformers": "5.24.0", "torch": "2.13.0"}
 if not (transformers.__version__ == PINNED["transformers"] and torch.__version__.startswith(PINNED["torch"])):
     print(f"note: pinned {PINNED}, running transformers {transformers.__version__}, torch {torch.__version__}")
+transformers.logging.set_verbosity_error()
 
 BASE = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             vocab_size=128, max_position_embeddings=256)
+DECODER = dict(BASE, is_decoder=True)    # the BERT family's causal-LM heads run as decoders
 CONFIGS = {
     "llama": dict(BASE, num_key_value_heads=2, head_dim=16),
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=256),
+    "gpt_neo": dict(hidden_size=64, num_layers=2, num_heads=4, vocab_size=128, max_position_embeddings=256,
+                    attention_types=[[["global", "local"], 1]]),
+    "gpt_bigcode": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=256),
     "gpt_oss": dict(BASE, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                     sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
-    "biogpt": dict(BASE),
     "afmoe": dict(BASE, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
                   moe_intermediate_size=32, num_dense_layers=1),
     "opt": dict(hidden_size=64, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
                 max_position_embeddings=256, word_embed_proj_dim=64),
+    "biogpt": dict(BASE),
     "xglm": dict(d_model=64, ffn_dim=64, num_layers=2, attention_heads=4, vocab_size=128, max_position_embeddings=256),
+    "big_bird": dict(DECODER, attention_type="original_full"),
+    "rembert": dict(DECODER, input_embedding_size=64, output_embedding_size=64),
 }
-BY_DESIGN = ["opt", "xglm", "biogpt", "bert", "roberta"]   # the encoder families run as decoders
+CONTROLS = ["llama", "gpt2", "gpt_neo", "gpt_bigcode"]       # the mask sees the position ids: isolated
+BUGS = ["gpt_oss", "afmoe", "opt", "biogpt", "bert", "bert-generation", "camembert", "data2vec-text", "electra",
+        "ernie", "roberta", "roberta-prelayernorm", "roc_bert", "xlm-roberta", "xlm-roberta-xl", "xmod"]
+BY_DESIGN = ["xglm", "big_bird", "megatron-bert", "rembert"]
 LENGTHS = [10, 12, 8]
 
 
 def probe(model_type):
+    """(largest change of the later documents, the mask saw the position ids, the attention
+    modules received them, the model supports flash attention)"""
     torch.manual_seed(0)
-    kw = CONFIGS.get(model_type, dict(BASE, is_decoder=True))   # the BERT family: a decoder
-    model = AutoModelForCausalLM.from_config(CONFIG_MAPPING[model_type](**kw),
+    model = AutoModelForCausalLM.from_config(CONFIG_MAPPING[model_type](**CONFIGS.get(model_type, DECODER)),
                                              attn_implementation="eager").eval()
+    if hasattr(model, "set_default_language"):      # X-MOD: one adapter per language
+        model.set_default_language(next(iter(model.config.languages)))
     pos = torch.cat([torch.arange(n) for n in LENGTHS])[None]
     x = torch.randint(0, 128, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(0))
     x2 = x.clone()
     x2[0, :LENGTHS[0]] = (x2[0, :LENGTHS[0]] + 1) % 128       # change the first document only
-    seen, real = [], mu._preprocess_mask_arguments
+    saw, reached, real = [], [], mu._preprocess_mask_arguments
 
     def watch(config, inputs_embeds, attention_mask, cache, position_ids, *rest, **kw):
-        seen.append(position_ids is not None)
+        saw.append(position_ids is not None)
         return real(config, inputs_embeds, attention_mask, cache, position_ids, *rest, **kw)
+
+    def attention_inputs(module, args, kwargs):
+        reached.append(kwargs.get("position_ids") is not None)
+    hooks = [m.register_forward_pre_hook(attention_inputs, with_kwargs=True) for m in model.modules()
+             if type(m).__name__.endswith("Attention")]
     mu._preprocess_mask_arguments = watch
     try:
         with torch.no_grad():
@@ -73,18 +107,36 @@ def probe(model_type):
             b = model(input_ids=x2, position_ids=pos, use_cache=False).logits
     finally:
         mu._preprocess_mask_arguments = real
+        for h in hooks:
+            h.remove()
     change = float((a[0, LENGTHS[0]:] - b[0, LENGTHS[0]:]).abs().max())
-    return change, bool(seen) and all(seen)
+    return change, bool(saw) and all(saw), any(reached), bool(getattr(type(model), "_supports_flash_attn", False))
+
+
+# a leak moves a later document's logits by 1e-3 to 1e-0 here; a mask that isolates leaves them
+# bit-identical (the same arithmetic on the same tokens): any change above float32 rounding is one
+LEAK = 1e-5
+
+
+def call(change, saw, reached, flash) -> str:
+    if saw and change == 0.0:
+        return "isolated: the mask saw the position ids"
+    if change > LEAK and not saw and reached and flash:
+        return "bug: eager/sdpa mask without them, flash attention reads them"
+    if change > LEAK and not saw and not reached and not flash:
+        return "by design: no attention path reads them"
+    return "UNEXPECTED"
 
 
 args = [a for a in sys.argv[1:] if a != "--by-design"]
-types = args or (BY_DESIGN if "--by-design" in sys.argv else ["gpt_oss", "afmoe"])
+types = args or (BY_DESIGN if "--by-design" in sys.argv else BUGS)
 ok = True
-fl, saw = probe("llama")
-print(f"{'llama':8s} later documents' largest change {fl:.3g}; the mask saw the position ids: {saw} (control)")
-ok &= fl == 0.0 and saw
-for mt in types:
-    change, saw = probe(mt)
-    print(f"{mt:8s} later documents' largest change {change:.3g}; the mask saw the position ids: {saw}")
-    ok &= change > 1e-3 and not saw
-sys.exit(0 if ok else 1)   # 0: every finding reproduces and the control holds
+print(f"{'model type':22s} {'later docs move':>15s}  mask saw / attention got the position ids, flash attention: call")
+for mt in CONTROLS + types:
+    change, saw, reached, flash = probe(mt)
+    verdict = call(change, saw, reached, flash)
+    want = ("isolated" if mt in CONTROLS else "bug" if mt in BUGS else "by design" if mt in BY_DESIGN else verdict)
+    ok &= verdict.startswith(want) and verdict != "UNEXPECTED"
+    print(f"{mt:22s} {change:15.3g}  {saw!s:5} / {reached!s:5}, {flash!s:5}: {verdict}"
+          + ("" if verdict.startswith(want) else f"   <- expected {want}"))
+sys.exit(0 if ok else 1)   # 0: every call reproduces and the controls hold
