@@ -319,3 +319,18 @@ def test_promotion_runs_share_the_groups_and_agree_with_dot():
         run = promotion_runs(a * b, preset)
         for n in (32, 64, 256, 512):
             assert torch.equal(run(n), dot(a, b, get_preset(preset).with_(promote_every=n))), (preset, n)
+
+
+def test_promotion_runs_largest_first_continue_the_halves_bit_for_bit():
+    # the search's own order (largest N_C first): each interval continues from the narrow sum
+    # of its first half, kept from the larger candidate; K not a multiple of the intervals
+    # (zero-padded last interval) and one that is; against each interval run from 0
+    # (test_promotion_in_chunks_is_the_loop pins that one to the loop over all of K)
+    from trainprobes.reference.gemm import promotion_runs
+    for K in (1000, 1024):
+        a, b = _batch("mixed", 4, 8, K, "e4m3")
+        for preset in ("h200-scaled-mm", "h200-scaled-mm-signfill", "h200-scaled-mm-sum"):
+            run = promotion_runs(a * b, preset)
+            for n in (512, 256, 128, 64, 32, 256, 96):
+                alone = dot(a, b, get_preset(preset).with_(promote_every=n))
+                assert torch.equal(run(n), alone), (K, preset, n)
