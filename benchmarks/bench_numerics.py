@@ -15,32 +15,17 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _timing import side_by_side  # noqa: E402  (benchmarks/, the script's own folder)
 from trainprobes.numerics.bias import collective_bias, gradient_like  # noqa: E402
 from trainprobes.numerics.reveal import reveal  # noqa: E402
 from trainprobes.numerics.stall import stall_table  # noqa: E402
 from trainprobes.reference.collectives import all_reduce  # noqa: E402
-
-
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def side_by_side(a, b, repeat: int) -> tuple[float, float]:
-    ta, tb = [], []
-    for _ in range(repeat):
-        ta.append(timed(a))
-        tb.append(timed(b))
-    return statistics.median(ta), statistics.median(tb)
 
 
 def main(argv=None) -> int:
