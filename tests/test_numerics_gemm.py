@@ -312,3 +312,33 @@ def test_a_constant_offset_on_zero_mean_outputs_is_not_missed():
     # truncation toward zero on the same data: no offset to speak of
     t = gemm_bias(a, b, preset="h200-scaled-mm", samples=1024, tolerance=2e-3, promotion=False)
     assert t.metrics["gemm_verdict"] == "noise", t.message
+
+
+def test_a_gemm_no_larger_than_the_sample_is_judged_on_every_output():
+    # 8 x 8 outputs, one of them inexact (row 0 and column 0 alike: its sum grows past the
+    # 14-bit grid; the others cancel and stay exact): a whole-GEMM bias of -2.9%. Drawn 64
+    # times with replacement, that output was missed in 30 of 100 seeds and the GEMM called
+    # exact (a pass); every output judged once, the bias is known, not estimated
+    from trainprobes.numerics.gemm import is_biased
+    from trainprobes.reference.gemm import matmul
+    g = torch.Generator().manual_seed(0)
+    a = (torch.randint(0, 2, (8, 4096), generator=g) * 2 - 1).double() * 1.125
+    b = (torch.randint(0, 2, (8, 4096), generator=g) * 2 - 1).double() * 1.125
+    b[0] = a[0]
+    ref = a @ b.t()
+    err = matmul(a, b.t(), "h200-scaled-mm") - ref
+    truth = ((torch.sign(ref) * err).sum() / ref.abs().sum()).item()
+    assert int((err != 0).sum()) == 1 and truth < -0.02
+    for seed in range(5):
+        r = gemm_bias(a, b, preset="h200-scaled-mm", samples=2048, seed=seed, promotion=False)
+        m = r.metrics
+        assert m["samples"] == 64 and m["rows_drawn"] == 8 and m["columns_drawn"] == 8
+        assert m["gemm_verdict"] == "biased" and r.verdict == "fail", r.message
+        assert m["ci_low"] <= truth <= m["ci_high"] and m["relative_bias"] == pytest.approx(truth)
+        assert is_biased(m["ci_low"], m["ci_high"], m["tolerance"])
+        assert "every one of the 64 outputs" in r.message
+    # the gate reads such a Result (64 outputs in 5 groups: no even split of a sample)
+    from trainprobes.gate import compare
+    r = gemm_bias(a, b, preset="h200-scaled-mm", samples=2048, trials=5, promotion=False)
+    assert r.metrics["samples"] == 64 and r.metrics["gemm_verdict"] == "biased"
+    assert compare([r], [r]).exit_code == 0
