@@ -342,3 +342,19 @@ def test_a_gemm_no_larger_than_the_sample_is_judged_on_every_output():
     r = gemm_bias(a, b, preset="h200-scaled-mm", samples=2048, trials=5, promotion=False)
     assert r.metrics["samples"] == 64 and r.metrics["gemm_verdict"] == "biased"
     assert compare([r], [r]).exit_code == 0
+
+
+def test_the_promotion_search_tries_whole_fused_adds_for_any_k():
+    # K = 4000 tokens (125 fused adds of 32) and K = 1000 (31 and a part): the search
+    # halved K // F * F, so its second candidate (2000, 496) split a fused add and the
+    # Accumulator refused it: a biased GEMM crashed with "promote_every=2000 is not a
+    # multiple of fused_terms=32" (exit 2, a value the user never set). The candidates are
+    # F 2^j below K, as the verdict's docstring says
+    for K in (4000, 1000):
+        a, b = _e4m3(64, K, seed=K, mean=1.0), _e4m3(64, K, seed=K + 1, mean=1.0)
+        r = gemm_bias(a, b, preset="h200-scaled-mm", samples=512, trials=16)
+        assert r.metrics["gemm_verdict"] == "biased", r.message
+        tried = [c["promote_every"] for c in r.evidence["promotion"]]
+        assert tried and tried[0] == (2048 if K == 4000 else 512), tried
+        assert all(n < K and n % 32 == 0 and (n // 32) & (n // 32 - 1) == 0 for n in tried), tried
+        assert r.metrics["promote_every_needed"] in tried

@@ -389,9 +389,11 @@ def _promotion(prep, acc, trials, alpha, floor):
     interval), largest first, each judged by both ratios; stops at the first within."""
     promo, needed = [], math.nan
     F, K = acc.fused_terms, prep.prods.shape[1]
-    n = (K // F) * F
-    if n == K:  # promoting every K is no promotion: the run above
-        n //= 2
+    n = F  # the largest F 2^j below K (promoting every K or more is no promotion: the run
+    while 2 * n < K:  # above); F 2^j, as halving K // F * F split a fused add (K = 4000: 2000)
+        n *= 2
+    if n >= K:
+        n = 0
     run = promotion_runs(prep.prods, acc)
     while n >= F:
         if acc.promote_every is None or n < acc.promote_every:
