@@ -358,3 +358,25 @@ def test_the_promotion_search_tries_whole_fused_adds_for_any_k():
         assert tried and tried[0] == (2048 if K == 4000 else 512), tried
         assert all(n < K and n % 32 == 0 and (n // 32) & (n // 32 - 1) == 0 for n in tried), tried
         assert r.metrics["promote_every_needed"] in tried
+
+
+def test_the_memory_check_counts_the_whole_operands_a_hadamard_rotates(monkeypatch):
+    # nvfp4-paper's wgrad rotates both whole operands in float64 (a copy and the rotation:
+    # 16 bytes per element) before the sample is drawn: measured, 1,060 MiB over 256 MiB of
+    # fp32 operands (1024 x 32768 each) beside 16 MiB for 32 samples, which the check (8
+    # float64 arrays of samples x K) did not count. Here the machine is made to hold the
+    # sample's estimate and not the rotation
+    import trainprobes.budget as budget
+    from trainprobes.budget import BASE_BYTES, SHARE, TooLarge
+    M = N = 64
+    K, S = 1024, 32
+    a, b = (torch.randn(n, K, generator=torch.Generator().manual_seed(n)) for n in (M, N))
+    sample = 8 * 8 * S * K
+    rotation = 16 * (M + N) * K
+    monkeypatch.setattr(budget, "available_bytes",
+                        lambda: int((BASE_BYTES + sample + rotation / 2) / SHARE))
+    gemm_bias(a, b, preset="fp32", recipe="nvfp4", gemm="wgrad", samples=S, trials=16,
+              what_if=True, promotion=False)  # no rotation: the sample fits
+    with pytest.raises(TooLarge, match="Hadamard rotation of both whole operands"):
+        gemm_bias(a, b, preset="fp32", recipe="nvfp4-paper", gemm="wgrad", samples=S, trials=16,
+                  what_if=True, promotion=False)

@@ -464,7 +464,13 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
     # the sampled rows in float64 (a, b, their quantised values, the products, their partial
     # sums) and a recipe's temporaries: about 8 arrays of S x K float64 at the peak
     from trainprobes.budget import check_fits
-    check_fits(8 * 8 * S * K, f"gemm {gemm}: {S} samples of K={K}", fix="lower samples (--samples)")
+    # and a random Hadamard transform (wgrad) rotates both whole operands first: a float64
+    # copy and its rotation, 16 bytes per element (measured: 4.1x the fp32 operands)
+    rotated = 16 * (M + N) * K if rec.hadamard_wgrad and gemm == "wgrad" else 0
+    check_fits(8 * 8 * S * K + rotated, f"gemm {gemm}: {S} samples of K={K}" + (
+        f" and recipe {rec.name!r}'s Hadamard rotation of both whole operands ({M + N} x {K}, "
+        "float64, twice)" if rotated else ""), fix="lower samples (--samples)" + (
+        ", or the tokens of the step (K)" if rotated else ""))
     prep = prepare_gemm(a, b, recipe=rec, gemm=gemm, samples=S, seed=seed, every=census)
     unmeasured = combination(acc, rec, gemm, prep.formats)
     if unmeasured and not what_if:
