@@ -175,3 +175,36 @@ def test_judging_leaves_the_callers_model_as_it_was():
     assert all(p.grad is None for n, p in model.named_parameters() if n != "lin.weight")
     assert {n: m.training for n, m in model.named_modules()} == flags
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+class _Frozen(torch.nn.Module):
+    """A trained Linear on the raw batch (no input gradient is computed for it), then a
+    frozen Linear (LoRA-style fine-tuning: no weight gradient is computed for it) beside a
+    trained adapter, then a trained head."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = torch.nn.Linear(32, 32)
+        self.base = torch.nn.Linear(32, 32)
+        self.base.requires_grad_(False)
+        self.adapter = torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.pre(x))
+        return self.head(torch.relu(self.base(h) + self.adapter(h)))
+
+
+def test_gemms_the_step_never_runs_are_not_judged():
+    # autograd computes no weight gradient of a frozen weight and no input gradient of an
+    # input that needs none (the batch): those GEMMs (base.wgrad, pre.dgrad) were judged and
+    # could be called biased, exit 1, for a GEMM no training step runs
+    torch.manual_seed(0)
+    rows = judge_model(_Frozen(), torch.randn(4, 16, 32), samples=64, trials=8)
+    judged = {r.target.split(":")[-1] for r in rows}
+    assert judged == {"pre.fprop", "pre.wgrad", "base.fprop", "base.dgrad", "adapter.fprop",
+                      "adapter.dgrad", "adapter.wgrad", "head.fprop", "head.dgrad",
+                      "head.wgrad"}, judged
+    skipped = {(s["layer"], s["gemm"]): s["reason"] for s in rows[0].evidence["skipped"]}
+    assert "frozen" in skipped[("base", "wgrad")]
+    assert "input needs no gradient" in skipped[("pre", "dgrad")]
