@@ -15,7 +15,8 @@ So the sample is drawn in proportion to size:
      estimate the whole GEMM's sums without bias (|ref_ij| <= |a_i| |b_j| bounds every
      output, and an accumulator's error likewise, so the weighted terms stay bounded: the
      heavy outputs are sampled often and weighted little). Rows or columns of norm 0 have
-     only zero outputs and errors, and are never drawn;
+     only zero outputs and errors, and are never drawn. A GEMM of M N <= S outputs is
+     judged on every output once instead (weight 1; its ratios known, each CI the point);
   2. quantise the sampled rows of A and B as the recipe does (per-tensor and NVFP4 tensor
      scales from the whole tensors' amax; each distinct row once, so a row drawn twice is
      one quantisation), emulate each dot product under the accumulator
