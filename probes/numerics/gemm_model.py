@@ -80,11 +80,20 @@ def capture_linears(model: torch.nn.Module, batch, loss_fn=None, skipped: list |
     # per Linear, one [x, dy] per call; dy stays None unless the call's output gets a gradient
     calls: dict[str, list] = {n: [] for n, _ in linears}
     hooks = []
+    held = [0]  # bytes of the float64 copies kept so far (each call's x and its dy)
     for name, mod in linears:
         def fwd(m, inp, out, name=name):
             if not (torch.is_tensor(out) and out.requires_grad):
                 return  # no gradient can reach this call: no wgrad or dgrad of it runs
             n_in, n_out, _ = _linear_shape(m)
+            # checked as each call is captured: a large model's step holds every Linear's x and
+            # dy in float64 (estimated: a Llama-style 1B model, hidden 2048, MLP 8192, 16
+            # layers, on 8 x 2048 tokens: about 100 GiB), refused before the copy that would
+            # not fit
+            held[0] += 8 * (inp[0].numel() // n_in) * (n_in + n_out)
+            from trainprobes.budget import check_fits
+            check_fits(held[0], f"the capture of every Linear's input and output gradient in "
+                       f"float64 (up to {name!r})", fix="judge a smaller batch (fewer tokens)")
             call = [inp[0].detach().reshape(-1, n_in).double(), None, inp[0].requires_grad]
             calls[name].append(call)
 
