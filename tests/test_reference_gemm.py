@@ -321,8 +321,7 @@ def test_promotion_runs_share_the_groups_and_agree_with_dot():
             assert torch.equal(run(n), dot(a, b, get_preset(preset).with_(promote_every=n))), (preset, n)
 
 
-@pytest.mark.parametrize("variant", [dict(rounding="nearest"), dict(rounding="nearest", fused_terms=8),
-                                     dict(rounding="nearest", term_rounding="down"),
+@pytest.mark.parametrize("variant", [dict(rounding="nearest"), dict(rounding="nearest", term_rounding="down"),
                                      dict(alignment="sum", rounding="nearest")])
 def test_reveal_tells_a_nearest_sum_from_truncation_under_aligned_terms(variant):
     # with "terms" alignment every term is cut to the grid before the sum, so the sum's own
