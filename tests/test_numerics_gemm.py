@@ -312,3 +312,71 @@ def test_a_constant_offset_on_zero_mean_outputs_is_not_missed():
     # truncation toward zero on the same data: no offset to speak of
     t = gemm_bias(a, b, preset="h200-scaled-mm", samples=1024, tolerance=2e-3, promotion=False)
     assert t.metrics["gemm_verdict"] == "noise", t.message
+
+
+def test_a_gemm_no_larger_than_the_sample_is_judged_on_every_output():
+    # 8 x 8 outputs, one of them inexact (row 0 and column 0 alike: its sum grows past the
+    # 14-bit grid; the others cancel and stay exact): a whole-GEMM bias of -2.9%. Drawn 64
+    # times with replacement, that output was missed in 30 of 100 seeds and the GEMM called
+    # exact (a pass); every output judged once, the bias is known, not estimated
+    from trainprobes.numerics.gemm import is_biased
+    from trainprobes.reference.gemm import matmul
+    g = torch.Generator().manual_seed(0)
+    a = (torch.randint(0, 2, (8, 4096), generator=g) * 2 - 1).double() * 1.125
+    b = (torch.randint(0, 2, (8, 4096), generator=g) * 2 - 1).double() * 1.125
+    b[0] = a[0]
+    ref = a @ b.t()
+    err = matmul(a, b.t(), "h200-scaled-mm") - ref
+    truth = ((torch.sign(ref) * err).sum() / ref.abs().sum()).item()
+    assert int((err != 0).sum()) == 1 and truth < -0.02
+    for seed in range(5):
+        r = gemm_bias(a, b, preset="h200-scaled-mm", samples=2048, seed=seed, promotion=False)
+        m = r.metrics
+        assert m["samples"] == 64 and m["rows_drawn"] == 8 and m["columns_drawn"] == 8
+        assert m["gemm_verdict"] == "biased" and r.verdict == "fail", r.message
+        assert m["ci_low"] <= truth <= m["ci_high"] and m["relative_bias"] == pytest.approx(truth)
+        assert is_biased(m["ci_low"], m["ci_high"], m["tolerance"])
+        assert "every one of the 64 outputs" in r.message
+    # the gate reads such a Result (64 outputs in 5 groups: no even split of a sample)
+    from trainprobes.gate import compare
+    r = gemm_bias(a, b, preset="h200-scaled-mm", samples=2048, trials=5, promotion=False)
+    assert r.metrics["samples"] == 64 and r.metrics["gemm_verdict"] == "biased"
+    assert compare([r], [r]).exit_code == 0
+
+
+def test_the_promotion_search_tries_whole_fused_adds_for_any_k():
+    # K = 4000 tokens (125 fused adds of 32) and K = 1000 (31 and a part): the search
+    # halved K // F * F, so its second candidate (2000, 496) split a fused add and the
+    # Accumulator refused it: a biased GEMM crashed with "promote_every=2000 is not a
+    # multiple of fused_terms=32" (exit 2, a value the user never set). The candidates are
+    # F 2^j below K, as the verdict's docstring says
+    for K in (4000, 1000):
+        a, b = _e4m3(64, K, seed=K, mean=1.0), _e4m3(64, K, seed=K + 1, mean=1.0)
+        r = gemm_bias(a, b, preset="h200-scaled-mm", samples=512, trials=16)
+        assert r.metrics["gemm_verdict"] == "biased", r.message
+        tried = [c["promote_every"] for c in r.evidence["promotion"]]
+        assert tried and tried[0] == (2048 if K == 4000 else 512), tried
+        assert all(n < K and n % 32 == 0 and (n // 32) & (n // 32 - 1) == 0 for n in tried), tried
+        assert r.metrics["promote_every_needed"] in tried
+
+
+def test_the_memory_check_counts_the_whole_operands_a_hadamard_rotates(monkeypatch):
+    # nvfp4-paper's wgrad rotates both whole operands in float64 (a copy and the rotation:
+    # 16 bytes per element) before the sample is drawn: measured, 1,060 MiB over 256 MiB of
+    # fp32 operands (1024 x 32768 each) beside 16 MiB for 32 samples, which the check (8
+    # float64 arrays of samples x K) did not count. Here the machine is made to hold the
+    # sample's estimate and not the rotation
+    import trainprobes.budget as budget
+    from trainprobes.budget import BASE_BYTES, SHARE, TooLarge
+    M = N = 64
+    K, S = 1024, 32
+    a, b = (torch.randn(n, K, generator=torch.Generator().manual_seed(n)) for n in (M, N))
+    sample = 8 * 8 * S * K
+    rotation = 16 * (M + N) * K
+    monkeypatch.setattr(budget, "available_bytes",
+                        lambda: int((BASE_BYTES + sample + rotation / 2) / SHARE))
+    gemm_bias(a, b, preset="fp32", recipe="nvfp4", gemm="wgrad", samples=S, trials=16,
+              what_if=True, promotion=False)  # no rotation: the sample fits
+    with pytest.raises(TooLarge, match="Hadamard rotation of both whole operands"):
+        gemm_bias(a, b, preset="fp32", recipe="nvfp4-paper", gemm="wgrad", samples=S, trials=16,
+                  what_if=True, promotion=False)

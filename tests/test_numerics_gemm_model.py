@@ -175,3 +175,57 @@ def test_judging_leaves_the_callers_model_as_it_was():
     assert all(p.grad is None for n, p in model.named_parameters() if n != "lin.weight")
     assert {n: m.training for n, m in model.named_modules()} == flags
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+class _Frozen(torch.nn.Module):
+    """A trained Linear on the raw batch (no input gradient is computed for it), then a
+    frozen Linear (LoRA-style fine-tuning: no weight gradient is computed for it) beside a
+    trained adapter, then a trained head."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = torch.nn.Linear(32, 32)
+        self.base = torch.nn.Linear(32, 32)
+        self.base.requires_grad_(False)
+        self.adapter = torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.pre(x))
+        return self.head(torch.relu(self.base(h) + self.adapter(h)))
+
+
+def test_gemms_the_step_never_runs_are_not_judged():
+    # autograd computes no weight gradient of a frozen weight and no input gradient of an
+    # input that needs none (the batch): those GEMMs (base.wgrad, pre.dgrad) were judged and
+    # could be called biased, exit 1, for a GEMM no training step runs
+    torch.manual_seed(0)
+    rows = judge_model(_Frozen(), torch.randn(4, 16, 32), samples=64, trials=8)
+    judged = {r.target.split(":")[-1] for r in rows}
+    assert judged == {"pre.fprop", "pre.wgrad", "base.fprop", "base.dgrad", "adapter.fprop",
+                      "adapter.dgrad", "adapter.wgrad", "head.fprop", "head.dgrad",
+                      "head.wgrad"}, judged
+    skipped = {(s["layer"], s["gemm"]): s["reason"] for s in rows[0].evidence["skipped"]}
+    assert "frozen" in skipped[("base", "wgrad")]
+    assert "input needs no gradient" in skipped[("pre", "dgrad")]
+
+
+def test_a_capture_too_large_for_memory_is_refused_and_the_model_kept(monkeypatch):
+    # every Linear's input and output gradient are kept in float64 for the judge: a large
+    # model's step (estimated, a Llama-style 1B model on 8 x 2048 tokens: about 100 GiB) was
+    # captured without an estimate, until memory ran out. The running total is checked as
+    # each call is captured
+    import trainprobes.budget as budget
+    from trainprobes.budget import BASE_BYTES, SHARE, TooLarge
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    x = torch.randn(4096, 64)
+    one_layer = 8 * 4096 * (64 + 64)  # x and dy of one Linear in float64 (the sample: 4 MiB)
+    monkeypatch.setattr(budget, "available_bytes", lambda: int((BASE_BYTES + 1.5 * one_layer) / SHARE))
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    with pytest.raises(TooLarge, match="smaller batch"):
+        judge_model(model, x, preset="fp32", recipe="bf16", samples=16, trials=8)
+    assert all(torch.equal(model.state_dict()[n], t) for n, t in before.items())
+    assert all(p.grad is None for p in model.parameters())
+    monkeypatch.setattr(budget, "available_bytes", lambda: int((BASE_BYTES + 2.5 * one_layer) / SHARE))
+    assert judge_model(model, x, preset="fp32", recipe="bf16", samples=16, trials=8)

@@ -334,3 +334,17 @@ def test_promotion_runs_largest_first_continue_the_halves_bit_for_bit():
             for n in (512, 256, 128, 64, 32, 256, 96):
                 alone = dot(a, b, get_preset(preset).with_(promote_every=n))
                 assert torch.equal(run(n), alone), (K, preset, n)
+
+
+@pytest.mark.parametrize("variant", [dict(rounding="nearest"), dict(rounding="nearest", term_rounding="down"),
+                                     dict(alignment="sum", rounding="nearest")])
+def test_reveal_tells_a_nearest_sum_from_truncation_under_aligned_terms(variant):
+    # with "terms" alignment every term is cut to the grid before the sum, so the sum's own
+    # rounding shows only where it carries into the next binade; the reveal read every such
+    # model as toward zero (13 bits, 32 or 8 terms, round to nearest: 'toward_zero')
+    from trainprobes.numerics.gemm_reveal import reveal_accumulator
+    acc = PRESETS["h200-scaled-mm"].with_(**variant)
+    found = reveal_accumulator(lambda x: dot(x.double().reshape(1, -1),
+                                             torch.ones(1, x.numel(), dtype=torch.float64), acc), n=64)
+    assert (found.rounding, found.alignment, found.term_rounding, found.fused_terms) == \
+        (acc.rounding, acc.alignment, acc.term_rounding, acc.fused_terms)

@@ -15,7 +15,8 @@ So the sample is drawn in proportion to size:
      estimate the whole GEMM's sums without bias (|ref_ij| <= |a_i| |b_j| bounds every
      output, and an accumulator's error likewise, so the weighted terms stay bounded: the
      heavy outputs are sampled often and weighted little). Rows or columns of norm 0 have
-     only zero outputs and errors, and are never drawn;
+     only zero outputs and errors, and are never drawn. A GEMM of M N <= S outputs is
+     judged on every output once instead (weight 1; its ratios known, each CI the point);
   2. quantise the sampled rows of A and B as the recipe does (per-tensor and NVFP4 tensor
      scales from the whole tensors' amax; each distinct row once, so a row drawn twice is
      one quantisation), emulate each dot product under the accumulator
@@ -273,7 +274,8 @@ def prepare_gemm(a, b, *, recipe, gemm: str, samples: int, seed: int, every: boo
     if every:
         i, j = torch.arange(M).repeat_interleave(N), torch.arange(N).repeat(M)
         weight = torch.ones(M * N, dtype=torch.float64)
-        design = {"kind": "every output", "draws": M * N}
+        design = {"kind": "every output", "draws": M * N, "rows_drawn": M, "columns_drawn": N,
+                  "rows_certain": M, "columns_certain": N}
     else:
         na, nb = _row_norms(a, amax_a), _row_norms(b, amax_b)
         i, pi = _pps_strata(na, samples, g, False)
@@ -335,13 +337,17 @@ def group_ratios(y, x, weight, trials: int) -> tuple[float, list[float]]:
     return R, (R + (Y - R * X) / (tx / trials)).tolist()
 
 
-def _ratio_stats(ref, low, weight, trials: int, alpha: float, floor: float) -> dict:
-    """error_stats of each ratio (RATIOS), at alpha / 2 each."""
+def _ratio_stats(ref, low, weight, trials: int, alpha: float, floor: float,
+                 census: bool = False) -> dict:
+    """error_stats of each ratio (RATIOS), at alpha / 2 each. census: every output drawn
+    once, so each ratio is the whole GEMM's itself (no sampling spread: its CI is the point)."""
     err = low - ref
     ys = {"": torch.sign(ref) * err, "offset_": err}
     out = {}
     for prefix, _ in RATIOS:
         R, pseudo = group_ratios(ys[prefix], ref.abs(), weight, trials)
+        if census:
+            pseudo = [R] * trials
         if not math.isfinite(R):
             raise InvalidArgument(f"the {ref.numel()} sampled exact outputs are all 0: no relative "
                                   "error exists")
@@ -384,16 +390,19 @@ def _promotion(prep, acc, trials, alpha, floor):
     interval), largest first, each judged by both ratios; stops at the first within."""
     promo, needed = [], math.nan
     F, K = acc.fused_terms, prep.prods.shape[1]
-    n = (K // F) * F
-    if n == K:  # promoting every K is no promotion: the run above
-        n //= 2
+    n = F  # the largest F 2^j below K (promoting every K or more is no promotion: the run
+    while 2 * n < K:  # above); F 2^j, as halving K // F * F split a fused add (K = 4000: 2000)
+        n *= 2
+    if n >= K:
+        n = 0
     run = promotion_runs(prep.prods, acc)
     while n >= F:
         if acc.promote_every is None or n < acc.promote_every:
             # the candidate's output alone (no partial sums, no trace): the emulator runs each
             # interval of n products at once, the groups' exponents shared by the candidates
             low = run(n) * prep.scale
-            st = _ratio_stats(prep.ref, low, prep.weight, trials, alpha, floor)
+            st = _ratio_stats(prep.ref, low, prep.weight, trials, alpha, floor,
+                              prep.design["kind"] == "every output")
             inside = all(is_within(st[p][0]["ci_low"], st[p][0]["ci_high"], floor) for p, _ in RATIOS)
             promo.append({"promote_every": n, "relative_bias": st[""][0]["bias"],
                           "ci_low": st[""][0]["ci_low"], "ci_high": st[""][0]["ci_high"],
@@ -448,13 +457,22 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
         raise InvalidArgument(f"gemm {gemm}: the GEMM has M*N = {M} x {N} = {M * N} output(s), fewer "
                               f"than trials={trials} groups: use more rows (M*N >= {trials}) or "
                               "fewer --trials (at least 3)")
-    S = min(samples, M * N)
-    S -= S % trials
+    # a GEMM of no more outputs than the sample judges every one of them once: drawn with
+    # replacement, S = M N draws miss about a third of the outputs (an inexact one among
+    # them read as exact), and the ratio is then known, not estimated
+    census = M * N <= samples
+    S = M * N if census else samples - samples % trials
     # the sampled rows in float64 (a, b, their quantised values, the products, their partial
     # sums) and a recipe's temporaries: about 8 arrays of S x K float64 at the peak
     from trainprobes.budget import check_fits
-    check_fits(8 * 8 * S * K, f"gemm {gemm}: {S} samples of K={K}", fix="lower samples (--samples)")
-    prep = prepare_gemm(a, b, recipe=rec, gemm=gemm, samples=S, seed=seed)
+    # and a random Hadamard transform (wgrad) rotates both whole operands first: a float64
+    # copy and its rotation, 16 bytes per element (measured: 4.1x the fp32 operands)
+    rotated = 16 * (M + N) * K if rec.hadamard_wgrad and gemm == "wgrad" else 0
+    check_fits(8 * 8 * S * K + rotated, f"gemm {gemm}: {S} samples of K={K}" + (
+        f" and recipe {rec.name!r}'s Hadamard rotation of both whole operands ({M + N} x {K}, "
+        "float64, twice)" if rotated else ""), fix="lower samples (--samples)" + (
+        ", or the tokens of the step (K)" if rotated else ""))
+    prep = prepare_gemm(a, b, recipe=rec, gemm=gemm, samples=S, seed=seed, every=census)
     unmeasured = combination(acc, rec, gemm, prep.formats)
     if unmeasured and not what_if:
         raise InvalidArgument(f"gemm {gemm}: {unmeasured}: a combination no hardware runs (its "
@@ -463,7 +481,7 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
                               "judges it anyway, named as a what-if")
     s = sample_gemm(prep, acc)
     try:
-        ratios = _ratio_stats(s.ref, s.low, s.weight, trials, alpha, floor)
+        ratios = _ratio_stats(s.ref, s.low, s.weight, trials, alpha, floor, census)
     except InvalidArgument as e:
         raise InvalidArgument(f"gemm {gemm}: {e}") from None
     st, so = ratios[""][0], ratios["offset_"][0]
@@ -523,7 +541,9 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
                             f"{prep.design['columns_drawn']} of {N} columns; the "
                             f"{prep.design['rows_certain']} row(s) and {prep.design['columns_certain']} "
                             f"column(s) holding 2/S of the norm mass or more drawn for certain), in "
-                            f"{trials} interleaved groups"}
+                            f"{trials} interleaved groups"
+                            if not census else f"every one of the {S} outputs once (weight 1): "
+                            "the ratios are the whole GEMM's, their CIs the points"}
     msg = _message(metrics, prep.design) + _cause(metrics, evidence)
     if unmeasured:
         msg = f"WHAT-IF, no hardware runs this ({unmeasured}): " + msg
@@ -543,6 +563,10 @@ def _message(m: dict, design: dict) -> str:
             f"relative bias {m['relative_bias']:+.3g} ({m['confidence']:.1%} CI {_ci(m, '')}), "
             f"offset {m['relative_offset']:+.3g} (CI {_ci(m, 'offset_')}), SQNR {m['sqnr_db']:.1f} dB, "
             f"max error {m['max_relative_error']:.3g} of rms, {m['samples']} sampled outputs: ")
+    if design["kind"] == "every output":
+        head = head.replace(f"{m['samples']} sampled outputs", f"every one of the {m['samples']} outputs")
+        if m["gemm_verdict"] == "exact":
+            return head + "exact"
     if m["gemm_verdict"] == "exact":
         return head + (f"exact on every sampled output. What that covers: {m['rows_drawn']} rows and "
                        f"{m['columns_drawn']} columns drawn in proportion to their norms (the "

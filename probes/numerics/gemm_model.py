@@ -34,6 +34,11 @@ class Captured:
     x: torch.Tensor
     w: torch.Tensor
     dy: torch.Tensor
+    # the GEMMs the step runs: no weight gradient of a frozen weight (LoRA's base), no input
+    # gradient of the calls whose input needs none (the batch itself): rows of dy that dgrad
+    # multiplies (None: all)
+    wgrad: bool = True
+    dx_rows: torch.Tensor | None = None
 
 
 def _linear_shape(mod: torch.nn.Module):
@@ -75,12 +80,21 @@ def capture_linears(model: torch.nn.Module, batch, loss_fn=None, skipped: list |
     # per Linear, one [x, dy] per call; dy stays None unless the call's output gets a gradient
     calls: dict[str, list] = {n: [] for n, _ in linears}
     hooks = []
+    held = [0]  # bytes of the float64 copies kept so far (each call's x and its dy)
     for name, mod in linears:
         def fwd(m, inp, out, name=name):
             if not (torch.is_tensor(out) and out.requires_grad):
                 return  # no gradient can reach this call: no wgrad or dgrad of it runs
             n_in, n_out, _ = _linear_shape(m)
-            call = [inp[0].detach().reshape(-1, n_in).double(), None]
+            # checked as each call is captured: a large model's step holds every Linear's x and
+            # dy in float64 (estimated: a Llama-style 1B model, hidden 2048, MLP 8192, 16
+            # layers, on 8 x 2048 tokens: about 100 GiB), refused before the copy that would
+            # not fit
+            held[0] += 8 * (inp[0].numel() // n_in) * (n_in + n_out)
+            from trainprobes.budget import check_fits
+            check_fits(held[0], f"the capture of every Linear's input and output gradient in "
+                       f"float64 (up to {name!r})", fix="judge a smaller batch (fewer tokens)")
+            call = [inp[0].detach().reshape(-1, n_in).double(), None, inp[0].requires_grad]
             calls[name].append(call)
 
             def grad(g, call=call):
@@ -163,9 +177,11 @@ def _step(model, batch, loss_fn, linears, calls, skipped) -> list[Captured]:
                 skipped.append({"layer": name, "gemm": "all", "reason": "not on the loss's path in "
                                 "this step (no input or no output gradient)"})
             continue
-        got.append(Captured(name, torch.cat([c[0] for c in done]),
-                            _linear_shape(mod)[2].detach().double().contiguous(),
-                            torch.cat([c[1] for c in done])))
+        w = _linear_shape(mod)[2]
+        dx_rows = torch.cat([torch.full((c[1].shape[0],), c[2]) for c in done])
+        got.append(Captured(name, torch.cat([c[0] for c in done]), w.detach().double().contiguous(),
+                            torch.cat([c[1] for c in done]), w.requires_grad,
+                            None if bool(dx_rows.all()) else dx_rows))
     return got
 
 
@@ -184,6 +200,16 @@ def judge_model(model, batch, *, preset="h200-scaled-mm", recipe="fp8-tensor", s
         for j, (gemm, a, b) in enumerate(linear_gemms(c.x, c.w, c.dy)):
             if progress is not None:
                 progress(3 * i + j, 3 * len(captured), f"{c.name}.{gemm}")
+            if gemm == "wgrad" and not c.wgrad:
+                skipped.append({"layer": c.name, "gemm": gemm, "reason": "a frozen weight (requires_grad "
+                                "False): the step computes no weight gradient"})
+                continue
+            if gemm == "dgrad" and c.dx_rows is not None:
+                if not bool(c.dx_rows.any()):
+                    skipped.append({"layer": c.name, "gemm": gemm, "reason": "its input needs no "
+                                    "gradient (the batch itself, or frozen upstream): no dgrad runs"})
+                    continue
+                a = a[c.dx_rows]  # the calls whose input gradient the step computes
             if not a.abs().sum() or not b.abs().sum():
                 # an all-zero operand (a dead layer): nothing to judge, listed with the reason
                 skipped.append({"layer": c.name, "gemm": gemm, "reason": "an all-zero operand"})

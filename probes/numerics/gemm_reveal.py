@@ -17,7 +17,10 @@ numerics.reveal: matmul_reduction, scaled_mm_reduction, or the emulator itself).
      (their sum -(2^(E+1) + Q) lies halfway between two points of the grid 2Q above 2^(E+1))
      and +2^(E+1) last: toward zero (or nearest, ties to even) gives 0, toward -inf -2Q;
      and with "terms" alignment the cut of each aligned term: 2^E, -0.75 Q in one group and
-     -2^E in a later one: truncation gives 0, a sign-fill shift (floor) -Q.
+     -2^E in a later one: truncation gives 0, a sign-fill shift (floor) -Q. Under "terms"
+     the aligned terms already sit on the grid, so the reveal's rounding test reads toward
+     zero whatever the sum does; the sum rounds only where it carries: 2^E, 2^E, 3Q in one
+     group and -2^(E+1) later: toward zero 2Q, round to nearest (a tie, to even) 4Q.
   5. Promotion (reveal_promotion): 2^(m + 12) then ones. The narrow sum absorbs every one
      after the big value until it restarts: the ones lost are N_C - 1.
 """
@@ -78,6 +81,11 @@ def reveal_accumulator(fn, n: int = 64, *, name: str = "revealed", dtype=DTYPE,
         if alignment == "terms":  # step 4: each term's cut
             out = _call(fn, {0: 2.0 ** E, 1: -0.75 * Q, n - 1: -(2.0 ** E)}, n)
             cut = "down" if out == -Q else "toward_zero" if out == 0 else _odd(name, "term", out, Q)
+            if rounding == "toward_zero":  # step 4b: the aligned terms sit on the grid, so
+                # the sum rounds only on a carry: 2^E + 2^E + 3Q needs the grid 2Q of 2^(E+1)
+                out = _call(fn, {0: 2.0 ** E, 1: 2.0 ** E, 2: 3 * Q, n - 1: -(2.0 ** (E + 1))}, n)
+                rounding = "nearest" if out == 4 * Q else "toward_zero" if out == 2 * Q else \
+                    _odd(name, "carry", out, Q)
     return Accumulator(name, m, F, rounding, alignment, None,
                        f"revealed from crafted inputs (n={n}): {r.message}; the sum rounds "
                        f"{rounding.replace('_', ' ')}"
