@@ -48,10 +48,12 @@ class Float64Mode(TorchFunctionMode):
 def run_in_float64(model):
     """Make every call of `model` (an nn.Module already in float64) run under Float64Mode;
     returns the model."""
-    cls_forward = type(model).forward
+    # the instance's own forward where it has one (a patched model: liger or accelerate bind
+    # forward per instance), else its class's: the twin must compute the target's function
+    inner = model.forward
 
     def forward(*args, **kwargs):
         with Float64Mode():
-            return cls_forward(model, *args, **kwargs)
+            return inner(*args, **kwargs)
     model.forward = forward
     return model
