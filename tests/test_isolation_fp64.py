@@ -156,3 +156,16 @@ def test_the_automatic_twin_runs_the_instances_own_forward():
     x = torch.randint(0, 32, (1, 12), generator=torch.Generator().manual_seed(0))
     r = documents(m, x, [5, 7], causal=False)
     assert not r.metrics["isolated"] and r.metrics["n_leaks"] == 2, r.message
+
+
+def test_float64_mode_makes_the_default_dtype_float64():
+    """A tensor made in forward without a dtype is a float32 request too: XGLM's eager
+    attention fills torch.full((), torch.finfo(attn_weights.dtype).min) (default dtype), which
+    overflowed float32 in the twin (RuntimeError, the fp64 twin unavailable on 4 of xglm's map
+    cells); Ministral3's attention scale divides integer position ids in the default dtype."""
+    x = torch.ones(3, dtype=torch.float64)
+    with Float64Mode():
+        assert torch.full((), torch.finfo(x.dtype).min).dtype == torch.float64
+        assert (torch.arange(4) / 3).dtype == torch.float64
+        assert torch.zeros(2).dtype == torch.float64
+    assert torch.get_default_dtype() == torch.float32 and torch.zeros(2).dtype == torch.float32
