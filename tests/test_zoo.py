@@ -417,3 +417,13 @@ def test_cli_refuses_a_row_the_machine_cannot_hold_before_building_it(capsys, mo
     assert main(["zoo", "--model", "mixtral", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "zoo --model mixtral needs about" in err and "available" in err
+
+
+def test_a_row_is_estimated_at_most_at_the_largest_model_built():
+    """A type above MAX_PARAMS after shrinking is refused on the meta device and never
+    allocated: blt (192 M parameters) was estimated at 6.7 GB, so a machine with less refused
+    it for memory instead of saying it cannot be built."""
+    from trainprobes.zoo.shrink import MAX_PARAMS, count_params
+    from trainprobes.zoo.sweep import PER_PARAM, ROW_FIXED, row_bytes
+    assert count_params("blt") > MAX_PARAMS
+    assert row_bytes("blt") == ROW_FIXED + PER_PARAM * MAX_PARAMS

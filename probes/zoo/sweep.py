@@ -79,9 +79,9 @@ PER_PARAM = 32
 def row_bytes(model_type: str) -> int:
     """Bytes one row of model_type needs beyond budget.BASE_BYTES, from its parameter count on
     the meta device (a type that cannot be counted cannot be built: its row is a build failure,
-    ROW_FIXED)."""
-    from trainprobes.zoo.shrink import count_params
-    return ROW_FIXED + PER_PARAM * (count_params(model_type) or 0)
+    ROW_FIXED), at most MAX_PARAMS (a larger one is refused on the meta device, never allocated)."""
+    from trainprobes.zoo.shrink import MAX_PARAMS, count_params
+    return ROW_FIXED + PER_PARAM * min(count_params(model_type) or 0, MAX_PARAMS)
 
 
 def _worker_bytes() -> int:
