@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from trainprobes.zoo.shrink import causal_lm_types
+from trainprobes.zoo.shrink import causal_lm_types, check_model_type
 from trainprobes.zoo.sweep import sweep, to_map
 
 
@@ -44,7 +44,8 @@ def main() -> int:
         from trainprobes.errors import OutputExists
         raise OutputExists(f"--out {a.out!r} exists (a map someone made?); pass --force to replace it, "
                            f"or name a new file")
-    models = a.models.split(",") if a.models else causal_lm_types()
+    models = [check_model_type(m.strip(), "--models names") for m in a.models.split(",")] if a.models \
+        else causal_lm_types()
     if a.moe_first:  # the routers first, so a sweep cut short still maps them
         models = sorted(models, key=lambda m: not _has_experts(m))
     t = time.perf_counter()

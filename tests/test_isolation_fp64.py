@@ -128,3 +128,44 @@ def test_run_in_float64_keeps_the_module_and_its_calls():
     m = Up()
     assert run_in_float64(m) is m
     assert m(torch.ones(1, 4, dtype=torch.float64)).dtype == torch.float64
+
+
+def test_the_automatic_twin_runs_the_instances_own_forward():
+    """A target whose forward is set on the instance (a patched model: liger's or accelerate's
+    hooks bind forward per instance) is that forward: a twin running the class's forward
+    instead computes another function and excused this leak, 1e-5 of the row's mean, as
+    rounding (isolated; the twin moved 0)."""
+    import types
+
+    from trainprobes.isolation.documents import documents
+
+    class Tokens(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = torch.nn.Embedding(32, 8)
+
+        def forward(self, x, p):      # isolated: each token's own embedding
+            return self.emb(x)
+
+    def leaky(self, x, p):
+        h = self.emb(x)
+        return h + 1e-5 * h.mean(1, keepdim=True)
+    m = Tokens()
+    m.forward = types.MethodType(leaky, m)
+    x = torch.randint(0, 32, (1, 12), generator=torch.Generator().manual_seed(0))
+    r = documents(m, x, [5, 7], causal=False)
+    assert not r.metrics["isolated"] and r.metrics["n_leaks"] == 2, r.message
+
+
+def test_float64_mode_makes_the_default_dtype_float64():
+    """A tensor made in forward without a dtype is a float32 request too: XGLM's eager
+    attention fills torch.full((), torch.finfo(attn_weights.dtype).min) (default dtype), which
+    overflowed float32 in the twin (RuntimeError, the fp64 twin unavailable on 4 of xglm's map
+    cells); Ministral3's attention scale divides integer position ids in the default dtype."""
+    x = torch.ones(3, dtype=torch.float64)
+    with Float64Mode():
+        assert torch.full((), torch.finfo(x.dtype).min).dtype == torch.float64
+        assert (torch.arange(4) / 3).dtype == torch.float64
+        assert torch.zeros(2).dtype == torch.float64
+    assert torch.get_default_dtype() == torch.float32 and torch.zeros(2).dtype == torch.float32

@@ -206,13 +206,22 @@ def test_diff_names_changed_cells(tmp_path):
     ({"x": 1}, "rows['llama'] is dict, expected a list"),
     (None, "rows['llama'] is NoneType"),
     ([{"model_type": "mixtral", "probe": "batch", "variant": "", "verdict": "variant"}],
-     "a cell of 'mixtral', in the row of 'llama'")])
+     "a cell of 'mixtral', in the row of 'llama'"),
+    # a cell pasted twice: one of the two verdicts was dropped unseen
+    ([{"model_type": "llama", "probe": "batch", "variant": "", "verdict": "invariant"},
+      {"model_type": "llama", "probe": "batch", "variant": "", "verdict": "variant"}],
+     "rows['llama'][1] repeats the cell ('llama', 'batch', '')"),
+    # "false" as a string read as a finding
+    ([{"model_type": "llama", "probe": "batch", "variant": "", "verdict": "invariant", "finding": "false"}],
+     "rows['llama'][0] has finding='false'"),
+    # nested past Python's recursion limit: json raised RecursionError, an internal error (3)
+    pytest.param("[" * 100000 + "]" * 100000, "cannot read a zoo map (RecursionError", id="nested")])
 def test_diff_refuses_a_hand_edited_map_it_cannot_read(tmp_path, capsys, row, says):
     """Exit 2 naming the cell, never a KeyError (exit 3) or a cell read into another row."""
     good = {"rows": {"llama": [{"model_type": "llama", "probe": "batch", "variant": "", "verdict": "invariant"}]}}
     pa, pb = tmp_path / "a.json", tmp_path / "b.json"
     pa.write_text(json.dumps(good))
-    pb.write_text(json.dumps({"rows": {"llama": row}}))
+    pb.write_text('{"rows": {"llama": ' + row + '}}' if isinstance(row, str) else json.dumps({"rows": {"llama": row}}))
     assert main(["zoo", "--diff", str(pa), str(pb)]) == 2
     assert says in capsys.readouterr().err
 
@@ -408,3 +417,13 @@ def test_cli_refuses_a_row_the_machine_cannot_hold_before_building_it(capsys, mo
     assert main(["zoo", "--model", "mixtral", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "zoo --model mixtral needs about" in err and "available" in err
+
+
+def test_a_row_is_estimated_at_most_at_the_largest_model_built():
+    """A type above MAX_PARAMS after shrinking is refused on the meta device and never
+    allocated: blt (192 M parameters) was estimated at 6.7 GB, so a machine with less refused
+    it for memory instead of saying it cannot be built."""
+    from trainprobes.zoo.shrink import MAX_PARAMS, count_params
+    from trainprobes.zoo.sweep import PER_PARAM, ROW_FIXED, row_bytes
+    assert count_params("blt") > MAX_PARAMS
+    assert row_bytes("blt") == ROW_FIXED + PER_PARAM * MAX_PARAMS

@@ -124,3 +124,33 @@ def test_the_map_holds_versions_rows_and_the_largest_peak(tmp_path, stub):
     m = to_map(rows, wall_seconds=1.5)
     assert list(m["rows"]) == ["a", "b"] and m["peak_rss_mb"] == 1.0 and m["wall_seconds"] == 1.5
     assert m["versions"]["transformers"] and json.loads(json.dumps(m)) == m
+
+
+@pytest.mark.parametrize("kw, says", [
+    # select() raised ValueError in every worker thread: no row, and the script wrote an empty map, exit 0
+    (dict(timeout=-1), "timeout=-1"),
+    (dict(timeout=0), "timeout=0"),          # every row a timeout
+    (dict(recycle=0), "recycle=0"),           # a new worker (torch and transformers imported) per row
+    # every worker died at start (address space of 1 MiB): 196 error rows, exit 0
+    (dict(memory_mb=1), "memory_mb=1 MiB is below the 1402 MiB")])
+def test_settings_that_cannot_measure_a_row_are_refused_before_it_starts(tmp_path, stub, kw, says):
+    from trainprobes.errors import InvalidArgument
+    with pytest.raises(InvalidArgument, match=says):
+        sweep(["a"], tmp_path / "rows.jsonl", workers=1, progress=None, command=stub,
+              **dict(dict(memory_mb=0), **kw))
+    assert not (tmp_path / "rows.jsonl").exists()
+
+
+def test_the_script_refuses_a_model_type_transformers_does_not_register(tmp_path, monkeypatch, capsys):
+    """A typo was swept as a row of one failed build, exit 0 (',,' as a row named '')."""
+    import runpy
+    from pathlib import Path
+    script = Path(__file__).parents[1] / "scripts" / "zoo_sweep.py"
+    monkeypatch.setattr(sys, "argv", ["zoo_sweep.py", "--models", "llama,mixtrl", "--jsonl", str(tmp_path / "r.jsonl"),
+                                      "--out", str(tmp_path / "m.json")])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(script), run_name="__main__")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and ("'mixtrl' is not a causal-LM model type of this transformers (196 registered); "
+                                  "close: mixtral") in err, (e.value.code, err[-500:])
+    assert not (tmp_path / "r.jsonl").exists() and not (tmp_path / "m.json").exists()

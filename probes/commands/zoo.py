@@ -41,15 +41,9 @@ def run(args) -> int:
         return _findings(args)
     from trainprobes.errors import InvalidArgument
     from trainprobes.zoo.cells import PROBES, row
-    from trainprobes.zoo.shrink import causal_lm_types
+    from trainprobes.zoo.shrink import check_model_type
     from trainprobes.zoo.sweep import versions
-    types = causal_lm_types()
-    if args.model not in types:
-        import difflib
-        close = difflib.get_close_matches(args.model, types, n=5, cutoff=0.5)
-        raise InvalidArgument(f"--model {args.model!r} is not a causal-LM model type of this "
-                              f"transformers ({len(types)} registered)"
-                              + (f"; close: {', '.join(close)}" if close else ""))
+    check_model_type(args.model)
     probes = PROBES if args.probes is None else tuple(p.strip() for p in args.probes.split(","))
     bad = [p for p in probes if p not in PROBES]
     if bad:

@@ -7,7 +7,7 @@ to settle a near tie (a truncated prefix is called non-causal). The sites:
   *RMSNorm.forward          hidden_states.to(torch.float32) ... .to(input_dtype)
   *RotaryEmbedding.forward  inv_freq_expanded.float() @ position_ids_expanded.float()
 `Float64Mode` rewrites every float32 request made while it is active (a dtype argument,
-`.float()`, `.to(torch.float32)`, `.type(torch.float32)`) into float64, so those sites compute
+`.float()`, `.to(torch.float32)`, `.type(torch.float32)`, the default dtype) into float64, so those sites compute
 in float64 too; `run_in_float64(model)` makes a model's every call run under it. The
 isolation probe's automatic twins (PackedModel.fp64_twin, the deep copy of an nn.Module
 target) and the zoo's (trainprobes.zoo.targets.fp64_copy) run under it; on a packed tiny
@@ -34,7 +34,21 @@ def _swap(v):
 
 
 class Float64Mode(TorchFunctionMode):
-    """Within it, float32 as a requested dtype means float64 (nothing else changes)."""
+    """Within it, float32 as a requested dtype means float64 (nothing else changes), the
+    default dtype included: a tensor made without a dtype (XGLM's torch.full((),
+    torch.finfo(float64).min) overflowed float32; integer positions divided in Ministral3's
+    attention scale) is float64 too."""
+
+    def __enter__(self):
+        self._default = torch.get_default_dtype()
+        torch.set_default_dtype(_F64)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            torch.set_default_dtype(self._default)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -48,10 +62,12 @@ class Float64Mode(TorchFunctionMode):
 def run_in_float64(model):
     """Make every call of `model` (an nn.Module already in float64) run under Float64Mode;
     returns the model."""
-    cls_forward = type(model).forward
+    # the instance's own forward where it has one (a patched model: liger or accelerate bind
+    # forward per instance), else its class's: the twin must compute the target's function
+    inner = model.forward
 
     def forward(*args, **kwargs):
         with Float64Mode():
-            return cls_forward(model, *args, **kwargs)
+            return inner(*args, **kwargs)
     model.forward = forward
     return model

@@ -26,10 +26,11 @@ _KEYS = ("model_type", "probe", "variant", "verdict")
 def load_map(path) -> dict:
     try:
         m = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:   # RecursionError: nested past the limit
         raise DataFileError(f"{path}: cannot read a zoo map ({type(e).__name__}: {e})") from None
     if not isinstance(m, dict) or not isinstance(m.get("rows"), dict):
         raise DataFileError(f"{path}: not a zoo map (no 'rows'); make one with scripts/zoo_sweep.py")
+    seen = set()
     for mt, cells in m["rows"].items():   # a hand-edited map is read or refused, never half-read
         if not isinstance(cells, list):
             raise DataFileError(f"{path}: rows[{mt!r}] is {type(cells).__name__}, expected a list of cells")
@@ -40,6 +41,12 @@ def load_map(path) -> dict:
                                     f"{', '.join(_KEYS)} as strings)")
             if c["model_type"] != mt:
                 raise DataFileError(f"{path}: rows[{mt!r}][{i}] is a cell of {c['model_type']!r}, in the row of {mt!r}")
+            if not isinstance(c.get("finding", False), bool):
+                raise DataFileError(f"{path}: rows[{mt!r}][{i}] has finding={c['finding']!r}, expected true or false")
+            key = (c["model_type"], c["probe"], c["variant"])
+            if key in seen:   # a cell pasted twice: the diff would keep one verdict of the two
+                raise DataFileError(f"{path}: rows[{mt!r}][{i}] repeats the cell {key!r}")
+            seen.add(key)
     return m
 
 

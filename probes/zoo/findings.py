@@ -94,7 +94,10 @@ _M3_WHY = ("the sparse layers' indexer marks keys as future by comparing key slo
            "intersection with the document mask leaves them no key, and a row masked everywhere (min_dtype, not "
            "-inf) attends uniformly to the whole row, other documents and the future included. The model hands "
            "position_ids to create_causal_mask and threads them to the indexer to anchor it at content positions "
-           "(its comment): packing is meant to work")
+           "(its comment): packing is meant to work. The bug is that future leak: with slot position ids and the "
+           "4-D mask no query is left without a key and earlier documents stay still, while later ones still move "
+           "(block top-k over the whole row before the document mask: the sparse design, as DeepSeek-V4's "
+           "compressor, by design)")
 
 FINDINGS = (
     *(Finding(mt, "isolation", f"{impl},position_ids_no_cache", "leaky", BUG, _forward(mt),

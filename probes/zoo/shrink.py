@@ -122,6 +122,21 @@ def causal_lm_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+def check_model_type(model_type: str, what: str = "--model") -> str:
+    """model_type if transformers registers it for AutoModelForCausalLM, else InvalidArgument
+    (exit 2) naming the close ones: a typo is refused, never measured as a row that fails."""
+    types = causal_lm_types()
+    if model_type not in types:
+        import difflib
+
+        from trainprobes.errors import InvalidArgument
+        close = difflib.get_close_matches(model_type, types, n=5, cutoff=0.5)
+        raise InvalidArgument(f"{what} {model_type!r} is not a causal-LM model type of this "
+                              f"transformers ({len(types)} registered)"
+                              + (f"; close: {', '.join(close)}" if close else ""))
+    return model_type
+
+
 # (expand, heads, head dim) of a Mamba-2 mixer: the config checks heads * head dim == expand *
 # hidden (bamba, falcon_h1, nemotron_h, mamba2, zamba2, granitemoehybrid)
 _MAMBA_HEADS = (("mamba_expand", "mamba_n_heads", "mamba_d_head"), ("expand", "mamba_num_heads", "mamba_head_dim"),

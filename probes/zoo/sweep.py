@@ -79,9 +79,9 @@ PER_PARAM = 32
 def row_bytes(model_type: str) -> int:
     """Bytes one row of model_type needs beyond budget.BASE_BYTES, from its parameter count on
     the meta device (a type that cannot be counted cannot be built: its row is a build failure,
-    ROW_FIXED)."""
-    from trainprobes.zoo.shrink import count_params
-    return ROW_FIXED + PER_PARAM * (count_params(model_type) or 0)
+    ROW_FIXED), at most MAX_PARAMS (a larger one is refused on the meta device, never allocated)."""
+    from trainprobes.zoo.shrink import MAX_PARAMS, count_params
+    return ROW_FIXED + PER_PARAM * min(count_params(model_type) or 0, MAX_PARAMS)
 
 
 def _worker_bytes() -> int:
@@ -225,7 +225,18 @@ def sweep(model_types, jsonl: Path, *, workers: int = 2, timeout: float = 300.0,
     a {"ready": true} line, then one JSON row per model type read from stdin)."""
     from trainprobes.budget import check_fits
     from trainprobes.validation import check_int
+    from trainprobes.errors import InvalidArgument
+    from trainprobes.validation import check_number
     check_int(workers, "workers", min=1, max=16)
+    # settings under which no row can be measured are refused before anything starts (a
+    # negative timeout raised in every worker thread and left an empty map, exit 0)
+    check_number(timeout, "timeout", min=0.0, min_open=True, hint="seconds per model type, e.g. 300")
+    check_int(recycle, "recycle", min=1, hint="rows a worker measures before it is replaced, e.g. 40")
+    check_int(memory_mb, "memory_mb", min=0, hint="MiB of address space per worker (0: no limit), e.g. 4096")
+    if memory_mb and memory_mb << 20 < _worker_bytes():
+        raise InvalidArgument(f"memory_mb={memory_mb} MiB is below the {_worker_bytes() >> 20} MiB a worker is "
+                              f"planned at (the interpreter with torch and the largest row): its workers would "
+                              f"die on the rows; pass --memory-mb {_worker_bytes() >> 20} or more (0: no limit)")
     check_fits(estimate(workers, memory_mb), f"a zoo sweep on {workers} worker processes",
                fix="fewer --workers")
     jsonl = Path(jsonl)
