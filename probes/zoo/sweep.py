@@ -224,9 +224,8 @@ def sweep(model_types, jsonl: Path, *, workers: int = 2, timeout: float = 300.0,
     command: the worker's argv (default WORKER; a test gives a stub speaking the protocol:
     a {"ready": true} line, then one JSON row per model type read from stdin)."""
     from trainprobes.budget import check_fits
-    from trainprobes.validation import check_int
     from trainprobes.errors import InvalidArgument
-    from trainprobes.validation import check_number
+    from trainprobes.validation import check_int, check_number
     check_int(workers, "workers", min=1, max=16)
     # settings under which no row can be measured are refused before anything starts (a
     # negative timeout raised in every worker thread and left an empty map, exit 0)
