@@ -2,7 +2,7 @@
 
 Accumulators that are unbiased by mechanism (round to nearest: a 13-bit nearest-even one that
 sums each 32-product group exactly and rounds once, and fp32), recipe `exact`, on
-16 x 16 x 512 GEMMs of random e4m3 operands (zero-mean, and mean 1: the same-signed data on
+64 x 64 x 512 GEMMs of random e4m3 operands (zero-mean, and mean 1: the same-signed data on
 which a truncating accumulator is biased), 256 sampled outputs in 16 groups, one seed per run
 (the operands and the sample both move with it). A run counts as a false positive when the
 probe's own verdict is biased (judge: the CI of the signed bias or of the offset excludes 0
@@ -46,11 +46,11 @@ def main(argv=None) -> None:
     ap.add_argument("--seeds", type=int, default=200)
     seeds = ap.parse_args(argv).seeds
     t0 = time.perf_counter()
-    print(f"false positives over {seeds} seeds (16 x 16 x 512, 256 samples, 16 groups, alpha 0.01)")
+    print(f"false positives over {seeds} seeds (64 x 64 x 512, 256 of 4096 outputs sampled, sized output by output, 16 groups, alpha 0.01)")
     for label, (acc, mean) in CASES.items():
         hits = {DEFAULT_TOLERANCE: 0, 0.0: 0}
         for seed in range(seeds):
-            a, b = e4m3(16, 512, seed=2 * seed, mean=mean), e4m3(16, 512, seed=2 * seed + 1, mean=mean)
+            a, b = e4m3(64, 512, seed=2 * seed, mean=mean), e4m3(64, 512, seed=2 * seed + 1, mean=mean)
             r = gemm_bias(a, b, preset=acc, samples=256, trials=16, seed=seed, promotion=False)
             m = r.metrics
             hits[DEFAULT_TOLERANCE] += m["biased"] is True  # None: inconclusive, not biased

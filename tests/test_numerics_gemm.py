@@ -201,7 +201,9 @@ def test_a_recipe_bias_is_its_operands_scale_error():
     assert -6e-3 < rho_c < -1e-3
 
 
-def test_a_promotion_interval_is_claimed_only_where_its_ci_lies_within_the_tolerance():
+def test_a_promotion_interval_is_claimed_only_where_its_ci_lies_within_the_tolerance(monkeypatch):
+    # the row-and-column-norm design on a GEMM small enough to be sized output by output
+    monkeypatch.setattr("trainprobes.numerics.gemm.BY_OUTPUT", 0)
     # zero-mean data, 128 samples: the unpromoted bias is shown (-3.0e-4), and a candidate
     # has a CI that holds 0 but reaches past the tolerance. No bias shown is not a bias
     # shown small: "promoting every N_C keeps it within 1e-4" would be a claim the sample
@@ -265,7 +267,9 @@ def test_the_sampled_ci_covers_the_whole_gemms_bias_beside_a_heavy_row():
             assert m["gemm_verdict"] == verdict, r.message
 
 
-def test_an_exact_sample_says_what_it_covers():
+def test_an_exact_sample_says_what_it_covers(monkeypatch):
+    # the row-and-column-norm design on a GEMM small enough to be sized output by output
+    monkeypatch.setattr("trainprobes.numerics.gemm.BY_OUTPUT", 0)
     a = torch.randint(-2, 3, (256, 512), generator=torch.Generator().manual_seed(2)).double()
     a[7] *= 64  # a heavy row: certain to be drawn
     b = torch.randint(-2, 3, (32, 512), generator=torch.Generator().manual_seed(3)).double()
@@ -380,3 +384,31 @@ def test_the_memory_check_counts_the_whole_operands_a_hadamard_rotates(monkeypat
     with pytest.raises(TooLarge, match="Hadamard rotation of both whole operands"):
         gemm_bias(a, b, preset="fp32", recipe="nvfp4-paper", gemm="wgrad", samples=S, trials=16,
                   what_if=True, promotion=False)
+
+
+def test_a_bias_held_by_outputs_larger_than_their_norms_suggest_is_seen():
+    # 8 rows of b copy rows of a: 8 of 16384 outputs are sqrt(K) times a random pair's and
+    # hold the bias (-1.9e-3, 19x the tolerance); drawn by row and column norms they were
+    # missed (noise, a pass, in 16 of 40 seeds; the CI covered the truth in 24 of 40).
+    # Sized output by output: biased with the truth inside the CI
+    from trainprobes.reference.gemm import matmul
+    g = torch.Generator().manual_seed(0)
+    a, b = ((torch.randint(0, 2, (128, 4096), generator=g) * 2 - 1).double() * 1.125 for _ in "ab")
+    b[:8] = a[:8]
+    ref = a @ b.T
+    err = matmul(a, b.T, "h200-scaled-mm", block_rows=16) - ref
+    truth = ((torch.sign(ref) * err).sum() / ref.abs().sum()).item()
+    for seed in range(3):
+        r = gemm_bias(a, b, preset="h200-scaled-mm", samples=2048, seed=seed, promotion=False)
+        m = r.metrics
+        assert m["gemm_verdict"] == "biased" and m["ci_low"] <= truth <= m["ci_high"], (truth, r.message)
+    assert "sized" in r.evidence["sampling"] or "|ref_ij|" in r.evidence["sampling"]
+
+
+def test_an_exact_sample_sized_by_output_says_what_it_covers():
+    a = torch.randint(-2, 3, (64, 512), generator=torch.Generator().manual_seed(2)).double()
+    b = torch.randint(-2, 3, (32, 512), generator=torch.Generator().manual_seed(3)).double()
+    r = gemm_bias(a, b, preset="h200-scaled-mm", samples=256, trials=16)
+    assert r.metrics["gemm_verdict"] == "exact" and r.verdict == "pass", r.message
+    assert "half |ref| and half |a_i| |b_j|" in r.message
+    assert r.evidence["design"]["kind"] == "outputs by size"

@@ -141,6 +141,35 @@ def _pps_strata(norms: torch.Tensor, S: int, g: torch.Generator, permute: bool):
     return idx, p[idx]
 
 
+# a GEMM of at most BY_OUTPUT x samples outputs is multiplied in full to size its sample: that
+# product costs a few percent of emulating the sample's dot products
+BY_OUTPUT = 64
+
+
+def _by_output(a, b, na, nb, amax: float, S: int, g: torch.Generator):
+    """Step 1 for a GEMM small enough to multiply in full: S strata over the M N outputs
+    themselves, each output sized half by its share of sum |ref| and half by its share of
+    sum |a_i| |b_j|. Row and column norms alone miss outputs much larger than their norms
+    suggest (a row of a aligned with a row of b: |ref| ~ |a_i| |b_j|, sqrt(K) times a random
+    pair's), which can carry the whole bias while a sample of S rarely draws them; the
+    norm half keeps every output whose error can be non-zero drawable (an output near 0
+    can still carry an error of order u |a_i| |b_j|)."""
+    N = b.shape[0]
+    if a.dtype != torch.float64 and b.dtype != torch.float64 and 1e-15 < amax < 1e15:
+        size = (a.float() @ b.float().T).double().abs().reshape(-1)
+    else:
+        size = (a.double() @ b.double().T).abs().reshape(-1)
+    norm = torch.outer(na, nb).reshape(-1)
+    size = (size / size.sum() if size.sum() > 0 else 0) + norm / norm.sum()
+    idx, p = _pps_strata(size, S, g, False)
+    i, j = idx // N, idx % N
+    share = size / size.sum()
+    design = {"kind": "outputs by size", "draws": S, "rows_drawn": int(torch.unique(i).numel()),
+              "columns_drawn": int(torch.unique(j).numel()),
+              "outputs_certain": int((share >= 2.0 / S).sum()), "heaviest_output_share": share.max().item()}
+    return i, j, 1.0 / (S * p), design
+
+
 def _row_norms(x: torch.Tensor, amax: float) -> torch.Tensor:
     """L2 norms of x's rows in float64 (computed in fp32 where its range holds them)."""
     if x.dtype in (torch.float32, torch.bfloat16, torch.float16) and 1e-15 < amax < 1e15:
@@ -276,6 +305,9 @@ def prepare_gemm(a, b, *, recipe, gemm: str, samples: int, seed: int, every: boo
         weight = torch.ones(M * N, dtype=torch.float64)
         design = {"kind": "every output", "draws": M * N, "rows_drawn": M, "columns_drawn": N,
                   "rows_certain": M, "columns_certain": N}
+    elif M * N <= BY_OUTPUT * samples:
+        i, j, weight, design = _by_output(a, b, _row_norms(a, amax_a), _row_norms(b, amax_b),
+                                          max(amax_a, amax_b), samples, g)
     else:
         na, nb = _row_norms(a, amax_a), _row_norms(b, amax_b)
         i, pi = _pps_strata(na, samples, g, False)
@@ -535,15 +567,7 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
                           "stalled_share": stalled_share, "stall_k": sk},
                 "design": prep.design, "operand_formats": list(prep.formats),
                 "combination": unmeasured or f"{acc.name} was measured on these operands",
-                "sampling": f"{S} of {M * N} output elements drawn in proportion to row and column "
-                            f"norms (probability-proportional-to-size Latin hypercube strata, "
-                            f"Horvitz-Thompson weights: {prep.design['rows_drawn']} of {M} rows, "
-                            f"{prep.design['columns_drawn']} of {N} columns; the "
-                            f"{prep.design['rows_certain']} row(s) and {prep.design['columns_certain']} "
-                            f"column(s) holding 2/S of the norm mass or more drawn for certain), in "
-                            f"{trials} interleaved groups"
-                            if not census else f"every one of the {S} outputs once (weight 1): "
-                            "the ratios are the whole GEMM's, their CIs the points"}
+                "sampling": _sampling(prep.design, M, N, trials)}
     msg = _message(metrics, prep.design) + _cause(metrics, evidence)
     if unmeasured:
         msg = f"WHAT-IF, no hardware runs this ({unmeasured}): " + msg
@@ -552,6 +576,24 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
                   metrics=metrics, evidence=evidence, seed=seed,
                   codes={"biased": ["TP-B1"], "inconclusive": ["TP-E1"]}.get(verdict, []),
                   message=msg)
+
+
+def _sampling(design: dict, M: int, N: int, trials: int) -> str:
+    S = design["draws"]
+    if design["kind"] == "every output":
+        return f"every one of the {S} outputs once (weight 1): the ratios are the whole GEMM's, their CIs the points"
+    head = f"{S} of {M * N} output elements drawn "
+    tail = (f" (probability-proportional-to-size Latin hypercube strata, Horvitz-Thompson weights: "
+            f"{design['rows_drawn']} of {M} rows, {design['columns_drawn']} of {N} columns")
+    if design["kind"] == "outputs by size":
+        return (head + "in proportion to half |ref_ij| and half |a_i| |b_j| (the GEMM multiplied "
+                "in full to size them)" + tail + f"; the {design['outputs_certain']} output(s) holding "
+                f"2/S of the size or more drawn for certain), in {trials} interleaved groups")
+    return (head + "in proportion to row and column norms" + tail + f"; the {design['rows_certain']} "
+            f"row(s) and {design['columns_certain']} column(s) holding 2/S of the norm mass or more "
+            f"drawn for certain), in {trials} interleaved groups. Not seen by this design: a bias "
+            "held by a few outputs far larger than their norms suggest (rows of a aligned with rows "
+            f"of b); GEMMs of at most {BY_OUTPUT} x samples outputs are sized output by output")
 
 
 def _ci(m: dict, prefix: str) -> str:
@@ -568,6 +610,10 @@ def _message(m: dict, design: dict) -> str:
         if m["gemm_verdict"] == "exact":
             return head + "exact"
     if m["gemm_verdict"] == "exact":
+        if design["kind"] == "outputs by size":
+            return head + (f"exact on every sampled output. What that covers: outputs drawn in "
+                           f"proportion to half |ref| and half |a_i| |b_j|; outputs that are not exact "
+                           f"hold less than {3 / m['samples']:.2g} of that size (95%)")
         return head + (f"exact on every sampled output. What that covers: {m['rows_drawn']} rows and "
                        f"{m['columns_drawn']} columns drawn in proportion to their norms (the "
                        f"{design['rows_certain']} row(s) and {design['columns_certain']} column(s) "
