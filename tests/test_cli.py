@@ -211,3 +211,11 @@ def test_what_a_terminal_shows_is_plain_text(argv, capsys, tmp_path, monkeypatch
     cap = capsys.readouterr()
     for text in (cap.out, cap.err):
         assert not re.search(r"\\[*_|`$\[\]]|\bNone\b|`", text), text
+
+
+def test_a_list_option_takes_a_repeated_item_once():
+    # `--presets fp32,fp32` judged the same preset twice (two rows, twice the time)
+    from trainprobes.commands.options import parse_list
+    from trainprobes.validation import parse_choice
+    parse = parse_list(parse_choice("presets", ["fp32", "h200-scaled-mm"]), "--presets")
+    assert parse("fp32, h200-scaled-mm,fp32") == ["fp32", "h200-scaled-mm"]

@@ -75,13 +75,13 @@ def parse_dtype(metavar: str = "dtype", **kwargs):
 
 def parse_list(item, metavar: str):
     """`type=parse_list(parse_dtype("formats"), "formats")`: comma-separated items, each
-    parsed by the `type=` callable `item`; at least one."""
+    parsed by the `type=` callable `item`; at least one, each once."""
     def parse(text: str):
         parts = [t.strip() for t in text.split(",") if t.strip()]
         if not parts:
             raise argparse.ArgumentTypeError(f"{metavar}={text!r} is empty; give one or more, "
                                              "separated by commas")
-        return [item(t) for t in parts]
+        return list(dict.fromkeys(item(t) for t in parts))  # a repeated item is one setting, judged once
     parse.__name__ = metavar
     return parse
 
