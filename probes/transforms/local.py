@@ -32,22 +32,12 @@ import time
 
 import torch
 from trainprobes.transforms.base import RankContext
-from trainprobes.transforms.judge import rounded, sums
+from trainprobes.transforms.holdings import Flat, fingerprint, fingerprints, flatten, not_finite
+from trainprobes.transforms.judge import rounded, segment_sums, terms
 from trainprobes.transforms.rank_case import DTYPES, RankCase, _import_like_caller, resolve_step, run_trials
 from trainprobes.transforms.step import references
 
 __all__ = ["run_case_local", "fingerprint"]
-
-_BIG = 2 ** 62
-
-
-def fingerprint(x: torch.Tensor) -> torch.Tensor:
-    """[T] int64: a weighted sum of the bits of each trial's values (any changed bit changes
-    it, barring a 2^-62 collision); x [T, numel] in its own dtype."""
-    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-    v = x.contiguous().view(bits).to(torch.int64)
-    w = torch.arange(1, v.shape[1] + 1, dtype=torch.int64) * 2654435761 % (2 ** 31 - 1) + 1
-    return (v * w).sum(1)  # int64 arithmetic wraps: still a function of every bit
 
 
 def run_case_local(case: RankCase, ctx: RankContext, replica_tol: float) -> dict | None:
@@ -75,7 +65,7 @@ def run_case_local(case: RankCase, ctx: RankContext, replica_tol: float) -> dict
     prints = torch.zeros(T, P, dtype=torch.int64)
     tol_grad = torch.zeros(1, dtype=torch.float64)
     losses, has_loss, loss_code, codes, seconds = [], None, -1, None, 0.0
-    held, owner, kept = None, None, {}
+    held, owner, kept = None, None, []
     state = t.setup(step, ctx)
     start = time.perf_counter()
     for tr in run_trials(step, t, state, seeds, names, shapes, ctx):
@@ -101,29 +91,14 @@ def run_case_local(case: RankCase, ctx: RankContext, replica_tol: float) -> dict
             codes = torch.tensor([DTYPES.index(grads[n].dtype) if n in grads and grads[n].dtype in DTYPES
                                   else -1 for n in names])
             has_loss = out.loss is not None
-        for n, i in names.items():
-            if n not in grads:
-                continue
-            x = grads[n].detach().to("cpu").reshape(1, -1)
-            prints[trial, i] = fingerprint(x)[0]
-            # in the gradient's own dtype (fp64 only where a 1-byte dtype has no kernel):
-            # a holder that does not judge this trial pays no fp64 copy
-            if not bool(torch.isfinite(x if x.element_size() > 1 else x.double()).all()):
-                nonfinite[i] = 1.0
-            kept.setdefault(n, []).append(x[0].clone())  # a view may be reused by the next step
-            if int(judge[trial, i]) != ctx.rank:
-                continue
-            x64 = x.double()
-            rt = r[n][trial][None]
-            G[:, trial, i] = sums(x64, rt)[:, 0]
-            if not torch.equal(x64, rounded(rt, x.dtype)):
-                exact[i] = 0.0
-            if base_ok:
-                bt = bg[n][trial][None]
-                B[:, trial, i] = sums(bt, rt)[:, 0]
-                added2[trial, i] = ((x64 - bt) ** 2).sum()
-                if not torch.allclose(x64, bt, rtol=1e-5, atol=4e-5):
-                    tol_grad[0] = 1.0
+        flats = flatten(grads, names)  # fresh copies: a buffer the next step reuses is kept as it was
+        kept.append(flats)
+        for f in flats:
+            prints[trial, f.index] = fingerprints(f)
+            nonfinite[f.index] = torch.maximum(nonfinite[f.index], not_finite(f).double())
+            mine_now = [j for j, i in enumerate(f.index) if int(judge[trial, i]) == ctx.rank]
+            if mine_now:
+                _judge_trial(f, mine_now, trial, r, bg if base_ok else None, G, B, added2, exact, tol_grad)
         value = math.nan if out.loss is None else float(out.loss.detach().double().item())
         if out.loss is not None and not math.isfinite(value):
             nonfinite[P] = 1.0
@@ -132,30 +107,35 @@ def run_case_local(case: RankCase, ctx: RankContext, replica_tol: float) -> dict
             loss_code = DTYPES.index(out.loss.dtype)
     t.teardown(state)
 
-    def reduce(x, op):
-        y = x.to(ctx.device)
-        dist.all_reduce(y, op=op)
-        return y.cpu()
-    refused = reduce(refused, dist.ReduceOp.SUM)
+    # three collectives: the sums (SUM), the flags (MAX; a MIN as the MAX of 1 - flag), and
+    # every rank's metadata and fingerprints (all_gather, the floats carried as their bits)
+    summed = torch.cat([refused, G.reshape(-1), B.reshape(-1), added2.reshape(-1), tol_grad,
+                        truth_loss, base_loss]).to(ctx.device)
+    dist.all_reduce(summed)
+    summed = summed.cpu()
+    refused = summed[:2]
     check_truth_sums(refused, T, step)  # every rank refuses alike
-    G, B, added2, tol_grad, truth_loss, base_loss = (reduce(x, dist.ReduceOp.SUM) for x in
-                                                     (G, B, added2, tol_grad, truth_loss, base_loss))
-    base_ok = bool(reduce(torch.tensor([float(base_ok)], dtype=torch.float64), dist.ReduceOp.MIN)[0] > 0)
-    nonfinite = reduce(nonfinite, dist.ReduceOp.MAX)
+    G, B, added2, tol_grad, truth_loss, base_loss = summed[2:].split([6 * T * P, 6 * T * P, T * P, 1, T, T])
+    G, B, added2 = G.reshape(6, T, P), B.reshape(6, T, P), added2.reshape(T, P)
+    flags = torch.cat([nonfinite, torch.tensor([float(not base_ok)], dtype=torch.float64), 1 - exact])
+    flags = flags.to(ctx.device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    flags = flags.cpu()
+    nonfinite, base_ok, exact = flags[:P + 1], bool(flags[P + 1] == 0), 1 - flags[P + 2:]
     case_seconds = time.perf_counter() - start  # steps, truth, statistics: this rank's whole case
     meta = torch.cat([torch.tensor([float(has_loss), seconds, float(loss_code)], dtype=torch.float64),
                       torch.tensor(losses, dtype=torch.float64), codes.double(),
-                      torch.tensor([case_seconds], dtype=torch.float64)]).to(ctx.device)
-    metas = [torch.empty_like(meta) for _ in range(ctx.world)]
-    dist.all_gather(metas, meta)
-    metas = torch.stack([m.cpu() for m in metas])
-    everyone = [torch.empty_like(prints).to(ctx.device) for _ in range(ctx.world)]
-    dist.all_gather(everyone, prints.to(ctx.device))
-    everyone = torch.stack([e.cpu() for e in everyone])                   # [world, T, P]
+                      torch.tensor([case_seconds], dtype=torch.float64)])
+    packed = torch.cat([meta.view(torch.int64), prints.reshape(-1)]).to(ctx.device)
+    every = [torch.empty_like(packed) for _ in range(ctx.world)]
+    dist.all_gather(every, packed)
+    every = torch.stack([e.cpu() for e in every])
+    metas = every[:, :meta.numel()].contiguous().view(torch.float64)
+    everyone = every[:, meta.numel():].reshape(ctx.world, T, P)          # [world, T, P]
     # the owner alone compares with the truth: its exactness holds for every holder only
     # where all holders' bits agree (a replica within replica_tol is not exact)
     same = (everyone == everyone[owner, :, torch.arange(P)].T[None]) | ~held[:, None, :]
-    exact = reduce(exact, dist.ReduceOp.MIN) * same.all(0).all(0).double()
+    exact = exact * same.all(0).all(0).double()
     replicas = _replicas(everyone, held, owner, kept, names, ctx, replica_tol)
     if ctx.rank != 0:
         return None
@@ -211,13 +191,14 @@ def _replicas(prints, held, owner, kept, names, ctx, replica_tol) -> torch.Tenso
         o = int(owner[i])
         if all(torch.equal(prints[r, :, i], prints[o, :, i]) for r in holders):
             continue
-        size = torch.tensor([kept[n][0].numel() if n in kept else 0], dtype=torch.int64, device=ctx.device)
+        mine = _kept(kept, n)
+        size = torch.tensor([mine[0].numel() if mine else 0], dtype=torch.int64, device=ctx.device)
         dist.all_reduce(size, op=dist.ReduceOp.MAX)
-        theirs = torch.stack(kept[n]).double().to(ctx.device) if ctx.rank == o else \
+        theirs = torch.stack(mine).double().to(ctx.device) if ctx.rank == o else \
             torch.empty(prints.shape[1], int(size.item()), dtype=torch.float64, device=ctx.device)
         dist.broadcast(theirs, o)
-        d = torch.tensor([(torch.stack(kept[n]).double().to(ctx.device) - theirs).abs().max().item()
-                          if n in kept else 0.0], dtype=torch.float64, device=ctx.device)
+        d = torch.tensor([(torch.stack(mine).double().to(ctx.device) - theirs).abs().max().item()
+                          if mine else 0.0], dtype=torch.float64, device=ctx.device)
         every = [torch.empty_like(d) for _ in range(ctx.world)]
         dist.all_gather(every, d)
         ref = theirs.abs().max().item() or 1.0
@@ -225,3 +206,62 @@ def _replicas(prints, held, owner, kept, names, ctx, replica_tol) -> torch.Tenso
             if r != o and not float(every[r]) <= replica_tol * ref:
                 rows.append([float(i), float(o), float(r), float(every[r]), ref])
     return torch.tensor(rows, dtype=torch.float64).reshape(-1, 5)
+
+
+def _kept(trials: list, name: str) -> list:
+    """`name`'s values on every trial, from the kept flats ([] where this rank returned none)."""
+    out = []
+    for flats in trials:
+        for f in flats:
+            if name in f.names:
+                j = f.names.index(name)
+                a = sum(f.sizes[:j])
+                out.append(f.values[a:a + f.sizes[j]])
+    return out
+
+
+_CHUNK = 1 << 20  # elements per batch of parameters judged at once (13 fp64 rows of them)
+
+
+def _runs(f: Flat, js: list) -> list:
+    """The positions js (ascending) of f's parameters in runs of consecutive positions of at
+    most _CHUNK elements (a larger parameter alone): each run is one slice of f.values."""
+    out, cur, size = [], [], 0
+    for j in js:
+        if cur and (j != cur[-1] + 1 or size + f.sizes[j] > _CHUNK):
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(j)
+        size += f.sizes[j]
+    return out + [cur] if cur else out
+
+
+def _judge_trial(f: Flat, js: list, trial: int, r: dict, bg: dict | None, G, B, added2, exact,
+                 tol_grad) -> None:
+    """Step 3 for the parameters at positions js of f, which this rank judges on `trial`:
+    their sums against the truth r (and the base bg, None where it is not usable) into
+    G, B, added2, and whether every value is the truth rounded (exact) and within the
+    tolerance checks' bounds of the base (tol_grad)."""
+    starts = [0]
+    for k in f.sizes:
+        starts.append(starts[-1] + k)
+    for run in _runs(f, js):
+        idx, sizes = [f.index[j] for j in run], [f.sizes[j] for j in run]
+        x64 = f.values[starts[run[0]]:starts[run[-1] + 1]].double()
+        rt = torch.cat([r[f.names[j]][trial] for j in run])
+        rows = [terms(x64, rt)]
+        if bg is not None:
+            bt = torch.cat([bg[f.names[j]][trial] for j in run])
+            rows += [terms(bt, rt), ((x64 - bt) ** 2)[None]]
+            if not torch.allclose(x64, bt, rtol=1e-5, atol=4e-5):
+                tol_grad[0] = 1.0
+        S = segment_sums(torch.cat(rows), sizes)                          # [6 or 13, len(run)]
+        G[:, trial, idx] = S[:6]
+        if bg is not None:
+            B[:, trial, idx] = S[6:12]
+            added2[trial, idx] = S[12]
+        wrong = x64 != rounded(rt, f.values.dtype)
+        if bool(wrong.any()):
+            for i, c in zip(idx, wrong.split(sizes)):
+                if bool(c.any()):
+                    exact[i] = 0.0

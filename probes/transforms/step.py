@@ -301,8 +301,14 @@ def single_device(step: TrainingStep, seeds: list, *, fp64: bool = True,
     (None: all), in that order."""
     model = (fp64_model(step, param_dtype) if fp64 else rounded_model(step, param_dtype)).to(device)
     losses, grads = [], {}
-    batches = step.batches(seeds)
-    for b in batches if pick is None else [batches[k] for k in pick]:
+    if pick is None:
+        batches = step.batches(seeds)
+    elif step.data is None:  # drawn from each trial's seed: only the picked ones are made
+        batches = step.batches([seeds[k] for k in pick])
+    else:  # a data iterable is read from its start
+        batches = step.batches(seeds)
+        batches = [batches[k] for k in pick]
+    for b in batches:
         b = _to_fp64(b) if fp64 else b
         b = to_device(b, device)
         loss = step.loss(step.forward(model, b), b)
