@@ -52,35 +52,35 @@ def fingerprint(x: torch.Tensor) -> torch.Tensor:
     return (v * _weights(v.shape[1])).sum(1)  # int64 arithmetic wraps: still a function of every bit
 
 
-class _Segments(NamedTuple):
-    weights: torch.Tensor  # [N] fingerprint weights, restarting at each parameter
-    owner: torch.Tensor    # [N] the segment of each element
+_WEIGHTS: dict = {}
 
 
-_SEGMENTS: dict = {}
-
-
-def _segments(sizes: tuple) -> _Segments:
-    if sizes not in _SEGMENTS:  # one entry per layout (per dtype group): built once per case
-        _SEGMENTS.clear()
-        _SEGMENTS[sizes] = _Segments(torch.cat([_weights(k) for k in sizes]),
-                                     torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes)))
-    return _SEGMENTS[sizes]
+def _flat_weights(sizes: tuple) -> torch.Tensor:
+    """[N] fingerprint weights restarting at each parameter (built once per layout)."""
+    if sizes not in _WEIGHTS:
+        _WEIGHTS.clear()
+        _WEIGHTS[sizes] = torch.cat([_weights(k) for k in sizes])
+    return _WEIGHTS[sizes]
 
 
 def fingerprints(f: Flat) -> torch.Tensor:
-    """[len(f.names)] int64: fingerprint() of each parameter, from the flat values at once
-    (integer sums wrap modulo 2^64, so the order of the additions does not matter)."""
-    seg = _segments(tuple(f.sizes))
-    v = f.values.view(_BITS[f.values.element_size()]).to(torch.int64)
-    return torch.zeros(len(f.sizes), dtype=torch.int64).index_add_(0, seg.owner, v * seg.weights)
+    """[len(f.names)] int64: fingerprint() of each parameter, from the flat values at once."""
+    v = f.values.view(_BITS[f.values.element_size()])
+    terms = v * _flat_weights(tuple(f.sizes))  # promoted to int64 (wrapping: a function of every bit)
+    return torch.stack([c.sum() for c in terms.split(f.sizes)])
+
+
+def _finite(x: torch.Tensor) -> bool:
+    """No inf or NaN in x: its least and greatest values are finite (amin/amax propagate
+    NaN; one pass, where isfinite().all() is a bool tensor and a second pass)."""
+    if x.numel() == 0 or not x.is_floating_point():
+        return True
+    lo, hi = torch.aminmax(x if x.element_size() > 1 else x.double())  # no 1-byte float kernels
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
 def not_finite(f: Flat) -> torch.Tensor:
-    """[len(f.names)] bool: the parameters holding an inf or NaN (in their own dtype; via
-    fp64 where a 1-byte dtype has no isfinite kernel)."""
-    x = f.values if f.values.element_size() > 1 else f.values.double()
-    finite = torch.isfinite(x)
-    if bool(finite.all()):
+    """[len(f.names)] bool: the parameters holding an inf or NaN (in their own dtype)."""
+    if _finite(f.values):
         return torch.zeros(len(f.sizes), dtype=torch.bool)
-    return torch.stack([~c.all() for c in finite.split(f.sizes)])
+    return torch.tensor([not _finite(c) for c in f.values.split(f.sizes)])

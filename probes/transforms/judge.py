@@ -191,20 +191,9 @@ def sums(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """[6, T] sums over the elements of one parameter (x, r: [T, numel] float64): <x, r>,
     |r|^2, |x|^2, |x - r|^2, sum sign(r)(x - r), sum |r|. Sums over disjoint pieces add up,
     so ranks holding shards of a parameter each sum their own and one all-reduce joins them."""
-    return terms(x, r).sum(-1)
-
-
-def terms(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """[6, *x.shape]: the summands of `sums`, element by element (STATS' order)."""
     d = x - r
-    return torch.stack([x * r, r * r, x * x, d * d, torch.sign(r) * d, r.abs()])
-
-
-def segment_sums(x: torch.Tensor, sizes: list) -> torch.Tensor:
-    """[*x.shape[:-1], len(sizes)]: x's last axis summed over consecutive segments of
-    `sizes` (the parameters of a flat gradient), each as its own sum (the same rounding as
-    summing that parameter alone)."""
-    return torch.stack([c.sum(-1) for c in x.split(sizes, -1)], -1)
+    return torch.stack([(x * r).sum(1), (r * r).sum(1), (x * x).sum(1), (d * d).sum(1),
+                        (torch.sign(r) * d).sum(1), r.abs().sum(1)])
 
 
 def against_sums(S: torch.Tensor, loss, truth_loss) -> Against:

@@ -33,7 +33,7 @@ import time
 import torch
 from trainprobes.transforms.base import RankContext
 from trainprobes.transforms.holdings import Flat, fingerprint, fingerprints, flatten, not_finite
-from trainprobes.transforms.judge import rounded, segment_sums, terms
+from trainprobes.transforms.judge import rounded, sums
 from trainprobes.transforms.rank_case import DTYPES, RankCase, _import_like_caller, resolve_step, run_trials
 from trainprobes.transforms.step import references
 
@@ -220,48 +220,26 @@ def _kept(trials: list, name: str) -> list:
     return out
 
 
-_CHUNK = 1 << 20  # elements per batch of parameters judged at once (13 fp64 rows of them)
-
-
-def _runs(f: Flat, js: list) -> list:
-    """The positions js (ascending) of f's parameters in runs of consecutive positions of at
-    most _CHUNK elements (a larger parameter alone): each run is one slice of f.values."""
-    out, cur, size = [], [], 0
-    for j in js:
-        if cur and (j != cur[-1] + 1 or size + f.sizes[j] > _CHUNK):
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(j)
-        size += f.sizes[j]
-    return out + [cur] if cur else out
-
-
 def _judge_trial(f: Flat, js: list, trial: int, r: dict, bg: dict | None, G, B, added2, exact,
                  tol_grad) -> None:
     """Step 3 for the parameters at positions js of f, which this rank judges on `trial`:
-    their sums against the truth r (and the base bg, None where it is not usable) into
+    each one's sums against the truth r (and the base bg, None where it is not usable) into
     G, B, added2, and whether every value is the truth rounded (exact) and within the
-    tolerance checks' bounds of the base (tol_grad)."""
+    tolerance checks' bounds of the base (tol_grad). Parameter by parameter: a whole-model
+    temporary of every summand costs more in memory traffic than the loop."""
     starts = [0]
     for k in f.sizes:
         starts.append(starts[-1] + k)
-    for run in _runs(f, js):
-        idx, sizes = [f.index[j] for j in run], [f.sizes[j] for j in run]
-        x64 = f.values[starts[run[0]]:starts[run[-1] + 1]].double()
-        rt = torch.cat([r[f.names[j]][trial] for j in run])
-        rows = [terms(x64, rt)]
+    for j in js:
+        i, n = f.index[j], f.names[j]
+        x64 = f.values[starts[j]:starts[j + 1]].double()[None]
+        rt = r[n][trial][None]
+        G[:, trial, i] = sums(x64, rt)[:, 0]
+        if not torch.equal(x64, rounded(rt, f.values.dtype)):
+            exact[i] = 0.0
         if bg is not None:
-            bt = torch.cat([bg[f.names[j]][trial] for j in run])
-            rows += [terms(bt, rt), ((x64 - bt) ** 2)[None]]
+            bt = bg[n][trial][None]
+            B[:, trial, i] = sums(bt, rt)[:, 0]
+            added2[trial, i] = ((x64 - bt) ** 2).sum()
             if not torch.allclose(x64, bt, rtol=1e-5, atol=4e-5):
                 tol_grad[0] = 1.0
-        S = segment_sums(torch.cat(rows), sizes)                          # [6 or 13, len(run)]
-        G[:, trial, idx] = S[:6]
-        if bg is not None:
-            B[:, trial, idx] = S[6:12]
-            added2[trial, idx] = S[12]
-        wrong = x64 != rounded(rt, f.values.dtype)
-        if bool(wrong.any()):
-            for i, c in zip(idx, wrong.split(sizes)):
-                if bool(c.any()):
-                    exact[i] = 0.0
