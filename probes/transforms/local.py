@@ -11,8 +11,12 @@ Per case, each rank:
      in, and nothing else: where every rank holds every parameter (data parallelism,
      gathered shards) the truth's trials are spread over the ranks, once each, in parallel;
      a pipeline stage's rank judges its parameters on every trial (memory O(parameters x
-     trials) at most per rank, whatever the world);
-  3. sums, per trial and parameter it judges, the judge's statistics over its elements
+     trials) at most per rank, whatever the world). They run on a thread beside the
+     remaining steps (started after trial 0; on a GPU only the CPU truth does), so the
+     time a rank waits in the steps' collectives pays for them;
+  3. per trial, fingerprints what it returned and checks it for inf/NaN, one flat tensor per
+     dtype (trainprobes.transforms.holdings), and keeps it; once the truth is in, sums, per
+     trial and parameter it judges, the judge's statistics over its elements
      (trainprobes.transforms.judge.sums: <g, r>, |r|^2, |g|^2, |g - r|^2, signed error,
      |r|, the same against the base, |g - b|^2) and whether every value equals the truth
      rounded; per held parameter whether one is not finite, and a bit fingerprint; per
@@ -35,7 +39,7 @@ from trainprobes.transforms.base import RankContext
 from trainprobes.transforms.holdings import Flat, fingerprint, fingerprints, flatten, not_finite
 from trainprobes.transforms.judge import rounded, sums
 from trainprobes.transforms.rank_case import DTYPES, RankCase, _import_like_caller, resolve_step, run_trials
-from trainprobes.transforms.step import references
+from trainprobes.transforms.step import run_single_device, single_device_inputs
 
 __all__ = ["run_case_local", "fingerprint"]
 
@@ -52,7 +56,7 @@ def run_case_local(case: RankCase, ctx: RankContext, replica_tol: float) -> dict
     names = {n: i for i, (n, _) in enumerate(layout)}
     shapes = dict(layout)
     P = len(layout)
-    r = bg = None
+    mine, job = [], None
     base_ok = True
     truth_loss = torch.zeros(T, dtype=torch.float64)
     base_loss = torch.zeros(T, dtype=torch.float64)
@@ -78,16 +82,8 @@ def run_case_local(case: RankCase, ctx: RankContext, replica_tol: float) -> dict
             owner = held.float().argmax(0)                                # lowest holder
             judge = judges(held, T)                                       # [T, P]
             mine = [k for k in range(T) if bool((judge[k] == ctx.rank).any())]
-            if mine:
-                truth, base = references(step, seeds, t, ctx.device.type, pick=mine)
-                r = {n: dict(zip(mine, truth.grads[n].reshape(len(mine), -1))) for n in names}
-                bg = {n: dict(zip(mine, base.grads[n].reshape(len(mine), -1).double())) for n in names}
-                base_ok = all(bool(torch.isfinite(v).all()) for v in base.grads.values()) and \
-                    bool(torch.isfinite(base.loss).all())
-                refused += truth_refusals(truth)
-                for k, tl, bl in zip(mine, truth.loss.tolist(), base.loss.tolist()):
-                    if int(judge[k, 0]) == ctx.rank:  # one rank reports each trial's loss truth
-                        truth_loss[k], base_loss[k] = tl, bl
+            if mine:  # the truth runs beside the steps (module docstring, step 2)
+                job = _references_beside(step, seeds, t, ctx, mine)
             codes = torch.tensor([DTYPES.index(grads[n].dtype) if n in grads and grads[n].dtype in DTYPES
                                   else -1 for n in names])
             has_loss = out.loss is not None
@@ -96,9 +92,6 @@ def run_case_local(case: RankCase, ctx: RankContext, replica_tol: float) -> dict
         for f in flats:
             prints[trial, f.index] = fingerprints(f)
             nonfinite[f.index] = torch.maximum(nonfinite[f.index], not_finite(f).double())
-            mine_now = [j for j, i in enumerate(f.index) if int(judge[trial, i]) == ctx.rank]
-            if mine_now:
-                _judge_trial(f, mine_now, trial, r, bg if base_ok else None, G, B, added2, exact, tol_grad)
         value = math.nan if out.loss is None else float(out.loss.detach().double().item())
         if out.loss is not None and not math.isfinite(value):
             nonfinite[P] = 1.0
@@ -106,6 +99,21 @@ def run_case_local(case: RankCase, ctx: RankContext, replica_tol: float) -> dict
         if out.loss is not None and out.loss.dtype in DTYPES:
             loss_code = DTYPES.index(out.loss.dtype)
     t.teardown(state)
+    if mine:
+        truth, base = job.result()
+        r = {n: dict(zip(mine, truth.grads[n].reshape(len(mine), -1))) for n in names}
+        bg = {n: dict(zip(mine, base.grads[n].reshape(len(mine), -1).double())) for n in names}
+        base_ok = all(bool(torch.isfinite(v).all()) for v in base.grads.values()) and \
+            bool(torch.isfinite(base.loss).all())
+        refused += truth_refusals(truth)
+        for k, tl, bl in zip(mine, truth.loss.tolist(), base.loss.tolist()):
+            if int(judge[k, 0]) == ctx.rank:  # one rank reports each trial's loss truth
+                truth_loss[k], base_loss[k] = tl, bl
+        for k in mine:
+            for f in kept[k]:
+                js = [j for j, i in enumerate(f.index) if int(judge[k, i]) == ctx.rank]
+                if js:
+                    _judge_trial(f, js, k, r, bg if base_ok else None, G, B, added2, exact, tol_grad)
 
     # three collectives: the sums (SUM), the flags (MAX; a MIN as the MAX of 1 - flag), and
     # every rank's metadata and fingerprints (all_gather, the floats carried as their bits)
@@ -243,3 +251,41 @@ def _judge_trial(f: Flat, js: list, trial: int, r: dict, bg: dict | None, G, B, 
             added2[trial, i] = ((x64 - bt) ** 2).sum()
             if not torch.allclose(x64, bt, rtol=1e-5, atol=4e-5):
                 tol_grad[0] = 1.0
+
+
+class _Beside:
+    """A function run on a daemon thread; result() waits for it and raises what it raised."""
+
+    def __init__(self, fn):
+        import threading
+        self._out, self._error = None, None
+
+        def body():
+            try:
+                self._out = fn()
+            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+                self._error = e
+        self._thread = threading.Thread(target=body, daemon=True, name="trainprobes-truth")
+        self._thread.start()
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._out
+
+
+def _references_beside(step, seeds: list, t, ctx: RankContext, mine: list) -> _Beside:
+    """The fp64 truth and the single-device base of the trials `mine`, computed on a thread
+    beside the transform's steps (torch's kernels release the GIL, so it takes the time the
+    rank would spend waiting in the steps' collectives). The models and batches are built
+    here, on the rank's own thread: a factory may seed torch's global generator, which the
+    user's step may draw from. On a GPU the base runs here, before the next step (its
+    kernels would queue with the steps'), and only the CPU truth runs beside them."""
+    w = t.weight_dtype()
+    truth_in = single_device_inputs(step, seeds, param_dtype=w, pick=mine)
+    base_in = single_device_inputs(step, seeds, fp64=False, param_dtype=w, device=ctx.device.type, pick=mine)
+    if ctx.device.type != "cpu":
+        base = run_single_device(step, base_in)
+        return _Beside(lambda: (run_single_device(step, truth_in), base))
+    return _Beside(lambda: (run_single_device(step, truth_in), run_single_device(step, base_in)))
