@@ -71,7 +71,7 @@ def run_case_local(case: RankCase, ctx: RankContext, replica_tol: float) -> dict
     losses, has_loss, loss_code, codes, seconds = [], None, -1, None, 0.0
     held, owner, kept = None, None, []
     state = t.setup(step, ctx)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for tr in run_trials(step, t, state, seeds, names, shapes, ctx):
         trial, out, grads = tr.index, tr.out, tr.grads
         seconds += tr.seconds
@@ -131,9 +131,10 @@ def run_case_local(case: RankCase, ctx: RankContext, replica_tol: float) -> dict
     flags = flags.cpu()
     nonfinite, base_ok, exact = flags[:P + 1], bool(flags[P + 1] == 0), 1 - flags[P + 2:]
     case_seconds = time.perf_counter() - start  # steps, truth, statistics: this rank's whole case
+    case_cpu = time.process_time() - cpu        # the same, in CPU seconds of all its threads
     meta = torch.cat([torch.tensor([float(has_loss), seconds, float(loss_code)], dtype=torch.float64),
                       torch.tensor(losses, dtype=torch.float64), codes.double(),
-                      torch.tensor([case_seconds], dtype=torch.float64)])
+                      torch.tensor([case_cpu, case_seconds], dtype=torch.float64)])
     packed = torch.cat([meta.view(torch.int64), prints.reshape(-1)]).to(ctx.device)
     every = [torch.empty_like(packed) for _ in range(ctx.world)]
     dist.all_gather(every, packed)
@@ -150,7 +151,8 @@ def run_case_local(case: RankCase, ctx: RankContext, replica_tol: float) -> dict
     return {"G": G, "B": B if base_ok else torch.zeros(0), "added2": added2, "exact": exact,
             "nonfinite": nonfinite, "held": held, "has_loss": metas[:, 0].bool(),
             "seconds": metas[:, 1], "loss_codes": metas[:, 2].long(), "loss": metas[:, 3:3 + T],
-            "codes": metas[:, 3 + T:-1].long(), "case_seconds": metas[:, -1], "replicas": replicas,
+            "codes": metas[:, 3 + T:-2].long(), "case_cpu_seconds": metas[:, -2],
+            "case_seconds": metas[:, -1], "replicas": replicas,
             "tol_grad": tol_grad,
             "truth_loss": truth_loss, "base_loss": base_loss if base_ok else torch.zeros(0)}
 
