@@ -35,6 +35,7 @@ import math
 import time
 
 import torch
+from trainprobes.errors import InvalidArgument
 from trainprobes.transforms.base import RankContext
 from trainprobes.transforms.holdings import Flat, fingerprint, fingerprints, flatten, not_finite
 from trainprobes.transforms.judge import rounded, sums
@@ -67,23 +68,45 @@ def run_case_local(case: RankCase, ctx: RankContext, replica_tol: float) -> dict
     exact = torch.ones(P, dtype=torch.float64)
     nonfinite = torch.zeros(P + 1, dtype=torch.float64)
     prints = torch.zeros(T, P, dtype=torch.int64)
+    nones = torch.zeros(T, P, dtype=torch.int64)            # held, gradient left None (read as 0)
     tol_grad = torch.zeros(1, dtype=torch.float64)
     losses, has_loss, loss_code, codes, seconds = [], None, -1, None, 0.0
     held, owner, kept = None, None, []
     state = t.setup(step, ctx)
     start, cpu = time.perf_counter(), time.process_time()
-    for tr in run_trials(step, t, state, seeds, names, shapes, ctx):
+    for tr in run_trials(step, t, state, seeds, names, shapes, ctx, missing_held=True):
         trial, out, grads = tr.index, tr.out, tr.grads
         seconds += tr.seconds
         if trial == 0:
-            masks = [torch.zeros(P, dtype=torch.float32, device=ctx.device) for _ in range(ctx.world)]
-            dist.all_gather(masks, tr.returned.float().to(ctx.device))
-            held = torch.stack([m.cpu() for m in masks]).bool()          # [world, P]
+            none0 = torch.tensor([n in out.missing for n in names], dtype=torch.bool)
+            masks = [torch.zeros(2 * P, dtype=torch.float32, device=ctx.device) for _ in range(ctx.world)]
+            dist.all_gather(masks, torch.cat([tr.returned, none0]).float().to(ctx.device))
+            masks = torch.stack([m.cpu() for m in masks]).bool()
+            # the ranks that returned a parameter's gradient on trial 0 hold it; where none
+            # did, those that hold it without one (an expert no token reached; a forgotten
+            # gradient: judged as zero, refused below where the truth is not zero)
+            real, none0 = masks[:, :P], masks[:, P:]
+            held = torch.where(real.any(0)[None], real, none0)           # [world, P]
             owner = held.float().argmax(0)                                # lowest holder
             judge = judges(held, T)                                       # [T, P]
             mine = [k for k in range(T) if bool((judge[k] == ctx.rank).any())]
             if mine:  # the truth runs beside the steps (module docstring, step 2)
                 job = _references_beside(step, seeds, t, ctx, mine)
+            codes = None
+        mine_held = held[ctx.rank]
+        strays = [n for n in grads if not mine_held[names[n]]]
+        if strays:  # a rank that left it None on trial 0 while another held it, not a holder
+            raise InvalidArgument(f"the step ({t.label}) returned a gradient for {strays[:4]} on rank "
+                                  f"{ctx.rank} on trial {trial} but not on trial 0, where rank(s) "
+                                  f"{held[:, names[strays[0]]].nonzero().squeeze(-1).tolist()} "
+                                  f"returned one: return it on every trial or never")
+        if out.missing:  # judged as zeros; refused below where the truth is not exactly zero
+            grads = dict(grads)
+            for n, dtype in out.missing.items():
+                if n in names and n not in grads and mine_held[names[n]]:
+                    grads[n] = torch.zeros(shapes[n], dtype=dtype)
+                    nones[trial, names[n]] = 1
+        if codes is None:
             codes = torch.tensor([DTYPES.index(grads[n].dtype) if n in grads and grads[n].dtype in DTYPES
                                   else -1 for n in names])
             has_loss = out.loss is not None
@@ -135,12 +158,14 @@ def run_case_local(case: RankCase, ctx: RankContext, replica_tol: float) -> dict
     meta = torch.cat([torch.tensor([float(has_loss), seconds, float(loss_code)], dtype=torch.float64),
                       torch.tensor(losses, dtype=torch.float64), codes.double(),
                       torch.tensor([case_cpu, case_seconds], dtype=torch.float64)])
-    packed = torch.cat([meta.view(torch.int64), prints.reshape(-1)]).to(ctx.device)
+    packed = torch.cat([meta.view(torch.int64), prints.reshape(-1), nones.reshape(-1)]).to(ctx.device)
     every = [torch.empty_like(packed) for _ in range(ctx.world)]
     dist.all_gather(every, packed)
     every = torch.stack([e.cpu() for e in every])
     metas = every[:, :meta.numel()].contiguous().view(torch.float64)
-    everyone = every[:, meta.numel():].reshape(ctx.world, T, P)          # [world, T, P]
+    everyone = every[:, meta.numel():meta.numel() + T * P].reshape(ctx.world, T, P)  # [world, T, P]
+    check_missing(every[:, meta.numel() + T * P:].reshape(ctx.world, T, P).bool(), G[5] != 0, held,
+                  list(names), t.label)
     # the owner alone compares with the truth: its exactness holds for every holder only
     # where all holders' bits agree (a replica within replica_tol is not exact)
     same = (everyone == everyone[owner, :, torch.arange(P)].T[None]) | ~held[:, None, :]
@@ -291,3 +316,33 @@ def _references_beside(step, seeds: list, t, ctx: RankContext, mine: list) -> _B
         base = run_single_device(step, base_in)
         return _Beside(lambda: (run_single_device(step, truth_in), base))
     return _Beside(lambda: (run_single_device(step, truth_in), run_single_device(step, base_in)))
+
+
+def check_missing(nones: torch.Tensor, truth_nonzero: torch.Tensor, held: torch.Tensor, names: list,
+                  label: str) -> None:
+    """A held parameter whose gradient the step left None ([world, T, P] nones) was judged
+    as zero; that stands only where the fp64 truth's gradient is exactly zero (the judge's
+    sum |r| over it, [T, P]): elsewhere InvalidArgument naming the parameter, the ranks and
+    the trial (every rank raises alike, from the same gathered flags)."""
+    from trainprobes.errors import InvalidArgument
+    bad = nones & truth_nonzero[None]                                     # [world, T, P]
+    if not bool(bad.any()):
+        return
+    params = bad.any(0).any(0).nonzero().squeeze(-1).tolist()
+    i = params[0]
+    k = int(bad[:, :, i].any(0).nonzero()[0])
+    without = bad[:, k, i].nonzero().squeeze(-1).tolist()
+    holders = held[:, i].nonzero().squeeze(-1).tolist()
+    others = [r for r in holders if not nones[r, k, i]]
+    shown = [names[j] for j in params[:5]]
+    if not others:
+        raise InvalidArgument(
+            f"the step ({label}) returned no gradient for {len(params)} parameter(s) on any rank, "
+            f"e.g. {shown} (.grad None on rank(s) {without}, trial {k}), where the fp64 truth's "
+            f"gradient is not zero: return every parameter's full gradient from the rank(s) that "
+            f"hold it (a gradient left None is read as zero only where the truth is exactly zero)")
+    raise InvalidArgument(
+        f"the step ({label}) left {names[i]!r} without a gradient (.grad None) on rank(s) {without} "
+        f"on trial {k}, while rank(s) {others} hold one, and the fp64 truth's gradient is not "
+        f"zero there ({len(params)} parameter(s) so, e.g. {shown}): every replica must hold the "
+        f"parameter's gradient (one left None is not updated, and the replicas part)")
