@@ -128,6 +128,7 @@ def test_a_gradient_returned_under_two_spellings_of_one_name_is_refused_naming_b
     assert "returned two gradients for parameter '2.bias'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_an_expert_without_tokens_on_a_trial_is_read_as_zero_where_the_truth_is_zero():
     # which head gets the batch changes from trial to trial: the other's .grad stays None,
     # and the fp64 truth's gradient there is exactly zero
@@ -138,6 +139,7 @@ def test_an_expert_without_tokens_on_a_trial_is_read_as_zero_where_the_truth_is_
     assert r.metrics["transform_verdict"] in ("exact", "noise"), r.message
 
 
+@pytest.mark.slow
 def test_a_gradient_left_none_on_one_replica_is_refused_naming_the_rank_and_the_parameter():
     from trainprobes.errors import InvalidArgument
     with pytest.raises(InvalidArgument, match=r"left '2.bias' without a gradient \(.grad None\) on rank\(s\) "
