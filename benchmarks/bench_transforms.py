@@ -12,12 +12,16 @@ model; the slowest rank's seconds over the trials:
            run), then on rank 0 one fp64 single-device step per trial (the truth any
            comparison needs), the other ranks waiting at a barrier;
   probe    trainprobes.transforms.run_probes, statistics summed on the ranks: every trial
-           the weights restored through the wrapper and the gradients read back, the fp64
-           truth and the single-device base on the ranks that own a parameter (rank 0 alone
-           under data parallelism), the statistics and their all-reduce (the evidence's
-           rank_case_seconds).
+           the weights restored through the wrapper and the gradients read back and
+           fingerprinted, the fp64 truth and the single-device base of each trial once, on
+           the rank that judges it (spread over the ranks under data parallelism), on a
+           thread beside that rank's steps, the statistics and their all-reduce (the
+           evidence's rank_case_seconds).
 Repeats are interleaved (by hand, probe, ...); medians, at two trial counts (the per-trial
-figure should not depend on them). Target: probe <= 1.1x by hand.
+figure should not depend on them). Target: probe <= 1.1x by hand. Beside the wall time, the
+CPU seconds of the same spans summed over the ranks (every thread of each rank): on a
+machine shared with other users' load, the wall time of 8 ranks on 2 cores moves by tens of
+percent from run to run, the CPU time much less.
 """
 from __future__ import annotations
 
@@ -76,27 +80,29 @@ def by_hand_task(rank, world, step, transform, seeds):
 
         def one(batch):
             transform.run(state, step, batch, ctx)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for batch in step.batches(seeds):
         one(to_device(batch, ctx.device))
     if rank == 0:
         single_device(step, seeds)
     dist.barrier()
-    return {"seconds": time.perf_counter() - start}
+    return {"seconds": time.perf_counter() - start, "cpu": time.process_time() - cpu}
 
 
-def by_hand(step, transform, trials: int, world: int) -> float:
-    """Seconds of the trials on the ranks (after setup; the slowest rank: they end together)."""
+def by_hand(step, transform, trials: int, world: int) -> tuple:
+    """(seconds, CPU seconds) of the trials on the ranks (after setup; the slowest rank's
+    seconds: they end together; the CPU seconds summed over the ranks)."""
     outs = launch(by_hand_task, world, args=(step, transform, _seeds(0, trials)), timeout=1800)
-    return max(o["seconds"] for o in outs)
+    return max(o["seconds"] for o in outs), sum(o["cpu"] for o in outs)
 
 
-def probe(step, transform, trials: int, world: int) -> float:
-    """Seconds of the trials on the ranks, the probe's way (run_probes: every rank's whole
-    case after setup, its `rank_case_seconds`; the slowest rank)."""
+def probe(step, transform, trials: int, world: int) -> tuple:
+    """(seconds, CPU seconds) of the trials on the ranks, the probe's way (run_probes: every
+    rank's whole case after setup, its `rank_case_seconds`, the slowest rank; and its
+    `rank_case_cpu_seconds`, summed)."""
     (r,) = run_probes([Probe(step, transform, trials=trials)], world=world, timeout=1800)
     assert r.metrics["transform_verdict"] in ("exact", "noise"), r.message
-    return max(r.evidence["rank_case_seconds"])
+    return max(r.evidence["rank_case_seconds"]), sum(r.evidence["rank_case_cpu_seconds"])
 
 
 def main(argv=None) -> int:
@@ -105,10 +111,12 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--trials", type=int, nargs=2, default=[8, 72])
     ap.add_argument("--out", default="reports/transforms-benchmark.md")
+    ap.add_argument("--only", choices=("user", "fsdp2"), help="one of the two steps")
     args = ap.parse_args(argv)
     few, many = args.trials
     user = UserStep("transforms_user_step", title="user DDP step")
     cases = [("wide", WIDE, user), ("wide", WIDE, FSDP2())]
+    cases = [c for c in cases if args.only is None or (args.only == "user") == (c[2] is user)]
     torch.set_num_threads(1)
     launch(by_hand_task, 2, args=(demo, DDP(), [0]))  # start the forkserver outside the timings
     rows = []
@@ -119,28 +127,35 @@ def main(argv=None) -> int:
                 runs["hand", n].append(by_hand(step, transform, n, args.world))
                 runs["probe", n].append(probe(step, transform, n, args.world))
 
-        def per_trial(side, n):
-            return statistics.median(runs[side, n]) / n
+        def per_trial(side, n, k=0):
+            return statistics.median(x[k] for x in runs[side, n]) / n
         h, p = per_trial("hand", many), per_trial("probe", many)
         hf, pf = per_trial("hand", few), per_trial("probe", few)
-        rows.append((name, transform.label, h, p, p / h, hf, pf))
+        hc, pc = per_trial("hand", many, 1), per_trial("probe", many, 1)
+        pairs = sorted(f"{b[0] / a[0]:.2f}" for a, b in zip(runs["hand", many], runs["probe", many]))
+        rows.append((name, transform.label, h, p, p / h, hf, pf, hc, pc, pc / hc, pairs))
         print(f"{name:5} {transform.label:15} per trial at {many}: by hand {h * 1e3:7.1f} ms  probe {p * 1e3:7.1f} ms  "
-              f"ratio {p / h:.2f}x (at {few}: {hf * 1e3:.0f} / {pf * 1e3:.0f} ms)", flush=True)
+              f"ratio {p / h:.2f}x (at {few}: {hf * 1e3:.0f} / {pf * 1e3:.0f} ms; CPU {hc * 1e3:.0f} / "
+              f"{pc * 1e3:.0f} ms, {pc / hc:.2f}x; repeats {pairs})", flush=True)
     lines = ["# Transforms probe benchmark: cost per trial", "",
              f"Generated by `python benchmarks/bench_transforms.py --world {args.world} --repeats "
-             f"{args.repeats} --trials {few} {many}` ({args.world} gloo ranks on 127.0.0.1, a shared "
+             f"{args.repeats} --trials {few} {many}{' --only ' + args.only if args.only else ''}` ({args.world} gloo ranks on 127.0.0.1, a shared "
              f"2-core machine under other users' load; torch {torch.__version__}).", "",
              "Cost per trial: the slowest rank's seconds over the trials, timed on the ranks after "
              "setup, divided by the trials (at " + str(many) + ", and at " + str(few) + " beside it). By hand: the step on every "
              "rank, every trial, and one fp64 single-device step per trial on rank 0. Probe: "
              "`run_probes`, statistics summed on the ranks (weights restored and gradients read "
              "through the wrapper every trial; the fp64 truth and the fp32 single-device base of each "
-             "trial on one of the ranks, spread over them; the statistics). Medians of interleaved "
-             "repeats; target: probe <= 1.1x by hand.", "",
-             f"| model | step | by hand per trial (ms) | probe per trial (ms) | probe / by hand | at {few} trials: by hand / probe (ms) |",
-             "|---|---|---:|---:|---:|---:|"]
-    lines += [f"| {n} | {t} | {h * 1e3:.1f} | {p * 1e3:.1f} | **{r:.2f}x** | {a * 1e3:.0f} / {b * 1e3:.0f} |"
-              for n, t, h, p, r, a, b in rows]
+             "trial once, on the rank that judges it, spread over the ranks, on a thread beside its "
+             "steps; the statistics). Medians of interleaved repeats; target: probe <= 1.1x by hand. "
+             "CPU: the same spans in CPU seconds summed over the ranks (all threads), per trial; "
+             "the ratio of each interleaved pair (wall) beside it.", "",
+             f"| model | step | by hand per trial (ms) | probe per trial (ms) | probe / by hand | at {few} trials: "
+             f"by hand / probe (ms) | CPU by hand / probe (ms) | CPU probe / by hand | pairs (wall) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines += [f"| {n} | {t} | {h * 1e3:.1f} | {p * 1e3:.1f} | **{r:.2f}x** | {a * 1e3:.0f} / {b * 1e3:.0f} | "
+              f"{c * 1e3:.0f} / {d * 1e3:.0f} | {e:.2f}x | {' '.join(f)} |"
+              for n, t, h, p, r, a, b, c, d, e, f in rows]
     Path(args.out).write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(f"wrote {args.out}")
     return 0

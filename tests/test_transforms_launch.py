@@ -123,3 +123,65 @@ def test_the_ranks_die_with_a_killed_launcher(tmp_path):
                 os.kill(q, signal.SIGKILL)
         if p.poll() is None:
             p.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie has exited: its parent has not reaped it yet
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _interrupted(cmd: list, tmp_path) -> tuple:
+    """(exit code, stderr, the ranks' pids) of cmd (ranks running waiting_step) sent SIGINT
+    once both ranks are inside a trial."""
+    import signal
+    import time
+    mark = tmp_path / "running"
+    p = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "TRAINPROBES_TEST_MARK": str(mark)},
+                         cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not all((tmp_path / f"running.{r}").exists() for r in (0, 1)):  # both ranks in a trial
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-3000:]
+            time.sleep(0.2)
+        time.sleep(0.3)  # the pid files are written whole
+        pids = [int((tmp_path / f"running.{r}").read_text()) for r in (0, 1)]
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    time.sleep(1.0)
+    return p.returncode, err, pids
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_the_launcher_exits_130_in_one_line_and_leaves_no_rank(tmp_path):
+    from trainprobes.distributed.launcher import free_port
+    cmd = [sys.executable, "-m", "trainprobes.transforms.launch", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), "--", "--target", M + "step", "--backend", "gloo",
+           "--trials", "400", "--step", M + "waiting_step"]
+    code, err, pids = _interrupted(cmd, tmp_path)
+    assert code == 130, err[-3000:]
+    assert "internal error" not in err and "Traceback" not in err, err[-3000:]
+    # one line of ours (the ranks stopped by torchrun's agent say nothing); torchrun's own
+    # agent logs its shutdown ("Received 2 death signal ...") on lines marked W....
+    ours = [line for line in err.splitlines() if line.strip() and not line.startswith("W")]
+    assert ours == ["interrupted"], err[-3000:]
+    assert [pid for pid in pids if _alive(pid)] == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_the_cli_exits_130_in_one_line_and_leaves_no_rank(tmp_path):
+    cmd = [sys.executable, "-m", "trainprobes", "transforms", "--target", M + "step", "--world", "2",
+           "--trials", "400", "--step", M + "waiting_step"]
+    code, err, pids = _interrupted(cmd, tmp_path)
+    assert (code, err.strip()) == (130, "interrupted"), err[-3000:]
+    assert [pid for pid in pids if _alive(pid)] == []

@@ -126,3 +126,22 @@ def test_a_gradient_returned_under_two_spellings_of_one_name_is_refused_naming_b
     assert main(["transforms", "--target", M + "step", "--step", M + "twice_returned_step", "--setup",
                  M + "manual_setup", "--trials", "4", "--timeout", "90"]) == 2
     assert "returned two gradients for parameter '2.bias'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_an_expert_without_tokens_on_a_trial_is_read_as_zero_where_the_truth_is_zero():
+    # which head gets the batch changes from trial to trial: the other's .grad stays None,
+    # and the fp64 truth's gradient there is exactly zero
+    from trainprobes.transforms.equivalence import _seeds
+    heads = {int(b["input"][..., 0].mean() > 0) for b in s.two_heads_step.batches(_seeds(0, 8))}
+    assert heads == {0, 1}
+    (r,) = run_probes([Probe(s.two_heads_step, UserStep(M + "replicated_step"), trials=8, seed=0)], world=2)
+    assert r.metrics["transform_verdict"] in ("exact", "noise"), r.message
+
+
+@pytest.mark.slow
+def test_a_gradient_left_none_on_one_replica_is_refused_naming_the_rank_and_the_parameter():
+    from trainprobes.errors import InvalidArgument
+    with pytest.raises(InvalidArgument, match=r"left '2.bias' without a gradient \(.grad None\) on rank\(s\) "
+                                              r"\[1\] on trial 1, while rank\(s\) \[0\] hold one"):
+        run_probes([Probe(s.step, UserStep(M + "one_replica_drops_step"), trials=4)], world=2)

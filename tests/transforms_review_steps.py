@@ -353,3 +353,44 @@ def hanging_setup(model, ctx):
             f.write(str(os.getpid()))
     if ctx.rank == 1:
         time.sleep(3600)
+
+
+# -- a gradient left None: an expert without tokens on a trial, a replica that drops one ----
+class TwoHeads(nn.Module):
+    """The whole batch goes to one of two heads by the sign of its first feature's mean: the
+    other head gets no tokens on that trial (its .grad stays None; the truth's gradient is 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(D, H)
+        self.heads = nn.ModuleList([nn.Linear(H, D), nn.Linear(H, D)])
+
+    def forward(self, x):
+        return self.heads[int(x[..., 0].mean() > 0)](torch.tanh(self.body(x)))
+
+
+def two_heads():
+    torch.manual_seed(0)
+    return TwoHeads()
+
+
+two_heads_step = TrainingStep(model=two_heads, batch=batch, loss=loss, tokens=tokens, name="two_heads")
+
+
+def replicated_step(model, b, ctx):
+    """Every rank the whole batch (replicas identical, no communication)."""
+    l = loss(model(b["input"]), b)
+    l.backward()
+    return l.detach()
+
+
+_CALLS = [0]
+
+
+def one_replica_drops_step(model, b, ctx):
+    """rank 1 leaves the last bias without a gradient from its second step on; rank 0 keeps it."""
+    l = replicated_step(model, b, ctx)
+    _CALLS[0] += 1
+    if ctx.rank == 1 and _CALLS[0] > 1:
+        model[2].bias.grad = None
+    return l

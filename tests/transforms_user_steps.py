@@ -188,6 +188,19 @@ def plain_step(model, batch, ctx):
     return loss.detach()
 
 
+def waiting_step(model, batch, ctx):
+    """A step that says it runs (a file $TRAINPROBES_TEST_MARK.<rank> holding its pid) and
+    then takes its time: the interrupt tests stop a launcher while its ranks are inside it."""
+    import os
+    import time
+    mark = os.environ.get("TRAINPROBES_TEST_MARK")
+    if mark:
+        with open(f"{mark}.{ctx.rank}", "w", encoding="utf-8") as f:
+            f.write(str(os.getpid()))
+    time.sleep(0.5)
+    return plain_step(model, batch, ctx)
+
+
 plain_partitions = {"3.weight": Partition(dim=1)}
 # a declaration whose pieces do not make the parameter: two [4, 4] pieces along dim 0 are [8, 4], not [4, 8]
 bad_partitions = {"3.weight": Partition(dim=0)}

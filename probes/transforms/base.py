@@ -47,10 +47,14 @@ class RankContext(NamedTuple):
 class StepOutput(NamedTuple):
     """What one transformed step returns on one rank: the loss it would log (None where
     this rank has none, a non-last pipeline stage) and {name: full gradient} of the
-    parameters it holds."""
+    parameters it holds; missing: {name: dtype} of parameters it holds whose gradient the
+    step left None (the loss did not reach them on this trial: an expert no token was routed
+    to), which the probe reads as zero where the fp64 truth is exactly zero there and
+    refuses elsewhere (trainprobes.transforms.local)."""
 
     loss: torch.Tensor | None
     grads: dict
+    missing: dict = {}
 
 
 def split(batch: dict, parts: int) -> list:

@@ -222,7 +222,8 @@ def finish(prep: Prepared, out: dict, *, world: int, backend: str) -> Result:
     evidence = {**j.evidence, "transform": t.label, "transform_options": t.options,
                 "step": prep.step.name, "trial_seeds": prep.seeds,
                 "rank_step_seconds": out["seconds"].tolist(),
-                **({"rank_case_seconds": out["case_seconds"].tolist()} if "case_seconds" in out else {}),
+                **({"rank_case_seconds": out["case_seconds"].tolist(),
+                    "rank_case_cpu_seconds": out["case_cpu_seconds"].tolist()} if "case_seconds" in out else {}),
                 "statistics": "summed on the ranks" if "G" in out else "gathered to rank 0"}
     if p.tolerances:
         evidence["tolerances"] = tolerances

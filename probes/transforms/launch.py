@@ -16,6 +16,9 @@ for a rendezvous that never closes. Here torch's own launcher runs
   2. a rank that could not judge (2) or broke (3) exits RECORDED + code: torchrun tears
      the other ranks down, and this launcher reads the code back from the failures.
 
+A SIGINT (Ctrl-C) or SIGTERM to this launcher: torchrun's agent stops the ranks, and this
+launcher exits 130 (143) with one line, as any interrupted command does, not 3.
+
 The node whose records hold rank 0 exits with rank 0's code; the others exit 0 when their
 ranks finished. A refusal (2) is read from the failing rank's record as well as its exit
 code: its peers may crash in the collective it left and be seen failing first; the node
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import tempfile
 
@@ -77,23 +81,34 @@ def main(argv=None) -> int:
                               "--target PKG.MOD:STEP [--step ... | --transform ...] [probe options]: "
                               "the torchrun options and the probe's are separated by --")
     cut = argv.index("--")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
     args = get_args_parser().parse_args(argv[:cut] + ["--module", "trainprobes.transforms.torchrun",
                                                       *argv[cut + 1:]])
     with tempfile.TemporaryDirectory(prefix="trainprobes-ranks-") as folder:
         os.environ[RECORD_DIR] = folder
-        failures = None
+        failures, stopped = None, None
         try:
             run(args)
         except ChildFailedError as e:
             failures = [f.exitcode for f in e.failures.values()]
+        except SignalException as e:
+            # torchrun's agent turns SIGINT / SIGTERM into this once it has stopped its
+            # ranks (SIGKILL after its shutdown timeout): an interrupt, not an internal error
+            stopped = e.sigval
         finally:
             del os.environ[RECORD_DIR]
         records = []
         for name in sorted(os.listdir(folder)):
             with open(os.path.join(folder, name), encoding="utf-8") as f:
                 records.append(json.load(f))
+    if stopped == signal.SIGINT:
+        raise KeyboardInterrupt  # trainprobes.exits.guarded: one line, exit 130
+    if stopped is not None:
+        print(f"trainprobes.transforms.launch: stopped by {signal.Signals(stopped).name}; torchrun "
+              f"stopped the ranks", file=sys.stderr)
+        return 128 + int(stopped)
     local = _local_ranks(args.nproc_per_node)
     code, why = node_code(records, failures, local)
     if code == 3:

@@ -98,11 +98,14 @@ class Trial(NamedTuple):
 
 
 def run_trials(step: TrainingStep, t: Transform, state, seeds: list, names: dict, shapes: dict,
-               ctx: RankContext) -> Iterator[Trial]:
+               ctx: RankContext, missing_held: bool = False) -> Iterator[Trial]:
     """The timed trials of one case on this rank, each checked as it comes: known names and
     full shapes; after trial 0 (all ranks together) every parameter returned by some rank;
     on every later trial the same parameters, and a loss on every trial or on none (whether
-    a rank reports one is what it returns, never its value: a NaN loss is not a missing one)."""
+    a rank reports one is what it returns, never its value: a NaN loss is not a missing one).
+    missing_held: a parameter the step holds but left without a gradient (StepOutput.missing)
+    counts as returned for these checks (the caller decides: trainprobes.transforms.local);
+    else as not returned. Trial.returned is what the step returned with a gradient."""
     from trainprobes.transforms.step import to_device
     first, has_loss = None, None
     for trial, batch in enumerate(step.batches(seeds)):
@@ -113,11 +116,13 @@ def run_trials(step: TrainingStep, t: Transform, state, seeds: list, names: dict
             torch.cuda.synchronize(ctx.device)
         seconds = time.perf_counter() - start
         grads = _checked(out, names, shapes, ctx, t.label, trial)
+        missing = getattr(out, "missing", None) or {}
         returned = torch.tensor([n in grads for n in names], dtype=torch.bool)
+        listed = returned | torch.tensor([missing_held and n in missing for n in names], dtype=torch.bool)
         if first is None:
-            first, has_loss = returned, out.loss is not None
-            _coverage(returned, list(names), ctx, t.label)
-        elif not torch.equal(returned, first):
+            first, has_loss = listed, out.loss is not None
+            _coverage(listed, list(names), ctx, t.label)
+        elif not torch.equal(listed, first):
             raise InvalidArgument(f"the step ({t.label}) returned other parameters on trial {trial} "
                                   f"than on trial 0 (rank {ctx.rank})")
         elif has_loss != (out.loss is not None):

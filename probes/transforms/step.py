@@ -299,14 +299,40 @@ def single_device(step: TrainingStep, seeds: list, *, fp64: bool = True,
     transform's device: GPU and CPU kernels round differently, and that difference is not
     the transform's); the result is on the CPU. pick: the indices of the trials to run
     (None: all), in that order."""
+    return run_single_device(step, single_device_inputs(step, seeds, fp64=fp64, param_dtype=param_dtype,
+                                                        device=device, pick=pick))
+
+
+class SingleDeviceInputs(NamedTuple):
+    """The model and batches of single_device, built apart from its steps: the factory
+    (which may seed torch's global generator) and a data iterable run on the caller's
+    thread, and the steps may then run on another (trainprobes.transforms.local overlaps
+    the truth with the transform's steps)."""
+
+    model: torch.nn.Module
+    batches: list
+
+
+def single_device_inputs(step: TrainingStep, seeds: list, *, fp64: bool = True,
+                         param_dtype: torch.dtype | None = None, device: str = "cpu",
+                         pick=None) -> SingleDeviceInputs:
     model = (fp64_model(step, param_dtype) if fp64 else rounded_model(step, param_dtype)).to(device)
+    if pick is None:
+        batches = step.batches(seeds)
+    elif step.data is None:  # drawn from each trial's seed: only the picked ones are made
+        batches = step.batches([seeds[k] for k in pick])
+    else:  # a data iterable is read from its start
+        batches = step.batches(seeds)
+        batches = [batches[k] for k in pick]
+    return SingleDeviceInputs(model, [to_device(_to_fp64(b) if fp64 else b, device) for b in batches])
+
+
+def run_single_device(step: TrainingStep, inputs: SingleDeviceInputs) -> Truth:
+    """single_device's steps, one forward and backward per batch."""
     losses, grads = [], {}
-    batches = step.batches(seeds)
-    for b in batches if pick is None else [batches[k] for k in pick]:
-        b = _to_fp64(b) if fp64 else b
-        b = to_device(b, device)
-        loss = step.loss(step.forward(model, b), b)
-        for n, g in grads_of(model, loss).items():
+    for b in inputs.batches:
+        loss = step.loss(step.forward(inputs.model, b), b)
+        for n, g in grads_of(inputs.model, loss).items():
             grads.setdefault(n, []).append(g.detach().cpu())
         losses.append(loss.detach().reshape(()).cpu())
     return Truth(torch.stack(losses), {n: torch.stack(v) for n, v in grads.items()})

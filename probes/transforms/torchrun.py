@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 
 import torch
@@ -101,9 +102,21 @@ def bounded(rank: int, timeout: float) -> None:
     timer.start()
 
 
-if __name__ == "__main__":
-    import os
+def _stopped_quietly():
+    """main(), where a SIGINT that trainprobes.transforms.launch's torchrun agent sends to
+    stop the ranks ends this rank with 130 and no line of its own: the launcher says it
+    once. Run by plain torchrun, the interrupt is reported as usual."""
+    from trainprobes.transforms.launch import RECORD_DIR
+    try:
+        return main()
+    except KeyboardInterrupt:
+        if os.environ.get(RECORD_DIR):
+            return 130
+        raise
 
+
+if __name__ == "__main__":
     from trainprobes.exits import guarded
     from trainprobes.transforms.launch import finish_rank
-    sys.exit(finish_rank(int(os.environ.get("RANK", "0")), guarded("trainprobes.transforms.torchrun", main)))
+    sys.exit(finish_rank(int(os.environ.get("RANK", "0")), guarded("trainprobes.transforms.torchrun",
+                                                                    _stopped_quietly)))

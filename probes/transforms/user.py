@@ -159,8 +159,12 @@ class UserStep(Transform):
         shapes = {n: tuple(initial[n].shape) for n in proxy}
         held = {names[n]: p for n, p in trainable(wrapped, units) if p is not None}
         layouts = partition_layout(held, parts, shapes, ctx)
+        # the parameters this rank holds, by single-device name, with their dtypes: one whose
+        # gradient a step leaves None is reported missing, not dropped unseen
+        dtypes = {names[n]: (p.dtype if p is not None else initial[names[n]].dtype)
+                  for n, p in trainable(wrapped, units) if n in names}
         return {"fn": fn, "model": wrapped, "initial": initial, "names": names, "layouts": layouts,
-                "shapes": shapes, "units": units, "aliases": aliases}
+                "shapes": shapes, "units": units, "aliases": aliases, "dtypes": dtypes}
 
     def run(self, state, step, batch, ctx: RankContext) -> StepOutput:
         model = state["model"]
@@ -168,12 +172,15 @@ class UserStep(Transform):
         clear_gradients(model)
         out = state["fn"](model, batch, ctx)
         loss, grads = _split(out, self.label)
+        missing = {}
         if grads is None:
             grads = read_gradients(model, state["names"], state["layouts"], state["shapes"], ctx,
                                    state["units"])
+            missing = {n: state["dtypes"][n] for n in state["dtypes"]
+                       if n not in grads and n not in state["layouts"]}
         else:
             grads = _single_device_names(grads, set(state["shapes"]), state["aliases"], self.label, ctx)
-        return StepOutput(step_loss(loss, self.label, ctx), dict(grads))
+        return StepOutput(step_loss(loss, self.label, ctx), dict(grads), missing)
 
 
 def _single_device_names(grads: Mapping, proxy: set, aliases: dict, label: str, ctx) -> dict:
