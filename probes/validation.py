@@ -124,6 +124,10 @@ def check_choice(value, name: str, choices: Iterable, *, hint: str | None = None
     close = difflib.get_close_matches(str(key), [str(c) for c in choices] + list(spellings), n=1)
     meant = spellings.get(close[0], close[0]) if close else None
     maybe = f"; did you mean {meant!r}?" if close else ""
+    # a short name for a family ('h200' for the h200-* presets): the choices it begins
+    starts = [str(c) for c in choices if str(key) and str(c).startswith(str(key))]
+    if starts:
+        maybe = f"; did you mean {' or '.join(map(repr, starts))}?"
     raise InvalidArgument(f"{_named(name, value)} must be one of {choices!r}{maybe}{_suffix(hint)}")
 
 

@@ -157,3 +157,9 @@ def test_check_tensor_kind_shape_and_like():
     with pytest.raises(errors.InvalidArgument,
                        match=r"^inputs\[1\] has dtype torch.float16, expected torch.float32 like"):
         check_tensor(torch.ones(8, dtype=torch.float16), "inputs[1]", like=(torch.ones(8), "inputs[0]"))
+
+
+def test_a_family_prefix_names_the_choices_it_begins():
+    # 'h200' is too short for difflib against 'h200-scaled-mm' (ratio 0.44): no suggestion
+    with pytest.raises(errors.InvalidArgument, match=r"did you mean 'h200-a' or 'h200-b'\?$"):
+        check_choice("h200", "presets", ["h200-a", "h200-b", "fp32"])
