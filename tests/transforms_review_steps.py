@@ -394,3 +394,28 @@ def one_replica_drops_step(model, b, ctx):
     if ctx.rank == 1 and _CALLS[0] > 1:
         model[2].bias.grad = None
     return l
+
+
+# ---------------- fp64: a replica whose gradient differs in its sign bits alone ------------
+def model64():
+    return model().double()
+
+
+def batch64(g):
+    return {k: (v.double() if v.is_floating_point() else v) for k, v in batch(g).items()}
+
+
+step64 = TrainingStep(model=model64, batch=batch64, loss=loss, tokens=tokens, name="rv64")
+_calls = [0]
+
+
+def negated_replica_step(model, b, ctx):
+    """Correct (DDP), but rank 1 hands back -grad of 2.bias on the trials rank 0 judges (even
+    ones at world 2): only the replicas' fingerprints can tell."""
+    l = dp_step(model, b, ctx)
+    trial, _calls[0] = _calls[0], _calls[0] + 1
+    grads = {n: q.grad for n, q in model.named_parameters()}
+    if ctx.rank == 1 and trial % 2 == 0:
+        bias = next(n for n in grads if n.endswith("2.bias"))  # DDP names it module.2.bias
+        grads[bias] = -grads[bias]
+    return {"loss": l, "grads": grads}
