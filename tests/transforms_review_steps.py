@@ -419,3 +419,33 @@ def negated_replica_step(model, b, ctx):
         bias = next(n for n in grads if n.endswith("2.bias"))  # DDP names it module.2.bias
         grads[bias] = -grads[bias]
     return {"loss": l, "grads": grads}
+
+
+# ---------------- trials whose every token is masked (the truth's gradient exactly 0) -------
+def batch_sparse(g):
+    b = batch(g)
+    if float(torch.rand(1, generator=g)) < 0.5:
+        b["mask"] = torch.zeros_like(b["mask"])
+        b["num_items_in_batch"] = b["mask"].sum()
+    return b
+
+
+def loss_clamped(out, b):
+    return token_sum(out, b) / b["num_items_in_batch"].clamp(min=1)
+
+
+step_sparse = TrainingStep(model=model, batch=batch_sparse, loss=loss_clamped, tokens=tokens, name="sparse")
+
+
+def staged_step(model, b, ctx):
+    """Correct; rank 0 hands back layer 0's gradients, rank 1 layer 2's (a stage each), so
+    every rank computes the truth of every trial."""
+    p = mine(b, ctx)
+    n = p["mask"].sum().reshape(1)
+    dist.all_reduce(n)
+    l = token_sum(model(p["input"]), p) / n.clamp(min=1)
+    l.backward()
+    for q in model.parameters():
+        dist.all_reduce(q.grad)
+    keep = "0." if ctx.rank == 0 else "2."
+    return {"loss": logged(l), "grads": {k: q.grad for k, q in model.named_parameters() if k.startswith(keep)}}
