@@ -46,3 +46,20 @@ def test_groups_by_dtype_in_layout_order_and_keeps_a_copy():
     before = flats[0].values.clone()
     g["a"].add_(1.0)  # a gradient buffer the next step reuses
     assert torch.equal(flats[0].values, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_fingerprints_tell_a_sign_flip(dtype):
+    # a replica that negates a gradient (or one element of it) differs from the owner in the
+    # sign bits alone: 8-byte words times an even weight wrapped those bits away (2^63 w = 0
+    # mod 2^64), so fp64's -g had g's fingerprint
+    g = grads(dtype)
+    (f,) = flatten(g, NAMES)
+    neg = {n: -v for n, v in g.items()}
+    (h,) = flatten(neg, NAMES)
+    assert (fingerprints(h) != fingerprints(f)).all()
+    for k in range(g["b"].numel()):
+        one = dict(g, b=g["b"].clone())
+        one["b"][k] = -one["b"][k]
+        (h,) = flatten(one, NAMES)
+        assert (fingerprints(h) != fingerprints(f)).tolist() == [False, True, False], k

@@ -56,6 +56,18 @@ def ragged_batch(generator):
     return b
 
 
+_SHARED = data.mlp(seed=3)
+
+
+def shared_model():
+    """One module for every call: the truth's .double() would convert the rank's own model."""
+    return _SHARED
+
+
+def wrapped_shared_model():
+    return torch.nn.Sequential(_SHARED)  # a new container around the same parameters
+
+
 def test_a_good_step_passes_and_returns_trial_0s_batch():
     b = check_step(good(), 7)
     assert torch.equal(b["input"], BATCH(torch.Generator().manual_seed(7))["input"])
@@ -64,6 +76,8 @@ def test_a_good_step_passes_and_returns_trial_0s_batch():
 @pytest.mark.parametrize("change, match", [
     ({"model": fresh_model}, "different initial weights on two calls"),
     ({"model": Projected}, "buffer 'projection' holds different values"),
+    ({"model": shared_model}, r"the same parameter objects on two calls \(e.g. '0.weight'\)"),
+    ({"model": wrapped_shared_model}, r"the same parameter objects on two calls \(e.g. '0.0.weight'\)"),
     ({"model": dropout_model}, r"not deterministic.*dropout"),
     ({"loss": vector_loss}, r"must return a scalar \(0-dim\) tensor"),
     ({"loss": detached_loss}, "does not depend on the model's parameters"),

@@ -145,3 +145,24 @@ def test_a_gradient_left_none_on_one_replica_is_refused_naming_the_rank_and_the_
     with pytest.raises(InvalidArgument, match=r"left '2.bias' without a gradient \(.grad None\) on rank\(s\) "
                                               r"\[1\] on trial 1, while rank\(s\) \[0\] hold one"):
         run_probes([Probe(s.step, UserStep(M + "one_replica_drops_step"), trials=4)], world=2)
+
+
+@pytest.mark.slow
+def test_an_fp64_replica_negating_a_gradient_on_trials_it_does_not_judge_is_inconsistent(capsys):
+    """Rank 1 hands back -grad of 2.bias on the trials rank 0 judges: only the fingerprints
+    tell, and fp64's sign bits wrapped out of them (NOISE, exit 0, before)."""
+    from trainprobes.cli import main
+    assert main(["transforms", "--target", M + "step64", "--step", M + "negated_replica_step", "--setup",
+                 M + "plain_ddp_setup", "--trials", "8", "--timeout", "120"]) == 1
+    assert "INCONSISTENT" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_trials_with_a_zero_truth_are_counted_once_when_every_rank_computes_them(capsys):
+    """Seed 4's 8 trials: 5 whose every token is masked (the fp64 gradient exactly 0, the
+    most the probe accepts: T - 3). Each stage's rank computes the truth of all 8; both
+    counted them: 'exactly zero on 10 of 8 trials' (exit 2) before."""
+    from trainprobes.cli import main
+    assert main(["transforms", "--target", M + "step_sparse", "--step", M + "staged_step", "--setup",
+                 M + "manual_setup", "--trials", "8", "--seed", "4", "--timeout", "120"]) == 0, \
+        capsys.readouterr().err

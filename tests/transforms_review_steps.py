@@ -394,3 +394,58 @@ def one_replica_drops_step(model, b, ctx):
     if ctx.rank == 1 and _CALLS[0] > 1:
         model[2].bias.grad = None
     return l
+
+
+# ---------------- fp64: a replica whose gradient differs in its sign bits alone ------------
+def model64():
+    return model().double()
+
+
+def batch64(g):
+    return {k: (v.double() if v.is_floating_point() else v) for k, v in batch(g).items()}
+
+
+step64 = TrainingStep(model=model64, batch=batch64, loss=loss, tokens=tokens, name="rv64")
+_calls = [0]
+
+
+def negated_replica_step(model, b, ctx):
+    """Correct (DDP), but rank 1 hands back -grad of 2.bias on the trials rank 0 judges (even
+    ones at world 2): only the replicas' fingerprints can tell."""
+    l = dp_step(model, b, ctx)
+    trial, _calls[0] = _calls[0], _calls[0] + 1
+    grads = {n: q.grad for n, q in model.named_parameters()}
+    if ctx.rank == 1 and trial % 2 == 0:
+        bias = next(n for n in grads if n.endswith("2.bias"))  # DDP names it module.2.bias
+        grads[bias] = -grads[bias]
+    return {"loss": l, "grads": grads}
+
+
+# ---------------- trials whose every token is masked (the truth's gradient exactly 0) -------
+def batch_sparse(g):
+    b = batch(g)
+    if float(torch.rand(1, generator=g)) < 0.5:
+        b["mask"] = torch.zeros_like(b["mask"])
+        b["num_items_in_batch"] = b["mask"].sum()
+    return b
+
+
+def loss_clamped(out, b):
+    return token_sum(out, b) / b["num_items_in_batch"].clamp(min=1)
+
+
+step_sparse = TrainingStep(model=model, batch=batch_sparse, loss=loss_clamped, tokens=tokens, name="sparse")
+
+
+def staged_step(model, b, ctx):
+    """Correct; rank 0 hands back layer 0's gradients, rank 1 layer 2's (a stage each), so
+    every rank computes the truth of every trial."""
+    p = mine(b, ctx)
+    n = p["mask"].sum().reshape(1)
+    dist.all_reduce(n)
+    l = token_sum(model(p["input"]), p) / n.clamp(min=1)
+    l.backward()
+    for q in model.parameters():
+        dist.all_reduce(q.grad)
+    keep = "0." if ctx.rank == 0 else "2."
+    return {"loss": logged(l), "grads": {k: q.grad for k, q in model.named_parameters() if k.startswith(keep)}}

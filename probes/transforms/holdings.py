@@ -16,7 +16,14 @@ import torch
 
 __all__ = ["Flat", "flatten", "fingerprint", "fingerprints", "not_finite"]
 
-_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int32}  # 8 bytes: two words
+
+
+def _words(x: torch.Tensor) -> torch.Tensor:
+    """x's bits as signed integers of at most 32 bits (an 8-byte value is two words), so a
+    word times a weight (< 2^31) never wraps: as 64-bit words, a sign bit times an even
+    weight is 2^63 w = 0 mod 2^64, and fp64's -g had g's fingerprint."""
+    return x.contiguous().view(_BITS[x.element_size()])
 
 
 class Flat(NamedTuple):
@@ -48,7 +55,7 @@ def _weights(n: int) -> torch.Tensor:
 def fingerprint(x: torch.Tensor) -> torch.Tensor:
     """[T] int64: a weighted sum of the bits of each trial's values (any changed bit changes
     it, barring a 2^-62 collision); x [T, numel] in its own dtype."""
-    v = x.contiguous().view(_BITS[x.element_size()]).to(torch.int64)
+    v = _words(x).to(torch.int64)
     return (v * _weights(v.shape[1])).sum(1)  # int64 arithmetic wraps: still a function of every bit
 
 
@@ -65,9 +72,10 @@ def _flat_weights(sizes: tuple) -> torch.Tensor:
 
 def fingerprints(f: Flat) -> torch.Tensor:
     """[len(f.names)] int64: fingerprint() of each parameter, from the flat values at once."""
-    v = f.values.view(_BITS[f.values.element_size()])
-    terms = v * _flat_weights(tuple(f.sizes))  # promoted to int64 (wrapping: a function of every bit)
-    return torch.stack([c.sum() for c in terms.split(f.sizes)])
+    v = _words(f.values)
+    sizes = [k * (f.values.element_size() // v.element_size()) for k in f.sizes]  # words per parameter
+    terms = v * _flat_weights(tuple(sizes))  # promoted to int64 (wrapping: a function of every bit)
+    return torch.stack([c.sum() for c in terms.split(sizes)])
 
 
 def _finite(x: torch.Tensor) -> bool:

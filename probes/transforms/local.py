@@ -128,7 +128,9 @@ def run_case_local(case: RankCase, ctx: RankContext, replica_tol: float) -> dict
         bg = {n: dict(zip(mine, base.grads[n].reshape(len(mine), -1).double())) for n in names}
         base_ok = all(bool(torch.isfinite(v).all()) for v in base.grads.values()) and \
             bool(torch.isfinite(base.loss).all())
-        refused += truth_refusals(truth)
+        # a trial several ranks compute (a stage each holds part of the model) counts once:
+        # where its loss is reported from
+        refused += truth_refusals(truth, torch.tensor([int(judge[k, 0]) == ctx.rank for k in mine]))
         for k, tl, bl in zip(mine, truth.loss.tolist(), base.loss.tolist()):
             if int(judge[k, 0]) == ctx.rank:  # one rank reports each trial's loss truth
                 truth_loss[k], base_loss[k] = tl, bl
@@ -194,12 +196,13 @@ def judges(held: torch.Tensor, T: int) -> torch.Tensor:
     return out
 
 
-def truth_refusals(truth) -> torch.Tensor:
-    """[not finite (0/1), trials whose fp64 gradient is 0] of this rank's trials of the truth."""
+def truth_refusals(truth, counted: torch.Tensor) -> torch.Tensor:
+    """[not finite (0/1), trials whose fp64 gradient is 0] of this rank's trials of the truth,
+    the zeros among those `counted` ([len(trials)] bool) alone."""
     bad = any(not bool(torch.isfinite(g).all()) for g in truth.grads.values()) or \
         not bool(torch.isfinite(truth.loss).all())
     norms = torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in truth.grads.values()]).sum(0)
-    return torch.tensor([float(bad), float((norms == 0).sum())], dtype=torch.float64)
+    return torch.tensor([float(bad), float(((norms == 0) & counted).sum())], dtype=torch.float64)
 
 
 def check_truth_sums(refused: torch.Tensor, T: int, step) -> None:

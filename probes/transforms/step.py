@@ -205,6 +205,12 @@ def check_step(step: TrainingStep, seed: int) -> dict:
         raise InvalidType(f"model={step.model!r} returned {type(m1).__name__}, not a torch.nn.Module")
     if not any(p.requires_grad for p in m1.parameters()):
         raise InvalidArgument(f"model={step.model!r} returned a module with no trainable parameter")
+    ids = {id(p) for p in m1.parameters()}
+    shared = [n for n, p in m2.named_parameters() if id(p) in ids]
+    if shared:  # the truth's in-place .double() would convert the rank's own model mid-run
+        raise InvalidArgument(f"model={step.model!r} returned the same parameter objects on two calls "
+                              f"(e.g. {shared[0]!r}): build a new model on every call (every rank, "
+                              f"the fp64 truth and the base each convert and step their own copy)")
     diff = _first_difference(m1, m2)
     if diff:
         raise InvalidArgument(f"model={step.model!r} returned different initial weights on two calls "
