@@ -34,6 +34,10 @@ def zero_loss(output, batch):
     return 0.0 * output.sum()
 
 
+def raising_loss(output, batch):
+    raise KeyError("labels")  # the user's own bug: bad usage (exit 2) as on a rank, not exit 3
+
+
 @pytest.mark.parametrize("make, match", [
     (lambda: Probe(TrainingStep(fresh_model, step.batch, step.loss), DDP()), "different initial weights"),
     (lambda: Probe(step, Accumulation(micro_batches=3)), "not divisible by world=2 x micro_batches=3"),
@@ -42,6 +46,8 @@ def zero_loss(output, batch):
     (lambda: Probe(TrainingStep(step.model, step.batch, lambda o, b: o.mean()), DDP()), "cannot be sent to the ranks"),
     (lambda: Probe(TrainingStep(step.model, step.batch, zero_loss), DDP()), "exactly zero on"),
     (lambda: Probe(step, DDP(), trials=2), "trials=2 must be an int >= 4"),
+    (lambda: Probe(TrainingStep(step.model, step.batch, raising_loss), DDP()),
+     r"raised on the single device before any rank started \(KeyError"),
     (lambda: Probe(step, "ddp"), "must be a trainprobes.transforms transform"),
 ])
 def test_bad_inputs_fail_before_any_rank_starts(no_ranks, make, match):

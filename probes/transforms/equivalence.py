@@ -17,6 +17,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import pickle
 from dataclasses import dataclass
@@ -128,8 +129,9 @@ def prepare(p: Probe, world: int, *, truth: bool = True, device: str = "cpu") ->
     """Step 1 of the module docstring (raises InvalidArgument / InvalidType / TargetError)."""
     step = resolve_step(p.step)
     seeds = _seeds(p.seed, p.trials)
-    batch = check_step(step, seeds[0])
-    model = step.model()
+    with _step_code(step):
+        batch = check_step(step, seeds[0])
+        model = step.model()
     p.transform.check(step, world, batch, model)
     own = {format_name(q.dtype) for q in model.parameters() if q.is_floating_point()}
     dtype = lowest_precision(tuple(own) + tuple(p.transform.dtypes()))
@@ -141,12 +143,27 @@ def prepare(p: Probe, world: int, *, truth: bool = True, device: str = "cpu") ->
                 f"{what}={obj!r} cannot be sent to the ranks ({type(e).__name__}: {e}): use "
                 f"module-level functions (or functools.partial of them), not lambdas or local "
                 f"functions, for the model, batch, loss and custom step") from None
-    ref, base = references(step, seeds, p.transform, device) if truth else (None, None)
-    if ref is not None:
-        check_truth(ref, step)
-    else:
-        check_truth_early(step, seeds, p.transform)
+    with _step_code(step):
+        ref, base = references(step, seeds, p.transform, device) if truth else (None, None)
+        if ref is not None:
+            check_truth(ref, step)
+        else:
+            check_truth_early(step, seeds, p.transform)
     return Prepared(p, step, seeds, dtype, ref, base)
+
+
+@contextlib.contextmanager
+def _step_code(step: TrainingStep):
+    """The step's own model, batch, forward and loss raising on the single device: bad usage
+    (exit 2), as when they raise on a rank (WorkerFailed), not an internal error."""
+    try:
+        yield
+    except TrainprobesError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's code, any error
+        raise InvalidArgument(f"the step {step.name!r} raised on the single device before any rank "
+                              f"started ({type(e).__name__}: {e}); the probe judges a step that "
+                              f"runs: fix its model, batch, forward or loss") from e
 
 
 def check_truth_early(step: TrainingStep, seeds: list, transform: Transform) -> None:
