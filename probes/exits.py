@@ -85,8 +85,50 @@ def report(prog: str, exc: BaseException) -> int:
     return code
 
 
+# after Ctrl-C, the cleanup (ranks killed and joined, files removed) gets this long before
+# the process leaves anyway: the ranks watch this process and die with it
+INTERRUPT_GRACE_S = 20.0
+
+
+def _on_interrupt(signum, frame):
+    """SIGINT: KeyboardInterrupt as usual, and a clock that ends the process with 130 if the
+    cleanup it starts does not finish (a second Ctrl-C ends it at once)."""
+    import signal
+    import threading
+
+    def leave():
+        time.sleep(INTERRUPT_GRACE_S)
+        print("interrupted (cleanup did not finish)", file=sys.stderr, flush=True)
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+    threading.Thread(target=leave, name="trainprobes-interrupt", daemon=True).start()
+    raise KeyboardInterrupt
+
+
+def _arm_interrupt():
+    """Install _on_interrupt where Python's own Ctrl-C handler is (the main thread); returns
+    what to call to put the previous handler back (None: nothing installed)."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return None
+    signal.signal(signal.SIGINT, _on_interrupt)
+    return lambda: signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def guarded(prog: str, fn) -> int:
     """fn() -> exit code, with every exception mapped by the contract (module docstring)."""
+    disarm = _arm_interrupt()
+    try:
+        return _guarded(prog, fn)
+    finally:
+        if disarm is not None:
+            disarm()
+
+
+def _guarded(prog: str, fn) -> int:
     try:
         return int(fn() or 0)
     except SystemExit as e:  # argparse: usage error (2), --help or --version (0)
