@@ -298,8 +298,11 @@ def test_ctrl_c_ends_the_process_even_when_its_cleanup_hangs():
     # in a full run: the interrupt test timed out after 120 s)
     import signal
     import subprocess
+    # SIGINT as a terminal delivers it (a suite run in the background ignores it, and so
+    # would the child)
     p = subprocess.Popen([sys.executable, "-c", HANGING_CLEANUP], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert p.stdout.readline().strip() == "ready"
         p.send_signal(signal.SIGINT)
@@ -315,5 +318,9 @@ def test_guarded_puts_the_previous_ctrl_c_handler_back():
     import signal
 
     from trainprobes.exits import guarded
-    assert guarded("demo", lambda: 0) == 0
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    try:
+        assert guarded("demo", lambda: 0) == 0
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)

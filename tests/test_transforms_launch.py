@@ -137,6 +137,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _sigint_default() -> None:
+    """In the child: Ctrl-C as a terminal delivers it. A suite run in the background (`cmd &`
+    in a script) ignores SIGINT, the child inherits that, and rightly stays running."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupted(cmd: list, tmp_path) -> tuple:
     """(exit code, stderr, the ranks' pids) of cmd (ranks running waiting_step) sent SIGINT
     once both ranks are inside a trial."""
@@ -144,7 +151,8 @@ def _interrupted(cmd: list, tmp_path) -> tuple:
     import time
     mark = tmp_path / "running"
     p = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "TRAINPROBES_TEST_MARK": str(mark)},
-                         cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=_sigint_default)
     try:
         deadline = time.monotonic() + 240
         while not all((tmp_path / f"running.{r}").exists() for r in (0, 1)):  # both ranks in a trial
