@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 import torch
-from scipy import stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _rates import rate  # noqa: E402  (benchmarks/, the script's own folder)
 from trainprobes.numerics.gemm import gemm_bias  # noqa: E402
 from trainprobes.reference.gemm import PRESETS, matmul  # noqa: E402
 
@@ -71,11 +71,6 @@ def truth(a, b, acc):
     err = matmul(a, b.t(), acc) - ref
     den = ref.abs().sum()
     return ((torch.sign(ref) * err).sum() / den).item(), (err.sum() / den).item()
-
-
-def rate(hits: int, n: int) -> str:
-    ci = stats.binomtest(hits, n).proportion_ci(0.95, method="exact")
-    return f"{hits}/{n} ({hits / n:.1%}, 95% CI [{ci.low:.1%}, {ci.high:.1%}])"
 
 
 def main(argv=None) -> None:

@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 import torch
-from scipy import stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _rates import rate  # noqa: E402  (benchmarks/, the script's own folder)
 from trainprobes.numerics.gemm import DEFAULT_TOLERANCE, gemm_bias, judge  # noqa: E402
 from trainprobes.reference.gemm import PRESETS  # noqa: E402
 
@@ -34,11 +34,6 @@ CASES = {"13-bit nearest, zero-mean": (NEAREST, 0.0), "13-bit nearest, mean 1": 
 def e4m3(*shape, seed, mean):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=g) + mean).to(torch.float8_e4m3fn).double()
-
-
-def rate(hits: int, n: int) -> str:
-    ci = stats.binomtest(hits, n).proportion_ci(0.95, method="exact")
-    return f"{hits}/{n} ({hits / n:.1%}, 95% CI [{ci.low:.1%}, {ci.high:.1%}])"
 
 
 def main(argv=None) -> None:
