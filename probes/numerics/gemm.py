@@ -146,7 +146,7 @@ def _pps_strata(norms: torch.Tensor, S: int, g: torch.Generator, permute: bool):
 BY_OUTPUT = 64
 
 
-def _by_output(a, b, na, nb, amax: float, S: int, g: torch.Generator):
+def _by_output(a, b, amax_a: float, amax_b: float, S: int, g: torch.Generator):
     """Step 1 for a GEMM small enough to multiply in full: S strata over the M N outputs
     themselves, each output sized half by its share of sum |ref| and half by its share of
     sum |a_i| |b_j|. Row and column norms alone miss outputs much larger than their norms
@@ -155,12 +155,13 @@ def _by_output(a, b, na, nb, amax: float, S: int, g: torch.Generator):
     norm half keeps every output whose error can be non-zero drawable (an output near 0
     can still carry an error of order u |a_i| |b_j|)."""
     N = b.shape[0]
-    if a.dtype != torch.float64 and b.dtype != torch.float64 and 1e-15 < amax < 1e15:
-        size = (a.float() @ b.float().T).double().abs().reshape(-1)
+    if _in_fp32(a, amax_a) and _in_fp32(b, amax_b):
+        ref = (a.float() @ b.float().T).double().abs().reshape(-1)
     else:
-        size = (a.double() @ b.double().T).abs().reshape(-1)
-    norm = torch.outer(na, nb).reshape(-1)
-    size = (size / size.sum() if size.sum() > 0 else 0) + norm / norm.sum()
+        ref = (a.double() @ b.double().T).abs().reshape(-1)
+    norm = torch.outer(_row_norms(a, amax_a), _row_norms(b, amax_b)).reshape(-1)
+    total = ref.sum()
+    size = (ref / total if total > 0 else 0) + norm / norm.sum()
     idx, p = _pps_strata(size, S, g, False)
     i, j = idx // N, idx % N
     share = size / size.sum()
@@ -170,9 +171,14 @@ def _by_output(a, b, na, nb, amax: float, S: int, g: torch.Generator):
     return i, j, 1.0 / (S * p), design
 
 
+def _in_fp32(x: torch.Tensor, amax: float) -> bool:
+    """x is held in fp32 or narrower and its squares and products stay in fp32's range."""
+    return x.dtype in (torch.float32, torch.bfloat16, torch.float16) and 1e-15 < amax < 1e15
+
+
 def _row_norms(x: torch.Tensor, amax: float) -> torch.Tensor:
     """L2 norms of x's rows in float64 (computed in fp32 where its range holds them)."""
-    if x.dtype in (torch.float32, torch.bfloat16, torch.float16) and 1e-15 < amax < 1e15:
+    if _in_fp32(x, amax):
         return torch.linalg.vector_norm(x.float(), dim=1).double()
     return torch.linalg.vector_norm(x, dim=1, dtype=torch.float64)
 
@@ -306,8 +312,7 @@ def prepare_gemm(a, b, *, recipe, gemm: str, samples: int, seed: int, every: boo
         design = {"kind": "every output", "draws": M * N, "rows_drawn": M, "columns_drawn": N,
                   "rows_certain": M, "columns_certain": N}
     elif M * N <= BY_OUTPUT * samples:
-        i, j, weight, design = _by_output(a, b, _row_norms(a, amax_a), _row_norms(b, amax_b),
-                                          max(amax_a, amax_b), samples, g)
+        i, j, weight, design = _by_output(a, b, amax_a, amax_b, samples, g)
     else:
         na, nb = _row_norms(a, amax_a), _row_norms(b, amax_b)
         i, pi = _pps_strata(na, samples, g, False)
