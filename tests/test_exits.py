@@ -297,7 +297,6 @@ def test_ctrl_c_ends_the_process_even_when_its_cleanup_hangs():
     # a Ctrl-C whose cleanup hung left the CLI running, "interrupted" never said (seen once
     # in a full run: the interrupt test timed out after 120 s)
     import signal
-    import subprocess
     # SIGINT as a terminal delivers it (a suite run in the background ignores it, and so
     # would the child)
     p = subprocess.Popen([sys.executable, "-c", HANGING_CLEANUP], stdout=subprocess.PIPE,
