@@ -23,6 +23,7 @@ def test_list_shows_transforms_options_and_the_zoo(capsys):
     (["--target", "trainprobes.transforms.demo:nope"], "has no attribute 'nope'"),
     (["--target", "trainprobes.transforms.demo:model"], "must be a trainprobes.transforms.TrainingStep"),
     (["--transform", "ddp"], "--transform needs --target"),
+    (["--world", "100000"], "--world 100000 needs --target"),  # the zoo ran on 2 ranks, exit 0
     (["--target", "trainprobes.transforms.demo:step", "--transform", "accumulation:micro_batches=3"],
      "not divisible by world=2 x micro_batches=3"),
 ])

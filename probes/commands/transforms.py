@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "'pp:schedule=gpipe,micro_batches=4,split=0+1|2+3+4', or JSON after the "
                         "colon; repeat for several (default: ddp). --list shows them all")
     add_step_options(p)
-    p.add_argument("--world", type=parse_int("world", min=1), default=2, help="ranks (default 2)")
+    p.add_argument("--world", type=parse_int("world", min=1), default=None,
+                   help="ranks, for --target (default 2; the zoo always runs on 2)")
     add_probe_options(p)
     p.add_argument("--backend", type=parse_backend(("gloo", "nccl")), default=None,
                    help="gloo (CPU) or nccl (one GPU per rank), for --target (default gloo; "
@@ -102,9 +103,10 @@ def run(args) -> int:
         if args.transform or args.step:
             raise InvalidArgument(f"{'--transform' if args.transform else '--step'} needs --target "
                                   f"(the single-device step; the zoo runs its own steps)")
-        if args.backend not in (None, "gloo"):
-            raise InvalidArgument(f"--backend {args.backend} needs --target: the zoo runs its "
-                                  f"published bugs on 2 gloo ranks")
+        if args.backend not in (None, "gloo") or args.world not in (None, 2):
+            flag = f"--world {args.world}" if args.world not in (None, 2) else f"--backend {args.backend}"
+            raise InvalidArgument(f"{flag} needs --target: the zoo runs its published bugs on 2 "
+                                  f"gloo ranks")
         return _zoo(args)
     from trainprobes.targets import search_cwd
     from trainprobes.transforms import Probe, parse_transform, run_probes
@@ -114,7 +116,7 @@ def run(args) -> int:
     probes = [Probe(args.target, t, trials=args.trials, seed=args.seed, alpha=args.alpha,
                     min_effect=args.min_effect, noise_tol=args.noise_tol) for t in transforms]
     with _progress(args, f"transforms {args.target}") as p:
-        results = run_probes(probes, world=args.world, backend=args.backend or "gloo",
+        results = run_probes(probes, world=args.world or 2, backend=args.backend or "gloo",
                              timeout=args.timeout, progress=p.say)
     _emit(args, results)
     if not args.json:
