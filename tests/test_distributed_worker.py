@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainprobes.distributed.launcher import free_port
 from trainprobes.distributed.worker import Case, _torchrun_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +44,7 @@ def test_torchrun_entry_without_environment_says_what_to_do(capsys, monkeypatch)
 def test_runs_under_torchrun():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), "-m", "trainprobes.distributed.worker",
+           "--standalone", "-m", "trainprobes.distributed.worker",
            "--backend", "gloo", "--dtype", "bf16", "--op", "avg", "--numel", "300", "--json"]
     p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]

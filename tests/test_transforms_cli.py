@@ -80,11 +80,10 @@ def test_a_probe_runs_under_torchrun():
     import sys
     from pathlib import Path
 
-    from trainprobes.distributed.launcher import free_port
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), "-m", "trainprobes.transforms.torchrun",
+           "--standalone", "-m", "trainprobes.transforms.torchrun",
            "--target", "trainprobes.transforms.demo:step", "--transform", "ddp", "--backend", "gloo",
            "--trials", "4", "--json"]
     p = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)

@@ -36,9 +36,8 @@ def test_a_rank_exits_by_the_contract_unless_the_launcher_records_it(tmp_path, m
 
 
 def launch(*probe_args):
-    from trainprobes.distributed.launcher import free_port
     cmd = [sys.executable, "-m", "trainprobes.transforms.launch", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), "--", "--target", M + "step", "--backend", "gloo",
+           "--standalone", "--", "--target", M + "step", "--backend", "gloo",
            "--trials", "4", *probe_args]
     return subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=HERE, capture_output=True,
                           text=True, timeout=300)
@@ -79,17 +78,12 @@ def test_a_setup_that_never_returns_under_torchrun_stops_at_the_timeout_with_exi
     """The torchrun entry had no timeout: rank 1 asleep in its setup, rank 0 in the next
     collective, the launcher waited for gloo's 30 minutes (or forever)."""
     p = subprocess.run([sys.executable, "-m", "trainprobes.transforms.launch", "--nproc-per-node", "2",
-                        "--master-port", str(_port()), "--", "--target", RV + "step", "--step",
+                        "--standalone", "--", "--target", RV + "step", "--step",
                         RV + "dp_step", "--setup", RV + "hanging_setup", "--trials", "4", "--timeout", "5"],
                        env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=HERE, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 2, p.stderr[-3000:]
     assert "did not finish within timeout=5s" in p.stderr
-
-
-def _port():
-    from trainprobes.distributed.launcher import free_port
-    return free_port()
 
 
 @pytest.mark.slow
@@ -100,7 +94,7 @@ def test_the_ranks_die_with_a_killed_launcher(tmp_path):
 
     from trainprobes.lifetime import is_alive
     p = subprocess.Popen([sys.executable, "-m", "trainprobes.transforms.launch", "--nproc-per-node", "2",
-                          "--master-port", str(_port()), "--", "--target", RV + "step", "--step",
+                          "--standalone", "--", "--target", RV + "step", "--step",
                           RV + "dp_step", "--setup", RV + "hanging_setup", "--trials", "4"],
                          env={**os.environ, "OMP_NUM_THREADS": "1", "PIDS_DIR": str(tmp_path)}, cwd=HERE,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -172,9 +166,8 @@ def _interrupted(cmd: list, tmp_path) -> tuple:
 
 @pytest.mark.slow
 def test_ctrl_c_on_the_launcher_exits_130_in_one_line_and_leaves_no_rank(tmp_path):
-    from trainprobes.distributed.launcher import free_port
     cmd = [sys.executable, "-m", "trainprobes.transforms.launch", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), "--", "--target", M + "step", "--backend", "gloo",
+           "--standalone", "--", "--target", M + "step", "--backend", "gloo",
            "--trials", "400", "--step", M + "waiting_step"]
     code, err, pids = _interrupted(cmd, tmp_path)
     assert code == 130, err[-3000:]
