@@ -187,13 +187,20 @@ class Against(NamedTuple):
 STATS = ("dot", "rr", "xx", "err2", "sgn", "ar")  # per trial and parameter, sums over elements
 
 
-def sums(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+def truth_terms(r: torch.Tensor) -> tuple:
+    """What sums() needs of the truth alone (|r|^2, sign(r), sum |r|): computed once where
+    the transform and the base are both summed against the same r."""
+    return (r * r).sum(1), torch.sign(r), r.abs().sum(1)
+
+
+def sums(x: torch.Tensor, r: torch.Tensor, terms: tuple | None = None) -> torch.Tensor:
     """[6, T] sums over the elements of one parameter (x, r: [T, numel] float64): <x, r>,
     |r|^2, |x|^2, |x - r|^2, sum sign(r)(x - r), sum |r|. Sums over disjoint pieces add up,
-    so ranks holding shards of a parameter each sum their own and one all-reduce joins them."""
+    so ranks holding shards of a parameter each sum their own and one all-reduce joins them.
+    terms: truth_terms(r), where the caller has them."""
+    rr, sign, ar = truth_terms(r) if terms is None else terms
     d = x - r
-    return torch.stack([(x * r).sum(1), (r * r).sum(1), (x * x).sum(1), (d * d).sum(1),
-                        (torch.sign(r) * d).sum(1), r.abs().sum(1)])
+    return torch.stack([(x * r).sum(1), rr, (x * x).sum(1), (d * d).sum(1), (sign * d).sum(1), ar])
 
 
 def against_sums(S: torch.Tensor, loss, truth_loss) -> Against:
@@ -244,12 +251,13 @@ def statistics(truth, obs: Observed, base=None, replica_tol: float = 0.0) -> Sta
     nonfinite = [n for n in names if not all(bool(torch.isfinite(v).all()) for v in obs.grads[n].values())]
     if not all(bool(torch.isfinite(v).all()) for v in obs.losses.values()):
         nonfinite.append(LOSS)
-    G = torch.stack([sums(g[n], r[n]) for n in names], 2)
+    terms = {n: truth_terms(r[n]) for n in names}
+    G = torch.stack([sums(g[n], r[n], terms[n]) for n in names], 2)
     B = added2 = base_loss = None
     if base is not None:
         bg = {n: base.grads[n].reshape(T, -1).double() for n in names}
         if all(bool(torch.isfinite(v).all()) for v in bg.values()) and bool(torch.isfinite(base.loss).all()):
-            B = torch.stack([sums(bg[n], r[n]) for n in names], 2)
+            B = torch.stack([sums(bg[n], r[n], terms[n]) for n in names], 2)
             added2 = torch.stack([((g[n] - bg[n]) ** 2).sum(1) for n in names], 1)
             base_loss = base.loss.double()
     return Statistics(names, [int(r[n].shape[1]) for n in names], {n: sorted(obs.grads[n]) for n in names},
