@@ -210,6 +210,38 @@ def test_gemms_the_step_never_runs_are_not_judged():
     assert "input needs no gradient" in skipped[("pre", "dgrad")]
 
 
+class _FrozenFirst(torch.nn.Module):
+    """A frozen Linear on the raw batch (a frozen embedding projection): no gradient reaches
+    it, but its forward GEMM runs in every step; then a trained head."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 32).requires_grad_(False)
+        self.head = torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.proj(x)))
+
+
+def test_a_frozen_linear_on_the_batch_has_its_forward_gemm_judged():
+    # its fprop was listed as "not on the loss's path" and never judged, though every
+    # training step runs it and its output feeds the loss
+    torch.manual_seed(0)
+    rows = judge_model(_FrozenFirst(), torch.randn(4, 16, 32), samples=64, trials=8)
+    judged = {r.target.split(":")[-1] for r in rows}
+    assert judged == {"proj.fprop", "head.fprop", "head.wgrad"}, judged  # head's input needs no gradient
+    skipped = {(s["layer"], s["gemm"]): s["reason"] for s in rows[0].evidence["skipped"]}
+    assert "forward GEMM only" in skipped[("proj", "dgrad")] == skipped[("proj", "wgrad")]
+    assert "input needs no gradient" in skipped[("head", "dgrad")]
+    assert ("proj", "all") not in skipped
+
+
+def test_a_bare_linear_is_named_as_the_model_itself():
+    torch.manual_seed(0)
+    rows = judge_model(torch.nn.Linear(32, 16), torch.randn(64, 32), samples=64, trials=8, target="m")
+    assert {r.target for r in rows} == {"m:(the model itself).fprop", "m:(the model itself).wgrad"}
+
+
 def test_a_capture_too_large_for_memory_is_refused_and_the_model_kept(monkeypatch):
     # every Linear's input and output gradient are kept in float64 for the judge: a large
     # model's step (estimated, a Llama-style 1B model on 8 x 2048 tokens: about 100 GiB) was

@@ -26,6 +26,9 @@ from trainprobes.numerics.gemm import DEFAULT_TOLERANCE, gemm_bias, linear_gemms
 from trainprobes.result import Result
 
 
+ROOT = "(the model itself)"  # the name of a Linear that is the whole model ('' in named_modules)
+
+
 @dataclass
 class Captured:
     """One Linear's operands from the step."""
@@ -33,7 +36,7 @@ class Captured:
     name: str
     x: torch.Tensor
     w: torch.Tensor
-    dy: torch.Tensor
+    dy: torch.Tensor | None  # None: no gradient reached it, its forward GEMM alone runs
     # the GEMMs the step runs: no weight gradient of a frozen weight (LoRA's base), no input
     # gradient of the calls whose input needs none (the batch itself): rows of dy that dgrad
     # multiplies (None: all)
@@ -83,9 +86,15 @@ def capture_linears(model: torch.nn.Module, batch, loss_fn=None, skipped: list |
     held = [0]  # bytes of the float64 copies kept so far (each call's x and its dy)
     for name, mod in linears:
         def fwd(m, inp, out, name=name):
-            if not (torch.is_tensor(out) and out.requires_grad):
-                return  # no gradient can reach this call: no wgrad or dgrad of it runs
+            if not torch.is_tensor(out):
+                return
             n_in, n_out, _ = _linear_shape(m)
+            if not out.requires_grad:
+                # no gradient can reach this call (a frozen weight on an input without one):
+                # no wgrad or dgrad of it runs, its forward GEMM does
+                held[0] += 8 * inp[0].numel()
+                calls[name].append([inp[0].detach().reshape(-1, n_in).double(), None, False, False])
+                return
             # checked as each call is captured: a large model's step holds every Linear's x and
             # dy in float64 (estimated: a Llama-style 1B model, hidden 2048, MLP 8192, 16
             # layers, on 8 x 2048 tokens: about 100 GiB), refused before the copy that would
@@ -94,7 +103,7 @@ def capture_linears(model: torch.nn.Module, batch, loss_fn=None, skipped: list |
             from trainprobes.budget import check_fits
             check_fits(held[0], f"the capture of every Linear's input and output gradient in "
                        f"float64 (up to {name!r})", fix="judge a smaller batch (fewer tokens)")
-            call = [inp[0].detach().reshape(-1, n_in).double(), None, inp[0].requires_grad]
+            call = [inp[0].detach().reshape(-1, n_in).double(), None, inp[0].requires_grad, True]
             calls[name].append(call)
 
             def grad(g, call=call):
@@ -172,14 +181,20 @@ def _step(model, batch, loss_fn, linears, calls, skipped) -> list[Captured]:
     got = []
     for name, mod in linears:
         done = [c for c in calls[name] if c[1] is not None]
+        forward = [c for c in calls[name] if not c[3]]
+        if not done and forward:  # its forward GEMM alone runs (judge_model skips the other two)
+            w = _linear_shape(mod)[2]
+            got.append(Captured(name or ROOT, torch.cat([c[0] for c in forward]), w.detach().double().contiguous(),
+                                None, False))
+            continue
         if not done:
             if skipped is not None:  # not on the loss's path in this step: said, not dropped
-                skipped.append({"layer": name, "gemm": "all", "reason": "not on the loss's path in "
+                skipped.append({"layer": name or ROOT, "gemm": "all", "reason": "not on the loss's path in "
                                 "this step (no input or no output gradient)"})
             continue
         w = _linear_shape(mod)[2]
         dx_rows = torch.cat([torch.full((c[1].shape[0],), c[2]) for c in done])
-        got.append(Captured(name, torch.cat([c[0] for c in done]), w.detach().double().contiguous(),
+        got.append(Captured(name or ROOT, torch.cat([c[0] for c in done]), w.detach().double().contiguous(),
                             torch.cat([c[1] for c in done]), w.requires_grad,
                             None if bool(dx_rows.all()) else dx_rows))
     return got
@@ -197,7 +212,14 @@ def judge_model(model, batch, *, preset="h200-scaled-mm", recipe="fp8-tensor", s
     results, skipped = [], []
     captured = list(capture_linears(model, batch, loss_fn, skipped))
     for i, c in enumerate(captured):
-        for j, (gemm, a, b) in enumerate(linear_gemms(c.x, c.w, c.dy)):
+        if c.dy is None:
+            gemms = [("fprop", c.x, c.w)]
+            skipped.extend({"layer": c.name, "gemm": g, "reason": "no gradient reaches it (a frozen "
+                            "weight on an input without gradient): the step runs its forward GEMM "
+                            "only"} for g in ("dgrad", "wgrad"))
+        else:
+            gemms = linear_gemms(c.x, c.w, c.dy)
+        for j, (gemm, a, b) in enumerate(gemms):
             if progress is not None:
                 progress(3 * i + j, 3 * len(captured), f"{c.name}.{gemm}")
             if gemm == "wgrad" and not c.wgrad:
