@@ -81,6 +81,8 @@ def load_target(spec: str, *, callable_required: bool = True, from_cwd: bool = F
         mod_name, _, attr_path = spec.partition(":")
         if not mod_name or not attr_path:
             raise TargetError(f"target={spec!r} must be 'package.module:function'")
+        if mod_name.endswith(".py") or "/" in mod_name or os.sep in mod_name:
+            raise _not_found(spec, mod_name)  # a file's path: importlib's own error misleads
         module = _importable(mod_name, spec)
         if module is None:
             raise _not_found(spec, mod_name)

@@ -23,6 +23,9 @@ def test_loads_colon_and_dot_forms():
     ("os.path", "is a module, expected a callable (a module: name the function in it"),
     ("os", "must be 'package.module:function' (a module and the callable in it)"),
     ("", "must be"), ("a:b:c", "must be"), (":f", "must be"), ("os:", "must be"),
+    # a file's path: importlib said "a relative import needs the 'package' argument"
+    ("./model.py:fn", "name the module, not the file: e.g. 'model:function'"),
+    ("src/model:fn", "name the module, not the file: e.g. 'model:function'"),
 ])
 def test_errors_name_the_target(spec, match):
     with pytest.raises(TargetError, match=match.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
