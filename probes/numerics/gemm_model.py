@@ -25,7 +25,6 @@ from trainprobes.errors import CannotJudge, InvalidArgument, TargetError
 from trainprobes.numerics.gemm import DEFAULT_TOLERANCE, gemm_bias, linear_gemms
 from trainprobes.result import Result
 
-
 ROOT = "(the model itself)"  # the name of a Linear that is the whole model ('' in named_modules)
 
 
