@@ -236,6 +236,14 @@ def test_a_frozen_linear_on_the_batch_has_its_forward_gemm_judged():
     assert ("proj", "all") not in skipped
 
 
+def test_a_model_with_every_weight_frozen_has_its_forward_gemms_judged():
+    # the capture step's backward raised "element 0 of tensors does not require grad" (exit 3)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 8)).requires_grad_(False)
+    rows = judge_model(model, torch.randn(64, 32), samples=64, trials=8)
+    assert {r.target.split(":")[-1] for r in rows} == {"0.fprop", "1.fprop"}
+
+
 def test_a_bare_linear_is_named_as_the_model_itself():
     torch.manual_seed(0)
     rows = judge_model(torch.nn.Linear(32, 16), torch.randn(64, 32), samples=64, trials=8, target="m")

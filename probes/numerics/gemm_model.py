@@ -176,7 +176,8 @@ def _step(model, batch, loss_fn, linears, calls, skipped) -> list[Captured]:
             t = getattr(out, "logits", out)
             t = t[0] if isinstance(t, (tuple, list)) else t
             loss = t.float().pow(2).mean()
-    loss.backward()
+    if loss.requires_grad:  # else nothing is trained (every weight frozen): forward GEMMs alone
+        loss.backward()
     got = []
     for name, mod in linears:
         done = [c for c in calls[name] if c[1] is not None]
