@@ -244,6 +244,80 @@ def test_a_model_with_every_weight_frozen_has_its_forward_gemms_judged():
     assert {r.target.split(":")[-1] for r in rows} == {"0.fprop", "1.fprop"}
 
 
+class _NoGradForward(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 16)
+
+    @torch.no_grad()
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_a_trainable_model_whose_loss_needs_no_gradient_is_refused_naming_its_weights():
+    # judged as "every weight frozen" (fprop only, exit 0 or 1) for a step that trains nothing
+    with pytest.raises(InvalidArgument, match=r"1 Linear weight\(s\) are trainable \(e.g. \['lin'\]\)"):
+        judge_model(_NoGradForward(), torch.randn(64, 32), samples=64, trials=8)
+
+
+class _Logged(torch.nn.Module):
+    """A trainable Linear called under torch.no_grad for logging, and one called both so and
+    with gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.probe = torch.nn.Linear(16, 16)
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.probe(x)
+            self.lin(x[:1] * 100)
+        return self.lin(x)
+
+
+def test_calls_of_a_trainable_weight_without_gradient_are_listed_not_judged():
+    # the logging Linear was judged and called frozen; the no_grad call of `lin` was dropped unseen
+    torch.manual_seed(0)
+    skipped = []
+    got = capture_linears(_Logged(), torch.randn(4, 8, 16), skipped=skipped)
+    assert [(c.name, c.x.shape[0], c.x_forward) for c in got] == [("lin", 32, None)]
+    said = {(s["layer"], s["gemm"]): s["reason"] for s in skipped}
+    assert set(said) == {("probe", "all"), ("lin", "fprop")}
+    assert all(r.startswith("1 call(s) of its trainable weight without gradient") for r in said.values())
+
+
+class _FrozenTwice(torch.nn.Module):
+    """A frozen Linear called on the batch (no gradient reaches it) and on a trained
+    Linear's output (its dgrad runs), inside a non-reentrant checkpoint (its forward runs
+    again in the backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = torch.nn.Linear(16, 16)
+        self.base = torch.nn.Linear(16, 16).requires_grad_(False)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(lambda t: self.base(t) + self.base(self.pre(t)), x, use_reentrant=False)
+
+
+def test_a_frozen_weights_forward_rows_are_every_call_once():
+    torch.manual_seed(0)
+    base, pre = sorted(capture_linears(_FrozenTwice(), torch.randn(4, 16)), key=lambda c: c.name)
+    assert base.name == "base" and base.x.shape[0] == 4 and base.dy.shape[0] == 4   # the call with gradient
+    assert base.x_forward.shape[0] == 4  # the batch's call, once (not again in the recompute)
+    rows = judge_model(_FrozenTwice(), torch.randn(64, 16), samples=64, trials=8, target="m")
+    assert {r.target for r in rows} == {"m:pre.fprop", "m:pre.wgrad", "m:base.fprop", "m:base.dgrad"}
+
+
+def test_progress_counts_the_gemms_that_exist():
+    seen = []
+    judge_model(_FrozenFirst(), torch.randn(4, 16, 32), samples=64, trials=8,
+                progress=lambda done, total, name: seen.append((done, total, name)))
+    assert [d for d, _, _ in seen] == list(range(4)) and {t for _, t, _ in seen} == {4}
+
+
 def test_a_bare_linear_is_named_as_the_model_itself():
     torch.manual_seed(0)
     rows = judge_model(torch.nn.Linear(32, 16), torch.randn(64, 32), samples=64, trials=8, target="m")
@@ -269,3 +343,8 @@ def test_a_capture_too_large_for_memory_is_refused_and_the_model_kept(monkeypatc
     assert all(p.grad is None for p in model.parameters())
     monkeypatch.setattr(budget, "available_bytes", lambda: int((BASE_BYTES + 2.5 * one_layer) / SHARE))
     assert judge_model(model, x, preset="fp32", recipe="bf16", samples=16, trials=8)
+    # a frozen model's forward-only captures count too (they were kept without a check)
+    frozen = model.requires_grad_(False)
+    monkeypatch.setattr(budget, "available_bytes", lambda: int((BASE_BYTES + 0.75 * one_layer) / SHARE))
+    with pytest.raises(TooLarge, match="up to '2'"):
+        judge_model(frozen, x, preset="fp32", recipe="bf16", samples=16, trials=8)

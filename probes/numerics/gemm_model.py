@@ -41,6 +41,8 @@ class Captured:
     # multiplies (None: all)
     wgrad: bool = True
     dx_rows: torch.Tensor | None = None
+    # a frozen weight's calls that no gradient reaches: rows of its forward GEMM alone
+    x_forward: torch.Tensor | None = None
 
 
 def _linear_shape(mod: torch.nn.Module):
@@ -61,7 +63,7 @@ def _unseen(model: torch.nn.Module, linears: list) -> list[dict]:
     lookup): likely GEMMs of their own (F.linear, matmul) the hooks cannot see; listed, so a
     table that covers part of a model says so."""
     seen = {n for n, _ in linears}
-    return [{"layer": n, "gemm": "all", "reason": f"a {type(m).__name__} with a 2-D weight, not an "
+    return [{"layer": n or ROOT, "gemm": "all", "reason": f"a {type(m).__name__} with a 2-D weight, not an "
              "nn.Linear: its GEMMs (if any) are not seen"}
             for n, m in model.named_modules()
             if n not in seen and not isinstance(m, torch.nn.Embedding)
@@ -79,29 +81,34 @@ def capture_linears(model: torch.nn.Module, batch, loss_fn=None, skipped: list |
         raise InvalidArgument(f"the model ({type(model).__name__}) has no torch.nn.Linear: there "
                               "are no GEMMs to judge (modules of its own that call F.linear are not "
                               "seen; wrap them in nn.Linear)")
-    # per Linear, one [x, dy] per call; dy stays None unless the call's output gets a gradient
+    # per Linear, one [x, dy, x needs a gradient, a gradient can reach it] per call; dy stays
+    # None unless the call's output gets a gradient
     calls: dict[str, list] = {n: [] for n, _ in linears}
+    off_path = dict.fromkeys(calls, 0)  # calls of a trainable weight no gradient can reach
     hooks = []
     held = [0]  # bytes of the float64 copies kept so far (each call's x and its dy)
+    backward = [False]  # set by _step: a checkpoint's recompute repeats calls already kept
     for name, mod in linears:
         def fwd(m, inp, out, name=name):
             if not torch.is_tensor(out):
                 return
-            n_in, n_out, _ = _linear_shape(m)
+            n_in, n_out, w = _linear_shape(m)
             if not out.requires_grad:
-                # no gradient can reach this call (a frozen weight on an input without one):
-                # no wgrad or dgrad of it runs, its forward GEMM does
+                # no gradient can reach this call: no wgrad or dgrad of it runs. A frozen
+                # weight's forward GEMM still feeds the loss (a frozen projection of the
+                # batch): kept for fprop alone. A trainable weight called so (torch.no_grad,
+                # a detached input, a reentrant checkpoint) gets no gradient from it: counted.
+                if backward[0]:
+                    return
+                if w.requires_grad:
+                    off_path[name] += 1
+                    return
                 held[0] += 8 * inp[0].numel()
+                _check_held(held[0], name)
                 calls[name].append([inp[0].detach().reshape(-1, n_in).double(), None, False, False])
                 return
-            # checked as each call is captured: a large model's step holds every Linear's x and
-            # dy in float64 (estimated: a Llama-style 1B model, hidden 2048, MLP 8192, 16
-            # layers, on 8 x 2048 tokens: about 100 GiB), refused before the copy that would
-            # not fit
             held[0] += 8 * (inp[0].numel() // n_in) * (n_in + n_out)
-            from trainprobes.budget import check_fits
-            check_fits(held[0], f"the capture of every Linear's input and output gradient in "
-                       f"float64 (up to {name!r})", fix="judge a smaller batch (fewer tokens)")
+            _check_held(held[0], name)
             call = [inp[0].detach().reshape(-1, n_in).double(), None, inp[0].requires_grad, True]
             calls[name].append(call)
 
@@ -111,13 +118,22 @@ def capture_linears(model: torch.nn.Module, batch, loss_fn=None, skipped: list |
         hooks.append(mod.register_forward_hook(fwd))
     try:
         with kept_as_it_was(model):
-            got = _step(model, batch, loss_fn, linears, calls, skipped)
+            got = _step(model, batch, loss_fn, linears, calls, off_path, backward, skipped)
     finally:
         for h in hooks:
             h.remove()
     if not got:
         raise TargetError("no Linear received a gradient in the step: the loss does not depend on them")
     return got
+
+
+def _check_held(held: int, name: str) -> None:
+    """Checked as each call is captured: a large model's step holds every Linear's x and dy
+    in float64 (estimated: a Llama-style 1B model, hidden 2048, MLP 8192, 16 layers, on 8 x
+    2048 tokens: about 100 GiB), refused before the copy that would not fit."""
+    from trainprobes.budget import check_fits
+    check_fits(held, f"the capture of every Linear's input and output gradient in float64 (up to "
+               f"{name or ROOT!r})", fix="judge a smaller batch (fewer tokens)")
 
 
 @contextmanager
@@ -163,7 +179,7 @@ def _fp32(batch):
     return batch
 
 
-def _step(model, batch, loss_fn, linears, calls, skipped) -> list[Captured]:
+def _step(model, batch, loss_fn, linears, calls, off_path, backward, skipped) -> list[Captured]:
     """Step 2 on the model (kept_as_it_was restores it) and the captured operands."""
     model.float()
     batch = _fp32(batch)
@@ -176,27 +192,40 @@ def _step(model, batch, loss_fn, linears, calls, skipped) -> list[Captured]:
             t = getattr(out, "logits", out)
             t = t[0] if isinstance(t, (tuple, list)) else t
             loss = t.float().pow(2).mean()
-    if loss.requires_grad:  # else nothing is trained (every weight frozen): forward GEMMs alone
+    if not loss.requires_grad:
+        trained = [n or ROOT for n, m in linears if _linear_shape(m)[2].requires_grad]
+        if trained:
+            raise InvalidArgument(
+                f"the step's loss needs no gradient, yet {len(trained)} Linear weight(s) are trainable "
+                f"(e.g. {trained[:4]}): the forward ran under torch.no_grad, on detached inputs or in "
+                f"a reentrant checkpoint of inputs without gradient, so none of them is trained; "
+                f"judge the step as it trains")
+    else:  # else every weight is frozen: the forward GEMMs alone run
+        backward[0] = True
         loss.backward()
     got = []
     for name, mod in linears:
+        shown = name or ROOT
         done = [c for c in calls[name] if c[1] is not None]
-        forward = [c for c in calls[name] if not c[3]]
+        forward = [c for c in calls[name] if not c[3]]  # a frozen weight's calls without gradient
+        w = _linear_shape(mod)[2].detach().double().contiguous()
+        if skipped is not None and off_path[name]:
+            skipped.append({"layer": shown, "gemm": "all" if not done else "fprop", "reason":
+                            f"{off_path[name]} call(s) of its trainable weight without gradient "
+                            f"(torch.no_grad, a detached input, a reentrant checkpoint): its weight "
+                            f"gets no gradient from them, and they are not judged"})
         if not done and forward:  # its forward GEMM alone runs (judge_model skips the other two)
-            w = _linear_shape(mod)[2]
-            got.append(Captured(name or ROOT, torch.cat([c[0] for c in forward]), w.detach().double().contiguous(),
-                                None, False))
+            got.append(Captured(shown, torch.cat([c[0] for c in forward]), w, None, False))
             continue
         if not done:
-            if skipped is not None:  # not on the loss's path in this step: said, not dropped
-                skipped.append({"layer": name or ROOT, "gemm": "all", "reason": "not on the loss's path in "
+            if skipped is not None and not off_path[name]:  # said, not dropped
+                skipped.append({"layer": shown, "gemm": "all", "reason": "not on the loss's path in "
                                 "this step (no input or no output gradient)"})
             continue
-        w = _linear_shape(mod)[2]
         dx_rows = torch.cat([torch.full((c[1].shape[0],), c[2]) for c in done])
-        got.append(Captured(name or ROOT, torch.cat([c[0] for c in done]), w.detach().double().contiguous(),
-                            torch.cat([c[1] for c in done]), w.requires_grad,
-                            None if bool(dx_rows.all()) else dx_rows))
+        got.append(Captured(shown, torch.cat([c[0] for c in done]), w, torch.cat([c[1] for c in done]),
+                            _linear_shape(mod)[2].requires_grad, None if bool(dx_rows.all()) else dx_rows,
+                            torch.cat([c[0] for c in forward]) if forward else None))
     return got
 
 
@@ -211,7 +240,8 @@ def judge_model(model, batch, *, preset="h200-scaled-mm", recipe="fp8-tensor", s
     progress(done, total, name) is called before each GEMM."""
     results, skipped = [], []
     captured = list(capture_linears(model, batch, loss_fn, skipped))
-    for i, c in enumerate(captured):
+    total, done = sum(1 if c.dy is None else 3 for c in captured), 0
+    for c in captured:
         if c.dy is None:
             gemms = [("fprop", c.x, c.w)]
             skipped.extend({"layer": c.name, "gemm": g, "reason": "no gradient reaches it (a frozen "
@@ -219,9 +249,12 @@ def judge_model(model, batch, *, preset="h200-scaled-mm", recipe="fp8-tensor", s
                             "only"} for g in ("dgrad", "wgrad"))
         else:
             gemms = linear_gemms(c.x, c.w, c.dy)
-        for j, (gemm, a, b) in enumerate(gemms):
+            if c.x_forward is not None:  # the frozen weight's calls without gradient: fprop rows too
+                gemms[0] = ("fprop", torch.cat([gemms[0][1], c.x_forward]), gemms[0][2])
+        for gemm, a, b in gemms:
             if progress is not None:
-                progress(3 * i + j, 3 * len(captured), f"{c.name}.{gemm}")
+                progress(done, total, f"{c.name}.{gemm}")
+            done += 1
             if gemm == "wgrad" and not c.wgrad:
                 skipped.append({"layer": c.name, "gemm": gemm, "reason": "a frozen weight (requires_grad "
                                 "False): the step computes no weight gradient"})
