@@ -44,10 +44,13 @@ def _resolve(obj, attr_path: str, spec: str, mod_name: str):
 def _not_found(spec: str, mod_name: str) -> TargetError:
     head = mod_name.split(".")[0]
     hint = []
-    if mod_name.endswith(".py") or "/" in mod_name or os.sep in mod_name:
-        hint.append(f"name the module, not the file: e.g. "
-                    f"'{os.path.splitext(os.path.basename(mod_name))[0]}:function' run from "
-                    "that file's folder")
+    if mod_name.endswith(".py") or "/" in mod_name or "\\" in mod_name:
+        stem = os.path.splitext(mod_name.replace("\\", "/").rsplit("/", 1)[-1])[0]
+        hint.append(f"name the module, not the file: e.g. '{stem}:function' run from that "
+                    "file's folder")
+    elif mod_name.startswith("."):
+        hint.append("a relative module name cannot be imported on its own: give its full "
+                    "dotted name (package.module)")
     elif os.path.exists(f"{head}.py") or os.path.isdir(head):
         hint.append(f"{head!r} is in the current directory but not on sys.path: run "
                     f"`python -m trainprobes ...` there, or set PYTHONPATH=.")
@@ -72,17 +75,22 @@ def load_target(spec: str, *, callable_required: bool = True, from_cwd: bool = F
     ("pkg.mod.Class.method" works too). from_cwd: search the current directory first, as
     `python -m` does (the command line passes it; a library call leaves sys.path alone).
     """
-    if not isinstance(spec, str) or not spec.strip() or spec.count(":") > 1:
+    if not isinstance(spec, str) or not spec.strip():
         raise TargetError(f"target={spec!r} must be 'package.module:function'")
     spec = spec.strip()
+    module_part = spec.rpartition(":")[0] or spec
+    if "/" in module_part or "\\" in module_part or module_part.startswith("."):
+        # a file's path or a relative name: importlib's own errors (a relative import
+        # needs a package; a drive letter's colon) say nothing of the fix
+        raise _not_found(spec, module_part)
+    if spec.count(":") > 1:
+        raise TargetError(f"target={spec!r} must be 'package.module:function'")
     if from_cwd:
         search_cwd()
     if ":" in spec:
         mod_name, _, attr_path = spec.partition(":")
         if not mod_name or not attr_path:
             raise TargetError(f"target={spec!r} must be 'package.module:function'")
-        if mod_name.endswith(".py") or "/" in mod_name or os.sep in mod_name:
-            raise _not_found(spec, mod_name)  # a file's path: importlib's own error misleads
         module = _importable(mod_name, spec)
         if module is None:
             raise _not_found(spec, mod_name)

@@ -122,3 +122,22 @@ def test_a_preset_is_judged_only_on_what_it_was_measured_on(capsys, tmp_path, mo
                  "--operands", "fp32", "--presets", "h200-scaled-mm,fp32", "--tolerance", "1"])
     out = capsys.readouterr().out
     assert code == 0 and "not run: K=64 exact x h200-scaled-mm" in out
+
+
+def test_a_target_in_the_current_directory_is_found_as_with_python_m(tmp_path, monkeypatch, capsys):
+    # the console script has no '' on sys.path: a module beside the user was "cannot be
+    # imported" for gemm (causality, transforms and drift localize searched the folder)
+    import sys
+    (tmp_path / "gemm_here_mod.py").write_text(
+        "import torch\n"
+        "def fn():\n"
+        "    torch.manual_seed(0)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)), "
+        "torch.randn(64, 32)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "gemm_here_mod", raising=False)
+    code = main(["gemm", "--target", "gemm_here_mod:fn", "--samples", "64", "--trials", "8"])
+    out = capsys.readouterr().out
+    sys.modules.pop("gemm_here_mod", None)
+    assert code in (0, 1) and "gemm_here_mod:fn:2.wgrad" in out, out

@@ -26,6 +26,10 @@ def test_loads_colon_and_dot_forms():
     # a file's path: importlib said "a relative import needs the 'package' argument"
     ("./model.py:fn", "name the module, not the file: e.g. 'model:function'"),
     ("src/model:fn", "name the module, not the file: e.g. 'model:function'"),
+    ("./model.py", "name the module, not the file: e.g. 'model:function'"),
+    ("src\\model:fn", "name the module, not the file: e.g. 'model:function'"),
+    ("C:\\src\\model.py:fn", "name the module, not the file: e.g. 'model:function'"),
+    (".model:fn", "a relative module name cannot be imported on its own"),
 ])
 def test_errors_name_the_target(spec, match):
     with pytest.raises(TargetError, match=match.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):

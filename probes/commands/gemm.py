@@ -174,7 +174,7 @@ def _model_results(args, progress):
                               "not use (its operands are the model's own, K from its shapes); drop "
                               f"{'it' if len(given) == 1 else 'them'}")
 
-    factory = load_target(args.target)
+    factory = load_target(args.target, from_cwd=True)
     made = factory()
     if not (isinstance(made, tuple) and len(made) == 2):
         from trainprobes.errors import TargetError

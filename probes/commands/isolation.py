@@ -161,7 +161,7 @@ def _documents(args):
         fn = PackedModel(tiny_model(args.hf, args.attn, seed=args.seed), args.convention)
         name, vocab = f"{args.hf}[{args.attn},{args.convention}]", VOCAB
     else:
-        obj = load_target(args.target or args.make)
+        obj = load_target(args.target or args.make, from_cwd=True)
         fn = obj(args.seed) if args.make else obj
         name, vocab = args.target or args.make, args.vocab or (None if args.hidden else 128)
     g = torch.Generator().manual_seed(args.seed)
@@ -171,7 +171,7 @@ def _documents(args):
         vocab = vocab if args.vocab or args.hf else int(x.max()) + 1
     else:
         x = torch.randn(*shape, args.hidden, generator=g) if args.hidden else torch.randint(0, vocab, shape, generator=g)
-    fp64 = False if args.no_fp64 else load_target(args.fp64) if args.fp64 else None
+    fp64 = False if args.no_fp64 else load_target(args.fp64, from_cwd=True) if args.fp64 else None
     with _progress(args, "calls") as p:
         r = documents(fn, x, packing, output=_picker(args.output_key), seed=args.seed,
                       vocab=vocab, fp64=fp64, batched=args.batched, causal=not args.no_causal,
@@ -300,10 +300,10 @@ def _batch(args):
     from trainprobes.isolation.batch import DEFAULT_SIZES
     from trainprobes.targets import load_target
 
-    fn = load_target(args.target)
+    fn = load_target(args.target, from_cwd=True)
     g = torch.Generator().manual_seed(args.seed)
     if args.inputs:
-        x = load_target(args.inputs)(args.seed)
+        x = load_target(args.inputs, from_cwd=True)(args.seed)
     elif args.vocab:
         x = torch.randint(0, args.vocab, tuple(args.shape[:2]), generator=g)
     else:
