@@ -251,15 +251,22 @@ def statistics(truth, obs: Observed, base=None, replica_tol: float = 0.0) -> Sta
     nonfinite = [n for n in names if not all(bool(torch.isfinite(v).all()) for v in obs.grads[n].values())]
     if not all(bool(torch.isfinite(v).all()) for v in obs.losses.values()):
         nonfinite.append(LOSS)
-    terms = {n: truth_terms(r[n]) for n in names}
-    G = torch.stack([sums(g[n], r[n], terms[n]) for n in names], 2)
-    B = added2 = base_loss = None
-    if base is not None:
-        bg = {n: base.grads[n].reshape(T, -1).double() for n in names}
-        if all(bool(torch.isfinite(v).all()) for v in bg.values()) and bool(torch.isfinite(base.loss).all()):
-            B = torch.stack([sums(bg[n], r[n], terms[n]) for n in names], 2)
-            added2 = torch.stack([((g[n] - bg[n]) ** 2).sum(1) for n in names], 1)
-            base_loss = base.loss.double()
+    B = added2 = base_loss = bg = None
+    if base is not None and all(bool(torch.isfinite(v).all()) for v in base.grads.values()) \
+            and bool(torch.isfinite(base.loss).all()):
+        bg = {n: base.grads[n].reshape(T, -1) for n in names}
+        base_loss = base.loss.double()
+    Gs, Bs, added = [], [], []
+    for n in names:  # one parameter's temporaries at a time
+        terms = truth_terms(r[n])
+        Gs.append(sums(g[n], r[n], terms))
+        if bg is not None:
+            b = bg[n].double()
+            Bs.append(sums(b, r[n], terms))
+            added.append(((g[n] - b) ** 2).sum(1))
+    G = torch.stack(Gs, 2)
+    if bg is not None:
+        B, added2 = torch.stack(Bs, 2), torch.stack(added, 1)
     return Statistics(names, [int(r[n].shape[1]) for n in names], {n: sorted(obs.grads[n]) for n in names},
                       G, B, added2, _exact(g, r, obs, loss, truth.loss), nonfinite,
                       _replicas(obs, replica_tol), loss, truth.loss, base_loss)
