@@ -284,7 +284,7 @@ def test_calls_of_a_trainable_weight_without_gradient_are_listed_not_judged():
     assert [(c.name, c.x.shape[0], c.x_forward) for c in got] == [("lin", 32, None)]
     said = {(s["layer"], s["gemm"]): s["reason"] for s in skipped}
     assert set(said) == {("probe", "all"), ("lin", "fprop")}
-    assert all(r.startswith("1 call(s) of its trainable weight without gradient") for r in said.values())
+    assert all(r.startswith("1 call(s) that no gradient reaches") for r in said.values())
 
 
 class _FrozenTwice(torch.nn.Module):
@@ -309,6 +309,98 @@ def test_a_frozen_weights_forward_rows_are_every_call_once():
     assert base.x_forward.shape[0] == 4  # the batch's call, once (not again in the recompute)
     rows = judge_model(_FrozenTwice(), torch.randn(64, 16), samples=64, trials=8, target="m")
     assert {r.target for r in rows} == {"m:pre.fprop", "m:pre.wgrad", "m:base.fprop", "m:base.dgrad"}
+
+
+class _StopGradient(torch.nn.Module):
+    """A head called on two halves, one output detached (a stop-gradient target)."""
+
+    def __init__(self, frozen_head):
+        super().__init__()
+        self.enc = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 16).requires_grad_(not frozen_head)
+
+    def forward(self, x):
+        h = self.enc(x)
+        return self.head(h[:2]) - self.head(h[2:]).detach()
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_call_whose_output_is_detached_is_said_or_judged_forward_only(frozen):
+    # the detached call fell through every branch: neither judged nor listed
+    skipped = []
+    (enc, head) = sorted(capture_linears(_StopGradient(frozen), torch.randn(4, 16), skipped=skipped),
+                         key=lambda c: c.name)
+    assert head.x.shape[0] == 2
+    if frozen:
+        assert head.x_forward.shape[0] == 2 and not skipped
+    else:
+        assert head.x_forward is None and skipped[0]["layer"] == "head"
+        assert skipped[0]["reason"].startswith("1 call(s) that no gradient reaches")
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, reentrant, frozen_first):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16).requires_grad_(not frozen_first)
+        self.b = torch.nn.Linear(16, 16)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(lambda t: self.b(torch.relu(self.a(t))), x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("frozen_first", [False, True])
+def test_a_checkpointed_step_is_captured_once_per_call(reentrant, frozen_first, monkeypatch):
+    # a non-reentrant recompute was captured again (the budget charged about twice); a
+    # reentrant one's first pass doubled a frozen weight's fprop rows, and was listed as
+    # "not judged" for a trainable one that is judged on its recompute
+    import warnings
+    warnings.simplefilter("ignore")
+    x = torch.randn(8, 16).requires_grad_(reentrant)  # a reentrant checkpoint trains only so
+    skipped = []
+    got = {c.name: c for c in capture_linears(_Checkpointed(reentrant, frozen_first), x, skipped=skipped)}
+    assert {n: c.x.shape[0] for n, c in got.items()} == {"a": 8, "b": 8}
+    assert all(c.x_forward is None for c in got.values()) and not skipped, skipped
+    assert got["a"].wgrad == (not frozen_first)
+
+
+def test_a_linear_called_with_keywords_is_captured():
+    got = capture_linears(torch.nn.Linear(8, 4), {"input": torch.randn(16, 8)})
+    assert got[0].x.shape == (16, 8) and got[0].dy.shape == (16, 4)
+
+
+@pytest.mark.parametrize("made, match", [
+    ((lambda x: x), "not a torch.nn.Module"),
+    (torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Flatten(0, -1)).requires_grad_(False), None),
+])
+def test_what_the_factory_returns_is_checked(made, match):
+    if match:
+        with pytest.raises(InvalidArgument, match=match):
+            capture_linears(made, torch.randn(4, 8))
+    else:
+        assert capture_linears(made, torch.randn(4, 8))[0].dy is None
+
+
+class _Returns(torch.nn.Module):
+    def __init__(self, what):
+        super().__init__()
+        self.lin, self.what = torch.nn.Linear(8, 8), what
+
+    def forward(self, x):
+        y = self.lin(x)
+        return {"none": None, "dict": {"y": y}, "empty": [], "argmax": y.argmax(-1)}[self.what]
+
+
+@pytest.mark.parametrize("what, match", [
+    ("none", "returned a NoneType"), ("dict", "returned a dict"), ("empty", "returned a list"),
+    ("argmax", r"not differentiable \(an argmax"),
+])
+def test_an_output_without_a_loss_is_refused_with_what_it_was(what, match):
+    # AttributeError / IndexError before (exit 3)
+    with pytest.raises(InvalidArgument, match=match):
+        capture_linears(_Returns(what), torch.randn(4, 8))
 
 
 def test_progress_counts_the_gemms_that_exist():

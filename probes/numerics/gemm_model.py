@@ -74,57 +74,69 @@ def capture_linears(model: torch.nn.Module, batch, loss_fn=None, skipped: list |
     """Steps 1-2: every Linear's (x, w, dy) (nn.Linear and transformers' Conv1D, _linear_shape)
     from one fp32 forward and backward; a Linear not on the loss's path, and a module with a
     2-D weight that is not one, are appended to `skipped` as {layer, gemm, reason}."""
+    if not isinstance(model, torch.nn.Module):
+        raise InvalidArgument(f"the model is a {type(model).__name__}, not a torch.nn.Module: its "
+                              "Linears are found by their modules")
     linears = [(n, m) for n, m in model.named_modules() if _linear_shape(m) is not None]
+    hooks = []
     if skipped is not None:
         skipped.extend(_unseen(model, linears))
     if not linears:
         raise InvalidArgument(f"the model ({type(model).__name__}) has no torch.nn.Linear: there "
                               "are no GEMMs to judge (modules of its own that call F.linear are not "
                               "seen; wrap them in nn.Linear)")
-    # per Linear, one [x, dy, x needs a gradient, a gradient can reach it] per call; dy stays
-    # None unless the call's output gets a gradient
     calls: dict[str, list] = {n: [] for n, _ in linears}
-    off_path = dict.fromkeys(calls, 0)  # calls of a trainable weight no gradient can reach
-    hooks = []
-    held = [0]  # bytes of the float64 copies kept so far (each call's x and its dy)
-    backward = [False]  # set by _step: a checkpoint's recompute repeats calls already kept
+    held = [0]  # bytes kept so far (each call's x and its dy in float64)
+    backward = [False]  # set by _step once the loss's backward starts
     for name, mod in linears:
-        def fwd(m, inp, out, name=name):
-            if not torch.is_tensor(out):
+        def fwd(m, args, kwargs, out, name=name):
+            x = args[0] if args else next((v for v in kwargs.values() if torch.is_tensor(v)), None)
+            if not (torch.is_tensor(out) and torch.is_tensor(x)):
                 return
-            n_in, n_out, w = _linear_shape(m)
-            if not out.requires_grad:
-                # no gradient can reach this call: no wgrad or dgrad of it runs. A frozen
-                # weight's forward GEMM still feeds the loss (a frozen projection of the
-                # batch): kept for fprop alone. A trainable weight called so (torch.no_grad,
-                # a detached input, a reentrant checkpoint) gets no gradient from it: counted.
-                if backward[0]:
+            n_in, n_out, _ = _linear_shape(m)
+            if backward[0]:
+                # a checkpoint's recompute: a reentrant one's calls get their gradient here
+                # (the first pass ran without), a non-reentrant one's never do (the first
+                # pass's outputs get it): x is copied when the gradient comes
+                if not out.requires_grad:
                     return
-                if w.requires_grad:
-                    off_path[name] += 1
-                    return
-                held[0] += 8 * inp[0].numel()
-                _check_held(held[0], name)
-                calls[name].append([inp[0].detach().reshape(-1, n_in).double(), None, False, False])
-                return
-            held[0] += 8 * (inp[0].numel() // n_in) * (n_in + n_out)
+                call = _Call(None, None, x.requires_grad, recompute=True)
+                ref = x.detach()
+                held[0] += ref.element_size() * ref.numel()
+            else:
+                call = _Call(x.detach().reshape(-1, n_in).double(), None, x.requires_grad)
+                held[0] += 8 * x.numel()
+                ref = None
             _check_held(held[0], name)
-            call = [inp[0].detach().reshape(-1, n_in).double(), None, inp[0].requires_grad, True]
             calls[name].append(call)
-
-            def grad(g, call=call):
-                call[1] = g.detach().reshape(-1, n_out).double()
-            out.register_hook(grad)
-        hooks.append(mod.register_forward_hook(fwd))
+            if out.requires_grad:
+                def grad(g, call=call, ref=ref):
+                    if ref is not None:
+                        call.x = ref.reshape(-1, n_in).double()
+                    call.dy = g.detach().reshape(-1, n_out).double()
+                    held[0] += 8 * (call.dy.numel() + (ref.numel() if ref is not None else 0))
+                    _check_held(held[0], name)
+                out.register_hook(grad)
+        hooks.append(mod.register_forward_hook(fwd, with_kwargs=True))
     try:
         with kept_as_it_was(model):
-            got = _step(model, batch, loss_fn, linears, calls, off_path, backward, skipped)
+            got = _step(model, batch, loss_fn, linears, calls, backward, skipped)
     finally:
         for h in hooks:
             h.remove()
     if not got:
         raise TargetError("no Linear received a gradient in the step: the loss does not depend on them")
     return got
+
+
+@dataclass
+class _Call:
+    """One call of a Linear in the capture step."""
+
+    x: torch.Tensor | None     # its input rows in float64 (a recompute's: once its gradient comes)
+    dy: torch.Tensor | None    # its output's gradient, None unless one reached it
+    x_grad: bool               # its input needs a gradient (its dgrad runs)
+    recompute: bool = False    # made in the backward (a checkpoint's recompute)
 
 
 def _check_held(held: int, name: str) -> None:
@@ -179,7 +191,7 @@ def _fp32(batch):
     return batch
 
 
-def _step(model, batch, loss_fn, linears, calls, off_path, backward, skipped) -> list[Captured]:
+def _step(model, batch, loss_fn, linears, calls, backward, skipped) -> list[Captured]:
     """Step 2 on the model (kept_as_it_was restores it) and the captured operands."""
     model.float()
     batch = _fp32(batch)
@@ -190,42 +202,52 @@ def _step(model, batch, loss_fn, linears, calls, off_path, backward, skipped) ->
             loss = loss_fn(out)
         else:
             t = getattr(out, "logits", out)
-            t = t[0] if isinstance(t, (tuple, list)) else t
-            loss = t.float().pow(2).mean()
-    if not loss.requires_grad:
+            t = t[0] if isinstance(t, (tuple, list)) and t else t
+            if not torch.is_tensor(t):
+                raise InvalidArgument(f"the model returned a {type(out).__name__}: the capture step needs a "
+                                      f"loss from it (an output with .loss or .logits, a tensor, or a "
+                                      f"tuple or list starting with one)")
+            loss = t.float().pow(2).mean() if t.is_floating_point() else t
+    if not torch.is_tensor(loss) or not loss.requires_grad:
         trained = [n or ROOT for n, m in linears if _linear_shape(m)[2].requires_grad]
         if trained:
             raise InvalidArgument(
                 f"the step's loss needs no gradient, yet {len(trained)} Linear weight(s) are trainable "
                 f"(e.g. {trained[:4]}): the forward ran under torch.no_grad, on detached inputs or in "
-                f"a reentrant checkpoint of inputs without gradient, so none of them is trained; "
-                f"judge the step as it trains")
+                f"a reentrant checkpoint of inputs without gradient, or its output is not "
+                f"differentiable (an argmax, a comparison); judge the step as it trains")
     else:  # else every weight is frozen: the forward GEMMs alone run
         backward[0] = True
         loss.backward()
     got = []
     for name, mod in linears:
         shown = name or ROOT
-        done = [c for c in calls[name] if c[1] is not None]
-        forward = [c for c in calls[name] if not c[3]]  # a frozen weight's calls without gradient
-        w = _linear_shape(mod)[2].detach().double().contiguous()
-        if skipped is not None and off_path[name]:
-            skipped.append({"layer": shown, "gemm": "all" if not done else "fprop", "reason":
-                            f"{off_path[name]} call(s) of its trainable weight without gradient "
-                            f"(torch.no_grad, a detached input, a reentrant checkpoint): its weight "
-                            f"gets no gradient from them, and they are not judged"})
+        w = _linear_shape(mod)[2]
+        frozen = not w.requires_grad
+        done = [c for c in calls[name] if c.dy is not None]
+        # first-pass calls no gradient reached (torch.no_grad, a detached input or output):
+        # where a reentrant checkpoint's recompute got one, they are its first pass, the
+        # same GEMMs
+        nograd = [] if any(c.recompute for c in done) else \
+            [c for c in calls[name] if c.dy is None and not c.recompute]
+        forward = nograd if frozen else []  # a frozen weight's forward GEMM still feeds the loss
+        if nograd and not frozen and skipped is not None:
+            skipped.append({"layer": shown, "gemm": "fprop" if done else "all", "reason":
+                            f"{len(nograd)} call(s) that no gradient reaches (torch.no_grad, a "
+                            f"detached input or output): not judged, and its trainable weight "
+                            f"gets no gradient from them"})
+        w64 = w.detach().double().contiguous()
         if not done and forward:  # its forward GEMM alone runs (judge_model skips the other two)
-            got.append(Captured(shown, torch.cat([c[0] for c in forward]), w, None, False))
+            got.append(Captured(shown, torch.cat([c.x for c in forward]), w64, None, False))
             continue
         if not done:
-            if skipped is not None and not off_path[name]:  # said, not dropped
-                skipped.append({"layer": shown, "gemm": "all", "reason": "not on the loss's path in "
-                                "this step (no input or no output gradient)"})
+            if not calls[name] and skipped is not None:
+                skipped.append({"layer": shown, "gemm": "all", "reason": "not called in this step"})
             continue
-        dx_rows = torch.cat([torch.full((c[1].shape[0],), c[2]) for c in done])
-        got.append(Captured(shown, torch.cat([c[0] for c in done]), w, torch.cat([c[1] for c in done]),
-                            _linear_shape(mod)[2].requires_grad, None if bool(dx_rows.all()) else dx_rows,
-                            torch.cat([c[0] for c in forward]) if forward else None))
+        dx_rows = torch.cat([torch.full((c.dy.shape[0],), c.x_grad) for c in done])
+        got.append(Captured(shown, torch.cat([c.x for c in done]), w64, torch.cat([c.dy for c in done]),
+                            not frozen, None if bool(dx_rows.all()) else dx_rows,
+                            torch.cat([c.x for c in forward]) if forward else None))
     return got
 
 
@@ -265,6 +287,9 @@ def judge_model(model, batch, *, preset="h200-scaled-mm", recipe="fp8-tensor", s
                                     "gradient (the batch itself, or frozen upstream): no dgrad runs"})
                     continue
                 a = a[c.dx_rows]  # the calls whose input gradient the step computes
+            if not a.numel() or not b.numel():
+                skipped.append({"layer": c.name, "gemm": gemm, "reason": "no rows (an empty batch)"})
+                continue
             if not a.abs().sum() or not b.abs().sum():
                 # an all-zero operand (a dead layer): nothing to judge, listed with the reason
                 skipped.append({"layer": c.name, "gemm": gemm, "reason": "an all-zero operand"})
