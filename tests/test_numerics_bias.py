@@ -327,3 +327,14 @@ def test_measured_control_power_is_at_least_99_percent():
             # the sizes measured are the sizes the suite runs
             assert {k: row[k] for k in c.kwargs(quick)} == c.kwargs(quick)
             assert row["seeds"] >= 100 and row["rate"] >= 0.99, (c, mode)
+
+
+def test_errors_equal_but_for_rounding_raise_no_warning_and_are_biased():
+    # a GEMM measured whole in every trial gives the same error up to float64 rounding:
+    # scipy's "Precision loss" RuntimeWarning reached the user's terminal (an error under -W error)
+    import warnings
+    e = [1e-3 * (1 + k * 2.0 ** -52) for k in range(8)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = error_stats(e, alpha=0.01)
+    assert s["biased"] and s["p_value"] < 1e-10
