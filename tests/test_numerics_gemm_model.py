@@ -366,6 +366,53 @@ def test_a_checkpointed_step_is_captured_once_per_call(reentrant, frozen_first, 
     assert got["a"].wgrad == (not frozen_first)
 
 
+class _ReentrantDetach(torch.nn.Module):
+    """A Linear called twice inside a reentrant checkpoint, one output detached, and once
+    under torch.no_grad outside it; a second segment whose output is detached is never
+    recomputed."""
+
+    def __init__(self, frozen):
+        super().__init__()
+        self.e = torch.nn.Linear(8, 8)
+        self.l = torch.nn.Linear(8, 8).requires_grad_(not frozen)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        h = self.e(x)
+        with torch.no_grad():
+            self.l(h[:1])
+        first = checkpoint(lambda t: self.l(t[:4]) - self.l(t[4:]).detach(), h, use_reentrant=True)
+        never = checkpoint(self.l, h[:2], use_reentrant=True).detach()
+        return first.sum() + never.sum()
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_reentrant_checkpoint_keeps_every_call_once(frozen):
+    # a recompute that got a gradient made every other call of the Linear vanish: the
+    # detached one inside, the no_grad one outside, the segment never recomputed
+    import warnings
+    warnings.simplefilter("ignore")
+    skipped = []
+    got = {c.name: c for c in capture_linears(_ReentrantDetach(frozen), torch.randn(8, 8), skipped=skipped)}
+    assert got["l"].x.shape[0] == 4  # the call with gradient
+    if frozen:  # the other three: 1 + 4 + 2 rows, forward only
+        assert got["l"].x_forward.shape[0] == 7 and not skipped
+    else:
+        assert [s["reason"][:10] for s in skipped] == ["3 call(s) "], skipped
+
+
+def test_the_users_forward_raising_is_bad_input_not_an_internal_error():
+    # a batch of the wrong width raised RuntimeError out of the capture (exit 3)
+    from trainprobes.errors import TargetError
+    with pytest.raises(TargetError, match="the model's forward on the batch raised RuntimeError"):
+        capture_linears(torch.nn.Linear(16, 16), torch.randn(4, 8))
+
+
+def test_a_model_on_the_meta_device_is_refused():
+    with pytest.raises(InvalidArgument, match="meta device"):
+        capture_linears(torch.nn.Linear(16, 16, device="meta"), torch.randn(4, 16))
+
+
 def test_a_linear_called_with_keywords_is_captured():
     got = capture_linears(torch.nn.Linear(8, 4), {"input": torch.randn(16, 8)})
     assert got[0].x.shape == (16, 8) and got[0].dy.shape == (16, 4)

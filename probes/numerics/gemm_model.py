@@ -17,6 +17,7 @@ modules with a 2-D weight (not embeddings) are listed as not seen.
 """
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -77,6 +78,9 @@ def capture_linears(model: torch.nn.Module, batch, loss_fn=None, skipped: list |
     if not isinstance(model, torch.nn.Module):
         raise InvalidArgument(f"the model is a {type(model).__name__}, not a torch.nn.Module: its "
                               "Linears are found by their modules")
+    if any(p.is_meta for p in model.parameters()):
+        raise InvalidArgument("the model's weights are on the meta device (shapes without values): "
+                              "materialise them (to_empty() and initialise, or load a checkpoint) first")
     linears = [(n, m) for n, m in model.named_modules() if _linear_shape(m) is not None]
     hooks = []
     if skipped is not None:
@@ -94,28 +98,26 @@ def capture_linears(model: torch.nn.Module, batch, loss_fn=None, skipped: list |
             if not (torch.is_tensor(out) and torch.is_tensor(x)):
                 return
             n_in, n_out, _ = _linear_shape(m)
+            where = _checkpoint_pass()
             if backward[0]:
-                # a checkpoint's recompute: a reentrant one's calls get their gradient here
-                # (the first pass ran without), a non-reentrant one's never do (the first
-                # pass's outputs get it): x is copied when the gradient comes
+                # a recompute: a reentrant checkpoint's calls get their gradient here (the
+                # first pass ran without), a non-reentrant one's never do (the first pass's
+                # outputs get it); x is referenced, copied once its gradient comes
                 if not out.requires_grad:
                     return
-                call = _Call(None, None, x.requires_grad, recompute=True)
                 ref = x.detach()
-                held[0] += ref.element_size() * ref.numel()
-            else:
-                call = _Call(x.detach().reshape(-1, n_in).double(), None, x.requires_grad)
-                held[0] += 8 * x.numel()
-                ref = None
-            _check_held(held[0], name)
+                _hold(held, ref.element_size() * ref.numel(), name)
+                call = _Call(None, None, x.requires_grad, recompute=where or "other", ref=ref)
+            else:  # in torch's reentrant checkpoint, the first pass: its recompute is kept instead
+                _hold(held, 8 * x.numel(), name)
+                call = _Call(x.detach().reshape(-1, n_in).double(), None, x.requires_grad, recompute=where)
             calls[name].append(call)
             if out.requires_grad:
-                def grad(g, call=call, ref=ref):
-                    if ref is not None:
-                        call.x = ref.reshape(-1, n_in).double()
+                def grad(g, call=call):
+                    _hold(held, 8 * g.numel() + (8 * call.ref.numel() if call.ref is not None else 0), name)
+                    if call.ref is not None:
+                        call.x, call.ref = call.ref.reshape(-1, n_in).double(), None
                     call.dy = g.detach().reshape(-1, n_out).double()
-                    held[0] += 8 * (call.dy.numel() + (ref.numel() if ref is not None else 0))
-                    _check_held(held[0], name)
                 out.register_hook(grad)
         hooks.append(mod.register_forward_hook(fwd, with_kwargs=True))
     try:
@@ -129,23 +131,56 @@ def capture_linears(model: torch.nn.Module, batch, loss_fn=None, skipped: list |
     return got
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (its tensors have no truth value)
 class _Call:
     """One call of a Linear in the capture step."""
 
     x: torch.Tensor | None     # its input rows in float64 (a recompute's: once its gradient comes)
     dy: torch.Tensor | None    # its output's gradient, None unless one reached it
     x_grad: bool               # its input needs a gradient (its dgrad runs)
-    recompute: bool = False    # made in the backward (a checkpoint's recompute)
+    # "first": the first pass of torch's reentrant checkpoint (without gradient); made in
+    # the backward: "recompute" (torch's reentrant checkpoint), "other" (a non-reentrant
+    # recompute, or another library's reentrant one); None: a plain forward call
+    recompute: str | None = None
+    ref: torch.Tensor | None = None  # a recompute's input until its gradient comes
 
 
-def _check_held(held: int, name: str) -> None:
-    """Checked as each call is captured: a large model's step holds every Linear's x and dy
-    in float64 (estimated: a Llama-style 1B model, hidden 2048, MLP 8192, 16 layers, on 8 x
-    2048 tokens: about 100 GiB), refused before the copy that would not fit."""
+def _checkpoint_pass() -> str | None:
+    """'first' inside the first pass of torch's reentrant checkpoint (run without gradient),
+    'recompute' inside its recompute, else None: read from the calling frames."""
+    from torch.utils.checkpoint import CheckpointFunction
+    first, again = CheckpointFunction.forward.__code__, CheckpointFunction.backward.__code__
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code is first:
+            return "first"
+        if f.f_code is again:
+            return "recompute"
+        f = f.f_back
+    return None
+
+
+def _unpaired_first_passes(calls: list) -> list:
+    """The first-pass calls of torch's reentrant checkpoints that no recompute repeated (a
+    segment whose output no gradient reaches is never recomputed): each recompute is paired
+    with a first pass of the same input, bit for bit; those left ran once, without gradient."""
+    firsts = [c for c in calls if c.recompute == "first"]
+    for c in calls:
+        if c.recompute == "recompute" and c.x is not None:
+            twin = next((f for f in firsts if f.x.shape == c.x.shape and torch.equal(f.x, c.x)), None)
+            if twin is not None:
+                firsts.remove(twin)
+    return firsts
+
+
+def _hold(held: list, more: int, name: str) -> None:
+    """Counted and checked before each copy: a large model's step holds every Linear's x and
+    dy in float64 (estimated: a Llama-style 1B model, hidden 2048, MLP 8192, 16 layers, on 8
+    x 2048 tokens: about 100 GiB); the last Linear's rows are joined once more at the end."""
     from trainprobes.budget import check_fits
-    check_fits(held, f"the capture of every Linear's input and output gradient in float64 (up to "
-               f"{name or ROOT!r})", fix="judge a smaller batch (fewer tokens)")
+    held[0] += more
+    check_fits(held[0], f"the capture of every Linear's input and output gradient in float64 (up "
+               f"to {name or ROOT!r})", fix="judge a smaller batch (fewer tokens)")
 
 
 @contextmanager
@@ -193,9 +228,15 @@ def _fp32(batch):
 
 def _step(model, batch, loss_fn, linears, calls, backward, skipped) -> list[Captured]:
     """Step 2 on the model (kept_as_it_was restores it) and the captured operands."""
+    from trainprobes.errors import TrainprobesError
     model.float()
     batch = _fp32(batch)
-    out = model(**batch) if isinstance(batch, dict) else model(batch)
+    try:
+        out = model(**batch) if isinstance(batch, dict) else model(batch)
+    except TrainprobesError:
+        raise
+    except Exception as e:  # the user's model on the user's batch: bad input, not our bug
+        raise TargetError(f"the model's forward on the batch raised {type(e).__name__}: {e}") from e
     loss = getattr(out, "loss", None)
     if loss is None:
         if loss_fn is not None:
@@ -225,11 +266,16 @@ def _step(model, batch, loss_fn, linears, calls, backward, skipped) -> list[Capt
         w = _linear_shape(mod)[2]
         frozen = not w.requires_grad
         done = [c for c in calls[name] if c.dy is not None]
-        # first-pass calls no gradient reached (torch.no_grad, a detached input or output):
-        # where a reentrant checkpoint's recompute got one, they are its first pass, the
-        # same GEMMs
-        nograd = [] if any(c.recompute for c in done) else \
-            [c for c in calls[name] if c.dy is None and not c.recompute]
+        # calls no gradient reached (torch.no_grad, a detached input or output): the
+        # forward's, and torch's reentrant recomputes (a non-reentrant recompute repeats a
+        # forward call); where another library's recompute got a gradient, the forward's
+        # calls without one are taken for its first pass, the same GEMMs
+        for c in calls[name]:
+            if c.dy is None and c.recompute == "recompute":
+                c.x, c.ref = c.ref.reshape(-1, c.ref.shape[-1]).double(), None
+        firsts = _unpaired_first_passes(calls[name])
+        nograd = [] if any(c.recompute == "other" for c in done) else \
+            [c for c in calls[name] if c.dy is None and (c.recompute in (None, "recompute") or c in firsts)]
         forward = nograd if frozen else []  # a frozen weight's forward GEMM still feeds the loss
         if nograd and not frozen and skipped is not None:
             skipped.append({"layer": shown, "gemm": "fprop" if done else "all", "reason":
@@ -239,6 +285,7 @@ def _step(model, batch, loss_fn, linears, calls, backward, skipped) -> list[Capt
         w64 = w.detach().double().contiguous()
         if not done and forward:  # its forward GEMM alone runs (judge_model skips the other two)
             got.append(Captured(shown, torch.cat([c.x for c in forward]), w64, None, False))
+            calls[name].clear()
             continue
         if not done:
             if not calls[name] and skipped is not None:
@@ -248,6 +295,7 @@ def _step(model, batch, loss_fn, linears, calls, backward, skipped) -> list[Capt
         got.append(Captured(shown, torch.cat([c.x for c in done]), w64, torch.cat([c.dy for c in done]),
                             not frozen, None if bool(dx_rows.all()) else dx_rows,
                             torch.cat([c.x for c in forward]) if forward else None))
+        calls[name].clear()  # joined: the per-call copies go (one Linear held twice at most)
     return got
 
 
