@@ -98,13 +98,13 @@ def capture_linears(model: torch.nn.Module, batch, loss_fn=None, skipped: list |
             if not (torch.is_tensor(out) and torch.is_tensor(x)):
                 return
             n_in, n_out, _ = _linear_shape(m)
-            where = _checkpoint_pass()
+            if backward[0] and not out.requires_grad:
+                return
+            where = _checkpoint_pass()  # a walk up the stack: only for calls kept
             if backward[0]:
                 # a recompute: a reentrant checkpoint's calls get their gradient here (the
                 # first pass ran without), a non-reentrant one's never do (the first pass's
                 # outputs get it); x is referenced, copied once its gradient comes
-                if not out.requires_grad:
-                    return
                 ref = x.detach()
                 _hold(held, ref.element_size() * ref.numel(), name)
                 call = _Call(None, None, x.requires_grad, recompute=where or "other", ref=ref)
