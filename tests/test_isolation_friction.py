@@ -27,14 +27,21 @@ def test_mixed_sliding_model_takes_one_mask_or_one_per_layer_type(lengths):
 
 
 class _Wrapped(torch.nn.Module):
-    """A user's own module around a HF MoE model: the probe's automatic twin path."""
+    """A user's own module around a HF MoE model: the probe's automatic twin path.
+
+    Grouped expert matmuls move other documents by ulps on some CPUs and not on others (the
+    group sizes change the kernel's blocking where it has one): the wrapper scales every
+    logit by 1 + k eps, k set by the whole row's tokens, so each machine sees the rounding-size
+    coupling that only a float64 twin can excuse (in float64 the same term is 1e-16 small)."""
 
     def __init__(self, model):
         super().__init__()
         self.model = model
 
     def forward(self, tokens, packing):
-        return self.model(input_ids=tokens, position_ids=packing.position_ids(), use_cache=False).logits
+        logits = self.model(input_ids=tokens, position_ids=packing.position_ids(), use_cache=False).logits
+        k = 4 + int(tokens.sum()) % 5
+        return logits * (1 + k * torch.finfo(logits.dtype).eps)
 
 
 @torch.no_grad()

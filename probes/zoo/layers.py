@@ -9,6 +9,9 @@ A config names its layers' kinds in several ways (transformers 5.24):
   cyclic patterns     recurrent_gemma's block_types ('recurrent', 'recurrent', 'attention'),
                       repeated over the depth
   periods             jamba's attn_layer_period / attn_layer_offset
+  source lists        kolibri1_1's kv_source_layers (5.25): per layer, the index of the
+                      earlier layer whose keys and values it reads; its kinds are "own" and
+                      "shares", and a kept layer keeps its source
 The per-layer kinds are read with getattr, so the properties and attribute maps that derive
 them (bamba's layers_block_type from attn_layer_indices, recurrent_gemma's from block_types)
 are read as the model reads them.
@@ -18,8 +21,9 @@ Steps of `plan(cfg, full)`:
      list, its entry of every cyclic pattern;
   2. the first layer of each signature, in order (at least 2 layers); where that needs more
      than MAX_LAYERS layers, a greedy cover of every (list, kind) pair instead;
-  3. `apply` cuts the stored per-layer lists to those layers, renumbers the index lists and
-     writes the cyclic patterns out over the kept layers.
+  3. the layers a kept layer reads from (source lists) are kept too;
+  4. `apply` cuts the stored per-layer lists to those layers, renumbers the index lists and
+     the source lists' entries, and writes the cyclic patterns out over the kept layers.
 `kinds(cfg)` is what `shrink` checks afterwards: a shrunk config that lost a kind is refused
 (a listed failure), never built silently without it.
 
@@ -69,13 +73,27 @@ def _is_per_layer(v, full: int) -> bool:
             and all(isinstance(e, (str, int, float, bool)) for e in v))
 
 
+def _is_source_list(name: str, v, full: int) -> bool:
+    """Per layer, the earlier layer (or itself) it reads from: layer numbers, not kinds."""
+    return ("source" in name and isinstance(v, (list, tuple)) and len(v) == full
+            and all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e <= i for i, e in enumerate(v)))
+
+
+def _sources(cfg, full: int) -> dict:
+    names = [k for k in vars(cfg) if not k.startswith("_")]
+    return {n: list(v) for n in names if _is_source_list(n, v := _get(cfg, n), full)}
+
+
 def _fields(cfg, full: int) -> tuple[dict, dict, dict]:
-    """(per-layer lists, index lists, cyclic patterns) of cfg, each {name: value}."""
+    """(per-layer lists, index lists, cyclic patterns) of cfg, each {name: value}; source
+    lists enter the per-layer lists as their kinds ("own" / "shares")."""
     per, idx, cyc = {}, {}, {}
     names = [k for k in vars(cfg) if not k.startswith("_")] + list(KIND_FIELDS)
     for name in dict.fromkeys(names):
         v = _get(cfg, name)
-        if _is_index_list(name, v, full) and not (len(v) == full and name in KIND_FIELDS):
+        if _is_source_list(name, v, full):
+            per[name] = ["own" if e == i else "shares" for i, e in enumerate(v)]
+        elif _is_index_list(name, v, full) and not (len(v) == full and name in KIND_FIELDS):
             idx[name] = list(v)
         elif _is_per_layer(v, full):
             per[name] = list(v)
@@ -135,7 +153,10 @@ def plan(cfg, full: int) -> list[int]:
             break
         if i not in keep:
             keep = sorted(keep + [i])
-    return keep[:_MAX_COVER]
+    keep = keep[:_MAX_COVER]
+    for v in _sources(cfg, full).values():   # a layer that reads another's keys keeps that layer
+        keep = sorted(set(keep) | {v[i] for i in keep})
+    return keep
 
 
 def apply(cfg, full: int, keep: list[int], changed: dict, prefix: str = "") -> None:
@@ -144,10 +165,11 @@ def apply(cfg, full: int, keep: list[int], changed: dict, prefix: str = "") -> N
     stored = vars(cfg)
     per, idx, cyc = _fields(cfg, full)
     where = {j: n for n, j in enumerate(keep)}
+    sources = _sources(cfg, full)
     for name, v in per.items():
         if name in stored and stored[name] is not None:
             old = stored[name]
-            new = [old[i] for i in keep]
+            new = [where[old[i]] if name in sources else old[i] for i in keep]
             setattr(cfg, name, type(old)(new) if isinstance(old, (list, tuple)) else new)
             changed[prefix + name] = (f"{full} entries", f"{len(keep)} entries")
     for name, v in idx.items():
