@@ -7,8 +7,11 @@ probe behind its cell, carried as a control with its known verdict.
   mixtral its own top-2 router, perturbed future        causal          (expected pass)
   mixtral an expert-choice router in the gate's place   non-causal      (expected fail)
   each confirmed zoo finding (trainprobes.zoo.findings) its verdict     (expected fail)
-  (a bug and a by-design leak alike: a library upgrade that changes either shows)
-A transformers upgrade that changes one shows as a missed control.
+  (a bug and a by-design leak alike), or, once fixed upstream, isolated (expected pass,
+  the fix named as news in the message)
+A transformers upgrade that changes one shows as news where the finding records the fix, or
+where another finding of the same probe still reproduces; a release it was recorded on that
+no longer reproduces it is a missed control.
 """
 from __future__ import annotations
 
@@ -55,13 +58,14 @@ def zoo_checks(*, seed: int = 0, quick: bool = False) -> list[Check]:
         return out
 
     def findings():
-        from trainprobes.zoo.confirm import measure
+        from trainprobes.zoo.confirm import control, judge, measure
         from trainprobes.zoo.findings import FINDINGS
-        # one finding per reproduction and call (the same cause in 18 model types is one check);
-        # the finding's verdict is the known one: leaky / non-causal are the probe's "fail"
-        firsts = list({(f.script, f.call): f for f in reversed(FINDINGS)}.values())[::-1]
-        return [_control(measure(f, seed), "fail" if f.verdict in ("leaky", "non-causal", "variant") else "pass",
-                         f"confirmed zoo finding ({f.call}: {f.cause})") for f in firsts]
+        # one finding per reproduction, call and fix (the same cause in 18 model types is one
+        # check; a family fixed upstream is one more); its life on this transformers release
+        # sets its known verdict: the recorded one while it reproduces, the clean one once fixed
+        firsts = list({(f.script, f.call, f.fixed): f for f in reversed(FINDINGS)}.values())[::-1]
+        cells = [measure(f, seed) for f in firsts]
+        return [control(s, c) for s, c in zip(judge(firsts, cells), cells)]
 
     checks = [Check("zoo", "llama packed documents (sdpa)", isolation, control=True),
               Check("zoo", "mixtral router, own and expert choice", routers, control=True)]

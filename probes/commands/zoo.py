@@ -23,7 +23,9 @@ def add_arguments(parser) -> None:
     g = parser.add_mutually_exclusive_group(required=True)
     g.add_argument("--model", metavar="TYPE", help="a transformers causal-LM model type (mixtral, llama, ...)")
     g.add_argument("--findings", action="store_true",
-                   help="re-run the confirmed findings (controls): exit 1 if one no longer reproduces")
+                   help="re-run the confirmed findings (controls) and say what changed upstream: exit 1 if one "
+                        "is missed on a release it was recorded on, 2 if one cannot be judged; a finding fixed "
+                        "upstream is news, exit 0")
     g.add_argument("--diff", nargs=2, metavar=("BEFORE", "AFTER"), help="two zoo maps (JSON)")
     parser.add_argument("--probes", default=None, metavar="LIST",
                         help="comma-separated subset of isolation,router,batch,drift (all)")
@@ -109,20 +111,44 @@ def _findings(args) -> int:
     import warnings
     warnings.filterwarnings("ignore")
     from trainprobes.commands.options import progress_for
-    from trainprobes.zoo.confirm import rerun
+    from trainprobes.zoo.confirm import Outcome, control, judge, measure, transformers_version
     from trainprobes.zoo.findings import FINDINGS
-    missed = 0
-    rows, reruns = [], []
+    from trainprobes.zoo.sweep import versions
+    cells = []
     with progress_for(args, "zoo --findings", len(FINDINGS), unit="findings") as p:
         for i, f in enumerate(FINDINGS):
             p.step(i, current=f"{f.model_type} {f.probe} {f.variant}")
-            reruns.append(rerun(f, args.seed))
-    for f, (ok, now) in zip(FINDINGS, reruns):
-        missed += not ok
-        rows.append({"finding": f.__dict__, "reproduced": ok, "now": now})
-        if not args.json:
-            print(f"  {'reproduced' if ok else 'MISSED':10s} {f.model_type} {f.probe} {f.variant}: "
-                  f"{f.call}, {f.cause} -- now {now}")
+            cells.append(measure(f, args.seed))
+    version = transformers_version()
+    statuses = judge(FINDINGS, cells, version)
+    n = {o: sum(s.outcome is o for s in statuses) for o in Outcome}
     if args.json:
-        print(json.dumps({"command": "zoo --findings", "results": rows}, indent=1))
-    return 1 if missed else 0
+        from trainprobes.result import dumps_report
+        print(dumps_report([control(s, c) for s, c in zip(statuses, cells)], command="zoo --findings",
+                           options={"seed": args.seed}, versions=versions()))
+    else:
+        print(f"zoo --findings on transformers {version}: {n[Outcome.REPRODUCED]} of {len(FINDINGS)} reproduced, "
+              f"{n[Outcome.FIXED]} fixed upstream, {n[Outcome.CHANGED]} changed upstream, "
+              f"{n[Outcome.MISSED]} missed, {n[Outcome.UNJUDGED]} not judged")
+        for s in statuses:
+            f = s.finding
+            print(f"  {s.outcome.value:16s} {f.model_type} {f.probe} {f.variant}: {f.call}, {f.cause}"
+                  + ("" if s.outcome is Outcome.REPRODUCED else f" -- now {s.now[:160]}"))
+        news: dict = {}   # one line per piece of news, the findings it concerns beside it
+        for s in statuses:
+            if s.news and s.outcome is not Outcome.UNJUDGED:
+                news.setdefault(s.news, []).append(f"{s.finding.model_type} ({s.finding.variant or s.finding.probe})")
+        if news:
+            print("news:")
+            for text, which in news.items():
+                print(f"  {text}\n    {len(which)} finding(s): {', '.join(which)}")
+    # a control missed on a release it was recorded on: the harness failed (1); a finding that
+    # cannot be measured, or a change the run cannot tell from a failure: cannot judge (2)
+    if n[Outcome.MISSED]:
+        return 1
+    if n[Outcome.UNJUDGED]:
+        from trainprobes.errors import CannotJudge
+        bad = [s for s in statuses if s.outcome is Outcome.UNJUDGED]
+        raise CannotJudge(f"{len(bad)} finding(s) not judged on transformers {version}: "
+                          + "; ".join(f"{s.finding.model_type} {s.finding.variant}: {s.news}" for s in bad[:3]))
+    return 0

@@ -1,10 +1,53 @@
-"""A confirmed zoo finding measured again (trainprobes.zoo.findings holds the findings; this
-module runs their cells, so the findings' data never imports the cells that annotate with it)."""
+"""A confirmed zoo finding measured again, and what its new measurement means on the
+transformers release installed (trainprobes.zoo.findings holds the findings; this module runs
+their cells, so the findings' data never imports the cells that annotate with it).
+
+Steps of `judge(findings, cells, version)`, one Status per finding:
+  1. a cell that could not be measured (an error, an unknown verdict): cannot judge, the
+     harness cannot handle this release yet;
+  2. the recorded verdict again: reproduced (a finding recorded as fixed that reproduces is
+     news too: it came back);
+  3. another verdict on a release the finding was recorded reproducing on: missed, a failure
+     of the harness, not of the library;
+  4. another verdict elsewhere: fixed upstream where a Fix records this release or an earlier
+     one, otherwise changed upstream (news, to be recorded). Either is news only while another
+     finding of the same probe reproduces in the same run; without one the harness cannot tell
+     a fix upstream from its own failure: cannot judge.
+"""
 from __future__ import annotations
+
+from enum import Enum
+from typing import NamedTuple
 
 from trainprobes.zoo.findings import Finding
 
-__all__ = ["measure", "rerun"]
+__all__ = ["Outcome", "Status", "judge", "measure", "rerun", "transformers_version"]
+
+
+class Outcome(str, Enum):
+    REPRODUCED = "reproduced"
+    FIXED = "fixed upstream"
+    CHANGED = "changed upstream"
+    MISSED = "missed"
+    UNJUDGED = "cannot judge"
+
+
+class Status(NamedTuple):
+    finding: Finding
+    outcome: Outcome
+    transformers: str     # the release it was measured on now
+    now: str              # the cell's verdict and reason now
+    news: str             # what changed, for a reader ("" where nothing did)
+
+
+def transformers_version() -> str:
+    import transformers
+    return transformers.__version__
+
+
+def _at_least(version: str, floor: str) -> bool:
+    from packaging.version import Version
+    return Version(version) >= Version(floor)
 
 
 def measure(f: Finding, seed: int = 0):
@@ -26,7 +69,67 @@ def measure(f: Finding, seed: int = 0):
     raise NotImplementedError(f"a {f.probe} finding cannot be measured again")
 
 
+def _one(f: Finding, cell, version: str) -> Status:
+    now = f"{cell.verdict}: {cell.reason}"
+    if cell.verdict in ("error", "unknown"):
+        return Status(f, Outcome.UNJUDGED, version, now,
+                      f"cannot be measured on transformers {version}: the harness cannot handle it yet")
+    if cell.verdict == f.verdict:
+        if f.fixed is not None and _at_least(version, f.fixed.version):
+            return Status(f, Outcome.REPRODUCED, version, now,
+                          f"reproduces again on transformers {version}, after its fix in {f.fixed.version}")
+        new = "" if f.recorded_reproducing(version) else f"still reproduces on transformers {version} (not yet recorded)"
+        return Status(f, Outcome.REPRODUCED, version, now, new)
+    if f.recorded_reproducing(version):
+        return Status(f, Outcome.MISSED, version, now,
+                      f"recorded {f.verdict} on transformers {version}, measured {cell.verdict}: the harness missed it")
+    if f.fixed is not None and _at_least(version, f.fixed.version):
+        return Status(f, Outcome.FIXED, version, now, f"fixed upstream in transformers {f.fixed.version}: {f.fixed.change}")
+    seen = ", ".join((f.measured_on.transformers, *f.checked_on))
+    return Status(f, Outcome.CHANGED, version, now,
+                  f"no longer {f.verdict} on transformers {version} (recorded on {seen}): find the change upstream "
+                  f"and record it as the finding's Fix")
+
+
+def judge(findings, cells, version: str | None = None) -> list[Status]:
+    """One Status per finding, from its cell measured now on transformers `version` (the
+    installed one by default). See the module's steps."""
+    version = version or transformers_version()
+    out = [_one(f, c, version) for f, c in zip(findings, cells, strict=True)]
+    caught = {s.finding.probe for s in out if s.outcome is Outcome.REPRODUCED}
+    return [s if s.outcome not in (Outcome.FIXED, Outcome.CHANGED) or s.finding.probe in caught else
+            s._replace(outcome=Outcome.UNJUDGED,
+                       news=f"{s.news}; but no other {s.finding.probe} finding reproduced in this run, so the "
+                            f"harness cannot tell a fix upstream from its own failure")
+            for s in out]
+
+
 def rerun(f: Finding, seed: int = 0) -> tuple[bool, str]:
     """(reproduced, the cell's verdict and reason now)."""
     c = measure(f, seed)
     return c.verdict == f.verdict, f"{c.verdict}: {c.reason}"
+
+
+_FAILING = ("leaky", "non-causal", "variant")   # the cell verdicts a probe reports as "fail"
+
+
+def control(s: Status, cell):
+    """The finding's Result as a control, its known verdict (`expected`) set from its life: the
+    recorded verdict while it reproduces (or was recorded reproducing on this release), the
+    clean one once fixed or changed upstream; an error where it cannot be judged. The news
+    leads the message; the status is in evidence["finding"]."""
+    from trainprobes.result import Result
+    f = s.finding
+    recorded = "fail" if f.verdict in _FAILING else "pass"
+    expected = "pass" if s.outcome in (Outcome.FIXED, Outcome.CHANGED) else recorded
+    r = cell.result
+    if r is None or s.outcome is Outcome.UNJUDGED:
+        r = Result(probe=getattr(r, "probe", "zoo.cell"), target=f"{f.model_type} {f.probe} {f.variant}",
+                   verdict="error", message=f"zoo finding not judged: {s.news or s.now}")
+    r.expected = expected
+    lead = f"{s.news}. " if s.news and s.outcome is not Outcome.UNJUDGED else ""
+    r.message = f"{lead}confirmed zoo finding ({f.call}: {f.cause}): {r.message}"
+    r.evidence["finding"] = {"outcome": s.outcome.value, "transformers": s.transformers, "news": s.news,
+                             "measured_on": f.measured_on._asdict(), "checked_on": list(f.checked_on),
+                             "fixed": None if f.fixed is None else f.fixed._asdict()}
+    return r

@@ -1,15 +1,18 @@
 """Confirmed zoo findings, kept as controls: each names the cell, the verdict it had when
 confirmed, the call (CALLS: a bug, a bug the library keeps on purpose, by design), the
-library code that causes it, and the reproduction script (transformers and torch pinned, no
-downloads, exit 0 when it reproduces). trainprobes.zoo.confirm measures each again: a library
-upgrade that changes it shows as a control no longer reproduced. `annotate(cells)` writes the
-call into the map's cells: a cell confirmed by design is no longer counted as a finding, and
-says why."""
+library code that causes it, the reproduction script (no downloads, exit 0 when it
+reproduces), and its life across transformers releases: the versions it was measured on,
+the later releases it was checked against and still reproduced on, and the release and
+source change that fixed it upstream (`Fix`). trainprobes.zoo.confirm measures each again and
+says what changed (a fix upstream is news, not a failed control). `annotate(cells)` writes
+the call into the map's cells: a cell confirmed by design is no longer counted as a finding,
+and says why."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
-__all__ = ["Finding", "FINDINGS", "annotate", "CALLS", "BUG", "KEPT", "BY_DESIGN"]
+__all__ = ["Finding", "FINDINGS", "Fix", "Versions", "annotate", "CALLS", "BUG", "KEPT", "BY_DESIGN"]
 
 
 # the calls: a bug (a finding: the cell contradicts the design), a bug the library keeps on
@@ -17,6 +20,19 @@ __all__ = ["Finding", "FINDINGS", "annotate", "CALLS", "BUG", "KEPT", "BY_DESIGN
 # it will not change), by design (the cell's leak is the design's: no longer a finding)
 BUG, KEPT, BY_DESIGN = "bug", "bug, kept on purpose", "by design"
 CALLS = (BUG, KEPT, BY_DESIGN)
+
+
+class Versions(NamedTuple):
+    transformers: str
+    torch: str
+
+
+class Fix(NamedTuple):
+    version: str          # the first transformers release on which it no longer reproduces
+    change: str           # the source change that fixed it
+
+
+MEASURED = Versions(transformers="5.24.0", torch="2.13.0")
 
 
 @dataclass(frozen=True)
@@ -29,6 +45,13 @@ class Finding:
     cause: str            # library file and function
     why: str
     script: str           # the reproduction, under scripts/zoo_findings/
+    measured_on: Versions = MEASURED
+    checked_on: tuple = ()    # later transformers releases measured again: it still reproduced
+    fixed: Fix | None = None  # fixed upstream: where and how
+
+    def recorded_reproducing(self, transformers_version: str) -> bool:
+        """Was it measured reproducing on this transformers release?"""
+        return transformers_version in (self.measured_on.transformers, *self.checked_on)
 
 
 def _base(model_type: str) -> str:
@@ -58,8 +81,14 @@ def _forward(model_type: str) -> str:
 #   - no flash attention and the attention layers never receive them: packing by position ids
 #     is offered by no attention path of the model: by design (a 4-D mask isolates).
 _PACKED = "scripts/zoo_findings/packed_position_ids_dropped.py"
-_DROPPED = ("gpt_oss", "afmoe", "opt", "biogpt", "bert", "bert-generation", "camembert", "data2vec-text", "electra",
-            "ernie", "roberta", "roberta-prelayernorm", "roc_bert", "xlm-roberta", "xlm-roberta-xl", "xmod")
+# transformers 5.25.0 fixed the BERT family: BertModel._create_attention_masks and its copies
+# pass position_ids to create_causal_mask / create_bidirectional_mask (which gained the
+# argument), so the packed documents are found and masked apart under eager and sdpa
+_BERT_FAMILY = ("bert", "bert-generation", "camembert", "data2vec-text", "electra", "ernie", "roberta",
+                "roberta-prelayernorm", "roc_bert", "xlm-roberta", "xlm-roberta-xl", "xmod")
+_BERT_FIX = Fix("5.25.0", "BertModel._create_attention_masks (and its copies in the family) passes position_ids to "
+                          "create_causal_mask / create_bidirectional_mask, which gained the argument")
+_DROPPED = ("gpt_oss", "afmoe", "opt", "biogpt", *_BERT_FAMILY)
 _NO_PACKING_PATH = ("big_bird", "megatron-bert", "rembert", "xglm")
 _ONLY_EAGER = ("big_bird", "gpt_oss", "megatron-bert", "rembert", "xglm")   # the causal-LM class refuses sdpa
 _DROPPED_WHY = ("{base}.forward builds its mask with masking_utils.create_causal_mask without position_ids, so "
@@ -99,10 +128,15 @@ _M3_WHY = ("the sparse layers' indexer marks keys as future by comparing key slo
            "(block top-k over the whole row before the document mask: the sparse design, as DeepSeek-V4's "
            "compressor, by design)")
 
-FINDINGS = (
+# the later releases each finding was measured on again, where it still reproduced
+# (trainprobes zoo --findings on transformers 5.25.0, torch 2.13.0)
+_STILL_525 = ("5.25.0",)
+
+_CONFIRMED = (
     *(Finding(mt, "isolation", f"{impl},position_ids_no_cache", "leaky", BUG, _forward(mt),
               _DROPPED_WHY.format(base=_base(mt), extra=_DROPPED_EXTRA.get(mt, "")),
-              "scripts/zoo_findings/afmoe_packed_position_ids.py" if mt == "afmoe" else _PACKED)
+              "scripts/zoo_findings/afmoe_packed_position_ids.py" if mt == "afmoe" else _PACKED,
+              fixed=_BERT_FIX if mt in _BERT_FAMILY else None)
       for mt in _DROPPED for impl in ("eager", "sdpa") if not (impl == "sdpa" and mt in _ONLY_EAGER)),
     *(Finding(mt, "isolation", f"{impl},position_ids_no_cache", "leaky", BY_DESIGN, _forward(mt),
               _NO_PATH_WHY.format(base=_base(mt)), f"{_PACKED} --by-design")
@@ -120,6 +154,7 @@ FINDINGS = (
     Finding("deepseek_v4", "isolation", "eager,position_ids_no_cache", "leaky", BY_DESIGN, _DSV4[0],
             _DSV4_WHY, _DSV4[1]),
 )
+FINDINGS = tuple(f if f.fixed else replace(f, checked_on=_STILL_525) for f in _CONFIRMED)
 
 
 def annotate(cells) -> None:
