@@ -384,8 +384,13 @@ def test_every_confirmed_finding_is_a_cell_of_the_map_with_its_verdict():
     root = Path(__file__).parents[1]
     m = json.loads((root / "docs" / "zoo_map.json").read_text())
     cells = {(c["model_type"], c["probe"], c["variant"]): c for cs in m["rows"].values() for c in cs}
+    from packaging.version import Version
+    made = Version(m["versions"]["transformers"])
     for f in FINDINGS:
         c = cells.get((f.model_type, f.probe, f.variant))
+        if f.fixed is not None and made >= Version(f.fixed.version):   # the map shows the fix
+            assert c is not None and c["verdict"] != f.verdict and not c["finding"], f
+            continue
         assert c is not None and c["verdict"] == f.verdict, f
         assert (root / f.script.split()[0]).is_file(), f.script
         assert f.call in CALLS, f
@@ -427,3 +432,45 @@ def test_a_row_is_estimated_at_most_at_the_largest_model_built():
     from trainprobes.zoo.sweep import PER_PARAM, ROW_FIXED, row_bytes
     assert count_params("blt") > MAX_PARAMS
     assert row_bytes("blt") == ROW_FIXED + PER_PARAM * MAX_PARAMS
+
+
+def test_a_zero_weight_slot_in_range_is_a_choice_and_an_index_past_the_experts_is_a_drop():
+    from trainprobes.zoo.targets import _slots
+    idx = torch.tensor([[0, 3], [1, 4], [2, 2]])          # E = 4: the slot of index 4 is dropped
+    w = torch.tensor([[0.5, 0.0], [1.0, 0.0], [0.5, 0.5]])
+    assert _slots(idx, w, 4).tolist() == [2, 1, 2]
+
+
+@torch.no_grad()
+def test_longcat_zero_computation_experts_read_as_token_choice():
+    """transformers 5.25 hands LongCat's experts module a zero-computation expert's slot at a
+    dummy index in range with weight 0 (its identity output added beside): each token still
+    chose top-2, and its router is causal by design (5.25's map first called it a finding)."""
+    from trainprobes.zoo.targets import Routing
+    model = build("longcat_flash").model
+    x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    assert Routing(model).kind(x).startswith("token choice top-2")
+    cells = router_cells("longcat_flash", model, modes=("perturb",))
+    assert cells[0].verdict == "causal" and not cells[0].finding
+
+
+def test_the_diff_of_two_maps_sorts_an_upgrade_into_what_a_reader_asks():
+    from trainprobes.zoo.diff import categorise
+
+    def cell(mt, probe, variant, verdict, finding=False):
+        return {"model_type": mt, "probe": probe, "variant": variant, "verdict": verdict, "finding": finding,
+                "reason": "r"}
+    a = {"rows": {"bert": [cell("bert", "isolation", "sdpa", "leaky", True)],
+                  "bart": [cell("bart", "build", "eager", "n/a")],
+                  "opt": [cell("opt", "router", "perturb", "causal")],
+                  "old": [cell("old", "batch", "", "invariant")]}}
+    b = {"rows": {"bert": [cell("bert", "isolation", "sdpa", "isolated")],
+                  "bart": [cell("bart", "batch", "", "invariant")],
+                  "opt": [cell("opt", "router", "perturb", "non-causal", True)],
+                  "new": [cell("new", "batch", "", "invariant")]}}
+    got = categorise(a, b, diff_maps(a, b))
+    assert got["new model types"] == ["new"] and got["model types gone"] == ["old"]
+    assert got["newly buildable"] == ["bart (was: r)"]
+    assert got["newly isolated"] == got["findings gone"] == ["bert isolation sdpa: leaky (finding) -> isolated"]
+    assert got["newly non-causal"] == got["new findings"] == ["opt router perturb: causal -> non-causal (finding)"]
+    assert not got["other verdict changes"] and not got["no longer buildable"]

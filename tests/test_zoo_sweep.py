@@ -86,6 +86,20 @@ def test_finished_rows_are_not_run_again(tmp_path, stub):
     assert sorted(load_rows(jsonl)) == ["a", "b", "c"]
 
 
+def test_a_row_measured_under_another_release_is_measured_again_and_every_row_names_its_versions(tmp_path, stub):
+    jsonl = tmp_path / "rows.jsonl"
+    sweep(["a", "b"], jsonl, workers=1, memory_mb=0, progress=None, command=stub)
+    first, second = jsonl.read_text().splitlines()
+    old = dict(json.loads(second), versions={"transformers": "5.24.0", "torch": "2.13.0"})
+    jsonl.write_text(first + "\n" + json.dumps(old) + "\n")      # b from a sweep before an upgrade
+    lines = []
+    rows = sweep(["a", "b"], jsonl, workers=1, memory_mb=0, progress=lines.append, command=stub)
+    assert "1 rows of" in lines[0] and "measured again" in lines[0]
+    m = to_map(rows)
+    here = {k: m["versions"][k] for k in ("transformers", "torch")}
+    assert m["row_versions"] == {"a": here, "b": here}
+
+
 def test_a_row_cut_short_by_a_kill_is_measured_again_and_breaks_no_line(tmp_path, stub):
     """Killed while writing a row: the unterminated tail is not a row (resume used to raise a
     JSONDecodeError), and the rows appended next do not continue its line."""

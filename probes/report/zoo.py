@@ -93,10 +93,12 @@ def render_zoo_html(m: dict, findings=()) -> str:
     out.append("</table>")
     if findings:
         out.append("<h2>Confirmed findings (kept as controls)</h2><table class='results'><tr><th>model "
-                   "type</th><th>cell</th><th>call</th><th>cause</th><th>reproduction</th></tr>")
+                   "type</th><th>cell</th><th>call</th><th>cause</th><th>versions</th><th>reproduction</th></tr>")
         for f in findings:
+            life = f.life() if hasattr(f, "life") else ""
             out.append(f"<tr><td>{_e(f.model_type)}</td><td>{_e(f.probe)} {_e(f.variant)}: {_e(f.verdict)}"
-                       f"</td><td>{_e(f.call)}</td><td><code>{_e(f.cause)}</code>: {_e(f.why)}</td>"
+                       f"</td><td>{_e(f.call)}{' (fixed upstream)' if getattr(f, 'fixed', None) else ''}</td>"
+                       f"<td><code>{_e(f.cause)}</code>: {_e(f.why)}</td><td>{_e(life)}</td>"
                        f"<td><code>{_e(f.script)}</code></td></tr>")
         out.append("</table>")
     flagged = [c for cells in rows.values() for c in cells if c.get("finding")]

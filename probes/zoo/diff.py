@@ -8,7 +8,7 @@ from pathlib import Path
 
 from trainprobes.errors import DataFileError
 
-__all__ = ["Change", "diff_maps", "load_map", "format_diff"]
+__all__ = ["Change", "diff_maps", "load_map", "format_diff", "categorise", "CATEGORIES"]
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,59 @@ def diff_maps(a: dict, b: dict) -> list[Change]:
     return out
 
 
+# what a reader of an upgrade wants first, in this order
+CATEGORIES = ("new model types", "model types gone", "newly buildable", "no longer buildable",
+              "newly leaky", "newly isolated", "newly non-causal", "newly causal", "new findings",
+              "findings gone", "other verdict changes")
+_CLEAN = {"isolated": "newly isolated", "causal": "newly causal"}
+_BAD = {"leaky": "newly leaky", "non-causal": "newly non-causal"}
+
+
+def _built(cells) -> bool:
+    return any(c["probe"] != "build" for c in cells)
+
+
+def categorise(a: dict, b: dict, changes: list[Change]) -> dict:
+    """{category: [one line per model type or cell]} for the CATEGORIES an upgrade shows; a
+    finding that went away is named beside its new verdict (a fix upstream reads "leaky
+    (finding) -> isolated": newly isolated, and a finding gone)."""
+    out: dict = {k: [] for k in CATEGORIES}
+    ra, rb = a["rows"], b["rows"]
+    out["new model types"] = sorted(set(rb) - set(ra))
+    out["model types gone"] = sorted(set(ra) - set(rb))
+    rebuilt = set()
+    for mt in sorted(set(ra) & set(rb)):
+        if _built(ra[mt]) != _built(rb[mt]):
+            rebuilt.add(mt)   # its cells came or went with the build: one line, not each cell
+            why = next((c["reason"] for c in ra[mt] if c["probe"] == "build"), "")
+            out["newly buildable" if _built(rb[mt]) else "no longer buildable"].append(
+                f"{mt}" + (f" (was: {why[:100]})" if _built(rb[mt]) and why else ""))
+    for c in changes:
+        if c.model_type not in ra or c.model_type not in rb or c.probe == "build" or c.model_type in rebuilt:
+            continue
+        cell = f"{c.model_type} {c.probe} {c.variant}: {c.before} -> {c.after}"
+        before, after = (c.before or "").replace(" (finding)", ""), (c.after or "").replace(" (finding)", "")
+        was, now = "(finding)" in (c.before or ""), "(finding)" in (c.after or "")
+        placed = False
+        if before != after and after in _CLEAN:
+            out[_CLEAN[after]].append(cell)
+            placed = True
+        elif before != after and after in _BAD:
+            out[_BAD[after]].append(cell)
+            placed = True
+        if was and not now:
+            out["findings gone"].append(cell)
+        elif now and not was:
+            out["new findings"].append(cell)
+        elif not placed:
+            out["other verdict changes"].append(cell)
+    return out
+
+
 def format_diff(a: dict, b: dict, changes: list[Change]) -> str:
     lines = [f"before: {a.get('versions')}", f"after:  {b.get('versions')}"]
+    summary = {k: v for k, v in categorise(a, b, changes).items() if v}
+    lines.append("summary: " + ("; ".join(f"{k} {len(v)}" for k, v in summary.items()) or "no change"))
     only_a = sorted(set(a["rows"]) - set(b["rows"]))
     only_b = sorted(set(b["rows"]) - set(a["rows"]))
     if only_a:

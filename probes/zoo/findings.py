@@ -49,6 +49,16 @@ class Finding:
     checked_on: tuple = ()    # later transformers releases measured again: it still reproduced
     fixed: Fix | None = None  # fixed upstream: where and how
 
+    def life(self) -> str:
+        """Its versions in one line: where it was measured, rechecked and fixed."""
+        m = self.measured_on
+        out = f"measured on transformers {m.transformers} (torch {m.torch})"
+        if self.checked_on:
+            out += f"; still reproduces on {', '.join(self.checked_on)}"
+        if self.fixed is not None:
+            out += f"; fixed upstream in {self.fixed.version}: {self.fixed.change}"
+        return out
+
     def recorded_reproducing(self, transformers_version: str) -> bool:
         """Was it measured reproducing on this transformers release?"""
         return transformers_version in (self.measured_on.transformers, *self.checked_on)

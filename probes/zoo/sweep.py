@@ -29,6 +29,12 @@ def versions() -> dict:
             "trainprobes": __version__, "python": sys.version.split()[0]}
 
 
+def _row_versions() -> dict:
+    """The libraries a row's verdicts depend on (the map's versions less the harness's own)."""
+    v = versions()
+    return {"transformers": v["transformers"], "torch": v["torch"]}
+
+
 def load_rows(jsonl: Path) -> dict:
     """The finished rows of jsonl by model type. Each row is one line ended by a newline
     when complete: an unterminated last line is a row cut short (the sweep killed while
@@ -243,6 +249,15 @@ def sweep(model_types, jsonl: Path, *, workers: int = 2, timeout: float = 300.0,
     if cut is not None and progress:
         progress(f"zoo: dropped an unfinished last row of {jsonl} ({cut!r}...): it is measured again")
     done = load_rows(jsonl)
+    # a row measured under other libraries (a resume across an upgrade) is not this map's row:
+    # measured again here, so every row of one map holds the versions the map names
+    here = _row_versions()
+    stale = [m for m, r in done.items() if r.get("versions") != here]
+    for m in stale:
+        del done[m]
+    if stale and progress:
+        progress(f"zoo: {len(stale)} rows of {jsonl} were measured under other versions than "
+                 f"{here} (or name none): measured again")
     wanted = list(dict.fromkeys(model_types))
     # a row stored as a timeout is measured once more, until it has had TRIES tries
     retry = [m for m in wanted if m in done and timed_out(done[m]) and done[m].get("tries", 1) < TRIES]
@@ -262,6 +277,7 @@ def sweep(model_types, jsonl: Path, *, workers: int = 2, timeout: float = 300.0,
         def emit(r, again: bool):
             nonlocal n, total
             with lock:
+                r["versions"] = here
                 out.write(json.dumps(r, allow_nan=False) + "\n")
                 out.flush()
                 done[r["model_type"]] = r
@@ -290,4 +306,5 @@ def to_map(rows: dict, *, wall_seconds: float | None = None) -> dict:
     return {"schema": 1, "versions": versions(), "n_model_types": len(rows),
             "wall_seconds": wall_seconds, "sum_row_seconds": round(sum(r["seconds"] for r in rows.values()), 1),
             "peak_rss_mb": max(peak) if peak else None,
+            "row_versions": {m: rows[m].get("versions") for m in sorted(rows)},
             "rows": {m: rows[m]["cells"] for m in sorted(rows)}}

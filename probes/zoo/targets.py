@@ -267,13 +267,15 @@ def _dense(idx, w, E: int) -> torch.Tensor:
 
 
 def _slots(idx, w, E) -> torch.Tensor:
-    """[N] routing slots each token fills: an index below the expert count (a slot past it is
-    dropped) with a nonzero weight. Slots, not distinct experts: a random hash table sending
-    both of a token's slots to expert 0 is still top-2."""
+    """[N] routing slots each token fills: an index in [0, E) (transformers' experts loop
+    drops a slot whose index is the expert count; the reference routers mark unchosen slots
+    so, with a zero weight). A zero weight at an index in range is a filled slot: LongCat's
+    zero-computation experts reach its experts module that way (transformers 5.25: moved to a
+    dummy index in range, weight 0, their identity output added beside), and each token still
+    chose top-k. Slots, not distinct experts: a random hash table sending both of a token's
+    slots to expert 0 is still top-2."""
     idx = idx.reshape(-1, idx.shape[-1]) if idx.dim() > 1 else idx.reshape(-1, 1)
-    real = idx < E if isinstance(E, int) else torch.ones_like(idx, dtype=torch.bool)
-    if w is not None:
-        real &= w.reshape(idx.shape) != 0
+    real = (idx >= 0) & (idx < E) if isinstance(E, int) else torch.ones_like(idx, dtype=torch.bool)
     return real.sum(-1)
 
 
