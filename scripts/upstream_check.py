@@ -49,7 +49,7 @@ def _die_with_parent():
 
 
 def run(cmd, log, *, timeout=None, **kw) -> subprocess.CompletedProcess:
-    print(f"upstream_check: {' '.join(map(str, cmd))[:160]}", file=sys.stderr, flush=True)
+    print(f"{Path(sys.argv[0]).stem}: {' '.join(map(str, cmd))[:160]}", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     p = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, timeout=timeout,
                        preexec_fn=_die_with_parent if os.name == "posix" else None, **kw)
