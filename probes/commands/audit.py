@@ -203,6 +203,17 @@ def render(outcome, *, suite: str = "", absent: dict | None = None) -> str:
             lines.append(f"  {'OK' if not f.missed else 'MISSED':6} {t(f.line())}")
             lines += [f"         {t(r.target)}: expected {r.expected}, got {r.verdict}: "
                       f"{t(r.message)}" for r in f.missed]
+    # what changed upstream (a zoo finding fixed or changed in the installed release): news, not
+    # a problem; one line per piece of news, the controls it concerns counted
+    news: dict = {}
+    for r in results:
+        text = (r.evidence.get("finding") or {}).get("news") if isinstance(r.evidence, dict) else None
+        if text and r.reproduced:
+            news.setdefault(text, []).append(r.target)
+    if news:
+        lines += ["", "News from upstream (controls that changed with a library release)"]
+        lines += [f"  {t(text)} ({len(which)}: {t(', '.join(which[:3]))}{' ...' if len(which) > 3 else ''})"
+                  for text, which in news.items()]
     for fam, why in outcome.skipped.items():
         lines.append(f"SKIP  {fam}: {why}")
     bad = [r for r in results if outline.is_problem(r)]
