@@ -243,7 +243,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if report:
         tr.write_line(f"report: {report}")
     if rec.gate is not None:
-        from trainprobes.gate_render import render_text  # a terminal: plain text
+        from trainprobes.gate.render import render_text  # a terminal: plain text
         tr.write_line(render_text(rec.gate).rstrip("\n"), red=rec.gate.exit_code != 0,
                       green=rec.gate.exit_code == 0)
 

@@ -29,7 +29,7 @@ def R(probe="custom.probe", target="t", verdict="pass", codes=(), **metrics):
 def BIAS(bias=1e-4, std=1e-3, trials=100, target="t", biased=None, min_effect=0.0, **edits):
     """A numerics.bias Result written by the probe (bias_probe, one stage) on trials whose
     signed errors have that mean and spread, so its CI, rms, p-values and per-trial errors agree
-    (gate_rules). biased: what the caller expects the probe to find (checked). edits: metrics
+    (trainprobes.gate.rules). biased: what the caller expects the probe to find (checked). edits: metrics
     set afterwards, as a hand edit would."""
     import torch
     from trainprobes.numerics.bias import bias_probe
@@ -883,9 +883,9 @@ COUNT_EDITS = [
 
 def _without(monkeypatch, table: str, probe: str) -> None:
     """Switch the gate's rule for probe off (to show the edit passed without it), and the
-    probe's consistency rule (gate_rules.RULES), which catches some of these edits too."""
-    import trainprobes.gate as gate
-    import trainprobes.gate_rules as gate_rules
+    probe's consistency rule (trainprobes.gate.rules.RULES), which catches some of these edits too."""
+    import trainprobes.gate.judgeable as gate
+    import trainprobes.gate.rules as gate_rules
     rules = getattr(gate, table)
     monkeypatch.setattr(gate, table, {k: v for k, v in rules.items() if k != probe}
                         if isinstance(rules, dict) else tuple(x for x in rules if x[0] != probe))
