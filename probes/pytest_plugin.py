@@ -220,8 +220,10 @@ def pytest_sessionfinish(session, exitstatus):
             rec.gate = compare(base, rec.results, waivers=waivers)
         except (SchemaError, CannotJudge) as e:
             rec.gate = GateReport(cannot_judge=f"baseline: {e}")
+        # the gate's own contract: 1 a regression, 2 cannot judge (a missing or unreadable
+        # baseline is no finding); a failed test (1) stays the session's status
         if rec.gate.exit_code != 0 and session.exitstatus == 0:
-            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+            session.exitstatus = rec.gate.exit_code
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -114,3 +114,16 @@ def load_target(spec: str, *, callable_required: bool = True, from_cwd: bool = F
                           + (" (a module: name the function in it, 'module:function')"
                              if type(obj).__name__ == "module" else ""))
     return obj
+
+
+def call_target(fn, spec: str, *args, what: str = "calling it"):
+    """fn(*args) for a user's target or factory: whatever the user's code raises is bad usage
+    (TargetError, exit 2) naming the target, never an internal error. trainprobes' own
+    refusals pass through unchanged."""
+    from trainprobes.errors import TrainprobesError
+    try:
+        return fn(*args)
+    except TrainprobesError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's code: any failure is theirs to fix
+        raise TargetError(f"target={spec!r}: {what} raised {type(e).__name__}: {e}") from e

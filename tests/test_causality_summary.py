@@ -83,5 +83,11 @@ def test_nan_decisions_cannot_pass():
     nothing."""
     nan = Outputs(torch.full((2, T, 3), float("nan")), None)
     res = summarise(COMMON, setup(), Findings(base=nan, isolation=Isolation(True, [])))
-    assert res.verdict == "warn" and "are NaN" in res.message
+    # nothing was compared: cannot judge (causal None, a fail), never a warn that exits 0
+    assert res.verdict == "fail" and res.metrics["causal"] is None and "cannot judge" in res.message
     assert res.evidence["nan_decisions"] == 2 * T
+    # some decisions NaN, others compared: judged on those, with a warning for the rest
+    some = torch.zeros(2, T, 3)
+    some[0, :2] = float("nan")
+    res = summarise(COMMON, setup(), Findings(base=Outputs(some, None), isolation=Isolation(True, [])))
+    assert res.verdict == "warn" and res.metrics["causal"] is True and "2 of" in res.message

@@ -120,6 +120,12 @@ def summarise(common: dict, setup: Setup, found: Findings) -> Result:
     # a NaN that stays a NaN is no flip, so NaN decisions (uninitialised weights: HF blocks
     # built alone start from torch.empty) are never compared: no pass can rest on them
     n_nan = _nan_decisions(found)
+    n_decisions = found.base.decision.shape[0] * T
+    # every baseline decision NaN and none moved: nothing was compared, so nothing was judged
+    # (fail closed: causal None, cannot judge, never a pass or a warn)
+    unjudged = bool(n_decisions) and n_nan == n_decisions and causal and not n_unver
+    if unjudged:
+        causal, codes = None, ["TP-C1"]
     verdict = "fail" if codes else ("warn" if n_unver or n_nan else "pass")
     # what stayed unsettled names its check: flips and scores TP-C1, batch moves TP-C3
     if n_unver - found.isolation.unverified and "TP-C1" not in codes:
@@ -131,7 +137,12 @@ def summarise(common: dict, setup: Setup, found: Findings) -> Result:
     evidence["nan_decisions"] = n_nan
     evidence["near_tie_search"] = _tie_evidence(ties)
     message = _message(setup, found, flips, scores, metrics) + _tie_message(found, metrics)
-    if n_nan:
+    if unjudged:
+        message = (f"cannot judge: all {n_decisions} baseline decisions are NaN and none changed "
+                   "when later tokens did (a NaN that stays a NaN shows no flip), so no decision "
+                   "was judged; are the weights initialised? (HF blocks built alone start from "
+                   "torch.empty)")
+    elif n_nan:
         message += (f"; {n_nan} of {found.base.decision.shape[0] * T} baseline decisions are NaN "
                     f"and cannot show a flip (are the weights initialised?)")
     return Result(**common, verdict=verdict, codes=codes, metrics=metrics, evidence=evidence,

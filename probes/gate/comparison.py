@@ -273,12 +273,21 @@ def compare(baseline: list[Result], candidate: list[Result], *, waivers=(),
                 used.add(w)
                 break
     report.unused_waivers = [w for w in live if w not in used]
-    if not report.compared and not report.blocking:
-        # nothing in both reports and nothing blocking: a pass here would have checked nothing
+    # Nothing in both reports: every baseline Result is "missing" (TP-G1) only because the two
+    # reports are of different suites, so neither a pass nor those TP-G1s would mean anything.
+    # A candidate Result that fails on its own still blocks: a finding is never hidden.
+    own = [r for r in report.blocking if r.code != "TP-G1"]
+    if not report.compared and not own:
+        def keys(results):
+            shown = ", ".join(repr(k) for k in list(results)[:2])
+            return f"{len(results)} Result(s)" + (f" ({shown}{', ...' if len(results) > 2 else ''})"
+                                                   if results else "")
+        report.regressions = []
         report.cannot_judge = (
-            f"nothing to compare: the baseline holds {len(base)} Result(s), the candidate "
-            f"{len(cand)}, and no probe::target is in both; save a report of the base branch "
-            f"as the baseline (the same command and suite as the candidate)")
+            f"nothing to compare: the baseline holds {keys(base)}, the candidate {keys(cand)}, "
+            "and no probe::target is in both (are they reports of the same suite?); save a "
+            "report of the base branch as the baseline, from the same command and suite as the "
+            "candidate")
     return report
 
 
