@@ -235,7 +235,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for nodeid, code, text in rec.crashes:
         tr.write_line(f"not a finding (exit {code}): {nodeid}: {text.split(' ', 1)[1]}", red=True)
     from collections import Counter
-    counts = Counter(r.verdict for r in rec.results)
+    # a control is OK or MISSED (its known verdict reproduced or not), never a finding's FAIL
+    counts = Counter(("control ok" if r.reproduced else "control MISSED") if r.is_control
+                     else r.verdict for r in rec.results)
     tr.write_line(", ".join(f"{n} {v}" for v, n in sorted(counts.items())) + " Result(s)")
     for r in rec.results[:40]:
         tr.write_line("  " + r.summary_line())

@@ -40,6 +40,14 @@ def test_expect_records_a_control_reproduced_or_missed(pytester):
     assert by["expert_choice"]["expected"] == "fail"  # a control that reproduced: not a FAIL
     assert by["looks_leaky"]["expected"] == "fail" and by["looks_leaky"]["verdict"] == "pass"
     assert by["fp16"]["expected"] == "warn"
+    # the summary says what the audit says: a reproduced control is OK, a missed one MISSED,
+    # never a finding's FAIL (was: "FAIL  causality.check expert_choice ...")
+    text = out.stdout.str()
+    summary = text[text.index("trainprobes ==="):]
+    out.stdout.fnmatch_lines(["*1 control MISSED, 2 control ok*Result(s)*",
+                              "  OK    causality.check expert_choice @ *: control, known verdict fail, got fail*",
+                              "  MISSED causality.check looks_leaky @ *: control, known verdict fail, got pass*"])
+    assert "FAIL  causality.check expert_choice" not in summary
 
 
 RECORD = """

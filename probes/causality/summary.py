@@ -227,9 +227,17 @@ def _message(setup: Setup, found: Findings, flips: Tally, scores: Tally, metrics
                + (f"; {n_unconf} from packed calls not re-confirmed" if n_unconf else ""))
     else:
         n_num = metrics["n_numerical"]
-        msg = (f"no {what} in {n_compared} compared over {len(setup.cuts)} cuts"
-               + (f" ({n_num} flips within rounding noise of a tie, excused by re-runs)"
-                  if n_num else ""))
+        if setup.mode == "truncate" and metrics["n_flips"]:
+            # the inference view's decisions do differ (mismatch_rate counts every one): say
+            # that none differs beyond rounding noise, not that none differs
+            msg = (f"no decisions that differ beyond rounding noise in the inference view (prefix "
+                   f"only); {metrics['n_flips']} of {n_compared} compared over {len(setup.cuts)} "
+                   f"cuts differ (mismatch_rate {metrics['mismatch_rate']:.4g})"
+                   + (f", {n_num} of them within rounding noise, excused by re-runs" if n_num else ""))
+        else:
+            msg = (f"no {what} in {n_compared} compared over {len(setup.cuts)} cuts"
+                   + (f" ({n_num} flips within rounding noise of a tie, excused by re-runs)"
+                      if n_num else ""))
         n_moves = found.isolation.unverified
         n_flips = metrics["n_unverified"] - n_moves - (found.near_ties.unverified if found.near_ties else 0)
         unsettled = [f"{n_flips} flips at near-ties"] if n_flips else []
