@@ -153,3 +153,15 @@ def test_a_batch_target_whose_every_output_is_nan_cannot_be_judged():
     r = batch_invariance(lambda t: torch.cat([torch.full((t.shape[0], 2), float("nan")), t[:, :1]], 1),
                          torch.randn(6, 4), sizes=(2, 4), trials=1)
     assert r.verdict == "pass" and r.metrics["batch_invariant"] is True
+
+
+@pytest.mark.parametrize("flag,spec,says", [
+    ("--step", "trainprobes.transforms.demo:stepp", "step='trainprobes.transforms.demo:stepp': "
+     "'trainprobes.transforms.demo' has no attribute 'stepp'; did you mean 'step'?"),
+    ("--step", "no_such_module_misuse", "step='no_such_module_misuse': module"),
+])
+def test_a_misspelled_step_is_named_as_the_step_not_the_target(capsys, flag, spec, says):
+    # was: "target='...'", while --target was spelled right
+    code = main(["transforms", "--target", "trainprobes.transforms.demo:step", flag, spec])
+    err = capsys.readouterr().err
+    assert code == 2 and says in err and "target=" not in err, err
