@@ -8,7 +8,7 @@ from datetime import date
 
 from trainprobes.display import format_number
 from trainprobes.errors import CannotJudge
-from trainprobes.gate.judgeable import _number, check_judgeable
+from trainprobes.gate.judgeable import check_judgeable, read_number
 from trainprobes.gate.render import render_markdown
 from trainprobes.gate.statistics import estimate, larger_magnitude, standard_error
 from trainprobes.gate.waivers import Waiver, load_waivers, waiver_dict
@@ -148,7 +148,7 @@ def _compare_pair(b: Result, c: Result, alpha: float, rel_tol: float) -> list[Re
         # is significant and harmless: the candidate's probe would not fail it either. The
         # lower of the two reports' floors: a candidate that raised its own (a config edit in
         # the change under review) must not silence the test of that change.
-        floors = [f for f in (_number(b, floor, "baseline"), _number(c, floor, "candidate"))
+        floors = [f for f in (read_number(b, floor, "baseline"), read_number(c, floor, "candidate"))
                   if f is not None]
         if eb and ec and abs(ec[0]) >= min(floors, default=0.0):
             sig, z, p = larger_magnitude(eb, ec, alpha, rel_tol)
@@ -159,8 +159,8 @@ def _compare_pair(b: Result, c: Result, alpha: float, rel_tol: float) -> list[Re
                 add(code, f"{shown} significantly larger in magnitude ({times})",
                     f"{eb[0]:.4g} ± {eb[1]:.2g} (SE)", f"{ec[0]:.4g} ± {ec[1]:.2g} (SE)",
                     f"one-sided z = {_fmt(z)}, p = {p:.2g} < alpha = {alpha}")
-    bb = _number(b, "accumulator_mantissa_bits", "baseline")
-    cb = _number(c, "accumulator_mantissa_bits", "candidate")
+    bb = read_number(b, "accumulator_mantissa_bits", "baseline")
+    cb = read_number(c, "accumulator_mantissa_bits", "candidate")
     if bb is not None and cb is not None and not cb >= bb:
         add("TP-B3", f"revealed accumulator precision fell by {bb - cb:g} mantissa bits",
             f"{bb:g} bits", f"{cb:g} bits", c.message)

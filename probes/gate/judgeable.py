@@ -30,7 +30,9 @@ NUMBERS = ("bias", "bias_se", "bias_z", "mean_log_ratio", "mean_log_ratio_se",
 FLOORS = ("min_effect", "min_bias", "tolerance")
 
 
-def _number(r: Result, name: str, side: str) -> float | None:
+def read_number(r: Result, name: str, side: str) -> float | None:
+    """Metric `name` of r as a float, None when absent; mistyped or too large: CannotJudge
+    naming the side."""
     try:
         return r.number(name)
     except InvalidType as e:
@@ -98,16 +100,16 @@ def check_judgeable(r: Result, side: str) -> None:
             raise CannotJudge(f"{where}: metric(s) {missing} missing: probe {r.probe!r} "
                               "always reports them and the gate's rules need them")
     for name in NUMBERS:
-        _number(r, name, side)
+        read_number(r, name, side)
     for name in FLOORS:  # abs(x) >= NaN (or inf) is False: the growth test would be skipped
-        v = _number(r, name, side)
+        v = read_number(r, name, side)
         if v is not None and not math.isfinite(v):
             raise CannotJudge(f"{where}: metric {name}={v} is the probe's floor for an effect "
                               "that matters, and is not finite (was the report edited?)")
     if spec is not None:  # every number the probe documents, not only those a rule reads
         for name, v in r.metrics.items():
             if v is not None and spec.is_number(name):
-                _number(r, name, side)
+                read_number(r, name, side)
     for name in VERDICT_FLAGS:  # causality's batch_invariant may be None (unknown)
         v = r.metrics.get(name)
         if v is not None and not isinstance(v, bool):
@@ -123,13 +125,13 @@ def _check_derived(r: Result, side: str) -> None:
     for probe, shown, est, offset in DERIVED:
         if r.probe != probe:
             continue
-        a, b = _number(r, shown, side), _number(r, est, side)
+        a, b = read_number(r, shown, side), read_number(r, est, side)
         if a is None or b is None or (math.isnan(a) and math.isnan(b)):
             continue
         if not abs(a - (offset + b)) <= 1e-9 * max(1.0, abs(a)):
             raise CannotJudge(f"{where}: metric {shown}={a!r} is not {offset:g} + {est}={b!r}, "
                               "as the probe writes it (was the report edited?)")
-        lo, hi = _number(r, f"{shown}_ci_low", side), _number(r, f"{shown}_ci_high", side)
+        lo, hi = read_number(r, f"{shown}_ci_low", side), read_number(r, f"{shown}_ci_high", side)
         if None not in (lo, hi) and not math.isnan(lo + hi + a) and not lo <= a <= hi:
             raise CannotJudge(f"{where}: metric {shown}={a!r} lies outside its CI "
                               f"[{lo!r}, {hi!r}] (was the report edited?)")
@@ -198,7 +200,7 @@ def _check_test(r: Result, side: str, flag: str, test: Significance) -> None:
     probes read it differently); the growth rules judge it."""
     where, got = f"{side} {r.key!r}", {}
     for name in test:
-        v = _number(r, name, side)
+        v = read_number(r, name, side)
         if v is None:
             raise CannotJudge(f"{where}: metric {name!r} missing: probe {r.probe!r} always "
                               f"reports it beside {flag}, which must agree with its test")

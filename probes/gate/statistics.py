@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from trainprobes.gate.judgeable import _number
+from trainprobes.gate.judgeable import read_number
 from trainprobes.result import PROBES, Result
 
 
@@ -22,7 +22,7 @@ def standard_error(r: Result, name: str, side: str = "") -> float | None:
         # SE is std / sqrt(trials), would hide any growth behind a made-up standard error
         if spec is not None and not spec.documents(n):
             return None
-        return _number(r, n, side)
+        return read_number(r, n, side)
     se = num(f"{name}_se")
     if se is None:
         se = num("se_mean")
@@ -45,7 +45,7 @@ def standard_error(r: Result, name: str, side: str = "") -> float | None:
 def estimate(r: Result, name: str, side: str = "") -> tuple[float, float] | None:
     """(value, standard error) of metric `name` of r, or None when the value is missing or
     NaN, or the standard error missing, NaN or infinite."""
-    value = _number(r, name, side)
+    value = read_number(r, name, side)
     if value is None or math.isnan(value):
         return None
     se = standard_error(r, name, side)

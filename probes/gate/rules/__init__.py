@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Callable
 
 from trainprobes.gate.rules import causality, distributed, drift, isolation, numerics, transforms
-from trainprobes.gate.rules.base import Counts, Reader, Significance  # noqa: F401 (used by the tables' readers)
+from trainprobes.gate.rules.base import Counts, Reader, Significance
 from trainprobes.result import Result
 
 FAMILIES = (numerics, distributed, drift, causality, transforms, isolation)
