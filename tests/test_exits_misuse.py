@@ -81,8 +81,7 @@ def test_a_target_whose_every_decision_is_nan_cannot_be_judged(here, capsys):
     code = main(["causality", "--target", "usermod_misuse:nan_out", "--seq-len", "32", "--batch", "2"])
     out, err = capsys.readouterr()
     assert code == 2, out + err
-    assert "CANNOT JUDGE" in out or "cannot judge" in out.lower()
-    assert "NaN" in out
+    assert "cannot judge: all 64 baseline decisions are NaN" in out
 
 
 def test_all_nan_decisions_from_the_api_are_no_pass():
@@ -114,7 +113,8 @@ def test_a_mistyped_config_seed_is_refused_naming_the_key(here, capsys, seed, sh
     err = capsys.readouterr().err
     assert code == 2, err
     assert f"seed={shown}" in err and "must be an int" in err
-    assert "invalid literal" not in err and not (here / "out").exists() or not any((here / "out").iterdir())
+    assert "invalid literal" not in err
+    assert not (here / "out").exists() or not any((here / "out").iterdir())  # refused before any work
 
 
 @pytest.mark.parametrize("key,value,want", [("defaults", '"yes"', "True or False"),
