@@ -233,7 +233,7 @@ def _message(setup: Setup, found: Findings, flips: Tally, scores: Tally, metrics
             msg = (f"no decisions that differ beyond rounding noise in the inference view (prefix "
                    f"only); {metrics['n_flips']} of {n_compared} compared over {len(setup.cuts)} "
                    f"cuts differ (mismatch_rate {metrics['mismatch_rate']:.4g})"
-                   + (f", {n_num} of them within rounding noise, excused by re-runs" if n_num else ""))
+                   + (f", {n_num} of them within rounding noise (numerical, not a leak)" if n_num else ""))
         else:
             msg = (f"no {what} in {n_compared} compared over {len(setup.cuts)} cuts"
                    + (f" ({n_num} flips within rounding noise of a tie, excused by re-runs)"
