@@ -76,7 +76,7 @@ def COLLECTIVE(mismatch=False, target="t"):
 
 def CAUSAL(causal=True, target="t", verdict=None, codes=None, **kw):
     """A causality.check Result as the probe writes it: verdict, code and the leak counts
-    agree with `causal` (gate.COUNTS, gate.SUMS)."""
+    agree with `causal` (trainprobes.gate.rules: COUNTS, SUMS)."""
     n = kw.pop("n_leaks", 0 if causal else 1)
     counts = {"n_leaks": n, "n_structural": n, "n_unconfirmed": 0, "n_score_leaks": 0}
     return R("causality.check", target, verdict or ("pass" if causal else "fail"),
@@ -87,7 +87,7 @@ def CAUSAL(causal=True, target="t", verdict=None, codes=None, **kw):
 def DRIFT(mean, se, biased=False, codes=(), verdict=None, units=50, **kw):
     """A drift.compare Result whose test figures are the probe's for that mean and standard
     error over `units` units (trainprobes.drift.stats._student: t_stat, p_mean, CI), and
-    whose `biased` agrees with its test (gate.TESTS). p_excess (the other half of the
+    whose `biased` agrees with its test (trainprobes.gate.rules.TESTS). p_excess (the other half of the
     intersection-union test) is 1e-6 for a biased one, else 0.5."""
     import torch
     from trainprobes.drift.stats import _student

@@ -7,7 +7,7 @@ from trainprobes.gate.rules.base import Counts, Reader, deterministic
 def _causality(rd: Reader) -> None:
     """trainprobes.causality.summary: every leak is a flip, flips are bounded by what was
     compared, flip_rate is n_leaks / n_compared, a pass has nothing unverified. (causal
-    against n_leaks, n_leaks as a sum: gate.COUNTS, gate.SUMS.)"""
+    against n_leaks, n_leaks as a sum: COUNTS and SUMS below.)"""
     n_leaks = rd.count("n_leaks", optional=True)
     flips, num = rd.count("n_flips", optional=True), rd.count("n_numerical", optional=True)
     unver = rd.count("n_unverified", optional=True)

@@ -8,7 +8,7 @@ from trainprobes.gate.rules.base import REL, Counts, Reader, close, fmt, p_agree
 
 def _transform(rd: Reader) -> None:
     """trainprobes.transforms.judge: scales are 1 + their errors, CIs are centred on their
-    estimates, the kind carries its code. (scale = 1 + scale_error: gate.DERIVED.)"""
+    estimates, the kind carries its code. (scale = 1 + scale_error: DERIVED below.)"""
     kind = rd.label("transform_verdict", optional=True)
     codes = {"biased": "TP-T1", "inconsistent": "TP-T2", "wrong": "TP-T3"}
     if kind is not None:
