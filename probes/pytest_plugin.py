@@ -281,6 +281,17 @@ def _failure(result, what: str, why: str = "") -> str:
     return "\n".join(x for x in lines if x)
 
 
+def _raise_if_unjudged(result, what: str) -> None:
+    """A Result nothing could judge (an error, or a fail with its verdict boolean None: all-NaN
+    decisions, a nondeterministic target) fails its test as "cannot judge", which the session
+    exits 2 for, as the command line does (commands.options.exit_for), never as a finding."""
+    from trainprobes.commands.options import exit_for
+    from trainprobes.errors import CannotJudge
+    if exit_for([result]) == 2:
+        raise CannotJudge(_failure(result, what, "cannot judge: the probe could not decide (see "
+                                                 "its message); not a finding"))
+
+
 class TrainProbes:
     """What the `trainprobes` fixture gives a test: probe-and-assert helpers that record."""
 
@@ -324,6 +335,7 @@ class TrainProbes:
         if expect is not None:
             return self._expect(result, expect, what)
         self.record(result)
+        _raise_if_unjudged(result, what)
         if not result.passed:
             pytest.fail(_failure(result, what), pytrace=False)
         return result
@@ -341,8 +353,9 @@ class TrainProbes:
         self.record(result)
         try:
             value = result.flag()
-        except CannotJudge as e:
-            pytest.fail(_failure(result, what, f"cannot judge: {e}"), pytrace=False)
+        except CannotJudge as e:  # no boolean, or a mistyped one: not judged, not a finding
+            raise CannotJudge(_failure(result, what, f"cannot judge: {e}")) from None
+        _raise_if_unjudged(result, what)
         name = PROBES[result.probe].flag
         if not result.passed or value is not VERDICT_FLAGS[name]:
             pytest.fail(_failure(result, what, f"{name} = {value} (passes with "
