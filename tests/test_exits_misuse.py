@@ -165,3 +165,17 @@ def test_a_misspelled_step_is_named_as_the_step_not_the_target(capsys, flag, spe
     code = main(["transforms", "--target", "trainprobes.transforms.demo:step", flag, spec])
     err = capsys.readouterr().err
     assert code == 2 and says in err and "target=" not in err, err
+
+
+def test_an_audit_finding_nothing_could_judge_exits_2_like_the_command():
+    from trainprobes.audit import exit_code
+    nan = Result("causality.check", "nan_router", "fail", codes=["TP-C1"],
+                 metrics={"causal": None, "n_leaks": 0})
+    leak = Result("causality.check", "router", "fail", codes=["TP-C1"], metrics={"causal": False})
+    assert exit_code([nan]) == 2 and exit_code([leak]) == 1
+    assert exit_code([nan, leak]) == 2  # as an errored check: could not run is said first
+    assert exit_code([nan], report_only=True) == 2
+    # a control is judged on reproducing its known verdict, never as cannot-judge
+    ctl = Result("causality.check", "ctl", "fail", codes=["TP-C1"], metrics={"causal": None},
+                 expected="fail")
+    assert exit_code([ctl]) == 0
