@@ -91,6 +91,12 @@ def test_nan_decisions_cannot_pass():
     some[0, :2] = float("nan")
     res = summarise(COMMON, setup(), Findings(base=Outputs(some, None), isolation=Isolation(True, [])))
     assert res.verdict == "warn" and res.metrics["causal"] is True and "2 of" in res.message
+    # every position holds a NaN feature, but the other features were compared: judged, a warn
+    part = torch.zeros(2, T, 3)
+    part[..., 0] = float("nan")
+    res = summarise(COMMON, setup(), Findings(base=Outputs(part, None), isolation=Isolation(True, [])))
+    assert res.verdict == "warn" and res.metrics["causal"] is True
+    assert res.evidence["nan_decisions"] == 2 * T
 
 
 def test_truncate_mode_never_says_no_decision_differs_beside_a_mismatch():

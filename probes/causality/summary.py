@@ -121,9 +121,12 @@ def summarise(common: dict, setup: Setup, found: Findings) -> Result:
     # built alone start from torch.empty) are never compared: no pass can rest on them
     n_nan = _nan_decisions(found)
     n_decisions = found.base.decision.shape[0] * T
-    # every baseline decision NaN and none moved: nothing was compared, so nothing was judged
-    # (fail closed: causal None, cannot judge, never a pass or a warn)
-    unjudged = bool(n_decisions) and n_nan == n_decisions and causal and not n_unver
+    # every value of every baseline decision NaN and none moved: nothing was compared, so
+    # nothing was judged (fail closed: causal None, cannot judge, never a pass or a warn); a
+    # decision with one finite feature was compared on it
+    y0 = found.base.decision
+    unjudged = (y0.numel() > 0 and y0.is_floating_point() and bool(y0.isnan().all())
+                and causal and not n_unver)
     if unjudged:
         causal, codes = None, ["TP-C1"]
     verdict = "fail" if codes else ("warn" if n_unver or n_nan else "pass")
