@@ -59,7 +59,9 @@ def _build(spec: str, role: str):
     from trainprobes.drift.engines import Engine
     from trainprobes.targets import call_target, load_target
 
-    obj = call_target(load_target(spec, from_cwd=True), spec, what="the factory")
+    label = "engine" if role == "engine" else "target"
+    obj = call_target(load_target(spec, from_cwd=True, label=label), spec, what="the factory",
+                      label=label)
     if isinstance(obj, Engine):
         obj.name = obj.name if obj.name != "engine" else role
         return obj
