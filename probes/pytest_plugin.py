@@ -220,8 +220,10 @@ def pytest_sessionfinish(session, exitstatus):
             rec.gate = compare(base, rec.results, waivers=waivers)
         except (SchemaError, CannotJudge) as e:
             rec.gate = GateReport(cannot_judge=f"baseline: {e}")
+        # the gate's own contract: 1 a regression, 2 cannot judge (a missing or unreadable
+        # baseline is no finding); a failed test (1) stays the session's status
         if rec.gate.exit_code != 0 and session.exitstatus == 0:
-            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+            session.exitstatus = rec.gate.exit_code
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -233,7 +235,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for nodeid, code, text in rec.crashes:
         tr.write_line(f"not a finding (exit {code}): {nodeid}: {text.split(' ', 1)[1]}", red=True)
     from collections import Counter
-    counts = Counter(r.verdict for r in rec.results)
+    # a control is OK or MISSED (its known verdict reproduced or not), never a finding's FAIL
+    counts = Counter(("control ok" if r.reproduced else "control MISSED") if r.is_control
+                     else r.verdict for r in rec.results)
     tr.write_line(", ".join(f"{n} {v}" for v, n in sorted(counts.items())) + " Result(s)")
     for r in rec.results[:40]:
         tr.write_line("  " + r.summary_line())
@@ -243,7 +247,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if report:
         tr.write_line(f"report: {report}")
     if rec.gate is not None:
-        from trainprobes.gate_render import render_text  # a terminal: plain text
+        from trainprobes.gate.render import render_text  # a terminal: plain text
         tr.write_line(render_text(rec.gate).rstrip("\n"), red=rec.gate.exit_code != 0,
                       green=rec.gate.exit_code == 0)
 
@@ -275,6 +279,17 @@ def _failure(result, what: str, why: str = "") -> str:
     if result.seed is not None:
         lines.append(f"  seed = {result.seed} (rerun with it to reproduce)")
     return "\n".join(x for x in lines if x)
+
+
+def _raise_if_unjudged(result, what: str) -> None:
+    """A Result nothing could judge (an error, or a fail with its verdict boolean None: all-NaN
+    decisions, a nondeterministic target) fails its test as "cannot judge", which the session
+    exits 2 for, as the command line does (commands.options.exit_for), never as a finding."""
+    from trainprobes.commands.options import exit_for
+    from trainprobes.errors import CannotJudge
+    if exit_for([result]) == 2:
+        raise CannotJudge(_failure(result, what, "cannot judge: the probe could not decide (see "
+                                                 "its message); not a finding"))
 
 
 class TrainProbes:
@@ -320,6 +335,7 @@ class TrainProbes:
         if expect is not None:
             return self._expect(result, expect, what)
         self.record(result)
+        _raise_if_unjudged(result, what)
         if not result.passed:
             pytest.fail(_failure(result, what), pytrace=False)
         return result
@@ -337,8 +353,9 @@ class TrainProbes:
         self.record(result)
         try:
             value = result.flag()
-        except CannotJudge as e:
-            pytest.fail(_failure(result, what, f"cannot judge: {e}"), pytrace=False)
+        except CannotJudge as e:  # no boolean, or a mistyped one: not judged, not a finding
+            raise CannotJudge(_failure(result, what, f"cannot judge: {e}")) from None
+        _raise_if_unjudged(result, what)
         name = PROBES[result.probe].flag
         if not result.passed or value is not VERDICT_FLAGS[name]:
             pytest.fail(_failure(result, what, f"{name} = {value} (passes with "

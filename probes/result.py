@@ -480,6 +480,10 @@ class Result:
 
     def summary_line(self) -> str:
         codes = f" [{', '.join(self.codes)}]" if self.codes else ""
+        if self.is_control:  # judged on reproducing its known verdict: OK / MISSED, as reports say
+            word = "OK" if self.reproduced else "MISSED"
+            return (f"{word:5} {self.probe} {self.target}{codes}: control, known verdict "
+                    f"{self.expected}, got {self.verdict}: {self.message}")
         return f"{self.verdict.upper():5} {self.probe} {self.target}{codes}: {self.message}"
 
 

@@ -1,16 +1,19 @@
 """torchtitan's own parallelisation of its Llama3, judged against the fp64 single-device
 step (scripts/torchtitan_steps.py holds the steps and what it takes to run on a CPU).
 
-    scripts/torchtitan_check.sh          # makes the venv, then runs this
-    python scripts/torchtitan_check.py [--trials 16] [--out tests/data/torchtitan_check.json] [--force]
+    scripts/torchtitan_check.sh          # makes its venv (torch, torchtitan), then runs this
+    python scripts/torchtitan_check.py [--trials 16] [--out torchtitan_check.json] [--force]
 
 Through the probe's --step path (trainprobes.transforms.UserStep: setup once per rank,
 weights restored through the DTensors, gradients read from them), on gloo:
   world 2: FSDP2 (dp 2), TP (tp 2, sequence parallel), FSDP2 reducing in bf16 (declared
            and not), and a local-token normalisation bug beside the correct step;
   world 4: FSDP2 x TP (2 x 2), and the same reducing in bf16 (declared).
-Writes the verdicts, scales with their CIs and added errors to --out (read by
-tests/test_transforms_torchtitan.py).
+Each parallel step is torchtitan's trainer's: set_spmd_backend as the trainer calls it, and
+its own CrossEntropyLoss (vocab-parallel under TP) over the global token count.
+Writes the verdicts, scales with their CIs and added errors to --out (default
+./torchtitan_check.json; tests/test_transforms_torchtitan.py reads the copy in tests/data/,
+refreshed with --out tests/data/torchtitan_check.json --force).
 """
 from __future__ import annotations
 
@@ -37,11 +40,15 @@ CASES = {
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=16)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "tests", "data", "torchtitan_check.json"))
+    p.add_argument("--out", default="torchtitan_check.json",
+                   help="where the verdicts go (default: torchtitan_check.json in the current folder)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     a = p.parse_args()
     if os.path.exists(a.out) and not a.force:
         print(f"{a.out} exists: --force to replace it", file=sys.stderr)
+        return 2
+    if not os.path.isdir(os.path.dirname(os.path.abspath(a.out))):
+        print(f"--out {a.out}: its folder does not exist", file=sys.stderr)
         return 2
     sys.path.insert(0, HERE)
     from importlib.metadata import version
@@ -62,6 +69,8 @@ def main() -> int:
                        **{k: r.metrics.get(k) for k in KEYS}, "message": r.message}
             print(f"{n}: {r.metrics['transform_verdict']} scale {r.metrics['scale']:.6g}", flush=True)
     doc = {"torchtitan": version("torchtitan"), "torch": torch.__version__, "trials": a.trials,
+           "parallel_step": {"loss": "torchtitan.components.loss.CrossEntropyLoss (vocab-parallel "
+                                     "under TP)", "spmd_backend": "partial_dtensor (set_spmd_backend)"},
            "model": {"dim": tt.DIM, "heads": tt.HEADS, "layers": tt.LAYERS, "vocab": tt.VOCAB,
                      "seq": tt.SEQ, "batch": tt.BATCH,
                      "parameters": sum(q.numel() for q in tt.model().parameters())},

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import tempfile
 import types
 
 import torch
@@ -134,12 +135,20 @@ def setup(model, ctx, dp=1, tp=1, param="float32", reduce="float32"):
     dims.build_mesh()
     training = TrainingConfig(local_batch_size=BATCH // dp, seq_len=SEQ,
                               mixed_precision_param=param, mixed_precision_reduce=reduce)
+    # the trainer's own call (torchtitan/trainer.py, before its loss is built): the loss and
+    # the DTensor helpers read the backend from here, not from the ParallelismConfig
+    from torchtitan.distributed import utils as dist_utils
+    dist_utils.set_spmd_backend(parallelism.spmd_backend)
     parallelize_llama(model, parallel_dims=dims, training=training, parallelism=parallelism,
-                      compile_config=CompileConfig(), ac_config=None, dump_folder="/tmp")
+                      compile_config=CompileConfig(), ac_config=None, dump_folder=tempfile.gettempdir())
     for m in model.modules():                                                 # step 4
         if isinstance(m, FSDPModule):
             m.set_force_sum_reduction_for_comms(True)
     model._tt_dims = dims
+    # the trainer's loss: config.loss.build(compile_config=...), torchtitan's CrossEntropyLoss
+    # (summed; vocab-parallel on logits sharded over the vocabulary, as TP leaves them)
+    from torchtitan.components.loss import CrossEntropyLoss
+    model._tt_loss = CrossEntropyLoss.Config(global_vocab_size=VOCAB).build(compile_config=CompileConfig())
 
 
 fsdp = functools.partial(setup, dp=2)
@@ -158,13 +167,11 @@ def step(model, b, ctx):
     dp = dims.dp_shard if dims.dp_shard_enabled else 1
     n = b["input"].shape[0] // dp
     ids, labels = b["input"][dp_rank * n:(dp_rank + 1) * n], b["labels"][dp_rank * n:(dp_rank + 1) * n]
-    local = torch.tensor(float(labels.numel()))
+    global_tokens = torch.tensor(float(labels.numel()))
     if dims.dp_enabled:
-        dist.all_reduce(local, group=dims.get_mesh("fsdp").get_group())
+        dist.all_reduce(global_tokens, group=dims.get_mesh("fsdp").get_group())
     pred = model(ids)
-    if hasattr(pred, "full_tensor"):
-        pred = pred.full_tensor()
-    total = loss_sum(pred, labels) / local
+    total, _ = model._tt_loss(pred, labels, global_tokens)  # local sum / global valid tokens
     total.backward()
     return _logged(total, dims)
 
@@ -186,8 +193,6 @@ def step_local_tokens(model, b, ctx):
     n = b["input"].shape[0] // (dims.dp_shard if dims.dp_shard_enabled else 1)
     ids, labels = b["input"][dp_rank * n:(dp_rank + 1) * n], b["labels"][dp_rank * n:(dp_rank + 1) * n]
     pred = model(ids)
-    if hasattr(pred, "full_tensor"):
-        pred = pred.full_tensor()
-    total = loss_sum(pred, labels) / labels.numel()
+    total, _ = model._tt_loss(pred, labels, torch.tensor(float(labels.numel())))
     total.backward()
     return _logged(total, dims)

@@ -78,6 +78,18 @@ def test_a_nan_metric_crosses_every_limit():
     assert r.verdict == "fail" and "bias = nan < -1 (fail_below)" in r.message
 
 
+def test_a_broken_limit_is_what_the_message_says_first():
+    # was: an FSDP2 bf16 FAIL whose message began "noise: zero-mean differences", the
+    # probe's own reading, with the limit that failed it appended at the end
+    r = Result("transforms.equivalence", "trainer.fsdp2", "pass", codes=[],
+               metrics={"equivalent": True, "max_added_error": 3e-3},
+               message="noise: zero-mean differences (max relative error 0.004 against fp64)")
+    r = apply_thresholds(r, {"fail_above": {"max_added_error": 1e-4}}, "transforms")
+    assert r.verdict == "fail" and r.codes == ["TP-T3"]
+    assert r.message.startswith("over the configured threshold: max_added_error = 0.003 > 0.0001 "
+                                "(fail_above); the probe's own reading: noise: ")
+
+
 def _collectives(dtype, **extra):
     entry = {"name": "grad_allreduce", "world": 16, "dtype": dtype, "numel": 256,
              "trials": 8, "op": "sum", **extra}

@@ -194,3 +194,30 @@ def test_exit_for_a_finding_wins_over_an_unknown():
     assert exit_for([fine]) == 0
     assert exit_for([fine, unknown]) == 2 and exit_for([errored]) == 2
     assert exit_for([unknown, leak, errored]) == 1
+
+
+ROUNDING_BY_LENGTH = '''
+def rounded(x):
+    # the value depends on the sequence length only through fp32 rounding: a prefix run
+    # differs from the full one bit for bit, and not at all in fp64
+    t = x.shape[1] * 3.3
+    return (x * t) / t
+'''
+
+
+def test_truncate_mode_says_decisions_differ_within_noise_beside_its_mismatch_rate(tmp_path, monkeypatch,
+                                                                                   capsys):
+    # was: "no decisions that differ in the inference view" printed next to mismatch_rate 0.8
+    (tmp_path / "rounding_by_length.py").write_text(ROUNDING_BY_LENGTH)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(__import__("sys").modules, "rounding_by_length", raising=False)
+    code, out, _ = run(capsys, "--target", "rounding_by_length:rounded", "--hidden", "8", "--mode",
+                       "truncate", "--seq-len", "32", "--batch", "2", "--json")
+    (r,) = json.loads(out)["results"]
+    m = r["metrics"]
+    assert code == 0 and m["causal"] is True and m["n_leaks"] == 0
+    assert m["n_numerical"] > 0 and m["mismatch_rate"] > 0
+    assert "no decisions that differ in the inference view" not in r["message"]
+    assert (f"{m['n_flips']} of {m['n_compared']} compared" in r["message"]
+            and f"mismatch_rate {m['mismatch_rate']:.4g}" in r["message"]
+            and "beyond rounding noise" in r["message"])

@@ -83,5 +83,34 @@ def test_nan_decisions_cannot_pass():
     nothing."""
     nan = Outputs(torch.full((2, T, 3), float("nan")), None)
     res = summarise(COMMON, setup(), Findings(base=nan, isolation=Isolation(True, [])))
-    assert res.verdict == "warn" and "are NaN" in res.message
+    # nothing was compared: cannot judge (causal None, a fail), never a warn that exits 0
+    assert res.verdict == "fail" and res.metrics["causal"] is None and "cannot judge" in res.message
     assert res.evidence["nan_decisions"] == 2 * T
+    # some decisions NaN, others compared: judged on those, with a warning for the rest
+    some = torch.zeros(2, T, 3)
+    some[0, :2] = float("nan")
+    res = summarise(COMMON, setup(), Findings(base=Outputs(some, None), isolation=Isolation(True, [])))
+    assert res.verdict == "warn" and res.metrics["causal"] is True and "2 of" in res.message
+    # every position holds a NaN feature, but the other features were compared: judged, a warn
+    part = torch.zeros(2, T, 3)
+    part[..., 0] = float("nan")
+    res = summarise(COMMON, setup(), Findings(base=Outputs(part, None), isolation=Isolation(True, [])))
+    assert res.verdict == "warn" and res.metrics["causal"] is True
+    assert res.evidence["nan_decisions"] == 2 * T
+
+
+def test_truncate_mode_never_says_no_decision_differs_beside_a_mismatch():
+    # was: "no decisions that differ in the inference view" next to mismatch_rate 0.25,
+    # the differences being within rounding noise (numerical) and excused
+    s = setup()
+    s.mode = "truncate"
+    f = flips(4, [Kind.NUMERICAL, Kind.NUMERICAL], [0, 3])
+    res = summarise(COMMON, s, Findings(base=BASE, isolation=Isolation(True, []), flips=[f]))
+    m = res.metrics
+    assert res.verdict == "pass" and m["mismatch_rate"] == 2 / 16
+    assert "no decisions that differ in the inference view" not in res.message
+    assert "beyond rounding noise" in res.message and "2 of 16" in res.message
+    assert "mismatch_rate 0.125" in res.message
+    # nothing differs at all: the plain sentence is true
+    res = summarise(COMMON, s, Findings(base=BASE, isolation=Isolation(True, [])))
+    assert res.metrics["mismatch_rate"] == 0 and "no decisions that differ in the inference view" in res.message

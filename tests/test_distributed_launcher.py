@@ -66,6 +66,22 @@ def test_every_rank_runs_with_the_rendezvous_environment(world, reaper):
     assert wait_dead(reaper) == []
 
 
+def test_what_a_rank_prints_goes_to_stderr_never_to_the_commands_stdout():
+    # was: a rank's print (torchtitan logs to stdout) landed inside `--json`'s document. A
+    # process of its own: ranks come from a forkserver that keeps the descriptors it started with
+    import subprocess
+    import sys
+    code = ("import json; import trainprobes.distributed.launcher as L; "
+            "from trainprobes.distributed.selftest import print_task; "
+            "print(json.dumps(L.launch(print_task, 2, timeout=120)))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    import json
+    assert len(json.loads(p.stdout)) == 2  # stdout holds the document and nothing else
+    for r in (0, 1):
+        assert f"rank {r} says hello on stdout" in p.stderr and f"rank {r} writes to fd 1" in p.stderr
+
+
 def test_a_rank_that_raises_stops_all_and_names_itself(reaper):
     with pytest.raises(L.WorkerFailed) as info:
         L.launch(raise_task, 3, timeout=120, args=(2,))

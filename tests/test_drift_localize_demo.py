@@ -34,7 +34,7 @@ def test_demo_case_reproduced(case):
         assert m[f"share_{share}"] > 0.9 and m[f"share_{share}_ci_low"] > 0.5
         assert r.codes == ["TP-D4"]
     assert Result.from_json(r.to_json()) == r
-    check_judgeable(r, "candidate")  # the gate's consistency rule (gate_rules._localize) holds
+    check_judgeable(r, "candidate")  # the gate's consistency rule (trainprobes.gate.rules.drift) holds
     for s in r.evidence["stages"]:
         assert f"own_error[{s['name']}]" in m and f"noise_floor[{s['name']}]" in m
 

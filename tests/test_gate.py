@@ -29,7 +29,7 @@ def R(probe="custom.probe", target="t", verdict="pass", codes=(), **metrics):
 def BIAS(bias=1e-4, std=1e-3, trials=100, target="t", biased=None, min_effect=0.0, **edits):
     """A numerics.bias Result written by the probe (bias_probe, one stage) on trials whose
     signed errors have that mean and spread, so its CI, rms, p-values and per-trial errors agree
-    (gate_rules). biased: what the caller expects the probe to find (checked). edits: metrics
+    (trainprobes.gate.rules). biased: what the caller expects the probe to find (checked). edits: metrics
     set afterwards, as a hand edit would."""
     import torch
     from trainprobes.numerics.bias import bias_probe
@@ -76,7 +76,7 @@ def COLLECTIVE(mismatch=False, target="t"):
 
 def CAUSAL(causal=True, target="t", verdict=None, codes=None, **kw):
     """A causality.check Result as the probe writes it: verdict, code and the leak counts
-    agree with `causal` (gate.COUNTS, gate.SUMS)."""
+    agree with `causal` (trainprobes.gate.rules: COUNTS, SUMS)."""
     n = kw.pop("n_leaks", 0 if causal else 1)
     counts = {"n_leaks": n, "n_structural": n, "n_unconfirmed": 0, "n_score_leaks": 0}
     return R("causality.check", target, verdict or ("pass" if causal else "fail"),
@@ -87,7 +87,7 @@ def CAUSAL(causal=True, target="t", verdict=None, codes=None, **kw):
 def DRIFT(mean, se, biased=False, codes=(), verdict=None, units=50, **kw):
     """A drift.compare Result whose test figures are the probe's for that mean and standard
     error over `units` units (trainprobes.drift.stats._student: t_stat, p_mean, CI), and
-    whose `biased` agrees with its test (gate.TESTS). p_excess (the other half of the
+    whose `biased` agrees with its test (trainprobes.gate.rules.TESTS). p_excess (the other half of the
     intersection-union test) is 1e-6 for a biased one, else 0.5."""
     import torch
     from trainprobes.drift.stats import _student
@@ -883,9 +883,9 @@ COUNT_EDITS = [
 
 def _without(monkeypatch, table: str, probe: str) -> None:
     """Switch the gate's rule for probe off (to show the edit passed without it), and the
-    probe's consistency rule (gate_rules.RULES), which catches some of these edits too."""
-    import trainprobes.gate as gate
-    import trainprobes.gate_rules as gate_rules
+    probe's consistency rule (trainprobes.gate.rules.RULES), which catches some of these edits too."""
+    import trainprobes.gate.judgeable as gate
+    import trainprobes.gate.rules as gate_rules
     rules = getattr(gate, table)
     monkeypatch.setattr(gate, table, {k: v for k, v in rules.items() if k != probe}
                         if isinstance(rules, dict) else tuple(x for x in rules if x[0] != probe))

@@ -1,4 +1,4 @@
-"""The gate against hand edits: every probe has a consistency rule (gate_rules.RULES), and one
+"""The gate against hand edits: every probe has a consistency rule (trainprobes.gate.rules.RULES), and one
 field of a real Result edited alone (x1000, set to 0.5, a boolean flipped) blocks (exit 1) or
 cannot be judged (exit 2), in the baseline or the candidate; never passes. The edits no rule
 can see are listed below with the reason, and the list is checked to be exact."""
@@ -8,7 +8,7 @@ from datetime import date
 
 import pytest
 from trainprobes.gate import check_judgeable, compare
-from trainprobes.gate_rules import RULES
+from trainprobes.gate.rules import RULES
 from trainprobes.result import PROBES, Result
 
 TODAY = date(2026, 11, 29)
@@ -171,7 +171,7 @@ def real():
 def test_every_probe_has_a_consistency_rule():
     # a probe added to PROBES without a rule would be compared on figures nothing checks
     missing = sorted(set(PROBES) - set(RULES))
-    assert not missing, f"probes without a rule in trainprobes.gate_rules.RULES: {missing}"
+    assert not missing, f"probes without a rule in trainprobes.gate.rules.RULES: {missing}"
 
 
 def test_the_real_results_cover_every_probe_and_are_judgeable(real):

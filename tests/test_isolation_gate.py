@@ -6,7 +6,7 @@ from trainprobes.result import Result
 
 
 def needs(probe, value):
-    """The metrics the gate reads beside the verdict boolean, agreeing with its value (gate.COUNTS)."""
+    """The metrics the gate reads beside the verdict boolean, agreeing with its value (trainprobes.gate.rules.COUNTS)."""
     bad = value is False
     return {"isolation.documents": {"n_leaks": int(bad), "max_leak": float(bad), "n_unverified": 0,
                                     "n_blind_tokens": 0},

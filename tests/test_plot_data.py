@@ -161,6 +161,26 @@ def test_stall_bars_draw_expected_format_stalls_as_expected_not_red():
     assert stall_plot(wrong)["status"][2] == "unexpected"
 
 
+def test_a_sum_within_tolerance_that_is_not_the_true_sum_is_not_called_exact():
+    # was: fp32 + 0.001 over 4096 adds drawn green, "exact", labelled "4.096 of 4.096": the
+    # sum is 4.09589
+    from trainprobes.numerics.stall import stall
+    r = stall(formats=("fp32",), increments=(1.0, 0.001), n=4096)
+    rows = r.evidence["rows"]
+    assert rows[0]["sequential_sum"] == rows[0]["true_sum"] != rows[1]["sequential_sum"]
+    spec = stall_plot(r)
+    assert spec["status"] == ["exact", "rounding"]
+    shown, of = spec["labels"][1].split(": ")[1].split(" of ")
+    assert of == "4.096" and shown != of and float(shown) == pytest.approx(rows[1]["sequential_sum"], rel=1e-4)
+    ax = figure(spec).axes[0]
+    assert [to_hex(b.get_facecolor()) for b in ax.patches] == [BAR_COLORS["exact"][0],
+                                                              BAR_COLORS["rounding"][0]]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend[1].startswith("not exact")
+    ends = [t.get_text() for t in ax.texts]  # the value at each bar's end
+    assert ends[0] == "1" and ends[1] != "1" and float(ends[1]) == pytest.approx(4.095885753631592 / 4.096, rel=1e-4)
+
+
 def test_trend_panels_draw_every_series_given_and_label_each_line():
     spec = {"kind": "panels", "title": "t", "x": [1, 2, 3, 4, 5], "xlabel": "run",
             "panels": [{"ylabel": "nats/token", "title": "mean_log_ratio",

@@ -153,14 +153,16 @@ def test_missing_probe_against_baseline_is_a_regression(pytester):
 
 
 @pytest.mark.parametrize("content", ['{"schema_version": 1, "results": [', "not json at all",
-                                     '{"schema_version": 99, "results": []}'])
+                                     '{"schema_version": 99, "results": []}', None])
 def test_unreadable_baseline_fails_closed(pytester, content):
+    # exit 2, as the summary says: cannot judge is not a finding (was: pytest exited 1)
     pytester.makepyfile(test_mod=recording(n=1))
     base = pytester.path / "base.json"
-    base.write_text(content)
+    if content is not None:  # None: the baseline file does not exist
+        base.write_text(content)
     result = pytester.runpytest(f"--trainprobes-baseline={base}")
-    assert result.ret == 1
-    result.stdout.fnmatch_lines(["*CANNOT JUDGE*"])
+    assert result.ret == 2
+    result.stdout.fnmatch_lines(["*CANNOT JUDGE (exit 2)*"])
 
 
 def test_check_fails_with_a_clear_message(pytester):

@@ -40,6 +40,14 @@ def test_expect_records_a_control_reproduced_or_missed(pytester):
     assert by["expert_choice"]["expected"] == "fail"  # a control that reproduced: not a FAIL
     assert by["looks_leaky"]["expected"] == "fail" and by["looks_leaky"]["verdict"] == "pass"
     assert by["fp16"]["expected"] == "warn"
+    # the summary says what the audit says: a reproduced control is OK, a missed one MISSED,
+    # never a finding's FAIL (was: "FAIL  causality.check expert_choice ...")
+    text = out.stdout.str()
+    summary = text[text.index("trainprobes ==="):]
+    out.stdout.fnmatch_lines(["*1 control MISSED, 2 control ok*Result(s)*",
+                              "  OK    causality.check expert_choice @ *: control, known verdict fail, got fail*",
+                              "  MISSED causality.check looks_leaky @ *: control, known verdict fail, got pass*"])
+    assert "FAIL  causality.check expert_choice" not in summary
 
 
 RECORD = """
@@ -63,3 +71,30 @@ def test_report_keys_do_not_move_with_rootdir(pytester):
     a = json.loads((pytester.path / "a.json").read_text())["results"][0]["target"]
     b = json.loads((pytester.path / "b.json").read_text())["results"][0]["target"]
     assert a == b == "router @ sub/test_keys.py::test_one"
+
+
+UNJUDGED = """
+from trainprobes.result import Result
+
+
+def test_all_nan_decisions(trainprobes):
+    # what causality.check writes when every decision is NaN: nothing was compared
+    trainprobes.assert_flag(Result("causality.check", "nan_router", "fail", codes=["TP-C1"],
+                                   metrics={"causal": None, "n_leaks": 0},
+                                   message="cannot judge: all 64 baseline decisions are NaN"))
+
+
+def test_errored(trainprobes):
+    trainprobes.check(Result("numerics.stall", "fp16", "error", codes=["TP-E1"], message="boom"))
+"""
+
+
+def test_a_result_nothing_could_judge_fails_its_test_as_cannot_judge_exit_2(pytester):
+    # was: pytest.fail, so the session exited 1 as if the probe had found something
+    pytester.makepyfile(test_unjudged=UNJUDGED)
+    out = pytester.runpytest("-p", "no:cacheprovider")
+    out.assert_outcomes(failed=2)
+    assert out.ret == 2
+    out.stdout.fnmatch_lines(["*not a finding (exit 2)*test_all_nan_decisions*",
+                              "*not a finding (exit 2)*test_errored*"], consecutive=False)
+    out.stdout.fnmatch_lines(["*cannot judge: the probe could not decide*"])

@@ -49,3 +49,21 @@ def test_torchtitans_fsdp2_run_here_is_equivalent():
     (r,) = run_probes([Probe(tt.single(), UserStep("torchtitan_steps:step", setup_fn="torchtitan_steps:fsdp"),
                              trials=4)], world=2)
     assert r.metrics["equivalent"] is True, r.message
+
+
+@pytest.mark.parametrize("existing", [True, False])
+def test_the_check_writes_to_the_current_folder_and_never_replaces_unasked(tmp_path, existing):
+    # was: its default output was tests/data/torchtitan_check.json, a tracked file, so the
+    # script as documented exited 2 ("exists: --force to replace it") on every checkout
+    import subprocess
+    mine = tmp_path / "torchtitan_check.json"
+    if existing:
+        mine.write_text("{}")
+        args = []
+    else:
+        args = ["--out", str(tmp_path / "no_such_folder" / "x.json")]
+    p = subprocess.run([sys.executable, os.path.join(SCRIPTS, "torchtitan_check.py"), *args],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stdout == ""
+    assert ("torchtitan_check.json exists: --force" if existing else "its folder does not exist") in p.stderr
+    assert mine.read_text() == "{}" if existing else not mine.exists()

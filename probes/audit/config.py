@@ -25,7 +25,7 @@ from trainprobes import _toml
 from trainprobes.audit.run import Check
 from trainprobes.audit.thresholds import apply_thresholds, check_thresholds
 from trainprobes.errors import ConfigError, InvalidArgument, InvalidType
-from trainprobes.validation import check_choice, check_int, check_number, check_type
+from trainprobes.validation import check_bool, check_choice, check_int, check_number, check_type
 
 __all__ = ["read_config", "find_config", "suite_from_config", "apply_thresholds", "ConfigError"]
 
@@ -439,16 +439,43 @@ SECTIONS = {"causality": causality_check, "bias": bias_check, "drift": drift_che
             "batch_invariance": batch_invariance_check, "transforms": transform_check}
 
 
+def check_top(cfg) -> None:
+    """The [tool.trainprobes] table's own keys and the types of its top-level values, checked
+    before anything reads them (a ConfigError naming the key, the value and what works)."""
+    top = "[tool.trainprobes]"
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{top} must be a table, got {cfg!r}")
+    unknown = sorted(set(cfg) - TOP_KEYS)
+    if unknown:
+        raise ConfigError(f"{top} has unknown keys {unknown!r}; known: {sorted(TOP_KEYS)}")
+    try:
+        if "seed" in cfg:
+            check_int(cfg["seed"], f"{top} seed", min=0, hint="e.g. seed = 0; every random "
+                      "choice of the suite, recorded in each Result")
+        for key in ("out", "history"):
+            if key in cfg:
+                check_type(str, cfg[key], f"{top} {key}", hint='a folder, e.g. "reports"')
+        if "defaults" in cfg:
+            check_bool(cfg["defaults"], f"{top} defaults", hint="true also runs the default suite")
+        if "families" in cfg:
+            fams = cfg["families"]
+            for i, name in enumerate(fams if isinstance(fams, list) else [fams]):
+                check_type(str, name, f"{top} families" + (f"[{i}]" if isinstance(fams, list) else ""),
+                           hint='a list of default-suite families, e.g. ["stall", "reveal"]')
+        if "pythonpath" in cfg:
+            paths = check_type(list, cfg["pythonpath"], f"{top} pythonpath",
+                               hint='a list of folders, e.g. ["src"]')
+            for i, p in enumerate(paths):
+                check_type(str, p, f"{top} pythonpath[{i}]", hint="a folder, relative to the file")
+    except (InvalidArgument, InvalidType) as e:
+        raise ConfigError(str(e)) from None
+
+
 def suite_from_config(cfg: dict, *, seed: int = 0, base_dir=Path("."), quick: bool = False):
     """(checks, skipped) for a [tool.trainprobes] table."""
     from trainprobes.audit.suites import default_suite
 
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"[tool.trainprobes] must be a table, got {cfg!r}")
-    unknown = sorted(set(cfg) - TOP_KEYS)
-    if unknown:
-        raise ConfigError(f"[tool.trainprobes] has unknown keys {unknown!r}; "
-                          f"known: {sorted(TOP_KEYS)}")
+    check_top(cfg)
     for p in reversed(cfg.get("pythonpath", [])):  # like pytest's pythonpath, relative to the file
         p = str((Path(base_dir) / p).resolve())
         if p not in sys.path:

@@ -218,11 +218,15 @@ def claim_folder(root: Path, stamp: str) -> Path:
 
 def exit_code(results: list[Result], *, skipped: dict | None = None, report_only: bool = False,
               strict: bool = False) -> int:
-    """2: a check could not run (an error; with strict, also a skipped family or section).
+    """2: a check could not run (an error; with strict, also a skipped family or section) or
+    a finding nothing could judge (a fail with its verdict boolean None: all-NaN decisions, a
+    nondeterministic target; commands.options.exit_for).
     1: a finding failed or a control missed its known verdict (unless report_only).
     0: otherwise: passing and warning findings, controls reproduced (a known-leaky router
     that leaks is a reproduced control, not a failure)."""
-    if any(r.verdict == "error" for r in results) or (strict and skipped):
+    from trainprobes.commands.options import exit_for
+    unjudged = any(not r.is_control and exit_for([r]) == 2 for r in results)
+    if unjudged or (strict and skipped):
         return 2
     if report_only:
         return 0

@@ -65,16 +65,17 @@ def apply_thresholds(result, entry: dict, section: str):
         result.evidence["thresholds"] = {"fail_above": entry.get("fail_above", {}),
                                          "fail_below": entry.get("fail_below", {}),
                                          "broken": broken, "unchecked": unchecked}
+    # the message starts with what decided the verdict: a limit's FAIL after a probe's own
+    # "noise: ..." reading read as a contradiction
+    own = f"; the probe's own reading: {result.message}" if result.message else ""
     if unchecked:
         result.verdict = "error"
         result.codes = ["TP-E1"]
-        result.message = (result.message + "; " if result.message else "") + \
-            "cannot check the configured limits: " + ", ".join(unchecked)
+        result.message = "cannot check the configured limits: " + ", ".join(unchecked) + own
     elif broken:
         code = THRESHOLD_CODE[section]
         result.verdict = "fail" if result.verdict != "error" else "error"
         if code not in result.codes:
             result.codes.append(code)
-        result.message = (result.message + "; " if result.message else "") + \
-            "over threshold: " + ", ".join(broken)
+        result.message = "over the configured threshold: " + ", ".join(broken) + own
     return result

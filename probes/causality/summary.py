@@ -120,6 +120,15 @@ def summarise(common: dict, setup: Setup, found: Findings) -> Result:
     # a NaN that stays a NaN is no flip, so NaN decisions (uninitialised weights: HF blocks
     # built alone start from torch.empty) are never compared: no pass can rest on them
     n_nan = _nan_decisions(found)
+    n_decisions = found.base.decision.shape[0] * T
+    # every value of every baseline decision NaN and none moved: nothing was compared, so
+    # nothing was judged (fail closed: causal None, cannot judge, never a pass or a warn); a
+    # decision with one finite feature was compared on it
+    y0 = found.base.decision
+    unjudged = (y0.numel() > 0 and y0.is_floating_point() and bool(y0.isnan().all())
+                and causal and not n_unver)
+    if unjudged:
+        causal, codes = None, ["TP-C1"]
     verdict = "fail" if codes else ("warn" if n_unver or n_nan else "pass")
     # what stayed unsettled names its check: flips and scores TP-C1, batch moves TP-C3
     if n_unver - found.isolation.unverified and "TP-C1" not in codes:
@@ -131,7 +140,12 @@ def summarise(common: dict, setup: Setup, found: Findings) -> Result:
     evidence["nan_decisions"] = n_nan
     evidence["near_tie_search"] = _tie_evidence(ties)
     message = _message(setup, found, flips, scores, metrics) + _tie_message(found, metrics)
-    if n_nan:
+    if unjudged:
+        message = (f"cannot judge: all {n_decisions} baseline decisions are NaN and none changed "
+                   "when later tokens did (a NaN that stays a NaN shows no flip), so no decision "
+                   "was judged; are the weights initialised? (HF blocks built alone start from "
+                   "torch.empty)")
+    elif n_nan:
         message += (f"; {n_nan} of {found.base.decision.shape[0] * T} baseline decisions are NaN "
                     f"and cannot show a flip (are the weights initialised?)")
     return Result(**common, verdict=verdict, codes=codes, metrics=metrics, evidence=evidence,
@@ -216,9 +230,17 @@ def _message(setup: Setup, found: Findings, flips: Tally, scores: Tally, metrics
                + (f"; {n_unconf} from packed calls not re-confirmed" if n_unconf else ""))
     else:
         n_num = metrics["n_numerical"]
-        msg = (f"no {what} in {n_compared} compared over {len(setup.cuts)} cuts"
-               + (f" ({n_num} flips within rounding noise of a tie, excused by re-runs)"
-                  if n_num else ""))
+        if setup.mode == "truncate" and metrics["n_flips"]:
+            # the inference view's decisions do differ (mismatch_rate counts every one): say
+            # that none differs beyond rounding noise, not that none differs
+            msg = (f"no decisions that differ beyond rounding noise in the inference view (prefix "
+                   f"only); {metrics['n_flips']} of {n_compared} compared over {len(setup.cuts)} "
+                   f"cuts differ (mismatch_rate {metrics['mismatch_rate']:.4g})"
+                   + (f", {n_num} of them within rounding noise (numerical, not a leak)" if n_num else ""))
+        else:
+            msg = (f"no {what} in {n_compared} compared over {len(setup.cuts)} cuts"
+                   + (f" ({n_num} flips within rounding noise of a tie, excused by re-runs)"
+                      if n_num else ""))
         n_moves = found.isolation.unverified
         n_flips = metrics["n_unverified"] - n_moves - (found.near_ties.unverified if found.near_ties else 0)
         unsettled = [f"{n_flips} flips at near-ties"] if n_flips else []

@@ -66,11 +66,13 @@ def add_arguments(p):
 
 def _suite(args):
     """(checks, skipped, not here, suite label, seed, config)."""
-    from trainprobes.audit.config import find_config, suite_from_config
+    from trainprobes.audit.config import check_top, find_config, suite_from_config
     from trainprobes.audit.suites import default_suite, not_here
 
     use_default = args.default or args.families is not None
     cfg, cfg_path = (None, None) if use_default else find_config(args.config)
+    if cfg is not None:
+        check_top(cfg)  # before its seed, out or history is read
     seed = args.seed if args.seed is not None else (cfg or {}).get("seed", 0)
     families = [f.strip() for f in args.families.split(",") if f.strip()] \
         if args.families is not None else None

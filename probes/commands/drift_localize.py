@@ -57,9 +57,11 @@ def add_arguments(p) -> None:
 
 def _build(spec: str, role: str):
     from trainprobes.drift.engines import Engine
-    from trainprobes.targets import load_target
+    from trainprobes.targets import call_target, load_target
 
-    obj = load_target(spec, from_cwd=True)()
+    label = "engine" if role == "engine" else "target"
+    obj = call_target(load_target(spec, from_cwd=True, label=label), spec, what="the factory",
+                      label=label)
     if isinstance(obj, Engine):
         obj.name = obj.name if obj.name != "engine" else role
         return obj
@@ -86,6 +88,9 @@ def _tokens(args, engine):
 
 
 def _read_tokens(path):
+    import zipfile
+    import zlib
+
     import numpy as np
     import torch
     from trainprobes.errors import DataFileError
@@ -99,8 +104,8 @@ def _read_tokens(path):
                 t = {k: torch.from_numpy(z[k]) for k in z.files}
         else:
             raise DataFileError(f"--tokens {p!r}: expected a .safetensors or .npz file")
-    except (OSError, ValueError) as e:
-        raise DataFileError(f"--tokens {p!r} cannot be read ({e})") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+        raise DataFileError(f"--tokens {p!r} cannot be read ({type(e).__name__}: {e})") from None
     if "input_ids" not in t:
         raise DataFileError(f"--tokens {p!r} has no 'input_ids' (has {sorted(t)})")
     ids = t["input_ids"].long()

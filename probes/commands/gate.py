@@ -46,7 +46,7 @@ def run(args) -> int:
         print(json.dumps({"schema_version": SCHEMA_VERSION, "command": "gate",
                           **report.to_dict()}, indent=2))
     else:  # a terminal or a log: plain text; the Markdown goes to --markdown and the job summary
-        from trainprobes.gate_render import render_text
+        from trainprobes.gate.render import render_text
         print(render_text(report), end="")
     if args.markdown:
         write_atomic(args.markdown, md, replace=args.force)

@@ -159,7 +159,7 @@ HELD = {"e4m3": "fp8_e4m3fn", "bf16": "bf16", "fp32": "fp32"}
 def _model_results(args, progress):
     from trainprobes.errors import InvalidArgument
     from trainprobes.numerics.gemm_model import judge_model
-    from trainprobes.targets import load_target
+    from trainprobes.targets import call_target, load_target
 
     # one preset and one recipe per model table (its rows are keyed by layer and GEMM), and
     # the random operands' options mean nothing here: refused, never dropped without a word
@@ -175,7 +175,7 @@ def _model_results(args, progress):
                               f"{'it' if len(given) == 1 else 'them'}")
 
     factory = load_target(args.target, from_cwd=True)
-    made = factory()
+    made = call_target(factory, args.target, what="the factory (it must return (model, batch))")
     if not (isinstance(made, tuple) and len(made) == 2):
         from trainprobes.errors import TargetError
         raise TargetError(f"--target {args.target}: the factory must return (model, batch), got "

@@ -153,7 +153,7 @@ def _progress(args, unit: str):
 def _documents(args):
     import torch
     from trainprobes.isolation import Packing, documents
-    from trainprobes.targets import load_target
+    from trainprobes.targets import call_target, load_target
 
     packing = Packing.of(args.lengths)
     if args.hf:
@@ -162,7 +162,7 @@ def _documents(args):
         name, vocab = f"{args.hf}[{args.attn},{args.convention}]", VOCAB
     else:
         obj = load_target(args.target or args.make, from_cwd=True)
-        fn = obj(args.seed) if args.make else obj
+        fn = call_target(obj, args.make, args.seed, what="make(seed)") if args.make else obj
         name, vocab = args.target or args.make, args.vocab or (None if args.hidden else 128)
     g = torch.Generator().manual_seed(args.seed)
     shape = (packing.batch, packing.length)
@@ -298,12 +298,13 @@ def _batch(args):
     import torch
     from trainprobes.isolation import batch_invariance
     from trainprobes.isolation.batch import DEFAULT_SIZES
-    from trainprobes.targets import load_target
+    from trainprobes.targets import call_target, load_target
 
     fn = load_target(args.target, from_cwd=True)
     g = torch.Generator().manual_seed(args.seed)
     if args.inputs:
-        x = load_target(args.inputs, from_cwd=True)(args.seed)
+        x = call_target(load_target(args.inputs, from_cwd=True), args.inputs, args.seed,
+                        what="inputs(seed)")
     elif args.vocab:
         x = torch.randint(0, args.vocab, tuple(args.shape[:2]), generator=g)
     else:

@@ -5,7 +5,8 @@
 `task(rank, world, *args)` must be a module-level function (spawned processes import it).
 Each rank:
   1. starts in its own process group (os.setpgrp), so killing the group also kills anything
-     the task started;
+     the task started, with its stdout joined to stderr (the command's stdout may be a
+     --json document; what a rank or a library prints is log);
   2. sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT and joins the process
      group with the run's timeout (nccl: one GPU per rank, cuda:rank);
   3. runs the task and torch.save()s its return value to a private temp folder (tensors
@@ -174,6 +175,11 @@ def _rank_main(task, rank, world, backend, addr, port, timeout, args, outdir, q,
         pass
     if launcher_pid is not None:
         die_with(launcher_pid, timeout + 30.0)  # its own group: itself and its children
+    # stdout is the command's (a --json document): whatever a rank prints there, Python or C
+    # (a library's logging, a print in the user's step), goes to stderr, the log
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     try:
         import torch
         import torch.distributed as dist

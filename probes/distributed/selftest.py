@@ -36,6 +36,13 @@ def echo_task(rank: int, world: int) -> dict:
                                                    "MASTER_ADDR", "MASTER_PORT")}}
 
 
+def print_task(rank: int, world: int) -> int:
+    """Print to stdout as a library would, through Python and through the file descriptor."""
+    print(f"rank {rank} says hello on stdout", flush=True)
+    os.write(1, f"rank {rank} writes to fd 1\n".encode())
+    return os.getpid()
+
+
 def raise_task(rank: int, world: int, bad_rank: int) -> int:
     if rank == bad_rank:
         raise DeliberateFailure(f"deliberate failure on rank {rank}")

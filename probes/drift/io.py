@@ -14,6 +14,8 @@ Every fault names the file, the record (line or row) and the field.
 from __future__ import annotations
 
 import json
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,11 +56,15 @@ def _arrays(path: Path) -> dict:
         try:
             with np.load(path, allow_pickle=False) as z:
                 return {k: z[k] for k in z.files}
-        except ValueError as e:  # object arrays need pickle: refused
-            raise DriftFileError(f"{str(path)!r}: cannot read without unpickling ({e}); save plain "
-                                 f"numeric arrays with numpy.savez") from None
-        except (OSError, EOFError) as e:
-            raise DriftFileError(f"{str(path)!r} is not a readable .npz file: {e}") from None
+        except ValueError as e:
+            if "allow_pickle" in str(e):  # object arrays need pickle: refused
+                raise DriftFileError(f"{str(path)!r}: cannot read without unpickling ({e}); save "
+                                     f"plain numeric arrays with numpy.savez") from None
+            raise DriftFileError(f"{str(path)!r} is not a readable .npz archive (ValueError: {e}); "
+                                 f"was it written completely? (numpy.savez)") from None
+        except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:  # truncated, corrupt
+            raise DriftFileError(f"{str(path)!r} is not a readable .npz archive ({type(e).__name__}: "
+                                 f"{e}); was it written completely? (numpy.savez)") from None
     if suffix == ".safetensors":
         try:
             from safetensors.numpy import load_file

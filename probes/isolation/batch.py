@@ -162,6 +162,11 @@ def batch_invariance(fn: Callable, inputs: torch.Tensor, *, sizes=DEFAULT_SIZES,
     return _result(common, call, rows, sizes, N, atol, alone.dtype)
 
 
+def _all_nan(rows) -> bool:
+    """Every output of every batch is NaN (floating outputs only)."""
+    return bool(rows) and all(r[4].is_floating_point() and bool(r[4].isnan().all()) for r in rows)
+
+
 def _nondeterministic(common, call, where, sizes) -> Result:
     return Result(**common, verdict="fail", codes=["TP-C2"],
                   metrics={"batch_invariant": None, "deterministic": False,
@@ -210,6 +215,11 @@ def _result(common, call, rows, sizes, N, atol, dtype) -> Result:
                  for outs in companions.values() if len(outs) > 1]
     breaking = [s["size"] for s in by_size if s["rows_differ"]]
     invariant = not breaking
+    # every row's outputs alone all NaN, and so in every batch: NaN beside NaN is no
+    # difference, so nothing was compared and nothing judged (fail closed: None, never a pass)
+    blind = _all_nan(rows)
+    if invariant and blind:
+        invariant = None
     codes = [] if invariant else ["TP-I2"]
     # batch_invariant False never passes (result.PROBES: the verdict follows the boolean);
     # on a machine's kernels that is a finding about the machine, not a bug in itself
@@ -225,7 +235,11 @@ def _result(common, call, rows, sizes, N, atol, dtype) -> Result:
     evidence = {"sizes": sizes, "by_size": by_size, "output_dtype": str(dtype),
                 "by_position": {k: {"rows": n, "rows_differ": m} for k, (n, m) in pos_counts.items()},
                 "examples": examples}
-    if invariant:
+    if invariant is None:
+        msg = (f"cannot judge: every output of {call.name} is NaN, alone and in batches of "
+               f"{', '.join(map(str, sorted({r[0] for r in rows})))}, and a NaN beside a NaN shows "
+               "no difference, so no row was compared; are the weights initialised?")
+    elif invariant:
         msg = (f"batch-invariant: every row gave the same bits alone and in batches of "
                f"{', '.join(map(str, sorted({r[0] for r in rows})))} ({n_rows} rows compared)")
     else:

@@ -9,6 +9,8 @@ and hands both to trainprobes.drift.compare.
 from __future__ import annotations
 
 import json
+import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,7 +61,7 @@ def load_sample(path) -> VllmSample:
     try:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
-    except (OSError, ValueError, EOFError) as e:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
         raise DataFileError(f"{str(path)!r} is not a readable vLLM sample (.npz): {e}") from None
     for key in ("config_json", "prompts", "cases"):
         if key not in arrays:

@@ -135,10 +135,12 @@ def _draw(fig, spec: dict) -> None:
                 color=[BAR_COLORS[s][0] for s in status], gid="bars")
         ax.set_yticks(pos)
         ax.set_yticklabels([plot_text(s) for s in spec["labels"]], fontsize=SMALL)
+        refs = [float(x) for x in spec.get("ref", ())]
         for p, v in zip(pos, vals):  # the value at each bar's end: no bar needs a ruler
-            ax.annotate(_short(v), xy=(v if math.isfinite(v) else 0.0, p), xytext=(3, 0),
+            ax.annotate(_apart(v, refs), xy=(v if math.isfinite(v) else 0.0, p), xytext=(3, 0),
                         textcoords="offset points", va="center", fontsize=SMALL)
-        ax.set_xlim(0, max([1.0] + [v for v in vals if math.isfinite(v)]) * 1.12)
+        # room inside the axes for the longest value written at a bar's end
+        ax.set_xlim(0, max([1.0] + [v for v in vals if math.isfinite(v)]) * 1.25)
         from matplotlib.patches import Patch
         shown = list(dict.fromkeys(status))
         ax.legend(handles=[Patch(color=BAR_COLORS[s][0], label=BAR_COLORS[s][1]) for s in shown],
@@ -239,7 +241,8 @@ STATUS_WORDS = {"ok": "control reproduced its known verdict", "missed": "control
                 "error": "error"}
 # Stall bars: exact, lost what the format's arithmetic predicts (expected), or differs from
 # the prediction (red: this machine is not doing the format's arithmetic).
-BAR_COLORS = {"exact": ("#2a7a3a", "exact"),
+BAR_COLORS = {"exact": ("#2a7a3a", "exact (the true sum, bit for bit)"),
+              "rounding": ("#8fc79a", "not exact: rounding error only, no stall"),
               "expected": ("#8c8fb8", "stalls where its format predicts (expected)"),
               "unexpected": ("#c62828", "differs from its format's prediction")}
 # Rows within this factor of a panel's largest share its linear axis; smaller ones split off:
@@ -306,6 +309,17 @@ def forest_groups(rows: list[ForestRow], span: float = PANEL_SPAN) -> list[list[
 
 def _short(v: float) -> str:
     return format_number(v, digits=3)
+
+
+def _apart(v: float, refs) -> str:
+    """v in 3 digits, or as many more as keep it from reading as a reference line's value it
+    is not (0.99997 is not "1" beside a bar that is not exact)."""
+    text = _short(v)
+    for digits in range(4, 18):
+        if not any(v != r and text == _short(r) for r in refs):
+            break
+        text = format_number(v, digits=digits)
+    return text
 
 
 def row_text(r: ForestRow, unit: str = "") -> str:

@@ -44,10 +44,10 @@ def resolve_step(spec) -> TrainingStep:
     if not isinstance(spec, str):
         raise InvalidType(f"step={spec!r} must be a trainprobes.transforms.TrainingStep or "
                           f"'package.module:attr' naming one (or a function returning one)")
-    from trainprobes.targets import load_target
+    from trainprobes.targets import call_target, load_target
     obj = load_target(spec, callable_required=False)
     if not isinstance(obj, TrainingStep) and callable(obj):
-        obj = obj()
+        obj = call_target(obj, spec, what="the factory (it must return a TrainingStep)")
     if not isinstance(obj, TrainingStep):
         raise TargetError(f"target={spec!r} is a {type(obj).__name__}; it must be a "
                           f"trainprobes.transforms.TrainingStep or a function returning one")

@@ -51,14 +51,15 @@ def _load(spec, what: str, *, module_ok: bool):
     from trainprobes.targets import load_target
     if not isinstance(spec, str):
         raise InvalidType(f"{what}={spec!r} must be 'package.module:function' or a callable")
+    # errors name the option (step=, setup=), not "target=": that is another argument
     if ":" not in spec and module_ok:
         from trainprobes.targets import _importable, _not_found
-        mod = _importable(spec, spec)
+        mod = _importable(spec, spec, what)
         if mod is not None:
             return mod
         if "." not in spec:
-            raise _not_found(spec, spec)
-    return load_target(spec, callable_required=True)
+            raise _not_found(spec, spec, what)
+    return load_target(spec, callable_required=True, label=what)
 
 
 @dataclass(frozen=True)
