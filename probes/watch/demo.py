@@ -1,0 +1,101 @@
+"""A small DDP run with and without the sentinel: what the tests, the benchmark and the docs
+run on real gloo ranks (trainprobes.distributed.launcher).
+
+train_task(rank, world, hook, steps, watch, seed, sentinel_kwargs) trains an MLP with dropout
+(so the run draws from torch's global generator every step) under DDP with `hook` (a name in
+HOOKS) and returns plain data: the losses, the final weights, the global generator's state,
+step times, and the sentinel's Results as JSON (when watch is true).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+HOOKS = ("none", "allreduce", "rounding_bf16", "truncating_bf16", "bf16_compress_hook")
+
+
+def _hook(name: str):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from trainprobes.watch.hooks import rounding_bf16_hook, truncating_bf16_hook
+    return {"none": None, "allreduce": default_hooks.allreduce_hook,
+            "rounding_bf16": rounding_bf16_hook, "truncating_bf16": truncating_bf16_hook,
+            "bf16_compress_hook": default_hooks.bf16_compress_hook}[name]
+
+
+def model(width: int = 256, depth: int = 3, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)  # the same initial weights on every rank, as a real run has
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Dropout(0.1)]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
+
+
+def train_task(rank: int, world: int, hook: str = "none", steps: int = 20, watch: bool = False,
+               seed: int = 0, sentinel_kwargs: dict | None = None, width: int = 256,
+               depth: int = 3, batch: int = 32, bucket_cap_mb: float = 0.25,
+               break_sentinel: bool = False) -> dict:
+    """break_sentinel: every check of the sentinel raises (its errors must stay its own)."""
+    from torch.nn.parallel import DistributedDataParallel
+    from trainprobes.watch import Sentinel, SentinelFinding, attach_ddp
+
+    torch.set_num_threads(1)
+    net = model(width, depth, seed)
+    ddp = DistributedDataParallel(net, bucket_cap_mb=bucket_cap_mb)
+    sentinel = None
+    if watch:
+        sentinel = (_Broken if break_sentinel else Sentinel)(**(sentinel_kwargs or {}))
+        attach_ddp(ddp, sentinel, hook=_hook(hook))
+    elif hook != "none":
+        ddp.register_comm_hook(None, _hook(hook))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    data = torch.Generator().manual_seed(seed * 1000 + rank)
+    torch.manual_seed(seed + 1)  # dropout's stream, alike with and without the sentinel
+    losses, times, stopped_at = [], [], None
+    for i in range(steps):
+        x = torch.randn(batch, width, generator=data)
+        y = x[:, :8].sum(1, keepdim=True)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach().clone())
+        if sentinel is not None:
+            try:
+                sentinel.step()
+            except SentinelFinding:
+                stopped_at = i + 1
+                break
+        times.append(time.perf_counter() - t0)
+    results = [r.to_json() for r in sentinel.close()] if sentinel is not None else []
+    return {"losses": torch.stack(losses), "weights": {k: v.detach().clone() for k, v in
+                                                       net.state_dict().items()},
+            "rng": torch.random.get_rng_state(), "times": times, "results": results,
+            "stopped_at": stopped_at, "own_errors": sentinel.error_count if sentinel else 0}
+
+
+def refusal_task(rank: int, world: int, hook: str) -> str:
+    """What DDP says when the sentinel attaches `hook`: "" if it is accepted."""
+    from torch.nn.parallel import DistributedDataParallel
+    from trainprobes.watch import Sentinel, attach_ddp
+    ddp = DistributedDataParallel(model(16, 1))
+    try:
+        attach_ddp(ddp, Sentinel(), hook=_hook(hook))
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def _broken(*args, **kwargs):
+    raise RuntimeError("a deliberately broken check")
+
+
+class _Broken:
+    """A Sentinel whose every check raises (the tests' witness that such errors stay its own)."""
+
+    def __new__(cls, **kwargs):
+        from trainprobes.watch import Sentinel
+        s = Sentinel(**kwargs)
+        s._record = _broken  # on the instance: this one sentinel, nothing else
+        return s

@@ -1,0 +1,155 @@
+"""trainprobes.watch: the sentinel's statistics, its promises (no bit of the run changed, no
+aliasing, its own generator, a fixed budget, its errors its own) and its verdicts on real
+gloo ranks (torch 2.13 CPU)."""
+import pytest
+import torch
+from trainprobes.distributed.launcher import launch
+from trainprobes.errors import InvalidArgument
+from trainprobes.result import Result
+from trainprobes.watch import Sentinel
+from trainprobes.watch.ddp import _window_copy
+from trainprobes.watch.demo import refusal_task, train_task
+from trainprobes.watch.hooks import truncate_to_bf16
+from trainprobes.watch.stream import Streams, look_alpha
+
+
+def test_alpha_spent_over_looks_and_buckets_sums_to_alpha():
+    total = sum(look_alpha(0.01, k, 3) * 3 for k in range(1, 200_001))
+    assert 0.00999 < total <= 0.01
+
+
+def test_null_streams_keep_the_run_wide_false_positive_rate():
+    """Errors with no bias, looked at 8 times: any false 'biased' in a run must stay within
+    alpha. Judged at alpha at every look (no correction) the rate would be about 3 alpha."""
+    g = torch.Generator().manual_seed(5)
+    runs, alpha, hits = 150, 0.1, 0
+    for _ in range(runs):
+        st = Streams(alpha=alpha, min_effect=0.0, keep=1000)
+        s = st.stream("b0", 10)
+        found = False
+        for look in range(8):
+            for e in torch.randn(4, generator=g, dtype=torch.float64).tolist():
+                s.add(look, e)
+            found |= any(j.biased for j in st.look(look))
+        hits += found
+    # binomial(150, 0.1): mean 15, sd 3.7; uncorrected looks give ~45
+    assert hits <= 26, hits
+
+
+def test_a_consistent_bias_is_called_at_the_first_look_with_three_samples():
+    st = Streams(alpha=0.01, min_effect=2.0 ** -12, keep=100)
+    s = st.stream("b0", 10)
+    for e in (-4.7e-3, -4.8e-3, -4.75e-3):
+        s.add(1, e)
+    (j,) = st.look(10)
+    assert j.biased and s.found_at == 10
+
+
+def test_truncation_rounds_toward_zero():
+    x = torch.tensor([1.0 + 2.0 ** -8, -(1.0 + 2.0 ** -8), 3.0])
+    assert truncate_to_bf16(x).tolist() == [1.0, -1.0, 3.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_copies_never_alias_the_runs_buffer(dtype):
+    buf = torch.arange(100, dtype=dtype)
+    c = _window_copy(buf, 10, 20)
+    assert c.dtype == torch.float64 and c.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
+    c.add_(1)  # the all-reduce works on the copy in place
+    assert torch.equal(buf, torch.arange(100, dtype=dtype))
+
+
+def test_budget_is_a_fixed_bound_and_bad_arguments_are_named():
+    with pytest.raises(InvalidArgument, match="window=1048576 .* over budget=1048576"):
+        Sentinel(window=1 << 20, budget=1 << 20)
+    with pytest.raises(InvalidArgument, match="sample=0"):
+        Sentinel(sample=0)
+    with pytest.raises(InvalidArgument, match="interval"):
+        Sentinel(interval=0)
+
+
+def test_a_sentinel_that_checked_nothing_cannot_judge():
+    s = Sentinel()
+    for _ in range(20):
+        s.step()
+    (r,) = s.close()
+    assert r.verdict == "error" and r.metrics["biased"] is None and "checked no reduction" in r.message
+
+
+def _same(a, b) -> bool:
+    return (torch.equal(a["losses"], b["losses"]) and torch.equal(a["rng"], b["rng"])
+            and a["weights"].keys() == b["weights"].keys()
+            and all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hook", ["none", "truncating_bf16"])
+def test_attaching_changes_no_bit_of_the_run(hook):
+    """2 gloo ranks, 12 steps with dropout drawn from the global generator, every bucket
+    checked: losses, weights and the global generator's state bit for bit as without it
+    (with no hook, the sentinel's wrapped allreduce_hook against DDP's built-in reduction)."""
+    kw = {"sample": 1.0, "interval": 4, "max_per_step": 4, "window": 4096, "budget": 1 << 20}
+    plain = launch(train_task, 2, args=(hook, 12, False, 0, None), timeout=300)
+    watched = launch(train_task, 2, args=(hook, 12, True, 0, kw), timeout=300)
+    for r in range(2):
+        assert _same(plain[r], watched[r]), f"rank {r}"
+    assert any(Result.from_json(x).metrics.get("trials", 0) >= 3 for x in watched[0]["results"])
+
+
+@pytest.mark.slow
+def test_its_own_errors_are_counted_never_raised_into_the_step():
+    plain = launch(train_task, 2, args=("none", 8, False, 0, None), timeout=300)
+    broken = launch(_broken_task, 2, timeout=300)
+    for r in range(2):
+        assert _same(plain[r], broken[r]), f"rank {r}"
+        assert broken[r]["own_errors"] == 8
+    (res,) = [Result.from_json(x) for x in broken[0]["results"]]
+    assert res.verdict == "error" and "8 errors of its own" in res.message
+    assert res.evidence["own_errors"] == 8
+
+
+def _broken_task(rank, world):
+    return train_task(rank, world, "none", 8, True, 0, {"sample": 1.0}, break_sentinel=True)
+
+
+def _verdicts(out) -> dict:
+    """bucket -> final Result (the last Result per target)."""
+    return {Result.from_json(x).target: Result.from_json(x) for x in out[0]["results"]}
+
+
+@pytest.mark.slow
+def test_verdicts_fp32_clean_rounding_noise_truncation_biased(tmp_path):
+    """At the defaults (sample 0.25, a look every 10 steps): the truncating hook is called
+    biased by step 30, stops the run when asked (findings written first); the bf16
+    round-to-nearest hook (bf16_compress_hook's arithmetic) is noise; fp32 is clean.
+    The hook named is the one DDP registered."""
+    found = tmp_path / "findings.jsonl"
+    trunc = launch(train_task, 2, timeout=300, args=(
+        "truncating_bf16", 60, True, 0, {"findings": str(found), "stop_on_finding": True}))
+    assert trunc[0]["stopped_at"] == trunc[1]["stopped_at"] and trunc[0]["stopped_at"] <= 30
+    lines = [Result.from_json(x) for x in found.read_text().splitlines()]
+    first = lines[0]
+    assert first.verdict == "fail" and first.codes == ["TP-B1"] and first.metrics["bias"] < -1e-3
+    assert first.evidence["hook_registered_in_ddp"] == "truncating_bf16_hook"
+    for hook in ("rounding_bf16", "allreduce"):
+        out = launch(train_task, 2, args=(hook, 60, True, 0, None), timeout=300)
+        v = _verdicts(out)
+        assert v and all(r.verdict == "pass" and r.metrics["biased"] is False for r in v.values()), \
+            [r.message for r in v.values()]
+        assert sum(r.metrics["trials"] for r in v.values()) >= 10
+        if hook == "rounding_bf16":  # a large error, and symmetric
+            assert all(r.metrics["std"] > 1e-6 and abs(r.metrics["bias"]) < 2.0 ** -12 for r in v.values())
+        assert {r.evidence["hook_registered_in_ddp"] for r in v.values()} == {
+            "bf16_allreduce_hook" if hook == "rounding_bf16" else "allreduce_hook"}
+
+
+@pytest.mark.slow
+def test_a_hook_ddp_refuses_by_name_is_still_refused():
+    """torch 2.13 CPU: DDP refuses bf16_compress_hook by name (CUDA and NCCL required). The
+    sentinel's wrapper carries the name, so the run fails as it would without it, and does
+    not train with a hook DDP would not have run."""
+    (msg,) = launch(refusal_task, 1, args=("bf16_compress_hook",), timeout=120)
+    if not torch.cuda.is_available():
+        assert msg.startswith("TypeError") and "NCCL" in msg, msg
+    (ok,) = launch(refusal_task, 1, args=("rounding_bf16",), timeout=120)
+    assert ok == ""
