@@ -8,7 +8,7 @@ from trainprobes.errors import InvalidArgument
 from trainprobes.result import Result
 from trainprobes.watch import Sentinel
 from trainprobes.watch.ddp import _window_copy
-from trainprobes.watch.demo import refusal_task, train_task
+from trainprobes.watch.demo import refusal_task, train_task, trainer_task
 from trainprobes.watch.hooks import truncate_to_bf16
 from trainprobes.watch.stream import Streams, look_alpha
 
@@ -153,3 +153,29 @@ def test_a_hook_ddp_refuses_by_name_is_still_refused():
         assert msg.startswith("TypeError") and "NCCL" in msg, msg
     (ok,) = launch(refusal_task, 1, args=("rounding_bf16",), timeout=120)
     assert ok == ""
+
+
+@pytest.mark.slow
+def test_trainer_callback_sends_the_verdict_to_trainer_log():
+    """transformers 5.25 Trainer, DDP on 2 gloo ranks: a truncating hook is biased by step
+    30 and Trainer.log carries the sentinel's numbers at every look."""
+    out = launch(trainer_task, 2, args=("truncating_bf16", 30), timeout=600)
+    fails = [Result.from_json(x) for x in out[0]["results"]]
+    fails = [r for r in fails if r.verdict == "fail"]
+    assert fails and fails[0].codes == ["TP-B1"] and fails[0].metrics["bias"] < -1e-3
+    logged = out[0]["logged"]
+    assert [h["sentinel/step"] for h in logged[:3]] == [10, 20, 30]
+    assert logged[-1]["sentinel/biased_buckets"] >= 1
+
+
+@pytest.mark.slow
+def test_trainer_not_under_ddp_is_refused_up_front(tmp_path):
+    from trainprobes.watch import SentinelCallback
+    from transformers import Trainer, TrainingArguments
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=1, report_to=[],
+                             save_strategy="no", disable_tqdm=True)
+    net = torch.nn.Linear(2, 1)
+    trainer = Trainer(model=net, args=args, train_dataset=[{"x": torch.zeros(2)}])
+    cb = SentinelCallback(Sentinel(), trainer)
+    with pytest.raises(InvalidArgument, match="not DistributedDataParallel: the sentinel watches"):
+        cb.on_train_begin(args, None, None)

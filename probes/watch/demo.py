@@ -15,7 +15,8 @@ import torch
 HOOKS = ("none", "allreduce", "rounding_bf16", "truncating_bf16", "bf16_compress_hook")
 
 
-def _hook(name: str):
+def hook_by_name(name: str):
+    """The comm hook a name in HOOKS stands for (None: DDP's built-in reduction)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from trainprobes.watch.hooks import rounding_bf16_hook, truncating_bf16_hook
     return {"none": None, "allreduce": default_hooks.allreduce_hook,
@@ -45,9 +46,9 @@ def train_task(rank: int, world: int, hook: str = "none", steps: int = 20, watch
     sentinel = None
     if watch:
         sentinel = (_Broken if break_sentinel else Sentinel)(**(sentinel_kwargs or {}))
-        attach_ddp(ddp, sentinel, hook=_hook(hook))
+        attach_ddp(ddp, sentinel, hook=hook_by_name(hook))
     elif hook != "none":
-        ddp.register_comm_hook(None, _hook(hook))
+        ddp.register_comm_hook(None, hook_by_name(hook))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     data = torch.Generator().manual_seed(seed * 1000 + rank)
     torch.manual_seed(seed + 1)  # dropout's stream, alike with and without the sentinel
@@ -81,7 +82,7 @@ def refusal_task(rank: int, world: int, hook: str) -> str:
     from trainprobes.watch import Sentinel, attach_ddp
     ddp = DistributedDataParallel(model(16, 1))
     try:
-        attach_ddp(ddp, Sentinel(), hook=_hook(hook))
+        attach_ddp(ddp, Sentinel(), hook=hook_by_name(hook))
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return ""
@@ -99,3 +100,33 @@ class _Broken:
         s = Sentinel(**kwargs)
         s._record = _broken  # on the instance: this one sentinel, nothing else
         return s
+
+
+def trainer_task(rank: int, world: int, hook: str = "allreduce", steps: int = 40,
+                 sentinel_kwargs: dict | None = None) -> dict:
+    """A tiny Llama trained by transformers.Trainer under DDP (gloo, CPU) with the sentinel on;
+    returns its Results as JSON and what reached Trainer.log."""
+    import tempfile
+
+    from trainprobes.watch import Sentinel, SentinelCallback
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    net = LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 128, (256, 32), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": x, "labels": x} for x in ids]
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, use_cpu=True, per_device_train_batch_size=4,
+                                 max_steps=steps, logging_steps=10, report_to=[], save_strategy="no",
+                                 ddp_backend="gloo", seed=0, disable_tqdm=True, learning_rate=1e-3)
+        trainer = Trainer(model=net, args=args, train_dataset=data)
+        # the two lines a user adds (docs/watch.md)
+        sentinel = Sentinel(**(sentinel_kwargs or {}))
+        trainer.add_callback(SentinelCallback(sentinel, trainer, hook=hook_by_name(hook)))
+        trainer.train()
+    logged = [{k: v for k, v in h.items() if k.startswith("sentinel/")}
+              for h in trainer.state.log_history if "sentinel/step" in h]
+    return {"results": [r.to_json() for r in sentinel.results], "logged": logged}

@@ -230,6 +230,7 @@ class Sentinel:
         try:
             with self._lock:
                 judged = self.streams.look(self.steps)
+            self.last_judgements = judged
             final = [self._result(j) for j in judged]
         except Exception as e:
             self._own_error("judging at close", e)
