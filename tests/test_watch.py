@@ -8,7 +8,7 @@ from trainprobes.errors import InvalidArgument
 from trainprobes.result import Result
 from trainprobes.watch import Sentinel
 from trainprobes.watch.ddp import _window_copy
-from trainprobes.watch.demo import refusal_task, train_task, trainer_task
+from trainprobes.watch.demo import lightning_task, pair_task, refusal_task, train_task, trainer_task
 from trainprobes.watch.hooks import truncate_to_bf16
 from trainprobes.watch.stream import Streams, look_alpha
 
@@ -89,27 +89,21 @@ def test_attaching_changes_no_bit_of_the_run(hook):
     checked: losses, weights and the global generator's state bit for bit as without it
     (with no hook, the sentinel's wrapped allreduce_hook against DDP's built-in reduction)."""
     kw = {"sample": 1.0, "interval": 4, "max_per_step": 4, "window": 4096, "budget": 1 << 20}
-    plain = launch(train_task, 2, args=(hook, 12, False, 0, None), timeout=300)
-    watched = launch(train_task, 2, args=(hook, 12, True, 0, kw), timeout=300)
-    for r in range(2):
-        assert _same(plain[r], watched[r]), f"rank {r}"
-    assert any(Result.from_json(x).metrics.get("trials", 0) >= 3 for x in watched[0]["results"])
+    out = launch(pair_task, 2, args=(hook, 12, kw), timeout=300)
+    for r, (plain, watched) in enumerate(out):
+        assert _same(plain, watched), f"rank {r}"
+    assert any(Result.from_json(x).metrics.get("trials", 0) >= 3 for x in out[0][1]["results"])
 
 
 @pytest.mark.slow
 def test_its_own_errors_are_counted_never_raised_into_the_step():
-    plain = launch(train_task, 2, args=("none", 8, False, 0, None), timeout=300)
-    broken = launch(_broken_task, 2, timeout=300)
-    for r in range(2):
-        assert _same(plain[r], broken[r]), f"rank {r}"
-        assert broken[r]["own_errors"] == 8
-    (res,) = [Result.from_json(x) for x in broken[0]["results"]]
+    out = launch(pair_task, 2, args=("none", 8, {"sample": 1.0}, True), timeout=300)
+    for r, (plain, broken) in enumerate(out):
+        assert _same(plain, broken), f"rank {r}"
+        assert broken["own_errors"] == 8
+    (res,) = [Result.from_json(x) for x in out[0][1]["results"]]
     assert res.verdict == "error" and "8 errors of its own" in res.message
     assert res.evidence["own_errors"] == 8
-
-
-def _broken_task(rank, world):
-    return train_task(rank, world, "none", 8, True, 0, {"sample": 1.0}, break_sentinel=True)
 
 
 def _verdicts(out) -> dict:
@@ -148,10 +142,9 @@ def test_a_hook_ddp_refuses_by_name_is_still_refused():
     """torch 2.13 CPU: DDP refuses bf16_compress_hook by name (CUDA and NCCL required). The
     sentinel's wrapper carries the name, so the run fails as it would without it, and does
     not train with a hook DDP would not have run."""
-    (msg,) = launch(refusal_task, 1, args=("bf16_compress_hook",), timeout=120)
+    refused, ok = launch(refusal_task, 1, args=(["bf16_compress_hook", "rounding_bf16"],), timeout=120)[0]
     if not torch.cuda.is_available():
-        assert msg.startswith("TypeError") and "NCCL" in msg, msg
-    (ok,) = launch(refusal_task, 1, args=("rounding_bf16",), timeout=120)
+        assert refused.startswith("TypeError") and "NCCL" in refused, refused
     assert ok == ""
 
 
@@ -179,3 +172,16 @@ def test_trainer_not_under_ddp_is_refused_up_front(tmp_path):
     cb = SentinelCallback(Sentinel(), trainer)
     with pytest.raises(InvalidArgument, match="not DistributedDataParallel: the sentinel watches"):
         cb.on_train_begin(args, None, None)
+
+
+@pytest.mark.slow
+def test_lightning_callback_names_the_hook_ddp_ran():
+    """Lightning 2.6.6, torch 2.13 CPU: DDPStrategy(ddp_comm_hook=truncating) is dropped on
+    CPU without a word; the sentinel (hook left to its default) says DDP ran allreduce_hook,
+    finds the run clean, and the logger gets its numbers at every look."""
+    pytest.importorskip("lightning")
+    out = launch(lightning_task, 2, args=("none", 30, None, "truncating_bf16"), timeout=300)
+    final = _verdicts([out[0]])
+    assert {r.evidence["hook_registered_in_ddp"] for r in final.values()} == {"allreduce_hook"}
+    assert all(r.verdict == "pass" for r in final.values()), [r.message for r in final.values()]
+    assert out[0]["logged"]["sentinel/step"] == 30 and out[0]["logged"]["sentinel/biased_buckets"] == 0

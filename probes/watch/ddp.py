@@ -26,6 +26,7 @@ and from the wrapper's own count of calls, not from what the user configured.
 from __future__ import annotations
 
 import functools
+import time
 from datetime import timedelta
 
 import torch
@@ -83,6 +84,7 @@ def attach_ddp(ddp, sentinel, hook=None, state=None):
         index = bucket.index()
         buffer = bucket.buffer()
         pending = None
+        t0 = time.perf_counter()
         try:
             sentinel._hook_calls += 1
             window = sentinel._choose(buffer.numel())
@@ -92,6 +94,7 @@ def attach_ddp(ddp, sentinel, hook=None, state=None):
                 pending = (start, n, ref, dist.all_reduce(ref, group=group, async_op=True))
         except Exception as e:
             sentinel._own_error("sampling a bucket", e)
+        sentinel.own_seconds += time.perf_counter() - t0
         fut = hook(state_, bucket)
         if pending is None:
             return fut
@@ -99,6 +102,7 @@ def attach_ddp(ddp, sentinel, hook=None, state=None):
 
         def check(f):
             value = f.value()
+            t1 = time.perf_counter()
             try:
                 start, n, ref, work = pending
                 work.wait(timeout)
@@ -107,6 +111,7 @@ def attach_ddp(ddp, sentinel, hook=None, state=None):
                 sentinel._record(f"bucket{index}", numel, step, low, ref.div_(world))
             except Exception as e:
                 sentinel._own_error("checking a bucket", e)
+            sentinel.own_seconds += time.perf_counter() - t1
             return value
         return fut.then(check)
 

@@ -76,16 +76,26 @@ def train_task(rank: int, world: int, hook: str = "none", steps: int = 20, watch
             "stopped_at": stopped_at, "own_errors": sentinel.error_count if sentinel else 0}
 
 
-def refusal_task(rank: int, world: int, hook: str) -> str:
-    """What DDP says when the sentinel attaches `hook`: "" if it is accepted."""
+def pair_task(rank: int, world: int, hook: str, steps: int, sentinel_kwargs: dict | None = None,
+              break_sentinel: bool = False) -> list:
+    """train_task without and then with the sentinel, in the same ranks: [plain, watched]."""
+    return [train_task(rank, world, hook, steps, False, 0, None),
+            train_task(rank, world, hook, steps, True, 0, sentinel_kwargs, break_sentinel=break_sentinel)]
+
+
+def refusal_task(rank: int, world: int, hooks: list) -> list:
+    """What DDP says when the sentinel attaches each hook: "" where it is accepted."""
     from torch.nn.parallel import DistributedDataParallel
     from trainprobes.watch import Sentinel, attach_ddp
-    ddp = DistributedDataParallel(model(16, 1))
-    try:
-        attach_ddp(ddp, Sentinel(), hook=hook_by_name(hook))
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return ""
+    out = []
+    for hook in hooks:
+        ddp = DistributedDataParallel(model(16, 1))
+        try:
+            attach_ddp(ddp, Sentinel(), hook=hook_by_name(hook))
+            out.append("")
+        except Exception as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out
 
 
 def _broken(*args, **kwargs):
@@ -130,3 +140,47 @@ def trainer_task(rank: int, world: int, hook: str = "allreduce", steps: int = 40
     logged = [{k: v for k, v in h.items() if k.startswith("sentinel/")}
               for h in trainer.state.log_history if "sentinel/step" in h]
     return {"results": [r.to_json() for r in sentinel.results], "logged": logged}
+
+
+def lightning_task(rank: int, world: int, hook: str = "none", steps: int = 30,
+                   sentinel_kwargs: dict | None = None, strategy_hook: str = "none") -> dict:
+    """A small MLP trained by a Lightning Trainer (DDPStrategy, gloo, CPU) with the sentinel
+    on; returns its Results as JSON and the sentinel's numbers the logger received.
+    strategy_hook: given to DDPStrategy(ddp_comm_hook=...) instead (Lightning 2.6.6 drops it
+    on CPU: the sentinel's Result names the hook DDP ran)."""
+    import tempfile
+
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.strategies import DDPStrategy
+    from trainprobes.watch import Sentinel
+    from trainprobes.watch.lightning import SentinelLightning
+
+    torch.set_num_threads(1)
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = model(64, 2, 0)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(steps * 8 * world, 64, generator=g)
+    data = torch.utils.data.TensorDataset(x, x[:, :1])
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    sentinel = Sentinel(**(sentinel_kwargs or {}))
+    with tempfile.TemporaryDirectory() as out:
+        trainer = L.Trainer(accelerator="cpu", devices=world, strategy=DDPStrategy(
+            process_group_backend="gloo", ddp_comm_hook=hook_by_name(strategy_hook)), max_steps=steps, logger=CSVLogger(out), log_every_n_steps=1,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[SentinelLightning(sentinel, hook=hook_by_name(hook))])
+        trainer.fit(Module(), loader)
+        logged = trainer.logged_metrics
+    return {"results": [r.to_json() for r in sentinel.results],
+            "logged": {k: float(v) for k, v in logged.items() if k.startswith("sentinel/")}}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -90,6 +91,10 @@ class Sentinel:
         self.errors: list[str] = []
         self.skipped = 0  # sampled draws refused by max_per_step
         self.relayouts = 0
+        # wall seconds of its own work: in the hook before the user's hook and in the check
+        # (the wait for its fp64 reduction included); at looks
+        self.own_seconds = 0.0
+        self.look_seconds = 0.0
         self._generator = torch.Generator().manual_seed(self.seed)
         self._lock = threading.Lock()
         self._this_step = 0
@@ -143,6 +148,7 @@ class Sentinel:
         self._this_step = 0
         if self.steps % self.interval:
             return []
+        t0 = time.perf_counter()
         try:
             with self._lock:
                 judged = self.streams.look(self.steps)
@@ -152,6 +158,8 @@ class Sentinel:
         except Exception as e:
             self._own_error("judging", e)
             return []
+        finally:
+            self.look_seconds += time.perf_counter() - t0
         for r in new:
             self.results.append(r)
             self._write(r)
@@ -180,6 +188,7 @@ class Sentinel:
                 "hook_calls": self._hook_calls, "steps": self.steps, "sample": self.sample,
                 "interval": self.interval, "window": self.window, "budget": self.budget,
                 "looks": self.streams.looks, "own_errors": self.error_count,
+                "own_seconds": self.own_seconds, "look_seconds": self.look_seconds,
                 "own_error_messages": list(self.errors), "relayouts": self.relayouts,
                 "skipped_by_max_per_step": self.skipped,
                 "correction": "alpha * 6/(pi^2 k^2) / buckets at look k (union bound over looks "
