@@ -1,6 +1,7 @@
 """What the sentinel costs a live run: step time with and without it, side by side in one run.
 
     python benchmarks/bench_watch.py [--steps 150] [--world 2]
+    python benchmarks/bench_watch.py --rates 40 [--rate-steps 60]
 
 On `world` gloo ranks (127.0.0.1), each rank builds the same tiny Llama three times under
 DDP: without the sentinel (DDP's built-in all-reduce), with it at the defaults, and with it
@@ -15,6 +16,10 @@ fp64 and one fp64 all_reduce of it (twice the bytes of the fp32 reduction of tha
 plus an O(window) comparison when the hook's future completes; the expected number of
 sampled buckets per step is min(sample * buckets, max_per_step). Every `interval` steps the
 look runs the bias test on each bucket's kept errors (at most `keep` floats each).
+
+--rates: over many seeds, how often the fp32 all-reduce and bf16 round-to-nearest (noise)
+are called biased (the run-wide false-positive rate, <= alpha by construction), and the step
+at which a truncating hook stops the run (stop_on_finding).
 """
 from __future__ import annotations
 
@@ -100,13 +105,48 @@ def bench_rank(rank: int, world: int, steps: int, seq: int, batch: int) -> dict:
             "params": sum(p.numel() for p in runs["without"][0].parameters())}
 
 
+def rates_rank(rank: int, world: int, seeds: int, steps: int) -> dict:
+    """Per seed (model, data, dropout and the sentinel's own seed), each hook at the defaults:
+    whether anything was called biased, and at which step a truncating hook stopped the run."""
+    from trainprobes.watch.demo import train_task
+    out = {"allreduce": [], "rounding_bf16": [], "truncating_bf16": []}
+    for seed in range(seeds):
+        for hook in out:
+            kw = {"seed": seed, "stop_on_finding": hook == "truncating_bf16"}
+            r = train_task(rank, world, hook, steps, True, seed, kw, width=128, depth=2)
+            if hook == "truncating_bf16":
+                out[hook].append(r["stopped_at"])
+            else:
+                out[hook].append(any('"biased": true' in x for x in r["results"]))
+    return out
+
+
+def rates(a) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _rates import rate
+    out = launch(rates_rank, a.world, args=(a.rates, a.rate_steps), timeout=3600)[0]
+    print(f"{a.rates} seeds, {a.rate_steps} steps each, defaults (alpha 0.01 over the whole run), "
+          f"MLP under DDP on {a.world} gloo ranks")
+    for hook in ("allreduce", "rounding_bf16"):
+        print(f"  {hook:16s} called biased in {rate(sum(out[hook]), len(out[hook]))} of runs")
+    stops = out["truncating_bf16"]
+    caught = [s for s in stops if s is not None]
+    print(f"  truncating_bf16  caught in {rate(len(caught), len(stops))} of runs; stopped at steps "
+          f"{sorted(caught)}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--rates", type=int, default=0, metavar="SEEDS",
+                   help="instead: false-positive and detection rates over this many seeds")
+    p.add_argument("--rate-steps", type=int, default=60)
     a = p.parse_args()
+    if a.rates:
+        return rates(a)
     out = launch(bench_rank, a.world, args=(a.steps, a.seq, a.batch), timeout=1200)
     r0 = out[0]
     base = statistics.fmean(max(o["times"]["without"][i] for o in out) for i in range(a.steps))
