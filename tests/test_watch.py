@@ -185,3 +185,42 @@ def test_lightning_callback_names_the_hook_ddp_ran():
     assert {r.evidence["hook_registered_in_ddp"] for r in final.values()} == {"allreduce_hook"}
     assert all(r.verdict == "pass" for r in final.values()), [r.message for r in final.values()]
     assert out[0]["logged"]["sentinel/step"] == 30 and out[0]["logged"]["sentinel/biased_buckets"] == 0
+
+
+def _fed(tmp_path, errors, **kw) -> Sentinel:
+    """A sentinel whose bucket stream is fed by hand (no ranks): what step() and close() do."""
+    s = Sentinel(findings=tmp_path / "f.jsonl", rank=0, **kw)
+    stream = s.streams.stream("bucket0", 1000)
+    for i, e in enumerate(errors):
+        stream.add(i, e)
+    return s
+
+
+def test_a_finding_is_a_bias_result_written_as_it_happens_and_can_stop_the_run(tmp_path):
+    from trainprobes.result import PROBES
+    from trainprobes.watch import SentinelFinding
+    s = _fed(tmp_path, [-4.7e-3, -4.8e-3, -4.6e-3, -4.75e-3], stop_on_finding=True)
+    for _ in range(9):
+        assert s.step() == []
+    with pytest.raises(SentinelFinding) as e:
+        s.step()
+    assert e.value.exit_code == 1
+    lines = [Result.from_json(x) for x in (tmp_path / "f.jsonl").read_text().splitlines()]
+    assert [r.verdict for r in lines] == ["fail", "fail"]  # the finding, then the final judgement
+    r = lines[0]
+    assert r.probe == "numerics.bias" and r.codes == ["TP-B1"] and r.evidence["found_at_step"] == 10
+    assert all(PROBES["numerics.bias"].documents(k) for k in r.metrics)
+    assert "biased since step 10" in r.message and r.metrics["ci_high"] < 0
+
+
+def test_symmetric_noise_passes_and_an_existing_findings_file_is_refused(tmp_path):
+    from trainprobes.errors import OutputExists
+    g = torch.Generator().manual_seed(0)
+    s = _fed(tmp_path, (torch.randn(40, generator=g, dtype=torch.float64) * 1e-3).tolist())
+    for _ in range(30):
+        s.step()
+    (r,) = s.close()
+    assert r.verdict == "pass" and r.metrics["biased"] is False and "noise" in r.message
+    with pytest.raises(OutputExists, match="append=True"):
+        Sentinel(findings=tmp_path / "f.jsonl", rank=0)
+    Sentinel(findings=tmp_path / "f.jsonl", rank=0, append=True)

@@ -94,7 +94,7 @@ def attach_ddp(ddp, sentinel, hook=None, state=None):
                 pending = (start, n, ref, dist.all_reduce(ref, group=group, async_op=True))
         except Exception as e:
             sentinel._own_error("sampling a bucket", e)
-        sentinel.own_seconds += time.perf_counter() - t0
+        sentinel._add_time(time.perf_counter() - t0)
         fut = hook(state_, bucket)
         if pending is None:
             return fut
@@ -111,7 +111,7 @@ def attach_ddp(ddp, sentinel, hook=None, state=None):
                 sentinel._record(f"bucket{index}", numel, step, low, ref.div_(world))
             except Exception as e:
                 sentinel._own_error("checking a bucket", e)
-            sentinel.own_seconds += time.perf_counter() - t1
+            sentinel._add_time(time.perf_counter() - t1)
             return value
         return fut.then(check)
 

@@ -59,14 +59,17 @@ class Sentinel:
     window: elements of a bucket re-reduced per sample (a random window when the bucket is
         larger); budget: the bytes the sentinel may hold for its copies at once.
     findings: a JSON lines file; each finding is appended as it happens, the final Results
-        at close(). rank: only this rank writes it (every rank judges the same numbers).
+        at close(). rank: only this rank writes it (every rank judges the same numbers). A
+        file that exists is refused (another run's findings) unless append=True (a resumed
+        run adding to its own).
     """
 
     def __init__(self, *, sample: float = 0.25, interval: int = 10, alpha: float = 0.01,
                  min_effect: float = 2.0 ** -12, window: int = 1 << 16, max_per_step: int = 1,
                  budget: int = 8 << 20, keep: int = 4096, seed: int = 0,
                  findings: str | Path | None = None, rank: int | None = None,
-                 write_rank: int = 0, stop_on_finding: bool = False, timeout: float = 300.0):
+                 write_rank: int = 0, stop_on_finding: bool = False, timeout: float = 300.0,
+                 append: bool = False):
         self.sample = check_number(sample, "sample", min=0, max=1, min_open=True,
                                    hint="the share of bucket reductions checked, e.g. 0.25")
         self.interval = check_int(interval, "interval", min=1, hint="steps between looks")
@@ -86,6 +89,11 @@ class Sentinel:
         self.findings = Path(findings) if findings is not None else None
         self.rank = rank if rank is not None else _rank()
         self.write_rank = write_rank
+        if (self.findings is not None and self.rank == write_rank and self.findings.exists()
+                and not check_bool(append, "append")):
+            from trainprobes.errors import OutputExists
+            raise OutputExists(f"findings={str(self.findings)!r} exists (another run's findings?): "
+                               "pass another path, or append=True to add to it")
         self.steps = 0
         self.results: list[Result] = []
         self.errors: list[str] = []
@@ -135,6 +143,10 @@ class Sentinel:
             del self.errors[:-100]  # the count is kept apart; the newest 100 messages
             self._error_count = getattr(self, "_error_count", 0) + 1
         log.warning("trainprobes sentinel (its own error, the run goes on): %s", msg)
+
+    def _add_time(self, seconds: float) -> None:
+        with self._lock:
+            self.own_seconds += seconds
 
     @property
     def error_count(self) -> int:
