@@ -224,3 +224,44 @@ def test_symmetric_noise_passes_and_an_existing_findings_file_is_refused(tmp_pat
     with pytest.raises(OutputExists, match="append=True"):
         Sentinel(findings=tmp_path / "f.jsonl", rank=0)
     Sentinel(findings=tmp_path / "f.jsonl", rank=0, append=True)
+
+
+def _packed_trainer(tmp_path, ones_mask: bool, use_cache: bool):
+    from trainprobes.isolation.hf import tiny_model
+    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
+    flatten = DataCollatorWithFlattening(return_tensors="pt")
+
+    def collate(features):
+        b = flatten(features)
+        if ones_mask:  # the trap: a padding mask of a row without padding
+            b["attention_mask"] = torch.ones_like(b["input_ids"])
+        return b
+    model = tiny_model("llama", "sdpa")
+    model.config.use_cache = use_cache
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, 128, (n,), generator=g).tolist()} for n in (5, 7, 4, 6)]
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=1, report_to=[],
+                             save_strategy="no", disable_tqdm=True)
+    return Trainer(model=model, args=args, train_dataset=data, data_collator=collate)
+
+
+@pytest.mark.slow
+def test_packing_check_on_the_runs_collator_catches_the_all_ones_mask(tmp_path):
+    """transformers 5.25, tiny Llama, sdpa: DataCollatorWithFlattening's restarting position
+    ids beside an all-ones mask are read as one sequence (leaky, TP-I1); without the mask and
+    with use_cache=False the documents are isolated. The check leaves the model's mode, its
+    weights and the global generator as they were."""
+    from trainprobes.watch import SentinelCallback
+    leaky = _packed_trainer(tmp_path, ones_mask=True, use_cache=False)
+    before = (torch.random.get_rng_state(), {k: v.clone() for k, v in leaky.model.state_dict().items()})
+    leaky.model.train()
+    s = Sentinel(findings=tmp_path / "p.jsonl", rank=0)
+    r = SentinelCallback(s, leaky).check_packing()
+    assert r.probe == "isolation.documents" and r.verdict == "fail" and r.codes == ["TP-I1"]
+    assert r.metrics["isolated"] is False and "attention_mask" in r.target
+    assert Result.from_json((tmp_path / "p.jsonl").read_text().splitlines()[0]) == r
+    assert leaky.model.training and torch.equal(before[0], torch.random.get_rng_state())
+    assert all(torch.equal(v, before[1][k]) for k, v in leaky.model.state_dict().items())
+    clean = _packed_trainer(tmp_path, ones_mask=False, use_cache=False)
+    r = SentinelCallback(Sentinel(), clean).check_packing()
+    assert r.verdict == "pass" and r.metrics["isolated"] is True, r.message

@@ -179,6 +179,14 @@ class Sentinel:
             raise SentinelFinding(self.close())
         return new
 
+    def report(self, result: Result) -> None:
+        """Add a Result of another check (the packing check): kept, written, and with
+        stop_on_finding a failing one ends the run as a bias finding does."""
+        self.results.append(result)
+        self._write(result)
+        if result.verdict == "fail" and self.stop_on_finding:
+            raise SentinelFinding(self.close())
+
     def summary(self) -> dict:
         """Numbers for a trainer's logger: the latest look, flat."""
         j = [x for x in self.last_judgements if x.stats is not None]
