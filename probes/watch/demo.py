@@ -112,10 +112,23 @@ class _Broken:
         return s
 
 
+def _flattening_with_ones_mask():
+    """DataCollatorWithFlattening, then the all-ones 2-D attention_mask many trainers add."""
+    from transformers import DataCollatorWithFlattening
+    flatten = DataCollatorWithFlattening(return_tensors="pt")
+
+    def collate(features):
+        b = flatten(features)
+        b["attention_mask"] = torch.ones_like(b["input_ids"])
+        return b
+    return collate
+
+
 def trainer_task(rank: int, world: int, hook: str = "allreduce", steps: int = 40,
-                 sentinel_kwargs: dict | None = None) -> dict:
+                 sentinel_kwargs: dict | None = None, packed: bool = False) -> dict:
     """A tiny Llama trained by transformers.Trainer under DDP (gloo, CPU) with the sentinel on;
-    returns its Results as JSON and what reached Trainer.log."""
+    returns its Results as JSON and what reached Trainer.log. packed: documents of 3 to 12
+    tokens flattened into rows beside an all-ones mask (the collator trap)."""
     import tempfile
 
     from trainprobes.watch import Sentinel, SentinelCallback
@@ -126,13 +139,19 @@ def trainer_task(rank: int, world: int, hook: str = "allreduce", steps: int = 40
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     net = LlamaForCausalLM(cfg)
-    ids = torch.randint(0, 128, (256, 32), generator=torch.Generator().manual_seed(1))
-    data = [{"input_ids": x, "labels": x} for x in ids]
+    g = torch.Generator().manual_seed(1)
+    if packed:
+        lengths = torch.randint(3, 13, (256,), generator=g).tolist()
+        data = [{"input_ids": torch.randint(0, 128, (n,), generator=g).tolist()} for n in lengths]
+    else:
+        ids = torch.randint(0, 128, (256, 32), generator=g)
+        data = [{"input_ids": x, "labels": x} for x in ids]
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(output_dir=out, use_cpu=True, per_device_train_batch_size=4,
                                  max_steps=steps, logging_steps=10, report_to=[], save_strategy="no",
                                  ddp_backend="gloo", seed=0, disable_tqdm=True, learning_rate=1e-3)
-        trainer = Trainer(model=net, args=args, train_dataset=data)
+        trainer = Trainer(model=net, args=args, train_dataset=data,
+                          data_collator=_flattening_with_ones_mask() if packed else None)
         # the two lines a user adds (docs/watch.md)
         sentinel = Sentinel(**(sentinel_kwargs or {}))
         trainer.add_callback(SentinelCallback(sentinel, trainer, hook=hook_by_name(hook)))

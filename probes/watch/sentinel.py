@@ -193,7 +193,8 @@ class Sentinel:
         out = {"sentinel/step": self.steps, "sentinel/samples": sum(
             s.samples for s in self.streams.streams.values()),
             "sentinel/buckets_judged": len(j), "sentinel/biased_buckets": sum(bool(x.biased) for x in j),
-            "sentinel/own_errors": self.error_count}
+            "sentinel/own_errors": self.error_count,
+            "sentinel/findings": sum(r.verdict == "fail" for r in self.results)}
         if j:
             worst = max(j, key=lambda x: abs(x.stats["bias"]))
             out["sentinel/worst_bias"] = worst.stats["bias"]
