@@ -14,8 +14,9 @@ copy (what the sentinel does) and an all_gather of the fp32 window (summed local
 What the cost scales with: per sampled bucket, one copy of min(bucket, window) elements to
 fp64 and one fp64 all_reduce of it (twice the bytes of the fp32 reduction of that window),
 plus an O(window) comparison when the hook's future completes; the expected number of
-sampled buckets per step is min(sample * buckets, max_per_step). Every `interval` steps the
-look runs the bias test on each bucket's kept errors (at most `keep` floats each).
+checked buckets per step is sample * min(buckets, max_per_step), whatever the model's size.
+Every `interval` steps the look runs the bias test on each bucket's kept errors (at most
+`keep` floats each) and on all buckets' together.
 
 --rates: over many seeds, how often the fp32 all-reduce and bf16 round-to-nearest (noise)
 are called biased (the run-wide false-positive rate, <= alpha by construction), and the step
@@ -49,6 +50,7 @@ def bench_rank(rank: int, world: int, steps: int, seq: int, batch: int) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     from trainprobes.watch import Sentinel, attach_ddp
+    from trainprobes.watch.sentinel import POOLED
 
     torch.set_num_threads(1)
     runs = {}
@@ -78,11 +80,12 @@ def bench_rank(rank: int, world: int, steps: int, seq: int, batch: int) -> dict:
     for n, (ddp, _, sentinel) in runs.items():
         if sentinel is not None:
             res = sentinel.close()
-            info[n] = {"samples": sum(s.samples for s in sentinel.streams.streams.values()),
-                       "buckets": len(sentinel.streams.streams), "hook_calls": sentinel._hook_calls,
+            streams = {k: s for k, s in sentinel.streams.streams.items() if k != POOLED}
+            info[n] = {"samples": sum(s.samples for s in streams.values()),
+                       "buckets": len(streams), "hook_calls": sentinel._hook_calls,
                        "own_errors": sentinel.error_count, "own_seconds": sentinel.own_seconds,
                        "look_seconds": sentinel.look_seconds, "verdicts": sorted({r.verdict for r in res}),
-                       "bucket_numel": sorted(s.numel for s in sentinel.streams.streams.values())}
+                       "bucket_numel": sorted(s.numel for s in streams.values())}
     # the reference's two ways, on a window of the default size
     n = 1 << 16
     x = torch.randn(n, generator=g)

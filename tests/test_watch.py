@@ -265,3 +265,20 @@ def test_packing_check_on_the_runs_collator_catches_the_all_ones_mask(tmp_path):
     clean = _packed_trainer(tmp_path, ones_mask=False, use_cache=False)
     r = SentinelCallback(Sentinel(), clean).check_packing()
     assert r.verdict == "pass" and r.metrics["isolated"] is True, r.message
+
+
+def test_buckets_are_checked_alike_at_a_bounded_cost_and_every_rank_chooses_the_same():
+    """4 buckets a step, sample 0.25, max_per_step 1: each bucket is checked in about 1/16
+    of the steps (the last as often as the first), never two in one step, and two
+    sentinels with one seed (two ranks) choose the same windows."""
+    a, b = Sentinel(seed=3), Sentinel(seed=3)
+    counts, per_step = [0] * 4, []
+    for _ in range(800):
+        picks = [a._choose(100_000) for _ in range(4)]
+        assert picks == [b._choose(100_000) for _ in range(4)]
+        per_step.append(sum(p is not None for p in picks))
+        for i, p in enumerate(picks):
+            counts[i] += p is not None
+        a.step(), b.step()
+    assert max(per_step) == 1
+    assert all(25 <= c <= 80 for c in counts), counts  # binomial(800, 1/16): 50 +- 7

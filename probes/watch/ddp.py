@@ -4,16 +4,17 @@ share of buckets checked against an fp64 re-reduction of the same inputs.
     attach_ddp(ddp_model, sentinel, hook=None, state=None)
 
 For each bucket DDP hands the hook, on every rank in the same order:
-  1. two draws from the sentinel's own generator (seeded alike on every rank, so every rank
-     makes the same choice): is this bucket sampled (share `sample`, at most
-     `max_per_step` a step), and where its window of at most `window` elements starts;
+  1. draws from the sentinel's own generator (seeded alike on every rank, so every rank
+     makes the same choice): at a step's first bucket, is the step checked (share `sample`)
+     and which `max_per_step` of its buckets; at every bucket, where its window of at most
+     `window` elements starts;
   2. if sampled, the window of the rank's bucket input is copied to a new fp64 tensor (never
      a view of DDP's buffer) and all-reduced (sum) on the sentinel's own process group,
      asynchronously, before the user's hook touches the buffer;
   3. the user's hook runs on the bucket, untouched;
   4. when its future completes, the same window of its output is compared with the fp64
      sum / world (DDP's hooks return the mean), and the signed relative error goes to the
-     bucket's stream. The future DDP gets back carries the hook's own value object.
+     bucket's stream and to the stream of all buckets together. The future DDP gets back carries the hook's own value object.
 Anything of the sentinel's that raises in 2 or 4 is logged and counted, never raised into
 the step; the user's hook's own errors reach DDP as they would without the sentinel.
 

@@ -32,6 +32,7 @@ log = logging.getLogger("trainprobes.watch")
 # a finding is the bias probe's Result (metrics as numerics.bias documents them), so the
 # report and the gate read it as any other; where it came from is in target and evidence
 PROBE = "numerics.bias"
+POOLED = "all_buckets"
 
 
 class SentinelFinding(TrainprobesError, RuntimeError):
@@ -49,7 +50,8 @@ class SentinelFinding(TrainprobesError, RuntimeError):
 class Sentinel:
     """Sampled checks of a live run's gradient reductions; see the module docstring.
 
-    sample: the share of bucket reductions re-reduced in fp64 (each drawn independently).
+    sample: the share of steps checked; a checked step re-reduces `max_per_step` of its
+        buckets in fp64, chosen uniformly (so each bucket is checked alike).
     interval: steps between looks (judgements); alpha: the chance of any false "biased"
         over the whole run, spent over looks and buckets (trainprobes.watch.stream).
     min_effect: the smallest |relative bias| called biased. The default, 2^-12 (2.4e-4,
@@ -97,7 +99,6 @@ class Sentinel:
         self.steps = 0
         self.results: list[Result] = []
         self.errors: list[str] = []
-        self.skipped = 0  # sampled draws refused by max_per_step
         self.relayouts = 0
         # wall seconds of its own work: in the hook before the user's hook and in the check
         # (the wait for its fp64 reduction included); at looks
@@ -105,7 +106,9 @@ class Sentinel:
         self.look_seconds = 0.0
         self._generator = torch.Generator().manual_seed(self.seed)
         self._lock = threading.Lock()
-        self._this_step = 0
+        self._calls_in_step = 0  # bucket hook calls so far in this step
+        self._last_calls = 0  # in the last step that had any (DDP's buckets per step)
+        self._chosen: set = set()
         self._hook = None
         self._ddp = None
         self._hook_calls = 0
@@ -115,14 +118,20 @@ class Sentinel:
     # --- called from the comm hook (on DDP's and gloo's threads) ----------------------
 
     def _choose(self, numel: int):
-        """(start, n) of the window to check, or None. Two draws every call, on every rank."""
-        u, pos = torch.rand(2, generator=self._generator, dtype=torch.float64).tolist()
-        if u >= self.sample:
+        """(start, n) of the window to check, or None. The same draws on every rank: at a
+        step's first bucket, whether the step is checked (`sample`) and which of its buckets
+        (max_per_step of them, uniformly among as many as the last step with buckets had),
+        then one draw per bucket for the window's start. Every bucket is checked alike, and
+        the cost per step stays bounded whatever the number of buckets."""
+        i = self._calls_in_step
+        self._calls_in_step += 1
+        if i == 0:
+            u = float(torch.rand(1, generator=self._generator, dtype=torch.float64))
+            order = torch.randperm(max(self._last_calls, 1), generator=self._generator)
+            self._chosen = set(order[:self.max_per_step].tolist()) if u < self.sample else set()
+        pos = float(torch.rand(1, generator=self._generator, dtype=torch.float64))
+        if i not in self._chosen:
             return None
-        if self._this_step >= self.max_per_step:
-            self.skipped += 1
-            return None
-        self._this_step += 1
         n = min(numel, self.window)
         return int(pos * (numel - n + 1)), n
 
@@ -135,6 +144,9 @@ class Sentinel:
                 self.relayouts += 1
                 del self.streams.streams[key]
             self.streams.stream(key, numel).add(step, err, zero_reference=zero)
+            # every bucket's samples together: a reduction biased everywhere (a hook's own
+            # arithmetic) is caught on the samples of all buckets, not each bucket's few
+            self.streams.stream(POOLED, 0).add(step, err, zero_reference=zero)
 
     def _own_error(self, where: str, e: BaseException) -> None:
         msg = f"step {self.steps}, {where}: {type(e).__name__}: {e}"
@@ -157,7 +169,9 @@ class Sentinel:
     def step(self) -> list[Result]:
         """Close a training step; at every `interval`-th, judge. Returns new findings."""
         self.steps += 1
-        self._this_step = 0
+        if self._calls_in_step:
+            self._last_calls = self._calls_in_step
+        self._calls_in_step = 0
         if self.steps % self.interval:
             return []
         t0 = time.perf_counter()
@@ -189,15 +203,19 @@ class Sentinel:
 
     def summary(self) -> dict:
         """Numbers for a trainer's logger: the latest look, flat."""
-        j = [x for x in self.last_judgements if x.stats is not None]
+        j = [x for x in self.last_judgements if x.stats is not None and x.key != POOLED]
+        pooled = [x for x in self.last_judgements if x.stats is not None and x.key == POOLED]
         out = {"sentinel/step": self.steps, "sentinel/samples": sum(
-            s.samples for s in self.streams.streams.values()),
+            s.samples for k, s in self.streams.streams.items() if k != POOLED),
             "sentinel/buckets_judged": len(j), "sentinel/biased_buckets": sum(bool(x.biased) for x in j),
             "sentinel/own_errors": self.error_count,
             "sentinel/findings": sum(r.verdict == "fail" for r in self.results)}
+        if pooled:
+            out["sentinel/bias"] = pooled[0].stats["bias"]
+            out["sentinel/biased"] = int(bool(pooled[0].biased))
         if j:
             worst = max(j, key=lambda x: abs(x.stats["bias"]))
-            out["sentinel/worst_bias"] = worst.stats["bias"]
+            out["sentinel/worst_bucket_bias"] = worst.stats["bias"]
         return out
 
     # --- Results ----------------------------------------------------------------------
@@ -211,7 +229,6 @@ class Sentinel:
                 "looks": self.streams.looks, "own_errors": self.error_count,
                 "own_seconds": self.own_seconds, "look_seconds": self.look_seconds,
                 "own_error_messages": list(self.errors), "relayouts": self.relayouts,
-                "skipped_by_max_per_step": self.skipped,
                 "correction": "alpha * 6/(pi^2 k^2) / buckets at look k (union bound over looks "
                               "and buckets)"}
 
