@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from trainprobes.errors import TrainprobesError
+from trainprobes.errors import InvalidArgument, OutputExists, TrainprobesError
 from trainprobes.numerics.bias import signed_relative_error
 from trainprobes.result import Result
 from trainprobes.validation import check_bool, check_int, check_number, check_seed
@@ -73,14 +73,13 @@ class Sentinel:
                  write_rank: int = 0, stop_on_finding: bool = False, timeout: float = 300.0,
                  append: bool = False):
         self.sample = check_number(sample, "sample", min=0, max=1, min_open=True,
-                                   hint="the share of bucket reductions checked, e.g. 0.25")
+                                   hint="the share of steps checked, e.g. 0.25")
         self.interval = check_int(interval, "interval", min=1, hint="steps between looks")
         self.window = check_int(window, "window", min=16, hint="elements per sample, e.g. 65536")
         self.max_per_step = check_int(max_per_step, "max_per_step", min=1)
         self.budget = check_int(budget, "budget", min=1, hint="bytes, e.g. 8 << 20")
         need = 2 * 8 * self.window * self.max_per_step
         if need > self.budget:
-            from trainprobes.errors import InvalidArgument
             raise InvalidArgument(f"window={window} and max_per_step={max_per_step} need {need} bytes "
                                   f"(two fp64 copies per sample), over budget={budget}: lower window "
                                   f"to {self.budget // (16 * self.max_per_step)} or raise budget")
@@ -89,16 +88,16 @@ class Sentinel:
         self.timeout = check_number(timeout, "timeout", min=0, min_open=True, hint="seconds")
         self.streams = Streams(alpha=alpha, min_effect=min_effect, keep=keep)
         self.findings = Path(findings) if findings is not None else None
-        self.rank = rank if rank is not None else _rank()
-        self.write_rank = write_rank
+        self.rank = check_int(rank, "rank", min=0) if rank is not None else _rank()
+        self.write_rank = check_int(write_rank, "write_rank", min=0, hint="the rank that writes findings")
         if (self.findings is not None and self.rank == write_rank and self.findings.exists()
                 and not check_bool(append, "append")):
-            from trainprobes.errors import OutputExists
             raise OutputExists(f"findings={str(self.findings)!r} exists (another run's findings?): "
                                "pass another path, or append=True to add to it")
         self.steps = 0
         self.results: list[Result] = []
-        self.errors: list[str] = []
+        self.errors: list[str] = []  # the newest 100 messages of its own errors
+        self._error_count = 0
         self.relayouts = 0
         # wall seconds of its own work: in the hook before the user's hook and in the check
         # (the wait for its fp64 reduction included); at looks
@@ -153,7 +152,7 @@ class Sentinel:
         with self._lock:
             self.errors.append(msg)
             del self.errors[:-100]  # the count is kept apart; the newest 100 messages
-            self._error_count = getattr(self, "_error_count", 0) + 1
+            self._error_count += 1
         log.warning("trainprobes sentinel (its own error, the run goes on): %s", msg)
 
     def _add_time(self, seconds: float) -> None:
@@ -162,7 +161,7 @@ class Sentinel:
 
     @property
     def error_count(self) -> int:
-        return getattr(self, "_error_count", 0)
+        return self._error_count
 
     # --- the per-step call ------------------------------------------------------------
 
