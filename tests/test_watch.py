@@ -282,3 +282,20 @@ def test_buckets_are_checked_alike_at_a_bounded_cost_and_every_rank_chooses_the_
         a.step(), b.step()
     assert max(per_step) == 1
     assert all(25 <= c <= 80 for c in counts), counts  # binomial(800, 1/16): 50 +- 7
+
+
+def test_the_quick_look_gives_the_full_tests_verdict():
+    """A look clears a stream on the t-test alone when it plainly passes; on streams near
+    and far from the boundary the verdicts equal those of error_stats at the same level."""
+    from trainprobes.numerics.bias import error_stats
+    g = torch.Generator().manual_seed(1)
+    for shift in (0.0, 0.3, 0.6, 1.0, 3.0):
+        for _ in range(20):
+            e = (torch.randn(12, generator=g, dtype=torch.float64) + shift).mul(1e-3).tolist()
+            quick, full = Streams(alpha=0.05, min_effect=0.0, keep=100), None
+            s = quick.stream("b", 1)
+            for x in e:
+                s.add(0, x)
+            (j,) = quick.look(1)
+            full = error_stats(e, alpha=j.alpha, min_effect=0.0)["biased"]
+            assert j.biased == full, (shift, e)

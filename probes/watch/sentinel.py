@@ -275,7 +275,7 @@ class Sentinel:
         final = []
         try:
             with self._lock:
-                judged = self.streams.look(self.steps)
+                judged = self.streams.look(self.steps, full=True)
             self.last_judgements = judged
             final = [self._result(j) for j in judged]
         except Exception as e:
