@@ -116,7 +116,7 @@ def rates_rank(rank: int, world: int, seeds: int, steps: int) -> dict:
     for seed in range(seeds):
         for hook in out:
             kw = {"seed": seed, "stop_on_finding": hook == "truncating_bf16"}
-            r = train_task(rank, world, hook, steps, True, seed, kw, width=128, depth=2)
+            r = train_task(rank, world, hook, steps, True, seed, kw)  # 3 buckets
             if hook == "truncating_bf16":
                 out[hook].append(r["stopped_at"])
             else:
@@ -129,7 +129,7 @@ def rates(a) -> None:
     from _rates import rate
     out = launch(rates_rank, a.world, args=(a.rates, a.rate_steps), timeout=3600)[0]
     print(f"{a.rates} seeds, {a.rate_steps} steps each, defaults (alpha 0.01 over the whole run), "
-          f"MLP under DDP on {a.world} gloo ranks")
+          f"the demo MLP (3 buckets) under DDP on {a.world} gloo ranks")
     for hook in ("allreduce", "rounding_bf16"):
         print(f"  {hook:16s} called biased in {rate(sum(out[hook]), len(out[hook]))} of runs")
     stops = out["truncating_bf16"]
