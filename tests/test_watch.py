@@ -158,7 +158,9 @@ def test_trainer_callback_sends_the_verdict_to_trainer_log():
     assert fails and fails[0].codes == ["TP-B1"] and fails[0].metrics["bias"] < -1e-3
     logged = out[0]["logged"]
     assert [h["sentinel/step"] for h in logged[:3]] == [10, 20, 30]
-    assert logged[-1]["sentinel/biased_buckets"] >= 1
+    assert logged[-1]["sentinel/biased_buckets"] >= 1 and logged[-1]["sentinel/biased"] == 1
+    # logged after close too: the final judgements do not count the same findings again
+    assert logged[-1]["sentinel/findings"] == logged[-2]["sentinel/findings"] >= 1
 
 
 @pytest.mark.slow

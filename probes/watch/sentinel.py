@@ -98,6 +98,7 @@ class Sentinel:
         self.results: list[Result] = []
         self.errors: list[str] = []  # the newest 100 messages of its own errors
         self._error_count = 0
+        self._reported_findings = 0
         self.relayouts = 0
         # wall seconds of its own work: in the hook before the user's hook and in the check
         # (the wait for its fp64 reduction included); at looks
@@ -197,6 +198,7 @@ class Sentinel:
         stop_on_finding a failing one ends the run as a bias finding does."""
         self.results.append(result)
         self._write(result)
+        self._reported_findings += result.verdict == "fail"
         if result.verdict == "fail" and self.stop_on_finding:
             raise SentinelFinding(self.close())
 
@@ -208,7 +210,9 @@ class Sentinel:
             s.samples for k, s in self.streams.streams.items() if k != POOLED),
             "sentinel/buckets_judged": len(j), "sentinel/biased_buckets": sum(bool(x.biased) for x in j),
             "sentinel/own_errors": self.error_count,
-            "sentinel/findings": sum(r.verdict == "fail" for r in self.results)}
+            # streams found biased (once each, however often judged) and other checks' findings
+            "sentinel/findings": sum(s.found_at is not None for s in self.streams.streams.values())
+            + self._reported_findings}
         if pooled:
             out["sentinel/bias"] = pooled[0].stats["bias"]
             out["sentinel/biased"] = int(bool(pooled[0].biased))
