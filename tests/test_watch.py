@@ -8,7 +8,7 @@ from trainprobes.errors import InvalidArgument
 from trainprobes.result import Result
 from trainprobes.watch import Sentinel
 from trainprobes.watch.ddp import _window_copy
-from trainprobes.watch.demo import lightning_task, pair_task, refusal_task, train_task, trainer_task
+from trainprobes.watch.demo import lightning_task, refusal_task, runs_task, trainer_task
 from trainprobes.watch.hooks import truncate_to_bf16
 from trainprobes.watch.stream import Streams, look_alpha
 
@@ -83,21 +83,26 @@ def _same(a, b) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hook", ["none", "truncating_bf16"])
-def test_attaching_changes_no_bit_of_the_run(hook):
+def test_attaching_changes_no_bit_of_the_run():
     """2 gloo ranks, 12 steps with dropout drawn from the global generator, every bucket
-    checked: losses, weights and the global generator's state bit for bit as without it
-    (with no hook, the sentinel's wrapped allreduce_hook against DDP's built-in reduction)."""
+    checked: losses, weights and the global generator's state bit for bit as without it,
+    with no hook (the sentinel's wrapped allreduce_hook against DDP's built-in reduction)
+    and with a custom one."""
     kw = {"sample": 1.0, "interval": 4, "max_per_step": 4, "window": 4096, "budget": 1 << 20}
-    out = launch(pair_task, 2, args=(hook, 12, kw), timeout=300)
-    for r, (plain, watched) in enumerate(out):
-        assert _same(plain, watched), f"rank {r}"
+    runs = [{"hook": h, "steps": 12, "watch": w, "sentinel_kwargs": kw}
+            for h in ("none", "truncating_bf16") for w in (False, True)]
+    out = launch(runs_task, 2, args=(runs,), timeout=300)
+    for r, rank in enumerate(out):
+        for i in (0, 2):
+            assert _same(rank[i], rank[i + 1]), f"rank {r}, {runs[i]['hook']}"
     assert any(Result.from_json(x).metrics.get("trials", 0) >= 3 for x in out[0][1]["results"])
 
 
 @pytest.mark.slow
 def test_its_own_errors_are_counted_never_raised_into_the_step():
-    out = launch(pair_task, 2, args=("none", 8, {"sample": 1.0}, True), timeout=300)
+    runs = [{"hook": "none", "steps": 8, "watch": w, "sentinel_kwargs": {"sample": 1.0},
+             "break_sentinel": w} for w in (False, True)]
+    out = launch(runs_task, 2, args=(runs,), timeout=300)
     for r, (plain, broken) in enumerate(out):
         assert _same(plain, broken), f"rank {r}"
         assert broken["own_errors"] == 8
@@ -118,19 +123,23 @@ def test_verdicts_fp32_clean_rounding_noise_truncation_biased(tmp_path):
     round-to-nearest hook (bf16_compress_hook's arithmetic) is noise; fp32 is clean.
     The hook named is the one DDP registered."""
     found = tmp_path / "findings.jsonl"
-    trunc = launch(train_task, 2, timeout=300, args=(
-        "truncating_bf16", 60, True, 0, {"findings": str(found), "stop_on_finding": True}))
+    runs = [{"hook": "truncating_bf16", "steps": 60, "watch": True,
+             "sentinel_kwargs": {"findings": str(found), "stop_on_finding": True}},
+            {"hook": "rounding_bf16", "steps": 60, "watch": True},
+            {"hook": "allreduce", "steps": 60, "watch": True}]
+    out = launch(runs_task, 2, args=(runs,), timeout=300)
+    trunc = [rank[0] for rank in out]
     assert trunc[0]["stopped_at"] == trunc[1]["stopped_at"] and trunc[0]["stopped_at"] <= 30
     lines = [Result.from_json(x) for x in found.read_text().splitlines()]
     first = lines[0]
     assert first.verdict == "fail" and first.codes == ["TP-B1"] and first.metrics["bias"] < -1e-3
     assert first.evidence["hook_registered_in_ddp"] == "truncating_bf16_hook"
-    for hook in ("rounding_bf16", "allreduce"):
-        out = launch(train_task, 2, args=(hook, 60, True, 0, None), timeout=300)
-        v = _verdicts(out)
+    for i, hook in ((1, "rounding_bf16"), (2, "allreduce")):
+        v = _verdicts([out[0][i]])
         assert v and all(r.verdict == "pass" and r.metrics["biased"] is False for r in v.values()), \
             [r.message for r in v.values()]
-        assert sum(r.metrics["trials"] for r in v.values()) >= 10
+        pooled = [r for t, r in v.items() if t.endswith(".all_buckets")]
+        assert len(pooled) == 1 and pooled[0].metrics["trials"] >= 8 and len(v) >= 3
         if hook == "rounding_bf16":  # a large error, and symmetric
             assert all(r.metrics["std"] > 1e-6 and abs(r.metrics["bias"]) < 2.0 ** -12 for r in v.values())
         assert {r.evidence["hook_registered_in_ddp"] for r in v.values()} == {

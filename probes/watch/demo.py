@@ -76,11 +76,10 @@ def train_task(rank: int, world: int, hook: str = "none", steps: int = 20, watch
             "stopped_at": stopped_at, "own_errors": sentinel.error_count if sentinel else 0}
 
 
-def pair_task(rank: int, world: int, hook: str, steps: int, sentinel_kwargs: dict | None = None,
-              break_sentinel: bool = False) -> list:
-    """train_task without and then with the sentinel, in the same ranks: [plain, watched]."""
-    return [train_task(rank, world, hook, steps, False, 0, None),
-            train_task(rank, world, hook, steps, True, 0, sentinel_kwargs, break_sentinel=break_sentinel)]
+def runs_task(rank: int, world: int, runs: list) -> list:
+    """train_task once per dict of keyword arguments in `runs`, one after another in the same
+    ranks (a launch costs seconds; the runs share nothing but the default process group)."""
+    return [train_task(rank, world, **kw) for kw in runs]
 
 
 def refusal_task(rank: int, world: int, hooks: list) -> list:
