@@ -1,0 +1,183 @@
+"""What the sentinel costs a live run: step time with and without it, side by side in one run.
+
+    python benchmarks/bench_watch.py [--steps 150] [--world 2]
+    python benchmarks/bench_watch.py --rates 40 [--rate-steps 60]
+
+On `world` gloo ranks (127.0.0.1), each rank builds the same tiny Llama three times under
+DDP: without the sentinel (DDP's built-in all-reduce), with it at the defaults, and with it
+checking every bucket (sample=1, up to 8 a step). Steps of the three alternate in a rotating
+order, so the machine's load falls on all of them alike; the cost is the ratio of mean step
+times (a mean, not a median: the sentinel's work falls on the sampled steps only). Then the
+two ways to get an fp64 reference of a window are timed: an fp64 all_reduce of the rank's
+copy (what the sentinel does) and an all_gather of the fp32 window (summed locally in fp64).
+
+What the cost scales with: per sampled bucket, one copy of min(bucket, window) elements to
+fp64 and one fp64 all_reduce of it (twice the bytes of the fp32 reduction of that window),
+plus an O(window) comparison when the hook's future completes; the expected number of
+checked buckets per step is sample * min(buckets, max_per_step), whatever the model's size.
+Every `interval` steps the look runs the bias test on each bucket's kept errors (at most
+`keep` floats each) and on all buckets' together.
+
+--rates: over many seeds, how often the fp32 all-reduce and bf16 round-to-nearest (noise)
+are called biased (the run-wide false-positive rate, <= alpha by construction), and the step
+at which a truncating hook stops the run (stop_on_finding).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from trainprobes.distributed.launcher import launch  # noqa: E402
+
+CONFIGS = {"without": None, "defaults": {}, "every bucket": {"sample": 1.0, "max_per_step": 8}}
+
+
+def _llama(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return LlamaForCausalLM(cfg)
+
+
+def bench_rank(rank: int, world: int, steps: int, seq: int, batch: int) -> dict:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from trainprobes.watch import Sentinel, attach_ddp
+    from trainprobes.watch.sentinel import POOLED
+
+    torch.set_num_threads(1)
+    runs = {}
+    for name, kw in CONFIGS.items():
+        ddp = DistributedDataParallel(_llama(0))
+        sentinel = None
+        if kw is not None:
+            sentinel = Sentinel(**kw)
+            attach_ddp(ddp, sentinel)
+        runs[name] = (ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3), sentinel)
+    g = torch.Generator().manual_seed(rank)
+    times = {n: [] for n in runs}
+    names = list(runs)
+    for i in range(steps):
+        ids = torch.randint(0, 1024, (batch, seq), generator=g)
+        order = names[i % 3:] + names[:i % 3]
+        for n in order:
+            ddp, opt, sentinel = runs[n]
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            ddp(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            if sentinel is not None:
+                sentinel.step()
+            times[n].append(time.perf_counter() - t0)
+    info = {}
+    for n, (ddp, _, sentinel) in runs.items():
+        if sentinel is not None:
+            res = sentinel.close()
+            streams = {k: s for k, s in sentinel.streams.streams.items() if k != POOLED}
+            info[n] = {"samples": sum(s.samples for s in streams.values()),
+                       "buckets": len(streams), "hook_calls": sentinel._hook_calls,
+                       "own_errors": sentinel.error_count, "own_seconds": sentinel.own_seconds,
+                       "look_seconds": sentinel.look_seconds, "verdicts": sorted({r.verdict for r in res}),
+                       "bucket_numel": sorted(s.numel for s in streams.values())}
+    # the reference's two ways, on a window of the default size
+    n = 1 << 16
+    x = torch.randn(n, generator=g)
+    ways = {}
+    for way in ("fp64 all_reduce", "fp32 all_gather", "fp32 all_reduce (the run's own)"):
+        ts = []
+        for _ in range(30):
+            t0 = time.perf_counter()
+            if way == "fp64 all_reduce":
+                dist.all_reduce(x.to(torch.float64, copy=True))
+            elif way == "fp32 all_gather":
+                out = [torch.empty_like(x) for _ in range(world)]
+                dist.all_gather(out, x)
+                torch.stack(out).to(torch.float64).sum(0)
+            else:
+                dist.all_reduce(x.clone())
+            ts.append(time.perf_counter() - t0)
+        ways[way] = statistics.median(ts)
+    return {"times": times, "info": info, "ways": ways,
+            "params": sum(p.numel() for p in runs["without"][0].parameters())}
+
+
+def rates_rank(rank: int, world: int, seeds: int, steps: int) -> dict:
+    """Per seed (model, data, dropout and the sentinel's own seed), each hook at the defaults:
+    whether anything was called biased, and at which step a truncating hook stopped the run."""
+    from trainprobes.watch.demo import train_task
+    out = {"allreduce": [], "rounding_bf16": [], "truncating_bf16": []}
+    for seed in range(seeds):
+        for hook in out:
+            kw = {"seed": seed, "stop_on_finding": hook == "truncating_bf16"}
+            r = train_task(rank, world, hook, steps, True, seed, kw)  # 3 buckets
+            if hook == "truncating_bf16":
+                out[hook].append(r["stopped_at"])
+            else:
+                out[hook].append(any('"biased": true' in x for x in r["results"]))
+    return out
+
+
+def rates(a) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _rates import rate
+    out = launch(rates_rank, a.world, args=(a.rates, a.rate_steps), timeout=3600)[0]
+    print(f"{a.rates} seeds, {a.rate_steps} steps each, defaults (alpha 0.01 over the whole run), "
+          f"the demo MLP (3 buckets) under DDP on {a.world} gloo ranks")
+    for hook in ("allreduce", "rounding_bf16"):
+        print(f"  {hook:16s} called biased in {rate(sum(out[hook]), len(out[hook]))} of runs")
+    stops = out["truncating_bf16"]
+    caught = [s for s in stops if s is not None]
+    print(f"  truncating_bf16  caught in {rate(len(caught), len(stops))} of runs; stopped at steps "
+          f"{sorted(caught)}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--rates", type=int, default=0, metavar="SEEDS",
+                   help="instead: false-positive and detection rates over this many seeds")
+    p.add_argument("--rate-steps", type=int, default=60)
+    a = p.parse_args()
+    if a.rates:
+        return rates(a)
+    out = launch(bench_rank, a.world, args=(a.steps, a.seq, a.batch), timeout=1200)
+    r0 = out[0]
+    base = statistics.fmean(max(o["times"]["without"][i] for o in out) for i in range(a.steps))
+    print(f"tiny Llama ({r0['params']:,} parameters), DDP on {a.world} gloo ranks, batch {a.batch}x{a.seq} "
+          f"per rank, {a.steps} steps each, interleaved (a shared, loaded machine: read ratios)")
+    print(f"{'config':14s} {'mean step ms':>12s} {'vs without':>10s}  paired diff (ms, mean +- 2 se)  samples")
+    for name in CONFIGS:
+        # a step ends when its slowest rank does
+        t = [max(o["times"][name][i] for o in out) for i in range(a.steps)]
+        d = [t[i] - max(o["times"]["without"][i] for o in out) for i in range(a.steps)]
+        se = statistics.stdev(d) / len(d) ** 0.5 if name != "without" else 0.0
+        info = r0["info"].get(name, {})
+        print(f"{name:14s} {1e3 * statistics.fmean(t):12.2f} {statistics.fmean(t) / base:10.3f}  "
+              f"{1e3 * statistics.fmean(d):+8.3f} +- {2e3 * se:.3f}               "
+              f"{info.get('samples', '-')} of {info.get('hook_calls', '-')} bucket calls "
+              f"{info.get('verdicts', '')} own errors {info.get('own_errors', '-')}")
+    print("buckets (elements):", r0["info"]["defaults"]["bucket_numel"])
+    print("the sentinel's own time per step, rank 0 (in the hook and its check, the wait for its "
+          "fp64 reduction included; at looks):")
+    t_without = statistics.fmean(r0["times"]["without"])
+    for name, info in r0["info"].items():
+        hook, look = info["own_seconds"] / a.steps, info["look_seconds"] / a.steps
+        print(f"  {name:14s} hook {1e3 * hook:.3f} ms + looks {1e3 * look:.3f} ms = "
+              f"{(hook + look) / t_without:.2%} of a step without it")
+    print("fp64 reference of a 65536-element window, median ms per call (rank 0):")
+    for way, s in r0["ways"].items():
+        print(f"  {way:32s} {1e3 * s:.3f}")
+
+
+if __name__ == "__main__":
+    main()

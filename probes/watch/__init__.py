@@ -1,0 +1,20 @@
+"""In-run sentinels (docs/watch.md): sampled checks attached to a live training run through
+each library's own extension point, changing no bit of it.
+
+    Sentinel          the checks, their streams, looks and Results; .step() per step
+    attach_ddp        DDP's register_comm_hook: the user's hook wrapped, buckets sampled
+    SentinelCallback  transformers.TrainerCallback: attaches to the Trainer's DDP model,
+                      steps the sentinel, sends its numbers to Trainer.log
+    SentinelFinding   raised by step() on a finding when stop_on_finding=True (exit 1)
+"""
+from trainprobes.watch.ddp import attach_ddp
+from trainprobes.watch.sentinel import Sentinel, SentinelFinding
+
+__all__ = ["Sentinel", "SentinelFinding", "attach_ddp", "SentinelCallback"]
+
+
+def __getattr__(name):
+    if name == "SentinelCallback":  # transformers is an optional dependency
+        from trainprobes.watch.trainer import SentinelCallback
+        return SentinelCallback
+    raise AttributeError(f"module 'trainprobes.watch' has no attribute {name!r}")

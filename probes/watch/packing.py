@@ -1,0 +1,65 @@
+"""Packed-document isolation on the run's own batch: the model called exactly as the batch
+says (every key its collator made), only one document's tokens changed at a time
+(trainprobes.isolation.documents). The collator trap it catches: DataCollatorWithFlattening's
+restarting position ids beside an all-ones 2-D attention_mask, which transformers reads as
+one sequence per row under eager and sdpa attention (docs/isolation.md).
+
+    check_batch(model, batch) -> Result (isolation.documents) or None (the batch is not packed)
+
+It changes nothing of the run: the forwards run under torch.no_grad() in eval mode (dropout
+off, so the check is deterministic; the model's mode is restored), inside
+torch.random.fork_rng (the global generators come back as they were), on the unwrapped
+model (no DDP collective is issued).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from trainprobes.errors import InvalidArgument, InvalidType
+from trainprobes.isolation import Packing, documents
+
+SKIP = ("input_ids", "labels")  # perturbed here / the loss is not looked at
+
+
+def packing_of(batch: Mapping) -> Packing | None:
+    """The documents of a batch from its position ids; None when no row holds two."""
+    pos = batch.get("position_ids")
+    if pos is None:
+        return None
+    p = Packing.from_position_ids(torch.as_tensor(pos).cpu())
+    return p if any(len(row) > 1 for row in p.lengths) else None
+
+
+def check_batch(model, batch: Mapping, *, seed: int = 0, target: str | None = None):
+    if not isinstance(batch, Mapping):
+        raise InvalidType(f"batch is a {type(batch).__name__}; the packing check reads a dict of "
+                          "tensors (input_ids, position_ids, ...) as a collator returns it")
+    ids = batch.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise InvalidArgument("batch['input_ids'] must be a [B, L] tensor of token ids, got "
+                              f"{type(ids).__name__}{tuple(ids.shape) if isinstance(ids, torch.Tensor) else ''}")
+    packing = packing_of(batch)
+    if packing is None:
+        return None
+    if not isinstance(model, torch.nn.Module):
+        raise InvalidType(f"model is a {type(model).__name__}, not a torch.nn.Module")
+    rest = {k: v for k, v in batch.items() if k not in SKIP}
+    name = target or f"watch:batch[{type(model).__name__},{'+'.join(sorted(rest))}]"
+
+    def fn(tokens, _packing):
+        out = model(input_ids=tokens, **rest)
+        return out.logits if hasattr(out, "logits") else out[0]
+
+    dev = ids.device
+    devices = [dev.index or 0] if dev.type == "cuda" else []
+    training = model.training
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        model.eval()
+        try:
+            r = documents(fn, ids, packing, fp64=False, causal=False, seed=seed, target=name)
+        finally:
+            model.train(training)
+    r.evidence["batch_keys"] = sorted(batch)
+    r.evidence["mode"] = "eval (dropout off), no_grad, the batch's own keys"
+    return r

@@ -1,0 +1,87 @@
+"""transformers.Trainer through its own extension point, TrainerCallback.
+
+    sentinel = Sentinel(findings="sentinel.jsonl")
+    trainer.add_callback(SentinelCallback(sentinel, trainer))
+
+on_train_begin, first (packing=True): a batch the run's own collator makes from the first
+    `packing_examples` training examples is checked for packed-document isolation
+    (trainprobes.watch.packing; not packed: nothing to check, said in the log). A leak is a
+    finding (TP-I1) like any other. TrainerCallback is not handed the batches, so this is
+    the run's collator on the run's data, not the sampler's first batch.
+on_train_begin: the Trainer has wrapped its model by then; `trainer.model_wrapped` (the
+    Trainer's documented "most external model") must be a DistributedDataParallel, and the
+    sentinel attaches to it with attach_ddp (hook, state: the comm hook to run, default
+    allreduce_hook). A Trainer not under DDP is refused up front, naming what it is: the
+    sentinel never half-watches in silence.
+on_step_end: sentinel.step(); after a look, its numbers (Sentinel.summary) go to
+    Trainer.log, so every logger the Trainer reports to gets them; with stop_on_finding a
+    finding raises SentinelFinding out of trainer.train() after everything is written.
+on_train_end: sentinel.close(); the final numbers logged, the Results in sentinel.results.
+"""
+from __future__ import annotations
+
+import logging
+
+from trainprobes.errors import InvalidArgument
+from trainprobes.validation import check_bool, check_int
+from trainprobes.watch.ddp import attach_ddp
+from transformers import TrainerCallback
+
+log = logging.getLogger("trainprobes.watch")
+
+
+class SentinelCallback(TrainerCallback):
+    def __init__(self, sentinel, trainer, hook=None, state=None, packing: bool = True,
+                 packing_examples: int = 4):
+        from trainprobes.watch.sentinel import Sentinel
+        if not isinstance(sentinel, Sentinel):
+            raise InvalidArgument(f"sentinel={sentinel!r} must be a trainprobes.watch.Sentinel")
+        if not hasattr(trainer, "model_wrapped") or not hasattr(trainer, "log"):
+            raise InvalidArgument(f"trainer={type(trainer).__name__} must be a transformers.Trainer")
+        self.sentinel, self.trainer, self.hook, self.state = sentinel, trainer, hook, state
+        self.packing = check_bool(packing, "packing")
+        self.packing_examples = check_int(packing_examples, "packing_examples", min=1)
+
+    def check_packing(self):
+        """The packing check on a batch of the run's collator (see the module docstring);
+        the Result (None: not packed) also goes to the sentinel. Its own errors are counted."""
+        import torch
+        from trainprobes.watch.packing import check_batch
+        try:
+            data = self.trainer.train_dataset
+            n = min(self.packing_examples, len(data))
+            with torch.random.fork_rng(devices=[]):  # a collator that draws (MLM masking)
+                batch = self.trainer.data_collator([data[i] for i in range(n)])
+            device = next(self.trainer.model.parameters()).device
+            batch = {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
+            r = check_batch(self.trainer.model, batch, seed=self.sentinel.seed)
+        except Exception as e:
+            self.sentinel._own_error("checking the packing of a batch", e)
+            return None
+        if r is None:
+            log.info("trainprobes sentinel: the collator's batch is not packed; no packing check")
+            return None
+        self.sentinel.report(r)  # SentinelFinding (stop_on_finding) leaves train() from here
+        return r
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from torch.nn.parallel import DistributedDataParallel
+        if self.packing:
+            self.check_packing()
+        model = self.trainer.model_wrapped
+        if not isinstance(model, DistributedDataParallel):
+            raise InvalidArgument(
+                f"the Trainer's model is a {type(model).__name__}, not DistributedDataParallel: the "
+                "sentinel watches DDP's gradient reduction and would watch nothing here (launch "
+                "the Trainer on 2 or more ranks, e.g. torchrun, with DDP)")
+        attach_ddp(model, self.sentinel, hook=self.hook, state=self.state)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        looked = self.sentinel.streams.looks
+        self.sentinel.step()  # SentinelFinding (stop_on_finding) leaves train() from here
+        if self.sentinel.streams.looks != looked:
+            self.trainer.log(self.sentinel.summary())
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.sentinel.close()
+        self.trainer.log(self.sentinel.summary())
