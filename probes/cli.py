@@ -135,8 +135,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> int:
         from trainprobes.commands.options import check_outputs
+        from trainprobes.quiet import third_party_noise_to_log
         check_outputs(args)  # before minutes of work, not after them
-        return args._run(args)
+        with third_party_noise_to_log():
+            return args._run(args)
 
     return guarded(f"trainprobes {args.command}", run)
 

@@ -155,11 +155,21 @@ def test_cli_unknown_model_exits_2_with_close_names(capsys):
     assert "mixtral" in capsys.readouterr().err
 
 
-def test_cli_one_row_json_and_exit_1_on_a_finding(capsys, monkeypatch):
+def test_cli_one_row_json_and_exit_1_on_a_finding(capsys, monkeypatch, tmp_path):
     assert main(["zoo", "--model", "llama", "--probes", "batch", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["n_findings"] == 0 and out["versions"]["transformers"]
     assert [c["probe"] for c in out["cells"]] == ["batch"]
+    # the one report shape every command prints and the gate reads
+    assert out["schema_version"] and out["command"] == "zoo" and out["options"]["model"] == "llama"
+    assert [r["probe"] for r in out["results"]] == ["isolation.batch_invariance"]
+    from trainprobes.result import load_results
+    report = tmp_path / "zoo.json"
+    report.write_text(json.dumps(out))
+    results, meta = load_results(report)
+    assert len(results) == 1 and meta["command"] == "zoo"
+    assert main(["gate", "--baseline", str(report), "--candidate", str(report)]) == 0
+    capsys.readouterr()
     import trainprobes.zoo.cells as cells
 
     def leaky_row(mt, **kw):

@@ -72,9 +72,11 @@ def run(args) -> int:
                     progress=lambda what: p.step(next(started), current=what))
     findings = [c for c in cells if c.finding]
     if args.json:
-        print(json.dumps({"command": "zoo", "versions": versions(), "model_type": args.model,
-                          "cells": [c.to_dict() for c in cells], "n_findings": len(findings)},
-                         indent=1, default=str))
+        from trainprobes.result import dumps_report
+        print(dumps_report([r for r in map(_result, cells) if r is not None], command="zoo",
+                           options={"model": args.model, "probes": list(probes), "seed": args.seed},
+                           versions=versions(), model_type=args.model, n_findings=len(findings),
+                           cells=json.loads(json.dumps([c.to_dict() for c in cells], default=str))))
     else:
         print(f"zoo {args.model}: {len(cells)} cells, {len(findings)} contradict the design")
         for c in cells:
@@ -95,6 +97,23 @@ def run(args) -> int:
     return 0
 
 
+def _result(cell):
+    """The cell's Result for the report the gate reads: the probe's own where it ran, with the
+    design's call in the message; an error Result where the model could not be built under an
+    implementation or the probe raised or could not decide (never dropped); None for a probe
+    that does not apply (no MoE layer: the cell says so in `cells`)."""
+    from trainprobes.result import Result
+    r = cell.result
+    if r is not None:
+        if cell.finding:
+            r.message = f"contradicts the design ({cell.expected}): {r.message}"
+        return r
+    if cell.probe == "build" or cell.verdict in ("error", "unknown"):
+        return Result(probe="zoo.cell", target=f"{cell.model_type} {cell.probe} {cell.variant}".strip(),
+                      verdict="error", message=f"not judged: {cell.reason}")
+    return None
+
+
 def _diff(args) -> int:
     from trainprobes.zoo.diff import diff_maps, format_diff, load_map
     a, b = load_map(args.diff[0]), load_map(args.diff[1])
@@ -110,6 +129,8 @@ def _diff(args) -> int:
 def _findings(args) -> int:
     import warnings
     warnings.filterwarnings("ignore")
+    import transformers
+    transformers.logging.set_verbosity_error()   # the tiny configs' own notes, not findings
     from trainprobes.commands.options import progress_for
     from trainprobes.zoo.confirm import Outcome, control, judge, measure, transformers_version
     from trainprobes.zoo.findings import FINDINGS
