@@ -120,3 +120,46 @@ def test_unmeasurable_router_in_localize_is_cannot_judge():
     t, e, ids = _pair(scaled_bf16)
     with pytest.raises(CannotJudge, match="routing replay"):
         localize(t, e, ids)
+
+
+def test_cast_in_an_engine_pre_hook_is_blamed_on_the_module():
+    """An engine that rounds lm_head's inputs to bf16 in a forward pre-hook (inputs quantised
+    on the way in): the recording hook sees the input before the engine's pre-hook, so the cast
+    is lm_head's, not the hand-off's before it (it was 'into lm_head' with the hook appended)."""
+    from trainprobes.drift.decompose import localize
+    from trainprobes.drift.localize_demo import base_model, sample
+    a = base_model("llama", layers=2)
+    b = copy.deepcopy(a)
+    b.lm_head.register_forward_pre_hook(lambda m, args: (args[0].bfloat16().float(),))
+    t, e = Engine(a, name="trainer"), Engine(b, name="engine")
+    r = localize(t, e, sample(e, 6, 16, 1))
+    assert (r.metrics["kind"], r.metrics["first_layer"], r.metrics["op"]) == ("numeric", "lm_head", "lm_head")
+    verdict = {s["name"]: s["verdict"] for s in r.evidence["stages"]}
+    assert verdict["into lm_head"] == "exact" and verdict["lm_head"] == "beyond"
+
+
+@pytest.mark.skipif(not TF5, reason="transformers 5's Mixtral router (measured on 5.25.0)")
+def test_late_router_is_the_answer_not_the_first_stage_beyond_noise():
+    """Every router in bf16: block 0's router logits are beyond noise but none of its decisions
+    flip (its numerics share ~0); the flips start at block 1 and replaying them removes the
+    drift. The answer is block 1's router; block 0 is named beside it as first beyond noise."""
+    from trainprobes.drift.decompose import localize
+
+    def bf16_routers(a, b):
+        for layer in b.model.layers:
+            faults.in_dtype(layer.mlp.gate, torch.bfloat16)
+    t, e, ids = _pair(bf16_routers)
+    r = localize(t, e, ids)
+    m = r.metrics
+    flips = {k[len("routing_mismatch["):-1]: v for k, v in m.items() if k.startswith("routing_mismatch[")}
+    first_flip = next(k for k, v in flips.items() if v > 0)
+    assert m["first_layer"] == "model.layers.0" and flips["model.layers.0.mlp.gate"] == 0
+    assert abs(m["share_numerics[model.layers.0]"]) < 0.05
+    assert (m["explained_by"], m["explained_by_op"], m["explained_by_module"]) == (
+        "model.layers.1", "router", first_flip)
+    from trainprobes.gate import check_judgeable
+    check_judgeable(r, "candidate")  # the gate reads the answer as consistent
+    bad = copy.deepcopy(r)
+    bad.metrics["explained_by"], bad.metrics["explained_by_module"] = "model.layers.0", "model.layers.0.mlp.gate"
+    with pytest.raises(CannotJudge, match="do not flip"):
+        check_judgeable(bad, "candidate")

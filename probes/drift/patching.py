@@ -23,6 +23,11 @@ hand-off (patch and jitter, with hand_off=True) each watched module's output is 
          position embedding added, a final residual add) makes of the source's output, so
          a fault there is measured on its own (trainprobes.drift.localize's hand-off rows).
 
+hooks    a stage is what its module does together with the engine's own hooks on it: the
+         recording pre-hook runs before every pre-hook the engine put there (prepend) and
+         the recording hook after every hook it put there, so a cast done in the engine's
+         pre-hook (inputs quantised on the way in) is measured at the module.
+
 A block recorded for a call on its own keeps the autocast state it ran under (a model whose
 forward enters torch.autocast runs its blocks' GEMMs in bf16; the block called alone,
 outside that forward, would run them in fp32 and its ops would look exact): `autocast`
@@ -84,8 +89,11 @@ class Hooks:
         self._gen = torch.Generator().manual_seed(self.seed)
         for name, m in self.modules.items():
             self.calls[name] = []
+            # first of the pre-hooks, last of the hooks: a cast the engine does in its own
+            # hook on a module (an lm_head run on bf16 inputs) is that module's, not the
+            # hand-off's before it (module doc: hooks)
             self._handles.append(m.register_forward_pre_hook(
-                lambda m, a, k, name=name: self._pre(name, m, a, k), with_kwargs=True))
+                lambda m, a, k, name=name: self._pre(name, m, a, k), with_kwargs=True, prepend=True))
             self._handles.append(m.register_forward_hook(
                 lambda m, a, o, name=name: self._post(name, m, o)))
         for name, m in (self.replay or {}).items():
