@@ -179,7 +179,8 @@ PROBES = {
         "sequential_sum[...]")),
     # trainprobes.drift.decompose.localize
     "drift.localize": ProbeMetrics("engines_agree", "TP-D4", ("n_tokens",), (
-        "engines_agree", "kind", "first_layer", "op", "op_module", "n_tokens", "n_sequences",
+        "engines_agree", "kind", "first_layer", "op", "op_module", "explained_by", "explained_by_op",
+        "explained_by_module", "n_tokens", "n_sequences",
         "mean_log_ratio", "mean_abs_log_ratio", "max_abs_log_ratio", "n_dropped_tokens",
         "n_stale_tensors", "n_trainer_rounded_tensors", "n_unmatched_tensors", "n_forwards", "margin", "alpha", "nominal_roundoff",
         *(f"share_{p}{s}" for p in ("weights", "routing", "temperature", "renormalisation",
@@ -189,7 +190,8 @@ PROBES = {
         "temperature_slope", "temperature_slope_ci_low", "temperature_slope_ci_high",
         "temperature", "renormalised", "frac_positions_renormalised", "mean_log_mass_kept",
         "offset"),
-        ("kind", "first_layer", "op", "op_module", "temperature", "renormalised")),
+        ("kind", "first_layer", "op", "op_module", "explained_by", "explained_by_op", "explained_by_module",
+         "temperature", "renormalised")),
     # trainprobes.transforms
     "transforms.equivalence": ProbeMetrics("equivalent", "TP-T1", (
         "scale", "scale_error", "scale_error_se", "trials"), _TRANSFORM, (

@@ -55,6 +55,21 @@ def test_bad_usage_exits_2(argv, words, capsys):
     assert words in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, error, words", [
+    (["--target", f"{DEMO}:example_trainer"], "InvalidArgument", "give --target"),
+    (["--target", f"{DEMO}:nope", "--engine", f"{DEMO}:example_engine"], "TargetError", "nope"),
+    (["--dumps", "missing_a.safetensors", "missing_b.safetensors"], None, "missing_a"),
+])
+def test_refusal_under_json_is_a_document(argv, error, words, capsys):
+    """--json prints one JSON document even when the command refuses (it printed nothing)."""
+    assert main(["drift", "localize", "--json", *argv]) == 2
+    out = capsys.readouterr()
+    doc = json.loads(out.out)
+    assert doc["results"] == [] and doc["refused"]["exit_code"] == 2 and words in doc["refused"]["message"]
+    assert error is None or doc["refused"]["error"] == error
+    assert words in out.err and doc["options"]["drift_mode"] == "localize"
+
+
 def test_plain_drift_command_unchanged(capsys):
     assert main(["drift", "--train", "x.npz"]) == 2
     assert "give --train FILE and --infer FILE" in capsys.readouterr().err

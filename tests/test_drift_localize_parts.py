@@ -112,17 +112,18 @@ def test_routing_flips_and_margins():
 
 
 def test_replay_replaces_only_rows_whose_set_differs():
-    class Router(torch.nn.Module):
-        norm_topk_prob = True
     logits = torch.tensor([[2.0, 1.0, 0.0], [0.0, 1.0, 2.0]])
     probs = logits.softmax(-1)
     own = torch.tensor([[0, 1], [2, 1]])
-    w = torch.tensor([[0.7, 0.3], [0.6, 0.4]])
-    _, w2, i2 = replay_router(Router(), (logits, w, own), torch.tensor([[1, 0], [0, 2]]))
+    pk = probs.gather(-1, own)
+    w = pk / pk.sum(-1, keepdim=True)  # a renormalising router's own weights
+    _, w2, i2 = replay_router(torch.nn.Identity(), (logits, w, own), torch.tensor([[1, 0], [0, 2]]))
     assert torch.equal(i2[0], own[0]) and torch.equal(w2[0], w[0])  # same set: untouched
     assert torch.equal(i2[1], torch.tensor([0, 2]))
     p = probs[1, [0, 2]]
     assert torch.allclose(w2[1], p / p.sum())
+    _, w3, _ = replay_router(torch.nn.Identity(), (logits, pk, own), torch.tensor([[1, 0], [0, 2]]))
+    assert torch.allclose(w3[1], p)  # a router measured not to renormalise: raw probabilities
 
 
 def test_carriers_by_probability_position_and_heaviest_with_text():

@@ -221,10 +221,26 @@ def plot(results, path, *, replace: bool = True) -> None:
                  replace=replace)
 
 
+def refusal_document(args, exc: BaseException) -> str:
+    """The report shape with no results and why (`refused`: the exit code the contract gives
+    the exception, its type and message): `--json` always prints one JSON document."""
+    from trainprobes.commands.options import options_of
+    from trainprobes.exits import classify
+    from trainprobes.result import dumps_report
+    return dumps_report([], command=args.command, options=options_of(args),
+                        refused={"exit_code": classify(exc), "error": type(exc).__name__,
+                                 "message": str(exc) or type(exc).__name__})
+
+
 def run(args) -> int:
-    results = _results(args)
-    if args.plot:
-        plot(results, args.plot, replace=args.force)
+    try:
+        results = _results(args)
+        if args.plot:
+            plot(results, args.plot, replace=args.force)
+    except (Exception, KeyboardInterrupt) as e:  # --json: a refusal is a document too, then exits as ever
+        if args.json and not isinstance(e, KeyboardInterrupt):
+            print(refusal_document(args, e))
+        raise
     emit_report(args, results)
     if not args.json:
         print(render(results))

@@ -240,8 +240,34 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
         block = next((s.name for s in loc.stages if flipped.startswith(s.name + ".")), flipped)
         loc.first_layer, loc.op, loc.op_module = block, "router", flipped
     carried = carriers(x, mask, lp_a.gather(-1, tok[..., None]).squeeze(-1), tok, tokenizer)
+    explained = explains(kind, loc, shares, rt)
     return _result(trainer, engine, loc, kind, shares, sem, rt, stale, unmatched, sync, x, mask, dropped,
-                   margin, alpha, seed, n_forwards, target, carried)
+                   margin, alpha, seed, n_forwards, target, carried, explained)
+
+
+def explains(kind: str, loc: Localisation, shares: dict, rt) -> tuple:
+    """(stage, op, module) that explains the drift, the answer a user acts on; it differs from
+    the first stage beyond noise when an earlier stage is beyond noise but carries ~none of
+    it (every router in bf16: block 0's router logits differ, its decisions do not flip, the
+    flips from block 1 on carry the drift). routing: the block of the first router whose
+    decisions flip (replaying them removed the share); numeric: the stage beyond noise with
+    the largest numerics share; otherwise the first stage beyond noise."""
+    first = (loc.first_layer or "", loc.op or "", loc.op_module or "")
+    if kind == "routing" and rt is not None:
+        flipped = next((r.name for r in rt.routers if r.n_flipped), None)
+        if flipped is not None:
+            block = next((s.name for s in loc.layout.stages if flipped.startswith(s.name + ".")), flipped)
+            return block, "router", flipped
+    if kind == "numeric":
+        by = {k[len("numerics["):-1]: v[0] for k, v in shares.items() if k.startswith("numerics[")}
+        if by:
+            best = max(by, key=by.get)
+            if best != first[0] and by[best] > by.get(first[0], 0.0):
+                role = next((r.role for r in loc.stages if r.name == best), "")
+                if role == HAND_OFF:
+                    return best, HAND_OFF, best[len(hand_off_name("")):]
+                return best, role, best  # its ops were not searched: the op search ran on the first
+    return first
 
 
 # fewest scored tokens that must stay judged (finite on both sides), as a share of the real
@@ -278,13 +304,14 @@ def mask_full(ids, am):
 
 
 def _result(trainer, engine, loc, kind, shares, sem, rt, stale, unmatched, sync, x, mask, dropped, margin,
-            alpha, seed, n_forwards, target, carried) -> Result:
+            alpha, seed, n_forwards, target, carried, explained=("", "", "")) -> Result:
     xs = x[mask]
     flips = rt.per_layer() if rt is not None else {}
     rounded = [s for s in sync if s.status == "trainer_rounded"]
     metrics = {
         "engines_agree": kind in ("exact", "noise"), "kind": kind,
         "first_layer": loc.first_layer or "", "op": loc.op or "", "op_module": loc.op_module or "",
+        "explained_by": explained[0], "explained_by_op": explained[1], "explained_by_module": explained[2],
         "n_tokens": int(mask.sum()), "n_sequences": int(mask.shape[0]),
         "mean_log_ratio": xs.mean().item() if xs.numel() else 0.0,
         "mean_abs_log_ratio": xs.abs().mean().item() if xs.numel() else 0.0,
@@ -332,6 +359,12 @@ def _result(trainer, engine, loc, kind, shares, sem, rt, stale, unmatched, sync,
     apart = (f" ({len(unmatched)} tensor(s) have no counterpart of the same name and were not compared: "
              f"only the trainer's {', '.join(odd[0][:3])}{' ...' if len(odd[0]) > 3 else ''}; only the "
              f"engine's {', '.join(odd[1][:3])}{' ...' if len(odd[1]) > 3 else ''})" if unmatched else "")
+    if explained[0] and explained[0] != loc.first_layer:  # the answer first, the first beyond noise beside it
+        share = shares.get(f"numerics[{explained[0]}]")
+        where = (f"explained by {explained[0]} (op {explained[1]}: {explained[2]}"
+                 + (f"; decisions first flip here, routing {shares['routing'][0]:.0%}" if explained[1] == "router"
+                    else f"; numerics {share[0]:.0%}" if share is not None else "")
+                 + f"), not by the first stage beyond noise; {where}")
     if kind == "exact":
         msg = "exact: the engines agree bit for bit at every stage"
     elif kind == "noise":

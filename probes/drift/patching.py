@@ -9,8 +9,11 @@ jitter   each watched module is fed its own recorded inputs, each element times 
          d uniform in [-1, 1], and its output is jittered the same way: what one rounding
          at the nominal precision u does, the floor that rounding noise cannot go below.
 replay   a router's expert choices are replaced by the recorded ones; its weights are
-         the engine's own probabilities at those experts (renormalised when the router
-         sets norm_topk_prob, as HF's routers do).
+         the engine's own probabilities at those experts, renormalised or not as the router
+         was MEASURED to do on that very call (router_weights: the weights it returned
+         against softmax top-k, renormalised and not); a router that matches neither is
+         cannot judge, never guessed from an attribute (transformers 5's Mixtral router
+         always renormalises and has no norm_topk_prob).
 rows     a different batch composition: recorded tensors with B rows (or B * L token
          rows) are taken at these rows, so the same tokens run beside other companions.
 hand-off (patch and jitter, with hand_off=True) each watched module's output is replaced, once
@@ -19,6 +22,11 @@ hand-off (patch and jitter, with hand_off=True) each watched module's output is 
          code BETWEEN two modules (the parent's forward: an embedding scale, GPT-2's
          position embedding added, a final residual add) makes of the source's output, so
          a fault there is measured on its own (trainprobes.drift.localize's hand-off rows).
+
+hooks    a stage is what its module does together with the engine's own hooks on it: the
+         recording pre-hook runs before every pre-hook the engine put there (prepend) and
+         the recording hook after every hook it put there, so a cast done in the engine's
+         pre-hook (inputs quantised on the way in) is measured at the module.
 
 A block recorded for a call on its own keeps the autocast state it ran under (a model whose
 forward enters torch.autocast runs its blocks' GEMMs in bf16; the block called alone,
@@ -37,7 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 from trainprobes.drift.engines import first_tensor
-from trainprobes.errors import InvalidArgument
+from trainprobes.errors import CannotJudge, InvalidArgument
 
 KEEP_OWN = frozenset({"attention_mask", "position_embeddings", "position_ids", "positions",
                       "cache_position", "past_key_values", "past_key_value", "cache", "use_cache",
@@ -81,8 +89,11 @@ class Hooks:
         self._gen = torch.Generator().manual_seed(self.seed)
         for name, m in self.modules.items():
             self.calls[name] = []
+            # first of the pre-hooks, last of the hooks: a cast the engine does in its own
+            # hook on a module (an lm_head run on bf16 inputs) is that module's, not the
+            # hand-off's before it (module doc: hooks)
             self._handles.append(m.register_forward_pre_hook(
-                lambda m, a, k, name=name: self._pre(name, m, a, k), with_kwargs=True))
+                lambda m, a, k, name=name: self._pre(name, m, a, k), with_kwargs=True, prepend=True))
             self._handles.append(m.register_forward_hook(
                 lambda m, a, o, name=name: self._post(name, m, o)))
         for name, m in (self.replay or {}).items():
@@ -309,17 +320,61 @@ def router_outputs(out) -> tuple:
     return idx, torch.softmax(logits.float(), dim=-1)
 
 
+# relative agreement of a router's weights with a candidate rule: covers weights rounded to
+# bf16 or fp16 on the way (a router in bf16 whose output is cast back to fp32: 2^-9)
+WEIGHT_RTOL = 2.0 ** -6
+
+
+def router_weights(m, out) -> str:
+    """How the router `m` made the weights of its output `out` (logits, weights, indices):
+    "renormalised" (softmax top-k over the k chosen) or "raw" (softmax top-k as is), measured
+    on the rows where the two differ by more than 4 x WEIGHT_RTOL: the weights it returned
+    must match one of them there, within WEIGHT_RTOL, on every such row. Anything else (a
+    sigmoid or biased router, a scaled one, no row where the two differ) raises CannotJudge:
+    the replay would invent the weights."""
+    idx, probs = router_outputs(out)
+    what = type(m).__name__
+    w = next((t for t in out[1:] if isinstance(t, torch.Tensor) and t.is_floating_point()
+              and idx is not None and t.shape == idx.shape), None)
+    if w is None:
+        raise CannotJudge(f"routing replay: {what} returns no weights shaped like its expert indices, so how "
+                          "it weights the experts cannot be measured")
+    if idx.shape[-1] == probs.shape[-1]:
+        return "raw"  # every expert chosen: nothing to renormalise (the weights are the softmax)
+    pk = probs.gather(-1, idx).double()
+    cand = {"renormalised": pk / pk.sum(-1, keepdim=True), "raw": pk}
+    rtol = max(WEIGHT_RTOL, 4 * torch.finfo(w.dtype).eps)
+    informative = ((cand["renormalised"] - pk).abs() > 4 * rtol * cand["renormalised"].abs()).any(-1)
+    if not bool(informative.any()):
+        raise CannotJudge(f"routing replay: on this input {what}'s top-{idx.shape[-1]} holds nearly all the "
+                          "probability mass on every token, so whether it renormalises its weights cannot be "
+                          "measured (replay more varied tokens)")
+    wi = w.double()[informative]
+    err = {k: ((wi - v[informative]).abs() / v[informative].abs().clamp_min(1e-30)).max().item()
+           for k, v in cand.items()}
+    match = [k for k, e in err.items() if e <= rtol]
+    if len(match) == 1:
+        return match[0]
+    said = ", ".join(f"{k} off by {e:.3g}" for k, e in err.items())
+    raise CannotJudge(f"routing replay: {what}'s weights match neither softmax top-k renormalised nor raw "
+                      f"({said} relative, tolerance {rtol:.2g}, on {int(informative.sum())} tokens where the "
+                      "two differ): a router that weights experts another way (sigmoid, a bias, a scale) "
+                      "cannot be replayed here")
+
+
 def replay_router(m, out, indices: torch.Tensor):
     """The router's output with `indices` as its choice where its own top-k SET differs
-    (its own probabilities at those experts as weights); rows that agree keep the router's
-    own output, so replay removes flips and nothing else."""
+    (its own probabilities at those experts as weights, renormalised when the router was
+    measured to renormalise: router_weights); rows that agree keep the router's own output,
+    so replay removes flips and nothing else."""
     old, probs = router_outputs(out)
     if old is None:
         raise InvalidArgument(f"{type(m).__name__} does not return (logits, weights, indices): "
                               "routing replay reads HF-style routers only")
+    rule = router_weights(m, out)
     differ = (old.sort(-1).values != indices.sort(-1).values).any(-1, keepdim=True)
     w = probs.gather(-1, indices)
-    if getattr(m, "norm_topk_prob", False):
+    if rule == "renormalised":
         w = w / w.sum(-1, keepdim=True)
     out = list(out)
     for i, t in enumerate(out):

@@ -138,6 +138,12 @@ def _localize(rd: Reader) -> None:
     if first != (beyond[0] if beyond else "") and not routed:
         rd.fail(f"metric first_layer={first!r}, but the first stage beyond noise in the table is "
                 f"{(beyond[0] if beyond else '')!r}")
+    explained = rd.m.get("explained_by")  # absent from reports written before it existed
+    names = {st["name"] for st in stages}
+    if explained and explained not in names:
+        rd.fail(f"metric explained_by={explained!r} is not a stage of the table")
+    if explained and rd.m.get("explained_by_op") == "router" and rd.m.get("explained_by_module") not in flipped:
+        rd.fail(f"explained_by_module={rd.m.get('explained_by_module')!r} is a router whose decisions do not flip")
     if from_dumps:
         if kind != ("noise" if not beyond else "numeric"):
             rd.fail(f"kind={kind!r} from dumps: 'numeric' when a stage diverges, else 'noise'")
