@@ -148,7 +148,7 @@ def test_report_writing_shows_progress_and_counts_in_the_wall_time(tmp_path, mon
     o = run_audit([check], tmp_path, progress=Progress(1, stream=stream, tty=False),
                   step_summary=False)
     _, meta = load_results(o.paths["json"])
-    assert meta["seconds"] >= meta["check_seconds"] + 0.4 and o.seconds >= meta["seconds"]
+    assert meta["seconds"] >= meta["check_seconds"] + 0.39 and o.seconds   # both rounded to 0.01 s >= meta["seconds"]
     assert f"{meta['seconds']:.1f} s" in o.paths["markdown"].read_text()
     lines = stream.getvalue().splitlines()
     assert lines[1:4] == ["[report] drawing 1 plot for report.html", "[report] plot 1/1: t",

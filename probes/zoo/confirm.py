@@ -96,10 +96,12 @@ def judge(findings, cells, version: str | None = None) -> list[Status]:
     installed one by default). See the module's steps."""
     version = version or transformers_version()
     out = [_one(f, c, version) for f, c in zip(findings, cells, strict=True)]
-    caught = {s.finding.probe for s in out if s.outcome is Outcome.REPRODUCED}
-    return [s if s.outcome not in (Outcome.FIXED, Outcome.CHANGED) or s.finding.probe in caught else
-            s._replace(outcome=Outcome.UNJUDGED,
-                       news=f"{s.news}; but no other {s.finding.probe} finding reproduced in this run, so the "
+    # the same probe under the same set-up (attention implementation and packing convention):
+    # a harness broken for one set-up must not be vouched for by a finding measured under another
+    caught = {(s.finding.probe, s.finding.variant) for s in out if s.outcome is Outcome.REPRODUCED}
+    return [s if s.outcome not in (Outcome.FIXED, Outcome.CHANGED) or (s.finding.probe, s.finding.variant) in caught
+            else s._replace(outcome=Outcome.UNJUDGED,
+                       news=f"{s.news}; but no other {s.finding.probe} {s.finding.variant} finding reproduced in this run, so the "
                             f"harness cannot tell a fix upstream from its own failure")
             for s in out]
 
