@@ -23,9 +23,7 @@ __all__ = ["zoo_checks"]
 def _control(cell, expected: str, why: str):
     r = cell.result
     if r is None:  # the cell could not run its probe: an error, never a pass
-        from trainprobes.result import Result
-        return Result(probe="zoo.cell", target=f"{cell.model_type} {cell.probe} {cell.variant}",
-                      verdict="error", message=f"zoo cell not measured: {cell.reason}", expected=expected)
+        return cell.unmeasured(f"zoo cell not measured: {cell.reason}", expected)
     r.expected = expected
     r.message = f"control, {why}: {r.message}"
     return r

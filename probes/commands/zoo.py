@@ -102,15 +102,13 @@ def _result(cell):
     design's call in the message; an error Result where the model could not be built under an
     implementation or the probe raised or could not decide (never dropped); None for a probe
     that does not apply (no MoE layer: the cell says so in `cells`)."""
-    from trainprobes.result import Result
     r = cell.result
     if r is not None:
         if cell.finding:
             r.message = f"contradicts the design ({cell.expected}): {r.message}"
         return r
     if cell.probe == "build" or cell.verdict in ("error", "unknown"):
-        return Result(probe="zoo.cell", target=f"{cell.model_type} {cell.probe} {cell.variant}".strip(),
-                      verdict="error", message=f"not judged: {cell.reason}")
+        return cell.unmeasured(f"not judged: {cell.reason}")
     return None
 
 

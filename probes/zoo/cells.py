@@ -61,6 +61,12 @@ class Cell:
     seconds: float = 0.0
     result: object = field(default=None, repr=False, compare=False)   # the probe's Result
 
+    def unmeasured(self, why: str, expected: str | None = None):
+        """An error Result standing for this cell where its probe gave none: never dropped, never a pass."""
+        from trainprobes.result import Result
+        return Result(probe="zoo.cell", target=f"{self.model_type} {self.probe} {self.variant}".strip(),
+                      verdict="error", message=why, expected=expected)
+
     def to_dict(self) -> dict:
         # the map keeps the cell; the Result serves the audit and the gate
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "result"}

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from trainprobes.zoo.findings import Finding
 
-__all__ = ["Outcome", "Status", "judge", "measure", "rerun", "transformers_version"]
+__all__ = ["Outcome", "Status", "control", "judge", "measure", "transformers_version"]
 
 
 class Outcome(str, Enum):
@@ -106,12 +106,6 @@ def judge(findings, cells, version: str | None = None) -> list[Status]:
             for s in out]
 
 
-def rerun(f: Finding, seed: int = 0) -> tuple[bool, str]:
-    """(reproduced, the cell's verdict and reason now)."""
-    c = measure(f, seed)
-    return c.verdict == f.verdict, f"{c.verdict}: {c.reason}"
-
-
 _FAILING = ("leaky", "non-causal", "variant")   # the cell verdicts a probe reports as "fail"
 
 
@@ -120,14 +114,14 @@ def control(s: Status, cell):
     recorded verdict while it reproduces (or was recorded reproducing on this release), the
     clean one once fixed or changed upstream; an error where it cannot be judged. The news
     leads the message; the status is in evidence["finding"]."""
-    from trainprobes.result import Result
     f = s.finding
     recorded = "fail" if f.verdict in _FAILING else "pass"
     expected = "pass" if s.outcome in (Outcome.FIXED, Outcome.CHANGED) else recorded
     r = cell.result
-    if r is None or s.outcome is Outcome.UNJUDGED:
-        r = Result(probe=getattr(r, "probe", "zoo.cell"), target=f"{f.model_type} {f.probe} {f.variant}",
-                   verdict="error", message=f"zoo finding not judged: {s.news or s.now}")
+    if r is None:
+        r = cell.unmeasured(f"zoo finding not judged: {s.news or s.now}")
+    elif s.outcome is Outcome.UNJUDGED:   # its probe and target kept: the gate pairs it with a judged run
+        r.verdict, r.message = "error", f"zoo finding not judged: {s.news or s.now}"
     r.expected = expected
     lead = f"{s.news}. " if s.news and s.outcome is not Outcome.UNJUDGED else ""
     r.message = f"{lead}confirmed zoo finding ({f.call}: {f.cause}): {r.message}"
