@@ -82,15 +82,25 @@ def default_torch() -> str:
         return "torch==2.13.0"
 
 
+class StepFailed(Exception):
+    """A step of the check itself could not run (a venv, an install): nothing was judged."""
+
+
 def make_venv(folder: Path, torch_spec: str, pinned: bool, log) -> Path:
-    subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True)
+    if run([sys.executable, "-m", "venv", folder], log).returncode:
+        raise StepFailed(f"creating the venv {folder} failed")
     py = folder / "bin" / "python"
     if run([py, "-m", "pip", "install", "-q", torch_spec], log).returncode:
-        raise SystemExit(f"upstream_check: installing {torch_spec} failed (log in the report)")
+        raise StepFailed(f"installing {torch_spec} failed")
     extra = ["-c", ROOT / "constraints.txt"] if pinned else ["--upgrade", "--upgrade-strategy", "eager"]
     if run([py, "-m", "pip", "install", "-q", "-e", f"{ROOT}[test]", *extra], log).returncode:
-        raise SystemExit("upstream_check: installing trainprobes' test set failed (log in the report)")
+        raise StepFailed(f"installing trainprobes' test set ({'pinned' if pinned else 'newest releases'}) failed")
     return py
+
+
+def failed_report(started, step: str, log_path: Path) -> str:
+    return (f"# Upstream check, {started:%Y-%m-%d %H:%M} UTC\n\nNot judged: {step}. Nothing was measured; the "
+            f"command's output is in {log_path}.\n")
 
 
 def suite(py: Path, xml: Path, log, args) -> dict:
@@ -150,7 +160,8 @@ def report(args, started, pinned, newest, broken, base_broken, found, found_err,
     by: dict = {}
     for f in found:
         by.setdefault(f["outcome"], []).append(f)
-    for outcome in ("fixed upstream", "changed upstream", "missed", "cannot judge", "reproduced"):
+    for outcome in ("fixed upstream", "changed upstream", "not yet in this release", "missed", "cannot judge",
+                    "reproduced"):
         fs = by.get(outcome, [])
         if fs:
             lines.append(f"- **{outcome}**: {len(fs)}")
@@ -183,6 +194,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     started = datetime.datetime.now(datetime.timezone.utc)
     out = args.report or ROOT / "reports" / f"upstream-{started:%Y%m%d-%H%M}.md"
+    if out.is_dir():
+        ap.error(f"--report {str(out)!r} is a folder; name a file, e.g. {str(out / 'upstream.md')!r}")
     if out.exists() and not args.force:
         ap.error(f"--report {str(out)!r} exists; pass --force to replace it, or name a new file")
     if args.venv is not None and args.venv.exists() and any(args.venv.iterdir()):
@@ -207,6 +220,11 @@ def main(argv=None) -> int:
             new_types = [t for t in registered(py, log) if t not in published]
             diff = sweep_map(py, tmp, log) if args.map else None
         out.write_text(report(args, started, pinned, newest, broken, base_broken, found, found_err, new_types, diff))
+    except StepFailed as e:
+        out.write_text(failed_report(started, str(e), log_path))
+        print(f"upstream_check: cannot judge: {e}; report {out}, the command's output in {log_path}",
+              file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("upstream_check: interrupted", file=sys.stderr)
         return 130

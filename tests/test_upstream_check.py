@@ -79,3 +79,20 @@ def test_the_check_refuses_to_replace_a_report_or_fill_a_used_folder(check, tmp_
         check.main(["--report", str(tmp_path / "new.md"), "--venv", str(tmp_path / "v")])
     assert e.value.code == 2 and "not empty" in capsys.readouterr().err
     assert (tmp_path / "r.md").read_text() == "someone's"
+
+
+def test_a_report_path_that_is_a_folder_is_refused_before_any_work(check, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        check.main(["--report", str(tmp_path), "--force", "--no-tests"])
+    assert e.value.code == 2 and "is a folder" in capsys.readouterr().err
+
+
+def test_a_step_of_the_check_that_cannot_run_is_cannot_judge_with_the_report_it_names(check, tmp_path, capsys,
+                                                                                     monkeypatch):
+    import subprocess
+    monkeypatch.setattr(check, "run", lambda cmd, log, **kw: subprocess.CompletedProcess(cmd, 1, "", "no index"))
+    out = tmp_path / "up.md"
+    assert check.main(["--report", str(out), "--venv", str(tmp_path / "venv"), "--no-tests"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot judge" in err and str(out) in err
+    assert out.is_file() and "Not judged: creating the venv" in out.read_text()

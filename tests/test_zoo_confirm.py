@@ -83,3 +83,24 @@ def test_every_finding_records_where_it_was_measured_and_fixed_ones_name_the_cha
         assert f.fixed is None or (f.fixed.version and f.fixed.change), f
         assert not (f.fixed and f.fixed.version in f.checked_on), f   # fixed where it reproduced?
     assert {f.model_type for f in FINDINGS if f.fixed} >= {"bert", "roberta", "xmod"}
+
+
+def test_an_older_release_is_not_a_change_upstream_and_a_pre_release_of_the_fix_counts_as_the_fix():
+    bert, opt = _finding("bert", fixed=Fix(NEW, "passes position_ids")), _finding("opt")
+    # clean on a release older than the one measured on: the bug came later, not news of a change
+    s = judge([bert, opt], [_cell(bert, "isolated"), _cell(opt, "leaky")], "5.23.0")
+    assert [x.outcome for x in s] == [Outcome.OLDER, Outcome.REPRODUCED] and "came in a later release" in s[0].news
+    assert control(s[0], _cell(bert, "isolated")).expected == "pass"
+    # a release candidate of the fix's release carries the fix
+    assert _outcomes([(bert, "isolated"), (opt, "leaky")], "5.25.0rc1") == [Outcome.FIXED, Outcome.REPRODUCED]
+    assert _outcomes([(bert, "isolated"), (opt, "leaky")], "5.26.0.dev0") == [Outcome.FIXED, Outcome.REPRODUCED]
+    # an older release is vouched for only by a finding of the same probe that reproduced
+    s = judge([bert, opt], [_cell(bert, "isolated"), _cell(opt, "isolated")], "5.23.0")
+    assert s[0].outcome is Outcome.UNJUDGED
+
+
+def test_a_version_that_is_not_a_release_number_cannot_be_judged_and_never_raises():
+    bert, opt = _finding("bert", fixed=Fix(NEW, "x")), _finding("opt")
+    s = judge([bert, opt], [_cell(bert, "isolated"), _cell(opt, "leaky")], "main-branch")
+    assert [x.outcome for x in s] == [Outcome.UNJUDGED, Outcome.UNJUDGED]
+    assert "not a release number" in s[0].news

@@ -148,6 +148,7 @@ def _findings(args) -> int:
     else:
         print(f"zoo --findings on transformers {version}: {n[Outcome.REPRODUCED]} of {len(FINDINGS)} reproduced, "
               f"{n[Outcome.FIXED]} fixed upstream, {n[Outcome.CHANGED]} changed upstream, "
+              f"{n[Outcome.OLDER]} not yet in this older release, "
               f"{n[Outcome.MISSED]} missed, {n[Outcome.UNJUDGED]} not judged")
         for s in statuses:
             f = s.finding

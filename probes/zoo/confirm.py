@@ -9,10 +9,13 @@ Steps of `judge(findings, cells, version)`, one Status per finding:
      news too: it came back);
   3. another verdict on a release the finding was recorded reproducing on: missed, a failure
      of the harness, not of the library;
-  4. another verdict elsewhere: fixed upstream where a Fix records this release or an earlier
-     one, otherwise changed upstream (news, to be recorded). Either is news only while another
-     finding of the same probe reproduces in the same run; without one the harness cannot tell
-     a fix upstream from its own failure: cannot judge.
+  4. another verdict elsewhere: on a release older than the one it was measured on, not in
+     this release (it came later); fixed upstream where a Fix records this release or an
+     earlier one (a pre-release of the fix's release counts as that release); otherwise changed
+     upstream (news, to be recorded). Each is news only while another finding of the same probe
+     reproduces in the same run; without one the harness cannot tell a change upstream from its
+     own failure: cannot judge. A version string that is not a release (PEP 440) cannot be
+     ordered against the recorded ones: cannot judge.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ class Outcome(str, Enum):
     REPRODUCED = "reproduced"
     FIXED = "fixed upstream"
     CHANGED = "changed upstream"
+    OLDER = "not yet in this release"
     MISSED = "missed"
     UNJUDGED = "cannot judge"
 
@@ -45,9 +49,18 @@ def transformers_version() -> str:
     return transformers.__version__
 
 
+def _release(version: str):
+    """The release numbers (5, 25, 0) of a PEP 440 version; None where it is not one. A
+    pre-release or dev build of 5.25.0 counts as 5.25.0: it carries what 5.25.0 will."""
+    from packaging.version import InvalidVersion, Version
+    try:
+        return Version(version).release
+    except InvalidVersion:
+        return None
+
+
 def _at_least(version: str, floor: str) -> bool:
-    from packaging.version import Version
-    return Version(version) >= Version(floor)
+    return _release(version) >= _release(floor)
 
 
 def measure(f: Finding, seed: int = 0):
@@ -71,6 +84,10 @@ def measure(f: Finding, seed: int = 0):
 
 def _one(f: Finding, cell, version: str) -> Status:
     now = f"{cell.verdict}: {cell.reason}"
+    if _release(version) is None:
+        return Status(f, Outcome.UNJUDGED, version, now,
+                      f"transformers {version!r} is not a release number (PEP 440): it cannot be ordered against "
+                      f"the releases this finding was recorded on")
     if cell.verdict in ("error", "unknown"):
         return Status(f, Outcome.UNJUDGED, version, now,
                       f"cannot be measured on transformers {version}: the harness cannot handle it yet")
@@ -83,12 +100,19 @@ def _one(f: Finding, cell, version: str) -> Status:
     if f.recorded_reproducing(version):
         return Status(f, Outcome.MISSED, version, now,
                       f"recorded {f.verdict} on transformers {version}, measured {cell.verdict}: the harness missed it")
+    if not _at_least(version, f.measured_on.transformers):
+        return Status(f, Outcome.OLDER, version, now,
+                      f"not {f.verdict} on transformers {version}, older than {f.measured_on.transformers} where it was "
+                      f"measured: it came in a later release")
     if f.fixed is not None and _at_least(version, f.fixed.version):
         return Status(f, Outcome.FIXED, version, now, f"fixed upstream in transformers {f.fixed.version}: {f.fixed.change}")
     seen = ", ".join((f.measured_on.transformers, *f.checked_on))
     return Status(f, Outcome.CHANGED, version, now,
                   f"no longer {f.verdict} on transformers {version} (recorded on {seen}): find the change upstream "
                   f"and record it as the finding's Fix")
+
+
+_NEWS = (Outcome.FIXED, Outcome.CHANGED, Outcome.OLDER)   # the cell's clean verdict is right, if the probe works
 
 
 def judge(findings, cells, version: str | None = None) -> list[Status]:
@@ -99,7 +123,7 @@ def judge(findings, cells, version: str | None = None) -> list[Status]:
     # the same probe under the same set-up (attention implementation and packing convention):
     # a harness broken for one set-up must not be vouched for by a finding measured under another
     caught = {(s.finding.probe, s.finding.variant) for s in out if s.outcome is Outcome.REPRODUCED}
-    return [s if s.outcome not in (Outcome.FIXED, Outcome.CHANGED) or (s.finding.probe, s.finding.variant) in caught
+    return [s if s.outcome not in _NEWS or (s.finding.probe, s.finding.variant) in caught
             else s._replace(outcome=Outcome.UNJUDGED,
                        news=f"{s.news}; but no other {s.finding.probe} {s.finding.variant} finding reproduced in this run, so the "
                             f"harness cannot tell a fix upstream from its own failure")
@@ -116,7 +140,7 @@ def control(s: Status, cell):
     leads the message; the status is in evidence["finding"]."""
     f = s.finding
     recorded = "fail" if f.verdict in _FAILING else "pass"
-    expected = "pass" if s.outcome in (Outcome.FIXED, Outcome.CHANGED) else recorded
+    expected = "pass" if s.outcome in _NEWS else recorded
     r = cell.result
     if r is None:
         r = cell.unmeasured(f"zoo finding not judged: {s.news or s.now}")
