@@ -100,6 +100,7 @@ def test_a_decision_blind_to_its_own_token_says_no_tie_was_reached():
     assert "scores=" in res.message
 
 
+@pytest.mark.slow
 def test_rounding_that_moves_with_the_batch_is_never_called_a_leak():
     """Causal, but layer 1 sums in an order set by how many tokens of the whole batch pick
     expert 0 (a grouped kernel tiled by tokens per expert): near-ties move by an ulp."""

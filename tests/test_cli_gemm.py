@@ -1,6 +1,7 @@
 """`trainprobes gemm`: the table, --json, exit codes."""
 import json
 
+import pytest
 from trainprobes.cli import main
 
 
@@ -61,6 +62,7 @@ def test_a_mean_that_saturates_e4m3_is_refused_not_exact(capsys):
                  "--trials", "8", "--presets", "fp32"]) in (0, 1)
 
 
+@pytest.mark.slow
 def test_impact_table_and_exit_status(capsys):
     code = main(["gemm", "--impact", "--recipes", "fp8-rowwise,bf16", "--presets",
                  "h200-scaled-mm,fp32", "--k", "4096", "--steps", "6", "--loss-tol", "0.002"])

@@ -256,6 +256,7 @@ def _fp32_vs_fp64_engines(seed=0, B=32, T=64, V=32000):
     return train.double(), infer.double()
 
 
+@pytest.mark.slow
 def test_significant_bias_below_min_bias_is_reported_not_failed():
     train, infer = _fp32_vs_fp64_engines()
     r = compare(train, infer)

@@ -87,6 +87,7 @@ def test_no_writable_log_still_says_it_on_stderr_not_stdout(capsys, monkeypatch)
     assert out == "" and "Traceback" in err and "internal error" in err
 
 
+@pytest.mark.slow
 def test_torchrun_entries_map_their_errors(tmp_path):
     # outside torchrun: the env check says so, exit 2; an argparse error: 2
     env = {k: v for k, v in os.environ.items()
@@ -128,6 +129,7 @@ def test_a_folder_or_a_path_under_a_file_is_refused_before_any_work(flag, tmp_pa
         assert flag in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_force_replaces_and_drift_writes_both(tmp_path, capsys):
     out, png = tmp_path / "r.json", tmp_path / "new" / "d.png"
     out.write_text("old")

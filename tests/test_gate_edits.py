@@ -291,6 +291,7 @@ def _sweep(real):
                     yield case, field, how, side, compare(*pair, today=TODAY).exit_code
 
 
+@pytest.mark.slow
 def test_one_field_edited_alone_never_passes(real):
     # was: a collective's bias x1000 passed (its SE, bias / bias_z, grew with it), as did a
     # collective that says pass beside bitwise_match_fraction = 0.5

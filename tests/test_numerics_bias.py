@@ -203,6 +203,7 @@ def test_design_alpha_spends_at_most_alpha():
     assert abs(design_alpha(0.01) - 0.0029) < 1e-4
 
 
+@pytest.mark.slow
 def test_two_stage_false_positive_rate_is_at_most_alpha_on_unbiased_errors():
     # 600 seeds at alpha 0.05 (more events than 0.01 gives in the same time); one stage
     # alone would call ~5% biased, the design ~design_alpha(0.05) = 1.9%
@@ -221,6 +222,7 @@ def test_two_stage_keeps_power_on_a_bias_it_should_find():
     assert found >= alone - 2 and found >= 75
 
 
+@pytest.mark.slow
 def test_borderline_stage_runs_fresh_seeded_trials_and_records_both_stages():
     from trainprobes.numerics.bias import collective_bias
 
@@ -294,6 +296,7 @@ def test_bias_results_stay_judgeable_by_the_gate():
         check_judgeable(r, "candidate")
 
 
+@pytest.mark.slow
 def test_biased_ring_still_fails_at_a_large_world():
     from trainprobes.numerics.bias import collective_bias
     for s in range(3):

@@ -34,6 +34,7 @@ def test_every_package_folder_is_installed():
     assert sorted(setup["packages"]) == sorted(found)
 
 
+@pytest.mark.slow
 def test_no_construct_newer_than_the_minimum_python():
     """requires-python says 3.10: vermin finds any module, function or syntax that needs
     more (tomllib, ExceptionGroup, `except*`, ...), in the package, tests and scripts."""
@@ -166,6 +167,7 @@ def test_arrows_point_faces_to_probes_to_reference():
         assert not bad, f"{path.relative_to(REPO)} imports the faces {sorted(bad)}"
 
 
+@pytest.mark.slow
 def test_a_folder_named_trainprobes_in_the_cwd_does_not_shadow_the_command(tmp_path):
     # a clone named trainprobes, run from its parent: Python makes the folder a namespace
     # package that wins over an editable install's finder; the command must still work

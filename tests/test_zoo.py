@@ -108,6 +108,7 @@ def test_sliding_window_shorter_than_documents_is_kept_by_the_mask():
 @torch.no_grad()
 @pytest.mark.parametrize("router, causal", [
     (None, True), (ExpertChoiceRouter, False), (ProbabilityCapacityRouter, False)])
+@pytest.mark.slow
 def test_router_verdict_comes_from_the_mechanism(router, causal):
     model = build("mixtral").model
     if router is not None:
@@ -134,6 +135,7 @@ class _CallMeanGate(torch.nn.Module):
         return logits, (w / w.sum(-1, keepdim=True)).to(h.dtype), i
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_batch_cell_tells_a_leak_between_rows_from_rounding_by_the_fp64_twin():
     """A batch difference is a finding when it survives in float64 (data crossed rows), not by
@@ -155,6 +157,7 @@ def test_cli_unknown_model_exits_2_with_close_names(capsys):
     assert "mixtral" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_one_row_json_and_exit_1_on_a_finding(capsys, monkeypatch, tmp_path):
     assert main(["zoo", "--model", "llama", "--probes", "batch", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -236,6 +239,7 @@ def test_diff_refuses_a_hand_edited_map_it_cannot_read(tmp_path, capsys, row, sa
     assert says in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_ci_subset_of_the_sweep(tmp_path):
     """A small fixed subset of the sweep, measured in this process: llama's packed-document
