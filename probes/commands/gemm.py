@@ -13,7 +13,8 @@ from trainprobes.validation import parse_choice, parse_int, parse_number
 # the names, without importing torch before argparse needs them
 PRESET_NAMES = ("h200-scaled-mm", "h200-scaled-mm-signfill", "h200-scaled-mm-sum", "deepseek-v3",
                 "b200-25bit", "fp32")
-RECIPE_NAMES = ("exact", "bf16", "fp8-tensor", "fp8-tensor-e4m3", "fp8-rowwise", "mxfp8",
+RECIPE_NAMES = ("exact", "bf16", "fp8-tensor", "fp8-tensor-e4m3", "fp8-rowwise", "fp8-rowwise-pow2",
+                "mxfp8",
                 "mxfp8-e5m2-grads", "mxfp4", "nvfp4", "nvfp4-paper")
 IMPACT_RECIPES = ("bf16", "fp8-tensor", "fp8-rowwise", "mxfp8", "nvfp4")  # numerics.gemm_impact.RECIPES
 TABLE_PRESETS = ("h200-scaled-mm", "h200-scaled-mm-signfill", "deepseek-v3", "fp32")
