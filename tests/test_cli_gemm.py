@@ -156,6 +156,10 @@ def _e4m3_operands():
     return [(torch.randn(rows, 512, generator=g) + 1).to(torch.float8_e4m3fn) for rows in (32, 24)]
 
 
+class Unpicklable:
+    """An object torch.load(weights_only=True) refuses to rebuild."""
+
+
 def _save(path, fmt, tensors: dict):
     if fmt == "pt":
         torch.save(tensors, path)
@@ -208,11 +212,17 @@ def test_load_bad_input_is_a_usage_error_naming_the_file(tmp_path, capsys):
     nan = a.float()
     nan[3, 7] = float("nan")
     np.savez(tmp_path / "bf16.npz", A=np.zeros((4, 8), dtype=np.dtype("V2")), B=np.zeros((4, 8)))
+    np.savez(tmp_path / "obj.npz", A=np.array([{"a": 1}], dtype=object), B=np.ones((2, 2)))
+    torch.save({"A": a.float(), "B": b.float(), "extra": Unpicklable()}, tmp_path / "obj.pt")
+    (tmp_path / "junk.pt").write_bytes(bytes(range(256)))
     cases = [
         (["--load", str(tmp_path / "missing.pt")], ["missing.pt", "does not exist"]),
         (["--load", cut[pt]], ["cut.pt", "not a readable .pt file", "torch.save"]),
         (["--load", cut[npz]], ["cut.npz", "not a readable .npz archive", "numpy.savez"]),
         (["--load", cut[st]], ["cut.safetensors", "not a readable .safetensors file"]),
+        (["--load", str(tmp_path / "junk.pt")], ["junk.pt", "not a torch.save archive"]),
+        (["--load", str(tmp_path / "obj.pt")], ["obj.pt", "Unpicklable object", "refused"]),
+        (["--load", str(tmp_path / "obj.npz")], ["obj.npz", "allow_pickle=False"]),
         (["--load", st, "--a-key", "acts"], ["holds no tensor 'acts' (--a-key)", "'A', 'B'"]),
         (["--load", pt, "--load", st], ["holds 2 tensors ('A', 'B')", "--a-key"]),
         (["--load", _save(tmp_path / "nan.pt", "pt", {"A": nan, "B": b.float()})],

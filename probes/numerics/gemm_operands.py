@@ -13,6 +13,7 @@ Every fault names the file, the key and what works (DataFileError: exit 2).
 from __future__ import annotations
 
 import pickle
+import re
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -40,10 +41,16 @@ def _read_pt(path: Path) -> dict:
     try:
         got = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise DataFileError(f"{str(path)!r} holds objects that need unpickling, which is refused "
-                            f"({str(e).splitlines()[0]}); torch.save a tensor or a dict of tensors") from None
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        if found:  # a class or function that weights_only refuses to run
+            raise DataFileError(f"{str(path)!r} holds a {found.group(1)} object, which loading would "
+                                "have to unpickle (refused); torch.save a tensor or a dict of "
+                                "tensors") from None
+        raise DataFileError(f"{str(path)!r} is not a readable .pt file (not a torch.save archive, or "
+                            "truncated); write it with torch.save({'A': a, 'B': b}, path)") from None
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as e:
-        detail = (str(e).splitlines() or ["no detail"])[0].split(". ")[0]  # torch's first sentence
+        detail = re.sub(r"\[enforce fail at [^\]]*\]\s*\.?\s*", "", str(e))
+        detail = (detail.splitlines() or ["no detail"])[0].split(". ")[0]  # torch's first sentence
         raise DataFileError(f"{str(path)!r} is not a readable .pt file ({type(e).__name__}: "
                             f"{detail}); was it written completely? (torch.save)") from None
     if torch.is_tensor(got):
