@@ -15,9 +15,10 @@ Recipes (each a named Recipe; RECIPES lists them):
          overflows; pow2 recipes round it down to a power of two as torchao does,
          exp2(floor(log2(scale))) in fp32;
       3. elements fp32(fp32(x) * scale), clamped to +-max_finite and rounded once to the
-         element format (never x / (amax / max_finite) in float64: an exact tie there can
-         land a hair off and round the other way, e.g. 2.859375 * 448 / 3.8125 = 336 exactly
-         in e4m3, 336.00000000000006 in float64, which rounds to 352);
+         element format (never x / (amax / max_finite) in float64, which lands a hair off
+         exact ties and rounds them the other way: x = 2.859375 at amax 3.8125 is 336 in both
+         real and this fp32 arithmetic, a tie between e4m3 320 and 352 that goes to 320 (even),
+         while float64 gives 336.00000000000006, which rounds to 352);
       4. the epilogue multiplies by fp32(1 / scale) (torchao passes scale.reciprocal() to
          torch._scaled_mm; TE keeps scale_inv = 1 / scale).
     "fp8-tensor" (TE's HYBRID format, torchao's default tensorwise config) keeps e5m2 for
