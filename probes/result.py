@@ -172,8 +172,9 @@ PROBES = {
         "ci_high", "std", "p_value", "alpha", "tolerance", "min_detectable_bias",
         "max_relative_error", "sqnr_db", "growth_exponent", "stall_k", "promote_every_needed",
         "biased", "gemm_verdict", "relative_offset", "offset_ci_low", "offset_ci_high",
-        "offset_std", "offset_p_value", "confidence", "rows_drawn", "columns_drawn", "what_if"),
-        ("preset", "recipe", "gemm", "gemm_verdict", "what_if")),
+        "offset_std", "offset_p_value", "confidence", "rows_drawn", "columns_drawn", "what_if",
+        "promotion_searched"),
+        ("preset", "recipe", "gemm", "gemm_verdict", "what_if", "promotion_searched")),
     "numerics.stall": ProbeMetrics(None, "TP-B2", (), (
         "rows", "rows_over_tolerance", "max_abs_relative_error", "rel_tol",
         "sequential_sum[...]")),

@@ -6,10 +6,26 @@ A recipe turns an operand (rows, K), K the reduction axis, into a Quantized pair
   scale:  float64, (rows, 1) or (), applied to the output after accumulation (per-tensor
           and row-wise scales, NVFP4's fp32 tensor scale: the GEMM epilogue's alpha).
 Recipes (each a named Recipe; RECIPES lists them):
-  - per-tensor dynamic amax (Transformer Engine's delayed/current scaling, one tensor's amax):
-    scale = amax / max_finite, elements rounded to nearest, saturating. "fp8-tensor" keeps
-    e5m2 for gradients (TE's HYBRID format); "fp8-tensor-e4m3" uses e4m3 throughout.
-  - row-wise (torchao float8 rowwise): one amax per row along K.
+  - per-tensor and row-wise dynamic amax, in the arithmetic torchao's Float8Linear
+    (float8_utils.amax_to_scale, hp_tensor_and_scale_to_float8) and Transformer Engine's
+    current scaling (recipe_common.cuh compute_scale_from_amax) run:
+      1. amax of the tensor (per-tensor) or of each row along K (row-wise), clamped below at
+         the recipe's amax_eps (torchao 1e-12; TE 0, where amax = 0 gives scale 1);
+      2. scale = fp32(max_finite / amax) (448 for e4m3, 57344 for e5m2), fp32 max if that
+         overflows; pow2 recipes round it down to a power of two as torchao does,
+         exp2(floor(log2(scale))) in fp32;
+      3. elements fp32(fp32(x) * scale), clamped to +-max_finite and rounded once to the
+         element format (never x / (amax / max_finite) in float64, which lands a hair off
+         exact ties and rounds them the other way: x = 2.859375 at amax 3.8125 is 336 in both
+         real and this fp32 arithmetic, a tie between e4m3 320 and 352 that goes to 320 (even),
+         while float64 gives 336.00000000000006, which rounds to 352);
+      4. the epilogue multiplies by fp32(1 / scale) (torchao passes scale.reciprocal() to
+         torch._scaled_mm; TE keeps scale_inv = 1 / scale).
+    "fp8-tensor" (TE's HYBRID format, torchao's default tensorwise config) keeps e5m2 for
+    gradients; "fp8-tensor-e4m3" uses e4m3 throughout. "fp8-rowwise-pow2" is torchao's
+    "rowwise" recipe (Float8LinearConfig.from_recipe_name("rowwise"): e4m3 throughout,
+    round_scales_to_power_of_2=True); "fp8-rowwise" the same row-wise scaling with fp32
+    scales (a Float8LinearConfig with AXISWISE casts and round_scales_to_power_of_2=False).
   - MX (OCP Microscaling v1.0, section 6.3; torchao mx_formats FLOOR mode, the default):
     32-element blocks along K, scale 2^(floor(log2 amax) - emax_elem) in e8m0 (clamped to
     the fp32 normal range as torchao does), elements x / scale clamped and rounded to nearest.
@@ -31,8 +47,8 @@ from trainprobes.errors import InvalidArgument
 from trainprobes.reference.formats import get_format
 from trainprobes.validation import check_choice
 
-__all__ = ["Recipe", "Quantized", "RECIPES", "get_recipe", "quantize", "mx_quantize",
-           "nvfp4_quantize", "hadamard", "rotate"]
+__all__ = ["Recipe", "Quantized", "RECIPES", "get_recipe", "quantize", "float8_scale",
+           "float8_quantize", "mx_quantize", "nvfp4_quantize", "hadamard", "rotate"]
 
 ROLES = ("activation", "weight", "grad")
 E4M3_MAX, E2M1_MAX = 448.0, 6.0
@@ -50,6 +66,8 @@ class Recipe:
     weight_2d: bool = False
     stochastic_grads: bool = False
     hadamard_wgrad: bool = False
+    pow2_scales: bool = False   # tensor/row scales rounded down to a power of two (torchao)
+    amax_eps: float = 0.0       # tensor/row amax clamped below at this (torchao: 1e-12)
     source: str = ""
 
     def element_for(self, role: str) -> str | None:
@@ -65,13 +83,23 @@ class Quantized:
     scale: torch.Tensor
 
 
-_TE = "Transformer Engine Float8 current scaling (per-tensor amax); HYBRID: e5m2 gradients"
+_TE = ("Transformer Engine Float8CurrentScaling (per-tensor amax, fp32 scale), as torchao's "
+       "default tensorwise Float8LinearConfig; HYBRID: e5m2 gradients")
+# torchao.float8.float8_utils.EPS (0.18): the floor of an amax before 448 / amax
+TORCHAO_AMAX_EPS = 1e-12
+_AXISWISE = "torchao Float8Linear row-wise (AXISWISE) scaling along K, e4m3 throughout"
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("exact", "none", None, None, source="no quantisation: the accumulator alone"),
     Recipe("bf16", "none", "bf16", "bf16", source="bf16 operands, no scales"),
     Recipe("fp8-tensor", "tensor", "fp8_e4m3fn", "fp8_e5m2", source=_TE),
     Recipe("fp8-tensor-e4m3", "tensor", "fp8_e4m3fn", "fp8_e4m3fn", source=_TE + " (e4m3 throughout)"),
-    Recipe("fp8-rowwise", "row", "fp8_e4m3fn", "fp8_e4m3fn", source="torchao float8 rowwise scaling"),
+    Recipe("fp8-rowwise", "row", "fp8_e4m3fn", "fp8_e4m3fn", amax_eps=TORCHAO_AMAX_EPS,
+           source=_AXISWISE + ", fp32 scales (round_scales_to_power_of_2=False; torchao's "
+                  "'rowwise' recipe rounds them to powers of two: fp8-rowwise-pow2)"),
+    Recipe("fp8-rowwise-pow2", "row", "fp8_e4m3fn", "fp8_e4m3fn", pow2_scales=True,
+           amax_eps=TORCHAO_AMAX_EPS,
+           source=_AXISWISE + ", scales rounded down to powers of two: torchao's 'rowwise' "
+                  "recipe (Float8LinearConfig.from_recipe_name('rowwise'), torchao 0.18)"),
     Recipe("mxfp8", "mx", "fp8_e4m3fn", "fp8_e4m3fn", 32,
            source="OCP MX v1.0; e4m3 gradients as Megatron-Bridge PR #638"),
     Recipe("mxfp8-e5m2-grads", "mx", "fp8_e4m3fn", "fp8_e5m2", 32, source="OCP MX v1.0"),
@@ -99,6 +127,47 @@ def _check_blocks(K: int, block: int, what: str) -> None:
     if K % block:
         raise InvalidArgument(f"{what}: K={K} is not a multiple of the block size {block}; pad K "
                               f"to {(K // block + 1) * block} or pick a recipe without blocks")
+
+
+def float8_scale(amax: torch.Tensor, max_finite: float, *, eps: float = 0.0,
+                 pow2: bool = False) -> torch.Tensor:
+    """Steps 1-2 of the per-tensor / row-wise recipes (module docstring): the fp32 scale that
+    multiplies the elements. amax: float64 (exact for bf16/fp32 tensors)."""
+    amax = amax.to(torch.float64).clamp(min=eps)
+    # max_finite / amax in float64 rounded to fp32 is the correctly rounded fp32 quotient
+    # (53 >= 2 * 24 + 2 bits: double rounding of a division is innocuous), what both
+    # torchao (float64, then .to(float32)) and TE (__fdiv_rn in fp32) compute
+    s = (max_finite / amax).to(torch.float32)
+    big = torch.tensor(torch.finfo(torch.float32).max, dtype=torch.float32)
+    s = torch.where(torch.isinf(s), big, s)        # TE: an amax too small for fp32
+    s = torch.where(amax == 0, torch.ones_like(s), s)  # TE with eps 0: an all-zero tensor
+    if pow2:
+        # torchao's _round_scale_down_to_power_of_2, the same fp32 ops: for a scale within
+        # an ulp below a power of two, fp32 log2 rounds up to the integer and the scale
+        # rounds up (TE's exponent mask would round down)
+        s = torch.exp2(torch.floor(torch.log2(s)))
+    return s
+
+
+def float8_quantize(x: torch.Tensor, element: str, *, rowwise: bool, eps: float = 0.0,
+                    pow2: bool = False, tensor_amax=None, mode: str = "nearest",
+                    generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(element values as float64, fp32 scale as float64): the per-tensor (rowwise=False) or
+    row-wise cast of x (rows, K), steps 1-3 of the module docstring. The epilogue multiplies
+    by fp32(1 / scale) (Quantized.scale, from quantize). tensor_amax: the whole tensor's
+    amax where x holds some of its rows."""
+    fmt = get_format(element)
+    x64 = x.to(torch.float64)
+    if rowwise:
+        amax = x64.abs().amax(-1, keepdim=True)
+    elif tensor_amax is None:
+        amax = x64.abs().amax()
+    else:
+        amax = torch.tensor(float(tensor_amax), dtype=torch.float64)
+    s = float8_scale(amax, fmt.max_finite, eps=eps, pow2=pow2)
+    data = (_f32(x) * s).clamp(-fmt.max_finite, fmt.max_finite)   # one fp32 multiply
+    q = fmt.round(data.to(torch.float64), mode, saturate=True, generator=generator)
+    return q, s.to(torch.float64)
 
 
 def mx_quantize(x: torch.Tensor, element: str, block: int = 32, *, mode: str = "nearest",
@@ -195,11 +264,11 @@ def quantize(x: torch.Tensor, recipe, role: str, *, generator: torch.Generator |
         vals = x if element is None else get_format(element).round(x, mode, generator=generator)
         return Quantized(vals, one)
     if recipe.scaling in ("tensor", "row"):
-        fmt = get_format(element)
-        amax = (x.abs().amax() if tensor_amax is None else torch.tensor(float(tensor_amax), dtype=torch.float64)) \
-            if recipe.scaling == "tensor" else x.abs().amax(-1, keepdim=True)
-        s = torch.where(amax > 0, amax / fmt.max_finite, torch.ones_like(amax))
-        return Quantized(fmt.round(x / s, mode, saturate=True, generator=generator), s)
+        q, s = float8_quantize(x, element, rowwise=recipe.scaling == "row", eps=recipe.amax_eps,
+                               pow2=recipe.pow2_scales, tensor_amax=tensor_amax, mode=mode,
+                               generator=generator)
+        inverse = torch.ones((), dtype=torch.float32) / s.to(torch.float32)  # fp32 reciprocal
+        return Quantized(q, inverse.to(torch.float64))
     if recipe.scaling == "mx":
         q, s = mx_quantize(x, element, recipe.block, mode=mode, generator=generator)
         return Quantized(q * s.repeat_interleave(recipe.block, -1), one)

@@ -1,8 +1,11 @@
 """`trainprobes gemm`: the table, --json, exit codes."""
 import json
 
+import numpy as np
 import pytest
+import torch
 from trainprobes.cli import main
+from trainprobes.numerics.gemm import gemm_bias
 
 
 def test_table_and_exit_status(capsys):
@@ -143,3 +146,150 @@ def test_a_target_in_the_current_directory_is_found_as_with_python_m(tmp_path, m
     out = capsys.readouterr().out
     sys.modules.pop("gemm_here_mod", None)
     assert code in (0, 1) and "gemm_here_mod:fn:2.wgrad" in out, out
+
+
+# --- --load: the user's own operands -------------------------------------------------------
+
+def _e4m3_operands():
+    """Mostly positive e4m3 operands (post-activation inputs) that the truncating H200
+    accumulator shrinks: biased at K = 512 (as the random table's mean-1 case)."""
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(rows, 512, generator=g) + 1).to(torch.float8_e4m3fn) for rows in (32, 24)]
+
+
+class Unpicklable:
+    """An object torch.load(weights_only=True) refuses to rebuild."""
+
+
+def _save(path, fmt, tensors: dict):
+    if fmt == "pt":
+        torch.save(tensors, path)
+    elif fmt == "npz":
+        np.savez(path, **{k: v.float().numpy() for k, v in tensors.items()})
+    else:
+        from safetensors.torch import save_file
+        save_file(tensors, str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("fmt", ["pt", "npz", "safetensors"])
+def test_load_judges_the_users_operands_as_the_api_does(fmt, tmp_path, capsys):
+    a, b = _e4m3_operands()
+    f = _save(tmp_path / f"ops.{fmt}", fmt, {"acts": a, "weights": b})
+    base = ["gemm", "--load", f, "--a-key", "acts", "--b-key", "weights", "--presets", "h200-scaled-mm"]
+    assert main(base) == 1  # e4m3 values: the default recipe is exact, the accumulator alone
+    out = capsys.readouterr().out
+    assert "fprop[exact,h200-scaled-mm,K=512]" in out and "biased" in out
+    assert f"A {f}:acts (fp8_e4m3fn values, (32, 512))" in out
+    assert main(base + ["--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    got = (doc["results"] if isinstance(doc, dict) else doc)[0]["metrics"]
+    want = gemm_bias(a, b, preset="h200-scaled-mm", recipe="exact").metrics
+    assert got["relative_bias"] == want["relative_bias"] and got["samples"] == want["samples"]
+
+
+def test_load_a_file_per_operand_and_a_recipe(tmp_path, capsys):
+    a, b = _e4m3_operands()
+    fa = _save(tmp_path / "x.pt", "pt", {"x": a.float()})  # fp32 tensors holding e4m3 values
+    fb = _save(tmp_path / "w.safetensors", "safetensors", {"w": b.to(torch.bfloat16)})
+    assert main(["gemm", "--load", fa, "--load", fb, "--presets", "fp32", "--recipes",
+                 "fp8-rowwise-pow2,bf16", "--tolerance", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "fprop[fp8-rowwise-pow2,fp32,K=512]" in out and "fprop[bf16,fp32,K=512]" in out
+    assert f"A {fa}:x" in out and f"B {fb}:w" in out
+
+
+def test_load_bad_input_is_a_usage_error_naming_the_file(tmp_path, capsys):
+    a, b = _e4m3_operands()
+    good = {"A": a.float(), "B": b.float()}
+    pt = _save(tmp_path / "ops.pt", "pt", good)
+    npz = _save(tmp_path / "ops.npz", "npz", good)
+    st = _save(tmp_path / "ops.safetensors", "safetensors", good)
+    cut = {}
+    for f in (pt, npz, st):
+        data = open(f, "rb").read()
+        cut[f] = str(tmp_path / ("cut" + f[f.rindex("."):]))
+        open(cut[f], "wb").write(data[: len(data) // 2])
+    nan = a.float()
+    nan[3, 7] = float("nan")
+    np.savez(tmp_path / "bf16.npz", A=np.zeros((4, 8), dtype=np.dtype("V2")), B=np.zeros((4, 8)))
+    np.savez(tmp_path / "obj.npz", A=np.array([{"a": 1}], dtype=object), B=np.ones((2, 2)))
+    torch.save({"A": a.float(), "B": b.float(), "extra": Unpicklable()}, tmp_path / "obj.pt")
+    (tmp_path / "junk.pt").write_bytes(bytes(range(256)))
+    cases = [
+        (["--load", str(tmp_path / "missing.pt")], ["missing.pt", "does not exist"]),
+        (["--load", cut[pt]], ["cut.pt", "not a readable .pt file", "torch.save"]),
+        (["--load", cut[npz]], ["cut.npz", "not a readable .npz archive", "numpy.savez"]),
+        (["--load", cut[st]], ["cut.safetensors", "not a readable .safetensors file"]),
+        (["--load", str(tmp_path / "junk.pt")], ["junk.pt", "not a torch.save archive"]),
+        (["--load", str(tmp_path / "obj.pt")], ["obj.pt", "Unpicklable object", "refused"]),
+        (["--load", str(tmp_path / "obj.npz")], ["obj.npz", "allow_pickle=False"]),
+        (["--load", st, "--a-key", "acts"], ["holds no tensor 'acts' (--a-key)", "'A', 'B'"]),
+        (["--load", pt, "--load", st], ["holds 2 tensors ('A', 'B')", "--a-key"]),
+        (["--load", _save(tmp_path / "nan.pt", "pt", {"A": nan, "B": b.float()})],
+         ["nan.pt:A", "1 non-finite value(s)", "(3, 7)"]),
+        (["--load", _save(tmp_path / "k.pt", "pt", {"A": a.float(), "B": torch.ones(4, 64)})],
+         ["k.pt:B", "(4, 64)", "same K"]),
+        (["--load", _save(tmp_path / "3d.pt", "pt", {"A": torch.ones(2, 3, 4), "B": b.float()})],
+         ["3d.pt:A", "(2, 3, 4)", "2-D"]),
+        (["--load", _save(tmp_path / "int.pt", "pt", {"A": torch.ones(4, 512, dtype=torch.int64),
+                                                      "B": b.float()})], ["int.pt:A", "int64", "bfloat16"]),
+        (["--load", _save(tmp_path / "zero.pt", "pt", {"A": torch.zeros(4, 512), "B": b.float()})],
+         ["zero.pt:A", "all zeros"]),
+        (["--load", str(tmp_path / "bf16.npz")], ["bf16.npz", "'A'", "numpy has no bf16"]),
+        (["--load", str(tmp_path / "ops.txt")], ["ops.txt", ".pt, .npz, .safetensors"]),
+        (["--load", pt, "--load", pt, "--load", pt], ["one file", "got 3"]),
+        (["--load", pt, "--k", "64"], ["--k", "drop it"]),
+        (["--load", pt, "--target", "m:f"], ["--target"]),
+        (["--load", pt, "--impact"], ["--impact", "--load"]),
+        (["--a-key", "A"], ["--load FILE"]),
+    ]
+    for args, said in cases:
+        code = main(["gemm", *args, "--presets", "fp32", "--tolerance", "1"])
+        err = capsys.readouterr().err
+        assert code == 2, (args, code, err)
+        assert "internal error" not in err
+        for s in said:
+            assert s in err, (args, s, err)
+
+
+# --- one default for --samples, and honest N_C cells ------------------------------------
+
+def test_one_samples_default_for_the_cli_the_api_and_the_docs():
+    import inspect
+    from pathlib import Path
+
+    from trainprobes.cli import build_parser
+    from trainprobes.numerics.gemm_defaults import DEFAULT_SAMPLES, DEFAULT_TRIALS
+    from trainprobes.numerics.gemm_model import judge_model
+    args = build_parser().parse_args(["gemm"])
+    assert (args.samples, args.trials) == (DEFAULT_SAMPLES, DEFAULT_TRIALS)
+    for fn in (gemm_bias, judge_model):
+        p = inspect.signature(fn).parameters
+        assert (p["samples"].default, p["trials"].default) == (DEFAULT_SAMPLES, DEFAULT_TRIALS), fn
+    doc = (Path(__file__).parent.parent / "docs" / "gemm.md").read_text()
+    assert f"`--samples` (default {DEFAULT_SAMPLES:,}" in doc
+
+
+def test_a_biased_row_whose_search_did_not_run_says_so(capsys, tmp_path, monkeypatch):
+    # --target judges without the promotion search: its biased rows printed N_C = K, which
+    # the legend reads as "none needed"
+    (tmp_path / "gemm_cli_nc.py").write_text(
+        "import torch\n"
+        "def make():\n"
+        "    torch.manual_seed(0)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(512, 32)), torch.randn(64, 512) + 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["gemm", "--target", "gemm_cli_nc:make", "--recipes", "fp8-tensor-e4m3",
+                 "--tolerance", "1e-4", "--samples", "256", "--trials", "16"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("gemm_cli_nc:make:")]
+    biased = [line for line in rows if line.rstrip().endswith("biased")]
+    assert code == 1 and biased, out
+    assert all("not searched" in line for line in biased)
+    assert all("not searched" not in line for line in rows if line not in biased)
+    # the random table searches: its biased rows give an interval or nan, never "not searched"
+    main(["gemm", "--k", "512", "--rows", "32", "--samples", "128", "--trials", "16",
+          "--presets", "h200-scaled-mm", "--mean", "1"])
+    out = capsys.readouterr().out
+    assert "biased" in out and "not searched" not in out.split("\n\n")[0]

@@ -87,3 +87,21 @@ def test_a_biased_candidate_whose_point_estimate_is_under_the_tolerance_blocks()
     report = compare([base], [cand])
     assert report.cannot_judge is None, report.cannot_judge
     assert report.exit_code == 1 and "TP-B1" in [r.code for r in report.blocking]
+
+
+def test_a_search_that_did_not_run_finds_nothing(operands):
+    # a biased GEMM judged without the promotion search (judge_model, --target) says so:
+    # promotion_searched False, N_C left at K; an edit claiming a fix it never searched for
+    # cannot be judged
+    cand = judged(operands, "fp8-tensor-e4m3", "h200-scaled-mm", promotion=False)
+    assert cand.metrics["gemm_verdict"] == "biased" and cand.metrics["promotion_searched"] is False
+    assert cand.metrics["promote_every_needed"] == cand.metrics["k"] and not cand.evidence["promotion"]
+    assert "the promotion interval was not searched" in cand.message
+    base = judged(operands, "bf16", "fp32")
+    assert compare([base], [cand]).exit_code == 1
+    d = cand.to_dict()
+    d["metrics"]["promote_every_needed"] = 256.0
+    report = compare([base], [Result.from_dict(d)])
+    assert report.exit_code == 2 and "promotion_searched=False" in report.cannot_judge
+    searched = judged(operands, "fp8-tensor-e4m3", "h200-scaled-mm")
+    assert searched.metrics["promotion_searched"] is True and searched.evidence["promotion"]

@@ -8,13 +8,14 @@ from trainprobes.commands.options import (
     parse_list,
     progress_for,
 )
+from trainprobes.numerics.gemm_defaults import DEFAULT_SAMPLES, DEFAULT_TOLERANCE, DEFAULT_TRIALS
 from trainprobes.validation import parse_choice, parse_int, parse_number
 
 # the names, without importing torch before argparse needs them
 PRESET_NAMES = ("h200-scaled-mm", "h200-scaled-mm-signfill", "h200-scaled-mm-sum", "deepseek-v3",
                 "b200-25bit", "fp32")
-RECIPE_NAMES = ("exact", "bf16", "fp8-tensor", "fp8-tensor-e4m3", "fp8-rowwise", "mxfp8",
-                "mxfp8-e5m2-grads", "mxfp4", "nvfp4", "nvfp4-paper")
+RECIPE_NAMES = ("exact", "bf16", "fp8-tensor", "fp8-tensor-e4m3", "fp8-rowwise", "fp8-rowwise-pow2",
+                "mxfp8", "mxfp8-e5m2-grads", "mxfp4", "nvfp4", "nvfp4-paper")
 IMPACT_RECIPES = ("bf16", "fp8-tensor", "fp8-rowwise", "mxfp8", "nvfp4")  # numerics.gemm_impact.RECIPES
 TABLE_PRESETS = ("h200-scaled-mm", "h200-scaled-mm-signfill", "deepseek-v3", "fp32")
 TARGET_RECIPE = "fp8-tensor"  # numerics.gemm_model.judge_model's default
@@ -68,12 +69,22 @@ def add_arguments(parser) -> None:
     parser.add_argument("--target", default=None, metavar="pkg.mod:factory",
                         help="a factory returning (model, batch): judge every Linear's three GEMMs "
                              "from one fp32 step instead of random operands")
-    parser.add_argument("--samples", type=parse_int("samples", min=16), default=1024,
+    parser.add_argument("--load", action="append", default=None, metavar="FILE",
+                        help="judge your own operands, C = A B^T (A: M x K, B: N x K, K last in "
+                             "both), saved as .pt, .npz or .safetensors: one --load FILE holding "
+                             "tensors A and B (named by --a-key/--b-key), or --load A_FILE --load "
+                             "B_FILE, one operand each (its only tensor, or the one the key names)")
+    parser.add_argument("--a-key", default=None, metavar="NAME",
+                        help="the name of operand A in its --load file (default: A in a file holding "
+                             "both; the only tensor in a file of its own)")
+    parser.add_argument("--b-key", default=None, metavar="NAME",
+                        help="the name of operand B in its --load file (default: B, likewise)")
+    parser.add_argument("--samples", type=parse_int("samples", min=16), default=DEFAULT_SAMPLES,
                         help="sampled output elements per GEMM (default: %(default)s)")
-    parser.add_argument("--trials", type=parse_int("trials", min=3), default=32,
+    parser.add_argument("--trials", type=parse_int("trials", min=3), default=DEFAULT_TRIALS,
                         help="independent groups the samples are split into (default: %(default)s)")
     parser.add_argument("--tolerance", type=parse_number("tolerance", min=0.0), default=None,
-                        help="smallest |relative bias| called biased (default: 1e-4)")
+                        help=f"smallest |relative bias| called biased (default: {DEFAULT_TOLERANCE:g})")
     parser.add_argument("--alpha", default=0.01,
                         type=parse_number("alpha", min=0.0, max=1.0, min_open=True, max_open=True))
     parser.add_argument("--seed", type=parse_int("seed", min=0), default=0)
@@ -156,6 +167,55 @@ def _random_results(args, progress):
 HELD = {"e4m3": "fp8_e4m3fn", "bf16": "bf16", "fp32": "fp32"}
 
 
+def _loaded_results(args, progress):
+    """The table over recipes x presets for the user's own A and B (--load)."""
+    from trainprobes.errors import InvalidArgument
+    from trainprobes.numerics.gemm import combination, gemm_bias, held_in
+    from trainprobes.numerics.gemm_operands import load_operands
+    from trainprobes.reference.gemm import get_preset
+    from trainprobes.reference.recipes import get_recipe
+
+    given = [flag for flag, value in (("--k", args.k), ("--mean", args.mean), ("--rows", args.rows),
+                                      ("--target", args.target)) if value is not None] + (
+        ["--operands"] if args.operands != "auto" else [])
+    if given:
+        raise InvalidArgument(f"{', '.join(given)} set(s) operands of their own, and --load judges "
+                              "the operands in your files (K and the rows from their shapes); drop "
+                              f"{'it' if len(given) == 1 else 'them'}")
+    a, b = load_operands(args.load, args.a_key, args.b_key)
+    held = (held_in(a.tensor), held_in(b.tensor))
+    # operands already in fp8 are what the tensor core multiplies (the accumulator alone);
+    # anything wider is what an fp8 training step quantises
+    default = "exact" if all(f.startswith("fp8") for f in held) else TARGET_RECIPE
+    recipes, presets = args.recipes or [default], args.presets or list(TABLE_PRESETS)
+    for p in presets:
+        get_preset(p)
+    out, not_run = [], []
+    K = a.tensor.shape[1]
+    for recipe in recipes:
+        formats = held if get_recipe(recipe).element is None else None
+        for preset in presets:
+            why = combination(get_preset(preset), get_recipe(recipe), args.gemm, formats)
+            if why and not args.what_if:
+                not_run.append({"recipe": recipe, "preset": preset, "k": K, "reason": why})
+                continue
+            kw = {} if args.tolerance is None else {"tolerance": args.tolerance}
+            progress.step(len(out), len(recipes) * len(presets), f"{recipe} {preset}")
+            r = gemm_bias(a.tensor, b.tensor, preset=preset, recipe=recipe, gemm=args.gemm,
+                          samples=args.samples, trials=args.trials, seed=args.seed,
+                          alpha=args.alpha, what_if=args.what_if, **kw)
+            r.evidence["operands"] = (f"A {a.source} ({held[0]} values, {tuple(a.tensor.shape)}), "
+                                      f"B {b.source} ({held[1]} values, {tuple(b.tensor.shape)})")
+            out.append(r)
+    if not out:
+        raise InvalidArgument(f"no recipe x preset named here was measured on these operands: "
+                              f"{not_run[0]['reason']}; name a recipe that quantises them (e.g. "
+                              f"--recipes {TARGET_RECIPE}), or --presets fp32, or add --what-if")
+    for r in out:
+        r.evidence["not_run"] = not_run
+    return out
+
+
 def _model_results(args, progress):
     from trainprobes.errors import InvalidArgument
     from trainprobes.numerics.gemm_model import judge_model
@@ -192,9 +252,10 @@ def _impact(args) -> int:
     from trainprobes.errors import InvalidArgument
     from trainprobes.numerics.gemm_impact import gemm_impact, label
 
-    if args.target:
-        raise InvalidArgument("--impact trains its own least-squares model; drop --target (or "
-                              "--impact to judge your model's GEMMs)")
+    if args.target or args.load:
+        raise InvalidArgument(f"--impact trains its own least-squares model; drop "
+                              f"{'--target' if args.target else '--load'} (or --impact to judge "
+                              "your own GEMMs)")
     if args.k and len(args.k) != 1:
         raise InvalidArgument(f"--impact takes one --k (the weight gradient's tokens), got {args.k!r}")
     recipes, presets = args.recipes or IMPACT_RECIPES, args.presets or list(TABLE_PRESETS)
@@ -235,11 +296,23 @@ def _shown(m: dict) -> str:
     return m["gemm_verdict"]
 
 
+def _needed(m: dict) -> str:
+    """The N_C cell: K means none needed, so a biased row whose search did not run (--target
+    judges without it) says so instead of K."""
+    if m.get("biased") and not m.get("promotion_searched", True):
+        return "not searched"
+    return f"{m['promote_every_needed']:g}"
+
+
 def run(args) -> int:
+    if (args.a_key or args.b_key) and not args.load:
+        from trainprobes.errors import InvalidArgument
+        raise InvalidArgument("--a-key/--b-key name tensors in --load files; add --load FILE")
     if args.impact:
         return _impact(args)
     with progress_for(args, "gemm", unit="GEMMs") as p:
-        results = (_model_results if args.target else _random_results)(args, p)
+        results = (_loaded_results if args.load else _model_results if args.target else
+                   _random_results)(args, p)
     emit_report(args, results)
     if not args.json:
         head = ("target", "K", "relative bias", f"{1 - args.alpha / 2:.1%} CI", "offset",
@@ -252,7 +325,7 @@ def run(args) -> int:
                          f"[{m['offset_ci_low']:+.1e}, {m['offset_ci_high']:+.1e}]",
                          f"{m['max_relative_error']:.2e}",
                          f"{m['sqnr_db']:.1f}", f"{m['growth_exponent']:.2f}", f"{m['stall_k']:g}",
-                         f"{m['promote_every_needed']:g}", _shown(m)))
+                         _needed(m), _shown(m)))
         w = [max(len(t[i]) for t in rows) for i in range(len(head))]
         for k, t in enumerate(rows):
             print("  ".join(c.ljust(x) if i in (0, len(head) - 1) else c.rjust(x)
@@ -264,7 +337,8 @@ def run(args) -> int:
               "whatever the sign, which the bias cancels on zero-mean outputs); each CI at 1 - "
               "alpha/2, and either one can make a GEMM biased; max err: max |out - ref| / rms(ref); growth: exponent of the accumulator's "
               "error in K (~0.5 noise, ~1 bias); N_C needed: fp32 promotion interval that keeps the "
-              "bias within tolerance (K: none needed, nan: none found); bias<tol: a bias whose "
+              "bias within tolerance (K: none needed, nan: none found, not searched: a biased GEMM "
+              "whose search did not run, as --target judges); bias<tol: a bias whose "
               f"whole CI lies within the tolerance ({results[0].metrics['tolerance']:g}), passed"
               if results else "")
         if results:

@@ -65,6 +65,7 @@ from dataclasses import dataclass
 import torch
 from trainprobes.errors import InvalidArgument
 from trainprobes.numerics.bias import error_stats
+from trainprobes.numerics.gemm_defaults import DEFAULT_SAMPLES, DEFAULT_TOLERANCE, DEFAULT_TRIALS
 from trainprobes.power import min_detectable_effect
 from trainprobes.reference.gemm import check_operands, dot_products, get_preset, promotion_runs
 from trainprobes.reference.recipes import get_recipe, hadamard, quantize, rotate
@@ -93,12 +94,6 @@ class Sampled:
     weight: torch.Tensor
 
 
-# The smallest |relative bias| a GEMM verdict calls biased, unless the user states one: every
-# output (and so every weight update through wgrad) off by 0.01%, a learning rate off by a
-# factor 1.0001. It sits below bf16's own rounding floor (u/16 = 2.4e-4, numerics.bias) on
-# purpose: one rounding of a result is a one-off, while an accumulator's bias grows with K
-# (about linearly) and has the same sign at every step.
-DEFAULT_TOLERANCE = 1e-4
 # the two ratios judged (step 3 of the module docstring): (metric prefix, what it measures)
 RATIOS = (("", "signed"), ("offset_", "offset"))
 
@@ -453,8 +448,8 @@ def _promotion(prep, acc, trials, alpha, floor):
     return promo, needed
 
 
-def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", samples=2048,
-              trials=32, seed=0, alpha=0.01, tolerance=DEFAULT_TOLERANCE, promotion=True,
+def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop",
+              samples=DEFAULT_SAMPLES, trials=DEFAULT_TRIALS, seed=0, alpha=0.01, tolerance=DEFAULT_TOLERANCE, promotion=True,
               what_if: bool = False, target: str | None = None) -> Result:
     """Judge C = a @ b.T (a: M x K, b: N x K) under `recipe` and the accumulator `preset`
     against fp64 (module docstring). gemm names the operands' roles (fprop: activation x
@@ -468,8 +463,9 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
     metrics: preset, recipe, gemm, k, samples, trials, relative_bias, ci_low, ci_high, std,
     p_value, relative_offset, offset_ci_low, offset_ci_high, offset_std, offset_p_value,
     alpha, confidence, tolerance, min_detectable_bias, max_relative_error, sqnr_db,
-    growth_exponent, stall_k, promote_every_needed, rows_drawn, columns_drawn, biased,
-    gemm_verdict."""
+    growth_exponent, stall_k, promote_every_needed (K where no search ran: not biased, or
+    promotion=False; read promotion_searched), promotion_searched, rows_drawn, columns_drawn,
+    biased, gemm_verdict."""
     acc = get_preset(preset)
     rec = get_recipe(recipe)
     check_choice(gemm, "gemm", GEMMS)
@@ -539,7 +535,8 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
     verdict = judge(exact, cis, floor)
     biased = verdict == "biased"
     promo, needed = [], float(K)
-    if promotion and biased:
+    searched = bool(promotion and biased)  # a biased GEMM with promotion=False: not searched
+    if searched:
         promo, needed = _promotion(prep, acc, trials, alpha, floor)
     metrics = {"preset": acc.name, "recipe": rec.name, "gemm": gemm, "k": K, "samples": S,
                "trials": st["trials"], "relative_bias": st["bias"], "ci_low": st["ci_low"],
@@ -552,7 +549,7 @@ def gemm_bias(a, b, *, preset="h200-scaled-mm", recipe="exact", gemm="fprop", sa
                "max_relative_error": max_abs_err / rms_ref if rms_ref else math.nan,
                "sqnr_db": 10 * math.log10(sum_sq_ref / sum_sq_err) if sum_sq_err else math.inf,
                "growth_exponent": growth_exponent(growth), "stall_k": sk,
-               "promote_every_needed": needed,
+               "promote_every_needed": needed, "promotion_searched": searched,
                "rows_drawn": prep.design["rows_drawn"], "columns_drawn": prep.design["columns_drawn"],
                "what_if": bool(unmeasured),
                "biased": None if verdict == "inconclusive" else biased, "gemm_verdict": verdict}
@@ -637,7 +634,7 @@ def _message(m: dict, design: dict) -> str:
                        f"rules out |bias| > {m['min_detectable_bias']:.3g} at 80% power); sample "
                        "more outputs, or state the tolerance that matters to you")
     need = m["promote_every_needed"]
-    fix = ("; the promotion interval was not searched" if need == m["k"] else
+    fix = ("; the promotion interval was not searched" if not m["promotion_searched"] else
            f"; promoting to fp32 every {int(need)} keeps it within {m['tolerance']:.3g}"
            if math.isfinite(need) else "; no promotion interval keeps it within the tolerance")
     signed = is_biased(m["ci_low"], m["ci_high"], m["tolerance"])

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 from trainprobes.errors import CannotJudge, InvalidArgument, TargetError
-from trainprobes.numerics.gemm import DEFAULT_TOLERANCE, gemm_bias, linear_gemms
+from trainprobes.numerics.gemm import gemm_bias, linear_gemms
+from trainprobes.numerics.gemm_defaults import DEFAULT_SAMPLES, DEFAULT_TOLERANCE, DEFAULT_TRIALS
 from trainprobes.result import Result
 
 ROOT = "(the model itself)"  # the name of a Linear that is the whole model ('' in named_modules)
@@ -299,9 +300,10 @@ def _step(model, batch, loss_fn, linears, calls, backward, skipped) -> list[Capt
     return got
 
 
-def judge_model(model, batch, *, preset="h200-scaled-mm", recipe="fp8-tensor", samples=512,
-                trials=16, seed=0, alpha=0.01, tolerance=DEFAULT_TOLERANCE, loss_fn=None,
-                what_if: bool = False, target: str = "model", progress=None) -> list[Result]:
+def judge_model(model, batch, *, preset="h200-scaled-mm", recipe="fp8-tensor",
+                samples=DEFAULT_SAMPLES, trials=DEFAULT_TRIALS, seed=0, alpha=0.01,
+                tolerance=DEFAULT_TOLERANCE, loss_fn=None, what_if: bool = False,
+                target: str = "model", progress=None) -> list[Result]:
     """Step 3: one Result per (Linear, GEMM), riskiest first (module docstring).
     The default is what an fp8 training step on Hopper runs: the fp8-tensor recipe (e4m3
     forward, e5m2 gradients, per-tensor scales) under the H200's accumulator; the fp32 step's

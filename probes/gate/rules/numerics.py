@@ -338,6 +338,14 @@ def _gemm(rd: Reader) -> None:
     # 5. the promotion interval: K unless biased, else the first candidate within tolerance
     need = rd.num("promote_every_needed")
     promo = rd.evidence("promotion", list)
+    if "promotion_searched" in rd.m:  # reports before it lack the field
+        searched = rd.m["promotion_searched"]
+        ran = verdict == "biased" and not need == K  # a search gives a candidate below K or nan
+        if searched is not ran or (promo and not searched):
+            rd.fail(f"promotion_searched={searched!r} beside gemm_verdict={verdict!r}, "
+                    f"promote_every_needed={fmt(need)} (k={K}) and {len(promo)} promotion "
+                    "candidate(s): only a biased GEMM is searched, and a search that did not run "
+                    "finds nothing (N_C stays k)")
     if verdict != "biased" or rd.m.get("biased") is not True:
         if need != K or promo:
             rd.fail(f"promote_every_needed={fmt(need)} beside a GEMM that is not biased: the probe "
