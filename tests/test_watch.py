@@ -310,3 +310,59 @@ def test_the_quick_look_gives_the_full_tests_verdict():
             (j,) = quick.look(1)
             full = error_stats(e, alpha=j.alpha, min_effect=0.0)["biased"]
             assert j.biased == full, (shift, e)
+
+
+class _DrawingCollator:
+    """DataCollatorWithFlattening, then labels masked at random from its own generator and
+    from python's, numpy's and torch's global ones (as MLM masking collators draw)."""
+
+    def __init__(self):
+        from transformers import DataCollatorWithFlattening
+        self.flatten = DataCollatorWithFlattening(return_tensors="pt")
+        self.generator = torch.Generator().manual_seed(0)
+
+    def __call__(self, features):
+        import random
+
+        import numpy as np
+        b = self.flatten(features)
+        labels = b["labels"]
+        keep = (torch.rand(labels.shape, generator=self.generator) < 0.8) & (torch.rand(labels.shape) < 0.9)
+        labels = labels.where(keep, torch.full_like(labels, -100))
+        labels.view(-1)[random.randrange(labels.numel())] = -100
+        labels.view(-1)[int(np.random.randint(labels.numel()))] = -100
+        b["labels"] = labels
+        return b
+
+
+def _drawing_run(tmp_path, check: bool):
+    from trainprobes.isolation.hf import tiny_model
+    from trainprobes.watch import SentinelCallback
+    from transformers import Trainer, TrainingArguments
+    model = tiny_model("llama", "sdpa", seed=0)
+    model.config.use_cache = False
+    model.train()
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, 128, (n,), generator=g).tolist()}
+            for n in (5, 7, 4, 6, 5, 8, 3, 6, 7, 4, 5, 6)]
+    args = TrainingArguments(output_dir=str(tmp_path / f"out{check}"), use_cpu=True, max_steps=3,
+                             per_device_train_batch_size=4, logging_steps=1, report_to=[],
+                             save_strategy="no", disable_tqdm=True, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=_DrawingCollator())
+    r = None
+    if check:  # what on_train_begin does first (the rest of it needs DDP)
+        r = SentinelCallback(Sentinel(), trainer).check_packing()
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return r, losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_the_packing_check_leaves_a_drawing_collator_and_the_run_as_they_were(tmp_path):
+    """transformers 5.25: a collator that draws from its own generator and from python's,
+    numpy's and torch's: a run with the packing check is bit for bit the run without it."""
+    r, with_check, w1 = _drawing_run(tmp_path, True)
+    assert r is not None and r.probe == "isolation.documents", r  # the check did run
+    _, without, w0 = _drawing_run(tmp_path, False)
+    assert len(with_check) == 3 and with_check == without
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
