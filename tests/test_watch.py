@@ -8,7 +8,7 @@ from trainprobes.errors import InvalidArgument
 from trainprobes.result import Result
 from trainprobes.watch import Sentinel
 from trainprobes.watch.ddp import _window_copy
-from trainprobes.watch.demo import lightning_task, refusal_task, runs_task, trainer_task
+from trainprobes.watch.demo import lightning_task, plan_task, refusal_task, runs_task, trainer_task
 from trainprobes.watch.hooks import truncate_to_bf16
 from trainprobes.watch.stream import Streams, look_alpha
 
@@ -57,11 +57,20 @@ def test_copies_never_alias_the_runs_buffer(dtype):
     assert c.dtype == torch.float64 and c.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
     c.add_(1)  # the all-reduce works on the copy in place
     assert torch.equal(buf, torch.arange(100, dtype=dtype))
+    t = Sentinel()._take(buf, 10, 20)  # what is reduced: the window and its 'taken' flag
+    assert t.dtype == torch.float64 and t.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
+    assert t[:20].tolist() == list(range(10, 30)) and t[20] == 0
+    t.add_(1)
+    assert torch.equal(buf, torch.arange(100, dtype=dtype))
 
 
 def test_budget_is_a_fixed_bound_and_bad_arguments_are_named():
     with pytest.raises(InvalidArgument, match="window=1048576 .* over budget=1048576"):
         Sentinel(window=1 << 20, budget=1 << 20)
+    # 5 fp64 windows per sample at its peak (benchmarks/bench_watch.py --memory): 10 MiB here
+    with pytest.raises(InvalidArgument, match="need 10485760 bytes .5 fp64 windows"):
+        Sentinel(window=1 << 16, max_per_step=4, budget=8 << 20)
+    Sentinel(window=1 << 16, max_per_step=4, budget=10 << 20)
     with pytest.raises(InvalidArgument, match="sample=0"):
         Sentinel(sample=0)
     with pytest.raises(InvalidArgument, match="interval"):
@@ -310,6 +319,109 @@ def test_the_quick_look_gives_the_full_tests_verdict():
             (j,) = quick.look(1)
             full = error_stats(e, alpha=j.alpha, min_effect=0.0)["biased"]
             assert j.biased == full, (shift, e)
+
+
+@pytest.mark.slow
+def test_a_failure_on_one_rank_skips_that_sample_on_every_rank():
+    """Rank 1's copy of its 2nd and 5th samples raises. Every rank still issues the same fp64
+    reductions (rank 1 sends its 'could not' flag), so both ranks leave exactly those samples
+    out and pair every other one right: an fp32 run stays clean, bit for bit as without the
+    sentinel. (A rank that skipped its reduction paired its next one with the other rank's
+    current one: an fp32 run was called biased.)"""
+    kw = {"sample": 1.0, "interval": 5}
+    runs = [{"hook": "allreduce", "steps": 30, "watch": w, "sentinel_kwargs": kw,
+             "break_takes": {1: [1, 4]}} for w in (False, True)]
+    out = launch(runs_task, 2, args=(runs,), timeout=180)
+    for r, (plain, watched) in enumerate(out):
+        assert _same(plain, watched), f"rank {r}"
+        assert watched["skipped"] == 2, f"rank {r}: {watched['skipped']}"
+    assert out[0][1]["own_errors"] == 0 and out[1][1]["own_errors"] == 2
+    v = _verdicts([out[0][1]])
+    assert all(r.verdict == "pass" for r in v.values()), [r.message for r in v.values()]
+    pooled = v["watch:ddp[allreduce_hook].all_buckets"]
+    assert pooled.metrics["trials"] == 28 and pooled.evidence["skipped_samples"] == 2
+    assert "2 samples skipped" in pooled.message
+    assert abs(pooled.metrics["bias"]) < 1e-6
+
+
+@pytest.mark.slow
+def test_a_sampling_plan_that_differs_between_ranks_is_refused_on_every_rank():
+    out = launch(plan_task, 2, args=([{"seed": 0}, {"seed": 1}],), timeout=120)
+    for msg in out:
+        assert msg.startswith("InvalidArgument: the sentinel's seed differs between ranks"), msg
+        assert "same arguments" in msg
+    assert "seed=1 here, on rank 1" in out[1]
+    assert launch(plan_task, 2, args=([{"seed": 0}, {"seed": 0}],), timeout=120) == ["", ""]
+
+
+@pytest.mark.slow
+def test_error_feedback_is_not_called_a_compounding_bias():
+    """torch's powerSGD_hook (rank 1, error feedback, compressing from step 2) on 2 gloo
+    ranks: each step's error is carried to the next, so the per-step test does not apply:
+    cannot judge, with the reason, and nothing sampled (the run bit for bit as without).
+    Before, its per-step errors (about -50%) were called biased. One bucket: torch 2.13's
+    PowerSGD waits on a nested all_reduce inside a future callback, which deadlocks gloo
+    (CPU) once buckets outnumber gloo's worker threads, with or without the sentinel."""
+    runs = [{"hook": "powerSGD", "steps": 30, "watch": w, "sentinel_kwargs": {"sample": 1.0},
+             "bucket_cap_mb": 25.0} for w in (False, True)]
+    out = launch(runs_task, 2, args=(runs,), timeout=180)
+    for r, (plain, watched) in enumerate(out):
+        assert _same(plain, watched), f"rank {r}"
+    results = [Result.from_json(x) for x in out[0][1]["results"]]
+    assert not [r.message for r in results if r.verdict == "fail"]
+    (res,) = results
+    assert res.verdict == "error" and res.metrics["biased"] is None and res.codes == ["TP-E1"]
+    assert "error feedback" in res.message and "PowerSGDState.use_error_feedback=True" in res.message
+    assert res.evidence["hook_registered_in_ddp"] == "powerSGD_hook"
+
+
+@pytest.mark.slow
+def test_a_ddp_on_a_subgroup_is_watched_on_that_subgroup():
+    """3 gloo ranks, DDP on the subgroup {0, 1}, rank 2 idle: the sentinel's group holds
+    ranks 0 and 1 (rank 2 need not take part), the default hook (no state given) reduces
+    over DDP's group, not the default group, and the run is bit for bit as DDP's built-in
+    reduction on that group."""
+    kw = {"sample": 1.0, "interval": 5}
+    runs = [{"hook": "none", "steps": 12, "watch": w, "sentinel_kwargs": kw, "group_ranks": [0, 1]}
+            for w in (False, True)]
+    out = launch(runs_task, 3, args=(runs,), timeout=180)
+    assert out[2] == [{}, {}]
+    for r in (0, 1):
+        plain, watched = out[r]
+        assert _same(plain, watched), f"rank {r}"
+        assert watched["sentinel_group"] == [0, 1]
+    v = _verdicts([out[0][1]])
+    assert v and all(r.verdict == "pass" for r in v.values()), [r.message for r in v.values()]
+
+
+def test_the_rank_that_writes_is_read_when_writing(tmp_path, monkeypatch):
+    """A callback built before the process group exists (Lightning): the rank is read when a
+    Result is written, so only rank 0 writes the findings file."""
+    monkeypatch.delenv("RANK", raising=False)
+    found = tmp_path / "f.jsonl"
+    s = Sentinel(findings=found)
+    r = Result(probe="numerics.bias", target="watch:ddp", verdict="error", seed=0,
+               metrics={"biased": None, "trials": 0}, codes=["TP-E1"], message="x")
+    monkeypatch.setenv("RANK", "1")
+    s.report(r)
+    assert not found.exists() and s.rank == 1
+    monkeypatch.setenv("RANK", "0")
+    s.report(r)
+    assert len(found.read_text().splitlines()) == 1
+
+
+def test_a_findings_file_that_exists_is_refused_at_the_first_write_when_the_rank_was_unknown(
+        tmp_path, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    found = tmp_path / "f.jsonl"
+    s = Sentinel(findings=found)  # rank unknown yet: not refused here
+    found.write_text("someone else's\n")
+    r = Result(probe="numerics.bias", target="watch:ddp", verdict="error", seed=0,
+               metrics={"biased": None, "trials": 0}, codes=["TP-E1"], message="x")
+    s.report(r)
+    s.report(r)
+    assert found.read_text() == "someone else's\n"
+    assert s.error_count == 1 and "append=True" in s.errors[0]  # refused once, then silent
 
 
 class _DrawingCollator:
