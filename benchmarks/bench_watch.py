@@ -18,6 +18,10 @@ checked buckets per step is sample * min(buckets, max_per_step), whatever the mo
 Every `interval` steps the look runs the bias test on each bucket's kept errors (at most
 `keep` floats each) and on all buckets' together.
 
+--memory: the sentinel's real peak memory per rank: the peak resident set (ru_maxrss) of
+fresh ranks training one Linear(4096, 2048) (its weight one bucket of 2^23 elements) with
+the sentinel checking every bucket at several `window`s, less the same run without it.
+
 --rates: over many seeds, how often the fp32 all-reduce and bf16 round-to-nearest (noise)
 are called biased (the run-wide false-positive rate, <= alpha by construction), and the step
 at which a truncating hook stops the run (stop_on_finding).
@@ -35,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from trainprobes.distributed.launcher import launch  # noqa: E402
 
-CONFIGS = {"without": None, "defaults": {}, "every bucket": {"sample": 1.0, "max_per_step": 8}}
+CONFIGS = {"without": None, "defaults": {}, "every bucket": {"sample": 1.0, "max_per_step": 8,
+                                                                  "budget": 24 << 20}}
 
 
 def _llama(seed: int):
@@ -124,6 +129,68 @@ def rates_rank(rank: int, world: int, seeds: int, steps: int) -> dict:
     return out
 
 
+def memory_rank(rank: int, world: int, window: int, steps: int) -> dict:
+    """Peak RSS of this rank after `steps` steps, with the sentinel at `window` (0: without)."""
+    import resource
+
+    from torch.nn.parallel import DistributedDataParallel
+    from trainprobes.watch import Sentinel, attach_ddp
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(torch.nn.Linear(4096, 2048), bucket_cap_mb=64)
+    sentinel = None
+    if window:
+        sentinel = Sentinel(sample=1.0, max_per_step=4, window=window, budget=1 << 40)
+        attach_ddp(ddp, sentinel)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    x = torch.randn(8, 4096, generator=torch.Generator().manual_seed(rank))
+    for _ in range(steps):
+        opt.zero_grad()
+        ddp(x).square().mean().backward()
+        opt.step()
+        if sentinel is not None:
+            sentinel.step()
+    samples = 0
+    if sentinel is not None:
+        sentinel.close()
+        samples = sentinel.streams.streams["all_buckets"].samples
+    return {"maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "samples": samples}
+
+
+def memory(a) -> None:
+    import os
+    # every allocation over 64 KiB its own mmap, unmapped when freed: without it glibc raises
+    # its threshold as large blocks are freed and keeps them in the heap, and the peak RSS
+    # then says more about fragmentation (measured: +-180 MiB between alike runs) than about
+    # the tensors alive at once
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    windows = [0, 1 << 21, 1 << 22, 1 << 23]
+    peaks = {}
+    for w in windows:  # fresh ranks each: ru_maxrss is a peak over the process's life
+        runs = [max(o["maxrss"] for o in launch(memory_rank, a.world, args=(w, 6), timeout=600))
+                for _ in range(2)]
+        peaks[w] = min(runs)
+        print(f"window {w}: peak RSS of 2 runs {[round(r / 2**20, 1) for r in runs]} MiB", flush=True)
+    base = peaks[0]
+    print(f"peak RSS per rank (the larger of {a.world}), Linear(4096, 2048) under DDP, 6 steps, "
+          f"every bucket checked; without the sentinel {base / 2**20:.1f} MiB")
+    print(f"{'window':>10s} {'fp64 window':>12s} {'extra peak':>11s} {'extra / fp64 window':>20s}")
+    for w in windows[1:]:
+        extra = peaks[w] - base
+        print(f"{w:10d} {8 * w / 2**20:10.1f} M {extra / 2**20:9.1f} M {extra / (8 * w):20.2f}")
+    import tracemalloc
+
+    from trainprobes.watch.stream import Stream
+    tracemalloc.start()
+    s = Stream("b", 1, 4096)
+    for i in range(4096):
+        s.add(100_000 + i, 1e-3 + i * 1e-9)
+    kept = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    print(f"a stream's kept errors at keep=4096: {kept / 1024:.0f} KiB (per bucket, plus all_buckets)")
+
+
 def rates(a) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _rates import rate
@@ -147,7 +214,10 @@ def main():
     p.add_argument("--rates", type=int, default=0, metavar="SEEDS",
                    help="instead: false-positive and detection rates over this many seeds")
     p.add_argument("--rate-steps", type=int, default=60)
+    p.add_argument("--memory", action="store_true", help="instead: the sentinel's peak memory")
     a = p.parse_args()
+    if a.memory:
+        return memory(a)
     if a.rates:
         return rates(a)
     out = launch(bench_rank, a.world, args=(a.steps, a.seq, a.batch), timeout=1200)

@@ -8,7 +8,7 @@ from trainprobes.errors import InvalidArgument
 from trainprobes.result import Result
 from trainprobes.watch import Sentinel
 from trainprobes.watch.ddp import _window_copy
-from trainprobes.watch.demo import lightning_task, refusal_task, runs_task, trainer_task
+from trainprobes.watch.demo import lightning_task, plan_task, refusal_task, runs_task, trainer_task
 from trainprobes.watch.hooks import truncate_to_bf16
 from trainprobes.watch.stream import Streams, look_alpha
 
@@ -57,11 +57,20 @@ def test_copies_never_alias_the_runs_buffer(dtype):
     assert c.dtype == torch.float64 and c.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
     c.add_(1)  # the all-reduce works on the copy in place
     assert torch.equal(buf, torch.arange(100, dtype=dtype))
+    t = Sentinel()._take(buf, 10, 20)  # what is reduced: the window and its 'taken' flag
+    assert t.dtype == torch.float64 and t.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
+    assert t[:20].tolist() == list(range(10, 30)) and t[20] == 0
+    t.add_(1)
+    assert torch.equal(buf, torch.arange(100, dtype=dtype))
 
 
 def test_budget_is_a_fixed_bound_and_bad_arguments_are_named():
     with pytest.raises(InvalidArgument, match="window=1048576 .* over budget=1048576"):
         Sentinel(window=1 << 20, budget=1 << 20)
+    # 5 fp64 windows per sample at its peak (benchmarks/bench_watch.py --memory): 10 MiB here
+    with pytest.raises(InvalidArgument, match="need 10485760 bytes .5 fp64 windows"):
+        Sentinel(window=1 << 16, max_per_step=4, budget=8 << 20)
+    Sentinel(window=1 << 16, max_per_step=4, budget=10 << 20)
     with pytest.raises(InvalidArgument, match="sample=0"):
         Sentinel(sample=0)
     with pytest.raises(InvalidArgument, match="interval"):
@@ -310,3 +319,162 @@ def test_the_quick_look_gives_the_full_tests_verdict():
             (j,) = quick.look(1)
             full = error_stats(e, alpha=j.alpha, min_effect=0.0)["biased"]
             assert j.biased == full, (shift, e)
+
+
+@pytest.mark.slow
+def test_a_failure_on_one_rank_skips_that_sample_on_every_rank():
+    """Rank 1's copy of its 2nd and 5th samples raises. Every rank still issues the same fp64
+    reductions (rank 1 sends its 'could not' flag), so both ranks leave exactly those samples
+    out and pair every other one right: an fp32 run stays clean, bit for bit as without the
+    sentinel. (A rank that skipped its reduction paired its next one with the other rank's
+    current one: an fp32 run was called biased.)"""
+    kw = {"sample": 1.0, "interval": 5}
+    runs = [{"hook": "allreduce", "steps": 30, "watch": w, "sentinel_kwargs": kw,
+             "break_takes": {1: [1, 4]}} for w in (False, True)]
+    out = launch(runs_task, 2, args=(runs,), timeout=180)
+    for r, (plain, watched) in enumerate(out):
+        assert _same(plain, watched), f"rank {r}"
+        assert watched["skipped"] == 2, f"rank {r}: {watched['skipped']}"
+    assert out[0][1]["own_errors"] == 0 and out[1][1]["own_errors"] == 2
+    v = _verdicts([out[0][1]])
+    assert all(r.verdict == "pass" for r in v.values()), [r.message for r in v.values()]
+    pooled = v["watch:ddp[allreduce_hook].all_buckets"]
+    assert pooled.metrics["trials"] == 28 and pooled.evidence["skipped_samples"] == 2
+    assert "2 samples skipped" in pooled.message
+    assert abs(pooled.metrics["bias"]) < 1e-6
+
+
+@pytest.mark.slow
+def test_a_sampling_plan_that_differs_between_ranks_is_refused_on_every_rank():
+    out = launch(plan_task, 2, args=([{"seed": 0}, {"seed": 1}],), timeout=120)
+    for msg in out:
+        assert msg.startswith("InvalidArgument: the sentinel's seed differs between ranks"), msg
+        assert "same arguments" in msg
+    assert "seed=1 here, on rank 1" in out[1]
+    assert launch(plan_task, 2, args=([{"seed": 0}, {"seed": 0}],), timeout=120) == ["", ""]
+
+
+@pytest.mark.slow
+def test_error_feedback_is_not_called_a_compounding_bias():
+    """torch's powerSGD_hook (rank 1, error feedback, compressing from step 2) on 2 gloo
+    ranks: each step's error is carried to the next, so the per-step test does not apply:
+    cannot judge, with the reason, and nothing sampled (the run bit for bit as without).
+    Before, its per-step errors (about -50%) were called biased. One bucket: torch 2.13's
+    PowerSGD waits on a nested all_reduce inside a future callback, which deadlocks gloo
+    (CPU) once buckets outnumber gloo's worker threads, with or without the sentinel."""
+    runs = [{"hook": "powerSGD", "steps": 30, "watch": w, "sentinel_kwargs": {"sample": 1.0},
+             "bucket_cap_mb": 25.0} for w in (False, True)]
+    out = launch(runs_task, 2, args=(runs,), timeout=180)
+    for r, (plain, watched) in enumerate(out):
+        assert _same(plain, watched), f"rank {r}"
+    results = [Result.from_json(x) for x in out[0][1]["results"]]
+    assert not [r.message for r in results if r.verdict == "fail"]
+    (res,) = results
+    assert res.verdict == "error" and res.metrics["biased"] is None and res.codes == ["TP-E1"]
+    assert "error feedback" in res.message and "PowerSGDState.use_error_feedback=True" in res.message
+    assert res.evidence["hook_registered_in_ddp"] == "powerSGD_hook"
+
+
+@pytest.mark.slow
+def test_a_ddp_on_a_subgroup_is_watched_on_that_subgroup():
+    """3 gloo ranks, DDP on the subgroup {0, 1}, rank 2 idle: the sentinel's group holds
+    ranks 0 and 1 (rank 2 need not take part), the default hook (no state given) reduces
+    over DDP's group, not the default group, and the run is bit for bit as DDP's built-in
+    reduction on that group."""
+    kw = {"sample": 1.0, "interval": 5}
+    runs = [{"hook": "none", "steps": 12, "watch": w, "sentinel_kwargs": kw, "group_ranks": [0, 1]}
+            for w in (False, True)]
+    out = launch(runs_task, 3, args=(runs,), timeout=180)
+    assert out[2] == [{}, {}]
+    for r in (0, 1):
+        plain, watched = out[r]
+        assert _same(plain, watched), f"rank {r}"
+        assert watched["sentinel_group"] == [0, 1]
+    v = _verdicts([out[0][1]])
+    assert v and all(r.verdict == "pass" for r in v.values()), [r.message for r in v.values()]
+
+
+def test_the_rank_that_writes_is_read_when_writing(tmp_path, monkeypatch):
+    """A callback built before the process group exists (Lightning): the rank is read when a
+    Result is written, so only rank 0 writes the findings file."""
+    monkeypatch.delenv("RANK", raising=False)
+    found = tmp_path / "f.jsonl"
+    s = Sentinel(findings=found)
+    r = Result(probe="numerics.bias", target="watch:ddp", verdict="error", seed=0,
+               metrics={"biased": None, "trials": 0}, codes=["TP-E1"], message="x")
+    monkeypatch.setenv("RANK", "1")
+    s.report(r)
+    assert not found.exists() and s.rank == 1
+    monkeypatch.setenv("RANK", "0")
+    s.report(r)
+    assert len(found.read_text().splitlines()) == 1
+
+
+def test_a_findings_file_that_exists_is_refused_at_the_first_write_when_the_rank_was_unknown(
+        tmp_path, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    found = tmp_path / "f.jsonl"
+    s = Sentinel(findings=found)  # rank unknown yet: not refused here
+    found.write_text("someone else's\n")
+    r = Result(probe="numerics.bias", target="watch:ddp", verdict="error", seed=0,
+               metrics={"biased": None, "trials": 0}, codes=["TP-E1"], message="x")
+    s.report(r)
+    s.report(r)
+    assert found.read_text() == "someone else's\n"
+    assert s.error_count == 1 and "append=True" in s.errors[0]  # refused once, then silent
+
+
+class _DrawingCollator:
+    """DataCollatorWithFlattening, then labels masked at random from its own generator and
+    from python's, numpy's and torch's global ones (as MLM masking collators draw)."""
+
+    def __init__(self):
+        from transformers import DataCollatorWithFlattening
+        self.flatten = DataCollatorWithFlattening(return_tensors="pt")
+        self.generator = torch.Generator().manual_seed(0)
+
+    def __call__(self, features):
+        import random
+
+        import numpy as np
+        b = self.flatten(features)
+        labels = b["labels"]
+        keep = (torch.rand(labels.shape, generator=self.generator) < 0.8) & (torch.rand(labels.shape) < 0.9)
+        labels = labels.where(keep, torch.full_like(labels, -100))
+        labels.view(-1)[random.randrange(labels.numel())] = -100
+        labels.view(-1)[int(np.random.randint(labels.numel()))] = -100
+        b["labels"] = labels
+        return b
+
+
+def _drawing_run(tmp_path, check: bool):
+    from trainprobes.isolation.hf import tiny_model
+    from trainprobes.watch import SentinelCallback
+    from transformers import Trainer, TrainingArguments
+    model = tiny_model("llama", "sdpa", seed=0)
+    model.config.use_cache = False
+    model.train()
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, 128, (n,), generator=g).tolist()}
+            for n in (5, 7, 4, 6, 5, 8, 3, 6, 7, 4, 5, 6)]
+    args = TrainingArguments(output_dir=str(tmp_path / f"out{check}"), use_cpu=True, max_steps=3,
+                             per_device_train_batch_size=4, logging_steps=1, report_to=[],
+                             save_strategy="no", disable_tqdm=True, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=_DrawingCollator())
+    r = None
+    if check:  # what on_train_begin does first (the rest of it needs DDP)
+        r = SentinelCallback(Sentinel(), trainer).check_packing()
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return r, losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_the_packing_check_leaves_a_drawing_collator_and_the_run_as_they_were(tmp_path):
+    """transformers 5.25: a collator that draws from its own generator and from python's,
+    numpy's and torch's: a run with the packing check is bit for bit the run without it."""
+    r, with_check, w1 = _drawing_run(tmp_path, True)
+    assert r is not None and r.probe == "isolation.documents", r  # the check did run
+    _, without, w0 = _drawing_run(tmp_path, False)
+    assert len(with_check) == 3 and with_check == without
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)

@@ -12,16 +12,28 @@ import time
 
 import torch
 
-HOOKS = ("none", "allreduce", "rounding_bf16", "truncating_bf16", "bf16_compress_hook")
+HOOKS = ("none", "allreduce", "rounding_bf16", "truncating_bf16", "bf16_compress_hook", "powerSGD")
 
 
 def hook_by_name(name: str):
     """The comm hook a name in HOOKS stands for (None: DDP's built-in reduction)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
     from trainprobes.watch.hooks import rounding_bf16_hook, truncating_bf16_hook
     return {"none": None, "allreduce": default_hooks.allreduce_hook,
             "rounding_bf16": rounding_bf16_hook, "truncating_bf16": truncating_bf16_hook,
-            "bf16_compress_hook": default_hooks.bf16_compress_hook}[name]
+            "bf16_compress_hook": default_hooks.bf16_compress_hook,
+            "powerSGD": powerSGD_hook}[name]
+
+
+def state_by_name(name: str, group=None):
+    """The state the hook a name in HOOKS is registered with: PowerSGD's (rank 1, error
+    feedback, compressing from step 2) or the process group (None: as torch reads it)."""
+    if name == "powerSGD":
+        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+        return PowerSGDState(process_group=group, matrix_approximation_rank=1,
+                             start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
+    return group
 
 
 def model(width: int = 256, depth: int = 3, seed: int = 0) -> torch.nn.Module:
@@ -35,20 +47,34 @@ def model(width: int = 256, depth: int = 3, seed: int = 0) -> torch.nn.Module:
 def train_task(rank: int, world: int, hook: str = "none", steps: int = 20, watch: bool = False,
                seed: int = 0, sentinel_kwargs: dict | None = None, width: int = 256,
                depth: int = 3, batch: int = 32, bucket_cap_mb: float = 0.25,
-               break_sentinel: bool = False) -> dict:
-    """break_sentinel: every check of the sentinel raises (its errors must stay its own)."""
+               break_sentinel: bool = False, break_takes: dict | None = None,
+               group_ranks: list | None = None) -> dict:
+    """break_sentinel: every check of the sentinel raises (its errors must stay its own).
+    break_takes: {rank: [i, ...]}: on that rank, the sentinel's i-th copy of a sample raises
+    (a failure on one rank only). group_ranks: DDP (and the hook) run on a subgroup of
+    these ranks (every rank calls this; ranks outside it return at once)."""
+    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     from trainprobes.watch import Sentinel, SentinelFinding, attach_ddp
 
     torch.set_num_threads(1)
+    group = None
+    if group_ranks is not None:
+        group = dist.new_group(group_ranks)
+        if rank not in group_ranks:
+            return {}
     net = model(width, depth, seed)
-    ddp = DistributedDataParallel(net, bucket_cap_mb=bucket_cap_mb)
+    ddp = DistributedDataParallel(net, bucket_cap_mb=bucket_cap_mb, process_group=group)
     sentinel = None
+    # hook "none" (attach_ddp's default hook) is given no state, as a user calls it
+    state = state_by_name(hook, group) if hook != "none" else None
     if watch:
         sentinel = (_Broken if break_sentinel else Sentinel)(**(sentinel_kwargs or {}))
-        attach_ddp(ddp, sentinel, hook=hook_by_name(hook))
+        if break_takes and rank in break_takes:
+            _break_takes(sentinel, break_takes[rank])
+        attach_ddp(ddp, sentinel, hook=hook_by_name(hook), state=state)
     elif hook != "none":
-        ddp.register_comm_hook(None, hook_by_name(hook))
+        ddp.register_comm_hook(state, hook_by_name(hook))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     data = torch.Generator().manual_seed(seed * 1000 + rank)
     torch.manual_seed(seed + 1)  # dropout's stream, alike with and without the sentinel
@@ -73,7 +99,10 @@ def train_task(rank: int, world: int, hook: str = "none", steps: int = 20, watch
     return {"losses": torch.stack(losses), "weights": {k: v.detach().clone() for k, v in
                                                        net.state_dict().items()},
             "rng": torch.random.get_rng_state(), "times": times, "results": results,
-            "stopped_at": stopped_at, "own_errors": sentinel.error_count if sentinel else 0}
+            "stopped_at": stopped_at, "own_errors": sentinel.error_count if sentinel else 0,
+            "skipped": sentinel.summary().get("sentinel/skipped", 0) if sentinel else 0,
+            "sentinel_group": dist.get_process_group_ranks(sentinel._group)
+            if getattr(sentinel, "_group", None) is not None else []}
 
 
 def runs_task(rank: int, world: int, runs: list) -> list:
@@ -99,6 +128,29 @@ def refusal_task(rank: int, world: int, hooks: list) -> list:
 
 def _broken(*args, **kwargs):
     raise RuntimeError("a deliberately broken check")
+
+
+def _break_takes(sentinel, which: list) -> None:
+    """The sentinel's i-th copy of a sample raises, for each i in `which` (on this instance)."""
+    take, count = sentinel._take, [0]
+
+    def flaky(*args):
+        count[0] += 1
+        if count[0] - 1 in which:
+            raise RuntimeError("a deliberately failed copy on one rank")
+        return take(*args)
+    sentinel._take = flaky
+
+
+def plan_task(rank: int, world: int, kwargs_by_rank: list) -> str:
+    """attach_ddp with each rank's own Sentinel arguments: what it raises ("" if nothing)."""
+    from torch.nn.parallel import DistributedDataParallel
+    from trainprobes.watch import Sentinel, attach_ddp
+    try:
+        attach_ddp(DistributedDataParallel(model(16, 1)), Sentinel(**kwargs_by_rank[rank]))
+        return ""
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
 
 
 class _Broken:

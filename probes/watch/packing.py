@@ -7,12 +7,14 @@ one sequence per row under eager and sdpa attention (docs/isolation.md).
     check_batch(model, batch) -> Result (isolation.documents) or None (the batch is not packed)
 
 It changes nothing of the run: the forwards run under torch.no_grad() in eval mode (dropout
-off, so the check is deterministic; the model's mode is restored), inside
-torch.random.fork_rng (the global generators come back as they were), on the unwrapped
-model (no DDP collective is issued).
+off, so the check is deterministic; the model's mode is restored), inside keep_rng() (python's
+`random`, numpy's and torch's CPU and CUDA generators come back as they were), on the
+unwrapped model (no DDP collective is issued).
 """
 from __future__ import annotations
 
+import contextlib
+import random
 from collections.abc import Mapping
 
 import torch
@@ -20,6 +22,29 @@ from trainprobes.errors import InvalidArgument, InvalidType
 from trainprobes.isolation import Packing, documents
 
 SKIP = ("input_ids", "labels")  # perturbed here / the loss is not looked at
+
+
+@contextlib.contextmanager
+def keep_rng():
+    """Every global generator a collator or a model may draw from (python's `random`, numpy's
+    legacy global one, torch's CPU and every CUDA device's) restored on exit, as it was."""
+    py = random.getstate()
+    try:
+        import numpy as np
+        npstate = np.random.get_state()
+    except ImportError:
+        np = None
+    cpu = torch.random.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        if np is not None:
+            np.random.set_state(npstate)
+        torch.random.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 def packing_of(batch: Mapping) -> Packing | None:
@@ -51,10 +76,8 @@ def check_batch(model, batch: Mapping, *, seed: int = 0, target: str | None = No
         out = model(input_ids=tokens, **rest)
         return out.logits if hasattr(out, "logits") else out[0]
 
-    dev = ids.device
-    devices = [dev.index or 0] if dev.type == "cuda" else []
     training = model.training
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
+    with keep_rng(), torch.no_grad():
         model.eval()
         try:
             r = documents(fn, ids, packing, fp64=False, causal=False, seed=seed, target=name)

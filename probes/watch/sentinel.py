@@ -9,14 +9,15 @@
 
 Promises (tests/test_watch.py): it changes no bit of the run (its own torch.Generator, its
 own process group, fp64 copies that are never views of the run's tensors), its copies stay
-within `budget` bytes (at most max_per_step windows of `window` elements, each held twice in
-fp64, alive at once), and an error of its own is logged, counted and reported in the final
-Result, never raised into the training step. With stop_on_finding=True a finding ends the
+within `budget` bytes (at most PEAK_WINDOWS fp64 windows of `window` elements per checked
+bucket of a step, max_per_step of them, alive at once), and an error of its own is logged,
+counted and reported in the final Result, never raised into the training step. With stop_on_finding=True a finding ends the
 run: every Result is written first, then step() raises SentinelFinding (exit code 1).
 """
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -32,6 +33,10 @@ log = logging.getLogger("trainprobes.watch")
 # a finding is the bias probe's Result (metrics as numerics.bias documents them), so the
 # report and the gate read it as any other; where it came from is in target and evidence
 PROBE = "numerics.bias"
+# fp64 windows alive at a sample's peak, in its check: the reduced reference, the copy of
+# the hook's output, and signed_relative_error's sign(ref), low - ref and their product.
+# Measured (benchmarks/bench_watch.py --memory): 5.02 to 5.07 windows of extra peak RSS.
+PEAK_WINDOWS = 5
 POOLED = "all_buckets"
 
 
@@ -61,9 +66,13 @@ class Sentinel:
     window: elements of a bucket re-reduced per sample (a random window when the bucket is
         larger); budget: the bytes the sentinel may hold for its copies at once.
     findings: a JSON lines file; each finding is appended as it happens, the final Results
-        at close(). rank: only this rank writes it (every rank judges the same numbers). A
-        file that exists is refused (another run's findings) unless append=True (a resumed
-        run adding to its own).
+        at close(). Only rank `write_rank` writes it (every rank judges the same numbers);
+        this process's rank is read when it writes (torch.distributed once initialised,
+        else $RANK, else 0), since callbacks are often built before the process group
+        exists; `rank` fixes it instead. A file that exists is refused (another run's
+        findings) unless append=True (a resumed run adding to its own): at construction
+        where the rank is known then, else at the first write (counted as its own error,
+        nothing written).
     """
 
     def __init__(self, *, sample: float = 0.25, interval: int = 10, alpha: float = 0.01,
@@ -78,22 +87,24 @@ class Sentinel:
         self.window = check_int(window, "window", min=16, hint="elements per sample, e.g. 65536")
         self.max_per_step = check_int(max_per_step, "max_per_step", min=1)
         self.budget = check_int(budget, "budget", min=1, hint="bytes, e.g. 8 << 20")
-        need = 2 * 8 * self.window * self.max_per_step
+        need = PEAK_WINDOWS * 8 * self.window * self.max_per_step
         if need > self.budget:
+            per = PEAK_WINDOWS * 8 * self.max_per_step
             raise InvalidArgument(f"window={window} and max_per_step={max_per_step} need {need} bytes "
-                                  f"(two fp64 copies per sample), over budget={budget}: lower window "
-                                  f"to {self.budget // (16 * self.max_per_step)} or raise budget")
+                                  f"({PEAK_WINDOWS} fp64 windows per sample at its peak), over "
+                                  f"budget={budget}: lower window to {self.budget // per} or raise budget")
         self.seed = check_seed(seed)
         self.stop_on_finding = check_bool(stop_on_finding, "stop_on_finding")
         self.timeout = check_number(timeout, "timeout", min=0, min_open=True, hint="seconds")
         self.streams = Streams(alpha=alpha, min_effect=min_effect, keep=keep)
         self.findings = Path(findings) if findings is not None else None
-        self.rank = check_int(rank, "rank", min=0) if rank is not None else _rank()
+        self._rank = check_int(rank, "rank", min=0) if rank is not None else None
         self.write_rank = check_int(write_rank, "write_rank", min=0, hint="the rank that writes findings")
-        if (self.findings is not None and self.rank == write_rank and self.findings.exists()
-                and not check_bool(append, "append")):
-            raise OutputExists(f"findings={str(self.findings)!r} exists (another run's findings?): "
-                               "pass another path, or append=True to add to it")
+        self.append = check_bool(append, "append")
+        self._output_checked = False
+        self._refused = False
+        if rank is not None or _rank_known():
+            self._check_output()
         self.steps = 0
         self.results: list[Result] = []
         self.errors: list[str] = []  # the newest 100 messages of its own errors
@@ -111,9 +122,32 @@ class Sentinel:
         self._chosen: set = set()
         self._hook = None
         self._ddp = None
+        self._group = None  # its own process group (attach_ddp), the hook's group's ranks
         self._hook_calls = 0
         self._closed = False
         self.last_judgements: list[Judgement] = []
+        # why the per-step bias test does not apply to the registered hook (error feedback),
+        # set by attach_ddp; then nothing is sampled and the final Result cannot judge
+        self.not_applicable: str | None = None
+
+    @property
+    def rank(self) -> int:
+        return self._rank if self._rank is not None else _rank()
+
+    def _check_output(self) -> None:
+        self._output_checked = True
+        if (self.findings is not None and self.rank == self.write_rank and self.findings.exists()
+                and not self.append):
+            raise OutputExists(f"findings={str(self.findings)!r} exists (another run's findings?): "
+                               "pass another path, or append=True to add to it")
+
+    def plan(self) -> dict:
+        """What must be alike on every rank for every rank to draw the same samples and
+        issue the same collectives (attach_ddp compares it across ranks)."""
+        return {"seed": self.seed, "sample": self.sample, "window": self.window,
+                "max_per_step": self.max_per_step, "interval": self.interval,
+                "alpha": self.streams.alpha, "min_effect": self.streams.min_effect,
+                "keep": self.streams.keep, "not_applicable": self.not_applicable is not None}
 
     # --- called from the comm hook (on DDP's and gloo's threads) ----------------------
 
@@ -135,18 +169,27 @@ class Sentinel:
         n = min(numel, self.window)
         return int(pos * (numel - n + 1)), n
 
-    def _record(self, key: str, numel: int, step: int, low, ref) -> None:
-        zero = bool(ref.abs().sum() == 0)
-        err = float("nan") if zero else signed_relative_error(low, ref)
+    def _take(self, buffer: torch.Tensor, start: int, n: int) -> torch.Tensor:
+        """A new fp64 tensor of n + 1 elements: buffer[start:start+n], then 0, the flag
+        that this rank took its sample (a rank that fails sends 1 instead, see attach_ddp).
+        Never a view of the buffer: the reduction works on it in place."""
+        out = torch.empty(n + 1, dtype=torch.float64)
+        out[:n].copy_(buffer.detach().reshape(-1)[start:start + n])
+        out[n] = 0.0
+        return out
+
+    def _record(self, key: str, numel: int, step: int, low, ref, skipped: bool = False) -> None:
+        zero = not skipped and bool(ref.abs().sum() == 0)
+        err = float("nan") if zero or skipped else signed_relative_error(low, ref)
         with self._lock:
             s = self.streams.streams.get(key)
             if s is not None and s.numel != numel:  # DDP rebuilt its buckets
                 self.relayouts += 1
                 del self.streams.streams[key]
-            self.streams.stream(key, numel).add(step, err, zero_reference=zero)
+            self.streams.stream(key, numel).add(step, err, zero_reference=zero, skipped=skipped)
             # every bucket's samples together: a reduction biased everywhere (a hook's own
             # arithmetic) is caught on the samples of all buckets, not each bucket's few
-            self.streams.stream(POOLED, 0).add(step, err, zero_reference=zero)
+            self.streams.stream(POOLED, 0).add(step, err, zero_reference=zero, skipped=skipped)
 
     def _own_error(self, where: str, e: BaseException) -> None:
         msg = f"step {self.steps}, {where}: {type(e).__name__}: {e}"
@@ -210,6 +253,7 @@ class Sentinel:
             s.samples for k, s in self.streams.streams.items() if k != POOLED),
             "sentinel/buckets_judged": len(j), "sentinel/biased_buckets": sum(bool(x.biased) for x in j),
             "sentinel/own_errors": self.error_count,
+            "sentinel/skipped": self.streams.streams[POOLED].skipped if POOLED in self.streams.streams else 0,
             # streams found biased (once each, however often judged) and other checks' findings
             "sentinel/findings": sum(s.found_at is not None for s in self.streams.streams.values())
             + self._reported_findings}
@@ -232,12 +276,14 @@ class Sentinel:
                 "looks": self.streams.looks, "own_errors": self.error_count,
                 "own_seconds": self.own_seconds, "look_seconds": self.look_seconds,
                 "own_error_messages": list(self.errors), "relayouts": self.relayouts,
+                "not_applicable": self.not_applicable,
                 "correction": "alpha * 6/(pi^2 k^2) / buckets at look k (union bound over looks "
                               "and buckets)"}
 
     def _result(self, j: Judgement) -> Result:
         s = self.streams.streams[j.key]
         ev = {**self._evidence(), "errors": list(s.errors), "sample_steps": list(s.steps),
+              "skipped_samples": s.skipped,
               "found_at_step": s.found_at, "look": j.look, "alpha_look": j.alpha}
         target = f"watch:ddp[{ev['hook_registered_in_ddp'] or ev['hook_configured']}].{j.key}"
         if j.stats is None:
@@ -247,7 +293,8 @@ class Sentinel:
                                    "zero_reference_trials": s.zero_reference},
                           evidence=ev, codes=["TP-E1"],
                           message=f"cannot judge {j.key}: {j.reason} by step {j.step}"
-                          + (f" ({s.nonfinite} samples were inf/NaN)" if s.nonfinite else ""))
+                          + (f" ({s.nonfinite} samples were inf/NaN)" if s.nonfinite else "")
+                          + (f" ({s.skipped} samples skipped: {_SKIPPED})" if s.skipped else ""))
         m = {**j.stats, "nonfinite_trials": s.nonfinite, "zero_reference_trials": s.zero_reference}
         ev.update({"step": j.step, "bucket_numel": s.numel, "window": min(s.numel, self.window),
                    "run_alpha": self.streams.alpha})
@@ -266,6 +313,8 @@ class Sentinel:
             msg = head + (": noise, no bias of at least " f"{self.streams.min_effect:.3g}")
             if s.nonfinite:
                 msg += f"; {s.nonfinite} samples were inf/NaN and left out"
+        if s.skipped:
+            msg += f"; {s.skipped} samples skipped ({_SKIPPED})"
         return Result(probe=PROBE, target=target, verdict=verdict, metrics=m, evidence=ev,
                       seed=self.seed, codes=codes, message=msg)
 
@@ -285,7 +334,11 @@ class Sentinel:
         except Exception as e:
             self._own_error("judging at close", e)
         ev = self._evidence()
-        if not self.streams.streams:
+        if self.not_applicable is not None:
+            final.append(Result(probe=PROBE, target="watch:ddp", verdict="error", seed=self.seed,
+                                metrics={"biased": None, "trials": 0}, evidence=ev,
+                                codes=["TP-E1"], message=f"cannot judge: {self.not_applicable}"))
+        elif not self.streams.streams:
             acc = Result(probe=PROBE, target="watch:ddp", verdict="error", seed=self.seed,
                          metrics={"biased": None, "trials": 0},
                          evidence=ev, codes=["TP-E1"],
@@ -302,9 +355,17 @@ class Sentinel:
         return self.results
 
     def _write(self, r: Result) -> None:
-        if self.findings is None or self.rank != self.write_rank:
+        if self.findings is None:
             return
         try:
+            if self.rank != self.write_rank or self._refused:
+                return
+            if not self._output_checked:
+                try:
+                    self._check_output()
+                except OutputExists:
+                    self._refused = True  # never add to another run's findings
+                    raise
             with open(self.findings, "a") as f:
                 f.write(r.to_json() + "\n")
         except Exception as e:
@@ -318,7 +379,22 @@ class Sentinel:
         return False
 
 
-def _rank() -> int:
+_SKIPPED = "a rank could not take them, so every rank left them out: no verdict from them"
+
+
+def _rank_known() -> bool:
     import torch.distributed as dist
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return (dist.is_available() and dist.is_initialized()) or "RANK" in os.environ
+
+
+def _rank() -> int:
+    """This process's rank now: the process group's once it exists, else $RANK (torchrun,
+    Lightning's launchers), else 0."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", 0))
+    except ValueError:
+        return 0
 

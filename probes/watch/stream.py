@@ -47,15 +47,19 @@ class Stream:
     samples: int = 0
     nonfinite: int = 0
     zero_reference: int = 0
+    skipped: int = 0  # samples some rank could not take: left out on every rank alike
     found_at: int | None = None  # first step of the look that called it biased
 
     def __post_init__(self):
         self.errors = deque(maxlen=self.keep)
         self.steps = deque(maxlen=self.keep)
 
-    def add(self, step: int, error: float, *, zero_reference: bool = False) -> None:
+    def add(self, step: int, error: float, *, zero_reference: bool = False,
+            skipped: bool = False) -> None:
         self.samples += 1
-        if zero_reference:
+        if skipped:
+            self.skipped += 1
+        elif zero_reference:
             self.zero_reference += 1
         elif not math.isfinite(error):
             self.nonfinite += 1

@@ -3,11 +3,15 @@
     sentinel = Sentinel(findings="sentinel.jsonl")
     trainer.add_callback(SentinelCallback(sentinel, trainer))
 
-on_train_begin, first (packing=True): a batch the run's own collator makes from the first
-    `packing_examples` training examples is checked for packed-document isolation
+on_train_begin, first (packing=True): a batch a deep copy of the run's collator makes from
+    the first `packing_examples` training examples is checked for packed-document isolation
     (trainprobes.watch.packing; not packed: nothing to check, said in the log). A leak is a
     finding (TP-I1) like any other. TrainerCallback is not handed the batches, so this is
-    the run's collator on the run's data, not the sampler's first batch.
+    the run's collator on the run's data, not the sampler's first batch. The copy and
+    packing.keep_rng() keep the run as it was: a collator that draws (MLM masking) draws
+    from its copy's generator, and python's, numpy's and torch's global generators are
+    restored; a collator that cannot be deep-copied is not called (counted as an error of
+    the sentinel's own).
 on_train_begin: the Trainer has wrapped its model by then; `trainer.model_wrapped` (the
     Trainer's documented "most external model") must be a DistributedDataParallel, and the
     sentinel attaches to it with attach_ddp (hook, state: the comm hook to run, default
@@ -45,13 +49,15 @@ class SentinelCallback(TrainerCallback):
     def check_packing(self):
         """The packing check on a batch of the run's collator (see the module docstring);
         the Result (None: not packed) also goes to the sentinel. Its own errors are counted."""
-        import torch
-        from trainprobes.watch.packing import check_batch
+        import copy
+
+        from trainprobes.watch.packing import check_batch, keep_rng
         try:
             data = self.trainer.train_dataset
             n = min(self.packing_examples, len(data))
-            with torch.random.fork_rng(devices=[]):  # a collator that draws (MLM masking)
-                batch = self.trainer.data_collator([data[i] for i in range(n)])
+            with keep_rng():  # a collator that draws (MLM masking) from the global generators
+                collate = copy.deepcopy(self.trainer.data_collator)  # ...or from its own
+                batch = collate([data[i] for i in range(n)])
             device = next(self.trainer.model.parameters()).device
             batch = {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
             r = check_batch(self.trainer.model, batch, seed=self.sentinel.seed)
