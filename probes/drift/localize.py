@@ -45,15 +45,13 @@ import torch
 from scipy import stats as sps
 from trainprobes.drift.engines import Engine, Layout, Stage, candidates, layout_from, match_candidates
 from trainprobes.drift.patching import Call, Hooks, autocast, take_rows, without_cache
+from trainprobes.drift.units import MIN_UNITS, as_units, n_units, spans_per_sequence
 from trainprobes.errors import InvalidArgument
 
 # unit roundoff of the nominal precision: what one rounding of an input does at most
 UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8,
                  torch.float16: 2.0 ** -11}
 LOG_RATIO_CLIP = 50.0  # |log ratio| bound: a zero floor or a zero own error per sequence
-# fewest sequences: at B = 2 (1 degree of freedom) a one-sided t of 85 gives p = 0.0037,
-# above 0.01 / 7 stages, so a bf16 MLP (ratio ~3,000) would be called noise
-MIN_SEQUENCES = 4
 # the batch-composition floor is capped at this many times the rounding floor (judge_stages)
 BATCH_ROUNDINGS = 4.0
 
@@ -273,11 +271,15 @@ class StageTest(NamedTuple):
 def stage_test(own: torch.Tensor, floor2: torch.Tensor, mask: torch.Tensor, *, margin: float, alpha: float,
                n_tests: int) -> StageTest:
     """The verdict of one stage (module doc) from its own error and its floor squared per token
-    ([B, L] each; floor2 may be a 0-d tensor, one floor for every token)."""
+    ([B, L] each; floor2 may be a 0-d tensor, one floor for every token). The units are the
+    sequences, or spans of them when there are few (trainprobes.drift.units)."""
+    k = spans_per_sequence(*mask.shape)
+    floor2 = torch.as_tensor(floor2).expand_as(own)
+    own, floor2, mask = as_units(own, k), as_units(floor2, k), as_units(mask, k)
     m = mask.double()
     nonfinite = not bool(torch.isfinite(own[mask]).all())
     own_u = ((own ** 2 * m).sum(1) / m.sum(1).clamp_min(1)).sqrt()
-    floor_u = ((torch.as_tensor(floor2).expand_as(own) * m).sum(1) / m.sum(1).clamp_min(1)).sqrt()
+    floor_u = ((floor2 * m).sum(1) / m.sum(1).clamp_min(1)).sqrt()
     # a sequence where the stage is exact carries no evidence about the noise level (module doc)
     used = (m.sum(1) > 0) & (own_u != 0)
     r = (own_u.log() - floor_u.log()).nan_to_num(nan=LOG_RATIO_CLIP, posinf=LOG_RATIO_CLIP, neginf=-LOG_RATIO_CLIP)
@@ -322,18 +324,23 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
                     margin: float = 8.0, alpha: float = 0.01, seed: int = 0, ops: bool = True,
                     u: float | None = None, progress=None) -> Localisation:
     """The runs of the module doc and the verdict per stage, then per op of the first stage
-    beyond noise. input_ids [B, L] (B >= MIN_SEQUENCES sequences: the units of the test).
+    beyond noise. input_ids [B, L], B >= 1 sequences (the units of the tests: sequences, or
+    spans of them when B < 4, trainprobes.drift.units), no sequence repeated.
     progress(forwards done, what runs next): called before each run, for a long model."""
     tell = progress or (lambda done, what: None)
     ids = torch.as_tensor(input_ids)
-    if ids.ndim != 2 or ids.shape[0] < MIN_SEQUENCES or ids.shape[1] < 2:
-        raise InvalidArgument(f"input_ids has shape {tuple(ids.shape)}, expected [B, L] with B >= "
-                              f"{MIN_SEQUENCES} sequences (the independent units of the noise test: with "
-                              "fewer, the Bonferroni-corrected t-test cannot reject even a large fault, "
-                              "and a pass would claim what was not tested) and L >= 2")
+    if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 2:
+        raise InvalidArgument(f"input_ids has shape {tuple(ids.shape)}, expected [B, L] with B >= 1 sequences "
+                              "and L >= 2 tokens")
     if ids.is_floating_point() or ids.dtype == torch.bool:
         raise InvalidArgument(f"input_ids has dtype {ids.dtype}, expected integer token ids")
-    vocab = [_vocab(e.module) for e in (trainer, engine)]
+    # the scored positions (L - 1) must give at least two units: an interval from one is none
+    if n_units(ids.shape[0], ids.shape[1] - 1) < MIN_UNITS:
+        raise InvalidArgument(f"input_ids has shape {tuple(ids.shape)}: {ids.shape[1] - 1} scored position(s) of "
+                              f"one sequence cannot be cut into {MIN_UNITS} spans of 2 tokens, and no test or "
+                              "interval can be estimated from one unit: give a sequence of L >= 5 tokens, or more "
+                              "sequences")
+    vocab = [vocab_size(e.module) for e in (trainer, engine)]
     if None not in vocab and vocab[0] != vocab[1]:
         raise InvalidArgument(f"the {trainer.name}'s vocabulary has {vocab[0]} ids and the {engine.name}'s "
                               f"{vocab[1]}: a tokenizer mismatch; both must score the same token ids")
@@ -344,6 +351,7 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
     am = None if attention_mask is None else torch.as_tensor(attention_mask)
     if am is not None and am.shape != ids.shape:
         raise InvalidArgument(f"attention_mask has shape {tuple(am.shape)}, expected {tuple(ids.shape)}")
+    _check_distinct(ids, am)
     mask = torch.ones(ids.shape, dtype=torch.bool) if am is None else am.bool()
     ca, cb = candidates(trainer.module), candidates(engine.module)
     match_candidates(ca, cb, (trainer.name, engine.name))
@@ -428,6 +436,22 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
                         la, Runs(a, b_free, b_pat, tuple(ids.shape), z, z_b), u, n)
 
 
+def _check_distinct(ids: torch.Tensor, am) -> None:
+    """Repeated sequences are not independent units: their tests and intervals would be
+    degenerate (zero width from identical copies)."""
+    rows = ids if am is None else torch.cat([ids, am.to(ids.dtype)], dim=1)
+    uniq, inverse = torch.unique(rows, dim=0, return_inverse=True)
+    if uniq.shape[0] < rows.shape[0]:
+        first = torch.full((uniq.shape[0],), -1, dtype=torch.long)
+        for i, u in enumerate(inverse.tolist()):  # loop over rows, to name the first repeat
+            if first[u] >= 0:
+                raise InvalidArgument(f"input_ids rows {int(first[u])} and {i} are the same sequence: a repeated "
+                                      "sequence is not an independent unit, and its copies would make the intervals "
+                                      "zero-width; give each sequence once (one sequence is enough: it is cut into "
+                                      "spans of tokens)")
+            first[u] = i
+
+
 def unit_roundoff(engine: Engine) -> float:
     """The unit roundoff of the engine's nominal dtype; an unknown one (fp8, an integer
     quantised engine) is refused, not guessed: the floor would be wrong by orders."""
@@ -440,7 +464,7 @@ def unit_roundoff(engine: Engine) -> float:
     return UNIT_ROUNDOFF[dt]
 
 
-def _vocab(module: torch.nn.Module) -> int | None:
+def vocab_size(module: torch.nn.Module) -> int | None:
     """The ids a model embeds: its config's vocab_size, else its input embedding's rows (a
     plain module: its first nn.Embedding)."""
     v = getattr(getattr(module, "config", None), "vocab_size", None)
