@@ -185,3 +185,17 @@ def test_one_sequence_gives_intervals_over_its_spans():
     check_judgeable(r, "candidate")  # the gate reads a one-sequence report as consistent
     with pytest.raises(InvalidArgument, match="same sequence"):
         localize(Engine(a, name="trainer"), Engine(b, name="engine"), ids.repeat(4, 1))
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--margin", "0.5", "--demo"], "margin=0.5 must be a finite number >= 1"),
+    (["--sequences", "0", "--demo"], "sequences=0 must be an int >= 1"),
+    (["--demo", "--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_a_command_line_that_does_not_parse_is_a_json_document_too(argv, words, capsys):
+    """argparse's refusals printed nothing on stdout under --json."""
+    assert main(["drift", "localize", "--json", *argv]) == 2
+    out = capsys.readouterr()
+    doc = json.loads(out.out)
+    assert doc["results"] == [] and doc["refused"]["exit_code"] == 2 and doc["refused"]["error"] == "UsageError"
+    assert words in doc["refused"]["message"] and words in out.err and "usage:" in out.err

@@ -265,6 +265,14 @@ def refusal_document(args, exc: BaseException) -> str:
                                  "message": str(exc) or type(exc).__name__})
 
 
+def usage_document(message: str) -> str:
+    """refusal_document for a command line that did not parse (no options to report)."""
+    from trainprobes.exits import USAGE
+    from trainprobes.result import dumps_report
+    return dumps_report([], command="drift", options={"drift_mode": "localize"},
+                        refused={"exit_code": USAGE, "error": "UsageError", "message": message})
+
+
 def run(args) -> int:
     try:
         results = _results(args)
