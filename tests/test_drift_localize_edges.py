@@ -199,3 +199,25 @@ def test_a_command_line_that_does_not_parse_is_a_json_document_too(argv, words, 
     doc = json.loads(out.out)
     assert doc["results"] == [] and doc["refused"]["exit_code"] == 2 and doc["refused"]["error"] == "UsageError"
     assert words in doc["refused"]["message"] and words in out.err and "usage:" in out.err
+
+
+def test_the_stage_with_the_largest_share_is_the_answer_with_its_op():
+    """A dense Llama: block 0's down_proj in bf16 is the first stage beyond noise but carries
+    ~0% of the drift; block 2's norm epsilon 1e-6 -> 1e-3 carries ~100%. The answer is block 2
+    at its norm (its ops searched as the first stage's are), block 0 beside it."""
+    from trainprobes.drift import faults
+    a = base_model("llama")
+    b = copy.deepcopy(a)
+    faults.in_dtype(b.model.layers[0].mlp.down_proj, torch.bfloat16)
+    faults.norm_epsilon(b.model.layers[2].post_attention_layernorm, 1e-3)
+    r = localize(Engine(a, name="trainer"), Engine(b, name="engine"), sample(Engine(b), 8, 24, 1))
+    m = r.metrics
+    assert (m["kind"], m["first_layer"], m["op"]) == ("numeric", "model.layers.0", "mlp")
+    assert (m["explained_by"], m["explained_by_op"], m["explained_by_module"]) == (
+        "model.layers.2", "norm", "model.layers.2.post_attention_layernorm")
+    assert m["share_numerics[model.layers.2]"] > 0.99 and abs(m["share_numerics[model.layers.0]"]) < 0.01
+    assert r.message.startswith("numeric: explained by model.layers.2 (op norm: "
+                                "model.layers.2.post_attention_layernorm; numerics 100%)")
+    assert "first stage beyond noise model.layers.0 (op mlp" in r.message
+    from trainprobes.gate import check_judgeable
+    check_judgeable(r, "candidate")

@@ -246,7 +246,9 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
         block = next((s.name for s in loc.stages if flipped.startswith(s.name + ".")), flipped)
         loc.first_layer, loc.op, loc.op_module = block, "router", flipped
     carried = carriers(x, mask, lp_a.gather(-1, tok[..., None]).squeeze(-1), tok, tokenizer)
+    before = loc.n_forwards
     explained = explains(kind, loc, shares, rt)
+    n_forwards = round(n_forwards + loc.n_forwards - before, 3)  # the ops of the stage that explains it
     return _result(trainer, engine, loc, kind, shares, sem, rt, stale, unmatched, sync, x, mask, dropped,
                    margin, alpha, seed, n_forwards, target, carried, explained)
 
@@ -257,7 +259,8 @@ def explains(kind: str, loc: Localisation, shares: dict, rt) -> tuple:
     it (every router in bf16: block 0's router logits differ, its decisions do not flip, the
     flips from block 1 on carry the drift). routing: the block of the first router whose
     decisions flip (replaying them removed the share); numeric: the stage beyond noise with
-    the largest numerics share; otherwise the first stage beyond noise."""
+    the largest numerics share (a block: the op inside it, searched as for the first stage);
+    otherwise the first stage beyond noise."""
     first = (loc.first_layer or "", loc.op or "", loc.op_module or "")
     if kind == "routing" and rt is not None:
         flipped = next((r.name for r in rt.routers if r.n_flipped), None)
@@ -269,10 +272,16 @@ def explains(kind: str, loc: Localisation, shares: dict, rt) -> tuple:
         if by:
             best = max(by, key=by.get)
             if best != first[0] and by[best] > by.get(first[0], 0.0):
-                role = next((r.role for r in loc.stages if r.name == best), "")
+                row = next((r for r in loc.stages if r.name == best), None)
+                role = row.role if row is not None else ""
                 if role == HAND_OFF:
                     return best, HAND_OFF, best[len(hand_off_name("")):]
-                return best, role, best  # its ops were not searched: the op search ran on the first
+                if role == "block" and loc.context is not None:  # the op inside it, as for the first
+                    ops, op_role, op_module, more = loc.context.ops_of(row, loc.layout)
+                    loc.ops += ops
+                    loc.n_forwards = round(loc.n_forwards + more, 3)
+                    return best, op_role, op_module
+                return best, role, best
     return first
 
 

@@ -318,6 +318,7 @@ class Localisation:
     runs: Runs
     u: float
     n_forwards: int
+    context: object = None  # the _Context of its runs: ops_of another block later
 
 
 def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
@@ -383,57 +384,87 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
     _check_finite(b_free, engine, order_b, ca)
     n = 2
 
-    def depth_runs(group, block=None):
-        kw = dict(blocks=blocks, routers=routers)
-        cb_ = ca_ = None
-        if block is not None:  # one block alone, called as each engine called it
-            cb_ = (engine.module.get_submodule(block), b_free[block][0])
-            ca_ = (trainer.module.get_submodule(block), a[block][0])
-        p1 = patched(engine, group, a, ids, am, mode="patch", call=cb_, **kw)
-        p2 = patched(engine, group, a, ids, am, mode="patch", compose=True, call=cb_, **kw)
-        j = patched(trainer, group, a, ids, am, mode="jitter", u=u, seed=seed, call=ca_, **kw)
-        return p1, judge_stages(group, a, b_free, p1, p2, j, mask, margin=margin, alpha=alpha, u=u)
-
     tell(2, f"the {engine.name} patched at every stage, and the {trainer.name} jittered")
-    b_pat, reports = depth_runs(stages)
+    ctx = _Context(trainer, engine, a, b_free, ids, am, mask, blocks, routers, u, seed, margin, alpha)
+    b_pat, reports = ctx.depth_runs(stages)
     n += 4  # the composed run is two half-batch forwards
     first = next((r for r in reports if r.verdict == "beyond"), None)
     op_reports, op_role, op_module = [], None, None
     if first is not None and first.role == "block" and ops:
         tell(n, f"the ops of {first.name}")
-        block_ops = [o for o in la.ops[first.block] if o.name not in a]
-        a.update(record_block(trainer, block_ops, a[first.name][0])[0])
-        b_free.update(record_block(engine, block_ops, b_free[first.name][0])[0])
-        n += 2 / la.n_blocks
-        d1 = [o for o in la.ops[first.block] if o.depth == 1 and o.name in a and a[o.name]]
-        _, op_reports = depth_runs(d1, first.name)
-        n += 4 / la.n_blocks  # one block, not the model
-        top = _top(op_reports)
-        if top is not None:
-            op_role, op_module = top.role, top.name
-            d2 = [o for o in la.ops[first.block] if o.depth == 2 and o.name.startswith(top.name + ".")
-                  and a.get(o.name)]
-            # one level further only where it can rename the op: a router or a norm inside it
-            # (an MoE's gate, Qwen3's q_norm); a dense MLP's projections would cost three more
-            # calls of the block and name the same op
-            if any(o.role in ("router", "norm") for o in d2):
-                _, deeper = depth_runs(d2, first.name)
-                n += 4 / la.n_blocks
-                op_reports += deeper
-                hits = [r for r in deeper if r.verdict == "beyond"]
-                # a router or norm names the op only when it alone is beyond noise: an MoE
-                # block wholly in bf16 has its router and its experts beyond, and is the MLP
-                if len(hits) == 1 and hits[0].role in ("router", "norm"):
-                    op_role, op_module = hits[0].role, hits[0].name
-        else:
-            op_role, op_module = "block", first.name  # the residual adds or unhooked code
+        op_reports, op_role, op_module, more = ctx.ops_of(first, la)
+        n += more
     elif first is not None and first.role == HAND_OFF:  # the code between two stages, before this one
         op_role, op_module = HAND_OFF, first.name[len(hand_off_name("")):]
     elif first is not None:
         op_role, op_module = first.role, first.name
     n = round(n, 3)
     return Localisation(reports, op_reports, None if first is None else first.name, op_role, op_module,
-                        la, Runs(a, b_free, b_pat, tuple(ids.shape), z, z_b), u, n)
+                        la, Runs(a, b_free, b_pat, tuple(ids.shape), z, z_b), u, n, ctx)
+
+
+@dataclass
+class _Context:
+    """What the patched runs of one localisation share (localize_layers, then ops_of)."""
+
+    trainer: Engine
+    engine: Engine
+    a: dict
+    b_free: dict
+    ids: torch.Tensor
+    am: torch.Tensor | None
+    mask: torch.Tensor
+    blocks: frozenset
+    routers: list
+    u: float
+    seed: int
+    margin: float
+    alpha: float
+
+    def depth_runs(self, group, block=None):
+        """The three patched runs of `group` and their verdicts; block: call that one block
+        alone, as each engine called it, instead of the whole forward."""
+        kw = dict(blocks=self.blocks, routers=self.routers)
+        cb_ = ca_ = None
+        if block is not None:
+            cb_ = (self.engine.module.get_submodule(block), self.b_free[block][0])
+            ca_ = (self.trainer.module.get_submodule(block), self.a[block][0])
+        ids, am, a = self.ids, self.am, self.a
+        p1 = patched(self.engine, group, a, ids, am, mode="patch", call=cb_, **kw)
+        p2 = patched(self.engine, group, a, ids, am, mode="patch", compose=True, call=cb_, **kw)
+        j = patched(self.trainer, group, a, ids, am, mode="jitter", u=self.u, seed=self.seed, call=ca_, **kw)
+        return p1, judge_stages(group, a, self.b_free, p1, p2, j, self.mask, margin=self.margin, alpha=self.alpha,
+                                u=self.u)
+
+    def ops_of(self, stage: StageReport, la: Layout) -> tuple:
+        """(op reports, op role, op module, forwards spent) inside the block `stage`: depth 1,
+        then depth 2 where a router or a norm is among the op's children (module doc)."""
+        a, b_free = self.a, self.b_free
+        block_ops = [o for o in la.ops[stage.block] if o.name not in a]
+        a.update(record_block(self.trainer, block_ops, a[stage.name][0])[0])
+        b_free.update(record_block(self.engine, block_ops, b_free[stage.name][0])[0])
+        n = 2 / la.n_blocks
+        d1 = [o for o in la.ops[stage.block] if o.depth == 1 and o.name in a and a[o.name]]
+        _, op_reports = self.depth_runs(d1, stage.name)
+        n += 4 / la.n_blocks  # one block, not the model
+        top = _top(op_reports)
+        if top is None:
+            return op_reports, "block", stage.name, n  # the residual adds or unhooked code
+        op_role, op_module = top.role, top.name
+        d2 = [o for o in la.ops[stage.block] if o.depth == 2 and o.name.startswith(top.name + ".") and a.get(o.name)]
+        # one level further only where it can rename the op: a router or a norm inside it
+        # (an MoE's gate, Qwen3's q_norm); a dense MLP's projections would cost three more
+        # calls of the block and name the same op
+        if any(o.role in ("router", "norm") for o in d2):
+            _, deeper = self.depth_runs(d2, stage.name)
+            n += 4 / la.n_blocks
+            op_reports += deeper
+            hits = [r for r in deeper if r.verdict == "beyond"]
+            # a router or norm names the op only when it alone is beyond noise: an MoE
+            # block wholly in bf16 has its router and its experts beyond, and is the MLP
+            if len(hits) == 1 and hits[0].role in ("router", "norm"):
+                op_role, op_module = hits[0].role, hits[0].name
+        return op_reports, op_role, op_module, n
 
 
 def _check_distinct(ids: torch.Tensor, am) -> None:
