@@ -221,3 +221,12 @@ def test_the_stage_with_the_largest_share_is_the_answer_with_its_op():
     assert "first stage beyond noise model.layers.0 (op mlp" in r.message
     from trainprobes.gate import check_judgeable
     check_judgeable(r, "candidate")
+
+
+def test_one_sequence_of_a_noise_pair_is_noise():
+    """Spans of one sequence as units do not turn kernel noise into a finding (36 pairs
+    measured, docs/drift.md: largest stage ratio 0.90)."""
+    a, b = base_model("llama", "eager", 3), base_model("llama", "sdpa", 3)
+    r = localize(Engine(a, name="trainer"), Engine(b, name="engine"), sample(Engine(b), 1, 24, 4), seed=3)
+    assert r.metrics["kind"] == "noise" and r.metrics["n_units"] == 8
+    assert max(s["ratio"] for s in r.evidence["stages"]) < 2
