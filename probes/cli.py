@@ -9,7 +9,9 @@ a machine that cannot run the request, 3 with one line and a log file for anythi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
 import sys
 
 COMMANDS = ("audit", "gate", "stall", "bias", "collectives", "causality", "drift", "isolation", "transforms",
@@ -117,6 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _usage_document(argv: list[str], said: str) -> None:
+    """Under --json, a command whose refusals are documents prints one for a usage error too
+    (drift localize: trainprobes.commands.drift_localize.refusal_document)."""
+    words = [w for w in argv if not w.startswith("-")][:2]
+    if words == ["drift", "localize"]:
+        from trainprobes.commands.drift_localize import usage_document
+        line = next((x for x in reversed(said.splitlines()) if ": error: " in x), said.strip())
+        print(usage_document(line))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code (trainprobes.exits: 0 pass, 1 a finding,
     2 bad usage or cannot judge, 3 an internal error); never raises SystemExit."""
@@ -127,10 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     parser = build_parser()
     parser.argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        args = parser.parse_args(argv)
+    said = io.StringIO()
+    try:  # argparse's messages go to stderr as ever, and are kept for a --json refusal document
+        with contextlib.redirect_stderr(said):
+            args = parser.parse_args(argv)
     except SystemExit as e:  # usage error (2), --help or --version (0)
+        sys.stderr.write(said.getvalue())
+        if e.code == 2 and "--json" in parser.argv:
+            _usage_document(parser.argv, said.getvalue())
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    sys.stderr.write(said.getvalue())
     args._started = started  # the audit reports its wall time from here
 
     def run() -> int:

@@ -187,3 +187,38 @@ def test_masks_must_match_and_hold_a_real_token(tmp_path):
     with pytest.raises(Exception, match="no real token"):  # was 'noise' on zero tokens
         compare_dumps(load_dump(none), load_dump(none))
     assert main(["drift", "localize", "--dumps", str(none), str(none)]) == 2
+
+
+class InParts(torch.nn.Module):
+    """A sampler that runs the batch in parts of `rows` sequences, last part first (as a
+    scheduler might), with the HF model's own modules under the same names."""
+
+    def __init__(self, lm, rows: int):
+        super().__init__()
+        self.model, self.lm_head, self.config, self.rows = lm.model, lm.lm_head, lm.config, rows
+
+    def forward(self, input_ids, attention_mask=None):
+        parts = list(torch.arange(input_ids.shape[0]).split(self.rows))[::-1]
+        out = torch.empty(*input_ids.shape, self.config.vocab_size)
+        for r in parts:  # loop over the engine's parts
+            am = None if attention_mask is None else attention_mask[r]
+            out[r] = self.lm_head(self.model(input_ids=input_ids[r], attention_mask=am).last_hidden_state)
+        return out
+
+
+def test_dump_of_an_engine_that_batches_internally_is_cut_per_row(tmp_path):
+    """Every stage is called once per part; the dump puts each part back at its rows (told
+    from the token ids its first stage was called with), so it matches the whole-batch run."""
+    from trainprobes.drift.dumps import save_dump
+    from trainprobes.drift.localize_demo import base_model, sample
+    lm = base_model("llama", layers=2)
+    ids = sample(Engine(lm), 5, 12, 1)
+    whole, parts = tmp_path / "whole.safetensors", tmp_path / "parts.safetensors"
+    save_dump(whole, Engine(lm, name="whole"), ids)
+    save_dump(parts, Engine(InParts(lm, 2), name="parts"), ids)
+    a, b = load_dump(whole), load_dump(parts)
+    assert a.stages == b.stages == ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
+    for name in a.stages:
+        torch.testing.assert_close(b.streams[name], a.streams[name], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b.logprobs, a.logprobs, rtol=1e-5, atol=1e-5)
+    assert not any(r.divergent for r in compare_dumps(a, b))

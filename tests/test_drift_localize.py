@@ -110,10 +110,29 @@ def test_layer_count_and_names_must_match():
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_too_few_sequences_cannot_be_judged(rows):
+def test_fewer_than_four_sequences_are_cut_into_spans(rows):
+    """With 1-3 sequences the units are spans of tokens (trainprobes.drift.units): a bf16 MLP
+    is still found beyond noise, the identical stages stay exact."""
+    def bf16_mlp(m):
+        faults.in_dtype(m.model.layers[1].mlp, torch.bfloat16)
+    t, e = _pair("llama", bf16_mlp)
+    loc = localize_layers(t, e, IDS[:rows])
+    assert (loc.first_layer, loc.op) == ("model.layers.1", "mlp")
+    assert {r.name: r.verdict for r in loc.stages}["model.layers.0"] == "exact"
+
+
+def test_a_single_sequence_too_short_for_two_spans_is_refused():
     t, e = _pair("llama")
-    with pytest.raises(InvalidArgument, match="B >= 4"):
-        localize_layers(t, e, IDS[:rows])
+    with pytest.raises(InvalidArgument, match="L >= 5"):
+        localize_layers(t, e, IDS[:1, :4])
+
+
+def test_a_repeated_sequence_is_refused():
+    """Copies of one rollout were the way to reach 4 sequences; they made identical units and
+    zero-width intervals."""
+    t, e = _pair("llama")
+    with pytest.raises(InvalidArgument, match="rows 0 and 1 are the same sequence"):
+        localize_layers(t, e, IDS[:1].repeat(4, 1))
 
 
 def test_nonfinite_activation_named_by_layer():

@@ -163,3 +163,25 @@ def test_late_router_is_the_answer_not_the_first_stage_beyond_noise():
     bad.metrics["explained_by"], bad.metrics["explained_by_module"] = "model.layers.0", "model.layers.0.mlp.gate"
     with pytest.raises(CannotJudge, match="do not flip"):
         check_judgeable(bad, "candidate")
+
+
+@pytest.mark.skipif(not TF5, reason="transformers 5's Mixtral router (measured on 5.25.0)")
+def test_a_small_numeric_fault_first_and_a_router_later_names_the_router():
+    """Block 0's experts in bf16 (beyond noise, no decision flips there, numerics share 0.6%)
+    and block 1's router in bf16 (its flips carry 99% of the drift): the answer is block 1's
+    router; block 0 is named beside it as the first stage beyond noise."""
+    from trainprobes.drift.decompose import localize
+
+    def early_numeric_late_router(a, b):
+        faults.in_dtype(b.model.layers[0].mlp.experts, torch.bfloat16)
+        faults.in_dtype(b.model.layers[1].mlp.gate, torch.bfloat16)
+    t, e, ids = _pair(early_numeric_late_router)
+    r = localize(t, e, ids)
+    m = r.metrics
+    assert (m["kind"], m["first_layer"], m["op"]) == ("routing", "model.layers.0", "mlp")
+    assert (m["explained_by"], m["explained_by_op"], m["explained_by_module"]) == (
+        "model.layers.1", "router", "model.layers.1.mlp.gate")
+    assert m["routing_mismatch[model.layers.0.mlp.gate]"] == 0 < m["routing_mismatch[model.layers.1.mlp.gate]"]
+    assert m["share_routing"] > 0.9 and abs(m["share_numerics[model.layers.0]"]) < 0.05
+    assert r.message.startswith("routing: explained by model.layers.1 (op router: model.layers.1.mlp.gate")
+    assert "first stage beyond noise model.layers.0" in r.message

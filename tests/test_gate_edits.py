@@ -260,7 +260,7 @@ UNDETECTABLE = {
     **{("drift.localize", f): SETTING for f in ("alpha", "margin", "nominal_roundoff")},
     ("drift.localize", "n_forwards"): WORK,
     **{("drift.localize", f): WORK + " (the tokens and sequences compared)" for f in (
-        "n_tokens", "n_sequences", "n_dropped_tokens")},
+        "n_tokens", "n_dropped_tokens")},
     **{("drift.localize", f): DESCRIPTIVE for f in ("max_abs_log_ratio", "offset",
                                                      "frac_positions_renormalised")},
     ("temperature twice", "mean_abs_log_ratio"): DESCRIPTIVE + " (0.5 still lies between "

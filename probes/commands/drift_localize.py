@@ -26,6 +26,10 @@ def add_arguments(p) -> None:
                      help="the trainer: a callable returning an nn.Module (HF causal LM) or a "
                           "trainprobes.drift.engines.Engine")
     src.add_argument("--engine", metavar="pkg.mod:factory", help="the inference engine, likewise")
+    src.add_argument("--pair", metavar="pkg.mod:factory",
+                     help="instead of --target/--engine: a callable returning (trainer, engine), each an "
+                          "nn.Module or an Engine, built together (a pair sharing weights, a tokenizer or "
+                          "a process group is built once, with no module-level cache)")
     src.add_argument("--dumps", nargs=2, metavar=("TRAINER", "ENGINE"),
                      help="two per-stage dumps (.safetensors, docs/drift.md 'Dump format'): the first "
                           "divergent stage from free-running streams")
@@ -37,7 +41,7 @@ def add_arguments(p) -> None:
                           "attention_mask); default: random ids from --seed")
     opt.add_argument("--tokenizer", metavar="DIR",
                      help="a local HF tokenizer (save_pretrained dir) to name the heaviest tokens")
-    add_int_options(opt, ("--sequences", 8, 4, "random token sequences without --tokens"),
+    add_int_options(opt, ("--sequences", 8, 1, "random token sequences without --tokens (fewer than 4: each cut into spans of tokens)"),
                     ("--length", 24, 2, "random sequence length without --tokens"),
                     ("--seed", 0, 0, "seed (tokens, jitter)"))
     opt.add_argument("--margin", type=parse_number("margin", min=1.0), default=8.0,
@@ -56,19 +60,41 @@ def add_arguments(p) -> None:
 
 
 def _build(spec: str, role: str):
-    from trainprobes.drift.engines import Engine
     from trainprobes.targets import call_target, load_target
 
     label = "engine" if role == "engine" else "target"
     obj = call_target(load_target(spec, from_cwd=True, label=label), spec, what="the factory",
                       label=label)
+    return _as_engine(obj, spec, role)
+
+
+def _build_pair(spec: str) -> tuple:
+    """(trainer, engine) from one factory that builds both (--pair)."""
+    from trainprobes.targets import call_target, load_target
+
+    obj = call_target(load_target(spec, from_cwd=True, label="pair"), spec, what="the factory", label="pair")
+    if not isinstance(obj, (tuple, list)) or len(obj) != 2:
+        raise TargetError(f"--pair {spec!r} returned {_what(obj)}; expected a (trainer, engine) pair, "
+                          "each an nn.Module or a trainprobes Engine")
+    return _as_engine(obj[0], spec, "trainer", "pair[0]"), _as_engine(obj[1], spec, "engine", "pair[1]")
+
+
+def _what(obj) -> str:
+    if isinstance(obj, (tuple, list)):
+        return f"a {type(obj).__name__} of {len(obj)}"
+    return f"a {type(obj).__name__}"
+
+
+def _as_engine(obj, spec: str, role: str, where: str | None = None):
+    from trainprobes.drift.engines import Engine
     if isinstance(obj, Engine):
         obj.name = obj.name if obj.name != "engine" else role
         return obj
     import torch
     if not isinstance(obj, torch.nn.Module):
-        raise TargetError(f"--{role if role == 'engine' else 'target'} {spec!r} returned a "
-                          f"{type(obj).__name__}; expected an nn.Module or a trainprobes Engine")
+        option = f"--pair {spec!r}: {where} is" if where else \
+            f"--{role if role == 'engine' else 'target'} {spec!r} returned"
+        raise TargetError(f"{option} a {type(obj).__name__}; expected an nn.Module or a trainprobes Engine")
     return Engine(obj.eval(), name=role)
 
 
@@ -79,10 +105,11 @@ def _tokens(args, engine):
     import torch
     if args.tokens:
         return _read_tokens(args.tokens)
-    vocab = getattr(getattr(engine.module, "config", None), "vocab_size", None)
+    from trainprobes.drift.localize import vocab_size
+    vocab = vocab_size(engine.module)
     if vocab is None:
-        raise InvalidArgument("the engine has no config.vocab_size to draw random tokens from: pass "
-                              "--tokens FILE")
+        raise InvalidArgument("the engine has neither config.vocab_size nor an nn.Embedding to draw random "
+                              "tokens from: pass --tokens FILE")
     g = torch.Generator().manual_seed(args.seed)
     return torch.randint(0, vocab, (args.sequences, args.length), generator=g), None
 
@@ -119,24 +146,30 @@ def _read_tokens(path):
 
 
 def _results(args) -> list:
-    given = [k for k in ("demo", "target", "engine", "dumps") if getattr(args, k)]
+    given = [k for k in ("demo", "target", "engine", "pair", "dumps") if getattr(args, k)]
     if args.demo:
         if len(given) > 1:
-            raise InvalidArgument("--demo runs its own engine pairs: it takes no --target/--engine/--dumps")
+            raise InvalidArgument("--demo runs its own engine pairs: it takes no --target/--engine/--pair/--dumps")
         from trainprobes.drift.localize_demo import run_demo
 
         with progress_for(args, "drift localize --demo", unit="cases") as p:
             return run_demo(progress=p.step, margin=args.margin, alpha=args.alpha, seed=args.seed)
     if args.dumps:
-        if args.target or args.engine:
-            raise InvalidArgument("give --dumps TRAINER ENGINE alone, or --target and --engine")
+        if args.target or args.engine or args.pair:
+            raise InvalidArgument("give --dumps TRAINER ENGINE alone, or --target and --engine, or --pair")
         return [_dump_result(args)]
-    if not (args.target and args.engine):
-        raise InvalidArgument("give --target pkg.mod:factory and --engine pkg.mod:factory, or --dumps "
-                              "TRAINER ENGINE, or --demo" + (f" (only --{given[0]} was given)" if given else ""))
+    if args.pair and (args.target or args.engine):
+        raise InvalidArgument("--pair builds both engines: give it alone, or --target and --engine")
+    if not args.pair and not (args.target and args.engine):
+        raise InvalidArgument("give --target pkg.mod:factory and --engine pkg.mod:factory, or --pair "
+                              "pkg.mod:factory, or --dumps TRAINER ENGINE, or --demo"
+                              + (f" (only --{given[0]} was given)" if given else ""))
     from trainprobes.drift.decompose import localize
 
-    trainer, engine = _build(args.target, "trainer"), _build(args.engine, "engine")
+    if args.pair:
+        trainer, engine = _build_pair(args.pair)
+    else:
+        trainer, engine = _build(args.target, "trainer"), _build(args.engine, "engine")
     ids, am = _tokens(args, engine)
     tokenizer = None
     if args.tokenizer:
@@ -148,7 +181,7 @@ def _results(args) -> list:
         def step(done, what):
             p.step(min(round(done), ESTIMATED_FORWARDS - 1), ESTIMATED_FORWARDS, what)
         return [localize(trainer, engine, ids, am, margin=args.margin, alpha=args.alpha, seed=args.seed,
-                         target=f"{args.target} vs {args.engine}", tokenizer=tokenizer, u=args.unit_roundoff,
+                         target=args.pair or f"{args.target} vs {args.engine}", tokenizer=tokenizer, u=args.unit_roundoff,
                          progress=step)]
 
 
@@ -230,6 +263,14 @@ def refusal_document(args, exc: BaseException) -> str:
     return dumps_report([], command=args.command, options=options_of(args),
                         refused={"exit_code": classify(exc), "error": type(exc).__name__,
                                  "message": str(exc) or type(exc).__name__})
+
+
+def usage_document(message: str) -> str:
+    """refusal_document for a command line that did not parse (no options to report)."""
+    from trainprobes.exits import USAGE
+    from trainprobes.result import dumps_report
+    return dumps_report([], command="drift", options={"drift_mode": "localize"},
+                        refused={"exit_code": USAGE, "error": "UsageError", "message": message})
 
 
 def run(args) -> int:

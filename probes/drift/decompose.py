@@ -14,7 +14,8 @@ each the difference between two runs, so the parts add up to x exactly:
                    log-probs, for each stage beyond noise (trainprobes.drift.localize)
   unexplained      x minus all of the above (numerics below noise, interactions)
 share_j = sum x_j x / sum x^2 (they sum to 1 with unexplained), a ratio estimator whose
-interval is cluster-robust over sequences (trainprobes.drift.stats.cluster_t).
+interval is cluster-robust over the units: the sequences, or spans of them when there are
+fewer than 4 (trainprobes.drift.units; trainprobes.drift.stats.cluster_t).
 kind: "exact" when the engines agree bit for bit; else the part found (weights named,
 temperature or renormalisation detected, routing decisions differing with a routing share
 whose interval excludes 0, a stage beyond noise) with the largest share; "noise" when none
@@ -32,6 +33,7 @@ from trainprobes.drift.routing import routing
 from trainprobes.drift.semantics import semantics
 from trainprobes.drift.stage_plot import stage_plot
 from trainprobes.drift.stats import cluster_t
+from trainprobes.drift.units import describe, n_units, unit_sums
 from trainprobes.drift.weights import synced_copy, weight_sync
 from trainprobes.errors import InvalidArgument
 from trainprobes.result import Result
@@ -105,10 +107,10 @@ def _post(trainer: Engine, eng: Engine, loc_engine: Engine, loc: Localisation, z
 
 def _shares(x: torch.Tensor, parts: dict, mask: torch.Tensor, alpha: float) -> dict:
     m = mask.double()
-    q = (x * x * m).sum(1)
+    q = unit_sums(x * x * m, mask.shape)
     out = {}
     for name, p in parts.items():
-        s = (p * x * m).sum(1)
+        s = unit_sums(p * x * m, mask.shape)
         if float(q.sum()) == 0:
             out[name] = (0.0, 0.0, 0.0)
             continue
@@ -124,7 +126,9 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
     """Localise the engine's drift from the trainer on the same tokens: per stage own and
     free errors against the noise floor, the op inside the first stage beyond noise, the
     weight sync, the log-prob semantics, the routing, and the decomposition (module doc).
-    input_ids [B, L] (B >= 4 sequences); positions 0..L-2 score tokens 1..L-1. tokenizer:
+    input_ids [B, L] (B >= 1 distinct sequences: with fewer than 4, each is cut into spans of
+    tokens, the units of the tests and intervals: trainprobes.drift.units); positions 0..L-2
+    score tokens 1..L-1. tokenizer:
     optional, to name the heaviest tokens (trainprobes.drift.carriers). u: the unit roundoff
     of the nominal precision (default: from the coarser engine's dtype). progress(forwards
     done, what runs next): said before each run (a long model's command line shows it)."""
@@ -143,6 +147,8 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
         raise InvalidArgument(f"the {trainer.name}'s logits have shape {tuple(z_a.shape)} and the "
                               f"{engine.name}'s {tuple(z_b.shape)}: a vocabulary of {z_a.shape[-1]} against "
                               f"{z_b.shape[-1]} (a tokenizer mismatch?); both must score the same ids")
+    _check_truncated(z_a, None, mask, trainer.name)
+    _check_truncated(z_b, z_a, mask, engine.name)
     lp_a = fa(z_a).double()
     lp_b = engine.logprobs(z_b)
     _check_logprobs(lp_b, tok, mask, engine.name)
@@ -240,7 +246,9 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
         block = next((s.name for s in loc.stages if flipped.startswith(s.name + ".")), flipped)
         loc.first_layer, loc.op, loc.op_module = block, "router", flipped
     carried = carriers(x, mask, lp_a.gather(-1, tok[..., None]).squeeze(-1), tok, tokenizer)
+    before = loc.n_forwards
     explained = explains(kind, loc, shares, rt)
+    n_forwards = round(n_forwards + loc.n_forwards - before, 3)  # the ops of the stage that explains it
     return _result(trainer, engine, loc, kind, shares, sem, rt, stale, unmatched, sync, x, mask, dropped,
                    margin, alpha, seed, n_forwards, target, carried, explained)
 
@@ -251,7 +259,8 @@ def explains(kind: str, loc: Localisation, shares: dict, rt) -> tuple:
     it (every router in bf16: block 0's router logits differ, its decisions do not flip, the
     flips from block 1 on carry the drift). routing: the block of the first router whose
     decisions flip (replaying them removed the share); numeric: the stage beyond noise with
-    the largest numerics share; otherwise the first stage beyond noise."""
+    the largest numerics share (a block: the op inside it, searched as for the first stage);
+    otherwise the first stage beyond noise."""
     first = (loc.first_layer or "", loc.op or "", loc.op_module or "")
     if kind == "routing" and rt is not None:
         flipped = next((r.name for r in rt.routers if r.n_flipped), None)
@@ -263,10 +272,16 @@ def explains(kind: str, loc: Localisation, shares: dict, rt) -> tuple:
         if by:
             best = max(by, key=by.get)
             if best != first[0] and by[best] > by.get(first[0], 0.0):
-                role = next((r.role for r in loc.stages if r.name == best), "")
+                row = next((r for r in loc.stages if r.name == best), None)
+                role = row.role if row is not None else ""
                 if role == HAND_OFF:
                     return best, HAND_OFF, best[len(hand_off_name("")):]
-                return best, role, best  # its ops were not searched: the op search ran on the first
+                if role == "block" and loc.context is not None:  # the op inside it, as for the first
+                    ops, op_role, op_module, more = loc.context.ops_of(row, loc.layout)
+                    loc.ops += ops
+                    loc.n_forwards = round(loc.n_forwards + more, 3)
+                    return best, op_role, op_module
+                return best, role, best
     return first
 
 
@@ -284,6 +299,34 @@ def _check_logprobs(lp: torch.Tensor, tok, mask, who: str) -> None:
         raise InvalidArgument(f"the {who}'s log-probs hold NaN or +inf at {pos} of {int(mask.sum())} real "
                               "positions: a log-prob is finite or -inf (a token it cannot emit); fix the "
                               "engine's log-prob function (an overflow?) before localising")
+
+
+def _check_truncated(z: torch.Tensor, ref: torch.Tensor | None, mask, who: str) -> None:
+    """Logits with -inf entries on real positions come from a forward that truncates the
+    distribution itself (a top-p or top-k applied inside it): the comparison stage by stage
+    and the log-prob semantics need the full distribution from the forward, and the
+    truncation belongs to the log-prob function, where it is measured (renormalisation).
+    ref: the other side's logits, to say whether the kept entries are its top ones (a nucleus)."""
+    cut = torch.isneginf(z) & mask[..., None]
+    if not bool(cut.any()):
+        return
+    pos = cut.any(-1)
+    n_pos, n_real = int(pos.sum()), int(mask.sum())
+    kept = (~cut[pos]).sum(-1).double()
+    where = ""
+    if ref is not None and bool(torch.isfinite(ref[pos]).all()):
+        r = ref[pos].double()
+        low_kept = torch.where(cut[pos], torch.inf, r).min(-1).values
+        high_cut = torch.where(cut[pos], r, -torch.inf).max(-1).values
+        top = int((low_kept >= high_cut).sum())
+        where = (f"; at {top} of them the kept entries are the top ones by the other side's logits "
+                 "(a nucleus)")
+    raise InvalidArgument(
+        f"the {who}'s logits hold -inf at {n_pos} of {n_real} real positions ({kept.mean().item():.1f} of "
+        f"{z.shape[-1]} entries kept on average){where}: a top-p or top-k truncation applied inside its "
+        "forward. Localisation compares the full distributions stage by stage: return the raw logits from "
+        "the forward and give the truncation as the engine's log-prob function (Engine(module, logprobs=f), "
+        "e.g. trainprobes.drift.faults.top_p_logprobs), where it is measured as renormalisation")
 
 
 def _check_judged(n_real: int, n_dropped: int, who: str) -> None:
@@ -312,7 +355,7 @@ def _result(trainer, engine, loc, kind, shares, sem, rt, stale, unmatched, sync,
         "engines_agree": kind in ("exact", "noise"), "kind": kind,
         "first_layer": loc.first_layer or "", "op": loc.op or "", "op_module": loc.op_module or "",
         "explained_by": explained[0], "explained_by_op": explained[1], "explained_by_module": explained[2],
-        "n_tokens": int(mask.sum()), "n_sequences": int(mask.shape[0]),
+        "n_tokens": int(mask.sum()), "n_sequences": int(mask.shape[0]), "n_units": n_units(*mask.shape),
         "mean_log_ratio": xs.mean().item() if xs.numel() else 0.0,
         "mean_abs_log_ratio": xs.abs().mean().item() if xs.numel() else 0.0,
         "max_abs_log_ratio": xs.abs().max().item() if xs.numel() else 0.0,
@@ -386,6 +429,8 @@ def _result(trainer, engine, loc, kind, shares, sem, rt, stale, unmatched, sync,
                   f"{rt.frac_tokens_any_layer:.0%} of tokens in >= 1 layer; " if rt and rt.frac_decisions else "")
                + f"shares: {parts}")
     msg += apart
+    if n_units(*mask.shape) != mask.shape[0]:
+        msg += f"; units: {describe(*mask.shape)}"
     evidence = {
         "stages": [r.as_dict() for r in loc.stages], "ops": [r.as_dict() for r in loc.ops],
         "weights": [s.__dict__ for s in sync if s.status != "exact"],
@@ -393,6 +438,7 @@ def _result(trainer, engine, loc, kind, shares, sem, rt, stale, unmatched, sync,
         "shares": {k: {"share": v[0], "ci_low": v[1], "ci_high": v[2]} for k, v in shares.items()},
         **carried,
         "residual_convention": {"trainer": trainer.convention, "engine": engine.convention},
+        "units": describe(*mask.shape),
     }
     evidence["plots"] = [stage_plot(evidence["stages"], margin, f"{kind}: {target or trainer.name + ' vs ' + engine.name}")]
     codes = [] if kind in ("exact", "noise") else ["TP-D4"]

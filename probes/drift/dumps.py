@@ -65,12 +65,15 @@ def dump_tensors(engine: Engine, input_ids, attention_mask=None) -> tuple:
     B, L = ids.shape
     am = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
     tensors = {"input_ids": ids.to(torch.int64).contiguous(), "attention_mask": am.to(torch.int64).contiguous()}
+    rows = call_rows(rec[lay.stages[0].name], ids, engine.name)
     for s in lay.stages:
-        tensors[f"stage:{s.name}"] = rec[s.name][0].out.reshape(B, L, -1).float().contiguous()
+        tensors[f"stage:{s.name}"] = _by_row([c.out for c in rec[s.name]], rows, s.name, B, L).float().contiguous()
     for r in routers:
         calls = rec.get(r.name) or []
-        if calls and calls[0].indices is not None and calls[0].indices.shape[0] == B * L:
-            tensors[f"router:{r.name}"] = calls[0].indices.reshape(B, L, -1).to(torch.int64).contiguous()
+        if calls and all(c.indices is not None for c in calls) and \
+                sum(c.indices.shape[0] for c in calls) == B * L:
+            tensors[f"router:{r.name}"] = _by_row([c.indices for c in calls], rows, r.name, B, L).to(
+                torch.int64).contiguous()
     with torch.no_grad():
         lp = engine.logprobs(logits).double()
     tensors["logprobs"] = lp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1).float().contiguous()
@@ -86,6 +89,53 @@ def save_dump(path, engine: Engine, input_ids, attention_mask=None, *, replace: 
 
     tensors, meta = dump_tensors(engine, input_ids, attention_mask)
     return write_atomic(path, _st().save(tensors, metadata=meta), replace=replace)
+
+
+def call_rows(calls: list, ids: torch.Tensor, who: str) -> list:
+    """The rows of input_ids each call of the first stage held: an engine that batches
+    internally (a sampler running the batch in parts, in any order) calls every stage once per
+    part. Told from the token ids the first stage was called with; an engine whose first stage
+    takes none, in more than one call, is refused: its parts cannot be put back in order."""
+    B, L = ids.shape
+    if len(calls) == 1:
+        return [torch.arange(B)]
+    used = torch.zeros(B, dtype=torch.bool)
+    rows = []
+    for c in calls:  # loop over the engine's parts of the batch
+        t = next((v for v in c.inputs.values() if not v.is_floating_point() and v.ndim == 2 and v.shape[1] == L),
+                 None)
+        if t is None:
+            raise InvalidArgument(f"the {who} ran the batch in {len(calls)} calls and its first stage takes no "
+                                  "token ids [rows, L] to tell which rows each call held: dump a batch it runs "
+                                  "in one call")
+        same = (t[:, None, :] == ids[None, :, :]).all(-1)   # [rows of the call, B]
+        part = []
+        for match in same:  # loop over the call's rows: a repeated sequence takes its next copy
+            free = (match & ~used).nonzero()
+            if not len(free):
+                raise InvalidArgument(f"the {who} ran the batch in {len(calls)} calls, and one holds a sequence "
+                                      "that is not in input_ids (or more copies of it): its parts cannot be put "
+                                      "back in order")
+            used[free[0, 0]] = True
+            part.append(int(free[0, 0]))
+        rows.append(torch.tensor(part, dtype=torch.long))
+    if not bool(used.all()):
+        raise InvalidArgument(f"the {who}'s {len(calls)} calls held {int(used.sum())} of the {B} rows")
+    return rows
+
+
+def _by_row(parts: list, rows: list, name: str, B: int, L: int) -> torch.Tensor:
+    """[B, L, F] from one tensor per call ([rows, L, F] or [rows * L, F]), each put at its rows."""
+    if len(parts) != len(rows):
+        raise InvalidArgument(f"stage {name!r} was called {len(parts)} times on a batch the first stage took in "
+                              f"{len(rows)} calls: the engine does not run each part through every stage")
+    if len(parts) == 1:
+        return parts[0].reshape(B, L, -1)
+    t = [p.reshape(len(r), L, -1) for p, r in zip(parts, rows)]
+    full = torch.empty(B, L, t[0].shape[-1], dtype=t[0].dtype)
+    for p, r in zip(t, rows):  # loop over the engine's parts of the batch
+        full[r] = p
+    return full
 
 
 @dataclass

@@ -153,6 +153,7 @@ class Candidates:
     n_blocks: int
     stages: list            # candidate stage names
     ops: dict               # block index -> [Stage] (depth 1 then 2)
+    head: str | None = None  # the output embedding (output_head), a stage of role lm_head
 
     @property
     def names(self) -> list:
@@ -166,16 +167,35 @@ def candidates(mod: torch.nn.Module) -> Candidates:
     prefix = parent_name + "." if parent_name else ""
     names = [f"{prefix}{n}" for n, c in parent.named_children() if c is not blocks]
     names += [f"{list_name}.{i}" for i in range(len(blocks))]
-    head = mod.get_output_embeddings() if hasattr(mod, "get_output_embeddings") else None
-    if head is not None:
-        names += [n for n, m in mod.named_modules() if m is head and n not in names]
+    head = output_head(mod, list_name)
+    if head is not None and head not in names:
+        names.append(head)
     ops = {}
     for i, b in enumerate(blocks):
         base = f"{list_name}.{i}"
         ops[i] = ([Stage(f"{base}.{n}", role_of(n), 1, i) for n, _ in b.named_children()]
                   + [Stage(f"{base}.{n}.{g}", role_of(g, role_of(n)), 2, i)
                      for n, c in b.named_children() for g, _ in c.named_children()])
-    return Candidates(list_name, len(blocks), names, ops)
+    return Candidates(list_name, len(blocks), names, ops, head)
+
+
+def output_head(mod: torch.nn.Module, list_name: str) -> str | None:
+    """The name of the module whose output is the logits: HF's output embedding where the model
+    has the accessor, else by its role in any nn.Module: the last nn.Linear outside the blocks
+    whose out_features is the vocabulary (config.vocab_size, else the input embedding's rows;
+    with neither known, the last nn.Linear outside the blocks that is wider than its input).
+    layout_from confirms it on the traced forward: its output is as wide as the logits."""
+    head = mod.get_output_embeddings() if hasattr(mod, "get_output_embeddings") else None
+    if head is not None:
+        return next((n for n, m in mod.named_modules() if m is head), None)
+    v = getattr(getattr(mod, "config", None), "vocab_size", None)
+    if not isinstance(v, int):
+        emb = next((m for m in mod.modules() if isinstance(m, torch.nn.Embedding)), None)
+        v = getattr(emb, "num_embeddings", None)
+    inside = list_name + "."
+    linears = [(n, m) for n, m in mod.named_modules() if isinstance(m, torch.nn.Linear)
+               and not n.startswith(inside) and (m.out_features == v if v else m.out_features > m.in_features)]
+    return linears[-1][0] if linears else None
 
 
 def layout_from(c: Candidates, order: list, shapes: dict, B: int, L: int, vocab: int) -> Layout:
@@ -192,7 +212,9 @@ def layout_from(c: Candidates, order: list, shapes: dict, B: int, L: int, vocab:
         seen.add(name)
         is_block = name in block_names
         idx = int(name.rsplit(".", 1)[1]) if is_block else None
-        stages.append(Stage(name, "block" if is_block else role_of(name), 0, idx))
+        # the output embedding by what it produces: the logits' width, whatever its name
+        head = not is_block and (name == c.head or s[-1] == vocab != hidden)
+        stages.append(Stage(name, "block" if is_block else "lm_head" if head else role_of(name), 0, idx))
     return Layout(stages, c.ops, hidden, vocab)
 
 
@@ -200,11 +222,18 @@ def discover(engine: Engine, input_ids, attention_mask=None) -> Layout:
     """Trace one forward and return the stages in call order (module doc)."""
     c = candidates(engine.module)
     order, shapes, handles = [], {}, []
+    B, L = input_ids.shape
     for name in c.stages:
         def hook(m, args, out, name=name):
             order.append(name)
             t = first_tensor(out)
-            shapes.setdefault(name, None if t is None or not t.is_floating_point() else tuple(t.shape))
+            shape = None if t is None or not t.is_floating_point() else tuple(t.shape)
+            prev = shapes.get(name)
+            if name not in shapes or prev is None or shape is None:
+                shapes.setdefault(name, shape)
+            elif prev[0] not in (B, B * L) and prev[1:] == shape[1:]:
+                # an engine that runs the batch in parts calls the stage once per part
+                shapes[name] = (prev[0] + shape[0], *shape[1:])
         handles.append(engine.module.get_submodule(name).register_forward_hook(hook))
     try:
         with torch.no_grad():
@@ -212,7 +241,6 @@ def discover(engine: Engine, input_ids, attention_mask=None) -> Layout:
     finally:
         for h in handles:
             h.remove()
-    B, L = input_ids.shape
     return layout_from(c, order, shapes, B, L, logits.shape[-1])
 
 

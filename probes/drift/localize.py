@@ -45,15 +45,13 @@ import torch
 from scipy import stats as sps
 from trainprobes.drift.engines import Engine, Layout, Stage, candidates, layout_from, match_candidates
 from trainprobes.drift.patching import Call, Hooks, autocast, take_rows, without_cache
+from trainprobes.drift.units import MIN_UNITS, as_units, n_units, spans_per_sequence
 from trainprobes.errors import InvalidArgument
 
 # unit roundoff of the nominal precision: what one rounding of an input does at most
 UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8,
                  torch.float16: 2.0 ** -11}
 LOG_RATIO_CLIP = 50.0  # |log ratio| bound: a zero floor or a zero own error per sequence
-# fewest sequences: at B = 2 (1 degree of freedom) a one-sided t of 85 gives p = 0.0037,
-# above 0.01 / 7 stages, so a bf16 MLP (ratio ~3,000) would be called noise
-MIN_SEQUENCES = 4
 # the batch-composition floor is capped at this many times the rounding floor (judge_stages)
 BATCH_ROUNDINGS = 4.0
 
@@ -273,11 +271,15 @@ class StageTest(NamedTuple):
 def stage_test(own: torch.Tensor, floor2: torch.Tensor, mask: torch.Tensor, *, margin: float, alpha: float,
                n_tests: int) -> StageTest:
     """The verdict of one stage (module doc) from its own error and its floor squared per token
-    ([B, L] each; floor2 may be a 0-d tensor, one floor for every token)."""
+    ([B, L] each; floor2 may be a 0-d tensor, one floor for every token). The units are the
+    sequences, or spans of them when there are few (trainprobes.drift.units)."""
+    k = spans_per_sequence(*mask.shape)
+    floor2 = torch.as_tensor(floor2).expand_as(own)
+    own, floor2, mask = as_units(own, k), as_units(floor2, k), as_units(mask, k)
     m = mask.double()
     nonfinite = not bool(torch.isfinite(own[mask]).all())
     own_u = ((own ** 2 * m).sum(1) / m.sum(1).clamp_min(1)).sqrt()
-    floor_u = ((torch.as_tensor(floor2).expand_as(own) * m).sum(1) / m.sum(1).clamp_min(1)).sqrt()
+    floor_u = ((floor2 * m).sum(1) / m.sum(1).clamp_min(1)).sqrt()
     # a sequence where the stage is exact carries no evidence about the noise level (module doc)
     used = (m.sum(1) > 0) & (own_u != 0)
     r = (own_u.log() - floor_u.log()).nan_to_num(nan=LOG_RATIO_CLIP, posinf=LOG_RATIO_CLIP, neginf=-LOG_RATIO_CLIP)
@@ -316,24 +318,30 @@ class Localisation:
     runs: Runs
     u: float
     n_forwards: int
+    context: object = None  # the _Context of its runs: ops_of another block later
 
 
 def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
                     margin: float = 8.0, alpha: float = 0.01, seed: int = 0, ops: bool = True,
                     u: float | None = None, progress=None) -> Localisation:
     """The runs of the module doc and the verdict per stage, then per op of the first stage
-    beyond noise. input_ids [B, L] (B >= MIN_SEQUENCES sequences: the units of the test).
+    beyond noise. input_ids [B, L], B >= 1 sequences (the units of the tests: sequences, or
+    spans of them when B < 4, trainprobes.drift.units), no sequence repeated.
     progress(forwards done, what runs next): called before each run, for a long model."""
     tell = progress or (lambda done, what: None)
     ids = torch.as_tensor(input_ids)
-    if ids.ndim != 2 or ids.shape[0] < MIN_SEQUENCES or ids.shape[1] < 2:
-        raise InvalidArgument(f"input_ids has shape {tuple(ids.shape)}, expected [B, L] with B >= "
-                              f"{MIN_SEQUENCES} sequences (the independent units of the noise test: with "
-                              "fewer, the Bonferroni-corrected t-test cannot reject even a large fault, "
-                              "and a pass would claim what was not tested) and L >= 2")
+    if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 2:
+        raise InvalidArgument(f"input_ids has shape {tuple(ids.shape)}, expected [B, L] with B >= 1 sequences "
+                              "and L >= 2 tokens")
     if ids.is_floating_point() or ids.dtype == torch.bool:
         raise InvalidArgument(f"input_ids has dtype {ids.dtype}, expected integer token ids")
-    vocab = [_vocab(e.module) for e in (trainer, engine)]
+    # the scored positions (L - 1) must give at least two units: an interval from one is none
+    if n_units(ids.shape[0], ids.shape[1] - 1) < MIN_UNITS:
+        raise InvalidArgument(f"input_ids has shape {tuple(ids.shape)}: {ids.shape[1] - 1} scored position(s) of "
+                              f"one sequence cannot be cut into {MIN_UNITS} spans of 2 tokens, and no test or "
+                              "interval can be estimated from one unit: give a sequence of L >= 5 tokens, or more "
+                              "sequences")
+    vocab = [vocab_size(e.module) for e in (trainer, engine)]
     if None not in vocab and vocab[0] != vocab[1]:
         raise InvalidArgument(f"the {trainer.name}'s vocabulary has {vocab[0]} ids and the {engine.name}'s "
                               f"{vocab[1]}: a tokenizer mismatch; both must score the same token ids")
@@ -344,6 +352,7 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
     am = None if attention_mask is None else torch.as_tensor(attention_mask)
     if am is not None and am.shape != ids.shape:
         raise InvalidArgument(f"attention_mask has shape {tuple(am.shape)}, expected {tuple(ids.shape)}")
+    _check_distinct(ids, am)
     mask = torch.ones(ids.shape, dtype=torch.bool) if am is None else am.bool()
     ca, cb = candidates(trainer.module), candidates(engine.module)
     match_candidates(ca, cb, (trainer.name, engine.name))
@@ -375,57 +384,103 @@ def localize_layers(trainer: Engine, engine: Engine, input_ids, attention_mask=N
     _check_finite(b_free, engine, order_b, ca)
     n = 2
 
-    def depth_runs(group, block=None):
-        kw = dict(blocks=blocks, routers=routers)
-        cb_ = ca_ = None
-        if block is not None:  # one block alone, called as each engine called it
-            cb_ = (engine.module.get_submodule(block), b_free[block][0])
-            ca_ = (trainer.module.get_submodule(block), a[block][0])
-        p1 = patched(engine, group, a, ids, am, mode="patch", call=cb_, **kw)
-        p2 = patched(engine, group, a, ids, am, mode="patch", compose=True, call=cb_, **kw)
-        j = patched(trainer, group, a, ids, am, mode="jitter", u=u, seed=seed, call=ca_, **kw)
-        return p1, judge_stages(group, a, b_free, p1, p2, j, mask, margin=margin, alpha=alpha, u=u)
-
     tell(2, f"the {engine.name} patched at every stage, and the {trainer.name} jittered")
-    b_pat, reports = depth_runs(stages)
+    ctx = _Context(trainer, engine, a, b_free, ids, am, mask, blocks, routers, u, seed, margin, alpha)
+    b_pat, reports = ctx.depth_runs(stages)
     n += 4  # the composed run is two half-batch forwards
     first = next((r for r in reports if r.verdict == "beyond"), None)
     op_reports, op_role, op_module = [], None, None
     if first is not None and first.role == "block" and ops:
         tell(n, f"the ops of {first.name}")
-        block_ops = [o for o in la.ops[first.block] if o.name not in a]
-        a.update(record_block(trainer, block_ops, a[first.name][0])[0])
-        b_free.update(record_block(engine, block_ops, b_free[first.name][0])[0])
-        n += 2 / la.n_blocks
-        d1 = [o for o in la.ops[first.block] if o.depth == 1 and o.name in a and a[o.name]]
-        _, op_reports = depth_runs(d1, first.name)
-        n += 4 / la.n_blocks  # one block, not the model
-        top = _top(op_reports)
-        if top is not None:
-            op_role, op_module = top.role, top.name
-            d2 = [o for o in la.ops[first.block] if o.depth == 2 and o.name.startswith(top.name + ".")
-                  and a.get(o.name)]
-            # one level further only where it can rename the op: a router or a norm inside it
-            # (an MoE's gate, Qwen3's q_norm); a dense MLP's projections would cost three more
-            # calls of the block and name the same op
-            if any(o.role in ("router", "norm") for o in d2):
-                _, deeper = depth_runs(d2, first.name)
-                n += 4 / la.n_blocks
-                op_reports += deeper
-                hits = [r for r in deeper if r.verdict == "beyond"]
-                # a router or norm names the op only when it alone is beyond noise: an MoE
-                # block wholly in bf16 has its router and its experts beyond, and is the MLP
-                if len(hits) == 1 and hits[0].role in ("router", "norm"):
-                    op_role, op_module = hits[0].role, hits[0].name
-        else:
-            op_role, op_module = "block", first.name  # the residual adds or unhooked code
+        op_reports, op_role, op_module, more = ctx.ops_of(first, la)
+        n += more
     elif first is not None and first.role == HAND_OFF:  # the code between two stages, before this one
         op_role, op_module = HAND_OFF, first.name[len(hand_off_name("")):]
     elif first is not None:
         op_role, op_module = first.role, first.name
     n = round(n, 3)
     return Localisation(reports, op_reports, None if first is None else first.name, op_role, op_module,
-                        la, Runs(a, b_free, b_pat, tuple(ids.shape), z, z_b), u, n)
+                        la, Runs(a, b_free, b_pat, tuple(ids.shape), z, z_b), u, n, ctx)
+
+
+@dataclass
+class _Context:
+    """What the patched runs of one localisation share (localize_layers, then ops_of)."""
+
+    trainer: Engine
+    engine: Engine
+    a: dict
+    b_free: dict
+    ids: torch.Tensor
+    am: torch.Tensor | None
+    mask: torch.Tensor
+    blocks: frozenset
+    routers: list
+    u: float
+    seed: int
+    margin: float
+    alpha: float
+
+    def depth_runs(self, group, block=None):
+        """The three patched runs of `group` and their verdicts; block: call that one block
+        alone, as each engine called it, instead of the whole forward."""
+        kw = dict(blocks=self.blocks, routers=self.routers)
+        cb_ = ca_ = None
+        if block is not None:
+            cb_ = (self.engine.module.get_submodule(block), self.b_free[block][0])
+            ca_ = (self.trainer.module.get_submodule(block), self.a[block][0])
+        ids, am, a = self.ids, self.am, self.a
+        p1 = patched(self.engine, group, a, ids, am, mode="patch", call=cb_, **kw)
+        p2 = patched(self.engine, group, a, ids, am, mode="patch", compose=True, call=cb_, **kw)
+        j = patched(self.trainer, group, a, ids, am, mode="jitter", u=self.u, seed=self.seed, call=ca_, **kw)
+        return p1, judge_stages(group, a, self.b_free, p1, p2, j, self.mask, margin=self.margin, alpha=self.alpha,
+                                u=self.u)
+
+    def ops_of(self, stage: StageReport, la: Layout) -> tuple:
+        """(op reports, op role, op module, forwards spent) inside the block `stage`: depth 1,
+        then depth 2 where a router or a norm is among the op's children (module doc)."""
+        a, b_free = self.a, self.b_free
+        block_ops = [o for o in la.ops[stage.block] if o.name not in a]
+        a.update(record_block(self.trainer, block_ops, a[stage.name][0])[0])
+        b_free.update(record_block(self.engine, block_ops, b_free[stage.name][0])[0])
+        n = 2 / la.n_blocks
+        d1 = [o for o in la.ops[stage.block] if o.depth == 1 and o.name in a and a[o.name]]
+        _, op_reports = self.depth_runs(d1, stage.name)
+        n += 4 / la.n_blocks  # one block, not the model
+        top = _top(op_reports)
+        if top is None:
+            return op_reports, "block", stage.name, n  # the residual adds or unhooked code
+        op_role, op_module = top.role, top.name
+        d2 = [o for o in la.ops[stage.block] if o.depth == 2 and o.name.startswith(top.name + ".") and a.get(o.name)]
+        # one level further only where it can rename the op: a router or a norm inside it
+        # (an MoE's gate, Qwen3's q_norm); a dense MLP's projections would cost three more
+        # calls of the block and name the same op
+        if any(o.role in ("router", "norm") for o in d2):
+            _, deeper = self.depth_runs(d2, stage.name)
+            n += 4 / la.n_blocks
+            op_reports += deeper
+            hits = [r for r in deeper if r.verdict == "beyond"]
+            # a router or norm names the op only when it alone is beyond noise: an MoE
+            # block wholly in bf16 has its router and its experts beyond, and is the MLP
+            if len(hits) == 1 and hits[0].role in ("router", "norm"):
+                op_role, op_module = hits[0].role, hits[0].name
+        return op_reports, op_role, op_module, n
+
+
+def _check_distinct(ids: torch.Tensor, am) -> None:
+    """Repeated sequences are not independent units: their tests and intervals would be
+    degenerate (zero width from identical copies)."""
+    rows = ids if am is None else torch.cat([ids, am.to(ids.dtype)], dim=1)
+    uniq, inverse = torch.unique(rows, dim=0, return_inverse=True)
+    if uniq.shape[0] < rows.shape[0]:
+        first = torch.full((uniq.shape[0],), -1, dtype=torch.long)
+        for i, u in enumerate(inverse.tolist()):  # loop over rows, to name the first repeat
+            if first[u] >= 0:
+                raise InvalidArgument(f"input_ids rows {int(first[u])} and {i} are the same sequence: a repeated "
+                                      "sequence is not an independent unit, and its copies would make the intervals "
+                                      "zero-width; give each sequence once (one sequence is enough: it is cut into "
+                                      "spans of tokens)")
+            first[u] = i
 
 
 def unit_roundoff(engine: Engine) -> float:
@@ -440,7 +495,7 @@ def unit_roundoff(engine: Engine) -> float:
     return UNIT_ROUNDOFF[dt]
 
 
-def _vocab(module: torch.nn.Module) -> int | None:
+def vocab_size(module: torch.nn.Module) -> int | None:
     """The ids a model embeds: its config's vocab_size, else its input embedding's rows (a
     plain module: its first nn.Embedding)."""
     v = getattr(getattr(module, "config", None), "vocab_size", None)

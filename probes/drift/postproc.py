@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from trainprobes.drift.localize import StageReport, rel_error, stage_test
 from trainprobes.drift.stats import cluster_t
+from trainprobes.drift.units import as_units, spans_per_sequence, unit_sums
 
 # the post-processing is a few elementwise ops (scale, tanh, scale): each rounds once
 POST_ROUNDINGS = 2.0
@@ -42,17 +43,18 @@ def judge_post(z_b: torch.Tensor, z_h: torch.Tensor, mask: torch.Tensor, *, lm_h
     t = stage_test(own, torch.tensor(floor ** 2, dtype=own.dtype), mask, margin=margin, alpha=alpha,
                    n_tests=n_stages)
     nonfinite = t.nonfinite
-    used = m.sum(1) > 0
     n = m.sum().clamp_min(1).item()
     rep = StageReport(f"after {lm_head}", ROLE, 0, None, (own * m).sum().item() / n, (own * m).sum().item() / n,
                       floor, *t)
     # per position, over the vocabulary: demeaned logits, slope by sequence (the units)
     xh = torch.where(mask[..., None], zh - zh.mean(-1, keepdim=True), 0.0)
     yb = torch.where(mask[..., None], zb - zb.mean(-1, keepdim=True), 0.0)
-    ct = cluster_t((xh * yb).sum((1, 2)), (xh * xh).sum((1, 2)), alpha)
+    ct = cluster_t(unit_sums((xh * yb).sum(-1), mask.shape), unit_sums((xh * xh).sum(-1), mask.shape), alpha)
     s, half = ct.mean.item(), ct.half.item()
     resid = torch.where(mask, rel_error(yb, s * xh), 0.0)
-    res_u = ((resid ** 2 * m).sum(1) / m.sum(1).clamp_min(1)).sqrt()[used]
+    k = spans_per_sequence(*mask.shape)
+    mu = as_units(m, k)
+    res_u = ((as_units(resid, k) ** 2 * mu).sum(1) / mu.sum(1).clamp_min(1)).sqrt()[mu.sum(1) > 0]
     affine = (rep.verdict == "beyond" and not nonfinite and math.isfinite(s) and res_u.numel() > 0
               and bool((res_u <= margin * floor).all()) and abs(s - 1) > (half if math.isfinite(half) else math.inf))
     return PostProcessing(rep, affine, s, (s - half, s + half))

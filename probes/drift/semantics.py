@@ -6,7 +6,8 @@ Model, per position i over the entries v both sides report finitely (K_i):
   temperature      s != 1: log softmax(z / T_B) against log softmax(z / T_A) is affine in
                    the logits with slope s = T_A / T_B (a temperature applied twice: s = 1/T).
                    s is the ratio estimator sum(x y) / sum(x x) of the log-probs demeaned
-                   per position, its interval cluster-robust over sequences (the units).
+                   per position, its interval cluster-robust over the units (sequences, or
+                   spans of them: trainprobes.drift.units).
   renormalisation  c_i > 0 with entries B drops (-inf): renormalising the kept set adds
                    c_i = -log(mass kept) to every kept log-prob (vLLM RFC #42259), a
                    constant per position. Measured as the mean over K_i of lpB - lpA',
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from trainprobes.drift.stats import cluster_t
+from trainprobes.drift.units import unit_sums
 from trainprobes.errors import InvalidArgument
 
 
@@ -63,7 +65,7 @@ def semantics(lp_a: torch.Tensor, lp_b: torch.Tensor, tokens: torch.Tensor, mask
     x = torch.where(keep, a - (a * k).sum(-1, keepdim=True) / nk[..., None], 0.0)
     y = torch.where(keep, b.nan_to_num(neginf=0.0) - (b.nan_to_num(neginf=0.0) * k).sum(-1, keepdim=True)
                     / nk[..., None], 0.0)
-    sxy, sxx = (x * y).sum((1, 2)), (x * x).sum((1, 2))
+    sxy, sxx = unit_sums((x * y).sum(-1), mask.shape), unit_sums((x * x).sum(-1), mask.shape)
     ct = cluster_t(sxy, sxx, alpha)
     s, half = ct.mean.item(), ct.half.item()
     if not math.isfinite(half):

@@ -138,6 +138,7 @@ def _localize(rd: Reader) -> None:
     if first != (beyond[0] if beyond else "") and not routed:
         rd.fail(f"metric first_layer={first!r}, but the first stage beyond noise in the table is "
                 f"{(beyond[0] if beyond else '')!r}")
+    _units(rd)
     explained = rd.m.get("explained_by")  # absent from reports written before it existed
     names = {st["name"] for st in stages}
     if explained and explained not in names:
@@ -231,3 +232,18 @@ FLAG_LABELS = {"drift.compare": ("drift_verdict", ("clean", "noisy", "heavy-tail
 TESTS = {"drift.compare": Significance("p_value", "alpha", "mean_log_ratio", "min_bias")}
 SIDE_FLAGS = {"drift.compare": (("heavy_tailed", True, "TP-D2"),)}
 RULES = {"drift.compare": _drift, "drift.localize": _localize}
+
+
+def _units(rd: Reader) -> None:
+    """n_units beside n_sequences (trainprobes.drift.units): the sequences themselves from
+    MIN_SEQUENCES on; below, spans of them, at least MIN_UNITS, at most about SPAN_UNITS."""
+    from trainprobes.drift.units import MIN_SEQUENCES, MIN_UNITS, SPAN_UNITS
+    units, seqs = rd.count("n_units", optional=True), rd.count("n_sequences", optional=True)
+    if units is None or seqs is None:  # reports written before units existed
+        return
+    most = seqs if seqs >= MIN_SEQUENCES else seqs * math.ceil(SPAN_UNITS / max(seqs, 1))
+    least = seqs if seqs >= MIN_SEQUENCES else MIN_UNITS
+    n_tok = rd.count("n_tokens", optional=True)
+    if not least <= units <= most or n_tok is not None and units > max(n_tok, seqs):
+        rd.fail(f"n_units={units} beside n_sequences={seqs}: the units are the sequences from {MIN_SEQUENCES} on, "
+                f"else {MIN_UNITS} to {most} spans of them (and never more than the tokens)")
