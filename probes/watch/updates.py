@@ -24,8 +24,9 @@ and register_step_post_hook:
 Gradient accumulation (on by default in a single-process run): a tensor hook on each parameter
 (Tensor.register_hook, called with each backward's contribution before autograd adds it to
 p.grad) sums the sampled elements' contributions in fp64 from p.grad's value at the step's
-first contribution; before the step, p.grad is compared with that sum the same way (streams
-"accumulation.<group>"). bf16 sums of same-sign contributions stall once the sum's ulp
+first contribution; p.grad's sampled elements after the last contribution (a post-accumulate
+hook, so clipping or unscaling before the step is not counted) are compared with that sum
+the same way (streams "accumulation.<group>"). bf16 sums of same-sign contributions stall once the sum's ulp
 passes twice a contribution: 512 micro-batches of about 4.2 lose about 10%.
 
 A bf16 parameter near 1 moves in steps of 2^-7; an update under half of that rounds to no
@@ -83,7 +84,8 @@ class UpdateWatch:
             for gi, group in enumerate(optimizer.param_groups):
                 for p in group["params"]:
                     if p.requires_grad:
-                        self.handles.append(p.register_hook(self._grad_hook(p)))
+                        self.handles += [p.register_hook(self._grad_hook(p)),
+                                         p.register_post_accumulate_grad_hook(self._summed_hook())]
 
     def _pre_hook(self):
         def hook(optimizer, args, kwargs):
@@ -116,7 +118,7 @@ class UpdateWatch:
                     idx = idx.to(p.device)
                     start = (p.grad.detach().reshape(-1)[idx].to(torch.float64) if p.grad is not None
                              else torch.zeros(len(idx), dtype=torch.float64, device=p.device))
-                    a = self._acc[id(p)] = [step, idx, start, 0]
+                    a = self._acc[id(p)] = [step, idx, start, 0, None]
                 a[2] += grad.detach().reshape(-1)[a[1]].to(torch.float64)
                 a[3] += 1
             except Exception as e:
@@ -125,16 +127,30 @@ class UpdateWatch:
             return None
         return hook
 
+    def _summed_hook(self):
+        # after autograd added a contribution: p.grad's sampled elements as they stand then,
+        # so gradient clipping or unscaling between backward and the step is not counted
+        def hook(p):
+            a = self._acc.get(id(p))
+            if a is None or a[0] != self.sentinel.steps or p.grad is None:
+                return
+            try:
+                a[4] = p.grad.detach().reshape(-1)[a[1]].to(torch.float64)
+            except Exception as e:
+                self._acc.pop(id(p), None)
+                self.sentinel._own_error("reading an accumulated gradient", e)
+        return hook
+
     def _accumulated(self) -> None:
         """Before the step: each parameter's accumulated p.grad against its fp64 sum."""
         step, by_key = self.sentinel.steps, {}
         for gi, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
                 a = self._acc.pop(id(p), None)
-                if a is None or a[0] != step or p.grad is None:
+                if a is None or a[0] != step or a[4] is None:
                     continue
                 self.contributions = max(self.contributions, a[3])
-                realised = p.grad.detach().reshape(-1)[a[1]].to(torch.float64)
+                realised = a[4]
                 r, i = by_key.get(f"accumulation.group{gi}", ([], []))
                 by_key[f"accumulation.group{gi}"] = (r + [realised.cpu()], i + [a[2].cpu()])
         if by_key:
