@@ -91,6 +91,12 @@ class UpdateWatch:
         def hook(optimizer, args, kwargs):
             if self.sentinel.steps % self.every:
                 return
+            if kwargs.get("grad_scale") is not None:  # a fused step unscales inside itself
+                self._acc.clear()
+                self.sentinel._own_error("checking the update", InvalidArgument(
+                    "the step was given grad_scale (a fused optimizer under GradScaler): p.grad "
+                    "is still scaled, its update cannot be replayed; step not checked"))
+                return
             if self._acc:
                 try:
                     self._accumulated()
