@@ -183,3 +183,12 @@ def test_a_mixtral_gate_is_found_and_judged_on_its_flat_token_list():
     s.step()
     st = w.stats["model.layers.0.mlp.gate"]
     assert st["checks"] == 1 and st["causal"] == 1, st
+
+
+def test_an_evaluation_forward_is_not_sampled():
+    model = TinyMoe().eval()
+    w = watch_routers(model, Sentinel(), every=1)
+    model(torch.randint(0, 32, (2, T)))
+    assert w._captured == {}
+    model.train()(torch.randint(0, 32, (2, T)))
+    assert list(w._captured) == ["moe.router"]

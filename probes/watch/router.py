@@ -4,8 +4,9 @@
     watch_routers(model, sentinel, every=50)   # routers found by class name, or routers=[...]
 
 1. A forward hook on each router copies, at a checked step (sentinel.steps % every == 0,
-   its first forward only), a sample of the hidden states the router sees: rows of a
-   [B, T, D] input drawn by the watch's own torch.Generator, or the first `tokens` of a
+   its first training-mode forward only), a sample of the hidden states the router sees:
+   whole rows of a [B, T, D] input (as many as fit in `tokens`, at least one) drawn by the
+   watch's own torch.Generator, or the first `tokens` of a
    flat [N, D] token list (HF MoE blocks flatten before the gate; the batch-major order
    is then the sequence order). The copy is new memory, never a view of the run's tensor.
 2. At sentinel.step() (after the optimizer step: the router's weights are the new ones),
@@ -103,7 +104,9 @@ class RouterWatch:
         # a closure, not a bound method: the fp64 twin deep-copies the router, hooks included,
         # and a bound method would copy this watch with it
         def hook(module, args, kwargs, output):
-            if self._busy or self.sentinel.steps % self.every or name in self._captured:
+            # training forwards only: an evaluation loop between steps is not the run's batch
+            if (self._busy or not module.training or self.sentinel.steps % self.every
+                    or name in self._captured):
                 return
             try:
                 self._captured[name] = self._sample(_first_tensor(args, kwargs))
