@@ -192,3 +192,19 @@ def test_an_evaluation_forward_is_not_sampled():
     assert w._captured == {}
     model.train()(torch.randint(0, 32, (2, T)))
     assert list(w._captured) == ["moe.router"]
+
+
+def test_stop_on_finding_ends_the_run_at_the_check_after_writing_everything(tmp_path):
+    from trainprobes.watch import SentinelFinding
+    torch.manual_seed(0)
+    model = TinyMoe()
+    s = Sentinel(findings=tmp_path / "f.jsonl", stop_on_finding=True)
+    watch_routers(model, s, every=4)
+    with pytest.raises(SentinelFinding) as e:
+        for step in range(20):
+            model.moe.router.expert_choice = step >= 5
+            model(torch.randint(0, 32, (2, T))).sum().backward()
+            s.step()
+    assert step == 8  # checks at 0 and 4 causal, 8 the first after the switch
+    assert [r.target for r in e.value.results if r.verdict == "fail"] == ["watch:router[moe.router]"] * 2
+    assert (tmp_path / "f.jsonl").read_text().count('"verdict": "fail"') == 2
