@@ -208,3 +208,14 @@ def test_stop_on_finding_ends_the_run_at_the_check_after_writing_everything(tmp_
     assert step == 8  # checks at 0 and 4 causal, 8 the first after the switch
     assert [r.target for r in e.value.results if r.verdict == "fail"] == ["watch:router[moe.router]"] * 2
     assert (tmp_path / "f.jsonl").read_text().count('"verdict": "fail"') == 2
+
+
+def test_a_sample_over_the_budget_is_not_taken_and_counted():
+    model = TinyMoe()
+    s = Sentinel(budget=1024, window=16)  # a row of 12 x 16 fp32 is 768 bytes, two are over
+    w = watch_routers(model, s, every=1, tokens=24)
+    model(torch.randint(0, 32, (4, T)))
+    assert w._captured == {} and s.error_count == 1 and "budget" in s.errors[0]
+    w.tokens = 12
+    model(torch.randint(0, 32, (4, T)))
+    assert w._captured["moe.router"].shape == (1, T, D)

@@ -152,3 +152,9 @@ def test_the_accumulation_hooks_change_no_bit():
     m1, _, w = accumulate(torch.bfloat16, 16, watch=True)
     assert len(w.streams.streams["accumulation.all_groups"].errors) == 3
     assert all(torch.equal(a, b) for a, b in zip(m0.state_dict().values(), m1.state_dict().values()))
+
+
+def test_a_sample_over_the_budget_is_refused_up_front():
+    o = torch.optim.Adam(nn.Linear(100, 100).parameters())
+    with pytest.raises(InvalidArgument, match="budget"):
+        watch_updates(o, Sentinel(budget=1 << 16), elements=4096)

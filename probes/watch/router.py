@@ -116,14 +116,18 @@ class RouterWatch:
 
     def _sample(self, x: torch.Tensor) -> torch.Tensor:
         x = x.detach()
+        if x.dim() not in (2, 3):
+            raise InvalidArgument(f"the router's input has shape {tuple(x.shape)}; expected "
+                                  "hidden states [B, T, D] or a flat token list [N, D]")
+        rows = max(1, min(x.shape[0], self.tokens // x.shape[1])) if x.dim() == 3 else 1
+        size = rows * (x[0].numel() if x.dim() == 3 else min(len(x), self.tokens) * x.shape[1])
+        if size * x.element_size() > self.sentinel.budget:
+            raise InvalidArgument(f"a sample of {size} elements of {x.dtype} is over the "
+                                  f"sentinel's budget={self.sentinel.budget} bytes: lower tokens")
         if x.dim() == 3:  # [B, T, D]: whole rows (causality needs the positions), own draws
-            B, T = x.shape[:2]
-            rows = torch.randperm(B, generator=self._generator)[:max(1, min(B, self.tokens // T))]
-            return x[rows.to(x.device)].clone()  # advanced indexing copies; clone says so
-        if x.dim() == 2:  # [N, D]: a flat token list, its first `tokens`
-            return x[:self.tokens].clone()
-        raise InvalidArgument(f"the router's input has shape {tuple(x.shape)}; expected hidden "
-                              "states [B, T, D] or a flat token list [N, D]")
+            pick = torch.randperm(x.shape[0], generator=self._generator)[:rows]
+            return x[pick.to(x.device)].clone()  # advanced indexing copies; clone says so
+        return x[:self.tokens].clone()  # [N, D]: a flat token list, its first `tokens`
 
     def step(self, step: int) -> list[Result]:
         """Check what was captured during this step's forward; returns new findings."""
@@ -158,6 +162,8 @@ class RouterWatch:
             with keep_rng(), torch.no_grad(), eval_mode(module):
                 r = check(module, x, layout="flat" if x.dim() == 2 else "batched", cuts=self.cuts,
                           decision=self.decision, scores=self.scores, near_ties=self.near_ties,
+                          max_batch_tokens=max(x.shape[:-1].numel(), self.sentinel.budget // (
+                              x.shape[-1] * x.element_size())),  # perturbed copies in budget
                           seed=self.seed + step, target=f"watch:router[{name}]")
         finally:
             self._busy = False

@@ -55,6 +55,9 @@ POOLED = "all_groups"
 # element-wise optimizers: each element's update depends on that element's gradient and state
 ALLOWED = ("SGD", "Adam", "AdamW", "Adamax", "RMSprop", "Adagrad", "NAdam", "RAdam")
 # the single-tensor, non-fused path for the shadow: same arithmetic, any dtype
+# fp64 copies per sampled element at a checked step: before, gradient, shadow, up to three
+# state tensors, the fp64 accumulation sum and its reading
+FP64_COPIES = 8
 _PLAIN = {"foreach": False, "fused": False, "capturable": False, "differentiable": False}
 
 
@@ -342,6 +345,13 @@ def watch_updates(optimizer, sentinel, *, every: int = 1, elements: int = 256,
             f"the optimizer's state element by element, sound only for torch.optim's element-wise "
             f"optimizers ({', '.join(ALLOWED)}); a norm or factorisation over a whole tensor "
             "cannot be replayed on a sample")
+    elements = check_int(elements, "elements", min=1, hint="per parameter, e.g. 256")
+    sampled = sum(min(p.numel(), elements) for g in inner.param_groups for p in g["params"])
+    if sampled * 8 * FP64_COPIES > sentinel.budget:
+        raise InvalidArgument(
+            f"elements={elements} per parameter samples {sampled} elements, "
+            f"{FP64_COPIES} fp64 copies each ({sampled * 8 * FP64_COPIES} bytes) at a checked "
+            f"step: over the sentinel's budget={sentinel.budget}; lower elements or raise budget")
     ranks = _world()
     if accumulation is None:
         accumulation = ranks == 1
