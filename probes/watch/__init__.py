@@ -6,11 +6,16 @@ each library's own extension point, changing no bit of it.
     SentinelCallback  transformers.TrainerCallback: attaches to the Trainer's DDP model,
                       steps the sentinel, sends its numbers to Trainer.log
     SentinelFinding   raised by step() on a finding when stop_on_finding=True (exit 1)
+    watch_routers     MoE routers' decisions causality-checked on the run's micro-batches
+    watch_updates     sampled weight updates and gradient accumulation against fp64
 """
 from trainprobes.watch.ddp import attach_ddp
+from trainprobes.watch.router import watch_routers
 from trainprobes.watch.sentinel import Sentinel, SentinelFinding
+from trainprobes.watch.updates import watch_updates
 
-__all__ = ["Sentinel", "SentinelFinding", "attach_ddp", "SentinelCallback"]
+__all__ = ["Sentinel", "SentinelFinding", "attach_ddp", "SentinelCallback", "watch_routers",
+           "watch_updates"]
 
 
 def __getattr__(name):

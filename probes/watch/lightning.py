@@ -10,6 +10,8 @@ on_train_start: `trainer.strategy.model` (the strategy's wrapped model) must be 
     registers the hook only on CUDA devices and drops it on CPU without a word; give the hook
     here instead, and the Result names the hook DDP actually ran. On CUDA, where Lightning
     registered it, attach_ddp refuses (DDP takes one hook) and says to pass it here.
+on_train_start, routers / updates: watch_routers on the LightningModule (routers=True: found
+    by class name), watch_updates on its one optimizer; ddp=False: no DDP model needed.
 on_train_batch_end: sentinel.step() (a step is a training batch); after a look its numbers go
     to the module's log_dict, so every logger the Trainer has gets them.
 on_train_end: sentinel.close(); the Results in sentinel.results.
@@ -18,18 +20,37 @@ from __future__ import annotations
 
 from lightning.pytorch.callbacks import Callback
 from trainprobes.errors import InvalidArgument
+from trainprobes.validation import check_bool
 from trainprobes.watch.ddp import attach_ddp
 
 
 class SentinelLightning(Callback):
-    def __init__(self, sentinel, hook=None, state=None):
+    def __init__(self, sentinel, hook=None, state=None, *, ddp: bool = True, routers=None,
+                 updates: bool = False, router_every: int = 50):
         from trainprobes.watch.sentinel import Sentinel
         if not isinstance(sentinel, Sentinel):
             raise InvalidArgument(f"sentinel={sentinel!r} must be a trainprobes.watch.Sentinel")
         self.sentinel, self.hook, self.state = sentinel, hook, state
+        self.ddp, self.updates = check_bool(ddp, "ddp"), check_bool(updates, "updates")
+        self.routers, self.router_every = routers, router_every
+        if not (self.ddp or routers or self.updates):
+            raise InvalidArgument("ddp=False, no routers and updates=False: the sentinel would "
+                                  "watch nothing")
 
     def on_train_start(self, trainer, pl_module):
         from torch.nn.parallel import DistributedDataParallel
+        if self.routers:
+            from trainprobes.watch.router import watch_routers
+            watch_routers(pl_module, self.sentinel, every=self.router_every,
+                          routers=None if self.routers is True else self.routers)
+        if self.updates:
+            from trainprobes.watch.updates import watch_updates
+            if len(trainer.optimizers) != 1:
+                raise InvalidArgument(f"updates=True with {len(trainer.optimizers)} optimizers: "
+                                      "the sentinel watches one; call watch_updates on each")
+            watch_updates(trainer.optimizers[0], self.sentinel)
+        if not self.ddp:
+            return
         model = trainer.strategy.model
         if not isinstance(model, DistributedDataParallel):
             raise InvalidArgument(

@@ -129,6 +129,9 @@ class Sentinel:
         # why the per-step bias test does not apply to the registered hook (error feedback),
         # set by attach_ddp; then nothing is sampled and the final Result cannot judge
         self.not_applicable: str | None = None
+        # other checks stepped and closed with it (watch_routers, watch_updates): each has
+        # step(step) -> new finding Results, close() -> final Results, summary() -> dict
+        self.watches: list = []
 
     @property
     def rank(self) -> int:
@@ -209,14 +212,30 @@ class Sentinel:
 
     # --- the per-step call ------------------------------------------------------------
 
+    def add_watch(self, watch) -> None:
+        """Step and close another check with this sentinel (watch_routers, watch_updates)."""
+        self.watches.append(watch)
+
+    def _step_watches(self) -> list[Result]:
+        found = []
+        for w in self.watches:
+            try:
+                found += w.step(self.steps)
+            except Exception as e:
+                self._own_error(f"stepping {type(w).__name__}", e)
+        return found
+
     def step(self) -> list[Result]:
         """Close a training step; at every `interval`-th, judge. Returns new findings."""
+        watched = self._step_watches()  # at the step count its forwards ran under
+        for r in watched:
+            self.report(r)  # SentinelFinding (stop_on_finding) leaves the step from here
         self.steps += 1
         if self._calls_in_step:
             self._last_calls = self._calls_in_step
         self._calls_in_step = 0
         if self.steps % self.interval:
-            return []
+            return watched
         t0 = time.perf_counter()
         try:
             with self._lock:
@@ -226,7 +245,7 @@ class Sentinel:
                    self.streams.streams[j.key].found_at == self.steps]
         except Exception as e:
             self._own_error("judging", e)
-            return []
+            return watched
         finally:
             self.look_seconds += time.perf_counter() - t0
         for r in new:
@@ -234,7 +253,7 @@ class Sentinel:
             self._write(r)
         if new and self.stop_on_finding:
             raise SentinelFinding(self.close())
-        return new
+        return watched + new
 
     def report(self, result: Result) -> None:
         """Add a Result of another check (the packing check): kept, written, and with
@@ -263,6 +282,8 @@ class Sentinel:
         if j:
             worst = max(j, key=lambda x: abs(x.stats["bias"]))
             out["sentinel/worst_bucket_bias"] = worst.stats["bias"]
+        for w in self.watches:
+            out.update(w.summary())
         return out
 
     # --- Results ----------------------------------------------------------------------
@@ -338,7 +359,7 @@ class Sentinel:
             final.append(Result(probe=PROBE, target="watch:ddp", verdict="error", seed=self.seed,
                                 metrics={"biased": None, "trials": 0}, evidence=ev,
                                 codes=["TP-E1"], message=f"cannot judge: {self.not_applicable}"))
-        elif not self.streams.streams:
+        elif not self.streams.streams and (self._ddp is not None or not self.watches):
             acc = Result(probe=PROBE, target="watch:ddp", verdict="error", seed=self.seed,
                          metrics={"biased": None, "trials": 0},
                          evidence=ev, codes=["TP-E1"],
@@ -349,6 +370,15 @@ class Sentinel:
         for r in final:
             self.results.append(r)
             self._write(r)
+        for w in self.watches:
+            try:
+                more = w.close()
+            except Exception as e:
+                self._own_error(f"closing {type(w).__name__}", e)
+                continue
+            for r in more:
+                self.results.append(r)
+                self._write(r)
         if self.error_count:
             log.warning("trainprobes sentinel: %d errors of its own (see the Results' evidence)",
                         self.error_count)

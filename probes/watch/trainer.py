@@ -17,6 +17,10 @@ on_train_begin: the Trainer has wrapped its model by then; `trainer.model_wrappe
     sentinel attaches to it with attach_ddp (hook, state: the comm hook to run, default
     allreduce_hook). A Trainer not under DDP is refused up front, naming what it is: the
     sentinel never half-watches in silence.
+on_train_begin, routers / updates: watch_routers on the Trainer's model (routers=True: found
+    by class name; or a dict / list of modules), every `router_every` steps; watch_updates
+    on the optimizer the Trainer hands its callbacks. ddp=False: no DDP model needed (a
+    single-process run), only these and the packing check are watched.
 on_step_end: sentinel.step(); after a look, its numbers (Sentinel.summary) go to
     Trainer.log, so every logger the Trainer reports to gets them; with stop_on_finding a
     finding raises SentinelFinding out of trainer.train() after everything is written.
@@ -36,7 +40,8 @@ log = logging.getLogger("trainprobes.watch")
 
 class SentinelCallback(TrainerCallback):
     def __init__(self, sentinel, trainer, hook=None, state=None, packing: bool = True,
-                 packing_examples: int = 4):
+                 packing_examples: int = 4, ddp: bool = True, routers=None,
+                 updates: bool = False, router_every: int = 50):
         from trainprobes.watch.sentinel import Sentinel
         if not isinstance(sentinel, Sentinel):
             raise InvalidArgument(f"sentinel={sentinel!r} must be a trainprobes.watch.Sentinel")
@@ -45,6 +50,11 @@ class SentinelCallback(TrainerCallback):
         self.sentinel, self.trainer, self.hook, self.state = sentinel, trainer, hook, state
         self.packing = check_bool(packing, "packing")
         self.packing_examples = check_int(packing_examples, "packing_examples", min=1)
+        self.ddp, self.updates = check_bool(ddp, "ddp"), check_bool(updates, "updates")
+        self.routers, self.router_every = routers, router_every
+        if not (self.ddp or self.packing or routers or self.updates):
+            raise InvalidArgument("ddp=False, packing=False, no routers and updates=False: the "
+                                  "sentinel would watch nothing")
 
     def check_packing(self):
         """The packing check on a batch of the run's collator (see the module docstring);
@@ -74,12 +84,22 @@ class SentinelCallback(TrainerCallback):
         from torch.nn.parallel import DistributedDataParallel
         if self.packing:
             self.check_packing()
+        if self.routers:  # True: found by class name; else a dict or list of modules
+            from trainprobes.watch.router import watch_routers
+            watch_routers(self.trainer.model, self.sentinel, every=self.router_every,
+                          routers=None if self.routers is True else self.routers)
+        if self.updates:
+            from trainprobes.watch.updates import watch_updates
+            watch_updates(kwargs.get("optimizer") or self.trainer.optimizer, self.sentinel)
+        if not self.ddp:
+            return
         model = self.trainer.model_wrapped
         if not isinstance(model, DistributedDataParallel):
             raise InvalidArgument(
                 f"the Trainer's model is a {type(model).__name__}, not DistributedDataParallel: the "
                 "sentinel watches DDP's gradient reduction and would watch nothing here (launch "
-                "the Trainer on 2 or more ranks, e.g. torchrun, with DDP)")
+                "the Trainer on 2 or more ranks, e.g. torchrun, with DDP; or pass ddp=False to "
+                "watch only routers, updates or packing)")
         attach_ddp(model, self.sentinel, hook=self.hook, state=self.state)
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -1,0 +1,160 @@
+"""trainprobes.watch.updates: sampled weight updates against the same optimizer step in fp64,
+in a plain training loop (torch 2.13 CPU)."""
+import pytest
+import torch
+from torch import nn
+from trainprobes.errors import InvalidArgument
+from trainprobes.watch import Sentinel
+from trainprobes.watch.updates import watch_updates
+
+
+def make(dtype, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.1), nn.ReLU(), nn.Linear(32, 1)).to(dtype)
+
+
+def train(dtype, steps, *, opt="adam", lr=1e-5, watch=True, seed=0, every=1):
+    model = make(dtype, seed)
+    o = {"adam": lambda p: torch.optim.Adam(p, lr=lr),
+         "adamw": lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=0.1),
+         "sgd": lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9, nesterov=True)}[opt](model.parameters())
+    data = torch.Generator().manual_seed(seed + 1)
+    s = Sentinel(seed=seed) if watch else None
+    w = watch_updates(o, s, every=every) if watch else None
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(16, 8, generator=data).to(dtype)
+        loss = model(x).float().square().mean()
+        o.zero_grad()
+        loss.backward()
+        o.step()
+        losses.append(loss.detach().clone())
+        if s is not None:
+            s.step()
+    results = s.close() if s is not None else None
+    return model, losses, results, w, torch.random.get_rng_state()
+
+
+def pooled(results):
+    """The final Result of all groups together (a finding made earlier comes before it)."""
+    return [r for r in results if r.target.endswith("].all_groups")][-1]
+
+
+@pytest.mark.parametrize("opt", ["adam", "adamw", "sgd"])
+def test_the_fp64_replay_matches_an_fp64_run_exactly(opt):
+    """Same class, same hyperparameters, same state: on fp64 parameters the realised update
+    is the intended one to the bit, so any error measured elsewhere is the format's."""
+    *_, w, _ = train(torch.float64, 12, opt=opt, lr=1e-2)
+    s = w.streams.streams["all_groups"]
+    assert len(s.errors) == 12 and all(e == 0.0 for e in s.errors), list(s.errors)
+
+
+def test_bf16_weights_with_a_small_learning_rate_stall_and_are_called_biased():
+    *_, results, w, _ = train(torch.bfloat16, 20, lr=1e-5)
+    r = pooled(results)
+    assert r.verdict == "fail" and "TP-B1" in r.codes
+    assert r.metrics["bias"] < -0.9 and r.metrics["stalled_share"] > 0.9
+    assert r.evidence["found_at_step"] == 10  # the first look (interval 10)
+    found = [x for x in results if x.verdict == "fail" and x.evidence.get("look") == 1]
+    assert found  # reported when found, not only at close
+
+
+def test_fp32_weights_with_the_same_learning_rate_are_clean():
+    *_, results, w, _ = train(torch.float32, 20, lr=1e-5)
+    r = pooled(results)
+    assert r.verdict == "pass" and abs(r.metrics["bias"]) < 1e-4
+    # a few elements whose Adam update is tiny (its eps over a tiny gradient) do not move
+    assert r.metrics["stalled_share"] < 0.01
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_fp32_adam_at_a_usual_learning_rate_is_never_called_biased(seed):
+    *_, results, _, _ = train(torch.float32, 40, lr=1e-3, seed=seed)
+    assert all(r.verdict == "pass" for r in results if r.probe == "numerics.bias"), \
+        [r.message for r in results]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_watch_changes_no_bit_of_the_run(dtype):
+    m0, l0, _, _, rng0 = train(dtype, 8, lr=1e-2, watch=False)
+    m1, l1, _, w, rng1 = train(dtype, 8, lr=1e-2, watch=True)
+    assert w.checked_steps == 8
+    assert all(torch.equal(a, b) for a, b in zip(l0, l1))
+    assert all(torch.equal(a, b) for a, b in zip(m0.state_dict().values(), m1.state_dict().values()))
+    assert torch.equal(rng0, rng1)
+
+
+def test_optimizers_that_cannot_be_replayed_on_a_sample_are_refused():
+    p = [nn.Parameter(torch.zeros(3))]
+    with pytest.raises(InvalidArgument, match="element-wise"):
+        watch_updates(torch.optim.LBFGS(p), Sentinel())
+    with pytest.raises(InvalidArgument, match="not a torch.optim.Optimizer"):
+        watch_updates(object(), Sentinel())
+
+
+def test_no_checked_step_cannot_be_judged():
+    s = Sentinel()
+    watch_updates(torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1), s)
+    (r,) = [r for r in s.close() if r.target.startswith("watch:updates")]
+    assert r.verdict == "error" and r.metrics["biased"] is None
+
+
+def accumulate(dtype, micro, *, watch=True, steps=3, clip=None):
+    """A Linear whose weight gradient is the same sign in every micro-batch (about 4.2 per
+    element): summed in bf16 the running sum stalls once its ulp passes twice that (16 at
+    2048), so 512 micro-batches (about 2150 in fp64) lose several percent."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).to(dtype)
+    o = torch.optim.SGD(model.parameters(), lr=1e-3)
+    s = Sentinel(interval=steps) if watch else None
+    w = watch_updates(o, s) if watch else None
+    data = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        o.zero_grad()
+        for _ in range(micro):
+            x = (1 + 0.1 * torch.rand(4, 8, generator=data)).to(dtype)
+            model(x).sum().backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        o.step()
+        if s is not None:
+            s.step()
+    return model, (s.close() if s is not None else None), w
+
+
+def accumulated(results):
+    return [r for r in results if r.target.endswith("].accumulation.all_groups")][-1]
+
+
+def test_bf16_gradient_accumulation_over_many_micro_batches_is_called_biased():
+    _, results, w = accumulate(torch.bfloat16, 512)
+    r = accumulated(results)
+    assert r.verdict == "fail" and "TP-B1" in r.codes and r.metrics["bias"] < -0.05, r.message  # measured -0.096
+    assert r.evidence["contributions"] == 512
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_fp32_gradient_accumulation_is_clean(clip):
+    """Clipping before the step scales p.grad by ~1/1000 here: read after the last
+    contribution, not at the step, it is not mistaken for lost gradient."""
+    _, results, w = accumulate(torch.float32, 512, clip=clip)
+    r = accumulated(results)
+    assert r.verdict == "pass" and abs(r.metrics["bias"]) < 1e-5, r.message
+
+
+def test_one_micro_batch_accumulates_exactly():
+    _, results, w = accumulate(torch.bfloat16, 1)
+    assert list(w.streams.streams["accumulation.all_groups"].errors) == [0.0, 0.0, 0.0]
+
+
+def test_the_accumulation_hooks_change_no_bit():
+    m0, *_ = accumulate(torch.bfloat16, 16, watch=False)
+    m1, _, w = accumulate(torch.bfloat16, 16, watch=True)
+    assert len(w.streams.streams["accumulation.all_groups"].errors) == 3
+    assert all(torch.equal(a, b) for a, b in zip(m0.state_dict().values(), m1.state_dict().values()))
+
+
+def test_a_sample_over_the_budget_is_refused_up_front():
+    o = torch.optim.Adam(nn.Linear(100, 100).parameters())
+    with pytest.raises(InvalidArgument, match="budget"):
+        watch_updates(o, Sentinel(budget=1 << 16), elements=4096)
