@@ -75,14 +75,35 @@ def test_whole_model_part_is_highlighted_where_it_shows():
     post = [dict(r, verdict="beyond", own_error=0.1) if r["role"] == "post_processing" else r for r in TEMPERATURE]
     assert stage_plot(post, MARGIN, "t", shares=_shares(TEMPERATURE_SHARES), kind="temperature")["explains"][
         "stage"] == "after lm_head"
+    # an engine's log-softmax in bf16: numeric at the log-probs row, which is shaded
+    mode = NUMERIC[:-1] + [_row("log-probs", "logprobs", 9e-3, 9e-3, 2.4e-7, "beyond")]
+    shares = dict(NUMERIC_SHARES, **{"numerics[log-probs]": (1.0, 0.99, 1.01)})
+    del shares["numerics[model.layers.1]"]
+    s = stage_plot(mode, MARGIN, "t", shares=_shares(shares), kind="numeric", explained_by="log-probs")
+    assert s["explains"] == {"stage": "log-probs", "part": "numerics[log-probs]", "share": 1.0}
     for kind in ("exact", "noise"):  # nothing explains what is not a finding
         assert stage_plot(NUMERIC, MARGIN, "t", shares=_shares(NUMERIC_SHARES), kind=kind)["explains"]["stage"] is None
 
 
 def test_from_dumps_no_own_error_no_shares():
-    s = stage_plot([dict(r, own_error=None) for r in NUMERIC[:3]], MARGIN, "t")
-    assert [r["own"] for r in s["stages"]] == [None] * 3 and s["shares"] == []
+    dumps = [{"name": r["name"], "free_error": r["free_error"], "noise_floor": r["noise_floor"],
+              "divergent": r["free_error"] > MARGIN * r["noise_floor"]} for r in NUMERIC[:5]]
+    s = stage_plot(dumps, MARGIN, "t")
+    assert [r["own"] for r in s["stages"]] == [None] * 5 and s["shares"] == []
+    assert s["explains"]["stage"] == "model.layers.1" and s["highlight"] == "first divergent stage"
+    fig = _drawn(s)
+    assert len(fig.axes) == 2  # no nats row, no shares
+    assert _points(fig.axes[1], "free") == [(2.48e-4, 4), (2.55e-4, 3), (2.6e-4, 2)]
+    assert _points(fig.axes[0], "free-zero") == [(0.0, 0), (0.0, 1)] and not _points(fig.axes[1], "own")
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == [
+        "free-running error (all before it too)", "noise floor .. x8", "first divergent stage"]
     assert stage_plot([], MARGIN, "t") is None
+
+
+def test_title_names_factories_not_their_import_paths():
+    s = stage_plot(NUMERIC, MARGIN, "numeric: pkg.mod:trainer vs pkg.mod:engine")
+    assert s["title"] == "numeric: trainer vs engine"
+    assert stage_plot(NUMERIC, MARGIN, "noise: demo: x (MoE)")["title"] == "noise: demo: x (MoE)"
 
 
 # --- drawn --------------------------------------------------------------------------------

@@ -6,11 +6,25 @@ the part that explains it highlighted. The probe puts it in evidence["plots"], s
 report, the audit and `--plot` draw the same picture from the same numbers."""
 from __future__ import annotations
 
+import re
+
 from trainprobes.drift.postproc import LOGPROBS_ROLE
 
 # the parts of the decomposition in the order the probe removes them (decompose.PARTS)
 PARTS = ("weights", "routing", "temperature", "renormalisation", "numerics", "unexplained")
 WHOLE_MODEL = ("temperature", "renormalisation")  # parts with no stage of their own
+
+
+_IMPORT_PATH = re.compile(r"\b[A-Za-z_][\w.]*:([A-Za-z_]\w*)")  # pkg.mod:factory -> factory
+
+
+NOTE = ("own: the stage alone (the trainer's input into the engine's stage); free-running: everything "
+        "before it too. Exact zeros sit on the '0' strip, not on the log axis. The log-probs row is in "
+        "nats: its free value is the whole drift, its own value what remains once a temperature and a "
+        "renormalisation are taken out. The shaded row holds the largest share of the drift.")
+NOTE_DUMPS = ("From dumps: the free-running error only (no patched run, no shares). Exact zeros sit on "
+              "the '0' strip, not on the log axis. The shaded row is the first whose free-running error "
+              "exceeds margin x its floor.")
 
 
 def _short(name: str) -> str:
@@ -57,15 +71,16 @@ def stage_plot(stages: list, margin: float, title: str, *, shares: dict | None =
         return None
     parts = _parts(shares) if shares else []
     stage, key = _explains(kind, stages, parts, explained_by)
+    if shares is None:  # from dumps: no decomposition, the first divergent stage is the answer
+        stage = next((s["name"] for s in stages if s.get("divergent") or s.get("verdict") == "beyond"), None)
     rows = [{"name": s["name"], "label": _short(s["name"]), "own": s.get("own_error"), "free": s["free_error"],
              "floor": s["noise_floor"], "high": s["noise_floor"] * margin, "verdict": s.get("verdict", ""),
              "unit": "nats" if s.get("role") == LOGPROBS_ROLE else "relative"} for s in stages]
     share = next((p for p in parts if p["key"] == key), None)
+    title = _IMPORT_PATH.sub(r"\1", title)  # the card and the report say the whole path
     return {"kind": "stages", "title": title if len(title) <= 90 else title[:89] + "\u2026",
             "stages": rows, "margin": margin, "shares": parts,
             "explains": {"stage": stage, "part": key, "share": share["share"] if share else None},
+            "highlight": "explains the drift" if shares is not None else "first divergent stage",
             "xlabel": "|B - A| / |A| per token (log)", "xlabel_nats": "|log-ratio| per scored token, nats (log)",
-            "note": "own: the stage alone (the trainer's input into the engine's stage); free-running: "
-                    "everything before it too. Exact zeros sit on the '0' strip, not on the log axis. "
-                    "The log-probs row is in nats: its free value is the whole drift, its own value "
-                    "what remains once a temperature and a renormalisation are taken out."}
+            "note": NOTE if shares is not None else NOTE_DUMPS}

@@ -143,7 +143,9 @@ def draw_stages(fig, spec: dict) -> list:
                Line2D([], [], ls="none", marker="D", color=FREE, mfc="white", mew=1.3,
                       label="free-running error (all before it too)"),
                Patch(color="0.86", label=f"noise floor .. x{spec.get('margin', 0):g}"),
-               Patch(color=HIGHLIGHT, label="explains the drift")]
+               Patch(color=HIGHLIGHT, label=spec.get("highlight", "explains the drift"))]
+    if not (spec.get("explains") or {}).get("stage"):
+        handles = handles[:-1]
     if not any(r["own"] is not None for r in spec["stages"]):
         handles = handles[1:]
     fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=SMALL, frameon=False)
