@@ -207,3 +207,22 @@ def test_the_plot_of_a_demo_case_draws_its_results_numbers(name):
         assert sorted(drawn) == sorted((rows[n][key], i if n != "log-probs" else 0)
                                        for i, n in enumerate(names) if rows[n][key] != 0)
         assert len(zeros) == sum(rows[n][key] == 0 for n in names)
+
+
+def test_plot_writes_a_grid_three_to_a_row(tmp_path):
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+    from trainprobes.commands.drift_localize import PLOT_COLUMNS, plot, render
+    from trainprobes.report.plots import render_png
+    from trainprobes.result import Result
+    specs = [_numeric(), _temperature(), _numeric(), _temperature()]
+    results = [Result("drift.localize", f"t{i}", "fail", metrics={"kind": "numeric"},
+                      evidence={"plots": [s], "stages": NUMERIC}) for i, s in enumerate(specs)]
+    plot(results, tmp_path / "p.png")
+    sheet = Image.open(tmp_path / "p.png")
+    sizes = [Image.open(io.BytesIO(render_png(s))).size for s in specs]
+    assert PLOT_COLUMNS == 3
+    assert sheet.width == sum(w for w, _ in sizes[:3])
+    assert sheet.height == max(h for _, h in sizes[:3]) + sizes[3][1]
+    # the text table gives the log-probs row its unit
+    assert [ln for ln in render(results[:1]).splitlines() if "log-probs" in ln][0].endswith("(nats)")
