@@ -226,3 +226,13 @@ def test_plot_writes_a_grid_three_to_a_row(tmp_path):
     assert sheet.height == max(h for _, h in sizes[:3]) + sizes[3][1]
     # the text table gives the log-probs row its unit
     assert [ln for ln in render(results[:1]).splitlines() if "log-probs" in ln][0].endswith("(nats)")
+
+
+def test_a_non_finite_error_is_written_not_dropped():
+    rows = [dict(r, own_error=math.inf, free_error=math.nan, verdict="beyond") if r["name"] == "model.layers.1" else r
+            for r in NUMERIC]
+    fig = _drawn(stage_plot(rows, MARGIN, "t", shares=_shares(NUMERIC_SHARES), kind="numeric"))
+    texts = {t.get_gid(): t.get_text() for t in fig.axes[1].texts}
+    assert texts == {"own-nonfinite": "own inf", "free-nonfinite": "free nan"}
+    assert 2 not in [y for _, y in _points(fig.axes[1], "own") + _points(fig.axes[0], "own-zero")]
+    assert all(math.isfinite(v) for v in fig.axes[1].get_xlim())

@@ -61,6 +61,10 @@ def _stage_axes(zero, ax, rows: list, spec: dict) -> None:
             v = r[key]
             if v is None:  # from dumps: no patched run, no own error
                 continue
+            if not _finite(v):  # no place on any axis: said in words at the row's end
+                ax.annotate(f"{key} {v}", xy=(0.99, y + dy), xycoords=("axes fraction", "data"), ha="right",
+                            va="center", fontsize=SMALL, color=color, gid=f"{key}-nonfinite")
+                continue
             target, x = (zero, 0.0) if v == 0 else (ax, v)
             target.plot([x], [y + dy], ls="none", marker="o" if key == "own" else "D", ms=5, color=color,
                         mfc=color if filled else "white", mew=1.3, zorder=3,
