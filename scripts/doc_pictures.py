@@ -5,6 +5,8 @@
   drift-plot.png    `trainprobes drift --plot` on a heavy-tailed file: 8192 tokens whose
                     inference log-probs sit 0.01 nats above the trainer's with 0.02 of noise,
                     and 20 tokens 1 to 6 nats below (a sampler bug on rare tokens)
+  drift-localize.png  `trainprobes drift localize --plot` on the demo's example pair (a tiny
+                    Llama whose block 2's MLP runs in bf16): one Result, one figure
   audit-report.png  report.html of `trainprobes audit` (the default suite), at 900 pixels
                     wide, as a browser (headless chromium) draws it
   audit-trends.png  the trends the report draws after `--runs` audits into one --history
@@ -82,6 +84,9 @@ def main() -> None:
         train, infer = heavy_tailed(work)
         run("drift", "--train", str(train), "--infer", str(infer), "--plot",
             str(args.out / "drift-plot.png"), "--force", cwd=work)
+        run("drift", "localize", "--target", "trainprobes.drift.localize_demo:example_trainer",
+            "--engine", "trainprobes.drift.localize_demo:example_engine", "--no-progress", "--plot",
+            str(args.out / "drift-localize.png"), "--force", cwd=work)
         from trainprobes.audit.history import read_history, trend_plots
         for _ in range(args.runs - len(read_history(work / "history"))):
             # a nightly: the same suite and seed every night
@@ -91,7 +96,8 @@ def main() -> None:
         from trainprobes.report.plots import render_png
         stacked([render_png(s, colors=256) for s in trend_plots(read_history(work / "history"))],
                 args.out / "audit-trends.png")
-        print(f"wrote {', '.join(str(args.out / n) for n in ('drift-plot.png', 'audit-report.png', 'audit-trends.png'))}")
+        names = ("drift-plot.png", "drift-localize.png", "audit-report.png", "audit-trends.png")
+        print(f"wrote {', '.join(str(args.out / n) for n in names)}")
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -20,7 +20,7 @@ def test_a_control_is_reproduced_only_where_injected():
     checks, _ = default_suite(families=["drift_localize"], in_process=True)
     r = next(c for c in checks if c.name == "block 2's MLP in bf16").run()
     assert r.reproduced and r.metrics["matches_known_verdict"] is True
-    assert r.evidence["plots"][0]["kind"] == "line"
+    assert r.evidence["plots"][0]["kind"] == "stages"
     from trainprobes.drift.localize_demo import reproduced
     r.metrics["first_layer"] = "model.layers.1"  # found elsewhere: a fail, but not this control's
     assert r.verdict == r.expected == "fail" and not reproduced(r)

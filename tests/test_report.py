@@ -25,6 +25,15 @@ SPECS = {
                "xticklabels": ["11-28 07:30", "11-29 07:30", "11-30 07:30"],
                "panels": [{"ylabel": "bias", "series": {"a": [1, 2, 3], "b": [0, 0, "nan"]}},
                           {"ylabel": "k3_kl", "series": {"a": [0.1, 0.1, 0.2]}}]},
+    "stages": {"kind": "stages", "title": "numeric: x", "margin": 8.0,
+               "stages": [{"name": "a", "label": "a", "own": 0.0, "free": 0.0, "floor": 1e-7, "high": 8e-7,
+                           "verdict": "exact", "unit": "relative"},
+                          {"name": "b", "label": "b", "own": 3e-4, "free": 3e-4, "floor": 1e-7, "high": 8e-7,
+                           "verdict": "beyond", "unit": "relative"},
+                          {"name": "log-probs", "label": "log-probs", "own": 0.0, "free": 9e-3, "floor": 2e-7,
+                           "high": 1.6e-6, "verdict": "exact", "unit": "nats"}],
+               "shares": [{"key": "numerics[b]", "label": "numerics: b", "share": 1.0, "low": 0.9, "high": 1.1}],
+               "explains": {"stage": "b", "part": "numerics[b]", "share": 1.0}},
 }
 
 EMOJI = re.compile("[\u2600-\u27bf\U0001f300-\U0001faff\ufe0f]")

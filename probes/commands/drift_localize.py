@@ -232,8 +232,9 @@ def render(results) -> str:
                          f"{'yes' if reproduced(r) else 'NO'}")
         for s in r.evidence.get("stages", []):
             own = s.get("own_error")
+            unit = "  (nats)" if s.get("role") == "logprobs" else ""  # the other rows: relative errors
             lines.append(f"    {s['name']:<28} own {'-' if own is None else f'{own:.3g}':>9}  free "
-                         f"{s['free_error']:.3g}  floor {s['noise_floor']:.3g}  {s.get('verdict', '')}"
+                         f"{s['free_error']:.3g}  floor {s['noise_floor']:.3g}  {s.get('verdict', '')}{unit}"
                          .rstrip())
         for o in r.evidence.get("ops", []):
             if o["verdict"] == "beyond":
@@ -243,14 +244,18 @@ def render(results) -> str:
     return "\n".join(lines)
 
 
+PLOT_COLUMNS = 3  # the demo's 15 cases as a 3 x 5 grid, not one strip of 15
+
+
 def plot(results, path, *, replace: bool = True) -> None:
-    """Each Result's per-stage plot (its evidence["plots"], trainprobes.drift.stage_plot),
-    stacked: the picture the HTML report draws."""
+    """Each Result's per-stage plot (its evidence["plots"], trainprobes.drift.stage_plot, the
+    picture the HTML report draws), in a grid of PLOT_COLUMNS in result order."""
     from trainprobes.report.plots import have_matplotlib, png_sheet
     from trainprobes.result import write_atomic
     if not have_matplotlib():
         raise InvalidArgument("--plot needs matplotlib: pip install 'trainprobes[plots]'")
-    write_atomic(path, png_sheet([r.evidence["plots"][:1] for r in results if r.evidence.get("plots")]),
+    specs = [r.evidence["plots"][0] for r in results if r.evidence.get("plots")]
+    write_atomic(path, png_sheet([specs[i:i + PLOT_COLUMNS] for i in range(0, len(specs), PLOT_COLUMNS)]),
                  replace=replace)
 
 

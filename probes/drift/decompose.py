@@ -26,7 +26,14 @@ from __future__ import annotations
 import torch
 from trainprobes.drift.carriers import carriers
 from trainprobes.drift.engines import Engine
-from trainprobes.drift.localize import HAND_OFF, Localisation, hand_off_name, localize_layers, record
+from trainprobes.drift.localize import (
+    HAND_OFF,
+    Localisation,
+    hand_off_name,
+    localize_layers,
+    record,
+    rel_error,
+)
 from trainprobes.drift.patching import Hooks
 from trainprobes.drift.postproc import LOGPROBS_ROLE, ROLE, judge_logprobs, judge_post
 from trainprobes.drift.routing import routing
@@ -99,8 +106,11 @@ def _post(trainer: Engine, eng: Engine, loc_engine: Engine, loc: Localisation, z
     else:  # the engine's free run recorded it already
         calls = loc.runs.b_free
     z_h = _hybrid(trainer, calls[last.name], last.name, ids, am)
+    # the free runs' own logits: the free column, whatever sync or replay did to z_b
+    z_a, z_free = loc.runs.logits_a[:, :-1], loc.runs.logits_b[:, :-1]
+    free = torch.where(mask, rel_error(z_free, z_a), 0.0).sum().item() / max(int(mask.sum()), 1)
     post = judge_post(z_b, z_h, mask, lm_head=last.name, u=loc.u, margin=margin, alpha=alpha,
-                      n_stages=len(loc.stages) + 1)
+                      n_stages=len(loc.stages) + 1, free_error=free)
     part = _tok(eng.logprobs(z_b), lp_a, tok, mask) - _tok(eng.logprobs(z_h), lp_a, tok, mask)
     return post, part
 
@@ -215,7 +225,8 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
         loc.first_layer, loc.op, loc.op_module = post.report.name, ROLE, post.report.name[len("after "):]
     # the log-prob functions on the same logits, once temperature and renormalisation are out
     fn = judge_logprobs(fa, z_b, sem.parts["numerics"], tok, mask, u=loc.u, margin=margin, alpha=alpha,
-                        n_stages=len(loc.stages) + 1, seed=seed)
+                        n_stages=len(loc.stages) + 1, seed=seed,
+                        free_error=x[mask].abs().mean().item() if bool(mask.any()) else 0.0)
     loc.stages.append(fn)
     if fn.verdict == "beyond":
         by_stage[fn.name] = sem.parts["numerics"]
@@ -440,7 +451,9 @@ def _result(trainer, engine, loc, kind, shares, sem, rt, stale, unmatched, sync,
         "residual_convention": {"trainer": trainer.convention, "engine": engine.convention},
         "units": describe(*mask.shape),
     }
-    evidence["plots"] = [stage_plot(evidence["stages"], margin, f"{kind}: {target or trainer.name + ' vs ' + engine.name}")]
+    evidence["plots"] = [stage_plot(evidence["stages"], margin, f"{kind}: {target or trainer.name + ' vs ' + engine.name}",
+                                    shares=evidence["shares"], kind=kind,
+                                    explained_by=explained[0] or loc.first_layer or "")]
     codes = [] if kind in ("exact", "noise") else ["TP-D4"]
     verdict = "pass" if not codes else "fail"
     return Result(probe="drift.localize", target=target or f"{trainer.name} vs {engine.name}",

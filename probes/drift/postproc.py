@@ -33,9 +33,11 @@ class PostProcessing:
 
 
 def judge_post(z_b: torch.Tensor, z_h: torch.Tensor, mask: torch.Tensor, *, lm_head: str, u: float,
-               margin: float, alpha: float, n_stages: int) -> PostProcessing:
+               margin: float, alpha: float, n_stages: int, free_error: float) -> PostProcessing:
     """z_b, z_h: [B, T, V] the engine's logits and the trainer's with the engine's lm_head
-    output; mask [B, T]. n_stages: the rows of the stage table, this one included."""
+    output; mask [B, T]. n_stages: the rows of the stage table, this one included.
+    free_error: the free-running runs' relative logit difference, the row's free column (what
+    reaches the logits from every stage before, not this row's own part)."""
     zb, zh = z_b.double(), z_h.double()
     m = mask.double()
     own = torch.where(mask, rel_error(zb, zh), 0.0)
@@ -44,8 +46,7 @@ def judge_post(z_b: torch.Tensor, z_h: torch.Tensor, mask: torch.Tensor, *, lm_h
                    n_tests=n_stages)
     nonfinite = t.nonfinite
     n = m.sum().clamp_min(1).item()
-    rep = StageReport(f"after {lm_head}", ROLE, 0, None, (own * m).sum().item() / n, (own * m).sum().item() / n,
-                      floor, *t)
+    rep = StageReport(f"after {lm_head}", ROLE, 0, None, (own * m).sum().item() / n, free_error, floor, *t)
     # per position, over the vocabulary: demeaned logits, slope by sequence (the units)
     xh = torch.where(mask[..., None], zh - zh.mean(-1, keepdim=True), 0.0)
     yb = torch.where(mask[..., None], zb - zb.mean(-1, keepdim=True), 0.0)
@@ -66,14 +67,17 @@ LOGPROBS_ROLE = "logprobs"
 
 
 def judge_logprobs(trainer_logprobs, z: torch.Tensor, e: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor,
-                   *, u: float, margin: float, alpha: float, n_stages: int, seed: int = 0) -> StageReport:
+                   *, u: float, margin: float, alpha: float, n_stages: int, free_error: float,
+                   seed: int = 0) -> StageReport:
     """The two sides' log-prob functions on the SAME logits z [B, T, V] (no numerics of the model
     enter): e [B, T], what remains of the scored token's log-ratio once a temperature and a
     renormalisation are taken out (trainprobes.drift.semantics' numerics part), judged per
     sequence against what one rounding at the nominal precision u does to the trainer's
     function: its logits and its output each jittered by (1 + u d), d uniform in [-1, 1]. An
     engine that computes its log-softmax in bf16, or rounds fp32 logits to bf16 first, drifts
-    as much as a bf16 lm_head (0.009 nats a token in the demo's Llama) with every stage exact."""
+    as much as a bf16 lm_head (0.009 nats a token in the demo's Llama) with every stage exact.
+    free_error: the whole drift, mean |log-ratio| of the scored tokens (nats, as own and the
+    floor of this row): a temperature or a renormalisation shows there, not in own."""
     g = torch.Generator().manual_seed(seed)
     t = tokens[..., None]
     with torch.no_grad():
@@ -88,5 +92,5 @@ def judge_logprobs(trainer_logprobs, z: torch.Tensor, e: torch.Tensor, tokens: t
     test = stage_test(own, floor2, mask, margin=margin, alpha=alpha, n_tests=n_stages)
     n = m.sum().clamp_min(1).item()
     mean_own = (own * m).sum().item() / n
-    return StageReport(LOGPROBS, LOGPROBS_ROLE, 0, None, mean_own, mean_own,
+    return StageReport(LOGPROBS, LOGPROBS_ROLE, 0, None, mean_own, free_error,
                        (floor2.sqrt() * m).sum().item() / n, *test)

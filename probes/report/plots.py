@@ -17,6 +17,9 @@ plain JSON, so a report can be re-rendered later from report.json alone:
   {"kind": "panels", "title", "x": [...], "xticklabels": [...], "xlabel",
    "panels": [{"ylabel", "series": {label: [...]}, "integer": bool}], "note"}
                                                           trends across runs, one panel a metric
+  {"kind": "stages", ...}                                 a localisation's stages and shares
+                                                          (trainprobes.drift.stage_plot; drawn by
+                                                          trainprobes.report.stage_figure)
 Any spec may carry "note": a sentence report.html prints under the picture (what is hidden,
 how to read it). matplotlib is imported only here, with the Agg backend; without it
 reports have no plots.
@@ -33,7 +36,7 @@ from dataclasses import dataclass
 from trainprobes.display import format_number
 from trainprobes.markup import plot_text
 
-KINDS = ("line", "hist", "ci", "heatmap", "bars", "panels")
+KINDS = ("line", "hist", "ci", "heatmap", "bars", "panels", "stages")
 DPI = 96
 SMALL, MID, BIG = 8, 9, 10  # points: ticks and legends, axis labels, titles
 
@@ -98,6 +101,9 @@ def _draw(fig, spec: dict) -> None:
         raise ValueError(f"plot kind={kind!r} is not one of {KINDS}")
     if kind == "panels":
         return _draw_panels(fig, spec)
+    if kind == "stages":
+        from trainprobes.report.stage_figure import draw_stages
+        return draw_stages(fig, spec)
     if kind == "ci":
         return _draw_ci(fig, spec)
     if kind == "hist" and (spec.get("below") or spec.get("above")):
@@ -515,6 +521,9 @@ def size_of(spec: dict) -> tuple[float, float]:
     """Figure size in inches: wide enough for a legend beside the axes, tall enough for
     one readable row per label."""
     kind = spec.get("kind")
+    if kind == "stages":
+        from trainprobes.report.stage_figure import size_of_stages
+        return size_of_stages(spec)
     if kind == "ci":
         groups = forest_groups(forest_rows(spec))
         return 9.5, 1.3 + 0.28 * len(spec["estimate"]) + 0.45 * len(groups)
