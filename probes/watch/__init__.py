@@ -8,14 +8,17 @@ each library's own extension point, changing no bit of it.
     SentinelFinding   raised by step() on a finding when stop_on_finding=True (exit 1)
     watch_routers     MoE routers' decisions causality-checked on the run's micro-batches
     watch_updates     sampled weight updates and gradient accumulation against fp64
+    watch_gemms       a sampled Linear call's wgrad (fprop, dgrad) under an FP8 recipe and
+                      an accumulator preset, on the run's own operands
 """
 from trainprobes.watch.ddp import attach_ddp
+from trainprobes.watch.gemm import watch_gemms
 from trainprobes.watch.router import watch_routers
 from trainprobes.watch.sentinel import Sentinel, SentinelFinding
 from trainprobes.watch.updates import watch_updates
 
-__all__ = ["Sentinel", "SentinelFinding", "attach_ddp", "SentinelCallback", "watch_routers",
-           "watch_updates"]
+__all__ = ["Sentinel", "SentinelFinding", "attach_ddp", "SentinelCallback", "watch_gemms",
+           "watch_routers", "watch_updates"]
 
 
 def __getattr__(name):
