@@ -116,3 +116,53 @@ def test_no_linear_or_no_sentinel_is_refused():
         watch_gemms(_mlp(), object())
     with pytest.raises(InvalidArgument, match="not a torch.nn.Linear"):
         watch_gemms(_mlp(), Sentinel(), modules={"relu": torch.nn.ReLU()})
+
+
+def test_tiny_llama_is_bitwise_unchanged():
+    transformers = pytest.importorskip("transformers")
+
+    def run(watch):
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, attention_dropout=0.1)
+        model = transformers.LlamaForCausalLM(cfg)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), 1e-3)
+        s = Sentinel(budget=16 << 20)
+        w = watch_gemms(model, s, every=1, samples=64) if watch else None
+        g = torch.Generator().manual_seed(2)
+        losses = []
+        for _ in range(3):
+            ids = torch.randint(0, 128, (2, 64), generator=g)
+            loss = model(input_ids=ids, labels=ids).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            s.step()
+            losses.append(loss.detach().clone())
+        return losses, model.state_dict(), torch.get_rng_state(), s, w
+
+    la, wa, ra, _, _ = run(False)
+    lb, wb, rb, s, w = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(la, lb))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa) and torch.equal(ra, rb)
+    assert s.errors == [] and sum(st["checks"] for st in w.stats.values()) == 3
+
+
+def test_copies_are_new_memory_within_the_budget():
+    m = _mlp(dropout=0.0)
+    budget = 3 << 20  # the sentinel's own windows need 2.6 MB
+    s = Sentinel(budget=budget)
+    w = watch_gemms(m, s, every=1, samples=64, modules={"0": m[0]})
+    x = torch.randn(4, 512, 32)
+    m(x).sum().backward()
+    c = w._captured["0"]
+    k = len(c["idx"])
+    per_row = 64 * 64 + (32 + 64) * 4  # the judge's float64 working set and both copies
+    assert 2 <= k < 4 * 512 and k * per_row <= budget
+    assert c["x"].untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    assert torch.equal(c["x"], x.reshape(-1, 32)[c["idx"]]) and c["dy"].shape == (k, 64)
+    s.step()
+    (r,) = [r for r in s.close() if "checks" in r.metrics]
+    assert r.metrics["k"] == k
