@@ -54,8 +54,8 @@ from trainprobes.causality.inputs import (
     resolve_cuts,
     spread_first,
 )
-from trainprobes.causality.near_tie import skipped
 from trainprobes.causality.near_tie import search as near_tie_search
+from trainprobes.causality.near_tie import skipped
 from trainprobes.causality.records import NOT_TESTED, Findings, Isolation
 from trainprobes.causality.summary import Setup, nondeterministic, summarise
 from trainprobes.causality.target import Picker, Target, abs_diff, differs
