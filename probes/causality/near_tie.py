@@ -106,17 +106,19 @@ def search(judge: Judge, tgt: Target, R: torch.Tensor, cuts: list, *, points: in
     a0, a1 = torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.float64)
     seg = (hi_v.double() - lo_v.double())
     at = lambda a: (lo_v.double() + a.view(-1, *[1] * (lo_v.dim() - 1)) * seg).to(x.dtype)
+    p0, p1 = at(a0), at(a1)  # the ends' values, kept as they move (one cast per step)
     for _ in range(STEPS):
         mid = (a0 + a1) / 2
         pm = at(mid)
-        live = ~((pm == at(a0)).flatten(1).all(1) | (pm == at(a1)).flatten(1).all(1))
+        live = ~((pm == p0).flatten(1).all(1) | (pm == p1).flatten(1).all(1))
         if not live.any():
             break
         # ties no longer bisected sit at their low end, as they will in the test below
-        dm = calls(_set(base, w, t, torch.where(_bcast(live, pm), pm, at(a0))))[w, t]
+        dm = calls(_set(base, w, t, torch.where(_bcast(live, pm), pm, p0)))[w, t]
         same = ~differs(d_lo[:, None], dm[:, None], judge.atol)[:, 0]
-        a0 = torch.where(live & same, mid, a0)
-        a1 = torch.where(live & ~same, mid, a1)
+        up, down = _bcast(live & same, pm), _bcast(live & ~same, pm)
+        a0, p0 = torch.where(live & same, mid, a0), torch.where(up, pm, p0)
+        a1, p1 = torch.where(live & ~same, mid, a1), torch.where(down, pm, p1)
         d_hi = torch.where(_bcast(live & ~same, dm), dm, d_hi)
     out.reached = n
     out.width = float((a1 - a0).max())
@@ -124,7 +126,7 @@ def search(judge: Judge, tgt: Target, R: torch.Tensor, cuts: list, *, points: in
     # each window replaced: base and perturbed copies in calls of the same layout, row for
     # row (rounding that depends on a row's place in the batch or its size is the same)
     trial = R[0].to(x.device)
-    rows = torch.cat([_set(base, w, t, at(a0)), _set(base, w, t, at(a1))])  # [2W, T, ...]
+    rows = torch.cat([_set(base, w, t, p0), _set(base, w, t, p1)])  # [2W, T, ...]
     rsrc, rend = src.repeat(2), ends.repeat(2)
     dec = torch.cat([calls(rows), calls(_future(rows, rend, trial[rsrc]))])
     # the unchanged ends once more: at a tie any nondeterminism flips a decision, and a
