@@ -2,11 +2,13 @@
 the first flip of every leaky control.
 
 1. Full certification at T=512 (every cut 0..T-2, decisions at positions <= c compared with
-   the baseline) by the probe, against the loop any user would write: one call per cut.
-   Measured side by side in one run, interleaved (probe, loop, loop, probe, ...), reported as
-   the median over --repeats of each repeat's probe/loop ratio. The probe does strictly more
-   (determinism and isolation checks, a control copy per packed call) and chooses how many
-   copies go into one call by measuring (trainprobes.causality.packing). Targets: a cheap
+   the baseline) by the probe, as a user runs it (the near-tie search included, for targets
+   that return decisions only), against the loop any user would write: one call per cut.
+   Measured side by side in one run, interleaved (probe, loop, cuts only, ...; the order
+   rotates), reported as the median over --repeats of each repeat's probe/loop ratio, with
+   the probe's cuts alone (near_ties=0) beside it. The probe does strictly more
+   (determinism and isolation checks, a control copy per packed call, the near-tie search)
+   and chooses how many copies go into one call by measuring (trainprobes.causality.packing). Targets: a cheap
    router, the tiny MoE block, a single-head causal attention router and a tiny transformer
    block (torch.nn.TransformerEncoderLayer, causal mask): the last two cost T x T per copy,
    where one big packed call can fall out of cache.
@@ -15,6 +17,7 @@ the first flip of every leaky control.
 Writes reports/causality-benchmark.md (a section per device).
 
     python benchmarks/bench_causality.py [--device cuda] [--repeats 5] [--seq-len 512] [--out FILE]
+        [--targets router,moe,attention,transformer] [--no-first-flips]
 """
 from __future__ import annotations
 
@@ -97,30 +100,31 @@ def certify(name, fn, x, pick, decision, repeats):
     """Probe and loop interleaved, `repeats` times each, after one untimed call of the target
     (the process's first calls pay for thread pools and the allocator)."""
     R = torch.randn_like(x) if x.is_floating_point() else (x + 1) % 1000
-    probe_t, loop_t, results = [], [], []
+    probe_t, loop_t, cuts_t, results = [], [], [], []
     with torch.no_grad():
         fn(x)
-    for k in range(repeats):  # interleaved, so machine load hits both alike
-        for which in ("probe", "loop") if k % 2 == 0 else ("loop", "probe"):  # neither always first
+    runs = {"probe": lambda: check(fn, x, cuts="all", decision=decision),
+            "cuts": lambda: check(fn, x, cuts="all", decision=decision, near_ties=0),
+            "loop": lambda: plain_loop(fn, x, R, pick)}
+    order = ["probe", "loop", "cuts"]
+    for k in range(repeats):  # interleaved, so machine load hits all alike; none always first
+        for which in order[k % 3:] + order[:k % 3]:
+            t, res = timed(runs[which])
+            {"probe": probe_t, "loop": loop_t, "cuts": cuts_t}[which].append(t)
             if which == "probe":
-                t, res = timed(lambda: check(fn, x, cuts="all", decision=decision, near_ties=0))
-                probe_t.append(t)
                 results.append(res)
-            else:
-                t, _ = timed(lambda: plain_loop(fn, x, R, pick))
-                loop_t.append(t)
-    # the near-tie search (decision-only targets) is a test the loop does not do at all: the
-    # ratio compares the cuts' machinery, the search's own cost is timed beside it
-    ties_t = [timed(lambda: check(fn, x, cuts="all", decision=decision, near_ties=16))[0]
-              for _ in range(repeats)]
     ratios = [p / lo for p, lo in zip(probe_t, loop_t)]
+    cut_ratios = [c / lo for c, lo in zip(cuts_t, loop_t)]
     res = results[len(results) // 2]
+    ties = res.evidence.get("near_tie_search") or {}
     m, packing = res.metrics, res.evidence["packing"] or {}
     sizes = packing.get("sizes") or []
     return {"name": name, "shape": "x".join(map(str, x.shape)),
             "probe_s": statistics.median(probe_t), "loop_s": statistics.median(loop_t),
-            "ties_s": statistics.median(ties_t),
+            "cuts_s": statistics.median(cuts_t), "cut_ratio": statistics.median(cut_ratios),
             "ratio": statistics.median(ratios), "ratios": ratios,
+            "ties": (f"{ties['reached']} ties, {ties['evaluations']} calls" if ties.get("reached")
+                     else ties.get("reason") or "- (scores or float decisions)"),
             "evals": m["n_evaluations"], "loop_evals": x.shape[1],
             "tokens": m["tokens_evaluated"], "loop_tokens": x.shape[0] * x.shape[1] ** 2,
             "copies": sorted({r.evidence["packing"]["copies_per_call"] for r in results
@@ -159,7 +163,14 @@ def main(argv=None):
     ap.add_argument("--seq-len", type=parse_int("seq_len", min=2), default=512)
     ap.add_argument("--repeats", type=parse_int("repeats", min=1), default=5)
     ap.add_argument("--out", default="reports/causality-benchmark.md")
+    ap.add_argument("--targets", default="router,moe,attention,transformer",
+                    help="comma-separated: router, moe, attention, transformer")
+    ap.add_argument("--no-first-flips", action="store_true", help="skip part 2")
     args = ap.parse_args(argv)
+    names = ("router", "moe", "attention", "transformer")
+    wanted = [n.strip() for n in args.targets.split(",") if n.strip()]
+    if not wanted or any(n not in names for n in wanted):
+        ap.error(f"--targets {args.targets!r}: pick from {', '.join(names)}")
     dev, T = torch.device(args.device), args.seq_len
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, T, 8, generator=g).to(dev)
@@ -173,8 +184,9 @@ def main(argv=None):
         ("tiny transformer block (nn.TransformerEncoderLayer D=64, 2 heads), hidden out",
          TransformerBlock().to(dev), hidden, lambda o: o, None),
     ]
-    rows = [certify(name, fn, x, pick, dec, args.repeats) for name, fn, x, pick, dec in targets]
-    flips = first_flips()
+    rows = [certify(name, fn, x, pick, dec, args.repeats)
+            for key, (name, fn, x, pick, dec) in zip(names, targets) if key in wanted]
+    flips = [] if args.no_first_flips else first_flips()
     dev_name = (torch.cuda.get_device_name(dev) if dev.type == "cuda" else
                 f"CPU ({platform.processor() or platform.machine()}, "
                 f"{torch.get_num_threads()} threads)")
@@ -183,23 +195,27 @@ def main(argv=None):
              f"({T - 1} cuts), median of {args.repeats} interleaved repeats", "",
              f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}{load} (a shared "
              f"machine: absolute seconds move with the load, the ratio is taken side by side).", "",
-             "| target | input | probe s | loop s | probe/loop | ratios (each repeat) | probe evals | "
-             "loop evals | probe tokens | loop tokens | copies per call | verdict | with the near-tie search |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| target | input | probe s | loop s | probe/loop | ratios (each repeat) | cuts only "
+             "(near_ties=0) | near-tie search | probe evals | loop evals | probe tokens | loop tokens "
+             "| copies per call | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         copies = "/".join(str(c) for c in r["copies"]) + f" (largest {r['largest']})"
         lines.append(f"| {r['name']} | {r['shape']} | {r['probe_s']:.3f} | {r['loop_s']:.3f} | "
                      f"**{r['ratio']:.2f}x** | {' '.join(f'{v:.2f}' for v in r['ratios'])} | "
+                     f"{r['cuts_s']:.3f} s ({r['cut_ratio']:.2f}x) | {r['ties']} | "
                      f"{r['evals']} | {r['loop_evals']} | {r['tokens']} | {r['loop_tokens']} | "
-                     f"{copies} | {'/'.join(r['verdicts'])} | {r['ties_s']:.3f} s "
-                     f"({r['ties_s'] / r['probe_s']:.2f}x the probe) |")
+                     f"{copies} | {'/'.join(r['verdicts'])} |")
     lines += ["", "Copies per call: what the probe settled on in each repeat (0: packing did not "
               "pay, one call per cut after the first); largest: the biggest call of the median "
-              "repeat. The probe column runs with near_ties=0; the last column is the default "
-              "check of a decision-only target, the near-tie search included (16 points).", "",
-              "### Evaluations to the first flip, leaky controls (seeds 0, 1, 2)", "",
-              "| control | cuts | input | evaluations to first flip | evaluations | of which "
-              "confirming | batch-isolated | causal |", "|---|---|---|---|---|---|---|---|"]
+              "repeat. The probe column is the check as a user runs it (cuts=\"all\", the near-tie "
+              "search included where the target returns decisions only); cuts only: the same "
+              "with near_ties=0, timed in the same rotation.", "",
+              ]
+    if flips:
+        lines += ["### Evaluations to the first flip, leaky controls (seeds 0, 1, 2)", "",
+                  "| control | cuts | input | evaluations to first flip | evaluations | of which "
+                  "confirming | batch-isolated | causal |", "|---|---|---|---|---|---|---|---|"]
     for f in flips:
         lines.append(f"| {f['name']} | {f['cuts']} | {f['shape']} | {', '.join(map(str, f['first']))} | "
                      f"{', '.join(map(str, f['evals']))} | {', '.join(map(str, f['confirm']))} | "

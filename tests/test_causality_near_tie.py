@@ -82,6 +82,21 @@ def test_the_search_costs_are_counted_and_the_cuts_alone_are_unchanged():
     assert ties > 0 and on.metrics["n_evaluations"] == off.metrics["n_evaluations"] + ties
 
 
+@pytest.mark.parametrize("B", [1, 4])
+def test_the_search_costs_calls_of_the_inputs_size_however_many_ties(B):
+    """Every search call holds min(B, near_ties) copies of a row, all their ties in it: 64
+    ties cost what 16 do (it was one row per tie: 2.8x a per-cut loop at T=512, issue 31)."""
+    x = X(0, B=B)
+    off = check(causal_route, x, near_ties=0).metrics["tokens_evaluated"]
+    for n in (16, 64):
+        on = check(causal_route, x, near_ties=n)
+        ties = on.evidence["near_tie_search"]
+        assert ties["windows"] == min(B, n) and ties["reached"] > n // 2
+        assert ties["evaluations"] <= 30 and ties["held"] == 2 * ties["reached"]
+        # every call one copy per window, the three calls of both ends two
+        assert on.metrics["tokens_evaluated"] - off == (ties["evaluations"] + 3) * min(B, n) * 64
+
+
 def test_scores_make_the_search_unneeded_and_ids_say_what_they_cannot_rule_out():
     x = X(0)
     with_scores = check(lambda v: ((v @ W).argmax(-1), v @ W), x, decision=0, scores=1)

@@ -54,8 +54,8 @@ from trainprobes.causality.inputs import (
     resolve_cuts,
     spread_first,
 )
-from trainprobes.causality.near_tie import STEPS, skipped
 from trainprobes.causality.near_tie import search as near_tie_search
+from trainprobes.causality.near_tie import skipped
 from trainprobes.causality.records import NOT_TESTED, Findings, Isolation
 from trainprobes.causality.summary import Setup, nondeterministic, summarise
 from trainprobes.causality.target import Picker, Target, abs_diff, differs
@@ -71,7 +71,7 @@ def check(fn: Callable, inputs: torch.Tensor, *, mode: str = "perturb", cuts=Non
           layout: str = "batched", vocab: int | None = None, fp64=None,
           margin_tol: float | None = None, pack: bool | int = True, max_batch_tokens: int = 65536,
           max_verify: int | None = None, max_leaks: int = 200, target: str | None = None,
-          near_ties: int = 16, progress: Callable[[int, int], None] | None = None) -> Result:
+          near_ties: int = 32, progress: Callable[[int, int], None] | None = None) -> Result:
     """Probe fn for decisions that depend on future tokens. Returns a Result (probe
     "causality.check") with metrics causal, n_leaks, flip_rate, mismatch_rate (truncate),
     n_evaluations, tokens_evaluated, ... and evidence leaks, flip_rate_by_position,
@@ -88,10 +88,11 @@ def check(fn: Callable, inputs: torch.Tensor, *, mode: str = "perturb", cuts=Non
     margin_tol: absolute score gap below which a flip may be rounding noise; default
       max(32, T) ulps of the score's magnitude (a reordered reduction over T positions).
     near_ties: for a target that returns decisions only (no scores) on float inputs, how
-      many decisions at the cuts to bring to a tie by bisection on the input before the
-      future is perturbed (near_tie.py): a leak too small to flip a choice at random
-      inputs' margins flips one there; above 16 only where the cuts cost as many target
-      tokens as the search. 0: off (the Result then says what it cannot rule out).
+      many decisions before the cuts to bring to a tie by bisection on the input before
+      the future is perturbed (near_tie.py): a leak too small to flip a choice at random
+      inputs' margins flips one there. They sit in min(B, near_ties) copies of rows, so the
+      search costs ~25 calls of the inputs' size however many there are. 0: off (the
+      Result then says what it cannot rule out).
     """
     mode = check_choice(mode, "mode", MODES)
     trials = check_int(trials, "trials", min=1, hint="perturbations per cut")
@@ -164,11 +165,8 @@ def _near_ties(judge: Judge, tgt: Target, R, cuts, iso: Isolation, run: Cuts, *,
         return skipped("token ids cannot be moved continuously towards a tie")
     if layout != "batched" or iso.isolated is not True:
         return skipped("copies share a call only for a batch-isolated target with a batch axis")
-    # more than 16 points only where the cuts cost as much (each point costs ~STEPS + 7 calls
-    # of one sequence); 16 always: a leak through one expert reaches few ties (a quarter of
-    # top-1 ties involve a given expert of 8), and 4 points missed one in 4 seeds of 5
-    T = judge.x.shape[1]
-    points = min(points, max(16, tgt.tokens_evaluated // ((STEPS + 7) * T)))
+    # every search call holds min(B, points) copies of a row, however many ties they carry
+    # (near_tie.py): more points cost no more calls, only longer windows before each cut
     return near_tie_search(judge, tgt, R, cuts, points=points, max_batch_tokens=max_batch_tokens)
 
 

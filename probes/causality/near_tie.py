@@ -5,15 +5,24 @@ little (a router subtracting 0.001 x the sequence-mean logit) never flips a choi
 target that returns expert ids alone gives the probe nothing else to see. This search makes
 the margin small by construction:
 
-  1. For a position t (t = a cut c, so every later position is future) take two values of
-     x[b, t], the input's own and another, with different decisions at t.
-  2. Bisect the segment between them (every candidate in one call, one call per step) until
-     the two ends are ~2^-20 apart, or adjacent floats: a bracket [lo, hi] around the tie.
-  3. Run both ends with the future replaced, and unchanged (twice), in calls of the same
-     layout (row for row: rounding that depends on a row's place or the batch size is the
-     same in each). Two unchanged calls that disagree are nondeterminism (TP-C2): at a tie any
-     run-to-run noise flips a choice. A causal target cannot move either decision; a leak
-     that shifts the boundary by more than the bracket moves exactly one of them.
+  1. Windows: min(B, points) copies of the input's rows, each with a run of consecutive
+     positions (ties) ending at a cut c, up to `points` in all; everything after c is the
+     future of every tie in the window. For each tie take two values of x[b, t], the
+     input's own and another, with different decisions at t.
+  2. Bisect the segment between them (every tie of every window in one call, one call per
+     step) until the two ends are ~2^-20 apart, or adjacent floats: a bracket [lo, hi]
+     around the tie. A call costs what one cut costs (min(B, points) rows), so the search
+     is ~STEPS + 5 calls of the inputs' size however many ties it brackets. A tie's
+     decision also depends on the ties before it in its window (its past), which move
+     while it is bisected: a bracket that this moves out of is found in step 3 (its end
+     no longer decides as recorded) and that end is not used.
+  3. Run the low ends together and the high ends together with what follows each window
+     replaced, and unchanged (twice), in calls of the same layout (row for row: rounding
+     that depends on a row's place or the batch size is the same in each). Two unchanged
+     calls that disagree are nondeterminism (TP-C2): at a tie any run-to-run noise flips a
+     choice. A causal target cannot move any tie's decision; a leak that shifts a boundary
+     by more than the bracket moves one end. (The other ties of the window, between a tie
+     and its window's cut, are not replaced: the future tested is what follows the cut.)
   4. A flip is a leak (structural) if it persists farther from the tie than reordered
      reductions could reach, max(32, T) ulps of relative input distance (the bound classify
      uses for a score gap),
@@ -47,8 +56,10 @@ MAX_REACH = 20      # distances 2^1 .. 2^20 brackets from the tie
 class NearTies:
     """What the near-tie search did: brackets reached, flips and how they were judged."""
     tried: int = 0                 # positions for which a bracket was sought
+    windows: int = 0               # copies of rows holding them (rows of every search call)
     reached: int = 0               # brackets around a tie (ends with different decisions)
     width: float | None = None     # the widest bracket, relative to its segment
+    held: int = 0                  # bracket ends that decided as recorded when run together
     noise_reach: float = 0.0       # relative distance reordered reductions may move a tie
     flips: int = 0
     kinds: list = field(default_factory=lambda: [0] * len(Kind))
@@ -71,83 +82,89 @@ def skipped(reason: str) -> NearTies:
 
 def search(judge: Judge, tgt: Target, R: torch.Tensor, cuts: list, *, points: int,
            max_batch_tokens: int, max_records: int = 20) -> NearTies:
-    """Bracket up to `points` decisions at the cuts and perturb their futures (see module)."""
+    """Bracket up to `points` decisions in windows before the cuts and perturb what follows
+    each window (see module)."""
     x = judge.x
     B, T = x.shape[:2]
     out = NearTies(noise_reach=reduction_ulps(T) * torch.finfo(x.dtype).eps)
-    rows = max(1, max_batch_tokens // T)  # sequences per call
-    calls = _Caller(tgt, rows, out)
-    # 1. candidates (b, t = c), spread over cuts and rows
-    pairs = torch.tensor([(b, c) for c in cuts for b in range(B)], dtype=torch.long)
-    if len(pairs) > points:
-        pairs = pairs[torch.linspace(0, len(pairs) - 1, points).round().long()]
-    b, t = pairs[:, 0], pairs[:, 1]
-    out.tried = len(b)
-    lo_v = x[b, t]
-    d_lo = judge.base.decision[b, t]
-    hi_v, d_hi, ok = _other_end(calls, x, R, b, t, d_lo, judge.atol)
+    calls = _Caller(tgt, max(1, max_batch_tokens // T), out)
+    # 1. windows: one copy of a row each, its ties on the positions up to a cut
+    src, ends, w, t = _windows(B, T, cuts, points)
+    W = len(src)
+    out.tried, out.windows = len(w), W
+    base = x[src]  # [W, T, ...] the copies every call starts from
+    lo_v = base[w, t]
+    d_lo = judge.base.decision[src[w], t]
+    hi_v, d_hi, ok = _other_end(calls, x, base, R, src, w, t, d_lo, judge.atol)
     if not ok.any():
-        out.reason = (f"no second input value changed any of {len(b)} decisions at the cuts "
+        out.reason = (f"no second input value changed any of {len(w)} decisions at the cuts "
                       f"(the decision may not depend on the token's own value)")
         return out
-    b, t, lo_v, hi_v, d_lo, d_hi = b[ok], t[ok], lo_v[ok], hi_v[ok], d_lo[ok], d_hi[ok]
-    # 2. bisection in float64 along each segment, points cast to the input's dtype
-    a0, a1 = torch.zeros(len(b), dtype=torch.float64), torch.ones(len(b), dtype=torch.float64)
+    w, t, lo_v, hi_v, d_lo, d_hi = w[ok], t[ok], lo_v[ok], hi_v[ok], d_lo[ok], d_hi[ok]
+    n = len(w)
+    # 2. bisection in float64 along each segment, every tie of every window in one call
+    a0, a1 = torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.float64)
     seg = (hi_v.double() - lo_v.double())
     at = lambda a: (lo_v.double() + a.view(-1, *[1] * (lo_v.dim() - 1)) * seg).to(x.dtype)
+    p0, p1 = at(a0), at(a1)  # the ends' values, kept as they move (one cast per step)
     for _ in range(STEPS):
         mid = (a0 + a1) / 2
         pm = at(mid)
-        live = ~((pm == at(a0)).flatten(1).all(1) | (pm == at(a1)).flatten(1).all(1))
+        live = ~((pm == p0).flatten(1).all(1) | (pm == p1).flatten(1).all(1))
         if not live.any():
             break
-        dm = calls(_place(x, b, t, pm))[torch.arange(len(b)), t]
+        # ties no longer bisected sit at their low end, as they will in the test below
+        dm = calls(_set(base, w, t, torch.where(_bcast(live, pm), pm, p0)))[w, t]
         same = ~differs(d_lo[:, None], dm[:, None], judge.atol)[:, 0]
-        a0 = torch.where(live & same, mid, a0)
-        a1 = torch.where(live & ~same, mid, a1)
+        up, down = _bcast(live & same, pm), _bcast(live & ~same, pm)
+        a0, p0 = torch.where(live & same, mid, a0), torch.where(up, pm, p0)
+        a1, p1 = torch.where(live & ~same, mid, a1), torch.where(down, pm, p1)
         d_hi = torch.where(_bcast(live & ~same, dm), dm, d_hi)
-    out.reached = len(b)
+    out.reached = n
     out.width = float((a1 - a0).max())
-    # 3. both ends, unchanged and with the future replaced, in one call
-    ends = [(a0, d_lo), (a1, d_hi)]
+    # 3. the low ends together and the high ends together, unchanged and with what follows
+    # each window replaced: base and perturbed copies in calls of the same layout, row for
+    # row (rounding that depends on a row's place in the batch or its size is the same)
     trial = R[0].to(x.device)
-    tt, bb = t.repeat(2), b.repeat(2)
-    base_x = torch.cat([_place(x, b, t, at(a)) for a, _ in ends])
-    # base and perturbed copies in two calls of the same layout, row for row: rounding that
-    # depends on a row's place in the batch or the batch's size is then the same in both
-    dec = torch.cat([calls(base_x), calls(_future(base_x, tt, trial[bb]))])
-    n = 2 * len(b)
-    idx = torch.arange(n)
-    # the unchanged ends once more, same layout: at a tie any nondeterminism flips a decision,
-    # and a flip that two identical calls disagree on is TP-C2, never a leak (nor a pass)
-    again = differs(dec[:n], calls(base_x), judge.atol)
+    rows = torch.cat([_set(base, w, t, p0), _set(base, w, t, p1)])  # [2W, T, ...]
+    rsrc, rend = src.repeat(2), ends.repeat(2)
+    dec = torch.cat([calls(rows), calls(_future(rows, rend, trial[rsrc]))])
+    # the unchanged ends once more: at a tie any nondeterminism flips a decision, and a
+    # flip that two identical calls disagree on is TP-C2, never a leak (nor a pass)
+    again = differs(dec[:2 * W], calls(rows), judge.atol)
     if again.any():
         where = again.nonzero()
-        raise Nondeterministic([[int(bb[i]), int(p)] for i, p in where[:10].tolist()],
+        raise Nondeterministic([[int(rsrc[i]), int(p)] for i, p in where[:10].tolist()],
                                int(again.sum()))
-    held = ~differs(torch.cat([d for _, d in ends])[:, None], dec[idx, tt][:, None], judge.atol)[:, 0]
-    moved = differs(dec[idx, tt][:, None], dec[n + idx, tt][:, None], judge.atol)[:, 0] & held
-    alpha = torch.cat([a for a, _ in ends])
-    side = torch.cat([-torch.ones(len(b)), torch.ones(len(b))]).double()
+    rw = torch.cat([w, W + w])  # the row of each (tie, end): low ends, then high ends
+    tt = t.repeat(2)
+    want = torch.cat([d_lo, d_hi])
+    held = ~differs(want[:, None], dec[rw, tt][:, None], judge.atol)[:, 0]
+    out.held = int(held.sum())
+    moved = differs(dec[rw, tt][:, None], dec[2 * W + rw, tt][:, None], judge.atol)[:, 0] & held
+    alpha = torch.cat([a0, a1])
+    side = torch.cat([-torch.ones(n), torch.ones(n)]).double()
     j = moved.nonzero().flatten()
     out.flips = len(j)
     if not len(j):
         return out
-    # 4. how far from the tie each flip persists (k = 0 re-runs the flip itself)
+    # 4. how far from the tie each flip persists (k = 0 re-runs the flip itself), in its own
+    # end's copy with only that tie moved
     width = (a1 - a0).repeat(2)[j]
     dist = width[:, None] * (2.0 ** torch.arange(MAX_REACH + 1, dtype=torch.float64))[None]
-    aj = (alpha[j][:, None] + side[j][:, None] * (dist - dist[:, :1])).clamp(0, 1)  # [n, K]
+    aj = (alpha[j][:, None] + side[j][:, None] * (dist - dist[:, :1])).clamp(0, 1)  # [f, K]
     K = aj.shape[1]
-    rb, rt = bb[j].repeat_interleave(K), tt[j].repeat_interleave(K)
     seg_j = seg.repeat(2, *[1] * (seg.dim() - 1))[j].repeat_interleave(K, 0)
     lo_j = lo_v.repeat(2, *[1] * (lo_v.dim() - 1))[j].repeat_interleave(K, 0)
     pts = (lo_j.double() + aj.reshape(-1).view(-1, *[1] * (lo_v.dim() - 1)) * seg_j).to(x.dtype)
-    bx = _place(x, rb, rt, pts)
-    dec2 = torch.cat([calls(bx), calls(_future(bx, rt, trial[rb]))])
-    m = len(rb)
+    rr, rt = rw[j].repeat_interleave(K), tt[j].repeat_interleave(K)
+    bx = _set(rows, rr, rt, pts, take=True)
+    rsj = rsrc[rr]
+    dec2 = torch.cat([calls(bx), calls(_future(bx, rend[rr], trial[rsj]))])
+    m = len(rr)
     k_idx = torch.arange(m)
-    want = torch.cat([d for _, d in ends])[j].repeat_interleave(K, 0)
-    same_side = ~differs(want[:, None], dec2[k_idx, rt][:, None], judge.atol)[:, 0]
+    same_side = ~differs(want[j].repeat_interleave(K, 0)[:, None], dec2[k_idx, rt][:, None],
+                         judge.atol)[:, 0]
     flipped = differs(dec2[k_idx, rt][:, None], dec2[m + k_idx, rt][:, None], judge.atol)[:, 0]
     persists = (same_side & flipped).view(len(j), K)
     # the contiguous run from k = 0: how far the boundary moved, in relative input distance
@@ -160,30 +177,50 @@ def search(judge: Judge, tgt: Target, R: torch.Tensor, cuts: list, *, points: in
     # with the batch) go to the twin, at the farthest point the flip reached
     ask = kind == Kind.UNVERIFIED
     if ask.any():
-        far = (run.sum(1) - 1).clamp_min(0)[ask]
-        kind[ask] = _twin(judge, x, bb[j][ask], tt[j][ask],
-                          pts.view(len(j), K, *pts.shape[1:])[ask, far], trial)
+        far = (run.sum(1) - 1).clamp_min(0)
+        pick = torch.arange(len(j))[ask] * K + far[ask]
+        kind[ask] = _twin(judge, bx[pick], rt[pick], rend[rr][pick], trial[rsj][pick])
     out.kinds = torch.bincount(kind, minlength=len(Kind)).tolist()
     for r in range(min(len(j), max_records)):
-        out.records.append({"batch": int(bb[j][r]), "position": int(tt[j][r]),
-                            "cut": int(tt[j][r]), "width": float(width[r]),
+        i = int(j[r])
+        out.records.append({"batch": int(rsrc[rw[i]]), "position": int(tt[i]),
+                            "cut": int(rend[rw[i]]), "width": float(width[r]),
                             "reach": float(reach[r]), "kind": Kind(int(kind[r])).label,
-                            "before": dec[int(j[r]), int(tt[j][r])].tolist(),
-                            "after": dec[n + int(j[r]), int(tt[j][r])].tolist()})
+                            "before": dec[int(rw[i]), int(tt[i])].tolist(),
+                            "after": dec[2 * W + int(rw[i]), int(tt[i])].tolist()})
     return out
 
 
-def _twin(judge: Judge, x, b, t, pts, trial) -> torch.Tensor:
+def _twin(judge: Judge, base, t, end, trial) -> torch.Tensor:
     """Kinds of near-tie flips the distance test could not settle, by the fp64 twin: its
-    decision at the same point moves with the future too (structural) or not (numerical);
-    no twin: unverified."""
-    base = _place(x, b, t, pts)
-    got = [judge.fp64(xc) for xc in (base, _future(base, t, trial[b]))]
+    decision at the same point moves with what follows the window too (structural) or not
+    (numerical); no twin: unverified."""
+    got = [judge.fp64(xc) for xc in (base, _future(base, end, trial))]
     if None in got:
-        return torch.full((len(b),), int(Kind.UNVERIFIED), dtype=torch.long)
-    i = torch.arange(len(b))
+        return torch.full((len(t),), int(Kind.UNVERIFIED), dtype=torch.long)
+    i = torch.arange(len(t))
     moved = differs(got[0].decision[i, t][:, None], got[1].decision[i, t][:, None], judge.atol)[:, 0]
     return torch.where(moved, int(Kind.STRUCTURAL), int(Kind.NUMERICAL))
+
+
+def _windows(B: int, T: int, cuts: list, points: int):
+    """Where the ties go: min(B, points) windows, each a copy of one row (rows in turn) with
+    up to ceil(points / windows) ties on consecutive positions ending at a cut (cuts spread
+    evenly, centred); what follows the window's last position is what gets replaced.
+    Returns (source row per window [W], last position per window [W], window and position
+    of each tie [n], [n])."""
+    W = max(1, min(B, points))
+    k = -(-points // W)
+    picks = [cuts[min(len(cuts) - 1, int((i + 0.5) * len(cuts) / W))] for i in range(W)]
+    src = torch.arange(W) % B
+    ends, w, t = [], [], []
+    for i, c in enumerate(picks):
+        end = min(max(c, k - 1), T - 2)
+        for p in range(max(0, end - k + 1), end + 1):
+            w.append(i)
+            t.append(p)
+        ends.append(end)
+    return src, torch.tensor(ends), torch.tensor(w), torch.tensor(t)
 
 
 class _Caller:
@@ -200,10 +237,10 @@ class _Caller:
         return torch.cat(parts)
 
 
-def _place(x, b, t, values):
-    """Copies of rows b of x with position t (one per copy) set to values."""
-    xs = x[b].clone()
-    xs[torch.arange(len(b)), t] = values.to(x.device)
+def _set(rows, w, t, values, take: bool = False):
+    """A copy of rows with rows[w, t] set to values (take: rows[w] taken as one copy each)."""
+    xs = rows[w].clone() if take else rows.clone()
+    xs[torch.arange(len(w)) if take else w, t] = values.to(rows.device)
     return xs
 
 
@@ -217,23 +254,25 @@ def _bcast(mask, like):
     return mask.view(-1, *[1] * (like.dim() - 1))
 
 
-def _other_end(calls, x, R, b, t, d_lo, atol):
-    """A second value for each x[b, t] whose decision differs: a replacement value, or the
-    value at another row or position. Returns (values, decisions, found)."""
+def _other_end(calls, x, base, R, src, w, t, d_lo, atol):
+    """A second value for each tie whose decision differs: a replacement value, or the value
+    at another row or position, tried for every open tie of every window in one call each.
+    Returns (values, decisions, found)."""
     B, T = x.shape[:2]
+    b = src[w]
     sources = [R[i, b, t] for i in range(len(R))] + [x[(b + 1) % B, t], x[b, (t + 1) % T],
                                                      2 * x[b, t] - x[(b + 1) % B, t]]
     val = x[b, t].clone()
     dec = d_lo.clone()
-    found = torch.zeros(len(b), dtype=torch.bool)
-    for src in sources:
+    found = torch.zeros(len(w), dtype=torch.bool)
+    for src_v in sources:
         if found.all():
             break
         need = ~found
-        d = calls(_place(x, b[need], t[need], src[need].to(x.dtype)))[torch.arange(int(need.sum())), t[need]]
+        d = calls(_set(base, w[need], t[need], src_v[need].to(x.dtype)))[w[need], t[need]]
         new = differs(d_lo[need][:, None], d[:, None], atol)[:, 0]
         idx = need.nonzero().flatten()[new]
-        val[idx] = src[need][new].to(x.dtype)
+        val[idx] = src_v[need][new].to(x.dtype)
         dec[idx] = d[new]
         found[idx] = True
     return val, dec, found

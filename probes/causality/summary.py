@@ -259,12 +259,15 @@ def _tie_evidence(ties) -> dict | None:
     if ties is None:
         return None
     from trainprobes.causality.near_tie import REACH_FACTOR
-    return {"tried": ties.tried, "reached": ties.reached, "width": ties.width,
+    return {"tried": ties.tried, "windows": ties.windows, "reached": ties.reached,
+            "held": ties.held, "width": ties.width,
             "noise_reach": ties.noise_reach, "reach_factor": REACH_FACTOR,
             "kinds": {Kind(k).label: n for k, n in enumerate(ties.kinds)}, "flips": ties.flips,
             "records": ties.records, "evaluations": ties.evaluations, "reason": ties.reason,
             "assumption": "a tie moved by reordered reductions moves by max(32, T) ulps of the "
-                          "input segment (scores of the order of their spread along it)"}
+                          "input segment (scores of the order of their spread along it)",
+            "covers": "ties in windows of consecutive positions ending at a cut, one window "
+                      "per copy of a row; each tie's future is what follows its window's cut"}
 
 
 def _tie_message(found: Findings, metrics: dict) -> str:

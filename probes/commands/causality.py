@@ -54,10 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scores", type=_picker, default=None, metavar="INDEX|NAME",
                    help="which part of the output holds routing scores [B, T, E] (for margins)")
     p.add_argument("--no-fp64", action="store_true", help="never re-run the target in float64")
-    p.add_argument("--near-ties", type=parse_int("near_ties", min=0), default=16, metavar="N",
+    p.add_argument("--near-ties", type=parse_int("near_ties", min=0), default=32, metavar="N",
                    help="without --scores, on float inputs: decisions brought to a tie by "
                         "bisection before the future is perturbed, so a small leak flips one "
-                        "(16; 0: off)")
+                        "(32; 0: off)")
     p.add_argument("--max-batch-tokens", type=parse_int("max_batch_tokens", min=1), default=65536,
                    help="memory budget for packing perturbed copies into one call (65536)")
     p.add_argument("--show", type=parse_int("show", min=0), default=10, metavar="N",
