@@ -10,6 +10,7 @@ from trainprobes.commands.options import (
     add_report_options,
     emit_report,
     progress_for,
+    write_announced,
 )
 from trainprobes.errors import InvalidArgument
 from trainprobes.validation import check_number, parse_number, parse_with
@@ -209,7 +210,7 @@ def run(args) -> int:
         return drift_localize.run(args)
     results = _results(args)
     if args.plot:
-        plot(results, args.plot, replace=args.force)
+        write_announced(args.plot, lambda p: plot(results, p, replace=args.force), "plot")
     emit_report(args, results)
     if not args.json:
         print(render(results))

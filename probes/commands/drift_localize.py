@@ -9,6 +9,7 @@ from trainprobes.commands.options import (
     add_report_options,
     emit_report,
     progress_for,
+    write_announced,
 )
 from trainprobes.errors import InvalidArgument, TargetError
 from trainprobes.validation import parse_number
@@ -282,7 +283,7 @@ def run(args) -> int:
     try:
         results = _results(args)
         if args.plot:
-            plot(results, args.plot, replace=args.force)
+            write_announced(args.plot, lambda p: plot(results, p, replace=args.force), "plot")
     except (Exception, KeyboardInterrupt) as e:  # --json: a refusal is a document too, then exits as ever
         if args.json and not isinstance(e, KeyboardInterrupt):
             print(refusal_document(args, e))

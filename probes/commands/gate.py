@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from trainprobes.commands.options import add_force_option
+from trainprobes.commands.options import add_force_option, write_announced
 from trainprobes.display import append_step_summary
 from trainprobes.validation import parse_number
 
@@ -49,6 +49,6 @@ def run(args) -> int:
         from trainprobes.gate.render import render_text
         print(render_text(report), end="")
     if args.markdown:
-        write_atomic(args.markdown, md, replace=args.force)
+        write_announced(args.markdown, lambda p: write_atomic(p, md, replace=args.force), "Markdown summary")
     append_step_summary(md)
     return report.exit_code

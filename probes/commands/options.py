@@ -133,6 +133,29 @@ def check_writable(path, flag: str, *, force: bool = False) -> None:
         raise InvalidArgument(f"{flag} {str(p)!r}: the folder {str(folder)!r} is not writable")
 
 
+def first_missing_folder(path):
+    """The folder of `path` where it does not exist yet (writing creates it), or None."""
+    from pathlib import Path
+    folder = Path(path).absolute().parent
+    return None if folder.exists() else folder
+
+
+def say_written(path, what: str, created=None) -> None:
+    """One line on stderr saying where a file went, and which folder was made for it: a user
+    who typed a path with a typo in a folder finds the file."""
+    import sys
+    from pathlib import Path
+    made = f" (created the folder {str(created)!r})" if created is not None else ""
+    print(f"trainprobes: {what} written to {str(Path(path).absolute())!r}{made}", file=sys.stderr)
+
+
+def write_announced(path, write, what: str) -> None:
+    """write(path), then say_written."""
+    created = first_missing_folder(path)  # looked at before the write makes it
+    write(path)
+    say_written(path, what, created)
+
+
 def check_outputs(args) -> None:
     """check_writable for every file option the parsed `args` names."""
     for attr, flag in WRITES.items():
@@ -153,7 +176,8 @@ def emit_report(args, results, **extra) -> None:
 
     meta = {"command": args.command, "options": options_of(args), **extra}
     if getattr(args, "output", None):
-        save_results(args.output, results, replace=bool(getattr(args, "force", False)), **meta)
+        write_announced(args.output, lambda p: save_results(p, results, replace=bool(getattr(args, "force", False)),
+                                                            **meta), "report")
     if args.json:
         print(dumps_report(results, **meta))
 
