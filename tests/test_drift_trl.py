@@ -1,0 +1,173 @@
+"""trainprobes.watch.grpo: the drift monitor inside TRL 1.16's GRPOTrainer, on a tiny random
+Llama with an in-memory word-level tokenizer and a rollout_func sampler (grpo_demo), CPU only.
+
+Measured figures these tests hold (16 completions x 6 tokens per generation batch, one look
+per batch, alpha 0.01 over the run): temperature applied twice (T = 0.8) is called biased at
+the 3rd batch (mean +0.064 nats/token); a bf16 sampler against an fp32 trainer is noisy
+(sd 0.04 nats/token, k3 9e-4, no significant bias in 10 batches); the clean pair is clean.
+"""
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from trainprobes.errors import InvalidArgument, InvalidType, OutputExists  # noqa: E402
+from trainprobes.gate.judgeable import check_judgeable  # noqa: E402
+from trainprobes.result import load_results  # noqa: E402
+from trainprobes.watch.grpo import GRPODriftMonitor, truncation_of  # noqa: E402
+from trainprobes.watch.grpo_demo import Sampler, run, tiny_llama, word_tokenizer  # noqa: E402
+from trainprobes.watch.sentinel import SentinelFinding  # noqa: E402
+
+BATCH = 16
+TEMPERATURE_TWICE_BY = 6  # generation batches; measured: 3
+
+
+def _run(kind, steps, tmp_path, **kw):
+    mon_kw = {k: kw.pop(k) for k in ("stop_on_finding", "interval", "max_sequences") if k in kw}
+    mon = GRPODriftMonitor(interval=mon_kw.pop("interval", 1), report=tmp_path / "drift.json", **mon_kw)
+    trainer = run(kind, steps=steps, monitor=mon, output_dir=str(tmp_path / "out"), batch=BATCH, **kw)
+    return mon, trainer
+
+
+@pytest.mark.slow
+def test_clean_pair_is_never_called_biased_and_reaches_logs_and_report(tmp_path):
+    mon, trainer = _run("clean", 5, tmp_path)
+    assert mon.error_count == 0, mon.errors
+    assert len(mon.rows) == 5
+    assert all(r[f"drift/{n}/verdict"] == "clean" for r in mon.rows for n in ("interval", "run"))
+    assert mon.found_at == {}
+    final = mon.results[-1]
+    assert final.verdict == "pass" and final.metrics["drift_verdict"] == "clean"
+    assert final.metrics["trl_is_changed_share"] == 0.0
+    # the trainer's logger got the numbers (log_history is what every reporter is handed)
+    logged = [h for h in trainer.state.log_history if "drift/run/verdict" in h]
+    assert len(logged) >= 4 and logged[0]["drift/run/verdict"] == "clean"
+    results, meta = load_results(tmp_path / "drift.json")
+    assert meta["command"] == "watch.grpo" and meta["options"]["interval"] == 1
+    assert [r.verdict for r in results] == ["pass"]
+    for r in results:
+        check_judgeable(r, "candidate")  # the gate can read it
+    doc = json.loads((tmp_path / "drift.json").read_text())
+    assert doc["schema_version"] and len(doc["looks"]) == 5
+
+
+@pytest.mark.slow
+def test_temperature_applied_twice_is_called_biased_and_stops_when_asked(tmp_path):
+    with pytest.raises(SentinelFinding) as info:
+        _run("temperature_twice", TEMPERATURE_TWICE_BY, tmp_path, stop_on_finding=True)
+    mon_results = info.value.results
+    found = [r for r in mon_results if r.verdict == "fail"]
+    assert found and "TP-D1" in found[0].codes
+    m = found[0].metrics
+    assert m["biased"] and m["mean_log_ratio"] > 0 and m["ci_low"] > 0  # the sampler is sharper
+    assert found[0].evidence["found_at_batch"] <= TEMPERATURE_TWICE_BY
+    results, _ = load_results(tmp_path / "drift.json")  # written before the run stopped
+    assert any(r.verdict == "fail" for r in results)
+    for r in results:
+        check_judgeable(r, "candidate")
+
+
+@pytest.mark.slow
+def test_bf16_sampler_against_fp32_trainer_is_noise_not_bias(tmp_path):
+    mon, _ = _run("bf16", 6, tmp_path)
+    final = mon.results[-1].metrics
+    assert mon.found_at == {}
+    assert final["drift_verdict"] == "noisy"
+    assert 0.01 < final["std_log_ratio"] < 0.1  # bf16 rounding of a peaked softmax, per token
+
+
+@pytest.mark.slow
+def test_top_p_raw_logprobs_agree_but_sampling_is_off_policy(tmp_path):
+    mon, _ = _run("top_p_raw", 3, tmp_path)
+    final = mon.results[-1]
+    assert final.metrics["drift_verdict"] == "clean"  # raw log-probs: the trainer's own
+    assert final.metrics["sampling_truncated"] is True
+    assert final.verdict == "warn" and "top_p=0.9" in final.message and "off-policy" in final.message
+    check_judgeable(final, "candidate")
+
+
+def test_truncation_is_read_from_the_sampling_parameters():
+    assert truncation_of({"temperature": 0.7, "top_p": 1.0, "top_k": 0, "min_p": None,
+                          "repetition_penalty": 1.0}) == []
+    assert truncation_of({"top_p": 0.95, "top_k": 50, "min_p": 0.1, "repetition_penalty": 1.1}) == [
+        "top_p=0.95", "top_k=50", "min_p=0.1", "repetition_penalty=1.1"]
+
+
+# --- bad input: named, counted, never raised into the run (unless stop_on_finding) -----------
+
+class _Accel:
+    def autocast(self):
+        return torch.autocast("cpu", enabled=False)
+
+
+def _trainer():
+    args = SimpleNamespace(temperature=0.8, per_device_train_batch_size=4, top_p=1.0, top_k=0, min_p=None,
+                           repetition_penalty=1.0, vllm_importance_sampling_mode="token_truncate",
+                           vllm_importance_sampling_clip_max=2.0, vllm_importance_sampling_clip_min=None,
+                           use_vllm=False, vllm_importance_sampling_correction=True, bf16=False)
+    return SimpleNamespace(model=tiny_llama(0), args=args, accelerator=_Accel(),
+                           state=SimpleNamespace(global_step=0))
+
+
+def _sampled(kind="clean", n=4):
+    tr = _trainer()
+    s = Sampler(kind, word_tokenizer(), temperature=0.8)
+    return tr, s([f"w{i} w{i + 1} w{i + 2} w{i + 3}" for i in range(n)], tr)
+
+
+def test_logits_path_matches_the_sampler_and_counts_trl_clipping():
+    tr, out = _sampled("clean")
+    mon = GRPODriftMonitor(interval=1)
+    mon.observe(out, tr)
+    assert mon.error_count == 0, mon.errors
+    row = mon.rows[0]
+    assert abs(row["drift/run/mean_log_ratio"]) < 1e-5 and row["drift/run/trl_is_changed_share"] == 0
+    tr, out = _sampled("temperature_twice", n=8)
+    mon = GRPODriftMonitor(interval=1)
+    mon.observe(out, tr)
+    train = torch.tensor(out["logprobs"])  # the sampler's; the trainer's differ by the temperature
+    assert mon.rows[0]["drift/run/mean_log_ratio"] > 0
+    assert 0 <= mon.rows[0]["drift/run/trl_is_changed_share"] <= 1 and train.shape == (8, 6)
+
+
+@pytest.mark.parametrize("change, error, words", [
+    (lambda o: o.update(logprobs=[[[-0.1, -2.0]] * len(c) for c in o["completion_ids"]]), InvalidType,
+     "logprobs[0][0] is a list"),
+    (lambda o: o["logprobs"][1].__setitem__(2, 0.7), InvalidArgument,
+     "rollout_func's logprobs (the sampler)[1, 2] = 0.69"),
+    (lambda o: o["logprobs"][0].__setitem__(0, math.nan), InvalidArgument, "is not a log-probability"),
+    (lambda o: o.update(env_mask=[[1] * 3 for _ in o["completion_ids"]]), InvalidArgument,
+     "env_mask[0] has 3 entries"),
+    (lambda o: o["logprobs"][2].pop(), InvalidArgument, "logprobs[2] has 5 entries, completion_ids[2] 6"),
+    (lambda o: o.pop("logprobs"), InvalidArgument, "returned no ['logprobs']"),
+])
+def test_bad_rollout_output_is_named_counted_and_the_run_goes_on(change, error, words):
+    tr, out = _sampled()
+    change(out)
+    mon = GRPODriftMonitor(interval=1)
+    mon.observe(out, tr)  # never raises into the training step
+    assert mon.error_count == 1 and words in mon.errors[0], mon.errors
+    final = mon.close()[-1]
+    assert final.verdict == "error" and "TP-E1" in final.codes and "nothing judged" in final.message
+    strict = GRPODriftMonitor(interval=1, stop_on_finding=True)
+    with pytest.raises(error, match="rollout_func|log-prob"):
+        strict.observe(out, tr)
+
+
+def test_wrap_and_attach_refuse_what_they_cannot_watch(tmp_path):
+    mon = GRPODriftMonitor()
+    with pytest.raises(InvalidType, match="not callable"):
+        mon.wrap(None)
+    tr, out = _sampled()
+    wrapped = mon.wrap(lambda prompts, trainer: out)
+    assert wrapped(["w1"], object()) is out  # the output passes through untouched
+    assert "has no ['model', 'args', 'accelerator', 'state']" in mon.errors[0]
+    (tmp_path / "r.json").write_text("{}")
+    with pytest.raises(OutputExists, match="exists"):
+        GRPODriftMonitor(report=tmp_path / "r.json")
+    with pytest.raises(InvalidArgument, match="sampling names"):
+        GRPODriftMonitor(sampling={"top_q": 0.9})
