@@ -171,3 +171,45 @@ def test_wrap_and_attach_refuse_what_they_cannot_watch(tmp_path):
         GRPODriftMonitor(report=tmp_path / "r.json")
     with pytest.raises(InvalidArgument, match="sampling names"):
         GRPODriftMonitor(sampling={"top_q": 0.9})
+
+
+class _FixedModel(torch.nn.Module):
+    """A 'trainer' whose fused head returns fixed log-probs. The sampler's differ by noise
+    that is on-policy: x = infer - train = e + s^2/2, e ~ N(0, s^2), so E[exp(-x)] = 1 (the
+    trainer's probabilities average to the sampler's under the sampler's draws; drift.compare's
+    null). Every biased call is a false one."""
+
+    def __init__(self, logprobs):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.lp = logprobs
+
+    def forward(self, input_ids, attention_mask, labels=None, fused_lm_head=False):
+        return SimpleNamespace(log_probs=self.lp[input_ids[:, 3]])  # the prompt's last id is the row
+
+
+def _fixed_runs(seeds, offset, alpha=0.05, looks=8, B=8, C=12):
+    """First batch called biased per seed (None: never), on-policy noise sd 0.02 plus offset."""
+    first = []
+    for seed in range(seeds):
+        g = torch.Generator().manual_seed(seed)
+        base = -torch.rand(B, C, generator=g) * 3 - 0.05
+        tr = _trainer()
+        tr.model = _FixedModel(torch.cat([torch.zeros(B, 4), base], 1))
+        mon = GRPODriftMonitor(interval=1, alpha=alpha)
+        for _ in range(looks):
+            noisy = (base + torch.randn(B, C, generator=g) * 0.02 + 0.02 ** 2 / 2 + offset).clamp(max=0)
+            mon.observe({"prompt_ids": [[5, 6, 7, b] for b in range(B)], "completion_ids": [[9] * C] * B,
+                         "logprobs": noisy.tolist()}, tr)
+        assert mon.error_count == 0, mon.errors
+        first.append(mon.found_at.get("run", mon.found_at.get("interval")))
+    return first
+
+
+def test_false_biased_rate_over_seeds_and_looks_stays_under_alpha():
+    # measured: 0 of 60 runs of 8 looks called biased at alpha 0.05; binomial(60, 0.05):
+    # P(X > 8) < 0.01, and the union bound over looks makes the true rate lower still
+    false_runs = sum(f is not None for f in _fixed_runs(60, 0.0))
+    assert false_runs <= 8, false_runs
+    # the same test is not blind: +0.01 nats/token is called at the first look (measured: 60/60)
+    assert all(f is not None and f <= 2 for f in _fixed_runs(10, 0.01))

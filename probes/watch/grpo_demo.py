@@ -4,17 +4,20 @@ realistic way at a time. Used by tests/test_drift_trl.py, examples/grpo_drift.py
 benchmarks/bench_drift_trl.py. Needs trl (pip install trl==1.16.0).
 
 Sampler kinds (what the sampler does; the trainer always scores softmax(logits / T)):
-    clean              the trainer's own weights, fp32, temperature T once
+    clean              the trainer's own module, temperature T once (under accelerate's
+                       mixed precision its forward autocasts as the trainer's does)
+    copy               a separate fp32 module synced every call (an engine of its own)
     temperature_twice  logits / T / T (a sampler that applies T, given logits already scaled)
     bf16               a bf16 copy of the weights, re-synced every call
     top_p_renormalised nucleus sampling (p = 0.9), log-probs renormalised over the nucleus
     top_p_raw          nucleus sampling, raw log-probs (the full softmax's)
+    stale              an fp32 copy of the weights synced only every `stale` calls
 """
 from __future__ import annotations
 
 import torch
 
-KINDS = ("clean", "temperature_twice", "bf16", "top_p_renormalised", "top_p_raw")
+KINDS = ("clean", "copy", "temperature_twice", "bf16", "top_p_renormalised", "top_p_raw", "stale")
 WORDS = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(61)]
 PROMPT_WORDS = 4
 
@@ -51,17 +54,24 @@ class Sampler:
     of each sampled token."""
 
     def __init__(self, kind: str, tokenizer, *, temperature: float = 0.8, top_p: float = 0.9,
-                 length: int = 6, seed: int = 0):
+                 length: int = 6, seed: int = 0, stale: int = 4):
         if kind not in KINDS:
             raise ValueError(f"kind={kind!r}; known: {KINDS}")
         self.kind, self.tok, self.T, self.top_p, self.length = kind, tokenizer, temperature, top_p, length
         self.generator = torch.Generator().manual_seed(seed)
         self.copy = None
         self.calls = 0
+        self.stale = stale
 
     def _model(self, trainer):
-        if self.kind != "bf16":
+        if self.kind not in ("bf16", "stale", "copy"):
             return trainer.model
+        if self.kind in ("stale", "copy"):
+            if self.copy is None or self.kind == "copy" or (self.calls - 1) % self.stale == 0:
+                cfg = trainer.model.config
+                self.copy = self.copy or tiny_llama(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers)
+                self.copy.load_state_dict(trainer.model.state_dict())  # the sync, every `stale` calls
+            return self.copy
         if self.copy is None:
             # a fresh module, not copy.deepcopy(trainer.model): TRL's fused head wraps the
             # model's forward in a closure over the original, so a deep copy would still
@@ -73,6 +83,12 @@ class Sampler:
 
     @torch.no_grad()
     def __call__(self, prompt_texts, trainer):
+        # an inference engine runs in its own dtype, not under the trainer's autocast (TRL
+        # calls rollout_func inside its training step, where bf16=True autocasts)
+        with torch.autocast("cpu", enabled=False):
+            return self._sample(prompt_texts, trainer)
+
+    def _sample(self, prompt_texts, trainer):
         self.calls += 1
         model = self._model(trainer)
         ids = [self.tok(p)["input_ids"] for p in prompt_texts]
@@ -101,13 +117,15 @@ class Sampler:
         return {"prompt_ids": ids, "completion_ids": comp.tolist(), "logprobs": lp.tolist()}
 
 
-def length_reward(completions, **kwargs):
-    return [float(len(c.split())) for c in completions]
+def reward(completions, **kwargs):
+    """Words with an even index: a reward with spread, so GRPO's advantages (and the weight
+    updates a stale sampler misses) are not zero."""
+    return [float(sum(int(w[1:]) % 2 == 0 for w in c.split() if w[1:].isdigit())) for c in completions]
 
 
 def run(kind: str, *, steps: int, monitor=None, seed: int = 0, bf16: bool = False, batch: int = 8,
         generations: int = 4, temperature: float = 0.8, top_p: float | None = None, output_dir: str,
-        learning_rate: float = 1e-5):
+        learning_rate: float = 1e-5, quiet: bool = True):
     """Train `steps` GRPO steps with a `kind` sampler; returns the trainer. With a monitor,
     the two lines a user adds: rollout_func=monitor.wrap(sampler), callbacks=[monitor]."""
     import os
@@ -122,8 +140,11 @@ def run(kind: str, *, steps: int, monitor=None, seed: int = 0, bf16: bool = Fals
                       temperature=temperature, top_p=top_p, bf16=bf16, use_cpu=True, save_strategy="no",
                       disable_tqdm=True, seed=seed, learning_rate=learning_rate)
     rollout = monitor.wrap(sampler) if monitor is not None else sampler
-    trainer = GRPOTrainer(model=tiny_llama(seed), reward_funcs=length_reward, args=args,
+    trainer = GRPOTrainer(model=tiny_llama(seed), reward_funcs=reward, args=args,
                           train_dataset=prompts(), processing_class=tok, rollout_func=rollout,
                           callbacks=[monitor] if monitor is not None else None)
+    if quiet:  # the log rows stay in trainer.state.log_history; no printing of each
+        from transformers import PrinterCallback
+        trainer.remove_callback(PrinterCallback)
     trainer.train()
     return trainer
