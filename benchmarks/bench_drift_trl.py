@@ -8,7 +8,7 @@ and with the monitor, their ratio, and the monitor's own seconds per step (its s
 and its looks, timed inside it) as a share of the step. Target (issue 33): <= 1% at the
 default interval (10).
 Usage: python benchmarks/bench_drift_trl.py [--steps 12] [--repeats 3] [--interval 10]
-       [--max-sequences N] [--batches 16 64]
+       [--max-sequences N] [--batches 16 64] [--every 1 20]
 """
 from __future__ import annotations
 
@@ -31,24 +31,25 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--interval", type=int, default=10)
     p.add_argument("--max-sequences", type=int, default=None)
+    p.add_argument("--every", type=int, nargs="+", default=[1, 20])
     p.add_argument("--batches", type=int, nargs="+", default=[16, 64])
     a = p.parse_args(argv)
     logging.getLogger("trainprobes.watch").setLevel(logging.ERROR)
-    print(f"{'completions x tokens':>20} {'step s (off)':>12} {'step s (on)':>12} {'on/off':>7} "
+    print(f"{'completions x tokens':>20} {'every':>5} {'step s (off)':>12} {'step s (on)':>12} {'on/off':>7} "
           f"{'monitor s/step':>14} {'share':>7}")
     with tempfile.TemporaryDirectory() as tmp:
-        for batch in a.batches:
+        for batch, every in ((b, e) for b in a.batches for e in a.every):
             off, on, own = [], [], []
             for r in range(a.repeats):
                 for with_monitor in ((False, True) if r % 2 == 0 else (True, False)):
-                    mon = (GRPODriftMonitor(interval=a.interval, max_sequences=a.max_sequences)
+                    mon = (GRPODriftMonitor(interval=a.interval, max_sequences=a.max_sequences, every=every)
                            if with_monitor else None)
                     tr = run("clean", steps=a.steps, monitor=mon, output_dir=f"{tmp}/{batch}-{r}", batch=batch)
                     (on if with_monitor else off).extend(_steps(tr))
                     if with_monitor:
-                        own.append(mon.own_seconds / max(mon.batches, 1))
+                        own.append(mon.own_seconds / max(mon.seen, 1))  # per GRPO step
             t_off, t_on, t_own = statistics.median(off), statistics.median(on), statistics.median(own)
-            print(f"{f'{batch} x 6':>20} {t_off:>12.4f} {t_on:>12.4f} {t_on / t_off:>7.3f} {t_own:>14.4f} "
+            print(f"{f'{batch} x 6':>20} {every:>5} {t_off:>12.4f} {t_on:>12.4f} {t_on / t_off:>7.3f} {t_own:>14.4f} "
                   f"{t_own / t_off:>7.2%}")
 
 

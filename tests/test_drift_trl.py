@@ -213,3 +213,13 @@ def test_false_biased_rate_over_seeds_and_looks_stays_under_alpha():
     assert false_runs <= 8, false_runs
     # the same test is not blind: +0.01 nats/token is called at the first look (measured: 60/60)
     assert all(f is not None and f <= 2 for f in _fixed_runs(10, 0.01))
+
+
+def test_every_scores_one_batch_in_every_without_drawing():
+    tr, out = _sampled()
+    mon = GRPODriftMonitor(interval=2, every=3)
+    state = torch.random.get_rng_state()
+    for _ in range(7):
+        mon.observe(out, tr)
+    assert torch.equal(state, torch.random.get_rng_state())  # the run's generator did not move
+    assert (mon.seen, mon.batches, mon.looks) == (7, 3, 1)  # batches 1, 4, 7 scored; a look at 2

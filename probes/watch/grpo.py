@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 from trainprobes.drift.monitor import DriftMonitor
-from trainprobes.errors import InvalidArgument, InvalidType, OutputExists, TrainprobesError
+from trainprobes.errors import InvalidArgument, InvalidType, OutputExists
 from trainprobes.result import Result, save_results
 from trainprobes.validation import check_bool, check_int, check_number
 from trainprobes.watch.sentinel import SentinelFinding
@@ -157,9 +157,11 @@ def trainer_logprobs(trainer, prompt_ids: list, completion_ids: list, batch_size
 class GRPODriftMonitor(TrainerCallback):
     """Sampler vs trainer log-prob drift in a TRL GRPOTrainer run; see the module docstring.
 
-    interval: generation batches between looks. alpha: the chance of any false "biased" over
-        the run. max_sequences: score at most this many completions per generation batch (the
-        first ones; None: all), which bounds the monitor's cost per step.
+    interval: scored generation batches between looks. alpha: the chance of any false
+        "biased" over the run. every: score one generation batch in `every` (the 1st, the
+        (1 + every)th, ...; no random draw) and max_sequences: at most this many completions
+        of a scored batch (the first ones; None: all). Both bound the monitor's cost per step
+        (one forward of the scored tokens, no backward; see docs/drift_trl.md for figures).
     report: a JSON report path (refused if it exists, unless overwrite=True).
     sampling: the parameters the sampler really uses, where they differ from GRPOConfig's
         ({"temperature": 0.7, "top_p": 0.9, ...}).
@@ -169,10 +171,12 @@ class GRPODriftMonitor(TrainerCallback):
     The other options are DriftMonitor's (the verdict rules of drift.compare).
     """
 
-    def __init__(self, *, interval: int = 10, alpha: float = 0.01, max_sequences: int | None = None,
+    def __init__(self, *, interval: int = 10, alpha: float = 0.01, every: int = 1,
+                 max_sequences: int | None = None,
                  report: str | Path | None = None, overwrite: bool = False, sampling: dict | None = None,
                  stop_on_finding: bool = False, **monitor_options):
-        self.interval = check_int(interval, "interval", min=1, hint="generation batches between looks")
+        self.interval = check_int(interval, "interval", min=1, hint="scored generation batches between looks")
+        self.every = check_int(every, "every", min=1, hint="score one generation batch in `every`")
         self.alpha = check_number(alpha, "alpha", min=0, max=1, min_open=True, max_open=True, hint="e.g. 0.01")
         if max_sequences is not None:
             check_int(max_sequences, "max_sequences", min=1, hint="completions scored per step, or None")
@@ -191,7 +195,8 @@ class GRPODriftMonitor(TrainerCallback):
         self.monitor_options = {"on_alarm": "record", "history": 1000, **monitor_options}
         self.run = DriftMonitor(target="watch:grpo[run]", **self.monitor_options)  # options checked here
         self.window = DriftMonitor(target="watch:grpo[interval]", **self.monitor_options)
-        self.batches = 0
+        self.batches = 0  # generation batches scored
+        self.seen = 0  # generation batches seen
         self.looks = 0
         self.results: list[Result] = []
         self.rows: list[dict] = []  # one per look: what went to the logger
@@ -223,6 +228,9 @@ class GRPODriftMonitor(TrainerCallback):
 
     def observe(self, output, trainer) -> None:
         """Score one generation batch and feed the monitors; a look every `interval`."""
+        self.seen += 1
+        if (self.seen - 1) % self.every:
+            return
         t0 = time.perf_counter()
         try:
             self._attach(trainer)
@@ -337,7 +345,8 @@ class GRPODriftMonitor(TrainerCallback):
         r.metrics["sampling_truncated"] = bool(trunc)
         r.evidence.update({
             "step": step, "look": self.looks, "alpha_look": alpha, "run_alpha": self.alpha,
-            "generation_batches": self.batches, "interval": self.interval, "max_sequences": self.max_sequences,
+            "generation_batches": self.batches, "generation_batches_seen": self.seen, "every": self.every,
+            "interval": self.interval, "max_sequences": self.max_sequences,
             "sampling": self.sampling, "sampling_declared": self.declared,
             "trl_importance_sampling": {
                 "mode": getattr(args, "vllm_importance_sampling_mode", None),
@@ -414,7 +423,7 @@ class GRPODriftMonitor(TrainerCallback):
         del self.errors[:-100]
         self.error_count += 1
         log.warning("trainprobes drift monitor (its own error, the run goes on): %s", msg)
-        if self.stop_on_finding and isinstance(e, TrainprobesError):
+        if self.stop_on_finding:
             raise e
 
     def _write(self) -> None:
@@ -422,7 +431,7 @@ class GRPODriftMonitor(TrainerCallback):
             return
         try:
             save_results(self.report, self.results, command="watch.grpo",
-                         options={"interval": self.interval, "alpha": self.alpha,
+                         options={"interval": self.interval, "alpha": self.alpha, "every": self.every,
                                   "max_sequences": self.max_sequences, "sampling": self.declared,
                                   "stop_on_finding": self.stop_on_finding, **{
                                       k: v for k, v in self.monitor_options.items()}},
