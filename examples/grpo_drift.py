@@ -52,7 +52,7 @@ def main(argv=None):
             print(f"{name:22} {m['drift_verdict']:9} {first if first else '-':>12} "
                   f"{m['mean_log_ratio']:>+14.3g} {m['k3_kl']:>9.2g} {m['trl_is_changed_share']:>12.2%} "
                   f"{time.perf_counter() - t0:>6.1f}  {final.verdict}"
-                  + ("; sampling truncated" if m["sampling_truncated"] else ""))
+                  + ("; sampling differs from what the trainer scores" if m["sampling_differs"] else ""))
 
 
 if __name__ == "__main__":

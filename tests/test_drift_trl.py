@@ -85,7 +85,7 @@ def test_top_p_raw_logprobs_agree_but_sampling_is_off_policy(tmp_path):
     mon, _ = _run("top_p_raw", 3, tmp_path)
     final = mon.results[-1]
     assert final.metrics["drift_verdict"] == "clean"  # raw log-probs: the trainer's own
-    assert final.metrics["sampling_truncated"] is True
+    assert final.metrics["sampling_differs"] is True
     assert final.verdict == "warn" and "top_p=0.9" in final.message and "off-policy" in final.message
     check_judgeable(final, "candidate")
 
@@ -140,6 +140,7 @@ def test_logits_path_matches_the_sampler_and_counts_trl_clipping():
     (lambda o: o["logprobs"][1].__setitem__(2, 0.7), InvalidArgument,
      "rollout_func's logprobs (the sampler)[1, 2] = 0.69"),
     (lambda o: o["logprobs"][0].__setitem__(0, math.nan), InvalidArgument, "is not a log-probability"),
+    (lambda o: o["logprobs"][3].__setitem__(1, None), InvalidArgument, "(the sampler)[3, 1] = nan"),
     (lambda o: o.update(env_mask=[[1] * 3 for _ in o["completion_ids"]]), InvalidArgument,
      "env_mask[0] has 3 entries"),
     (lambda o: o["logprobs"][2].pop(), InvalidArgument, "logprobs[2] has 5 entries, completion_ids[2] 6"),
@@ -223,3 +224,12 @@ def test_every_scores_one_batch_in_every_without_drawing():
         mon.observe(out, tr)
     assert torch.equal(state, torch.random.get_rng_state())  # the run's generator did not move
     assert (mon.seen, mon.batches, mon.looks) == (7, 3, 1)  # batches 1, 4, 7 scored; a look at 2
+
+
+def test_a_declared_sampler_temperature_other_than_the_trainers_is_said():
+    tr, out = _sampled()
+    mon = GRPODriftMonitor(interval=1, sampling={"temperature": 0.7})
+    mon.observe(out, tr)
+    final = mon.close()[-1]
+    assert "temperature=0.7 (the trainer scores with 0.8)" in final.message
+    assert final.metrics["sampling_differs"] is True and final.verdict != "pass"

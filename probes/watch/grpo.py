@@ -94,7 +94,8 @@ def _sampler_rows(output: dict) -> tuple[list, list, list, list | None]:
         if env is not None and len(env[i]) != len(c):
             raise InvalidArgument(f"rollout_func's env_mask[{i}] has {len(env[i])} entries, "
                                   f"completion_ids[{i}] {len(c)}: a mask needs one entry per token")
-        if lp and not isinstance(lp[0], (int, float)) and not (isinstance(lp[0], torch.Tensor) and lp[0].ndim == 0):
+        if lp and not (lp[0] is None or isinstance(lp[0], (int, float))
+                       or isinstance(lp[0], torch.Tensor) and lp[0].ndim == 0):
             kind = type(lp[0]).__name__
             raise InvalidType(f"rollout_func's logprobs[{i}][0] is a {kind} ({lp[0]!r:.60}), not a number: "
                               "expected the sampled token's log-prob, one float per token, not top-k "
@@ -240,7 +241,9 @@ class GRPODriftMonitor(TrainerCallback):
                 env = env[:self.max_sequences] if env is not None else None
             bs = int(getattr(trainer.args, "per_device_train_batch_size", 8) or 8)
             train = trainer_logprobs(trainer, prompts, completions, bs)
-            infer = _pad([[float(v) for v in r] for r in lps], 0.0, "right", torch.float32)
+            # vLLM gives None for a NaN log-prob (TRL maps it to NaN): refused below, by position
+            infer = _pad([[math.nan if v is None else float(v) for v in r] for r in lps], 0.0, "right",
+                         torch.float32)
             mask = _pad([[1] * len(c) for c in completions], 0, "right", torch.long).bool()
             if env is not None:
                 mask &= _pad(env, 0, "right", torch.long).bool()
@@ -342,7 +345,10 @@ class GRPODriftMonitor(TrainerCallback):
         args = self.trainer.args
         r.metrics["trl_is_changed_share"] = changed / n if n else math.nan
         trunc = truncation_of(self.sampling)
-        r.metrics["sampling_truncated"] = bool(trunc)
+        t_sampler, t_trainer = self.sampling.get("temperature"), getattr(args, "temperature", None)
+        if t_sampler is not None and t_trainer is not None and t_sampler != t_trainer:
+            trunc.append(f"temperature={t_sampler:g} (the trainer scores with {t_trainer:g})")
+        r.metrics["sampling_differs"] = bool(trunc)
         r.evidence.update({
             "step": step, "look": self.looks, "alpha_look": alpha, "run_alpha": self.alpha,
             "generation_batches": self.batches, "generation_batches_seen": self.seen, "every": self.every,
@@ -427,7 +433,9 @@ class GRPODriftMonitor(TrainerCallback):
             raise e
 
     def _write(self) -> None:
-        if self.report is None:
+        # every rank judges its own completions; the main process writes the report
+        main = self.trainer is None or getattr(self.trainer.accelerator, "is_main_process", True)
+        if self.report is None or not main:
             return
         try:
             save_results(self.report, self.results, command="watch.grpo",
