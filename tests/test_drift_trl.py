@@ -233,3 +233,33 @@ def test_a_declared_sampler_temperature_other_than_the_trainers_is_said():
     final = mon.close()[-1]
     assert "temperature=0.7 (the trainer scores with 0.8)" in final.message
     assert final.metrics["sampling_differs"] is True and final.verdict != "pass"
+
+
+@pytest.mark.slow
+def test_the_monitor_changes_no_bit_of_the_run(tmp_path):
+    bare = run("clean", steps=3, output_dir=str(tmp_path / "a"), batch=BATCH, learning_rate=1e-3)
+    mon = GRPODriftMonitor(interval=1)
+    watched = run("clean", steps=3, monitor=mon, output_dir=str(tmp_path / "b"), batch=BATCH, learning_rate=1e-3)
+    assert mon.batches == 3 and mon.error_count == 0
+    a, b = bare.model.state_dict(), watched.model.state_dict()
+    assert a.keys() == b.keys()
+    changed = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not changed, changed[:3]
+    assert not torch.equal(a["lm_head.weight"], tiny_llama(0).state_dict()["lm_head.weight"])  # it trained
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (bare, watched)]
+    assert losses[0] == losses[1]
+
+
+@pytest.mark.slow
+def test_the_example_runs_and_prints_each_case(capsys):
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "examples" / "grpo_drift.py"
+    spec = importlib.util.spec_from_file_location("grpo_drift_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.main(["--steps", "2", "--kinds", "clean,top_p_raw"])
+    out = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line for line in out[1:] if line.strip()}
+    assert rows["clean"].split()[1] == "clean" and "pass" in rows["clean"]
+    assert "warn; sampling differs" in rows["top_p_raw"]
