@@ -18,7 +18,7 @@ from pathlib import Path
 from trainprobes.watch.grpo import GRPODriftMonitor
 from trainprobes.watch.grpo_demo import KINDS, run
 
-CASES = {  # name: (sampler kind, trainer bf16, learning rate)
+CASES = {  # name: (sampler kind, trainer bf16, learning rate[, model])
     "clean": ("clean", False, 1e-5),
     "temperature_twice": ("temperature_twice", False, 1e-5),
     "bf16_sampler": ("bf16", False, 1e-5),
@@ -26,6 +26,7 @@ CASES = {  # name: (sampler kind, trainer bf16, learning rate)
     "top_p_renormalised": ("top_p_renormalised", False, 1e-5),
     "top_p_raw": ("top_p_raw", False, 1e-5),
     "stale_weights_4": ("stale", False, 3e-3),  # weights that move: a sync every 4 batches
+    "moe_bf16_sampler": ("bf16", False, 1e-5, "qwen2_moe"),  # routing computed in bf16 too
 }
 
 
@@ -36,16 +37,16 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     logging.getLogger("trainprobes.watch").setLevel(logging.ERROR)  # the table says it
-    assert set(k for k, _, _ in CASES.values()) <= set(KINDS)
+    assert set(c[0] for c in CASES.values()) <= set(KINDS)
     print(f"{'case':22} {'verdict':9} {'first biased':>12} {'mean nats/tok':>14} {'k3 KL':>9} "
           f"{'TRL IS share':>12} {'secs':>6}  message")
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.kinds.split(","):
-            kind, bf16, lr = CASES[name]
+            kind, bf16, lr, *arch = CASES[name]
             mon = GRPODriftMonitor(interval=1, report=Path(tmp) / f"{name}.json")
             t0 = time.perf_counter()
             run(kind, steps=a.steps, monitor=mon, output_dir=str(Path(tmp) / name), batch=16, bf16=bf16,
-                learning_rate=lr, seed=a.seed)
+                learning_rate=lr, seed=a.seed, arch=(arch or ["llama"])[0])
             final = mon.results[-1]
             m = final.metrics
             first = mon.found_at.get("run", mon.found_at.get("interval"))

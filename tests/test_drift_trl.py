@@ -263,3 +263,14 @@ def test_the_example_runs_and_prints_each_case(capsys):
     rows = {line.split()[0]: line for line in out[1:] if line.strip()}
     assert rows["clean"].split()[1] == "clean" and "pass" in rows["clean"]
     assert "warn; sampling differs" in rows["top_p_raw"]
+
+
+@pytest.mark.slow
+def test_bf16_moe_sampler_is_heavy_tailed_from_routing_flips(tmp_path):
+    # measured (12 batches, 1152 tokens): 0.61% of tokens outside [1/2, 2] carry 77% of the
+    # squared log-ratio, max |log-ratio| 1.93; a dense bf16 sampler stays noisy (test above)
+    mon, _ = _run("bf16", 12, tmp_path, arch="qwen2_moe")
+    final = mon.results[-1]
+    assert final.metrics["drift_verdict"] == "heavy-tailed" and "TP-D2" in final.codes
+    assert not final.metrics["biased"] and final.metrics["max_abs_log_ratio"] > 0.69  # a ratio beyond 2
+    assert 0 < final.metrics["frac_ratio_outside"] <= 0.01

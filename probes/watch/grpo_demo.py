@@ -42,6 +42,31 @@ def tiny_llama(seed: int = 0, hidden: int = 32, layers: int = 2, init: float = 0
     return model if dtype is None else model.to(dtype)
 
 
+def tiny_qwen2_moe(seed: int = 0, hidden: int = 32, layers: int = 2, init: float = 0.3):
+    """A tiny Qwen2-MoE (8 experts, top-2, a shared expert): routing decisions that a bf16
+    copy can flip."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    cfg = Qwen2MoeConfig(vocab_size=len(WORDS), hidden_size=hidden, intermediate_size=2 * hidden,
+                         moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden,
+                         num_experts=8, num_experts_per_tok=2, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         pad_token_id=0, eos_token_id=1, bos_token_id=1, initializer_range=init)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Qwen2MoeForCausalLM(cfg)
+
+
+MODELS = {"llama": tiny_llama, "qwen2_moe": tiny_qwen2_moe}
+
+
+def _fresh(model, dtype=None):
+    """A new module of the same class and config (the weights loaded by the caller); the
+    global generator does not move (its random init is drawn in a forked RNG state)."""
+    with torch.random.fork_rng(devices=[]):
+        fresh = type(model)(model.config)
+    return fresh if dtype is None else fresh.to(dtype)
+
+
 def prompts(n: int = 64):
     from datasets import Dataset
     return Dataset.from_dict({"prompt": [" ".join(f"w{(i * 7 + j) % 61}" for j in range(PROMPT_WORDS))
@@ -68,16 +93,14 @@ class Sampler:
             return trainer.model
         if self.kind in ("stale", "copy"):
             if self.copy is None or self.kind == "copy" or (self.calls - 1) % self.stale == 0:
-                cfg = trainer.model.config
-                self.copy = self.copy or tiny_llama(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers)
+                self.copy = self.copy or _fresh(trainer.model)
                 self.copy.load_state_dict(trainer.model.state_dict())  # the sync, every `stale` calls
             return self.copy
         if self.copy is None:
             # a fresh module, not copy.deepcopy(trainer.model): TRL's fused head wraps the
             # model's forward in a closure over the original, so a deep copy would still
             # run the trainer's fp32 weights
-            cfg = trainer.model.config
-            self.copy = tiny_llama(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, dtype=torch.bfloat16)
+            self.copy = _fresh(trainer.model, torch.bfloat16)
         self.copy.load_state_dict(trainer.model.state_dict())  # weight sync, cast to bf16
         return self.copy
 
@@ -125,7 +148,7 @@ def reward(completions, **kwargs):
 
 def run(kind: str, *, steps: int, monitor=None, seed: int = 0, bf16: bool = False, batch: int = 8,
         generations: int = 4, temperature: float = 0.8, top_p: float | None = None, output_dir: str,
-        learning_rate: float = 1e-5, quiet: bool = True):
+        learning_rate: float = 1e-5, quiet: bool = True, arch: str = "llama"):
     """Train `steps` GRPO steps with a `kind` sampler; returns the trainer. With a monitor,
     the two lines a user adds: rollout_func=monitor.wrap(sampler), callbacks=[monitor]."""
     import os
@@ -140,7 +163,7 @@ def run(kind: str, *, steps: int, monitor=None, seed: int = 0, bf16: bool = Fals
                       temperature=temperature, top_p=top_p, bf16=bf16, use_cpu=True, save_strategy="no",
                       disable_tqdm=True, seed=seed, learning_rate=learning_rate)
     rollout = monitor.wrap(sampler) if monitor is not None else sampler
-    trainer = GRPOTrainer(model=tiny_llama(seed), reward_funcs=reward, args=args,
+    trainer = GRPOTrainer(model=MODELS[arch](seed), reward_funcs=reward, args=args,
                           train_dataset=prompts(), processing_class=tok, rollout_func=rollout,
                           callbacks=[monitor] if monitor is not None else None)
     if quiet:  # the log rows stay in trainer.state.log_history; no printing of each
