@@ -67,6 +67,7 @@ def test_temperature_applied_twice_is_called_biased_and_stops_when_asked(tmp_pat
     assert found[0].evidence["found_at_batch"] <= TEMPERATURE_TWICE_BY
     results, _ = load_results(tmp_path / "drift.json")  # written before the run stopped
     assert any(r.verdict == "fail" for r in results)
+    assert len({r.key for r in results}) == len(results)  # the gate matches Results by key
     for r in results:
         check_judgeable(r, "candidate")
 
@@ -274,3 +275,16 @@ def test_bf16_moe_sampler_is_heavy_tailed_from_routing_flips(tmp_path):
     assert final.metrics["drift_verdict"] == "heavy-tailed" and "TP-D2" in final.codes
     assert not final.metrics["biased"] and final.metrics["max_abs_log_ratio"] > 0.69  # a ratio beyond 2
     assert 0 < final.metrics["frac_ratio_outside"] <= 0.01
+
+
+@pytest.mark.slow
+def test_the_gate_blocks_a_biased_run_against_a_clean_baseline(tmp_path):
+    from trainprobes.cli import main
+    reports = {}
+    for kind in ("clean", "temperature_twice"):
+        reports[kind] = tmp_path / f"{kind}.json"
+        mon = GRPODriftMonitor(interval=1, report=reports[kind])
+        run(kind, steps=4, monitor=mon, output_dir=str(tmp_path / kind), batch=BATCH)
+    assert main(["gate", "--baseline", str(reports["clean"]), "--candidate", str(reports["clean"])]) == 0
+    assert main(["gate", "--baseline", str(reports["clean"]),
+                 "--candidate", str(reports["temperature_twice"])]) == 1

@@ -17,7 +17,8 @@ Every `interval` generation batches is a look k: the interval's tokens and the r
 are judged at alpha_k / 2 each, alpha_k = alpha 6 / (pi^2 k^2) (trainprobes.watch.stream),
 so the chance of any false "biased" over a run of any length stays under alpha. A look's
 numbers go to the trainer's logger (added to the logs of its next on_log) and to `report`
-(report_document's shape, command "watch.grpo"), rewritten at each finding and at the end.
+(report_document's shape, command "watch.grpo"; one Result per target, the gate's key),
+rewritten at each finding and at the end.
 
 Sampling parameters: TRL scores with temperature only; top-p, top-k, min-p and a repetition
 penalty change what the sampler draws from. Raw log-probs that agree while the sampling was
@@ -432,13 +433,23 @@ class GRPODriftMonitor(TrainerCallback):
         if self.stop_on_finding:
             raise e
 
+    def reported(self) -> list[Result]:
+        """One Result per target, as the gate matches them (probe::target): the latest, unless
+        an earlier one was a finding and the latest is not (the finding stays)."""
+        out: dict = {}
+        for r in self.results:
+            kept = out.get(r.key)
+            if kept is None or not (kept.verdict == "fail" and r.verdict != "fail"):
+                out[r.key] = r
+        return list(out.values())
+
     def _write(self) -> None:
         # every rank judges its own completions; the main process writes the report
         main = self.trainer is None or getattr(self.trainer.accelerator, "is_main_process", True)
         if self.report is None or not main:
             return
         try:
-            save_results(self.report, self.results, command="watch.grpo",
+            save_results(self.report, self.reported(), command="watch.grpo",
                          options={"interval": self.interval, "alpha": self.alpha, "every": self.every,
                                   "max_sequences": self.max_sequences, "sampling": self.declared,
                                   "stop_on_finding": self.stop_on_finding, **{
