@@ -6,7 +6,7 @@ Reported per configuration (completions x tokens per generation batch): the medi
 time (TRL's own `step_time`, which includes generation and so the monitor's scoring) without
 and with the monitor, their ratio, and the monitor's own seconds per step (its scoring forward
 and its looks, timed inside it) as a share of the step. Target (issue 33): <= 1% at the
-default interval (10).
+defaults (every 64, interval 4).
 Usage: python benchmarks/bench_drift_trl.py [--steps 12] [--repeats 3] [--interval 10]
        [--max-sequences N] [--batches 16 64] [--every 1 20]
 """

@@ -43,7 +43,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.kinds.split(","):
             kind, bf16, lr, *arch = CASES[name]
-            mon = GRPODriftMonitor(interval=1, report=Path(tmp) / f"{name}.json")
+            mon = GRPODriftMonitor(every=1, interval=1, report=Path(tmp) / f"{name}.json")
             t0 = time.perf_counter()
             run(kind, steps=a.steps, monitor=mon, output_dir=str(Path(tmp) / name), batch=16, bf16=bf16,
                 learning_rate=lr, seed=a.seed, arch=(arch or ["llama"])[0])

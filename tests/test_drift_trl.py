@@ -28,7 +28,7 @@ TEMPERATURE_TWICE_BY = 6  # generation batches; measured: 3
 
 def _run(kind, steps, tmp_path, **kw):
     mon_kw = {k: kw.pop(k) for k in ("stop_on_finding", "interval", "max_sequences") if k in kw}
-    mon = GRPODriftMonitor(interval=mon_kw.pop("interval", 1), report=tmp_path / "drift.json", **mon_kw)
+    mon = GRPODriftMonitor(every=1, interval=mon_kw.pop("interval", 1), report=tmp_path / "drift.json", **mon_kw)
     trainer = run(kind, steps=steps, monitor=mon, output_dir=str(tmp_path / "out"), batch=BATCH, **kw)
     return mon, trainer
 
@@ -122,13 +122,13 @@ def _sampled(kind="clean", n=4):
 
 def test_logits_path_matches_the_sampler_and_counts_trl_clipping():
     tr, out = _sampled("clean")
-    mon = GRPODriftMonitor(interval=1)
+    mon = GRPODriftMonitor(every=1, interval=1)
     mon.observe(out, tr)
     assert mon.error_count == 0, mon.errors
     row = mon.rows[0]
     assert abs(row["drift/run/mean_log_ratio"]) < 1e-5 and row["drift/run/trl_is_changed_share"] == 0
     tr, out = _sampled("temperature_twice", n=8)
-    mon = GRPODriftMonitor(interval=1)
+    mon = GRPODriftMonitor(every=1, interval=1)
     mon.observe(out, tr)
     train = torch.tensor(out["logprobs"])  # the sampler's; the trainer's differ by the temperature
     assert mon.rows[0]["drift/run/mean_log_ratio"] > 0
@@ -150,12 +150,12 @@ def test_logits_path_matches_the_sampler_and_counts_trl_clipping():
 def test_bad_rollout_output_is_named_counted_and_the_run_goes_on(change, error, words):
     tr, out = _sampled()
     change(out)
-    mon = GRPODriftMonitor(interval=1)
+    mon = GRPODriftMonitor(every=1, interval=1)
     mon.observe(out, tr)  # never raises into the training step
     assert mon.error_count == 1 and words in mon.errors[0], mon.errors
     final = mon.close()[-1]
     assert final.verdict == "error" and "TP-E1" in final.codes and "nothing judged" in final.message
-    strict = GRPODriftMonitor(interval=1, stop_on_finding=True)
+    strict = GRPODriftMonitor(every=1, interval=1, stop_on_finding=True)
     with pytest.raises(error, match="rollout_func|log-prob"):
         strict.observe(out, tr)
 
@@ -198,7 +198,7 @@ def _fixed_runs(seeds, offset, alpha=0.05, looks=8, B=8, C=12):
         base = -torch.rand(B, C, generator=g) * 3 - 0.05
         tr = _trainer()
         tr.model = _FixedModel(torch.cat([torch.zeros(B, 4), base], 1))
-        mon = GRPODriftMonitor(interval=1, alpha=alpha)
+        mon = GRPODriftMonitor(every=1, interval=1, alpha=alpha)
         for _ in range(looks):
             noisy = (base + torch.randn(B, C, generator=g) * 0.02 + 0.02 ** 2 / 2 + offset).clamp(max=0)
             mon.observe({"prompt_ids": [[5, 6, 7, b] for b in range(B)], "completion_ids": [[9] * C] * B,
@@ -229,7 +229,7 @@ def test_every_scores_one_batch_in_every_without_drawing():
 
 def test_a_declared_sampler_temperature_other_than_the_trainers_is_said():
     tr, out = _sampled()
-    mon = GRPODriftMonitor(interval=1, sampling={"temperature": 0.7})
+    mon = GRPODriftMonitor(every=1, interval=1, sampling={"temperature": 0.7})
     mon.observe(out, tr)
     final = mon.close()[-1]
     assert "temperature=0.7 (the trainer scores with 0.8)" in final.message
@@ -239,7 +239,7 @@ def test_a_declared_sampler_temperature_other_than_the_trainers_is_said():
 @pytest.mark.slow
 def test_the_monitor_changes_no_bit_of_the_run(tmp_path):
     bare = run("clean", steps=3, output_dir=str(tmp_path / "a"), batch=BATCH, learning_rate=1e-3)
-    mon = GRPODriftMonitor(interval=1)
+    mon = GRPODriftMonitor(every=1, interval=1)
     watched = run("clean", steps=3, monitor=mon, output_dir=str(tmp_path / "b"), batch=BATCH, learning_rate=1e-3)
     assert mon.batches == 3 and mon.error_count == 0
     a, b = bare.model.state_dict(), watched.model.state_dict()
@@ -283,7 +283,7 @@ def test_the_gate_blocks_a_biased_run_against_a_clean_baseline(tmp_path):
     reports = {}
     for kind in ("clean", "temperature_twice"):
         reports[kind] = tmp_path / f"{kind}.json"
-        mon = GRPODriftMonitor(interval=1, report=reports[kind])
+        mon = GRPODriftMonitor(every=1, interval=1, report=reports[kind])
         run(kind, steps=4, monitor=mon, output_dir=str(tmp_path / kind), batch=BATCH)
     assert main(["gate", "--baseline", str(reports["clean"]), "--candidate", str(reports["clean"])]) == 0
     assert main(["gate", "--baseline", str(reports["clean"]),

@@ -159,6 +159,9 @@ def trainer_logprobs(trainer, prompt_ids: list, completion_ids: list, batch_size
 class GRPODriftMonitor(TrainerCallback):
     """Sampler vs trainer log-prob drift in a TRL GRPOTrainer run; see the module docstring.
 
+    Defaults: one generation batch in 64 scored, a look every 4 scored batches (every 256
+    generation batches): 0.41% of a tiny-model GRPO step (benchmarks/bench_drift_trl.py).
+    every=1 scores each batch and catches sooner, at one scoring forward per step.
     interval: scored generation batches between looks. alpha: the chance of any false
         "biased" over the run. every: score one generation batch in `every` (the 1st, the
         (1 + every)th, ...; no random draw) and max_sequences: at most this many completions
@@ -173,7 +176,7 @@ class GRPODriftMonitor(TrainerCallback):
     The other options are DriftMonitor's (the verdict rules of drift.compare).
     """
 
-    def __init__(self, *, interval: int = 10, alpha: float = 0.01, every: int = 1,
+    def __init__(self, *, interval: int = 4, alpha: float = 0.01, every: int = 64,
                  max_sequences: int | None = None,
                  report: str | Path | None = None, overwrite: bool = False, sampling: dict | None = None,
                  stop_on_finding: bool = False, **monitor_options):
