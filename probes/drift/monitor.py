@@ -89,9 +89,10 @@ class DriftMonitor:
         self.coarse = torch.zeros(COARSE[2], dtype=torch.float64)
         self._work = Work()  # one block of buffers, reused by every step
 
-    def update(self, train_logprobs, infer_logprobs, mask=None) -> dict:
-        """Add one step ([N] or [B, T], rows = sequences). Returns the step's row of history."""
-        t = token_sums(pair(train_logprobs, infer_logprobs, mask), self.clip, bins=(_FINE_A, _COARSE_A),
+    def update(self, train_logprobs, infer_logprobs, mask=None, lengths=None) -> dict:
+        """Add one step ([N] or [B, T], rows = sequences; a flat [N] with lengths= splits into
+        sequences). Returns the step's row of history."""
+        t = token_sums(pair(train_logprobs, infer_logprobs, mask, lengths), self.clip, bins=(_FINE_A, _COARSE_A),
                        work=self._work)
         fine, coarse = (h.counts.flip(0).double() for h in t.histograms)
         self.fine += fine
@@ -128,11 +129,11 @@ class DriftMonitor:
                     raise alarm
         return row
 
-    def _cluster(self, prefix: str):
+    def _cluster(self, prefix: str, alpha: float | None = None):
         """The cluster-robust test of the unit sums named prefix_s, prefix_s2, prefix_sn."""
         s = self.sums
         return cluster_t_from_sums(s[prefix + "_s"], s[prefix + "_s2"], s[prefix + "_sn"], s["u_n2"],
-                                   int(s["units"]), s["n"], self.options["alpha"])
+                                   int(s["units"]), s["n"], alpha or self.options["alpha"])
 
     def quantiles(self) -> dict:
         """Approximate ratio quantiles rho_pQ from the histograms (bin midpoints): the coarse
@@ -180,15 +181,20 @@ class DriftMonitor:
                 "p_value": float(res.pvalue) if math.isfinite(res.pvalue) else math.nan,
                 "first": sum(ys[:q]) / q, "last": sum(ys[-q:]) / q}
 
-    def summary(self):
-        """A Result over every step so far, with the verdict rules of `compare`."""
+    def summary(self, alpha: float | None = None):
+        """A Result over every step so far, with the verdict rules of `compare`. alpha: the
+        level of this one look (a caller that looks again and again spends its alpha over
+        the looks); None: the monitor's own."""
+        if alpha is not None:
+            check_number(alpha, "alpha", min=0, max=1, min_open=True, max_open=True)
+        options = self.options if alpha is None else {**self.options, "alpha": alpha}
         s, n = self.sums, self.sums["n"]
         if n == 0:
             raise InvalidArgument("summary() before any update(): nothing to summarise")
         mean = s["s1"] / n
         m2 = max(s["s2"] / n - mean * mean, 0.0)
-        m, se, t, p_mean, half, _ = (v.item() for v in self._cluster("u"))
-        p_excess = self._cluster("v").p.item()
+        m, se, t, p_mean, half, _ = (v.item() for v in self._cluster("u", options["alpha"]))
+        p_excess = self._cluster("v", options["alpha"]).p.item()
         k2 = s["s2"] / n / 2
         metrics = {
             "n_tokens": int(n), "steps": self.steps, "n_units": int(s["units"]),
@@ -201,7 +207,7 @@ class DriftMonitor:
             "frac_ratio_outside": s["n_out"] / n, "n_ratio_outside": int(s["n_out"]),
             "tail_share": s["tail_sq"] / s["s2"] if s["s2"] > 0 else 0.0,
             "mean_abs_prob_diff": s["adp"] / n, "max_abs_prob_diff": self.max_adp,
-            "alpha": self.options["alpha"], "clip": self.clip, "noise_kl_max": self.noise_kl_max,
+            "alpha": options["alpha"], "clip": self.clip, "noise_kl_max": self.noise_kl_max,
             "min_bias": self.min_bias,
             "alarms": len(self.alarms),
         }
@@ -214,7 +220,7 @@ class DriftMonitor:
                                for a in self.alarms],
                     "log_ratio_histogram": {"edges": [FINE[0], FINE[1]], "counts": self.fine.long().tolist()}}
         result = judge(metrics, evidence, thresholds=None, probe="drift.monitor", target=self.target,
-                       **self.options)
+                       **options)
         if self.alarms:  # per-step alarms stay visible in the summary even when the total is calm
             first = self.alarms[0]
             if "TP-D3" not in result.codes:
