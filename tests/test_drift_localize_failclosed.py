@@ -186,3 +186,29 @@ def test_an_engine_that_splits_the_batch_is_refused_saying_so():
     b.forward = types.MethodType(halves, b)
     with pytest.raises(InvalidArgument, match="runs the batch in parts of 3 rows"):
         localize(Engine(a), Engine(b), IDS)
+
+
+def _minus_inf_before(k):
+    """Log-probs -inf at the first k positions (a prompt the engine never sampled)."""
+    def lp_b(z):
+        lp = torch.log_softmax(z.float(), -1)
+        lp[:, :k] = -math.inf
+        return lp
+    return lp_b
+
+
+def test_score_mask_limits_the_judged_tokens_and_dropped_ones_count_once():
+    a = tiny_model("llama", "eager", seed=0, num_hidden_layers=2)
+    # 5 of 15 scored positions per row -inf: 2/3 judged, above the 50% floor (the dropped were
+    # subtracted twice before: 60 - 30 - 30 < 45, refused)
+    r = localize(Engine(a), Engine(copy.deepcopy(a), _minus_inf_before(5)), IDS)
+    assert r.metrics["n_dropped_tokens"] == 30 and r.metrics["n_tokens"] == 60
+    eng = Engine(copy.deepcopy(a), _minus_inf_before(10))
+    with pytest.raises(InvalidArgument, match=r"only 30 of 90 scored tokens .*\(60 are -inf\)"):
+        localize(Engine(a), eng, IDS)
+    sm = torch.zeros(IDS.shape, dtype=torch.bool)
+    sm[:, 11:] = True  # tokens 11.. are scored at positions 10..: every scored one finite
+    r = localize(Engine(a), eng, IDS, score_mask=sm)
+    assert r.metrics["n_tokens"] == 30 and r.metrics["n_dropped_tokens"] == 0
+    with pytest.raises(InvalidArgument, match="score_mask has shape"):
+        localize(Engine(a), eng, IDS, score_mask=sm[:, 1:])

@@ -132,7 +132,7 @@ def _shares(x: torch.Tensor, parts: dict, mask: torch.Tensor, alpha: float) -> d
 
 def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *, margin: float = 8.0,
              alpha: float = 0.01, seed: int = 0, tol: float = 1e-3, target: str | None = None,
-             tokenizer=None, u: float | None = None, progress=None) -> Result:
+             tokenizer=None, u: float | None = None, progress=None, score_mask=None) -> Result:
     """Localise the engine's drift from the trainer on the same tokens: per stage own and
     free errors against the noise floor, the op inside the first stage beyond noise, the
     weight sync, the log-prob semantics, the routing, and the decomposition (module doc).
@@ -141,7 +141,10 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
     score tokens 1..L-1. tokenizer:
     optional, to name the heaviest tokens (trainprobes.drift.carriers). u: the unit roundoff
     of the nominal precision (default: from the coarser engine's dtype). progress(forwards
-    done, what runs next): said before each run (a long model's command line shows it)."""
+    done, what runs next): said before each run (a long model's command line shows it).
+    score_mask [B, L] (bool): the tokens whose log-probs are compared (default: every attended
+    one); the forwards still see every attended token. A sampler's truncated log-probs are
+    finite only on its own samples: score the completion, not the prompt."""
     ids = torch.as_tensor(input_ids)
     tell = progress or (lambda done, what: None)
     loc = localize_layers(trainer, engine, ids, attention_mask, margin=margin, alpha=alpha, seed=seed, u=u,
@@ -150,6 +153,12 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
     am = None if attention_mask is None else torch.as_tensor(attention_mask)
     mask = torch.ones(ids.shape, dtype=torch.bool) if am is None else am.bool()
     mask = mask[:, 1:] & mask[:, :-1]
+    if score_mask is not None:
+        sm = torch.as_tensor(score_mask)
+        if sm.shape != ids.shape:
+            raise InvalidArgument(f"score_mask has shape {tuple(sm.shape)}, expected {tuple(ids.shape)} like "
+                                  "input_ids (True where a token's log-prob is compared)")
+        mask = mask & sm.bool()[:, 1:]
     tok = ids[:, 1:]
     fa = trainer.logprobs
     z_a, z_b = loc.runs.logits_a[:, :-1], loc.runs.logits_b[:, :-1]  # the free runs' own logits
@@ -164,10 +173,11 @@ def localize(trainer: Engine, engine: Engine, input_ids, attention_mask=None, *,
     _check_logprobs(lp_b, tok, mask, engine.name)
     x = _tok(lp_b, lp_a, tok, mask)
     dropped = mask & ~torch.isfinite(x)
+    n_real = int(mask.sum())
     if bool(dropped.any()):
         mask = mask & ~dropped  # a token the engine cannot emit: named, not averaged
         x = torch.where(mask, x, 0.0)
-    _check_judged(int(mask.sum()), int(dropped.sum()), engine.name)
+    _check_judged(n_real, int(dropped.sum()), engine.name)
     n_forwards = loc.n_forwards
     # 1. weights
     sync = weight_sync(trainer.module, engine.module)
