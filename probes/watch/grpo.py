@@ -170,6 +170,15 @@ class GRPODriftMonitor(TrainerCallback):
     report: a JSON report path (refused if it exists, unless overwrite=True).
     sampling: the parameters the sampler really uses, where they differ from GRPOConfig's
         ({"temperature": 0.7, "top_p": 0.9, ...}).
+    localize: opt-in, a callable(trainer) returning the sampler's in-process module, or a
+        trainprobes.drift.engines.Engine (module + the log-prob function it reports with:
+        temperature, top-p renormalisation, logprobs mode). On the first biased looks (at most
+        `localize_max`) `drift localize` runs on the last scored batch's tokens, at most
+        `localize_sequences` completions cut to `localize_length` tokens, and its Result
+        (the stage, op or post-processing step that explains the drift, and its share) joins
+        the results, the report and the logs (trainprobes.watch.grpo_localize).
+        localize_at: also run it once at the first look at or after this trainer step,
+        whatever the verdict (a noisy pair's stage; counted in localize_max).
     stop_on_finding: a biased look, or an error of the monitor's own, ends the run
         (SentinelFinding, exit 1). Otherwise errors of its own are logged and counted, and
         the run goes on.
@@ -179,7 +188,9 @@ class GRPODriftMonitor(TrainerCallback):
     def __init__(self, *, interval: int = 4, alpha: float = 0.01, every: int = 64,
                  max_sequences: int | None = None,
                  report: str | Path | None = None, overwrite: bool = False, sampling: dict | None = None,
-                 stop_on_finding: bool = False, **monitor_options):
+                 stop_on_finding: bool = False, localize=None, localize_max: int = 1,
+                 localize_sequences: int = 8, localize_length: int = 64, localize_at: int | None = None,
+                 **monitor_options):
         self.interval = check_int(interval, "interval", min=1, hint="scored generation batches between looks")
         self.every = check_int(every, "every", min=1, hint="score one generation batch in `every`")
         self.alpha = check_number(alpha, "alpha", min=0, max=1, min_open=True, max_open=True, hint="e.g. 0.01")
@@ -193,6 +204,22 @@ class GRPODriftMonitor(TrainerCallback):
         if unknown:
             raise InvalidArgument(f"sampling names {unknown}; known: {list(SAMPLING)}")
         self.declared = dict(sampling or {})
+        if localize is not None and not callable(localize):
+            raise InvalidType(f"localize={localize!r} is not callable; pass a function of the trainer returning "
+                              "the sampler's nn.Module or a trainprobes Engine (e.g. localize=lambda t: engine)")
+        self.localize = localize
+        self.localize_max = check_int(localize_max, "localize_max", min=1, hint="localize runs per run")
+        self.localize_sequences = check_int(localize_sequences, "localize_sequences", min=1,
+                                            hint="completions localize scores")
+        self.localize_length = check_int(localize_length, "localize_length", min=2,
+                                         hint="tokens per sequence (prompt + completion) localize runs")
+        if localize_at is not None:
+            check_int(localize_at, "localize_at", min=0, hint="a trainer step, or None")
+            if localize is None:
+                raise InvalidArgument("localize_at needs localize= (the sampler's module or Engine)")
+        self.localize_at = localize_at
+        self.localized = 0
+        self._last: tuple | None = None  # (prompt_ids, completion_ids) of the last scored batch
         self.report = Path(report) if report is not None else None
         if self.report is not None and self.report.exists() and not check_bool(overwrite, "overwrite"):
             raise OutputExists(f"report={str(self.report)!r} exists (another run's?): pass another path or "
@@ -257,6 +284,8 @@ class GRPODriftMonitor(TrainerCallback):
                 raise InvalidArgument(str(e).replace("infer_logprobs", "rollout_func's logprobs (the sampler)")
                                       .replace("train_logprobs", "the trainer's log-probs")) from None
             self.window.update(train, infer, mask)
+            if self.localize is not None:
+                self._last = (prompts, completions)
             self._count_clipped(train, infer, mask)
             self.batches += 1
         except Exception as e:
@@ -336,10 +365,42 @@ class GRPODriftMonitor(TrainerCallback):
         for r in new:
             log.warning("trainprobes drift (step %d): %s", r.evidence["step"], r.message)
             self.results.append(r)
+        due = self.localize_at is not None and step >= self.localize_at
+        if (new or due) and self.localize is not None and self.localized < self.localize_max:
+            if due:
+                self.localize_at = None  # once
+            self._localize(step)
         if new:
             self._write()
             if self.stop_on_finding:
                 raise SentinelFinding(self.close())
+
+    def _localize(self, step: int) -> None:
+        """drift localize on the last scored batch (trainprobes.watch.grpo_localize); its
+        errors are the monitor's own."""
+        from trainprobes.watch.grpo_localize import localize_batch, sampler_engine
+        self.localized += 1
+        t0 = time.perf_counter()
+        try:
+            if self._last is None:
+                raise InvalidArgument("no scored batch to localize on")
+            t = self.sampling.get("temperature") or getattr(self.trainer.args, "temperature", 1.0) or 1.0
+            engine = sampler_engine(self.localize(self.trainer), float(t))
+            r = localize_batch(self.trainer, engine, *self._last, sequences=self.localize_sequences,
+                               length=self.localize_length, alpha=self.alpha, step=step)
+        except Exception as e:
+            self._own_error("localizing", e)
+            return
+        finally:
+            self.own_seconds += time.perf_counter() - t0
+        m = r.metrics
+        row = {"drift/localize/kind": m["kind"], "drift/localize/explained_by": m["explained_by"] or m["first_layer"],
+               "drift/localize/seconds": m["localize_seconds"]}
+        self.pending.update(row)
+        if self.rows:
+            self.rows[-1].update(row)
+        log.warning("trainprobes drift localize: %s", r.message)
+        self.results.append(r)
 
     def _result(self, mon: DriftMonitor, name: str, alpha: float, step: int) -> Result:
         r = mon.summary(alpha=alpha)
@@ -455,7 +516,10 @@ class GRPODriftMonitor(TrainerCallback):
             save_results(self.report, self.reported(), command="watch.grpo",
                          options={"interval": self.interval, "alpha": self.alpha, "every": self.every,
                                   "max_sequences": self.max_sequences, "sampling": self.declared,
-                                  "stop_on_finding": self.stop_on_finding, **{
+                                  "stop_on_finding": self.stop_on_finding,
+                                  "localize": self.localize is not None, "localize_max": self.localize_max,
+                                  "localize_sequences": self.localize_sequences,
+                                  "localize_length": self.localize_length, "localize_at": self.localize_at, **{
                                       k: v for k, v in self.monitor_options.items()}},
                          looks=self.rows)
         except Exception as e:

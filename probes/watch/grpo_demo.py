@@ -9,6 +9,7 @@ Sampler kinds (what the sampler does; the trainer always scores softmax(logits /
     copy               a separate fp32 module synced every call (an engine of its own)
     temperature_twice  logits / T / T (a sampler that applies T, given logits already scaled)
     bf16               a bf16 copy of the weights, re-synced every call
+    bf16_mlp           an fp32 copy whose block 1 MLP runs in bf16 (one op's numerics)
     top_p_renormalised nucleus sampling (p = 0.9), log-probs renormalised over the nucleus
     top_p_raw          nucleus sampling, raw log-probs (the full softmax's)
     stale              an fp32 copy of the weights synced only every `stale` calls
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-KINDS = ("clean", "copy", "temperature_twice", "bf16", "top_p_renormalised", "top_p_raw", "stale")
+KINDS = ("clean", "copy", "temperature_twice", "bf16", "bf16_mlp", "top_p_renormalised", "top_p_raw", "stale")
 WORDS = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(61)]
 PROMPT_WORDS = 4
 
@@ -89,8 +90,15 @@ class Sampler:
         self.stale = stale
 
     def _model(self, trainer):
-        if self.kind not in ("bf16", "stale", "copy"):
+        if self.kind not in ("bf16", "bf16_mlp", "stale", "copy"):
             return trainer.model
+        if self.kind == "bf16_mlp":
+            if self.copy is None:
+                from trainprobes.drift.faults import in_dtype
+                self.copy = _fresh(trainer.model)
+                in_dtype(self.copy.model.layers[1].mlp, torch.bfloat16)
+            self.copy.load_state_dict(trainer.model.state_dict())  # weight sync; the MLP's cast to bf16
+            return self.copy
         if self.kind in ("stale", "copy"):
             if self.copy is None or self.kind == "copy" or (self.calls - 1) % self.stale == 0:
                 self.copy = self.copy or _fresh(trainer.model)
@@ -103,6 +111,20 @@ class Sampler:
             self.copy = _fresh(trainer.model, torch.bfloat16)
         self.copy.load_state_dict(trainer.model.state_dict())  # weight sync, cast to bf16
         return self.copy
+
+    def engine(self, trainer):
+        """This sampler as drift localize sees it (GRPODriftMonitor(localize=sampler.engine)):
+        the module it last sampled with and the log-prob function it reports with."""
+        from trainprobes.drift.engines import Engine
+        from trainprobes.drift.faults import temperature_logprobs, top_p_logprobs
+        module = self.copy if self.copy is not None else trainer.model
+        if self.kind == "temperature_twice":
+            logprobs = temperature_logprobs(self.T * self.T)
+        elif self.kind == "top_p_renormalised":
+            logprobs = top_p_logprobs(self.top_p, self.T)
+        else:
+            logprobs = temperature_logprobs(self.T)
+        return Engine(module, logprobs, name=f"sampler ({self.kind})")
 
     @torch.no_grad()
     def __call__(self, prompt_texts, trainer):
@@ -148,14 +170,17 @@ def reward(completions, **kwargs):
 
 def run(kind: str, *, steps: int, monitor=None, seed: int = 0, bf16: bool = False, batch: int = 8,
         generations: int = 4, temperature: float = 0.8, top_p: float | None = None, output_dir: str,
-        learning_rate: float = 1e-5, quiet: bool = True, arch: str = "llama"):
+        learning_rate: float = 1e-5, quiet: bool = True, arch: str = "llama", sampler: Sampler | None = None):
     """Train `steps` GRPO steps with a `kind` sampler; returns the trainer. With a monitor,
-    the two lines a user adds: rollout_func=monitor.wrap(sampler), callbacks=[monitor]."""
+    the two lines a user adds: rollout_func=monitor.wrap(sampler), callbacks=[monitor].
+    sampler: one built beforehand (its .engine handed to GRPODriftMonitor(localize=...))."""
     import os
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from trl import GRPOConfig, GRPOTrainer
     tok = word_tokenizer()
-    sampler = Sampler(kind, tok, temperature=temperature, seed=seed)
+    if sampler is not None and (sampler.kind != kind or sampler.T != temperature):
+        raise ValueError(f"sampler is {sampler.kind!r} at T={sampler.T}; run was asked for {kind!r} at T={temperature}")
+    sampler = sampler or Sampler(kind, tok, temperature=temperature, seed=seed)
     if top_p is None:
         top_p = sampler.top_p if kind.startswith("top_p") else 1.0
     args = GRPOConfig(output_dir=output_dir, per_device_train_batch_size=batch, num_generations=generations,
