@@ -14,13 +14,12 @@ Every fault names the file, the record (line or row) and the field.
 from __future__ import annotations
 
 import json
-import zipfile
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from trainprobes.datafiles import read_npz
 from trainprobes.drift.inputs import POSITIVE_TOLERANCE
 from trainprobes.errors import DataFileError
 
@@ -48,23 +47,7 @@ def _arrays(path: Path) -> dict:
         raise DriftFileError(f"{str(path)!r} does not exist")
     suffix = path.suffix.lower()
     if suffix == ".npz":
-        with open(path, "rb") as f:  # numpy calls any non-zip file "pickled data"
-            head = f.read(6)
-        if not head.startswith((b"PK\x03\x04", b"\x93NUMPY")):
-            raise DriftFileError(f"{str(path)!r} is not an .npz archive (it starts with {head!r}, "
-                                 f"not a zip header); write it with numpy.savez")
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                return {k: z[k] for k in z.files}
-        except ValueError as e:
-            if "allow_pickle" in str(e):  # object arrays need pickle: refused
-                raise DriftFileError(f"{str(path)!r}: cannot read without unpickling ({e}); save "
-                                     f"plain numeric arrays with numpy.savez") from None
-            raise DriftFileError(f"{str(path)!r} is not a readable .npz archive (ValueError: {e}); "
-                                 f"was it written completely? (numpy.savez)") from None
-        except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:  # truncated, corrupt
-            raise DriftFileError(f"{str(path)!r} is not a readable .npz archive ({type(e).__name__}: "
-                                 f"{e}); was it written completely? (numpy.savez)") from None
+        return read_npz(path)
     if suffix == ".safetensors":
         try:
             from safetensors.numpy import load_file

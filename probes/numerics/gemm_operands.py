@@ -15,11 +15,11 @@ from __future__ import annotations
 import pickle
 import re
 import zipfile
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from trainprobes.datafiles import read_npz
 from trainprobes.errors import DataFileError
 
 SUFFIXES = (".pt", ".npz", ".safetensors")
@@ -62,21 +62,7 @@ def _read_pt(path: Path) -> dict:
 
 
 def _read_npz(path: Path) -> dict:
-    import numpy as np
-    with open(path, "rb") as f:  # numpy calls any non-zip file "pickled data"
-        head = f.read(4)
-    if head != b"PK\x03\x04":
-        raise DataFileError(f"{str(path)!r} is not an .npz archive (it starts with {head!r}, not a "
-                            "zip header); write it with numpy.savez(path, A=a, B=b)")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-    except ValueError as e:
-        raise DataFileError(f"{str(path)!r} is not a readable .npz archive ({e}); save plain "
-                            "numeric arrays with numpy.savez") from None
-    except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
-        raise DataFileError(f"{str(path)!r} is not a readable .npz archive ({type(e).__name__}: "
-                            f"{e}); was it written completely? (numpy.savez)") from None
+    arrays = read_npz(path, "numpy.savez(path, A=a, B=b)")
     out = {}
     for k, v in arrays.items():
         if v.dtype.kind not in "fiub":  # bf16 / fp8 saved through ml_dtypes read back as void
