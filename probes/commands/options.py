@@ -133,27 +133,15 @@ def check_writable(path, flag: str, *, force: bool = False) -> None:
         raise InvalidArgument(f"{flag} {str(p)!r}: the folder {str(folder)!r} is not writable")
 
 
-def first_missing_folder(path):
-    """The folder of `path` where it does not exist yet (writing creates it), or None."""
-    from pathlib import Path
-    folder = Path(path).absolute().parent
-    return None if folder.exists() else folder
-
-
-def say_written(path, what: str, created=None) -> None:
-    """One line on stderr saying where a file went, and which folder was made for it: a user
-    who typed a path with a typo in a folder finds the file."""
+def write_announced(path, write, what: str) -> None:
+    """write(path), then one line on stderr saying where the file went and which folder was
+    made for it: a user who typed a folder name wrong still finds the file."""
     import sys
     from pathlib import Path
-    made = f" (created the folder {str(created)!r})" if created is not None else ""
-    print(f"trainprobes: {what} written to {str(Path(path).absolute())!r}{made}", file=sys.stderr)
-
-
-def write_announced(path, write, what: str) -> None:
-    """write(path), then say_written."""
-    created = first_missing_folder(path)  # looked at before the write makes it
+    path = Path(path).absolute()
+    made = "" if path.parent.exists() else f" (created the folder {str(path.parent)!r})"  # before the write
     write(path)
-    say_written(path, what, created)
+    print(f"trainprobes: {what} written to {str(path)!r}{made}", file=sys.stderr)
 
 
 def check_outputs(args) -> None:

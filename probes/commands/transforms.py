@@ -11,7 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from trainprobes.commands.options import add_progress_options, add_report_options, options_of, parse_backend
+from trainprobes.commands.options import (
+    add_progress_options,
+    add_report_options,
+    options_of,
+    parse_backend,
+    write_announced,
+)
 from trainprobes.transforms.options import add_probe_options, add_step_options, user_steps
 from trainprobes.validation import parse_int, parse_number
 
@@ -65,7 +71,8 @@ def _document(args, results) -> dict:
 def _emit(args, results) -> None:
     from trainprobes.result import save_results
     if args.output:
-        save_results(args.output, results, command="transforms", options=options_of(args))
+        write_announced(args.output, lambda p: save_results(p, results, command="transforms",
+                                                            options=options_of(args)), "report")
     if args.json:
         print(json.dumps(_document(args, results), indent=2, allow_nan=False))
 
