@@ -42,7 +42,8 @@ def _data(n=40):
             for k in torch.randint(3, 9, (n,), generator=g)]
 
 
-def _trainer_run(tmp_path, *, mask: bool, watch: bool, model_cls=None, steps=6, **sentinel_kw):
+def _trainer_run(tmp_path, *, mask: bool, watch: bool, model_cls=None, steps=6, accumulation=1,
+                 **sentinel_kw):
     from trainprobes.isolation.hf import tiny_model
     from trainprobes.watch import SentinelCallback
     from transformers import Trainer, TrainingArguments
@@ -53,9 +54,10 @@ def _trainer_run(tmp_path, *, mask: bool, watch: bool, model_cls=None, steps=6, 
     model.train()
     args = TrainingArguments(output_dir=str(tmp_path / f"out{watch}"), use_cpu=True,
                              max_steps=steps, per_device_train_batch_size=4, logging_steps=1,
-                             report_to=[], save_strategy="no", disable_tqdm=True, seed=0)
+                             report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
+                             gradient_accumulation_steps=accumulation)
     trainer = Trainer(model=model, args=args, train_dataset=_data(),
-                      data_collator=SwitchingCollator(SWITCH, mask))
+                      data_collator=SwitchingCollator(SWITCH * accumulation, mask))
     s = Sentinel(**sentinel_kw)
     if watch:
         trainer.add_callback(SentinelCallback(s, trainer, ddp=False))
@@ -102,6 +104,16 @@ def test_a_run_that_stays_isolated_raises_nothing(tmp_path):
     (r,) = [r for r in s.results if r.probe == "isolation.documents"]
     assert r.verdict == "pass" and r.metrics["isolated"] is True and r.evidence["step"] == SWITCH
     assert r.evidence["convention_fields"]["mask"] == "absent" and s.error_count == 0
+
+
+@pytest.mark.slow
+def test_under_gradient_accumulation_the_step_is_the_optimizer_step(tmp_path):
+    """2 micro-batches a step, the switch at the 7th batch: caught at step 3 (the
+    optimizer step both micro-batches belong to), checked once."""
+    s, trainer, _, _, _ = _trainer_run(tmp_path, mask=True, watch=True, accumulation=2, steps=5)
+    (r,) = [r for r in s.results if r.probe == "isolation.documents"]
+    assert r.verdict == "fail" and r.evidence["step"] == SWITCH and s.error_count == 0
+    assert s.watches[0].batches == 10 and s.watches[0].checks == 1
 
 
 @pytest.mark.slow
@@ -311,3 +323,26 @@ def test_a_cache_object_in_the_batch_is_not_shared_with_the_check():
     assert not w._pending and s.error_count == 1 and "past_key_values (Cache)" in s.errors[0]
     (final,) = s.close()
     assert final.verdict == "error" and "past_key_values" in final.message
+
+
+def test_a_sharded_model_is_refused_up_front():
+    """FSDP2 (fully_shard on a 1-rank gloo group): the check's forward would all-gather on
+    one rank only; refused by name, never a hang."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from trainprobes.errors import InvalidArgument
+    own = not dist.is_initialized()
+    if own:
+        with socket.socket() as sock:  # a free port: other runs share this machine
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        model = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+        with pytest.raises(InvalidArgument, match="sharded .*FSDP.*packing=False"):
+            watch_packing(model, Sentinel())
+    finally:
+        if own:
+            dist.destroy_process_group()

@@ -242,7 +242,26 @@ def watch_packing(model: torch.nn.Module, sentinel, *, max_checks: int = 8, hook
     if isinstance(model, DistributedDataParallel):
         raise InvalidArgument("model is a DistributedDataParallel: pass its .module (the check "
                               "calls the model outside the step and must issue no collective)")
+    sharded = _sharded(model)
+    if sharded:
+        raise InvalidArgument(
+            f"the model is sharded ({sharded}): its forward gathers parameters with a collective, "
+            "and the check calls it on one rank only, when that rank's batch shows a new "
+            "convention; the other ranks would not join and the run would hang. Pass "
+            "packing=False, or check a batch by hand with trainprobes.watch.packing.check_batch "
+            "on an unsharded copy")
     w = PackingWatch(sentinel, model, max_checks=max_checks, hook=hook,
                      seed=sentinel.seed if seed is None else seed)
     sentinel.add_watch(w)
     return w
+
+
+def _sharded(model: torch.nn.Module) -> str | None:
+    """What shards the model (FSDP1 / FSDP2 / DeepSpeed ZeRO-3), or None."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    for m in model.modules():
+        if isinstance(m, (FSDPModule, FullyShardedDataParallel)):
+            return f"{type(m).__name__} at {type(model).__name__}"
+    if any(hasattr(p, "ds_status") for p in model.parameters()):  # ZeRO-3's partitioned params
+        return "DeepSpeed ZeRO-3 partitioned parameters"
+    return None
