@@ -68,17 +68,16 @@ def _kind(v) -> str:
 
 
 def _restarts(batch: Mapping) -> torch.Tensor | None:
-    """[B, L] bool: a position id that does not grow by one from the token before, on a
-    token the 2-D mask keeps (column 0 is never a restart)."""
+    """[B, L - 1] bool, for positions 1 .. L - 1: a position id that does not grow by one
+    from the token before, on a token the 2-D mask keeps."""
     pos = batch.get("position_ids")
     if not isinstance(pos, torch.Tensor) or pos.dim() not in (1, 2) or pos.shape[-1] < 1:
         return None
     pos = pos[None] if pos.dim() == 1 else pos
-    r = torch.zeros(pos.shape, dtype=torch.bool, device=pos.device)
-    r[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    r = pos.diff(dim=1) != 1
     mask = batch.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape == pos.shape:
-        r &= mask.to(device=pos.device) != 0
+        r &= mask[:, 1:].to(device=pos.device) != 0
     return r
 
 
@@ -96,13 +95,14 @@ def convention_of(batch: Mapping, model=None) -> Convention:
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         flags.append((mask != 0).all())
     elif isinstance(mask, torch.Tensor) and mask.dim() == 4 and restarts is not None \
-            and mask.shape[-1] == mask.shape[-2] == restarts.shape[-1] and mask.shape[0] == restarts.shape[0]:
+            and mask.shape[-1] == mask.shape[-2] == restarts.shape[-1] + 1 \
+            and mask.shape[0] == restarts.shape[0]:
         # mask[b, h, s, s - 1]: may the token at s see the one before it? At each restart s
         # that says whether documents are kept apart. bool: True attends; float: additive,
         # 0 attends (HF's min-value fill blocks)
         sub = mask.diagonal(offset=-1, dim1=-2, dim2=-1)  # [B, H, L - 1]
         allowed = sub if sub.dtype == torch.bool else sub == 0
-        at = restarts[:, None, 1:].to(allowed.device)
+        at = restarts[:, None].to(allowed.device)
         flags += [None, (at & ~allowed).any(), (at & allowed).any()]
     read = [f for f in flags if f is not None]
     vals = iter(torch.stack(read).cpu().tolist() if read else [])
@@ -138,9 +138,10 @@ def document_starts(batch: Mapping) -> torch.Tensor | None:
     starts = torch.zeros(B, L, dtype=torch.bool)
     r = _restarts(batch)
     if r is not None:
-        if tuple(r.shape) != (B, L):
-            raise InvalidArgument(f"position_ids has shape {tuple(r.shape)}, input_ids {(B, L)}")
-        starts |= r.cpu()
+        if tuple(r.shape) != (B, L - 1):
+            raise InvalidArgument(f"position_ids has {r.shape[0]} rows of {r.shape[1] + 1}, "
+                                  f"input_ids {B} of {L}")
+        starts[:, 1:] |= r.cpu()
     seq = batch.get("seq_idx")
     if isinstance(seq, torch.Tensor) and seq.numel() == B * L:
         seq = seq.reshape(B, L).cpu()
