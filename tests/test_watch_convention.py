@@ -94,6 +94,12 @@ def test_a_4d_mask_that_crosses_documents_is_another_convention(dtype):
     blocks = convention_of({**base, "attention_mask": _mask4d(pos, True, dtype)})
     crosses = convention_of({**base, "attention_mask": _mask4d(pos, False, dtype)})
     assert blocks.mask == "4d-blocks" and crosses.mask == "4d-crosses" and blocks != crosses
+    # blocked from the token just before, but not from the one before that: still crosses
+    sly = _mask4d(pos, True, torch.bool)
+    sly[0, 0, 3, 1] = True
+    assert convention_of({**base, "attention_mask": sly}).mask == "4d-mixed"  # doc 1 crosses, doc 2 not
+    sly[0, 0, 5, 0] = True
+    assert convention_of({**base, "attention_mask": sly}).mask == "4d-crosses"
 
 
 def test_the_attention_implementation_is_part_of_the_convention():

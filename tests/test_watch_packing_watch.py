@@ -240,8 +240,8 @@ def test_lightning_switching_collator_is_caught_and_the_run_unchanged(tmp_path):
     class Module(L.LightningModule):
         def __init__(self):
             super().__init__()
-            self.model = tiny_model("llama", "sdpa", seed=0, attention_dropout=0.1)
-            self.model.config.use_cache = False
+            self.model = tiny_model("llama", "sdpa", seed=0, attention_dropout=0.1).train()
+            self.model.config.use_cache = False  # (tiny_model returns it in eval mode)
             self.losses = []
 
         def forward(self, **kw):

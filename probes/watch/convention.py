@@ -13,8 +13,9 @@ kwargs cu_seq_lens_q/_k (int32 offsets) and max_length_q/_k (python ints)):
    (max_length_q is an int whose value changes every batch);
 2. attention_mask: absent (or None), 2-D all ones (the collator trap beside restarting
    position ids), 2-D with padding, or 4-D, where whether the mask lets the first token of
-   each document see the token before it (crosses) or not (blocks) is part of the convention:
-   a block-diagonal mask and a full causal one are both "4-D";
+   each document see an earlier token, or the last token before it a later one (crosses),
+   or neither (blocks) is part of the convention: a block-diagonal mask and a full causal
+   one are both "4-D" (only the rows at document boundaries are read);
 3. position_ids: absent, monotone within each row, or restarting inside a row (a restart on
    a padding token, attention_mask 0, does not count: HF fills padding positions with 1);
 4. the attention implementation the model's config names (config._attn_implementation):
@@ -97,13 +98,19 @@ def convention_of(batch: Mapping, model=None) -> Convention:
     elif isinstance(mask, torch.Tensor) and mask.dim() == 4 and restarts is not None \
             and mask.shape[-1] == mask.shape[-2] == restarts.shape[-1] + 1 \
             and mask.shape[0] == restarts.shape[0]:
-        # mask[b, h, s, s - 1]: may the token at s see the one before it? At each restart s
-        # that says whether documents are kept apart. bool: True attends; float: additive,
-        # 0 attends (HF's min-value fill blocks)
-        sub = mask.diagonal(offset=-1, dim1=-2, dim2=-1)  # [B, H, L - 1]
-        allowed = sub if sub.dtype == torch.bool else sub == 0
-        at = restarts[:, None].to(allowed.device)
-        flags += [None, (at & ~allowed).any(), (at & allowed).any()]
+        # at each restart s (a document's first token): may row s see a column before s, or
+        # row s - 1 (the last token of the document before) a column from s on? Only those
+        # rows are read, not the whole [L, L] mask. bool: True attends; float: additive, 0
+        # attends (HF's min-value fill blocks)
+        b, j = restarts.nonzero(as_tuple=True)
+        s_at = (j + 1).to(mask.device)
+        b = b.to(mask.device)
+        first, last = mask[b, :, s_at, :], mask[b, :, s_at - 1, :]  # [N, H, L]
+        if mask.dtype != torch.bool:
+            first, last = first == 0, last == 0
+        before = torch.arange(mask.shape[-1], device=mask.device) < s_at[:, None, None]
+        cross = (first & before).any(-1) | (last & ~before).any(-1)  # [N, H]
+        flags += [None, (~cross).any(), cross.any()]
     read = [f for f in flags if f is not None]
     vals = iter(torch.stack(read).cpu().tolist() if read else [])
     got = [next(vals) if f is not None else None for f in flags]
