@@ -32,6 +32,7 @@ logged, counted, never raised into the step.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 
 import torch
@@ -45,7 +46,7 @@ __all__ = ["watch_packing", "PackingWatch"]
 
 log = logging.getLogger("trainprobes.watch")
 PROBE = "isolation.documents"
-# conventions remembered past max_checks (counted, never checked): a bound on its memory
+# conventions remembered (not packed, or packed past max_checks): a bound on its memory
 MAX_REMEMBERED = 1024
 
 
@@ -89,7 +90,6 @@ class PackingWatch:
         """Read the convention of a batch the model is about to receive (see the docstring)."""
         if self._busy:
             return
-        import time
         t0 = time.perf_counter()
         try:
             self.batches += 1
@@ -104,7 +104,8 @@ class PackingWatch:
                 return
             step = self.sentinel.steps
             if not c.packed:
-                self.seen[c] = step
+                if len(self.seen) < MAX_REMEMBERED:
+                    self.seen[c] = step
                 log.info("trainprobes sentinel: step %d, a batch convention not packed, nothing "
                          "to check: %s", step, c.text)
                 return
@@ -155,7 +156,6 @@ class PackingWatch:
             self.sentinel.report(r)
 
     def _check(self, step: int, c: Convention, batch: dict) -> Result | None:
-        import time
         t0 = time.perf_counter()
         self._busy = True
         try:
