@@ -76,4 +76,6 @@ def test_a_callback_that_would_watch_nothing_is_refused():
     pytest.importorskip("lightning.pytorch")
     from trainprobes.watch.lightning import SentinelLightning
     with pytest.raises(InvalidArgument, match="watch nothing"):
-        SentinelLightning(Sentinel(), ddp=False)
+        SentinelLightning(Sentinel(), ddp=False, packing=False)
+    with pytest.raises(InvalidArgument, match="packing='yes'"):
+        SentinelLightning(Sentinel(), ddp=False, packing="yes")

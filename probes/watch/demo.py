@@ -249,7 +249,7 @@ def lightning_task(rank: int, world: int, hook: str = "none", steps: int = 30,
         trainer = L.Trainer(accelerator="cpu", devices=world, strategy=DDPStrategy(
             process_group_backend="gloo", ddp_comm_hook=hook_by_name(strategy_hook)), max_steps=steps, logger=CSVLogger(out), log_every_n_steps=1,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            callbacks=[SentinelLightning(sentinel, hook=hook_by_name(hook))])
+            callbacks=[SentinelLightning(sentinel, hook=hook_by_name(hook), packing=False)])
         trainer.fit(Module(), loader)
         logged = trainer.logged_metrics
     return {"results": [r.to_json() for r in sentinel.results],

@@ -12,12 +12,21 @@ on_train_start: `trainer.strategy.model` (the strategy's wrapped model) must be 
     registered it, attach_ddp refuses (DDP takes one hook) and says to pass it here.
 on_train_start, routers / updates: watch_routers on the LightningModule (routers=True: found
     by class name), watch_updates on its one optimizer; ddp=False: no DDP model needed.
+on_train_batch_start (packing=True, the default): the batch Lightning hands over goes to
+    watch_packing (trainprobes.watch.packing_watch): its packing convention is read, and the
+    first batch and each batch whose convention is new is checked for packed-document
+    isolation on_before_optimizer_step (after backward, before the update), calling the
+    LightningModule with the batch's keys. packing=<an nn.Module>: that module's forward
+    pre-hook reads the keyword arguments it receives instead (the HF model inside, when the
+    module's forward does not take the batch's keys). A batch that is not a dict cannot be
+    read: said once, and a final "cannot judge" Result (packing=False turns it off).
 on_train_batch_end: sentinel.step() (a step is a training batch); after a look its numbers go
     to the module's log_dict, so every logger the Trainer has gets them.
 on_train_end: sentinel.close(); the Results in sentinel.results.
 """
 from __future__ import annotations
 
+import torch
 from lightning.pytorch.callbacks import Callback
 from trainprobes.errors import InvalidArgument
 from trainprobes.validation import check_bool
@@ -26,19 +35,28 @@ from trainprobes.watch.ddp import attach_ddp
 
 class SentinelLightning(Callback):
     def __init__(self, sentinel, hook=None, state=None, *, ddp: bool = True, routers=None,
-                 updates: bool = False, router_every: int = 50):
+                 updates: bool = False, router_every: int = 50, packing=True):
         from trainprobes.watch.sentinel import Sentinel
         if not isinstance(sentinel, Sentinel):
             raise InvalidArgument(f"sentinel={sentinel!r} must be a trainprobes.watch.Sentinel")
         self.sentinel, self.hook, self.state = sentinel, hook, state
         self.ddp, self.updates = check_bool(ddp, "ddp"), check_bool(updates, "updates")
         self.routers, self.router_every = routers, router_every
-        if not (self.ddp or routers or self.updates):
-            raise InvalidArgument("ddp=False, no routers and updates=False: the sentinel would "
-                                  "watch nothing")
+        if not (isinstance(packing, torch.nn.Module) or isinstance(packing, bool)):
+            raise InvalidArgument(f"packing={packing!r}: True (the batch Lightning hands over, "
+                                  "the LightningModule called with its keys), False, or the "
+                                  "nn.Module that receives the batch's keys")
+        self.packing, self._packing = packing, None
+        if not (self.ddp or routers or self.updates or packing is not False):
+            raise InvalidArgument("ddp=False, packing=False, no routers and updates=False: the "
+                                  "sentinel would watch nothing")
 
     def on_train_start(self, trainer, pl_module):
         from torch.nn.parallel import DistributedDataParallel
+        if self.packing is not False:
+            from trainprobes.watch.packing_watch import watch_packing
+            own = self.packing is True
+            self._packing = watch_packing(pl_module if own else self.packing, self.sentinel, hook=not own)
         if self.routers:
             from trainprobes.watch.router import watch_routers
             watch_routers(pl_module, self.sentinel, every=self.router_every,
@@ -59,6 +77,14 @@ class SentinelLightning(Callback):
                 "gradient reduction and would watch nothing here (use strategy='ddp' on 2 or more "
                 "devices)")
         attach_ddp(model, self.sentinel, hook=self.hook, state=self.state)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.packing is True and self._packing is not None:
+            self._packing.observe(batch)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self._packing is not None:
+            self._packing.check_pending()  # SentinelFinding (stop_on_finding) leaves from here
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         looked = self.sentinel.streams.looks

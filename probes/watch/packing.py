@@ -20,6 +20,7 @@ from collections.abc import Mapping
 import torch
 from trainprobes.errors import InvalidArgument, InvalidType
 from trainprobes.isolation import Packing, documents
+from trainprobes.watch.convention import document_starts
 
 SKIP = ("input_ids", "labels")  # perturbed here / the loss is not looked at
 
@@ -48,12 +49,10 @@ def keep_rng():
 
 
 def packing_of(batch: Mapping) -> Packing | None:
-    """The documents of a batch from its position ids; None when no row holds two."""
-    pos = batch.get("position_ids")
-    if pos is None:
-        return None
-    p = Packing.from_position_ids(torch.as_tensor(pos).cpu())
-    return p if any(len(row) > 1 for row in p.lengths) else None
+    """The documents of a batch, by every convention it holds (restarting position ids,
+    seq_idx, cu_seq_lens_q: convention.document_starts); None when no row holds two."""
+    starts = document_starts(batch)
+    return None if starts is None else Packing.from_doc_ids(starts.long().cumsum(1))
 
 
 def check_batch(model, batch: Mapping, *, seed: int = 0, target: str | None = None):
@@ -76,13 +75,14 @@ def check_batch(model, batch: Mapping, *, seed: int = 0, target: str | None = No
         out = model(input_ids=tokens, **rest)
         return out.logits if hasattr(out, "logits") else out[0]
 
-    training = model.training
+    modes = [(m, m.training) for m in model.modules()]  # each submodule's own (a frozen part)
     with keep_rng(), torch.no_grad():
         model.eval()
         try:
             r = documents(fn, ids, packing, fp64=False, causal=False, seed=seed, target=name)
         finally:
-            model.train(training)
+            for m, mode in modes:
+                m.training = mode
     r.evidence["batch_keys"] = sorted(batch)
     r.evidence["mode"] = "eval (dropout off), no_grad, the batch's own keys"
     return r

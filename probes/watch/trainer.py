@@ -3,15 +3,14 @@
     sentinel = Sentinel(findings="sentinel.jsonl")
     trainer.add_callback(SentinelCallback(sentinel, trainer))
 
-on_train_begin, first (packing=True): a batch a deep copy of the run's collator makes from
-    the first `packing_examples` training examples is checked for packed-document isolation
-    (trainprobes.watch.packing; not packed: nothing to check, said in the log). A leak is a
-    finding (TP-I1) like any other. TrainerCallback is not handed the batches, so this is
-    the run's collator on the run's data, not the sampler's first batch. The copy and
-    packing.keep_rng() keep the run as it was: a collator that draws (MLM masking) draws
-    from its copy's generator, and python's, numpy's and torch's global generators are
-    restored; a collator that cannot be deep-copied is not called (counted as an error of
-    the sentinel's own).
+on_train_begin, first (packing=True): watch_packing on the Trainer's unwrapped model
+    (trainprobes.watch.packing_watch): a forward pre-hook reads the packing convention of
+    the batch the model receives (TrainerCallback events are not handed the batches); the
+    first batch, and each batch whose convention is new, is checked for packed-document
+    isolation on_pre_optimizer_step (after its backward, before the update), at most 8
+    conventions. A leak is a finding (TP-I1) like any other; not packed: nothing to check.
+    check_packing() checks, by hand, a batch a deep copy of the run's collator makes from
+    the first `packing_examples` examples (python's, numpy's and torch's generators kept).
 on_train_begin: the Trainer has wrapped its model by then; `trainer.model_wrapped` (the
     Trainer's documented "most external model") must be a DistributedDataParallel, and the
     sentinel attaches to it with attach_ddp (hook, state: the comm hook to run, default
@@ -83,7 +82,8 @@ class SentinelCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         from torch.nn.parallel import DistributedDataParallel
         if self.packing:
-            self.check_packing()
+            from trainprobes.watch.packing_watch import watch_packing
+            self._packing = watch_packing(self.trainer.model, self.sentinel)
         if self.routers:  # True: found by class name; else a dict or list of modules
             from trainprobes.watch.router import watch_routers
             watch_routers(self.trainer.model, self.sentinel, every=self.router_every,
@@ -101,6 +101,10 @@ class SentinelCallback(TrainerCallback):
                 "the Trainer on 2 or more ranks, e.g. torchrun, with DDP; or pass ddp=False to "
                 "watch only routers, updates or packing)")
         attach_ddp(model, self.sentinel, hook=self.hook, state=self.state)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.packing and hasattr(self, "_packing"):
+            self._packing.check_pending()  # SentinelFinding (stop_on_finding) leaves from here
 
     def on_step_end(self, args, state, control, **kwargs):
         looked = self.sentinel.streams.looks
