@@ -122,3 +122,22 @@ def test_what_would_go_unwatched_is_refused():
     assert "not managed by fully_shard" in got["partial"] and "'3.weight'" in got["partial"]
     assert "already attached" in got["twice"]
     assert got["ok"] == ""
+
+
+@pytest.mark.slow
+def test_a_failure_on_one_rank_skips_that_sample_on_every_rank():
+    """Rank 1's copy of its 2nd and 5th samples raises: rank 1 still issues the fp64
+    reduction (with its flag), so both ranks leave exactly those samples out and pair every
+    other one right: the fp32 run stays clean, bit for bit as without the sentinel."""
+    kw = {"sample": 1.0, "interval": 5}
+    runs = [{"reduce": "fp32", "steps": 20, "watch": w, "sentinel_kwargs": kw,
+             "break_takes": {1: [1, 4]}} for w in (False, True)]
+    out = launch(fsdp_runs_task, 2, args=(runs,), timeout=180)
+    for r, (plain, watched) in enumerate(out):
+        assert _same(plain, watched), f"rank {r}"
+        assert watched["skipped"] == 2, f"rank {r}: {watched['skipped']}"
+    assert out[0][1]["own_errors"] == 0 and out[1][1]["own_errors"] == 2
+    res = {r.target: r for r in map(Result.from_json, out[0][1]["results"])}
+    pooled = res["watch:fsdp2[DefaultReduceScatter].all_buckets"]
+    assert pooled.verdict == "pass" and pooled.metrics["trials"] == 18
+    assert pooled.evidence["skipped_samples"] == 2 and abs(pooled.metrics["bias"]) < 1e-7

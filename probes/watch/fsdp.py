@@ -90,6 +90,13 @@ class _Watched:
         self.dtypes: set = set()
         self.ops: set = set()
 
+    def take(self, input_tensor, world: int, start: int, n: int) -> torch.Tensor:
+        """A new fp64 tensor of 2 * world * n + 1 zeros, every chunk's window of this rank's
+        input first (never a view of FSDP's buffer: the reduction works on it in place)."""
+        out = torch.zeros(2 * world * n + 1, dtype=torch.float64)
+        out[:world * n].view(world, n).copy_(input_tensor.detach().reshape(world, -1)[:, start:start + n])
+        return out
+
     def evidence(self) -> dict:
         return {"reduce_scatter_configured": self.name, "fsdp_modules": list(self.modules),
                 "reduce_dtypes_seen": sorted(self.dtypes), "reduce_ops_seen": sorted(self.ops)}
@@ -124,14 +131,9 @@ def _make_comm(base):
                         f"op={op!r} is not a sum: nothing to compare in fp64"))
                 elif window is not None:
                     start, n = window
-
-                    def take():
-                        out = torch.zeros(2 * world * n + 1, dtype=torch.float64)
-                        src = input_tensor.detach().reshape(world, -1)[:, start:start + n]
-                        out[:world * n].view(world, n).copy_(src)
-                        return out
-                    sample = (start, n, world, me, scale, chunk, s.steps,
-                              flagged(s, "sampling a reduce-scatter", 2 * world * n, take))
+                    buf = flagged(s, "sampling a reduce-scatter", 2 * world * n,
+                                  lambda: w.take(input_tensor, world, start, n))
+                    sample = (start, n, world, me, scale, chunk, s.steps, buf)
             except Exception as e:
                 s._own_error("choosing a reduce-scatter", e)
             s._add_time(time.perf_counter() - t0)

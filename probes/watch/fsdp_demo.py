@@ -26,7 +26,9 @@ def _comm(reduce: str):
 
 def fsdp_task(rank: int, world: int, reduce: str = "fp32", steps: int = 20, watch: bool = False,
               seed: int = 0, sentinel_kwargs: dict | None = None, width: int = 64,
-              depth: int = 3, batch: int = 16) -> dict:
+              depth: int = 3, batch: int = 16, break_takes: dict | None = None) -> dict:
+    """break_takes: {rank: [i, ...]}: on that rank, the sentinel's i-th copy of a sample
+    raises (a failure on one rank only)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from trainprobes.watch import Sentinel, SentinelFinding, attach_fsdp2
@@ -49,6 +51,8 @@ def fsdp_task(rank: int, world: int, reduce: str = "fp32", steps: int = 20, watc
     if watch:
         sentinel = Sentinel(**(sentinel_kwargs or {}))
         attach_fsdp2(net, sentinel, reduce_scatter=comm() if comm else None)
+        if break_takes and rank in break_takes:
+            _break_takes(sentinel._fsdp, break_takes[rank])
     elif comm is not None:
         for m in net.modules():
             if hasattr(m, "set_custom_reduce_scatter") and m._get_fsdp_state()._fsdp_param_groups:
@@ -78,7 +82,20 @@ def fsdp_task(rank: int, world: int, reduce: str = "fp32", steps: int = 20, watc
     return {"losses": torch.stack(losses), "weights": weights, "rng": torch.random.get_rng_state(),
             "results": results, "stopped_at": stopped_at, "times": times,
             "own_errors": sentinel.error_count if sentinel else 0,
-            "own_seconds": sentinel.own_seconds if sentinel else 0.0}
+            "own_seconds": sentinel.own_seconds if sentinel else 0.0,
+            "skipped": sentinel.summary().get("sentinel/skipped", 0) if sentinel else 0}
+
+
+def _break_takes(watched, which: list) -> None:
+    """The i-th copy of a sample raises, for each i in `which` (on this attach's record)."""
+    take, count = watched.take, [0]
+
+    def flaky(*args):
+        count[0] += 1
+        if count[0] - 1 in which:
+            raise RuntimeError("a deliberately failed copy on one rank")
+        return take(*args)
+    watched.take = flaky
 
 
 def fsdp_runs_task(rank: int, world: int, runs: list) -> list:
