@@ -8,7 +8,7 @@ from trainprobes.errors import InvalidArgument, InvalidType
 from trainprobes.result import Result
 from trainprobes.watch import Sentinel, attach_fsdp2
 from trainprobes.watch.fsdp import op_scale
-from trainprobes.watch.fsdp_demo import fsdp_refusal_task, fsdp_runs_task
+from trainprobes.watch.fsdp_demo import fsdp_refusal_task, fsdp_runs_task, lightning_fsdp_runs_task
 
 
 def test_the_reference_scales_the_fp64_sum_as_the_op_fsdp_passes():
@@ -141,3 +141,21 @@ def test_a_failure_on_one_rank_skips_that_sample_on_every_rank():
     pooled = res["watch:fsdp2[DefaultReduceScatter].all_buckets"]
     assert pooled.verdict == "pass" and pooled.metrics["trials"] == 18
     assert pooled.evidence["skipped_samples"] == 2 and abs(pooled.metrics["bias"]) < 1e-7
+
+
+@pytest.mark.slow
+def test_lightning_callback_attaches_to_a_fully_shard_model():
+    """Lightning 2.6.6 ModelParallelStrategy (fully_shard in configure_model), 2 gloo ranks,
+    CPU: SentinelLightning attaches with attach_fsdp2; fp32 is clean and a truncating
+    reduce-scatter given to the callback is biased by step 30; the logger gets the numbers."""
+    pytest.importorskip("lightning")
+    runs = [{"reduce": "fp32", "steps": 30}, {"reduce": "truncating", "steps": 30}]
+    clean, trunc = launch(lightning_fsdp_runs_task, 2, args=(runs,), timeout=300)[0]
+    final = {r.target: r for r in map(Result.from_json, clean["results"])}
+    pooled = final["watch:fsdp2[DefaultReduceScatter].all_buckets"]
+    assert pooled.verdict == "pass" and pooled.metrics["trials"] >= 3
+    assert not [r.message for r in final.values() if r.verdict == "fail"]
+    assert clean["logged"]["sentinel/step"] == 30 and clean["logged"]["sentinel/biased"] == 0
+    fails = [r for r in map(Result.from_json, trunc["results"]) if r.verdict == "fail"]
+    assert fails and fails[0].target.startswith("watch:fsdp2[TruncatingReduceScatter].")
+    assert fails[0].evidence["found_at_step"] <= 30 and trunc["logged"]["sentinel/biased"] == 1

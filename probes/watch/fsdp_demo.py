@@ -144,3 +144,62 @@ def fsdp_refusal_task(rank: int, world: int, cases: list) -> list:
         except Exception as e:
             out.append(f"{type(e).__name__}: {e}")
     return out
+
+
+def lightning_fsdp_task(rank: int, world: int, reduce: str = "fp32", steps: int = 30,
+                        sentinel_kwargs: dict | None = None) -> dict:
+    """A small MLP trained by a Lightning Trainer under ModelParallelStrategy (fully_shard in
+    configure_model, gloo, CPU) with SentinelLightning; its Results as JSON and the
+    sentinel's numbers the logger received. reduce: "fp32" or a custom comm's name."""
+    import tempfile
+
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+    from trainprobes.watch import Sentinel
+    from trainprobes.watch.demo import model
+    from trainprobes.watch.lightning import SentinelLightning
+
+    torch.set_num_threads(1)
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = model(64, 2, 0)
+
+        def configure_model(self):
+            mesh = self.device_mesh["data_parallel"]
+            for child in self.net.children():
+                if any(True for _ in child.parameters()):
+                    fully_shard(child, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(steps * 8 * world, 64, generator=g)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, :1]), batch_size=8)
+    sentinel = Sentinel(**(sentinel_kwargs or {}))
+    comm = _comm(reduce)
+    with tempfile.TemporaryDirectory() as out:
+        trainer = L.Trainer(
+            accelerator="cpu", devices=world, max_steps=steps, logger=CSVLogger(out),
+            strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1,
+                                           process_group_backend="gloo"),
+            log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[SentinelLightning(sentinel, reduce_scatter=comm() if comm else None)])
+        trainer.fit(Module(), loader)
+        logged = trainer.logged_metrics
+    return {"results": [r.to_json() for r in sentinel.results],
+            "logged": {k: float(v) for k, v in logged.items() if k.startswith("sentinel/")}}
+
+
+def lightning_fsdp_runs_task(rank: int, world: int, runs: list) -> list:
+    return [lightning_fsdp_task(rank, world, **kw) for kw in runs]
