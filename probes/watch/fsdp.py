@@ -98,6 +98,7 @@ class _Watched:
         return out
 
     def evidence(self) -> dict:
+        # hook_calls (Sentinel._evidence) counts reduce-scatter calls here
         return {"reduce_scatter_configured": self.name, "fsdp_modules": list(self.modules),
                 "reduce_dtypes_seen": sorted(self.dtypes), "reduce_ops_seen": sorted(self.ops)}
 

@@ -305,10 +305,11 @@ class Sentinel:
 
     def _evidence(self) -> dict:
         from trainprobes.watch.ddp import ddp_hook_name
-        fsdp = self._fsdp.evidence() if self._fsdp is not None else {}
-        return {**fsdp, "hook_configured": getattr(self._hook, "__qualname__", None),
-                "hook_registered_in_ddp": ddp_hook_name(self._ddp) if self._ddp is not None else None,
-                "hook_calls": self._hook_calls, "steps": self.steps, "sample": self.sample,
+        # what it watches: FSDP2's reduce-scatter (attach_fsdp2) or DDP's comm hook
+        where = (self._fsdp.evidence() if self._fsdp is not None else
+                 {"hook_configured": getattr(self._hook, "__qualname__", None),
+                  "hook_registered_in_ddp": ddp_hook_name(self._ddp) if self._ddp is not None else None})
+        return {**where, "hook_calls": self._hook_calls, "steps": self.steps, "sample": self.sample,
                 "interval": self.interval, "window": self.window, "budget": self.budget,
                 "looks": self.streams.looks, "own_errors": self.error_count,
                 "own_seconds": self.own_seconds, "look_seconds": self.look_seconds,
