@@ -23,15 +23,16 @@ def window_copy(buffer: torch.Tensor, start: int, n: int) -> torch.Tensor:
     return buffer.detach().reshape(-1)[start:start + n].to(torch.float64, copy=True)
 
 
-def flagged(sentinel, where: str, n: int, take) -> torch.Tensor:
+def flagged(sentinel, where: str, n: int, take, device=None) -> torch.Tensor:
     """take(): a new fp64 tensor of n + 1 elements, the sample then 0 (Sentinel._take). If
     it raises, the error is the sentinel's own (counted, never raised) and the tensor is
-    zeros with a 1 last: this rank could not, so every rank leaves the sample out."""
+    zeros (on `device`) with a 1 last: this rank could not, so every rank leaves the
+    sample out."""
     try:
         return take()
     except Exception as e:
         sentinel._own_error(where, e)
-        out = torch.zeros(n + 1, dtype=torch.float64)
+        out = torch.zeros(n + 1, dtype=torch.float64, device=device)
         out[n] = 1.0
         return out
 

@@ -40,11 +40,16 @@ several parameter groups (torch refuses a custom reduce-scatter there); a custom
 reduce-scatter already set (torch has no public getter for it: pass it as reduce_scatter=,
 the sentinel wraps it), and a sentinel attached twice. Reading what is set goes through
 FSDPModule._get_fsdp_state() (read only, to refuse; nothing of FSDP's is replaced).
+
+The fp64 tensors live on the comm's device, and nothing in backward waits for the device
+(the flag and the error are read at step()); tested on CPU with gloo only (torch 2.13),
+not under NCCL.
 """
 from __future__ import annotations
 
 import time
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 from trainprobes.errors import InvalidArgument, InvalidType
@@ -78,6 +83,21 @@ def op_scale(op, world: int) -> float | None:
     return None
 
 
+class _Sample(NamedTuple):
+    """One sampled reduce-scatter, from its draw to its record."""
+
+    key: str  # the stream: the FSDP module's name
+    numel: int  # the reduce-scatter's input elements (world * chunk)
+    step: int
+    start: int  # the window in each chunk
+    n: int
+    world: int
+    me: int  # this rank's index in the reduce-scatter's group
+    scale: float  # op_scale
+    buf: torch.Tensor  # inputs (world * n), outputs (world * n), the flag
+    work: object = None  # the fp64 all-reduce in flight
+
+
 class _Watched:
     """What attach_fsdp2 attached: the sentinel's record of it (Sentinel._fsdp)."""
 
@@ -93,7 +113,7 @@ class _Watched:
     def take(self, input_tensor, world: int, start: int, n: int) -> torch.Tensor:
         """A new fp64 tensor of 2 * world * n + 1 zeros, every chunk's window of this rank's
         input first (never a view of FSDP's buffer: the reduction works on it in place)."""
-        out = torch.zeros(2 * world * n + 1, dtype=torch.float64)
+        out = torch.zeros(2 * world * n + 1, dtype=torch.float64, device=input_tensor.device)
         out[:world * n].view(world, n).copy_(input_tensor.detach().reshape(world, -1)[:, start:start + n])
         return out
 
@@ -133,8 +153,9 @@ def _make_comm(base):
                 elif window is not None:
                     start, n = window
                     buf = flagged(s, "sampling a reduce-scatter", 2 * world * n,
-                                  lambda: w.take(input_tensor, world, start, n))
-                    sample = (start, n, world, me, scale, chunk, s.steps, buf)
+                                  lambda: w.take(input_tensor, world, start, n),
+                                  device=input_tensor.device)
+                    sample = _Sample(self.key, world * chunk, s.steps, start, n, world, me, scale, buf)
             except Exception as e:
                 s._own_error("choosing a reduce-scatter", e)
             s._add_time(time.perf_counter() - t0)
@@ -144,20 +165,20 @@ def _make_comm(base):
             if sample is None:
                 return work
             t1 = time.perf_counter()
-            start, n, world, me, scale, chunk, step, buf = sample
+            start, n, world, me, buf = sample.start, sample.n, sample.world, sample.me, sample.buf
             try:
                 if kw.get("async_op") and work is not None:  # the output is read below
                     work.wait()
-                if buf[-1] == 0:
-                    mine = buf[world * n + me * n: world * n + (me + 1) * n]
-                    mine.copy_(output_tensor.detach().reshape(-1)[start:start + n])
+                # copied even when flagged (then skipped anyway): reading the flag here would
+                # wait for the device inside backward
+                mine = buf[world * n + me * n: world * n + (me + 1) * n]
+                mine.copy_(output_tensor.detach().reshape(-1)[start:start + n])
             except Exception as e:
                 s._own_error("sampling a reduce-scatter's output", e)
                 buf.zero_()
                 buf[-1] = 1.0
             try:
-                red = dist.all_reduce(buf, group=w.group, async_op=True)
-                w.pending.append((self.key, world * chunk, step, world * n, scale, buf, red))
+                w.pending.append(sample._replace(work=dist.all_reduce(buf, group=w.group, async_op=True)))
             except Exception as e:
                 s._own_error("reducing a sample", e)
             s._add_time(time.perf_counter() - t1)
@@ -169,15 +190,16 @@ def _flush(sentinel, watched: _Watched) -> None:
     """Wait for the samples' fp64 reductions and record them (at step() and close())."""
     t0 = time.perf_counter()
     while watched.pending:
-        key, numel, step, m, scale, buf, red = watched.pending.pop(0)
+        x = watched.pending.pop(0)
+        m = x.world * x.n
         try:
-            red.wait(watched.timeout)
-            if buf[-1].item() != 0:  # some rank sent its flag (or the flag is NaN)
-                sentinel._record(key, numel, step, None, None, skipped=True)
+            x.work.wait(watched.timeout)
+            if x.buf[-1].item() != 0:  # some rank sent its flag (or the flag is NaN)
+                sentinel._record(x.key, x.numel, x.step, None, None, skipped=True)
             else:
-                sentinel._record(key, numel, step, buf[m:2 * m], buf[:m].mul_(scale))
+                sentinel._record(x.key, x.numel, x.step, x.buf[m:2 * m], x.buf[:m].mul_(x.scale))
         except Exception as e:
-            sentinel._own_error(f"checking reduce-scatter {key}", e)
+            sentinel._own_error(f"checking reduce-scatter {x.key}", e)
     sentinel._add_time(time.perf_counter() - t0)
 
 
