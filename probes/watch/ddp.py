@@ -50,8 +50,6 @@ from trainprobes.errors import InvalidArgument, InvalidType
 from trainprobes.validation import check_bool
 from trainprobes.watch.collective import check_plan, flagged, own_group, window_copy
 
-_window_copy = window_copy  # the name tests/test_watch.py imports
-
 
 def ddp_hook_name(ddp) -> str | None:
     """The comm hook DDP itself has registered (its logging data), None when none is."""
