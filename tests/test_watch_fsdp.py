@@ -68,18 +68,20 @@ def test_verdicts_at_the_defaults(tmp_path):
     """At the defaults (sample 0.25, a look every 10 steps), 2 gloo ranks, 60 steps: a
     reduce-scatter that truncates to bf16 is called biased by step 30 and stops both ranks
     at the same step (measured over seeds 0-4: steps 20, 20, 30, 20, 20); fp32, fp32 with
-    force-sum (SUM, FSDP divides after), reduce_dtype=bf16 (gloo: round to nearest) and a
+    force-sum (SUM, FSDP divides after), set_gradient_divide_factor(3) (PREMUL_SUM(1/3),
+    done by a custom comm as gloo refuses it), reduce_dtype=bf16 (gloo: round to nearest) and a
     bf16 round-to-nearest comm are noise, the two bf16 ones with a large spread."""
     found = tmp_path / "findings.jsonl"
     runs = [{"reduce": "truncating", "steps": 60, "watch": True,
              "sentinel_kwargs": {"findings": str(found), "stop_on_finding": True}}]
-    runs += [{"reduce": r, "steps": 60, "watch": True} for r in ("fp32", "force_sum", "bf16", "rounding")]
+    runs += [{"reduce": r, "steps": 60, "watch": True}
+             for r in ("fp32", "force_sum", "divide_factor", "bf16", "rounding")]
     out = launch(fsdp_runs_task, 2, args=(runs,), timeout=300)
     assert out[0][0]["stopped_at"] == out[1][0]["stopped_at"] and out[0][0]["stopped_at"] <= 30
     first = Result.from_json(found.read_text().splitlines()[0])
     assert first.verdict == "fail" and first.codes == ["TP-B1"] and first.metrics["bias"] < -1e-3
     assert first.target.startswith("watch:fsdp2[TruncatingReduceScatter].")
-    for i, reduce in enumerate(("fp32", "force_sum", "bf16", "rounding"), start=1):
+    for i, reduce in enumerate(("fp32", "force_sum", "divide_factor", "bf16", "rounding"), start=1):
         res = [Result.from_json(x) for x in out[0][i]["results"]]
         assert res and not [r.message for r in res if r.verdict == "fail"], reduce
         # a module sampled fewer than 3 times in 60 steps cannot be judged alone (said so);
@@ -93,7 +95,8 @@ def test_verdicts_at_the_defaults(tmp_path):
             assert pooled.metrics["std"] > 1e-5 and abs(pooled.metrics["bias"]) < 2.0 ** -12
         else:
             assert abs(pooled.metrics["bias"]) < 1e-7
-        ops = {"force_sum": ["SUM"]}.get(reduce, ["AVG"])
+        # a reference that missed the op's factor would be off by -2/3 (biased)
+        ops = {"force_sum": ["SUM"], "divide_factor": ["PREMUL_SUM"]}.get(reduce, ["AVG"])
         assert pooled.evidence["reduce_ops_seen"] == ops
 
 

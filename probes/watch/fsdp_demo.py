@@ -7,7 +7,8 @@ weights (gathered), the global generator's state, step times and the sentinel's 
 
 reduce: "fp32" (torch's reduce-scatter in fp32), "bf16" (MixedPrecisionPolicy
 reduce_dtype=bf16: gloo sums bf16 as a float add then a round to nearest), "force_sum"
-(fp32, set_force_sum_reduction_for_comms: SUM, then FSDP divides), "truncating" /
+(fp32, set_force_sum_reduction_for_comms: SUM, then FSDP divides), "divide_factor"
+(set_gradient_divide_factor(3): PREMUL_SUM(1/3), carried out by a custom comm), "truncating" /
 "rounding" (the controls of trainprobes.watch.hooks as the custom reduce-scatter).
 """
 from __future__ import annotations
@@ -16,11 +17,34 @@ import time
 
 import torch
 
-REDUCES = ("fp32", "bf16", "force_sum", "truncating", "rounding")
+REDUCES = ("fp32", "bf16", "force_sum", "divide_factor", "truncating", "rounding")
+
+
+def _premul_sum_base():
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    return ReduceScatter
+
+
+class PremulSumReduceScatter(_premul_sum_base()):
+    """A ReduceScatter that carries out PREMUL_SUM itself (inputs times the op's factor, then
+    SUM), which gloo refuses ("Cannot use ReduceOp.PREMUL_SUM with Gloo"): what a user of
+    set_gradient_divide_factor on gloo has to give FSDP."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        import torch.distributed as dist
+        from torch.distributed import ReduceOp
+        if getattr(op, "op", op) == ReduceOp.PREMUL_SUM:
+            input_tensor, op = input_tensor * op.factor, ReduceOp.SUM
+        dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op)
 
 
 def _comm(reduce: str):
     from trainprobes.watch.hooks import RoundingReduceScatter, TruncatingReduceScatter
+    if reduce == "divide_factor":
+        return PremulSumReduceScatter
     return {"truncating": TruncatingReduceScatter, "rounding": RoundingReduceScatter}.get(reduce)
 
 
@@ -42,10 +66,11 @@ def fsdp_task(rank: int, world: int, reduce: str = "fp32", steps: int = 20, watc
         if any(True for _ in child.parameters()):
             fully_shard(child, mesh=mesh, mp_policy=policy)
     fully_shard(net, mesh=mesh, mp_policy=policy)
-    if reduce == "force_sum":
-        for m in net.modules():
-            if hasattr(m, "set_force_sum_reduction_for_comms"):
-                m.set_force_sum_reduction_for_comms(True)
+    for m in net.modules():
+        if reduce == "force_sum" and hasattr(m, "set_force_sum_reduction_for_comms"):
+            m.set_force_sum_reduction_for_comms(True)
+        if reduce == "divide_factor" and hasattr(m, "set_gradient_divide_factor"):
+            m.set_gradient_divide_factor(3.0)
     comm = _comm(reduce)
     sentinel = None
     if watch:
