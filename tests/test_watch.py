@@ -7,7 +7,7 @@ from trainprobes.distributed.launcher import launch
 from trainprobes.errors import InvalidArgument
 from trainprobes.result import Result
 from trainprobes.watch import Sentinel
-from trainprobes.watch.ddp import _window_copy
+from trainprobes.watch.collective import window_copy as _window_copy
 from trainprobes.watch.demo import lightning_task, plan_task, refusal_task, runs_task, trainer_task
 from trainprobes.watch.hooks import truncate_to_bf16
 from trainprobes.watch.stream import Streams, look_alpha

@@ -3,6 +3,8 @@ each library's own extension point, changing no bit of it.
 
     Sentinel          the checks, their streams, looks and Results; .step() per step
     attach_ddp        DDP's register_comm_hook: the user's hook wrapped, buckets sampled
+    attach_fsdp2      FSDP2's set_custom_reduce_scatter: the run's reduce-scatter wrapped,
+                      reduce-scatters sampled
     SentinelCallback  transformers.TrainerCallback: attaches to the Trainer's DDP model,
                       steps the sentinel, sends its numbers to Trainer.log
     SentinelFinding   raised by step() on a finding when stop_on_finding=True (exit 1)
@@ -12,12 +14,13 @@ each library's own extension point, changing no bit of it.
                       an accumulator preset, on the run's own operands
 """
 from trainprobes.watch.ddp import attach_ddp
+from trainprobes.watch.fsdp import attach_fsdp2
 from trainprobes.watch.gemm import watch_gemms
 from trainprobes.watch.router import watch_routers
 from trainprobes.watch.sentinel import Sentinel, SentinelFinding
 from trainprobes.watch.updates import watch_updates
 
-__all__ = ["Sentinel", "SentinelFinding", "attach_ddp", "SentinelCallback", "watch_gemms",
+__all__ = ["Sentinel", "SentinelFinding", "attach_ddp", "attach_fsdp2", "SentinelCallback", "watch_gemms",
            "watch_routers", "watch_updates"]
 
 

@@ -43,20 +43,12 @@ and from the wrapper's own count of calls, not from what the user configured.
 from __future__ import annotations
 
 import functools
-import struct
 import time
-import zlib
 from datetime import timedelta
 
-import torch
 from trainprobes.errors import InvalidArgument, InvalidType
 from trainprobes.validation import check_bool
-
-
-def _window_copy(buffer: torch.Tensor, start: int, n: int) -> torch.Tensor:
-    """A new fp64 tensor holding buffer[start:start+n]: .to(float64) would return the buffer
-    itself when it is already fp64, and the reduction below works in place."""
-    return buffer.detach().reshape(-1)[start:start + n].to(torch.float64, copy=True)
+from trainprobes.watch.collective import check_plan, flagged, own_group, window_copy
 
 
 def ddp_hook_name(ddp) -> str | None:
@@ -97,35 +89,6 @@ def error_feedback_of(hook, state, error_feedback) -> str | None:
     return None
 
 
-def _plan_check(sentinel, hook, group) -> None:
-    """Gather every rank's sampling plan on `group`; refuse, on every rank alike, a plan
-    that differs (the ranks would draw different samples and pair wrong reductions)."""
-    import torch.distributed as dist
-    plan = {**sentinel.plan(), "hook": getattr(hook, "__qualname__", type(hook).__name__)}
-    # exact in float64: each field as its 64 bits (seed: its int64 two's complement)
-    raw = []
-    for k, v in plan.items():
-        if isinstance(v, str):
-            v = zlib.crc32(v.encode())
-        if isinstance(v, float):
-            raw.append(struct.unpack("<q", struct.pack("<d", v))[0])
-        else:
-            raw.append(int(v) - (1 << 64) if int(v) >= 1 << 63 else int(v))
-    mine = torch.tensor(raw, dtype=torch.int64)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    for i, k in enumerate(plan):
-        seen = [int(t[i]) for t in every]
-        if len(set(seen)) > 1:
-            ranks = dist.get_process_group_ranks(group)
-            raise InvalidArgument(
-                f"the sentinel's {k} differs between ranks ({k}={plan[k]!r} here, on rank "
-                f"{dist.get_rank()}; the {len(set(seen))} distinct values are held by ranks "
-                f"{[ranks[j] for j in range(len(seen)) if seen[j] != seen[0]]} against "
-                f"{[ranks[j] for j in range(len(seen)) if seen[j] == seen[0]]}): build the "
-                "Sentinel with the same arguments and attach the same hook on every rank")
-
-
 def attach_ddp(ddp, sentinel, hook=None, state=None, error_feedback: bool | None = None):
     """Register `hook` (default: torch's allreduce_hook on DDP's own group, the same
     arithmetic as DDP's built-in reduction) on `ddp`, wrapped by `sentinel`. Call it on
@@ -151,7 +114,7 @@ def attach_ddp(ddp, sentinel, hook=None, state=None, error_feedback: bool | None
             state = ddp.process_group
     if not callable(hook):
         raise InvalidType(f"hook={hook!r} must be a DDP comm hook: a callable (state, bucket) -> Future")
-    if sentinel._hook is not None:
+    if sentinel._hook is not None or sentinel._fsdp is not None:
         raise InvalidArgument("this sentinel is already attached to a DDP model; make one sentinel "
                               "per model")
     reduce_over = hook_group(ddp, state)
@@ -166,8 +129,8 @@ def attach_ddp(ddp, sentinel, hook=None, state=None, error_feedback: bool | None
     # the sentinel's collectives run on a group of their own, so they never take a slot in
     # the run's group's sequence of collectives; same ranks as the hook's group, and ranks
     # outside it (a subgroup) need not call this
-    group = dist.new_group(ranks, use_local_synchronization=True)
-    _plan_check(sentinel, hook, group)
+    group = own_group(ranks)
+    check_plan(sentinel, getattr(hook, "__qualname__", type(hook).__name__), group)
     world = dist.get_world_size(group)
     timeout = timedelta(seconds=sentinel.timeout)
 
@@ -186,12 +149,7 @@ def attach_ddp(ddp, sentinel, hook=None, state=None, error_feedback: bool | None
             sentinel._own_error("choosing a bucket", e)
         if window is not None:
             start, n = window
-            try:
-                ref = sentinel._take(buffer, start, n)
-            except Exception as e:
-                sentinel._own_error("sampling a bucket", e)
-                ref = torch.zeros(n + 1, dtype=torch.float64)
-                ref[n] = 1.0  # this rank could not: every rank leaves the sample out
+            ref = flagged(sentinel, "sampling a bucket", n, lambda: sentinel._take(buffer, start, n))
             try:
                 pending = (start, n, ref, dist.all_reduce(ref, group=group, async_op=True))
             except Exception as e:
@@ -212,7 +170,7 @@ def attach_ddp(ddp, sentinel, hook=None, state=None, error_feedback: bool | None
                     sentinel._record(f"bucket{index}", numel, step, None, None, skipped=True)
                 else:
                     out = value[0] if isinstance(value, (list, tuple)) else value
-                    low = _window_copy(out, start, n)
+                    low = window_copy(out, start, n)
                     sentinel._record(f"bucket{index}", numel, step, low, ref[:n].div_(world))
             except Exception as e:
                 sentinel._own_error("checking a bucket", e)

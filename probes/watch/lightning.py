@@ -5,8 +5,10 @@
 
 on_train_start: `trainer.strategy.model` (the strategy's wrapped model) must be a
     DistributedDataParallel and the sentinel attaches to it with attach_ddp (hook, state:
-    the comm hook to run, default allreduce_hook). Anything else is refused up front, naming
-    what it is. Measured (Lightning 2.6.6, torch 2.13 CPU): DDPStrategy(ddp_comm_hook=...)
+    the comm hook to run, default allreduce_hook), or hold FSDP2 modules (ModelParallelStrategy,
+    fully_shard in configure_model) and it attaches with attach_fsdp2 (reduce_scatter: the
+    custom reduce-scatter to run, default torch's). Anything else is refused up front,
+    naming what it is. Measured (Lightning 2.6.6, torch 2.13 CPU): DDPStrategy(ddp_comm_hook=...)
     registers the hook only on CUDA devices and drops it on CPU without a word; give the hook
     here instead, and the Result names the hook DDP actually ran. On CUDA, where Lightning
     registered it, attach_ddp refuses (DDP takes one hook) and says to pass it here.
@@ -31,15 +33,18 @@ from lightning.pytorch.callbacks import Callback
 from trainprobes.errors import InvalidArgument
 from trainprobes.validation import check_bool
 from trainprobes.watch.ddp import attach_ddp
+from trainprobes.watch.fsdp import attach_fsdp2
 
 
 class SentinelLightning(Callback):
     def __init__(self, sentinel, hook=None, state=None, *, ddp: bool = True, routers=None,
-                 updates: bool = False, router_every: int = 50, packing=True):
+                 updates: bool = False, router_every: int = 50, packing=True,
+                 reduce_scatter=None):
         from trainprobes.watch.sentinel import Sentinel
         if not isinstance(sentinel, Sentinel):
             raise InvalidArgument(f"sentinel={sentinel!r} must be a trainprobes.watch.Sentinel")
         self.sentinel, self.hook, self.state = sentinel, hook, state
+        self.reduce_scatter = reduce_scatter
         self.ddp, self.updates = check_bool(ddp, "ddp"), check_bool(updates, "updates")
         self.routers, self.router_every = routers, router_every
         if not (isinstance(packing, torch.nn.Module) or isinstance(packing, bool)):
@@ -69,14 +74,25 @@ class SentinelLightning(Callback):
             watch_updates(trainer.optimizers[0], self.sentinel)
         if not self.ddp:
             return
+        from torch.distributed.fsdp import FSDPModule
         model = trainer.strategy.model
-        if not isinstance(model, DistributedDataParallel):
+        if isinstance(model, DistributedDataParallel):
+            if self.reduce_scatter is not None:
+                raise InvalidArgument("reduce_scatter= is FSDP2's; the model runs under DDP: pass "
+                                      "a comm hook as hook= instead")
+            attach_ddp(model, self.sentinel, hook=self.hook, state=self.state)
+        elif any(isinstance(m, FSDPModule) for m in model.modules()):
+            if self.hook is not None or self.state is not None:
+                raise InvalidArgument("hook= and state= are DDP's; the model is sharded with FSDP2 "
+                                      "(fully_shard): pass a ReduceScatter as reduce_scatter= instead")
+            attach_fsdp2(model, self.sentinel, reduce_scatter=self.reduce_scatter)
+        else:
             raise InvalidArgument(
                 f"the Lightning strategy {type(trainer.strategy).__name__} holds a "
-                f"{type(model).__name__}, not DistributedDataParallel: the sentinel watches DDP's "
-                "gradient reduction and would watch nothing here (use strategy='ddp' on 2 or more "
-                "devices)")
-        attach_ddp(model, self.sentinel, hook=self.hook, state=self.state)
+                f"{type(model).__name__}, neither DistributedDataParallel nor sharded with FSDP2's "
+                "fully_shard: the sentinel watches their gradient reduction and would watch "
+                "nothing here (use strategy='ddp' on 2 or more devices, or ModelParallelStrategy "
+                "with fully_shard in configure_model)")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.packing is True and self._packing is not None:

@@ -122,6 +122,11 @@ class Sentinel:
         self._chosen: set = set()
         self._hook = None
         self._ddp = None
+        # attach_fsdp2's record (.name: the reduce-scatter it wraps, .evidence() -> dict)
+        self._fsdp = None
+        # samples whose fp64 reduction is still in flight, checked at the next step() or
+        # close() (attach_fsdp2: on a GPU, reading them inside backward would stall it)
+        self._flushes: list = []
         self._group = None  # its own process group (attach_ddp), the hook's group's ranks
         self._hook_calls = 0
         self._closed = False
@@ -154,8 +159,9 @@ class Sentinel:
 
     # --- called from the comm hook (on DDP's and gloo's threads) ----------------------
 
-    def _choose(self, numel: int):
-        """(start, n) of the window to check, or None. The same draws on every rank: at a
+    def _choose(self, numel: int, window: int | None = None):
+        """(start, n) of the window to check (n: at most `window`, default the
+        sentinel's), or None. The same draws on every rank: at a
         step's first bucket, whether the step is checked (`sample`) and which of its buckets
         (max_per_step of them, uniformly among as many as the last step with buckets had),
         then one draw per bucket for the window's start. Every bucket is checked alike, and
@@ -169,7 +175,7 @@ class Sentinel:
         pos = float(torch.rand(1, generator=self._generator, dtype=torch.float64))
         if i not in self._chosen:
             return None
-        n = min(numel, self.window)
+        n = min(numel, self.window if window is None else window)
         return int(pos * (numel - n + 1)), n
 
     def _take(self, buffer: torch.Tensor, start: int, n: int) -> torch.Tensor:
@@ -225,8 +231,17 @@ class Sentinel:
                 self._own_error(f"stepping {type(w).__name__}", e)
         return found
 
+    def _flush(self) -> None:
+        """Check the samples whose fp64 reduction was left in flight (attach_fsdp2)."""
+        for flush in self._flushes:
+            try:
+                flush()
+            except Exception as e:
+                self._own_error("checking a sample", e)
+
     def step(self) -> list[Result]:
         """Close a training step; at every `interval`-th, judge. Returns new findings."""
+        self._flush()
         watched = self._step_watches()  # at the step count its forwards ran under
         for r in watched:
             self.report(r)  # SentinelFinding (stop_on_finding) leaves the step from here
@@ -290,9 +305,11 @@ class Sentinel:
 
     def _evidence(self) -> dict:
         from trainprobes.watch.ddp import ddp_hook_name
-        return {"hook_configured": getattr(self._hook, "__qualname__", None),
-                "hook_registered_in_ddp": ddp_hook_name(self._ddp) if self._ddp is not None else None,
-                "hook_calls": self._hook_calls, "steps": self.steps, "sample": self.sample,
+        # what it watches: FSDP2's reduce-scatter (attach_fsdp2) or DDP's comm hook
+        where = (self._fsdp.evidence() if self._fsdp is not None else
+                 {"hook_configured": getattr(self._hook, "__qualname__", None),
+                  "hook_registered_in_ddp": ddp_hook_name(self._ddp) if self._ddp is not None else None})
+        return {**where, "hook_calls": self._hook_calls, "steps": self.steps, "sample": self.sample,
                 "interval": self.interval, "window": self.window, "budget": self.budget,
                 "looks": self.streams.looks, "own_errors": self.error_count,
                 "own_seconds": self.own_seconds, "look_seconds": self.look_seconds,
@@ -306,7 +323,7 @@ class Sentinel:
         ev = {**self._evidence(), "errors": list(s.errors), "sample_steps": list(s.steps),
               "skipped_samples": s.skipped,
               "found_at_step": s.found_at, "look": j.look, "alpha_look": j.alpha}
-        target = f"watch:ddp[{ev['hook_registered_in_ddp'] or ev['hook_configured']}].{j.key}"
+        target = f"{self._target()}.{j.key}"
         if j.stats is None:
             return Result(probe=PROBE, target=target, verdict="error", seed=self.seed,
                           metrics={"biased": None, "trials": len(s.errors),
@@ -339,6 +356,14 @@ class Sentinel:
         return Result(probe=PROBE, target=target, verdict=verdict, metrics=m, evidence=ev,
                       seed=self.seed, codes=codes, message=msg)
 
+    def _target(self) -> str:
+        from trainprobes.watch.ddp import ddp_hook_name
+        if self._fsdp is not None:
+            return f"watch:fsdp2[{self._fsdp.name}]"
+        ddp = ddp_hook_name(self._ddp) if self._ddp is not None else None
+        hook = getattr(self._hook, "__qualname__", None)
+        return f"watch:ddp[{ddp or hook}]" if ddp or hook else "watch:ddp"
+
     def close(self) -> list[Result]:
         """Judge every bucket once more on all its samples and write the final Results:
         one per bucket (pass / fail / cannot judge) and the sentinel's own account. A
@@ -346,6 +371,7 @@ class Sentinel:
         if self._closed:
             return self.results
         self._closed = True
+        self._flush()
         final = []
         try:
             with self._lock:
@@ -356,15 +382,16 @@ class Sentinel:
             self._own_error("judging at close", e)
         ev = self._evidence()
         if self.not_applicable is not None:
-            final.append(Result(probe=PROBE, target="watch:ddp", verdict="error", seed=self.seed,
+            final.append(Result(probe=PROBE, target=self._target(), verdict="error", seed=self.seed,
                                 metrics={"biased": None, "trials": 0}, evidence=ev,
                                 codes=["TP-E1"], message=f"cannot judge: {self.not_applicable}"))
-        elif not self.streams.streams and (self._ddp is not None or not self.watches):
-            acc = Result(probe=PROBE, target="watch:ddp", verdict="error", seed=self.seed,
+        elif not self.streams.streams and (self._ddp is not None or self._fsdp is not None
+                                           or not self.watches):
+            acc = Result(probe=PROBE, target=self._target(), verdict="error", seed=self.seed,
                          metrics={"biased": None, "trials": 0},
                          evidence=ev, codes=["TP-E1"],
                          message=f"the sentinel checked no reduction in {self.steps} steps "
-                         f"({self._hook_calls} bucket hook calls, {self.error_count} errors of its "
+                         f"({self._hook_calls} {'reduce-scatter' if self._fsdp else 'bucket hook'} calls, {self.error_count} errors of its "
                          "own): nothing judged")
             final.append(acc)
         for r in final:
