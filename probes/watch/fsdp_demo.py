@@ -219,7 +219,7 @@ def lightning_fsdp_task(rank: int, world: int, reduce: str = "fp32", steps: int 
                                            process_group_backend="gloo"),
             log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False,
-            callbacks=[SentinelLightning(sentinel, reduce_scatter=comm() if comm else None)])
+            callbacks=[SentinelLightning(sentinel, packing=False, reduce_scatter=comm() if comm else None)])
         trainer.fit(Module(), loader)
         logged = trainer.logged_metrics
     return {"results": [r.to_json() for r in sentinel.results],
