@@ -97,6 +97,22 @@ def test_the_search_costs_calls_of_the_inputs_size_however_many_ties(B):
         assert on.metrics["tokens_evaluated"] - off == (ties["evaluations"] + 3) * min(B, n) * 64
 
 
+def test_one_sequence_spends_no_call_on_a_second_value_equal_to_the_tie_own():
+    """With B=1 the next row's value at a position is the tie's own (so is 2x minus it): such
+    a source cannot change a decision and costs no call (it cost one of ~26 one-row calls
+    whenever the replacement values left a tie without a second value: seeds 0, 2, 3)."""
+    for seed in range(4):
+        x = X(seed, B=1, T=128)
+        seen = []
+
+        def route(v):
+            seen.append(v.clone())
+            return causal_route(v)
+
+        res = check(route, x, seed=seed)
+        assert res.verdict == "pass" and res.evidence["near_tie_search"]["reached"] > 16
+        assert sum(1 for v in seen if torch.equal(v, x)) == 1  # the baseline, no call wasted
+
 def test_scores_make_the_search_unneeded_and_ids_say_what_they_cannot_rule_out():
     x = X(0)
     with_scores = check(lambda v: ((v @ W).argmax(-1), v @ W), x, decision=0, scores=1)

@@ -268,7 +268,10 @@ def _other_end(calls, x, base, R, src, w, t, d_lo, atol):
     for src_v in sources:
         if found.all():
             break
-        need = ~found
+        # a source equal to the tie's own value (the next row's, with one row) cannot differ
+        need = ~found & (src_v.to(x.dtype) != val).reshape(len(w), -1).any(1)
+        if not need.any():
+            continue
         d = calls(_set(base, w[need], t[need], src_v[need].to(x.dtype)))[w[need], t[need]]
         new = differs(d_lo[need][:, None], d[:, None], atol)[:, 0]
         idx = need.nonzero().flatten()[new]
