@@ -83,18 +83,25 @@ def test_the_search_costs_are_counted_and_the_cuts_alone_are_unchanged():
 
 
 @pytest.mark.parametrize("B", [1, 4])
-def test_the_search_costs_calls_of_the_inputs_size_however_many_ties(B):
-    """Every search call holds min(B, near_ties) copies of a row, all their ties in it: 64
-    ties cost what 16 do (it was one row per tie: 2.8x a per-cut loop at T=512, issue 31)."""
+def test_the_search_bisects_every_window_in_one_row_however_many_ties(B):
+    """Windows that share no position are bisected in one row (copies of row 0 at different
+    cuts): a bisection call is one row however many windows (it was one row per tie: 2.8x a
+    per-cut loop at T=512, issue 31; then one row per window, 4 rows a step on a 4-row input).
+    Only the three calls of both ends give each window its own row (its own future). Windows
+    that overlap (64 ties before 8 cuts of 64 positions) keep one row each: calls, not rows,
+    stay the same however many ties."""
     x = X(0, B=B)
     off = check(causal_route, x, near_ties=0).metrics["tokens_evaluated"]
-    for n in (16, 64):
+    for n, disjoint in ((16, True), (64, False)):
         on = check(causal_route, x, near_ties=n)
         ties = on.evidence["near_tie_search"]
-        assert ties["windows"] == min(B, n) and ties["reached"] > n // 2
+        W = min(B, n)
+        assert ties["windows"] == W and ties["reached"] > n // 2
+        assert ties["one_row"] == (W > 1 and disjoint)
         assert ties["evaluations"] <= 30 and ties["held"] == 2 * ties["reached"]
-        # every call one copy per window, the three calls of both ends two
-        assert on.metrics["tokens_evaluated"] - off == (ties["evaluations"] + 3) * min(B, n) * 64
+        bisection_rows = 1 if ties["one_row"] else W
+        assert on.metrics["tokens_evaluated"] - off == (
+            (ties["evaluations"] - 3) * bisection_rows + 3 * 2 * W) * 64
 
 
 def test_one_sequence_spends_no_call_on_a_second_value_equal_to_the_tie_own():
