@@ -83,19 +83,42 @@ def test_the_search_costs_are_counted_and_the_cuts_alone_are_unchanged():
 
 
 @pytest.mark.parametrize("B", [1, 4])
-def test_the_search_costs_calls_of_the_inputs_size_however_many_ties(B):
-    """Every search call holds min(B, near_ties) copies of a row, all their ties in it: 64
-    ties cost what 16 do (it was one row per tie: 2.8x a per-cut loop at T=512, issue 31)."""
+def test_the_search_bisects_every_window_in_one_row_however_many_ties(B):
+    """Windows that share no position are bisected in one row (copies of row 0 at different
+    cuts): a bisection call is one row however many windows (it was one row per tie: 2.8x a
+    per-cut loop at T=512, issue 31; then one row per window, 4 rows a step on a 4-row input).
+    Only the three calls of both ends give each window its own row (its own future). Windows
+    that overlap (64 ties before 8 cuts of 64 positions) keep one row each: calls, not rows,
+    stay the same however many ties."""
     x = X(0, B=B)
     off = check(causal_route, x, near_ties=0).metrics["tokens_evaluated"]
-    for n in (16, 64):
+    for n, disjoint in ((16, True), (64, False)):
         on = check(causal_route, x, near_ties=n)
         ties = on.evidence["near_tie_search"]
-        assert ties["windows"] == min(B, n) and ties["reached"] > n // 2
+        W = min(B, n)
+        assert ties["windows"] == W and ties["reached"] > n // 2
+        assert ties["one_row"] == (W > 1 and disjoint)
         assert ties["evaluations"] <= 30 and ties["held"] == 2 * ties["reached"]
-        # every call one copy per window, the three calls of both ends two
-        assert on.metrics["tokens_evaluated"] - off == (ties["evaluations"] + 3) * min(B, n) * 64
+        bisection_rows = 1 if ties["one_row"] else W
+        assert on.metrics["tokens_evaluated"] - off == (
+            (ties["evaluations"] - 3) * bisection_rows + 3 * 2 * W) * 64
 
+
+def test_one_sequence_spends_no_call_on_a_second_value_equal_to_the_tie_own():
+    """With B=1 the next row's value at a position is the tie's own (so is 2x minus it): such
+    a source cannot change a decision and costs no call (it cost one of ~26 one-row calls
+    whenever the replacement values left a tie without a second value: seeds 0, 2, 3)."""
+    for seed in range(4):
+        x = X(seed, B=1, T=128)
+        seen = []
+
+        def route(v):
+            seen.append(v.clone())
+            return causal_route(v)
+
+        res = check(route, x, seed=seed)
+        assert res.verdict == "pass" and res.evidence["near_tie_search"]["reached"] > 16
+        assert sum(1 for v in seen if torch.equal(v, x)) == 1  # the baseline, no call wasted
 
 def test_scores_make_the_search_unneeded_and_ids_say_what_they_cannot_rule_out():
     x = X(0)

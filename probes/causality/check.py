@@ -90,9 +90,10 @@ def check(fn: Callable, inputs: torch.Tensor, *, mode: str = "perturb", cuts=Non
     near_ties: for a target that returns decisions only (no scores) on float inputs, how
       many decisions before the cuts to bring to a tie by bisection on the input before
       the future is perturbed (near_tie.py): a leak too small to flip a choice at random
-      inputs' margins flips one there. They sit in min(B, near_ties) copies of rows, so the
-      search costs ~25 calls of the inputs' size however many there are. 0: off (the
-      Result then says what it cannot rule out).
+      inputs' margins flips one there. They sit in min(B, near_ties) windows before spread
+      cuts, bisected in one row, so the search costs ~22 calls of one row and 3 of two rows
+      per window however many there are. 0: off (the Result then says what it cannot rule
+      out).
     """
     mode = check_choice(mode, "mode", MODES)
     trials = check_int(trials, "trials", min=1, hint="perturbations per cut")
@@ -165,8 +166,8 @@ def _near_ties(judge: Judge, tgt: Target, R, cuts, iso: Isolation, run: Cuts, *,
         return skipped("token ids cannot be moved continuously towards a tie")
     if layout != "batched" or iso.isolated is not True:
         return skipped("copies share a call only for a batch-isolated target with a batch axis")
-    # every search call holds min(B, points) copies of a row, however many ties they carry
-    # (near_tie.py): more points cost no more calls, only longer windows before each cut
+    # every bisection call is one row, however many ties it carries (near_tie.py): more
+    # points cost no more calls, only longer windows before each cut
     return near_tie_search(judge, tgt, R, cuts, points=points, max_batch_tokens=max_batch_tokens)
 
 

@@ -5,18 +5,22 @@ little (a router subtracting 0.001 x the sequence-mean logit) never flips a choi
 target that returns expert ids alone gives the probe nothing else to see. This search makes
 the margin small by construction:
 
-  1. Windows: min(B, points) copies of the input's rows, each with a run of consecutive
-     positions (ties) ending at a cut c, up to `points` in all; everything after c is the
-     future of every tie in the window. For each tie take two values of x[b, t], the
-     input's own and another, with different decisions at t.
+  1. Windows: min(B, points) runs of consecutive positions (ties), each ending at a cut c
+     (cuts spread evenly), up to `points` in all; everything after c is the future of
+     every tie in the window. Windows that share no position are copies of row 0 and are
+     bisected in one row; overlapping ones (few cuts) are copies of rows in turn, one row
+     each. For each tie take two values of x[b, t], the input's own and another, with
+     different decisions at t.
   2. Bisect the segment between them (every tie of every window in one call, one call per
      step) until the two ends are ~2^-20 apart, or adjacent floats: a bracket [lo, hi]
-     around the tie. A call costs what one cut costs (min(B, points) rows), so the search
-     is ~STEPS + 5 calls of the inputs' size however many ties it brackets. A tie's
-     decision also depends on the ties before it in its window (its past), which move
-     while it is bisected: a bracket that this moves out of is found in step 3 (its end
-     no longer decides as recorded) and that end is not used.
-  3. Run the low ends together and the high ends together with what follows each window
+     around the tie. A call is one row (one per window if they overlap), so the search is
+     ~STEPS + 2 calls of one row plus three calls of 2 rows per window, however many ties
+     it brackets. A tie's decision also depends on the ties before it (its past: its
+     window's and, in one row, the earlier windows'), which move while it is bisected: a
+     bracket that this moves out of is found in step 3 (its end no longer decides as
+     recorded) and that end is not used.
+  3. Run the low ends together and the high ends together (every window's row holding every
+     tie at that end, as bisection held them) with what follows each window
      replaced, and unchanged (twice), in calls of the same layout (row for row: rounding
      that depends on a row's place or the batch size is the same in each). Two unchanged
      calls that disagree are nondeterminism (TP-C2): at a tie any run-to-run noise flips a
@@ -65,6 +69,7 @@ class NearTies:
     kinds: list = field(default_factory=lambda: [0] * len(Kind))
     records: list = field(default_factory=list)  # the first flips: batch, position, reach, kind
     evaluations: int = 0
+    one_row: bool = False          # the windows were bisected together in one copy of row 0
     reason: str | None = None      # why no bracket was sought or reached
 
     @property
@@ -92,15 +97,23 @@ def search(judge: Judge, tgt: Target, R: torch.Tensor, cuts: list, *, points: in
     src, ends, w, t = _windows(B, T, cuts, points)
     W = len(src)
     out.tried, out.windows = len(w), W
-    base = x[src]  # [W, T, ...] the copies every call starts from
+    # windows that share no position are bisected together in one copy of row 0: a
+    # bisection call is then one row, however many windows (their futures differ only in
+    # step 3, which gives each window its own row)
+    one_row = W > 1 and len(set(t.tolist())) == len(t)
+    if one_row:
+        src = torch.zeros_like(src)
+    out.one_row = one_row
+    base = x[src]  # [W, T, ...] the copies step 3 starts from
+    bb, bw = (base[:1], torch.zeros_like(w)) if one_row else (base, w)  # what bisection calls hold
     lo_v = base[w, t]
     d_lo = judge.base.decision[src[w], t]
-    hi_v, d_hi, ok = _other_end(calls, x, base, R, src, w, t, d_lo, judge.atol)
+    hi_v, d_hi, ok = _other_end(calls, x, bb, R, src, bw, t, d_lo, judge.atol)
     if not ok.any():
         out.reason = (f"no second input value changed any of {len(w)} decisions at the cuts "
                       f"(the decision may not depend on the token's own value)")
         return out
-    w, t, lo_v, hi_v, d_lo, d_hi = w[ok], t[ok], lo_v[ok], hi_v[ok], d_lo[ok], d_hi[ok]
+    w, t, lo_v, hi_v, d_lo, d_hi, bw = w[ok], t[ok], lo_v[ok], hi_v[ok], d_lo[ok], d_hi[ok], bw[ok]
     n = len(w)
     # 2. bisection in float64 along each segment, every tie of every window in one call
     a0, a1 = torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.float64)
@@ -114,7 +127,7 @@ def search(judge: Judge, tgt: Target, R: torch.Tensor, cuts: list, *, points: in
         if not live.any():
             break
         # ties no longer bisected sit at their low end, as they will in the test below
-        dm = calls(_set(base, w, t, torch.where(_bcast(live, pm), pm, p0)))[w, t]
+        dm = calls(_set(bb, bw, t, torch.where(_bcast(live, pm), pm, p0)))[bw, t]
         same = ~differs(d_lo[:, None], dm[:, None], judge.atol)[:, 0]
         up, down = _bcast(live & same, pm), _bcast(live & ~same, pm)
         a0, p0 = torch.where(live & same, mid, a0), torch.where(up, pm, p0)
@@ -126,7 +139,10 @@ def search(judge: Judge, tgt: Target, R: torch.Tensor, cuts: list, *, points: in
     # each window replaced: base and perturbed copies in calls of the same layout, row for
     # row (rounding that depends on a row's place in the batch or its size is the same)
     trial = R[0].to(x.device)
-    rows = torch.cat([_set(base, w, t, p0), _set(base, w, t, p1)])  # [2W, T, ...]
+    if one_row:  # every window's row holds every tie at its end, as bisection held them
+        rows = torch.cat([_set(bb, bw, t, p).expand(W, *bb.shape[1:]) for p in (p0, p1)])
+    else:
+        rows = torch.cat([_set(base, w, t, p0), _set(base, w, t, p1)])  # [2W, T, ...]
     rsrc, rend = src.repeat(2), ends.repeat(2)
     dec = torch.cat([calls(rows), calls(_future(rows, rend, trial[rsrc]))])
     # the unchanged ends once more: at a tie any nondeterminism flips a decision, and a
@@ -268,7 +284,10 @@ def _other_end(calls, x, base, R, src, w, t, d_lo, atol):
     for src_v in sources:
         if found.all():
             break
-        need = ~found
+        # a source equal to the tie's own value (the next row's, with one row) cannot differ
+        need = ~found & (src_v.to(x.dtype) != val).reshape(len(w), -1).any(1)
+        if not need.any():
+            continue
         d = calls(_set(base, w[need], t[need], src_v[need].to(x.dtype)))[w[need], t[need]]
         new = differs(d_lo[need][:, None], d[:, None], atol)[:, 0]
         idx = need.nonzero().flatten()[new]

@@ -264,10 +264,14 @@ def _tie_evidence(ties) -> dict | None:
             "noise_reach": ties.noise_reach, "reach_factor": REACH_FACTOR,
             "kinds": {Kind(k).label: n for k, n in enumerate(ties.kinds)}, "flips": ties.flips,
             "records": ties.records, "evaluations": ties.evaluations, "reason": ties.reason,
+            "one_row": ties.one_row,
             "assumption": "a tie moved by reordered reductions moves by max(32, T) ulps of the "
                           "input segment (scores of the order of their spread along it)",
-            "covers": "ties in windows of consecutive positions ending at a cut, one window "
-                      "per copy of a row; each tie's future is what follows its window's cut"}
+            "covers": "ties in windows of consecutive positions ending at a cut (cuts spread "
+                      "evenly), bisected together in one row (one_row: copies of row 0, so "
+                      "each window's past holds the earlier windows' ties) or, for windows "
+                      "that overlap, one row per window; each tie's future is what follows "
+                      "its window's cut"}
 
 
 def _tie_message(found: Findings, metrics: dict) -> str:
