@@ -115,8 +115,16 @@ def test_fp32_and_symmetric_rounding_are_never_called_biased_over_seeds():
 
 @pytest.mark.slow
 def test_what_would_go_unwatched_is_refused():
-    cases = ["plain", "hsdp", "custom_set", "all_reduce_hook", "partial", "twice", "ok"]
+    cases = ["plain", "hsdp", "custom_set", "all_reduce_hook", "partial", "twice", "replicate",
+             "one_rank", "frozen", "tp", "ok"]
     got = dict(zip(cases, launch(fsdp_refusal_task, 2, args=(cases,), timeout=120)[0]))
+    # torch 2.13: replicate() is an FSDPModule that all-reduces and never calls the
+    # reduce-scatter, nor does a 1-rank shard group; attached, they watched nothing
+    assert "replicate" in got["replicate"] and "all-reduce" in got["replicate"], got["replicate"]
+    assert "1 rank" in got["one_rank"] and "no reduce-scatter" in got["one_rank"], got["one_rank"]
+    assert "no trainable parameter" in got["frozen"], got["frozen"]
+    # FSDP beside TP is refused (each data-parallel group would judge alone) but is not HSDP
+    assert "2-D mesh" in got["tp"] and "HSDP" not in got["tp"], got["tp"]
     assert got["plain"].startswith("InvalidType: model=Sequential is not fully_shard'ed")
     assert "HSDP" in got["hsdp"] and "2-D mesh" in got["hsdp"] and "would go unwatched" in got["hsdp"]
     assert "TruncatingReduceScatter" in got["custom_set"] and "no public getter" in got["custom_set"]

@@ -33,8 +33,11 @@ For each reduce-scatter FSDP issues, on every rank in the same order (backward's
      every rank at the same step.
 
 Refused at attach, naming what would not be watched: a model with no FSDPModule in it;
-parameters that no fully_shard manages (their gradients are not reduced by FSDP); HSDP
-(a 2-D mesh: the all-reduce across replicas would go unwatched) and an all-reduce hook
+parameters that no fully_shard manages (their gradients are not reduced by FSDP), or none
+trainable; HSDP (the all-reduce across replicas would go unwatched), replicate() (FSDP2's
+data parallel: an all-reduce, no reduce-scatter) and a 1-rank shard group (FSDP copies the
+gradients: no reduce-scatter runs); FSDP on a 2-D mesh beside tensor parallelism (each
+data-parallel group would judge, and stop, alone); an all-reduce hook
 already set (set_all_reduce_hook: the reduction it does would go unwatched); a module with
 several parameter groups (torch refuses a custom reduce-scatter there); a custom
 reduce-scatter already set (torch has no public getter for it: pass it as reduce_scatter=,
@@ -217,6 +220,27 @@ def _refuse_unwatched(model, modules) -> list:
             f"{len(unmanaged)} trainable parameters are not managed by fully_shard (e.g. "
             f"{unmanaged[:3]}): FSDP does not reduce their gradients and the sentinel would not "
             "watch them; fully_shard the modules that hold them (or the root)")
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, HSDPMeshInfo
+    for name, m in modules:
+        # what FSDP will do with the gradients (torch 2.13 foreach_reduce): a DDPMeshInfo
+        # all-reduces them, a 1-rank shard group copies them; neither calls the comm
+        for pg in m._get_fsdp_state()._fsdp_param_groups:
+            info = pg.mesh_info
+            if isinstance(info, HSDPMeshInfo):
+                raise InvalidArgument(
+                    f"FSDP module {name or ROOT!r} is HSDP (a {info.mesh.ndim}-D mesh {tuple(info.mesh.shape)}): it "
+                    "all-reduces each shard across replicas after the reduce-scatter, and that "
+                    "all-reduce would go unwatched; attach_fsdp2 watches 1-D FSDP only")
+            if isinstance(info, DDPMeshInfo):
+                raise InvalidArgument(
+                    f"module {name or ROOT!r} is replicated (replicate(), FSDP2's data parallel): "
+                    "its gradients are all-reduced and no reduce-scatter runs, so attach_fsdp2 "
+                    "would watch nothing; it watches fully_shard's reduce-scatter only")
+            if info.shard_mesh_size < 2:
+                raise InvalidArgument(
+                    f"FSDP module {name or ROOT!r} is sharded over 1 rank: FSDP copies its "
+                    "gradients and runs no reduce-scatter, so there is nothing to watch; shard "
+                    "over 2 or more ranks")
     groups = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -225,11 +249,15 @@ def _refuse_unwatched(model, modules) -> list:
         if mesh.ndim != 1:
             raise InvalidArgument(
                 f"parameter {name!r} is sharded on a {mesh.ndim}-D mesh {tuple(mesh.shape)} "
-                f"(placements {p.placements}): HSDP all-reduces each shard across replicas after "
-                "the reduce-scatter, and that all-reduce would go unwatched; attach_fsdp2 watches "
-                "1-D FSDP only")
+                f"(placements {p.placements}), FSDP beside another parallelism (e.g. tensor "
+                "parallel): each data-parallel group would judge its own shards alone and could "
+                "stop its ranks while the others wait for them; attach_fsdp2 watches FSDP on a "
+                "1-D mesh only")
         group = mesh.get_group()
         groups.setdefault(tuple(_ranks(group)), group)
+    if not groups:
+        raise InvalidArgument("the model has no trainable parameter (every one has "
+                              "requires_grad=False): FSDP reduces no gradient, nothing to watch")
     if len(groups) > 1:
         raise InvalidArgument(f"the parameters are sharded over {len(groups)} different groups of "
                               f"ranks {sorted(groups)}: attach_fsdp2 watches one")
@@ -247,7 +275,7 @@ def _refuse_unwatched(model, modules) -> list:
                     f"({getattr(pg._all_reduce_hook, '__qualname__', pg._all_reduce_hook)!r}): the "
                     "reduction it does after the reduce-scatter would go unwatched; attach_fsdp2 "
                     "refuses rather than watch half")
-    return next(iter(groups.values())) if groups else None
+    return next(iter(groups.values()))
 
 
 def _ranks(group) -> list:

@@ -161,6 +161,20 @@ def fsdp_refusal_task(rank: int, world: int, cases: list) -> list:
                 net = model(16, 1)
                 fully_shard(net, mesh=mesh)
                 attach_fsdp2(net, s)
+            elif case == "replicate":  # FSDP2's data parallel: an all-reduce, no reduce-scatter
+                from torch.distributed._composable.replicate_with_fsdp import replicate
+                replicate(net, mesh=mesh)
+            elif case == "one_rank":  # a 1-rank shard group: FSDP copies, no reduce-scatter
+                fully_shard(net, mesh=init_device_mesh("cpu", (world, 1), mesh_dim_names=("r", "s"))["s"])
+            elif case == "frozen":
+                for p in net.parameters():
+                    p.requires_grad_(False)
+                fully_shard(net, mesh=mesh)
+            elif case == "tp":  # FSDP beside tensor parallelism (tp of 1 rank): a 2-D mesh, not HSDP
+                from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+                mesh2 = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
+                parallelize_module(net[0], mesh2["tp"], ColwiseParallel())
+                fully_shard(net, mesh=mesh2["dp"])
             elif case == "ok":
                 fully_shard(net, mesh=mesh)
             if case != "twice":
