@@ -8,7 +8,12 @@ from trainprobes.errors import InvalidArgument, InvalidType
 from trainprobes.result import Result
 from trainprobes.watch import Sentinel, attach_fsdp2
 from trainprobes.watch.fsdp import op_scale
-from trainprobes.watch.fsdp_demo import fsdp_refusal_task, fsdp_runs_task, lightning_fsdp_runs_task
+from trainprobes.watch.fsdp_demo import (
+    fsdp_branch_task,
+    fsdp_refusal_task,
+    fsdp_runs_task,
+    lightning_fsdp_runs_task,
+)
 
 
 def test_the_reference_scales_the_fp64_sum_as_the_op_fsdp_passes():
@@ -133,6 +138,19 @@ def test_what_would_go_unwatched_is_refused():
     assert "not managed by fully_shard" in got["partial"] and "'3.weight'" in got["partial"]
     assert "already attached" in got["twice"]
     assert got["ok"] == ""
+
+
+@pytest.mark.slow
+def test_a_module_whose_reduce_scatter_changes_size_keeps_its_stream():
+    """The root holds a Linear used on odd steps only, so its reduce-scatter alternates
+    between two sizes (FSDP reduces only parameters with a gradient). That is one module's
+    stream, not a re-layout: its samples are kept and judged (a truncating comm: biased).
+    It was reset at every change of size, left with one sample: "cannot judge"."""
+    out = launch(fsdp_branch_task, 2, args=("truncating", 20), timeout=180)[0]
+    final = {r.target: r for r in map(Result.from_json, out["results"])}
+    root = final["watch:fsdp2[TruncatingReduceScatter].module:<root>"]
+    assert out["relayouts"] == 0
+    assert root.verdict == "fail" and root.metrics["trials"] >= 19, (root.verdict, root.metrics)
 
 
 @pytest.mark.slow

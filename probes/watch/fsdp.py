@@ -86,11 +86,30 @@ def op_scale(op, world: int) -> float | None:
     return None
 
 
+def module_numel(module, world: int) -> int:
+    """The module's reduce-scatter input when every trainable parameter has a gradient
+    (dim 0 padded to a multiple of world, as foreach_reduce pads Shard(0)): its stream's
+    size. A step's reduce-scatter can be smaller (FSDP reduces only the parameters that got
+    a gradient), and that is the same stream, not a re-layout."""
+    total = 0
+    for pg in module._get_fsdp_state()._fsdp_param_groups:
+        for fp in pg.fsdp_params:
+            p = fp.sharded_param
+            if not p.requires_grad:
+                continue
+            size = p.size()
+            if fp.fsdp_placement.dim == 0 and len(size):
+                total += -(-size[0] // world) * world * size[1:].numel()
+            else:
+                total += p.numel()
+    return total
+
+
 class _Sample(NamedTuple):
     """One sampled reduce-scatter, from its draw to its record."""
 
     key: str  # the stream: the FSDP module's name
-    numel: int  # the reduce-scatter's input elements (world * chunk)
+    numel: int  # the stream's size (module_numel), the same whatever this step reduced
     step: int
     start: int  # the window in each chunk
     n: int
@@ -131,8 +150,9 @@ def _make_comm(base):
         """FSDP2's ReduceScatter interface (allocate, __call__) around `inner`; see the module
         docstring for what a call does."""
 
-        def __init__(self, inner, sentinel, key: str, watched: _Watched):
+        def __init__(self, inner, sentinel, key: str, watched: _Watched, numel: int):
             self.inner, self.sentinel, self.key, self.watched = inner, sentinel, key, watched
+            self.numel = numel
 
         def allocate(self, size, *, dtype, device):
             return self.inner.allocate(size, dtype=dtype, device=device)
@@ -158,7 +178,7 @@ def _make_comm(base):
                     buf = flagged(s, "sampling a reduce-scatter", 2 * world * n,
                                   lambda: w.take(input_tensor, world, start, n),
                                   device=input_tensor.device)
-                    sample = _Sample(self.key, world * chunk, s.steps, start, n, world, me, scale, buf)
+                    sample = _Sample(self.key, self.numel, s.steps, start, n, world, me, scale, buf)
             except Exception as e:
                 s._own_error("choosing a reduce-scatter", e)
             s._add_time(time.perf_counter() - t0)
@@ -335,7 +355,7 @@ def attach_fsdp2(model, sentinel, reduce_scatter=None):
     comms = {}
     for mod_name, m in modules:  # a stream per FSDP module, keyed by its name in the model
         comms[mod_name or ROOT] = comm = comm_type(inner, sentinel, f"module:{mod_name or ROOT}",
-                                                   watched)
+                                                   watched, module_numel(m, len(ranks)))
         m.set_custom_reduce_scatter(comm)
     sentinel._fsdp = watched
     sentinel._group = own

@@ -242,3 +242,41 @@ def lightning_fsdp_task(rank: int, world: int, reduce: str = "fp32", steps: int 
 
 def lightning_fsdp_runs_task(rank: int, world: int, runs: list) -> list:
     return [lightning_fsdp_task(rank, world, **kw) for kw in runs]
+
+
+def fsdp_branch_task(rank: int, world: int, reduce: str = "truncating", steps: int = 20) -> dict:
+    """An FSDP module whose reduce-scatter changes size from step to step: the root holds a
+    head and a Linear used on odd steps only (FSDP reduce-scatters only the parameters that
+    have a gradient), beside one sharded Linear; every reduce-scatter sampled. Returns the
+    final Results as JSON and the sentinel's relayout count."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from trainprobes.watch import Sentinel, attach_fsdp2
+
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.odd, self.head = (torch.nn.Linear(16, 16), torch.nn.Linear(16, 16),
+                                              torch.nn.Linear(16, 1))
+            self.t = 0
+
+        def forward(self, x):
+            x = torch.relu(self.body(x))
+            return self.head(x + self.odd(x) if self.t % 2 else x)
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    net = Branchy()
+    fully_shard(net.body, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    comm = _comm(reduce)
+    sentinel = Sentinel(sample=1.0, interval=5, max_per_step=4, window=1024)
+    attach_fsdp2(net, sentinel, reduce_scatter=comm() if comm else None)
+    data = torch.Generator().manual_seed(rank)
+    for i in range(steps):
+        net.t = i
+        x = torch.randn(8, 16, generator=data)
+        net(x).square().mean().backward()
+        sentinel.step()
+    return {"results": [r.to_json() for r in sentinel.close()], "relayouts": sentinel.relayouts}
