@@ -121,7 +121,7 @@ def test_fp32_and_symmetric_rounding_are_never_called_biased_over_seeds():
 @pytest.mark.slow
 def test_what_would_go_unwatched_is_refused():
     cases = ["plain", "hsdp", "custom_set", "all_reduce_hook", "partial", "twice", "replicate",
-             "one_rank", "frozen", "tp", "ok"]
+             "one_rank", "frozen", "tp", "grouped", "ok"]
     got = dict(zip(cases, launch(fsdp_refusal_task, 2, args=(cases,), timeout=120)[0]))
     # torch 2.13: replicate() is an FSDPModule that all-reduces and never calls the
     # reduce-scatter, nor does a 1-rank shard group; attached, they watched nothing
@@ -138,6 +138,9 @@ def test_what_would_go_unwatched_is_refused():
     assert "not managed by fully_shard" in got["partial"] and "'3.weight'" in got["partial"]
     assert "already attached" in got["twice"]
     assert got["ok"] == ""
+    # fully_shard([a, b]): one reduce-scatter for both, so one comm and one stream named for
+    # both (it was two comms, the first never run, and the stream named for the last alone)
+    assert got["grouped"] == "0+3", got["grouped"]
 
 
 @pytest.mark.slow

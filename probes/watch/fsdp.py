@@ -227,8 +227,15 @@ def _flush(sentinel, watched: _Watched) -> None:
 
 
 def _fsdp_modules(model) -> list:
+    """(name, module) per FSDP state: fully_shard([a, b]) gives a and b one state and one
+    reduce-scatter, named 'a+b' (set_custom_reduce_scatter on either sets it for both)."""
     from torch.distributed.fsdp import FSDPModule
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    states: dict = {}
+    for name, m in model.named_modules():
+        if isinstance(m, FSDPModule):
+            states.setdefault(id(m._get_fsdp_state()), []).append((name, m))
+    return [("+".join(n or ROOT for n, _ in group) if len(group) > 1 else group[0][0], group[0][1])
+            for group in states.values()]
 
 
 def _refuse_unwatched(model, modules) -> list:

@@ -177,9 +177,11 @@ def fsdp_refusal_task(rank: int, world: int, cases: list) -> list:
                 fully_shard(net, mesh=mesh2["dp"])
             elif case == "ok":
                 fully_shard(net, mesh=mesh)
-            if case != "twice":
-                attach_fsdp2(net, Sentinel())
-            out.append("")
+            elif case == "grouped":  # one FSDP state over two modules, the root holding none
+                fully_shard([net[0], net[3]], mesh=mesh)
+                fully_shard(net, mesh=mesh)
+            comms = attach_fsdp2(net, Sentinel()) if case != "twice" else {}
+            out.append(",".join(comms) if case == "grouped" else "")
         except Exception as e:
             out.append(f"{type(e).__name__}: {e}")
     return out
