@@ -157,6 +157,21 @@ def test_a_module_whose_reduce_scatter_changes_size_keeps_its_stream():
 
 
 @pytest.mark.slow
+def test_a_reduce_scatter_replaced_after_attach_is_not_judged_a_pass():
+    """After 10 clean steps every module's comm is replaced (set_custom_reduce_scatter with
+    a truncating comm, behind the sentinel's back): the 20 steps after it go unwatched, so
+    the sentinel says it cannot judge them, naming the comm, instead of a pass on the
+    first 10 steps alone."""
+    runs = [{"reduce": "fp32", "steps": 30, "watch": True, "replace_at": 10,
+             "sentinel_kwargs": {"sample": 1.0, "interval": 5}}]
+    got = launch(fsdp_runs_task, 2, args=(runs,), timeout=180)[0][0]
+    res = [Result.from_json(x) for x in got["results"]]
+    lost = [r for r in res if r.verdict == "error" and "replaced" in r.message]
+    assert lost and "TruncatingReduceScatter" in lost[0].message and "step 10" in lost[0].message, \
+        [r.message for r in res]
+
+
+@pytest.mark.slow
 def test_a_failure_on_one_rank_skips_that_sample_on_every_rank():
     """Rank 1's copy of its 2nd and 5th samples raises: rank 1 still issues the fp64
     reduction (with its flag), so both ranks leave exactly those samples out and pair every

@@ -41,7 +41,8 @@ data-parallel group would judge, and stop, alone); an all-reduce hook
 already set (set_all_reduce_hook: the reduction it does would go unwatched); a module with
 several parameter groups (torch refuses a custom reduce-scatter there); a custom
 reduce-scatter already set (torch has no public getter for it: pass it as reduce_scatter=,
-the sentinel wraps it), and a sentinel attached twice. Reading what is set goes through
+the sentinel wraps it), and a sentinel attached twice. Either set after attach is seen at
+the next step() (_still_watched): the final Results then say 'cannot judge', naming it. Reading what is set goes through
 FSDPModule._get_fsdp_state() (read only, to refuse; nothing of FSDP's is replaced).
 
 The fp64 tensors live on the comm's device, and nothing in backward waits for the device
@@ -131,6 +132,7 @@ class _Watched:
         self.pending: list = []
         self.dtypes: set = set()
         self.ops: set = set()
+        self.installed: list = []  # (name, FSDP module, the comm set on it)
 
     def take(self, input_tensor, world: int, start: int, n: int) -> torch.Tensor:
         """A new fp64 tensor of 2 * world * n + 1 zeros, every chunk's window of this rank's
@@ -209,9 +211,34 @@ def _make_comm(base):
     return WatchedReduceScatter
 
 
+def _still_watched(sentinel, watched: _Watched) -> None:
+    """Whether FSDP still runs the sentinel's comms with nothing after them (read only):
+    set_custom_reduce_scatter (or set_all_reduce_hook) after attach would leave the rest of
+    the run unwatched, and a pass on the steps before would be a pass on half the run. The
+    first change seen makes the final Result 'cannot judge', naming it."""
+    if sentinel.not_applicable is not None:
+        return
+    for name, m, comm in watched.installed:
+        for pg in m._get_fsdp_state()._fsdp_param_groups:
+            now = pg._reduce_scatter_comm
+            what = (f"its reduce-scatter was replaced by {type(now).__name__}" if now is not comm
+                    else "an all-reduce hook was set" if pg._all_reduce_hook is not None else None)
+            if what is not None:
+                sentinel.not_applicable = (
+                    f"FSDP module {name!r}: {what} after attach_fsdp2, by step {sentinel.steps}; "
+                    "the reductions since are not watched (attach after setting it, passing the "
+                    "comm as reduce_scatter=)")
+                sentinel._own_error("watching FSDP's reduce-scatter", RuntimeError(sentinel.not_applicable))
+                return
+
+
 def _flush(sentinel, watched: _Watched) -> None:
     """Wait for the samples' fp64 reductions and record them (at step() and close())."""
     t0 = time.perf_counter()
+    try:
+        _still_watched(sentinel, watched)
+    except Exception as e:
+        sentinel._own_error("reading FSDP's reduce-scatter", e)
     while watched.pending:
         x = watched.pending.pop(0)
         m = x.world * x.n
@@ -364,6 +391,7 @@ def attach_fsdp2(model, sentinel, reduce_scatter=None):
         comms[mod_name or ROOT] = comm = comm_type(inner, sentinel, f"module:{mod_name or ROOT}",
                                                    watched, module_numel(m, len(ranks)))
         m.set_custom_reduce_scatter(comm)
+        watched.installed.append((mod_name or ROOT, m, comm))
     sentinel._fsdp = watched
     sentinel._group = own
     sentinel._flushes.append(lambda: _flush(sentinel, watched))

@@ -50,9 +50,12 @@ def _comm(reduce: str):
 
 def fsdp_task(rank: int, world: int, reduce: str = "fp32", steps: int = 20, watch: bool = False,
               seed: int = 0, sentinel_kwargs: dict | None = None, width: int = 64,
-              depth: int = 3, batch: int = 16, break_takes: dict | None = None) -> dict:
+              depth: int = 3, batch: int = 16, break_takes: dict | None = None,
+              replace_at: int | None = None) -> dict:
     """break_takes: {rank: [i, ...]}: on that rank, the sentinel's i-th copy of a sample
-    raises (a failure on one rank only)."""
+    raises (a failure on one rank only). replace_at: before that step, every FSDP module's
+    reduce-scatter is replaced (set_custom_reduce_scatter with the truncating comm) behind
+    the sentinel's back."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from trainprobes.watch import Sentinel, SentinelFinding, attach_fsdp2
@@ -87,6 +90,11 @@ def fsdp_task(rank: int, world: int, reduce: str = "fp32", steps: int = 20, watc
     torch.manual_seed(seed + 1)  # dropout's stream, alike with and without the sentinel
     losses, times, stopped_at = [], [], None
     for i in range(steps):
+        if i == replace_at:
+            from trainprobes.watch.hooks import TruncatingReduceScatter
+            for m in net.modules():
+                if hasattr(m, "set_custom_reduce_scatter") and m._get_fsdp_state()._fsdp_param_groups:
+                    m.set_custom_reduce_scatter(TruncatingReduceScatter())
         x = torch.randn(batch, width, generator=data)
         y = x[:, :8].sum(1, keepdim=True)
         t0 = time.perf_counter()
