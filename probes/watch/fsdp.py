@@ -6,15 +6,16 @@ the same inputs.
     attach_fsdp2(model, sentinel, reduce_scatter=None)
 
 What the reduce-scatter sees (torch 2.13, fsdp/_fully_shard/_fsdp_collectives.py,
-foreach_reduce): input_tensor, every parameter's unsharded gradient of one FSDP module
+foreach_reduce): input_tensor, the unsharded gradients of one FSDP module (those that got one)
 already cast to reduce_dtype (MixedPrecisionPolicy) and already divided by the
 pre-divide factor, flat, as world_size chunks (chunk r goes to rank r); output_tensor, this
 rank's chunk of the reduction, before the post-divide; op: AVG (fp32/bf16, the default),
 SUM (set_force_sum_reduction_for_comms, or fp16: FSDP divides before and after itself), or
-PREMUL_SUM(1/f) (set_gradient_divide_factor(f); gloo refuses it). So the comm's output
-is judged against what it was asked to compute, in fp64: the sum of its inputs, times 1/world
-for AVG, times the factor for PREMUL_SUM. FSDP's own divides outside the comm (a power of
-two before, a rounding divide after) and the cast to reduce_dtype are not judged here.
+PREMUL_SUM(1/f) (set_gradient_divide_factor(f), f not the world size, which gives AVG; gloo
+refuses it). So the comm's output is judged against what it was asked to compute, in fp64:
+the sum of its inputs, times 1/world for AVG, times the factor for PREMUL_SUM. FSDP's own
+divides outside the comm (a power of two before, a rounding divide after) and the cast to
+reduce_dtype are not judged here.
 
 For each reduce-scatter FSDP issues, on every rank in the same order (backward's order):
   1. the sentinel's own generator draws (Sentinel._choose, as for DDP's buckets) whether
