@@ -8,7 +8,12 @@ from trainprobes.errors import InvalidArgument, InvalidType
 from trainprobes.result import Result
 from trainprobes.watch import Sentinel, attach_fsdp2
 from trainprobes.watch.fsdp import op_scale
-from trainprobes.watch.fsdp_demo import fsdp_refusal_task, fsdp_runs_task, lightning_fsdp_runs_task
+from trainprobes.watch.fsdp_demo import (
+    fsdp_branch_task,
+    fsdp_refusal_task,
+    fsdp_runs_task,
+    lightning_fsdp_runs_task,
+)
 
 
 def test_the_reference_scales_the_fp64_sum_as_the_op_fsdp_passes():
@@ -115,8 +120,16 @@ def test_fp32_and_symmetric_rounding_are_never_called_biased_over_seeds():
 
 @pytest.mark.slow
 def test_what_would_go_unwatched_is_refused():
-    cases = ["plain", "hsdp", "custom_set", "all_reduce_hook", "partial", "twice", "ok"]
+    cases = ["plain", "hsdp", "custom_set", "all_reduce_hook", "partial", "twice", "replicate",
+             "one_rank", "frozen", "tp", "grouped", "ok"]
     got = dict(zip(cases, launch(fsdp_refusal_task, 2, args=(cases,), timeout=120)[0]))
+    # torch 2.13: replicate() is an FSDPModule that all-reduces and never calls the
+    # reduce-scatter, nor does a 1-rank shard group; attached, they watched nothing
+    assert "replicate" in got["replicate"] and "all-reduce" in got["replicate"], got["replicate"]
+    assert "1 rank" in got["one_rank"] and "no reduce-scatter" in got["one_rank"], got["one_rank"]
+    assert "no trainable parameter" in got["frozen"], got["frozen"]
+    # FSDP beside TP is refused (each data-parallel group would judge alone) but is not HSDP
+    assert "2-D mesh" in got["tp"] and "HSDP" not in got["tp"], got["tp"]
     assert got["plain"].startswith("InvalidType: model=Sequential is not fully_shard'ed")
     assert "HSDP" in got["hsdp"] and "2-D mesh" in got["hsdp"] and "would go unwatched" in got["hsdp"]
     assert "TruncatingReduceScatter" in got["custom_set"] and "no public getter" in got["custom_set"]
@@ -125,6 +138,37 @@ def test_what_would_go_unwatched_is_refused():
     assert "not managed by fully_shard" in got["partial"] and "'3.weight'" in got["partial"]
     assert "already attached" in got["twice"]
     assert got["ok"] == ""
+    # fully_shard([a, b]): one reduce-scatter for both, so one comm and one stream named for
+    # both (it was two comms, the first never run, and the stream named for the last alone)
+    assert got["grouped"] == "0+3", got["grouped"]
+
+
+@pytest.mark.slow
+def test_a_module_whose_reduce_scatter_changes_size_keeps_its_stream():
+    """The root holds a Linear used on odd steps only, so its reduce-scatter alternates
+    between two sizes (FSDP reduces only parameters with a gradient). That is one module's
+    stream, not a re-layout: its samples are kept and judged (a truncating comm: biased).
+    It was reset at every change of size, left with one sample: "cannot judge"."""
+    out = launch(fsdp_branch_task, 2, args=("truncating", 20), timeout=180)[0]
+    final = {r.target: r for r in map(Result.from_json, out["results"])}
+    root = final["watch:fsdp2[TruncatingReduceScatter].module:<root>"]
+    assert out["relayouts"] == 0
+    assert root.verdict == "fail" and root.metrics["trials"] >= 19, (root.verdict, root.metrics)
+
+
+@pytest.mark.slow
+def test_a_reduce_scatter_replaced_after_attach_is_not_judged_a_pass():
+    """After 10 clean steps every module's comm is replaced (set_custom_reduce_scatter with
+    a truncating comm, behind the sentinel's back): the 20 steps after it go unwatched, so
+    the sentinel says it cannot judge them, naming the comm, instead of a pass on the
+    first 10 steps alone."""
+    runs = [{"reduce": "fp32", "steps": 30, "watch": True, "replace_at": 10,
+             "sentinel_kwargs": {"sample": 1.0, "interval": 5}}]
+    got = launch(fsdp_runs_task, 2, args=(runs,), timeout=180)[0][0]
+    res = [Result.from_json(x) for x in got["results"]]
+    lost = [r for r in res if r.verdict == "error" and "replaced" in r.message]
+    assert lost and "TruncatingReduceScatter" in lost[0].message and "step 10" in lost[0].message, \
+        [r.message for r in res]
 
 
 @pytest.mark.slow

@@ -6,15 +6,16 @@ the same inputs.
     attach_fsdp2(model, sentinel, reduce_scatter=None)
 
 What the reduce-scatter sees (torch 2.13, fsdp/_fully_shard/_fsdp_collectives.py,
-foreach_reduce): input_tensor, every parameter's unsharded gradient of one FSDP module
+foreach_reduce): input_tensor, the unsharded gradients of one FSDP module (those that got one)
 already cast to reduce_dtype (MixedPrecisionPolicy) and already divided by the
 pre-divide factor, flat, as world_size chunks (chunk r goes to rank r); output_tensor, this
 rank's chunk of the reduction, before the post-divide; op: AVG (fp32/bf16, the default),
 SUM (set_force_sum_reduction_for_comms, or fp16: FSDP divides before and after itself), or
-PREMUL_SUM(1/f) (set_gradient_divide_factor(f); gloo refuses it). So the comm's output
-is judged against what it was asked to compute, in fp64: the sum of its inputs, times 1/world
-for AVG, times the factor for PREMUL_SUM. FSDP's own divides outside the comm (a power of
-two before, a rounding divide after) and the cast to reduce_dtype are not judged here.
+PREMUL_SUM(1/f) (set_gradient_divide_factor(f), f not the world size, which gives AVG; gloo
+refuses it). So the comm's output is judged against what it was asked to compute, in fp64:
+the sum of its inputs, times 1/world for AVG, times the factor for PREMUL_SUM. FSDP's own
+divides outside the comm (a power of two before, a rounding divide after) and the cast to
+reduce_dtype are not judged here.
 
 For each reduce-scatter FSDP issues, on every rank in the same order (backward's order):
   1. the sentinel's own generator draws (Sentinel._choose, as for DDP's buckets) whether
@@ -33,12 +34,16 @@ For each reduce-scatter FSDP issues, on every rank in the same order (backward's
      every rank at the same step.
 
 Refused at attach, naming what would not be watched: a model with no FSDPModule in it;
-parameters that no fully_shard manages (their gradients are not reduced by FSDP); HSDP
-(a 2-D mesh: the all-reduce across replicas would go unwatched) and an all-reduce hook
+parameters that no fully_shard manages (their gradients are not reduced by FSDP), or none
+trainable; HSDP (the all-reduce across replicas would go unwatched), replicate() (FSDP2's
+data parallel: an all-reduce, no reduce-scatter) and a 1-rank shard group (FSDP copies the
+gradients: no reduce-scatter runs); FSDP on a 2-D mesh beside tensor parallelism (each
+data-parallel group would judge, and stop, alone); an all-reduce hook
 already set (set_all_reduce_hook: the reduction it does would go unwatched); a module with
 several parameter groups (torch refuses a custom reduce-scatter there); a custom
 reduce-scatter already set (torch has no public getter for it: pass it as reduce_scatter=,
-the sentinel wraps it), and a sentinel attached twice. Reading what is set goes through
+the sentinel wraps it), and a sentinel attached twice. Either set after attach is seen at
+the next step() (_still_watched): the final Results then say 'cannot judge', naming it. Reading what is set goes through
 FSDPModule._get_fsdp_state() (read only, to refuse; nothing of FSDP's is replaced).
 
 The fp64 tensors live on the comm's device, and nothing in backward waits for the device
@@ -83,11 +88,30 @@ def op_scale(op, world: int) -> float | None:
     return None
 
 
+def module_numel(module, world: int) -> int:
+    """The module's reduce-scatter input when every trainable parameter has a gradient
+    (dim 0 padded to a multiple of world, as foreach_reduce pads Shard(0)): its stream's
+    size. A step's reduce-scatter can be smaller (FSDP reduces only the parameters that got
+    a gradient), and that is the same stream, not a re-layout."""
+    total = 0
+    for pg in module._get_fsdp_state()._fsdp_param_groups:
+        for fp in pg.fsdp_params:
+            p = fp.sharded_param
+            if not p.requires_grad:
+                continue
+            size = p.size()
+            if fp.fsdp_placement.dim == 0 and len(size):
+                total += -(-size[0] // world) * world * size[1:].numel()
+            else:
+                total += p.numel()
+    return total
+
+
 class _Sample(NamedTuple):
     """One sampled reduce-scatter, from its draw to its record."""
 
     key: str  # the stream: the FSDP module's name
-    numel: int  # the reduce-scatter's input elements (world * chunk)
+    numel: int  # the stream's size (module_numel), the same whatever this step reduced
     step: int
     start: int  # the window in each chunk
     n: int
@@ -109,6 +133,7 @@ class _Watched:
         self.pending: list = []
         self.dtypes: set = set()
         self.ops: set = set()
+        self.installed: list = []  # (name, FSDP module, the comm set on it)
 
     def take(self, input_tensor, world: int, start: int, n: int) -> torch.Tensor:
         """A new fp64 tensor of 2 * world * n + 1 zeros, every chunk's window of this rank's
@@ -128,8 +153,9 @@ def _make_comm(base):
         """FSDP2's ReduceScatter interface (allocate, __call__) around `inner`; see the module
         docstring for what a call does."""
 
-        def __init__(self, inner, sentinel, key: str, watched: _Watched):
+        def __init__(self, inner, sentinel, key: str, watched: _Watched, numel: int):
             self.inner, self.sentinel, self.key, self.watched = inner, sentinel, key, watched
+            self.numel = numel
 
         def allocate(self, size, *, dtype, device):
             return self.inner.allocate(size, dtype=dtype, device=device)
@@ -155,7 +181,7 @@ def _make_comm(base):
                     buf = flagged(s, "sampling a reduce-scatter", 2 * world * n,
                                   lambda: w.take(input_tensor, world, start, n),
                                   device=input_tensor.device)
-                    sample = _Sample(self.key, world * chunk, s.steps, start, n, world, me, scale, buf)
+                    sample = _Sample(self.key, self.numel, s.steps, start, n, world, me, scale, buf)
             except Exception as e:
                 s._own_error("choosing a reduce-scatter", e)
             s._add_time(time.perf_counter() - t0)
@@ -186,9 +212,34 @@ def _make_comm(base):
     return WatchedReduceScatter
 
 
+def _still_watched(sentinel, watched: _Watched) -> None:
+    """Whether FSDP still runs the sentinel's comms with nothing after them (read only):
+    set_custom_reduce_scatter (or set_all_reduce_hook) after attach would leave the rest of
+    the run unwatched, and a pass on the steps before would be a pass on half the run. The
+    first change seen makes the final Result 'cannot judge', naming it."""
+    if sentinel.not_applicable is not None:
+        return
+    for name, m, comm in watched.installed:
+        for pg in m._get_fsdp_state()._fsdp_param_groups:
+            now = pg._reduce_scatter_comm
+            what = (f"its reduce-scatter was replaced by {type(now).__name__}" if now is not comm
+                    else "an all-reduce hook was set" if pg._all_reduce_hook is not None else None)
+            if what is not None:
+                sentinel.not_applicable = (
+                    f"FSDP module {name!r}: {what} after attach_fsdp2, by step {sentinel.steps}; "
+                    "the reductions since are not watched (attach after setting it, passing the "
+                    "comm as reduce_scatter=)")
+                sentinel._own_error("watching FSDP's reduce-scatter", RuntimeError(sentinel.not_applicable))
+                return
+
+
 def _flush(sentinel, watched: _Watched) -> None:
     """Wait for the samples' fp64 reductions and record them (at step() and close())."""
     t0 = time.perf_counter()
+    try:
+        _still_watched(sentinel, watched)
+    except Exception as e:
+        sentinel._own_error("reading FSDP's reduce-scatter", e)
     while watched.pending:
         x = watched.pending.pop(0)
         m = x.world * x.n
@@ -204,8 +255,15 @@ def _flush(sentinel, watched: _Watched) -> None:
 
 
 def _fsdp_modules(model) -> list:
+    """(name, module) per FSDP state: fully_shard([a, b]) gives a and b one state and one
+    reduce-scatter, named 'a+b' (set_custom_reduce_scatter on either sets it for both)."""
     from torch.distributed.fsdp import FSDPModule
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    states: dict = {}
+    for name, m in model.named_modules():
+        if isinstance(m, FSDPModule):
+            states.setdefault(id(m._get_fsdp_state()), []).append((name, m))
+    return [("+".join(n or ROOT for n, _ in group) if len(group) > 1 else group[0][0], group[0][1])
+            for group in states.values()]
 
 
 def _refuse_unwatched(model, modules) -> list:
@@ -217,6 +275,27 @@ def _refuse_unwatched(model, modules) -> list:
             f"{len(unmanaged)} trainable parameters are not managed by fully_shard (e.g. "
             f"{unmanaged[:3]}): FSDP does not reduce their gradients and the sentinel would not "
             "watch them; fully_shard the modules that hold them (or the root)")
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, HSDPMeshInfo
+    for name, m in modules:
+        # what FSDP will do with the gradients (torch 2.13 foreach_reduce): a DDPMeshInfo
+        # all-reduces them, a 1-rank shard group copies them; neither calls the comm
+        for pg in m._get_fsdp_state()._fsdp_param_groups:
+            info = pg.mesh_info
+            if isinstance(info, HSDPMeshInfo):
+                raise InvalidArgument(
+                    f"FSDP module {name or ROOT!r} is HSDP (a {info.mesh.ndim}-D mesh {tuple(info.mesh.shape)}): it "
+                    "all-reduces each shard across replicas after the reduce-scatter, and that "
+                    "all-reduce would go unwatched; attach_fsdp2 watches 1-D FSDP only")
+            if isinstance(info, DDPMeshInfo):
+                raise InvalidArgument(
+                    f"module {name or ROOT!r} is replicated (replicate(), FSDP2's data parallel): "
+                    "its gradients are all-reduced and no reduce-scatter runs, so attach_fsdp2 "
+                    "would watch nothing; it watches fully_shard's reduce-scatter only")
+            if info.shard_mesh_size < 2:
+                raise InvalidArgument(
+                    f"FSDP module {name or ROOT!r} is sharded over 1 rank: FSDP copies its "
+                    "gradients and runs no reduce-scatter, so there is nothing to watch; shard "
+                    "over 2 or more ranks")
     groups = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -225,11 +304,15 @@ def _refuse_unwatched(model, modules) -> list:
         if mesh.ndim != 1:
             raise InvalidArgument(
                 f"parameter {name!r} is sharded on a {mesh.ndim}-D mesh {tuple(mesh.shape)} "
-                f"(placements {p.placements}): HSDP all-reduces each shard across replicas after "
-                "the reduce-scatter, and that all-reduce would go unwatched; attach_fsdp2 watches "
-                "1-D FSDP only")
+                f"(placements {p.placements}), FSDP beside another parallelism (e.g. tensor "
+                "parallel): each data-parallel group would judge its own shards alone and could "
+                "stop its ranks while the others wait for them; attach_fsdp2 watches FSDP on a "
+                "1-D mesh only")
         group = mesh.get_group()
         groups.setdefault(tuple(_ranks(group)), group)
+    if not groups:
+        raise InvalidArgument("the model has no trainable parameter (every one has "
+                              "requires_grad=False): FSDP reduces no gradient, nothing to watch")
     if len(groups) > 1:
         raise InvalidArgument(f"the parameters are sharded over {len(groups)} different groups of "
                               f"ranks {sorted(groups)}: attach_fsdp2 watches one")
@@ -247,7 +330,7 @@ def _refuse_unwatched(model, modules) -> list:
                     f"({getattr(pg._all_reduce_hook, '__qualname__', pg._all_reduce_hook)!r}): the "
                     "reduction it does after the reduce-scatter would go unwatched; attach_fsdp2 "
                     "refuses rather than watch half")
-    return next(iter(groups.values())) if groups else None
+    return next(iter(groups.values()))
 
 
 def _ranks(group) -> list:
@@ -307,8 +390,9 @@ def attach_fsdp2(model, sentinel, reduce_scatter=None):
     comms = {}
     for mod_name, m in modules:  # a stream per FSDP module, keyed by its name in the model
         comms[mod_name or ROOT] = comm = comm_type(inner, sentinel, f"module:{mod_name or ROOT}",
-                                                   watched)
+                                                   watched, module_numel(m, len(ranks)))
         m.set_custom_reduce_scatter(comm)
+        watched.installed.append((mod_name or ROOT, m, comm))
     sentinel._fsdp = watched
     sentinel._group = own
     sentinel._flushes.append(lambda: _flush(sentinel, watched))

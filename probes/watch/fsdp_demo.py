@@ -50,9 +50,12 @@ def _comm(reduce: str):
 
 def fsdp_task(rank: int, world: int, reduce: str = "fp32", steps: int = 20, watch: bool = False,
               seed: int = 0, sentinel_kwargs: dict | None = None, width: int = 64,
-              depth: int = 3, batch: int = 16, break_takes: dict | None = None) -> dict:
+              depth: int = 3, batch: int = 16, break_takes: dict | None = None,
+              replace_at: int | None = None) -> dict:
     """break_takes: {rank: [i, ...]}: on that rank, the sentinel's i-th copy of a sample
-    raises (a failure on one rank only)."""
+    raises (a failure on one rank only). replace_at: before that step, every FSDP module's
+    reduce-scatter is replaced (set_custom_reduce_scatter with the truncating comm) behind
+    the sentinel's back."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from trainprobes.watch import Sentinel, SentinelFinding, attach_fsdp2
@@ -87,6 +90,11 @@ def fsdp_task(rank: int, world: int, reduce: str = "fp32", steps: int = 20, watc
     torch.manual_seed(seed + 1)  # dropout's stream, alike with and without the sentinel
     losses, times, stopped_at = [], [], None
     for i in range(steps):
+        if i == replace_at:
+            from trainprobes.watch.hooks import TruncatingReduceScatter
+            for m in net.modules():
+                if hasattr(m, "set_custom_reduce_scatter") and m._get_fsdp_state()._fsdp_param_groups:
+                    m.set_custom_reduce_scatter(TruncatingReduceScatter())
         x = torch.randn(batch, width, generator=data)
         y = x[:, :8].sum(1, keepdim=True)
         t0 = time.perf_counter()
@@ -161,11 +169,27 @@ def fsdp_refusal_task(rank: int, world: int, cases: list) -> list:
                 net = model(16, 1)
                 fully_shard(net, mesh=mesh)
                 attach_fsdp2(net, s)
+            elif case == "replicate":  # FSDP2's data parallel: an all-reduce, no reduce-scatter
+                from torch.distributed._composable.replicate_with_fsdp import replicate
+                replicate(net, mesh=mesh)
+            elif case == "one_rank":  # a 1-rank shard group: FSDP copies, no reduce-scatter
+                fully_shard(net, mesh=init_device_mesh("cpu", (world, 1), mesh_dim_names=("r", "s"))["s"])
+            elif case == "frozen":
+                for p in net.parameters():
+                    p.requires_grad_(False)
+                fully_shard(net, mesh=mesh)
+            elif case == "tp":  # FSDP beside tensor parallelism (tp of 1 rank): a 2-D mesh, not HSDP
+                from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+                mesh2 = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
+                parallelize_module(net[0], mesh2["tp"], ColwiseParallel())
+                fully_shard(net, mesh=mesh2["dp"])
             elif case == "ok":
                 fully_shard(net, mesh=mesh)
-            if case != "twice":
-                attach_fsdp2(net, Sentinel())
-            out.append("")
+            elif case == "grouped":  # one FSDP state over two modules, the root holding none
+                fully_shard([net[0], net[3]], mesh=mesh)
+                fully_shard(net, mesh=mesh)
+            comms = attach_fsdp2(net, Sentinel()) if case != "twice" else {}
+            out.append(",".join(comms) if case == "grouped" else "")
         except Exception as e:
             out.append(f"{type(e).__name__}: {e}")
     return out
@@ -228,3 +252,41 @@ def lightning_fsdp_task(rank: int, world: int, reduce: str = "fp32", steps: int 
 
 def lightning_fsdp_runs_task(rank: int, world: int, runs: list) -> list:
     return [lightning_fsdp_task(rank, world, **kw) for kw in runs]
+
+
+def fsdp_branch_task(rank: int, world: int, reduce: str = "truncating", steps: int = 20) -> dict:
+    """An FSDP module whose reduce-scatter changes size from step to step: the root holds a
+    head and a Linear used on odd steps only (FSDP reduce-scatters only the parameters that
+    have a gradient), beside one sharded Linear; every reduce-scatter sampled. Returns the
+    final Results as JSON and the sentinel's relayout count."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from trainprobes.watch import Sentinel, attach_fsdp2
+
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.odd, self.head = (torch.nn.Linear(16, 16), torch.nn.Linear(16, 16),
+                                              torch.nn.Linear(16, 1))
+            self.t = 0
+
+        def forward(self, x):
+            x = torch.relu(self.body(x))
+            return self.head(x + self.odd(x) if self.t % 2 else x)
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    net = Branchy()
+    fully_shard(net.body, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    comm = _comm(reduce)
+    sentinel = Sentinel(sample=1.0, interval=5, max_per_step=4, window=1024)
+    attach_fsdp2(net, sentinel, reduce_scatter=comm() if comm else None)
+    data = torch.Generator().manual_seed(rank)
+    for i in range(steps):
+        net.t = i
+        x = torch.randn(8, 16, generator=data)
+        net(x).square().mean().backward()
+        sentinel.step()
+    return {"results": [r.to_json() for r in sentinel.close()], "relayouts": sentinel.relayouts}
