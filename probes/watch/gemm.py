@@ -36,7 +36,7 @@ from trainprobes.result import Result
 from trainprobes.validation import check_choice, check_int
 from trainprobes.watch.packing import keep_rng
 
-__all__ = ["watch_gemms", "GemmWatch"]
+__all__ = ["watch_gemms", "GemmWatch", "gemm_options"]
 
 PROBE = "numerics.gemm"
 # float64 bytes per (sample, K) in gemm_bias's working set (its own check_fits estimate)
@@ -228,6 +228,27 @@ def _producer(output: torch.Tensor):
             and output.is_contiguous():
         return base.grad_fn  # a reshape of the product: same elements, same order
     return output.grad_fn
+
+
+def gemm_options(gemms) -> dict | None:
+    """The callbacks' gemms= argument as watch_gemms keyword arguments: False -> None (not
+    watched), True -> {} (watch_gemms' defaults: fp8-tensor on h200-scaled-mm, wgrad, every
+    50 steps), a dict -> those arguments (recipe, preset, every, gemms, modules, ...)."""
+    import inspect
+    if gemms is False or gemms is None:
+        return None
+    if gemms is True:
+        return {}
+    if not isinstance(gemms, dict):
+        raise InvalidArgument(f"gemms={gemms!r}: pass True (watch_gemms' defaults), False, or a "
+                              "dict of watch_gemms arguments, e.g. {'recipe': 'fp8-rowwise', "
+                              "'preset': 'h200-scaled-mm', 'every': 100}")
+    allowed = [k for k in inspect.signature(watch_gemms).parameters if k not in ("model", "sentinel")]
+    for k in gemms:
+        if k not in allowed:
+            raise InvalidArgument(f"gemms has the key {k!r}, not an argument of watch_gemms; "
+                                  f"it takes {', '.join(allowed)}")
+    return dict(gemms)
 
 
 def find_linears(model: torch.nn.Module) -> dict:
