@@ -33,8 +33,10 @@ def test_all_watches_on_ddp_ranks_change_no_bit_and_the_ranks_agree():
     every rank holds alike (the reduced gradients, the replicated weights): equal to the bit.
     Router and GEMM verdicts are judged on each rank's own micro-batch and operands (DDP
     shares gradients, not activations): the same verdict on each rank. A router switched to
-    expert choice at step 3 is caught at the next check (step 4) on both ranks."""
-    runs = [{"watch": False}, {"watch": True}, {"watch": True, "switch_at": 3}]
+    expert choice at step 3 is caught at the next check (step 4) on both ranks; bf16 weights
+    at lr 1e-5 (updates stall) are called biased on both ranks, to the same bit."""
+    runs = [{"watch": False}, {"watch": True}, {"watch": True, "switch_at": 3},
+            {"watch": True, "dtype": "bfloat16", "lr": 1e-5, "steps": 10}]
     out = launch(watches_task, 2, args=(runs,), timeout=600)
     for r, rank in enumerate(out):
         assert _same(rank[0], rank[1]), f"rank {r}: the watches changed the run"
@@ -56,3 +58,7 @@ def test_all_watches_on_ddp_ranks_change_no_bit_and_the_ranks_agree():
         router = _final(rank[2])["watch:router[moe.router]"]
         assert router.verdict == "fail" and router.codes == ["TP-C1"], router.message
         assert router.metrics["first_noncausal_step"] == 4 and router.metrics["causal_checks"] == 2
+    bf16 = [_final(rank[3])["watch:updates[AdamW].all_groups"] for rank in out]
+    assert bf16[0].verdict == "fail" and bf16[0].codes == ["TP-B1"], bf16[0].message
+    assert bf16[0].metrics == bf16[1].metrics and bf16[0].metrics["stalled_share"] > 0.9
+    assert bf16[0].evidence["found_at_step"] == bf16[1].evidence["found_at_step"] == 4  # the first look with 3 samples

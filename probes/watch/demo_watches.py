@@ -69,20 +69,21 @@ def _rng_states() -> dict:
 
 def train_moe(rank: int, world: int, steps: int = 8, watch: bool = False, switch_at=None,
               seed: int = 0, gemm_kwargs: dict | None = None, sentinel_kwargs: dict | None = None,
-              router_every: int = 2) -> dict:
+              router_every: int = 2, dtype: str = "float32", lr: float = 1e-3) -> dict:
     """A MoE LM under DDP (gloo), AdamW; the batch drawn from numpy's global generator, its
     crop from python's, dropout from torch's, so a watch that drew from any of them would
     change the run. watch: the bucket sentinel (attach_ddp), watch_routers, watch_updates
-    and watch_gemms all on. switch_at: the router turns expert-choice from that step."""
+    and watch_gemms all on. switch_at: the router turns expert-choice from that step.
+    dtype: the weights' (and so the gradients' and the reduction's) format."""
     import numpy as np
     from torch.nn.parallel import DistributedDataParallel
     from trainprobes.watch import Sentinel, attach_ddp, watch_gemms, watch_routers, watch_updates
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)  # the same initial weights on every rank
-    net = MoeLM()
+    net = MoeLM().to(getattr(torch, dtype))
     ddp = DistributedDataParallel(net, bucket_cap_mb=0.01)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=lr)
     sentinel = None
     if watch:
         sentinel = Sentinel(**{"sample": 1.0, "interval": 2, "max_per_step": 4, "window": 4096,
