@@ -34,7 +34,7 @@ from trainprobes.reference.gemm import get_preset
 from trainprobes.reference.recipes import get_recipe
 from trainprobes.result import Result
 from trainprobes.validation import check_choice, check_int
-from trainprobes.watch.packing import keep_rng
+from trainprobes.watch.rng import keep_rng
 
 __all__ = ["watch_gemms", "GemmWatch", "gemm_options"]
 

@@ -8,7 +8,7 @@ on_train_begin, first (packing=True): a batch a deep copy of the run's collator 
     (trainprobes.watch.packing; not packed: nothing to check, said in the log). A leak is a
     finding (TP-I1) like any other. TrainerCallback is not handed the batches, so this is
     the run's collator on the run's data, not the sampler's first batch. The copy and
-    packing.keep_rng() keep the run as it was: a collator that draws (MLM masking) draws
+    watch.rng.keep_rng() keep the run as it was: a collator that draws (MLM masking) draws
     from its copy's generator, and python's, numpy's and torch's global generators are
     restored; a collator that cannot be deep-copied is not called (counted as an error of
     the sentinel's own).
@@ -67,7 +67,8 @@ class SentinelCallback(TrainerCallback):
         the Result (None: not packed) also goes to the sentinel. Its own errors are counted."""
         import copy
 
-        from trainprobes.watch.packing import check_batch, keep_rng
+        from trainprobes.watch.packing import check_batch
+        from trainprobes.watch.rng import keep_rng
         try:
             data = self.trainer.train_dataset
             n = min(self.packing_examples, len(data))
