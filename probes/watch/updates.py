@@ -175,37 +175,57 @@ class UpdateWatch:
         return hook
 
     def _intended(self) -> list:
-        """[(group key, param, idx, before, intended)] for the sampled elements."""
-        groups, taken = [], []
-        for gi, group in enumerate(self.optimizer.param_groups):
-            shadows = []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                n = p.numel()
-                idx = torch.randint(n, (min(n, self.elements),), generator=self._generator)
-                idx = idx.to(p.device)
-                before = p.detach().reshape(-1)[idx].to(torch.float64)  # indexing copies
-                s = before.clone()
-                s.grad = p.grad.detach().reshape(-1)[idx].to(torch.float64)
-                state = {k: _slice_state(k, v, n, idx)
-                         for k, v in self.optimizer.state.get(p, {}).items()}
-                shadows.append((s, state))
-                taken.append((f"group{gi}", p, idx, before, s))
-                self.dtypes.setdefault(f"group{gi}", set()).add(str(p.dtype).replace("torch.", ""))
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            hyper.update({k: v for k, v in _PLAIN.items() if k in hyper})
-            groups.append(({"params": [s for s, _ in shadows], **hyper}, shadows))
-        groups = [(g, sh) for g, sh in groups if sh]
-        if not groups:
+        """[(group key, param, idx, before, intended)] for the sampled elements. The sampled
+        elements of a group's parameters whose scalar state agrees (Adam's step) are stepped
+        as one fp64 tensor: the optimizers in ALLOWED are element-wise, so the arithmetic per
+        element is the same, at one shadow step per group instead of one per parameter."""
+        params = [(gi, p) for gi, group in enumerate(self.optimizer.param_groups)
+                  for p in group["params"] if p.grad is not None]
+        if not params:
             return []
-        shadow = type(self.optimizer)([g for g, _ in groups])
-        for _, sh in groups:
-            for s, state in sh:
-                if state:
-                    shadow.state[s] = state
+        sizes = [min(p.numel(), self.elements) for _, p in params]
+        # one draw for every parameter's indices (uniform, with replacement, as randint)
+        u = torch.rand(sum(sizes), generator=self._generator, dtype=torch.float64)
+        parts: dict = {}  # (group, scalar state) -> [(param, idx, before, grad, state)]
+        start = 0
+        for (gi, p), k in zip(params, sizes):
+            n = p.numel()
+            idx = (u[start:start + k] * n).long().clamp_(max=n - 1).to(p.device)
+            start += k
+            before = p.detach().reshape(-1)[idx].to(torch.float64)  # indexing copies
+            grad = p.grad.detach().reshape(-1)[idx].to(torch.float64)
+            state = {key: _slice_state(key, v, n, idx)
+                     for key, v in self.optimizer.state.get(p, {}).items()}
+            scalars = tuple(sorted((key, _scalar(v)) for key, v in state.items()
+                                   if not _per_element(key, v, k)))
+            parts.setdefault((gi, scalars), []).append((p, idx, before, grad, state))
+            self.dtypes.setdefault(f"group{gi}", set()).add(str(p.dtype).replace("torch.", ""))
+        groups, taken = [], []
+        for (gi, _), items in parts.items():
+            s = torch.cat([it[2] for it in items])
+            s.grad = torch.cat([it[3] for it in items])
+            first = items[0][4]
+            state = {key: torch.cat([it[4][key] for it in items])
+                     if _per_element(key, v, len(items[0][1])) else v for key, v in first.items()}
+            group = self.optimizer.param_groups[gi]
+            hyper = {key: v for key, v in group.items() if key != "params"}
+            hyper.update({key: v for key, v in _PLAIN.items() if key in hyper})
+            groups.append(({"params": [s], **hyper}, s, state))
+            taken.append((f"group{gi}", items, s))
+        shadow = type(self.optimizer)([g for g, _, _ in groups])
+        for _, s, state in groups:
+            if state:
+                shadow.state[s] = state
+        before_all = {id(s): s.detach().clone() for _, s, _ in groups}
         shadow.step()
-        return [(key, p, idx, before, s.detach() - before) for key, p, idx, before, s in taken]
+        out = []
+        for key, items, s in taken:
+            intended = s.detach() - before_all[id(s)]
+            at = 0
+            for p, idx, before, _, _ in items:
+                out.append((key, p, idx, before, intended[at:at + len(idx)]))
+                at += len(idx)
+        return out
 
     def _realised(self, pending: list) -> None:
         if not pending:
@@ -310,6 +330,16 @@ class UpdateWatch:
 def _world() -> int:
     import torch.distributed as dist
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _per_element(key: str, v, k: int) -> bool:
+    """A sliced state entry with one value per sampled element (not Adam's step)."""
+    return torch.is_tensor(v) and key != "step" and v.dim() == 1 and v.numel() == k
+
+
+def _scalar(v):
+    """A scalar state entry as a hashable value (a 1-element tensor, a number, None)."""
+    return v.item() if torch.is_tensor(v) else v
 
 
 def _slice_state(key: str, v, n: int, idx):
