@@ -6,8 +6,9 @@
 At a checked step (sentinel.steps % every == 0), through Optimizer.register_step_pre_hook
 and register_step_post_hook:
 
-1. before the step, for `elements` elements of each parameter (drawn by the watch's own
-   torch.Generator), copies in fp64 of the parameter, its gradient and every optimizer
+1. before the step, for `elements` elements of each of `tensors` parameters (both drawn by
+   the watch's own torch.Generator, the parameters afresh at every checked step, so each
+   is checked alike over steps; default 8, None: every parameter), copies in fp64 of the parameter, its gradient and every optimizer
    state tensor shaped like it (exp_avg, exp_avg_sq, momentum_buffer, ...); scalar state
    (Adam's step) is copied as it is;
 2. the same optimizer class, with the same group hyperparameters (lr as it is now), steps a
@@ -65,10 +66,12 @@ class UpdateWatch:
     """See the module docstring. Made by watch_updates; stepped by its Sentinel."""
 
     def __init__(self, sentinel, optimizer, *, every: int, elements: int, seed: int,
-                 accumulation: bool = False):
+                 accumulation: bool = False, tensors: int | None = None):
         self.sentinel, self.optimizer = sentinel, optimizer
         self.every = check_int(every, "every", min=1, hint="steps between checked updates")
         self.elements = check_int(elements, "elements", min=1, hint="per parameter, e.g. 256")
+        self.tensors = None if tensors is None else check_int(
+            tensors, "tensors", min=1, hint="parameters checked per step, e.g. 8, or None: all")
         self.seed = seed
         self._generator = torch.Generator().manual_seed(seed)
         st = sentinel.streams
@@ -183,6 +186,11 @@ class UpdateWatch:
                   for p in group["params"] if p.grad is not None]
         if not params:
             return []
+        if self.tensors is not None and len(params) > self.tensors:
+            # the cost is per parameter tensor (its copies, its share of the shadow step), not
+            # per element: a fixed number a step keeps it bounded on a model of many tensors
+            pick = torch.randperm(len(params), generator=self._generator)[:self.tensors]
+            params = [params[i] for i in pick.sort().values.tolist()]
         sizes = [min(p.numel(), self.elements) for _, p in params]
         # one draw for every parameter's indices (uniform, with replacement, as randint)
         u = torch.rand(sum(sizes), generator=self._generator, dtype=torch.float64)
@@ -276,7 +284,8 @@ class UpdateWatch:
         dtypes = sorted(set().union(*self.dtypes.values())) if group == POOLED else sorted(
             self.dtypes.get(group, ()))
         ev = {"errors": list(s.errors), "sample_steps": list(s.steps), "every": self.every,
-              "elements_per_param": self.elements, "param_dtypes": dtypes,
+              "elements_per_param": self.elements, "tensors_per_step": self.tensors,
+              "param_dtypes": dtypes,
               "optimizer": type(self.optimizer).__name__, "look": j.look, "alpha_look": j.alpha,
               "found_at_step": s.found_at,
               "reference": "the same optimizer class and hyperparameters stepping fp64 copies "
@@ -355,10 +364,11 @@ def _slice_state(key: str, v, n: int, idx):
                           f"{n}: not element-wise, its update cannot be replayed on a sample")
 
 
-def watch_updates(optimizer, sentinel, *, every: int = 1, elements: int = 256,
+def watch_updates(optimizer, sentinel, *, every: int = 1, elements: int = 256, tensors: int | None = 8,
                   accumulation: bool | None = None, seed: int | None = None) -> UpdateWatch:
     """Check the weight updates of `elements` sampled elements per parameter against fp64
-    every `every` steps (see the module docstring). Refused up front: an optimizer that is
+    every `every` steps (see the module docstring). tensors: how many parameters a checked
+    step samples (drawn afresh each time; None: all of them). Refused up front: an optimizer that is
     not a torch.optim.Optimizer, or one not in ALLOWED (its update cannot be sliced).
     accumulation: None (on in a single-process run, off on several ranks, where DDP and
     FSDP replace p.grad with the reduced mean), True (refused on several ranks), False."""
@@ -393,7 +403,7 @@ def watch_updates(optimizer, sentinel, *, every: int = 1, elements: int = 256,
             "contribution, but DDP and FSDP replace p.grad with the reduced mean, so the fp64 "
             "sum would not be what p.grad should hold; pass accumulation=False (the weight "
             "updates are still watched)")
-    w = UpdateWatch(sentinel, inner, every=every, elements=elements,
+    w = UpdateWatch(sentinel, inner, every=every, elements=elements, tensors=tensors,
                     seed=sentinel.seed if seed is None else seed, accumulation=accumulation)
     sentinel.add_watch(w)
     return w
