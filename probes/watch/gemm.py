@@ -16,7 +16,9 @@ the run's own operands went through `recipe` on a tensor core accumulating like 
    The rows kept fit the sentinel's budget: the copies plus the judge's float64 working set
    (about 64 bytes x samples x rows), so K = the number of rows judged.
 2. At sentinel.step(), numerics.gemm.gemm_bias judges each GEMM under the recipe and preset
-   against fp64 (under no_grad, every global generator restored): biased (fail, TP-B1),
+   against fp64 (under no_grad, every global generator restored), at the k-th checked step
+   at level alpha 6/(pi^2 k^2) / len(gemms) (the sentinel's alpha, spent as its streams
+   spend it, so a run is called biased falsely with chance at most alpha in all): biased (fail, TP-B1),
    noise or exact (pass), inconclusive (cannot judge). The first biased check of a module's
    GEMM is returned as a finding at once; later ones are counted.
 3. At close, one Result per (module, gemm) that was checked: fail if any check was biased,
@@ -35,6 +37,7 @@ from trainprobes.reference.recipes import get_recipe
 from trainprobes.result import Result
 from trainprobes.validation import check_choice, check_int
 from trainprobes.watch.rng import keep_rng
+from trainprobes.watch.stream import look_alpha
 
 __all__ = ["watch_gemms", "GemmWatch", "gemm_options"]
 
@@ -59,6 +62,7 @@ class GemmWatch:
         self._generator = torch.Generator().manual_seed(seed)
         self._names = list(modules)
         self._chosen = None  # (step, name) of the module sampled at that step
+        self._looks = 0  # checked steps judged so far: the k of each check's level
         self._captured: dict = {}  # name -> {"x", "w", "dy", "idx"}
         self.stats = {(n, g): {"checks": 0, "biased": 0, "noise": 0, "exact": 0,
                                "inconclusive": 0, "first_biased_step": None, "worst": None,
@@ -128,6 +132,13 @@ class GemmWatch:
     def step(self, step: int) -> list[Result]:
         captured, self._captured = self._captured, {}
         new = []
+        if captured:
+            self._looks += 1
+        # each check's level: the sentinel's alpha spent over checked steps and gemms as the
+        # streams spend it over looks (alpha 6/(pi^2 k^2) / gemms at the k-th): the chance that
+        # a run whose GEMMs are not biased is ever called biased stays within alpha, however
+        # many steps are checked (at alpha each, 1 in 100 checks would be a false finding)
+        level = look_alpha(self.sentinel.streams.alpha, max(self._looks, 1), len(self.gemms))
         for name, c in captured.items():
             for gemm in self.gemms:
                 ops = self._operands(c, gemm)
@@ -139,6 +150,7 @@ class GemmWatch:
                     with keep_rng(), torch.no_grad():
                         r = gemm_bias(*ops, preset=self.acc, recipe=self.rec, gemm=gemm,
                                       samples=self.samples, trials=self.trials, seed=self.seed + step,
+                                      alpha=level,
                                       tolerance=self.tolerance, promotion=False, what_if=self.what_if,
                                       target=f"watch:gemm[{name}].{gemm}")
                 except Exception as e:
@@ -146,6 +158,7 @@ class GemmWatch:
                     continue
                 r.evidence.update({"module": name, "step": step, "tokens_in_call": c["tokens"],
                                    "rows_judged": len(c["idx"]), "every": self.every,
+                                   "look": self._looks, "run_alpha": self.sentinel.streams.alpha,
                                    "sampled": "one Linear call of the run at that step, its "
                                               "operands as they were; rows drawn by the watch"})
                 if self._count(name, gemm, r, step):
