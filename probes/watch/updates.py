@@ -8,7 +8,7 @@ and register_step_post_hook:
 
 1. before the step, for `elements` elements of each of `tensors` parameters (both drawn by
    the watch's own torch.Generator, the parameters afresh at every checked step, so each
-   is checked alike over steps; default 4, None: every parameter), copies in fp64 of the parameter, its gradient and every optimizer
+   is checked alike over steps; default 8, None: every parameter), copies in fp64 of the parameter, its gradient and every optimizer
    state tensor shaped like it (exp_avg, exp_avg_sq, momentum_buffer, ...); scalar state
    (Adam's step) is copied as it is;
 2. the same optimizer class, with the same group hyperparameters (lr as it is now), steps a
@@ -364,7 +364,7 @@ def _slice_state(key: str, v, n: int, idx):
                           f"{n}: not element-wise, its update cannot be replayed on a sample")
 
 
-def watch_updates(optimizer, sentinel, *, every: int = 1, elements: int = 256, tensors: int | None = 4,
+def watch_updates(optimizer, sentinel, *, every: int = 1, elements: int = 256, tensors: int | None = 8,
                   accumulation: bool | None = None, seed: int | None = None) -> UpdateWatch:
     """Check the weight updates of `elements` sampled elements per parameter against fp64
     every `every` steps (see the module docstring). tensors: how many parameters a checked
