@@ -22,6 +22,16 @@ Every `interval` steps the look runs the bias test on each bucket's kept errors 
 fresh ranks training one Linear(4096, 2048) (its weight one bucket of 2^23 elements) with
 the sentinel checking every bucket at several `window`s, less the same run without it.
 
+--watches: the router, update and GEMM watches at their defaults (routers every 50 steps, 256
+tokens; updates every step, 256 elements per parameter; one Linear call's wgrad every 50
+steps under fp8-tensor / h200-scaled-mm), each alone and all together (with the bucket
+sentinel), against no sentinel, under DDP on `world` gloo ranks, steps interleaved as above.
+The update and GEMM watches run on the tiny Llama; the router watch on a tiny Mixtral of the
+same sizes (the Llama has no router: Mixtral is Llama's attention with MoE blocks, 4 experts,
+top-2). The steps are cut into blocks of `--block` steps (a multiple of the watches' 50, so
+each block holds its share of checked steps); per block, the ratio of mean step times; the
+figure is the median over blocks, beside the smallest and largest.
+
 --rates: over many seeds, how often the fp32 all-reduce and bf16 round-to-nearest (noise)
 are called biased (the run-wide false-positive rate, <= alpha by construction), and the step
 at which a truncating hook stops the run (stop_on_finding).
@@ -111,6 +121,127 @@ def bench_rank(rank: int, world: int, steps: int, seq: int, batch: int) -> dict:
         ways[way] = statistics.median(ts)
     return {"times": times, "info": info, "ways": ways,
             "params": sum(p.numel() for p in runs["without"][0].parameters())}
+
+
+def _mixtral(seed: int):
+    from transformers import MixtralConfig, MixtralForCausalLM
+    torch.manual_seed(seed)
+    cfg = MixtralConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                        num_experts_per_tok=2, max_position_embeddings=128)
+    return MixtralForCausalLM(cfg)
+
+
+# model -> config -> the watches on (each at its defaults); "ddp" is attach_ddp's bucket sentinel
+WATCHES = {"llama": {"without": (), "updates": ("updates",), "gemms": ("gemms",),
+                     "all": ("ddp", "updates", "gemms")},
+           "mixtral": {"without": (), "routers": ("routers",),
+                       "all": ("ddp", "routers", "updates", "gemms")}}
+
+
+def watches_rank(rank: int, world: int, blocks: int, block: int, seq: int, batch: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel
+    from trainprobes.watch import Sentinel, attach_ddp, watch_gemms, watch_routers, watch_updates
+
+    torch.set_num_threads(1)
+    out = {}
+    for family, configs in WATCHES.items():
+        runs, hook_s = {}, {n: 0.0 for n in configs}
+        for name, on in configs.items():
+            net = (_llama if family == "llama" else _mixtral)(0)
+            ddp = DistributedDataParallel(net)
+            opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+            sentinel = Sentinel() if on else None
+            if "ddp" in on:
+                attach_ddp(ddp, sentinel)
+            if "routers" in on:
+                watch_routers(net, sentinel)
+            if "updates" in on:  # its hooks bracketed by two of ours: its own time
+                _bracket(opt, lambda: watch_updates(opt, sentinel), hook_s, name)
+            if "gemms" in on:
+                watch_gemms(net, sentinel)
+            runs[name] = (ddp, opt, sentinel)
+        g = torch.Generator().manual_seed(rank)
+        times = {n: [] for n in runs}
+        step_s = {n: 0.0 for n in runs}  # in sentinel.step(): the router and GEMM judges
+        names = list(runs)
+        for i in range(blocks * block):
+            ids = torch.randint(0, 1024, (batch, seq), generator=g)
+            k = i % len(names)
+            for n in names[k:] + names[:k]:
+                ddp, opt, sentinel = runs[n]
+                t0 = time.perf_counter()
+                opt.zero_grad()
+                ddp(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                if sentinel is not None:
+                    t1 = time.perf_counter()
+                    sentinel.step()
+                    step_s[n] += time.perf_counter() - t1
+                times[n].append(time.perf_counter() - t0)
+        info = {}
+        for n, (_, _, sentinel) in runs.items():
+            if sentinel is not None:
+                res = sentinel.close()
+                info[n] = {"own_errors": sentinel.error_count, "errors": sentinel.errors[-3:],
+                           "ddp_seconds": sentinel.own_seconds,  # the bucket sentinel's hook
+                           "verdicts": sorted({f"{r.target.split('[')[0]}:{r.verdict}" for r in res}),
+                           "summary": {k: v for k, v in sentinel.summary().items()
+                                       if k.endswith(("_checks", "samples"))}}
+        out[family] = {"times": times, "step_seconds": step_s, "hook_seconds": hook_s, "info": info,
+                       "params": sum(p.numel() for p in runs["without"][0].parameters())}
+    return out
+
+
+def _bracket(opt, attach, seconds: dict, name: str) -> None:
+    """attach() registers the update watch's step pre/post hooks; ours, registered before and
+    after it, run just before and after each of them (torch runs step hooks in the order
+    registered), so seconds[name] adds up the time spent in the watch's hooks."""
+    t = [0.0]
+
+    def start(*_):
+        t[0] = time.perf_counter()
+
+    def stop(*_):
+        seconds[name] += time.perf_counter() - t[0]
+    opt.register_step_pre_hook(start)
+    opt.register_step_post_hook(start)
+    attach()
+    opt.register_step_pre_hook(stop)
+    opt.register_step_post_hook(stop)
+
+
+def watches(a) -> None:
+    import os
+    if a.steps % a.block:
+        raise SystemExit(f"--steps {a.steps} must be a multiple of --block {a.block}")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank, in the ranks too
+    blocks = a.steps // a.block
+    out = launch(watches_rank, a.world, args=(blocks, a.block, a.seq, a.batch), timeout=3600)
+    print(f"DDP on {a.world} gloo ranks, batch {a.batch}x{a.seq} per rank, {a.steps} steps per "
+          f"config in {blocks} blocks of {a.block}, interleaved (a shared machine: read ratios)")
+    for family in WATCHES:
+        r0 = out[0][family]
+        # a step ends when its slowest rank does
+        t = {n: [max(o[family]["times"][n][i] for o in out) for i in range(a.steps)]
+             for n in WATCHES[family]}
+        print(f"{family} ({r0['params']:,} parameters)")
+        print(f"  {'config':10s} {'mean step ms':>12s} {'vs without: median of blocks':>29s} "
+              f"{'[min, max]':>18s} {'own time / step':>16s}  verdicts, checks")
+        for n in WATCHES[family]:
+            ratios = sorted(statistics.fmean(t[n][b * a.block:(b + 1) * a.block])
+                            / statistics.fmean(t["without"][b * a.block:(b + 1) * a.block])
+                            for b in range(blocks))
+            info = r0["info"].get(n, {})
+            # its own time on rank 0: in sentinel.step() (the router and GEMM judges, looks)
+            # and in the update watch's optimizer hooks, over the steps' time without it
+            # and in the bucket sentinel's comm hook and check
+            own = r0["step_seconds"][n] + r0["hook_seconds"][n] + info.get("ddp_seconds", 0.0)
+            inside = own / sum(r0["times"]["without"])
+            print(f"  {n:10s} {1e3 * statistics.fmean(t[n]):12.2f} {statistics.median(ratios):29.4f} "
+                  f"[{ratios[0]:.4f}, {ratios[-1]:.4f}] {inside:16.2%}  "
+                  f"{' '.join(info.get('verdicts', []))} {info.get('summary', '')} "
+                  f"own errors {info.get('own_errors', '-')} {info.get('errors', '')}")
 
 
 def rates_rank(rank: int, world: int, seeds: int, steps: int) -> dict:
@@ -215,7 +346,12 @@ def main():
                    help="instead: false-positive and detection rates over this many seeds")
     p.add_argument("--rate-steps", type=int, default=60)
     p.add_argument("--memory", action="store_true", help="instead: the sentinel's peak memory")
+    p.add_argument("--watches", action="store_true",
+                   help="instead: the router, update and GEMM watches' cost at their defaults")
+    p.add_argument("--block", type=int, default=100, help="--watches: steps per block")
     a = p.parse_args()
+    if a.watches:
+        return watches(a)
     if a.memory:
         return memory(a)
     if a.rates:

@@ -79,3 +79,110 @@ def test_a_callback_that_would_watch_nothing_is_refused():
         SentinelLightning(Sentinel(), ddp=False, packing=False)
     with pytest.raises(InvalidArgument, match="packing='yes'"):
         SentinelLightning(Sentinel(), ddp=False, packing="yes")
+
+
+def _llama_trainer(tmp_path, name, callback_kwargs):
+    """A tiny Llama (random init, attention dropout drawing from the global generator) under
+    transformers.Trainer in one process; callback_kwargs None: no sentinel at all."""
+    transformers = pytest.importorskip("transformers")
+    from trainprobes.watch.trainer import SentinelCallback
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   attention_dropout=0.1)
+    model = transformers.LlamaForCausalLM(cfg)
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (16, 32), generator=g)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / name), max_steps=4,
+                                          per_device_train_batch_size=4, report_to=[], seed=0,
+                                          use_cpu=True, logging_steps=1, save_strategy="no",
+                                          disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    s = None
+    if callback_kwargs is not None:
+        s = Sentinel(interval=2)
+        trainer.add_callback(SentinelCallback(s, trainer, ddp=False, packing=False, **callback_kwargs))
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return trainer, s, losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_trainer_callback_watches_gemms_and_changes_no_bit(tmp_path):
+    """gemms=True: watch_gemms' defaults (fp8-tensor on h200-scaled-mm, wgrad, every 50 steps)
+    on the Trainer's model; a dict picks other arguments. Losses and weights after 4 steps
+    are those of the same Trainer without the sentinel."""
+    _, _, plain_losses, plain = _llama_trainer(tmp_path, "plain", None)
+    trainer, s, losses, weights = _llama_trainer(tmp_path, "defaults", {"gemms": True})
+    assert len(losses) == 4 and losses == plain_losses
+    assert all(torch.equal(plain[k], weights[k]) for k in plain)
+    (w,) = s.watches
+    assert (w.recipe, w.preset, w.every, w.gemms) == ("fp8-tensor", "h200-scaled-mm", 50, ("wgrad",))
+    checked = [r for r in s.results if r.target.startswith("watch:gemm[") and "checks" in r.metrics]
+    assert len(checked) == 1 and checked[0].metrics["checks"] == 1  # step 0 only, one Linear
+    assert checked[0].metrics["recipe"] == "fp8-tensor" and s.errors == []
+    assert checked[0].metrics["gemm"] == "wgrad" and checked[0].metrics["k"] >= 2
+    assert trainer.state.log_history[-1]["sentinel/gemm_checks"] == 1
+    # a dict: exact operands on an fp32 accumulator every 2 steps: steps 0 and 2, noise
+    _, s, losses, weights = _llama_trainer(tmp_path, "dict", {"gemms": {
+        "recipe": "exact", "preset": "fp32", "every": 2, "samples": 64}})
+    assert losses == plain_losses and all(torch.equal(plain[k], weights[k]) for k in plain)
+    checked = [r for r in s.results if r.target.startswith("watch:gemm[") and "checks" in r.metrics]
+    assert sum(r.metrics["checks"] for r in checked) == 2 and s.errors == []
+    assert all(r.verdict == "pass" and r.metrics["biased"] is False for r in checked), \
+        [r.message for r in checked]
+
+
+@pytest.mark.parametrize("gemms, words", [
+    ("yes", "pass True"),
+    ({"recipie": "fp8-tensor"}, "'recipie', not an argument of watch_gemms"),
+    ({"model": None}, "'model', not an argument"),
+])
+def test_a_bad_gemms_option_is_refused_naming_it(gemms, words):
+    pytest.importorskip("lightning.pytorch")
+    from trainprobes.watch.lightning import SentinelLightning
+    with pytest.raises(InvalidArgument, match=words):
+        SentinelLightning(Sentinel(), ddp=False, gemms=gemms)
+
+
+def _lightning_fit(gemms):
+    L = pytest.importorskip("lightning.pytorch")
+    from test_watch_router import TinyMoe
+    from trainprobes.watch.lightning import SentinelLightning
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = TinyMoe()
+
+        def training_step(self, batch, i):
+            (ids,) = batch
+            out = self.net(ids)  # dropout draws from the global generator
+            return torch.nn.functional.cross_entropy(out[:, :-1].reshape(-1, 32), ids[:, 1:].reshape(-1))
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    module = Module()
+    ids = torch.randint(0, 32, (40, 12), generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
+    s = Sentinel(interval=5)
+    callbacks = [SentinelLightning(s, ddp=False, packing=False, gemms=gemms)] if gemms is not None else []
+    trainer = L.Trainer(max_steps=10, accelerator="cpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=callbacks)
+    trainer.fit(module, loader)
+    return s, {k: v.detach().clone() for k, v in module.state_dict().items()}, torch.get_rng_state()
+
+
+def test_lightning_callback_watches_gemms_and_changes_no_bit():
+    """gemms={...}: every Linear of the LightningModule a candidate, one call's three GEMMs
+    every 5 steps (steps 0 and 5) on an fp32 accumulator: noise; the weights and the global
+    generator after 10 steps are those of the same fit without the callback."""
+    _, plain, plain_rng = _lightning_fit(None)
+    s, weights, rng = _lightning_fit({"recipe": "exact", "preset": "fp32", "every": 5,
+                                      "samples": 64, "gemms": ("fprop", "dgrad", "wgrad")})
+    assert all(torch.equal(plain[k], weights[k]) for k in plain) and torch.equal(plain_rng, rng)
+    checked = [r for r in s.results if r.target.startswith("watch:gemm[") and "checks" in r.metrics]
+    assert sum(r.metrics["checks"] for r in checked) == 2 * 3 and s.errors == []
+    assert all(r.verdict == "pass" for r in checked), [r.message for r in checked]

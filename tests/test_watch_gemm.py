@@ -166,3 +166,16 @@ def test_copies_are_new_memory_within_the_budget():
     s.step()
     (r,) = [r for r in s.close() if "checks" in r.metrics]
     assert r.metrics["k"] == k
+
+
+def test_each_check_spends_alpha_as_the_streams_do():
+    """At alpha per check, 1 in 100 checks of a GEMM that is not biased would be a false
+    finding, and a long run makes many: the k-th checked step's GEMMs are judged at
+    alpha 6/(pi^2 k^2) / len(gemms), so the run-wide false-positive rate stays within alpha."""
+    from trainprobes.watch.stream import look_alpha
+    _, _, _, s, w = _train(True, steps=3, recipe="exact", preset="fp32")
+    finals = [r for r in s.close() if "checks" in r.metrics]
+    last = max((r.evidence["shown_check"] for r in finals), key=lambda c: c["step"])
+    assert last["step"] == 2 and w._looks == 3
+    assert last["metrics"]["alpha"] == pytest.approx(look_alpha(0.01, 3, 3))
+    assert sum(look_alpha(0.01, k, 3) * 3 for k in range(1, 100_001)) <= 0.01

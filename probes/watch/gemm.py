@@ -16,7 +16,9 @@ the run's own operands went through `recipe` on a tensor core accumulating like 
    The rows kept fit the sentinel's budget: the copies plus the judge's float64 working set
    (about 64 bytes x samples x rows), so K = the number of rows judged.
 2. At sentinel.step(), numerics.gemm.gemm_bias judges each GEMM under the recipe and preset
-   against fp64 (under no_grad, every global generator restored): biased (fail, TP-B1),
+   against fp64 (under no_grad, every global generator restored), at the k-th checked step
+   at level alpha 6/(pi^2 k^2) / len(gemms) (the sentinel's alpha, spent as its streams
+   spend it, so a run is called biased falsely with chance at most alpha in all): biased (fail, TP-B1),
    noise or exact (pass), inconclusive (cannot judge). The first biased check of a module's
    GEMM is returned as a finding at once; later ones are counted.
 3. At close, one Result per (module, gemm) that was checked: fail if any check was biased,
@@ -34,9 +36,10 @@ from trainprobes.reference.gemm import get_preset
 from trainprobes.reference.recipes import get_recipe
 from trainprobes.result import Result
 from trainprobes.validation import check_choice, check_int
-from trainprobes.watch.packing import keep_rng
+from trainprobes.watch.rng import keep_rng
+from trainprobes.watch.stream import look_alpha
 
-__all__ = ["watch_gemms", "GemmWatch"]
+__all__ = ["watch_gemms", "GemmWatch", "gemm_options"]
 
 PROBE = "numerics.gemm"
 # float64 bytes per (sample, K) in gemm_bias's working set (its own check_fits estimate)
@@ -59,6 +62,7 @@ class GemmWatch:
         self._generator = torch.Generator().manual_seed(seed)
         self._names = list(modules)
         self._chosen = None  # (step, name) of the module sampled at that step
+        self._looks = 0  # checked steps judged so far: the k of each check's level
         self._captured: dict = {}  # name -> {"x", "w", "dy", "idx"}
         self.stats = {(n, g): {"checks": 0, "biased": 0, "noise": 0, "exact": 0,
                                "inconclusive": 0, "first_biased_step": None, "worst": None,
@@ -128,6 +132,13 @@ class GemmWatch:
     def step(self, step: int) -> list[Result]:
         captured, self._captured = self._captured, {}
         new = []
+        if captured:
+            self._looks += 1
+        # each check's level: the sentinel's alpha spent over checked steps and gemms as the
+        # streams spend it over looks (alpha 6/(pi^2 k^2) / gemms at the k-th): the chance that
+        # a run whose GEMMs are not biased is ever called biased stays within alpha, however
+        # many steps are checked (at alpha each, 1 in 100 checks would be a false finding)
+        level = look_alpha(self.sentinel.streams.alpha, max(self._looks, 1), len(self.gemms))
         for name, c in captured.items():
             for gemm in self.gemms:
                 ops = self._operands(c, gemm)
@@ -139,6 +150,7 @@ class GemmWatch:
                     with keep_rng(), torch.no_grad():
                         r = gemm_bias(*ops, preset=self.acc, recipe=self.rec, gemm=gemm,
                                       samples=self.samples, trials=self.trials, seed=self.seed + step,
+                                      alpha=level,
                                       tolerance=self.tolerance, promotion=False, what_if=self.what_if,
                                       target=f"watch:gemm[{name}].{gemm}")
                 except Exception as e:
@@ -146,6 +158,7 @@ class GemmWatch:
                     continue
                 r.evidence.update({"module": name, "step": step, "tokens_in_call": c["tokens"],
                                    "rows_judged": len(c["idx"]), "every": self.every,
+                                   "look": self._looks, "run_alpha": self.sentinel.streams.alpha,
                                    "sampled": "one Linear call of the run at that step, its "
                                               "operands as they were; rows drawn by the watch"})
                 if self._count(name, gemm, r, step):
@@ -228,6 +241,27 @@ def _producer(output: torch.Tensor):
             and output.is_contiguous():
         return base.grad_fn  # a reshape of the product: same elements, same order
     return output.grad_fn
+
+
+def gemm_options(gemms) -> dict | None:
+    """The callbacks' gemms= argument as watch_gemms keyword arguments: False -> None (not
+    watched), True -> {} (watch_gemms' defaults: fp8-tensor on h200-scaled-mm, wgrad, every
+    50 steps), a dict -> those arguments (recipe, preset, every, gemms, modules, ...)."""
+    import inspect
+    if gemms is False or gemms is None:
+        return None
+    if gemms is True:
+        return {}
+    if not isinstance(gemms, dict):
+        raise InvalidArgument(f"gemms={gemms!r}: pass True (watch_gemms' defaults), False, or a "
+                              "dict of watch_gemms arguments, e.g. {'recipe': 'fp8-rowwise', "
+                              "'preset': 'h200-scaled-mm', 'every': 100}")
+    allowed = [k for k in inspect.signature(watch_gemms).parameters if k not in ("model", "sentinel")]
+    for k in gemms:
+        if k not in allowed:
+            raise InvalidArgument(f"gemms has the key {k!r}, not an argument of watch_gemms; "
+                                  f"it takes {', '.join(allowed)}")
+    return dict(gemms)
 
 
 def find_linears(model: torch.nn.Module) -> dict:

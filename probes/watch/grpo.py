@@ -36,6 +36,7 @@ from trainprobes.drift.monitor import DriftMonitor
 from trainprobes.errors import InvalidArgument, InvalidType, OutputExists
 from trainprobes.result import Result, save_results
 from trainprobes.validation import check_bool, check_int, check_number
+from trainprobes.watch.rng import keep_rng
 from trainprobes.watch.sentinel import SentinelFinding
 from trainprobes.watch.stream import look_alpha
 from transformers import TrainerCallback
@@ -134,8 +135,7 @@ def trainer_logprobs(trainer, prompt_ids: list, completion_ids: list, batch_size
     keep = comp.shape[1]
     temperature = float(getattr(trainer.args, "temperature", 1.0) or 1.0)
     out = []
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):  # the run's generator stays where it was
+    with keep_rng():  # the run's generators stay where they were
         for s in range(0, ids.shape[0], batch_size):  # a loop over chunks, as TRL's
             i, m = ids[s:s + batch_size], am[s:s + batch_size]
             labels = i.masked_fill(m == 0, -100)

@@ -23,6 +23,7 @@ from trainprobes.drift.engines import Engine
 from trainprobes.drift.faults import temperature_logprobs
 from trainprobes.errors import InvalidArgument, InvalidType
 from trainprobes.result import Result
+from trainprobes.watch.rng import keep_rng
 
 TARGET = "watch:grpo[localize]"
 
@@ -68,8 +69,7 @@ def localize_batch(trainer, engine: Engine, prompts: list, completions: list, *,
     device = next(trainer.model.parameters()).device
     t0 = time.perf_counter()
     try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad(), \
-                torch.autocast(device.type, enabled=False):
+        with keep_rng(), torch.no_grad(), torch.autocast(device.type, enabled=False):
             for m, _ in modes:
                 m.training = False  # no dropout draw; restored below
             r = localize(ref, engine, ids.to(device), am.to(device), alpha=alpha, target=TARGET,

@@ -12,8 +12,10 @@ on_train_start: `trainer.strategy.model` (the strategy's wrapped model) must be 
     registers the hook only on CUDA devices and drops it on CPU without a word; give the hook
     here instead, and the Result names the hook DDP actually ran. On CUDA, where Lightning
     registered it, attach_ddp refuses (DDP takes one hook) and says to pass it here.
-on_train_start, routers / updates: watch_routers on the LightningModule (routers=True: found
-    by class name), watch_updates on its one optimizer; ddp=False: no DDP model needed.
+on_train_start, routers / updates / gemms: watch_routers on the LightningModule
+    (routers=True: found by class name), watch_updates on its one optimizer, watch_gemms on
+    the LightningModule (gemms=True: its defaults, fp8-tensor on h200-scaled-mm, wgrad, every
+    50 steps; or a dict of watch_gemms arguments); ddp=False: no DDP model needed.
 on_train_batch_start (packing=True, the default): the batch Lightning hands over goes to
     watch_packing (trainprobes.watch.packing_watch): its packing convention is read, and the
     first batch and each batch whose convention is new is checked for packed-document
@@ -39,7 +41,8 @@ from trainprobes.watch.fsdp import attach_fsdp2
 class SentinelLightning(Callback):
     def __init__(self, sentinel, hook=None, state=None, *, ddp: bool = True, routers=None,
                  updates: bool = False, router_every: int = 50, packing=True,
-                 reduce_scatter=None):
+                 reduce_scatter=None, gemms=False):
+        from trainprobes.watch.gemm import gemm_options
         from trainprobes.watch.sentinel import Sentinel
         if not isinstance(sentinel, Sentinel):
             raise InvalidArgument(f"sentinel={sentinel!r} must be a trainprobes.watch.Sentinel")
@@ -52,9 +55,11 @@ class SentinelLightning(Callback):
                                   "the LightningModule called with its keys), False, or the "
                                   "nn.Module that receives the batch's keys")
         self.packing, self._packing = packing, None
-        if not (self.ddp or routers or self.updates or packing is not False):
-            raise InvalidArgument("ddp=False, packing=False, no routers and updates=False: the "
-                                  "sentinel would watch nothing")
+        self.gemms = gemm_options(gemms)  # None: not watched; else watch_gemms' arguments
+        if not (self.ddp or routers or self.updates or self.gemms is not None
+                or packing is not False):
+            raise InvalidArgument("ddp=False, packing=False, no routers, updates=False and "
+                                  "gemms=False: the sentinel would watch nothing")
 
     def on_train_start(self, trainer, pl_module):
         from torch.nn.parallel import DistributedDataParallel
@@ -72,6 +77,9 @@ class SentinelLightning(Callback):
                 raise InvalidArgument(f"updates=True with {len(trainer.optimizers)} optimizers: "
                                       "the sentinel watches one; call watch_updates on each")
             watch_updates(trainer.optimizers[0], self.sentinel)
+        if self.gemms is not None:
+            from trainprobes.watch.gemm import watch_gemms
+            watch_gemms(pl_module, self.sentinel, **self.gemms)
         if not self.ddp:
             return
         from torch.distributed.fsdp import FSDPModule

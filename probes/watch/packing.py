@@ -13,39 +13,15 @@ unwrapped model (no DDP collective is issued).
 """
 from __future__ import annotations
 
-import contextlib
-import random
 from collections.abc import Mapping
 
 import torch
 from trainprobes.errors import InvalidArgument, InvalidType
 from trainprobes.isolation import Packing, documents
 from trainprobes.watch.convention import document_starts
+from trainprobes.watch.rng import keep_rng
 
 SKIP = ("input_ids", "labels")  # perturbed here / the loss is not looked at
-
-
-@contextlib.contextmanager
-def keep_rng():
-    """Every global generator a collator or a model may draw from (python's `random`, numpy's
-    legacy global one, torch's CPU and every CUDA device's) restored on exit, as it was."""
-    py = random.getstate()
-    try:
-        import numpy as np
-        npstate = np.random.get_state()
-    except ImportError:
-        np = None
-    cpu = torch.random.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
-        yield
-    finally:
-        random.setstate(py)
-        if np is not None:
-            np.random.set_state(npstate)
-        torch.random.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
 
 
 def packing_of(batch: Mapping) -> Packing | None:

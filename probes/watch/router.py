@@ -31,7 +31,7 @@ from trainprobes.causality import check
 from trainprobes.errors import InvalidArgument, TargetError
 from trainprobes.result import Result
 from trainprobes.validation import check_int
-from trainprobes.watch.packing import keep_rng
+from trainprobes.watch.rng import keep_rng
 
 __all__ = ["watch_routers", "find_routers", "RouterWatch"]
 

@@ -116,7 +116,7 @@ class Streams:
                 out.append(Judgement(s.key, k, step, a, None,
                                      f"{len(s.errors)} finite samples, {MIN_SAMPLES} needed"))
                 continue
-            if not full:
+            if not full and s.found_at is None:
                 quick = _quick(s.errors)
                 # error_stats' biased is p_t < alpha and |mean| >= min_effect on the same t-test;
                 # the margin leaves rounding of p at the boundary to the full test
@@ -126,6 +126,11 @@ class Streams:
             st = error_stats(list(s.errors), alpha=a, min_effect=self.min_effect)
             if st["biased"] and s.found_at is None:
                 s.found_at = step
+            elif s.found_at is not None:
+                # called biased at an earlier look, at that look's level: the decision of a
+                # sequential test stands (alpha was spent on it); a later look's stricter level
+                # judging the same or more samples never turns it back into a pass
+                st["biased"] = True
             out.append(Judgement(s.key, k, step, a, st))
         return out
 

@@ -16,12 +16,16 @@ on_train_begin: the Trainer has wrapped its model by then; `trainer.model_wrappe
     sentinel attaches to it with attach_ddp (hook, state: the comm hook to run, default
     allreduce_hook). A Trainer not under DDP is refused up front, naming what it is: the
     sentinel never half-watches in silence.
-on_train_begin, routers / updates: watch_routers on the Trainer's model (routers=True: found
-    by class name; or a dict / list of modules), every `router_every` steps; watch_updates
-    on the optimizer the Trainer hands its callbacks. ddp=False: no DDP model needed (a
+on_train_begin, routers / updates / gemms: watch_routers on the Trainer's model
+    (routers=True: found by class name; or a dict / list of modules), every `router_every`
+    steps; watch_updates on the optimizer the Trainer hands its callbacks; watch_gemms on the
+    Trainer's model (gemms=True: its defaults, every nn.Linear a candidate, one call's wgrad
+    every 50 steps under fp8-tensor on h200-scaled-mm; or a dict of watch_gemms arguments,
+    e.g. {"recipe": "fp8-rowwise", "every": 100}). ddp=False: no DDP model needed (a
     single-process run), only these and the packing check are watched.
 on_step_end: sentinel.step(); after a look, its numbers (Sentinel.summary) go to
-    Trainer.log, so every logger the Trainer reports to gets them; with stop_on_finding a
+    Trainer.log, so every logger the Trainer reports to gets them (the Trainer's own log of
+    that step still happens: Trainer.log clears control.should_log, restored here); with stop_on_finding a
     finding raises SentinelFinding out of trainer.train() after everything is written.
 on_train_end: sentinel.close(); the final numbers logged, the Results in sentinel.results.
 """
@@ -40,7 +44,8 @@ log = logging.getLogger("trainprobes.watch")
 class SentinelCallback(TrainerCallback):
     def __init__(self, sentinel, trainer, hook=None, state=None, packing: bool = True,
                  packing_examples: int = 4, ddp: bool = True, routers=None,
-                 updates: bool = False, router_every: int = 50):
+                 updates: bool = False, router_every: int = 50, gemms=False):
+        from trainprobes.watch.gemm import gemm_options
         from trainprobes.watch.sentinel import Sentinel
         if not isinstance(sentinel, Sentinel):
             raise InvalidArgument(f"sentinel={sentinel!r} must be a trainprobes.watch.Sentinel")
@@ -51,16 +56,18 @@ class SentinelCallback(TrainerCallback):
         self.packing_examples = check_int(packing_examples, "packing_examples", min=1)
         self.ddp, self.updates = check_bool(ddp, "ddp"), check_bool(updates, "updates")
         self.routers, self.router_every = routers, router_every
-        if not (self.ddp or self.packing or routers or self.updates):
-            raise InvalidArgument("ddp=False, packing=False, no routers and updates=False: the "
-                                  "sentinel would watch nothing")
+        self.gemms = gemm_options(gemms)  # None: not watched; else watch_gemms' arguments
+        if not (self.ddp or self.packing or routers or self.updates or self.gemms is not None):
+            raise InvalidArgument("ddp=False, packing=False, no routers, updates=False and "
+                                  "gemms=False: the sentinel would watch nothing")
 
     def check_packing(self):
         """The packing check on a batch of the run's collator (see the module docstring);
         the Result (None: not packed) also goes to the sentinel. Its own errors are counted."""
         import copy
 
-        from trainprobes.watch.packing import check_batch, keep_rng
+        from trainprobes.watch.packing import check_batch
+        from trainprobes.watch.rng import keep_rng
         try:
             data = self.trainer.train_dataset
             n = min(self.packing_examples, len(data))
@@ -91,6 +98,9 @@ class SentinelCallback(TrainerCallback):
         if self.updates:
             from trainprobes.watch.updates import watch_updates
             watch_updates(kwargs.get("optimizer") or self.trainer.optimizer, self.sentinel)
+        if self.gemms is not None:
+            from trainprobes.watch.gemm import watch_gemms
+            watch_gemms(self.trainer.model, self.sentinel, **self.gemms)
         if not self.ddp:
             return
         model = self.trainer.model_wrapped
@@ -99,7 +109,7 @@ class SentinelCallback(TrainerCallback):
                 f"the Trainer's model is a {type(model).__name__}, not DistributedDataParallel: the "
                 "sentinel watches DDP's gradient reduction and would watch nothing here (launch "
                 "the Trainer on 2 or more ranks, e.g. torchrun, with DDP; or pass ddp=False to "
-                "watch only routers, updates or packing)")
+                "watch only routers, updates, gemms or packing)")
         attach_ddp(model, self.sentinel, hook=self.hook, state=self.state)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -110,7 +120,11 @@ class SentinelCallback(TrainerCallback):
         looked = self.sentinel.streams.looks
         self.sentinel.step()  # SentinelFinding (stop_on_finding) leaves train() from here
         if self.sentinel.streams.looks != looked:
+            # Trainer.log's on_log clears control.should_log (transformers 5.25
+            # CallbackHandler.on_log): kept, or the Trainer's own loss log of this step is lost
+            should_log = control.should_log
             self.trainer.log(self.sentinel.summary())
+            control.should_log = should_log
 
     def on_train_end(self, args, state, control, **kwargs):
         self.sentinel.close()

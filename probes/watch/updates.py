@@ -6,8 +6,9 @@
 At a checked step (sentinel.steps % every == 0), through Optimizer.register_step_pre_hook
 and register_step_post_hook:
 
-1. before the step, for `elements` elements of each parameter (drawn by the watch's own
-   torch.Generator), copies in fp64 of the parameter, its gradient and every optimizer
+1. before the step, for `elements` elements of each of `tensors` parameters (both drawn by
+   the watch's own torch.Generator, the parameters afresh at every checked step, so each
+   is checked alike over steps; default 8, None: every parameter), copies in fp64 of the parameter, its gradient and every optimizer
    state tensor shaped like it (exp_avg, exp_avg_sq, momentum_buffer, ...); scalar state
    (Adam's step) is copied as it is;
 2. the same optimizer class, with the same group hyperparameters (lr as it is now), steps a
@@ -65,10 +66,12 @@ class UpdateWatch:
     """See the module docstring. Made by watch_updates; stepped by its Sentinel."""
 
     def __init__(self, sentinel, optimizer, *, every: int, elements: int, seed: int,
-                 accumulation: bool = False):
+                 accumulation: bool = False, tensors: int | None = None):
         self.sentinel, self.optimizer = sentinel, optimizer
         self.every = check_int(every, "every", min=1, hint="steps between checked updates")
         self.elements = check_int(elements, "elements", min=1, hint="per parameter, e.g. 256")
+        self.tensors = None if tensors is None else check_int(
+            tensors, "tensors", min=1, hint="parameters checked per step, e.g. 8, or None: all")
         self.seed = seed
         self._generator = torch.Generator().manual_seed(seed)
         st = sentinel.streams
@@ -175,37 +178,62 @@ class UpdateWatch:
         return hook
 
     def _intended(self) -> list:
-        """[(group key, param, idx, before, intended)] for the sampled elements."""
-        groups, taken = [], []
-        for gi, group in enumerate(self.optimizer.param_groups):
-            shadows = []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                n = p.numel()
-                idx = torch.randint(n, (min(n, self.elements),), generator=self._generator)
-                idx = idx.to(p.device)
-                before = p.detach().reshape(-1)[idx].to(torch.float64)  # indexing copies
-                s = before.clone()
-                s.grad = p.grad.detach().reshape(-1)[idx].to(torch.float64)
-                state = {k: _slice_state(k, v, n, idx)
-                         for k, v in self.optimizer.state.get(p, {}).items()}
-                shadows.append((s, state))
-                taken.append((f"group{gi}", p, idx, before, s))
-                self.dtypes.setdefault(f"group{gi}", set()).add(str(p.dtype).replace("torch.", ""))
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            hyper.update({k: v for k, v in _PLAIN.items() if k in hyper})
-            groups.append(({"params": [s for s, _ in shadows], **hyper}, shadows))
-        groups = [(g, sh) for g, sh in groups if sh]
-        if not groups:
+        """[(group key, param, idx, before, intended)] for the sampled elements. The sampled
+        elements of a group's parameters whose scalar state agrees (Adam's step) are stepped
+        as one fp64 tensor: the optimizers in ALLOWED are element-wise, so the arithmetic per
+        element is the same, at one shadow step per group instead of one per parameter."""
+        params = [(gi, p) for gi, group in enumerate(self.optimizer.param_groups)
+                  for p in group["params"] if p.grad is not None]
+        if not params:
             return []
-        shadow = type(self.optimizer)([g for g, _ in groups])
-        for _, sh in groups:
-            for s, state in sh:
-                if state:
-                    shadow.state[s] = state
+        if self.tensors is not None and len(params) > self.tensors:
+            # the cost is per parameter tensor (its copies, its share of the shadow step), not
+            # per element: a fixed number a step keeps it bounded on a model of many tensors
+            pick = torch.randperm(len(params), generator=self._generator)[:self.tensors]
+            params = [params[i] for i in pick.sort().values.tolist()]
+        sizes = [min(p.numel(), self.elements) for _, p in params]
+        # one draw for every parameter's indices (uniform, with replacement, as randint)
+        u = torch.rand(sum(sizes), generator=self._generator, dtype=torch.float64)
+        parts: dict = {}  # (group, scalar state) -> [(param, idx, before, grad, state)]
+        start = 0
+        for (gi, p), k in zip(params, sizes):
+            n = p.numel()
+            idx = (u[start:start + k] * n).long().clamp_(max=n - 1).to(p.device)
+            start += k
+            before = p.detach().reshape(-1)[idx].to(torch.float64)  # indexing copies
+            grad = p.grad.detach().reshape(-1)[idx].to(torch.float64)
+            state = {key: _slice_state(key, v, n, idx)
+                     for key, v in self.optimizer.state.get(p, {}).items()}
+            scalars = tuple(sorted((key, _scalar(v)) for key, v in state.items()
+                                   if not _per_element(key, v, k)))
+            parts.setdefault((gi, scalars), []).append((p, idx, before, grad, state))
+            self.dtypes.setdefault(f"group{gi}", set()).add(str(p.dtype).replace("torch.", ""))
+        groups, taken = [], []
+        for (gi, _), items in parts.items():
+            s = torch.cat([it[2] for it in items])
+            s.grad = torch.cat([it[3] for it in items])
+            first = items[0][4]
+            state = {key: torch.cat([it[4][key] for it in items])
+                     if _per_element(key, v, len(items[0][1])) else v for key, v in first.items()}
+            group = self.optimizer.param_groups[gi]
+            hyper = {key: v for key, v in group.items() if key != "params"}
+            hyper.update({key: v for key, v in _PLAIN.items() if key in hyper})
+            groups.append(({"params": [s], **hyper}, s, state))
+            taken.append((f"group{gi}", items, s))
+        shadow = type(self.optimizer)([g for g, _, _ in groups])
+        for _, s, state in groups:
+            if state:
+                shadow.state[s] = state
+        before_all = {id(s): s.detach().clone() for _, s, _ in groups}
         shadow.step()
-        return [(key, p, idx, before, s.detach() - before) for key, p, idx, before, s in taken]
+        out = []
+        for key, items, s in taken:
+            intended = s.detach() - before_all[id(s)]
+            at = 0
+            for p, idx, before, _, _ in items:
+                out.append((key, p, idx, before, intended[at:at + len(idx)]))
+                at += len(idx)
+        return out
 
     def _realised(self, pending: list) -> None:
         if not pending:
@@ -256,7 +284,8 @@ class UpdateWatch:
         dtypes = sorted(set().union(*self.dtypes.values())) if group == POOLED else sorted(
             self.dtypes.get(group, ()))
         ev = {"errors": list(s.errors), "sample_steps": list(s.steps), "every": self.every,
-              "elements_per_param": self.elements, "param_dtypes": dtypes,
+              "elements_per_param": self.elements, "tensors_per_step": self.tensors,
+              "param_dtypes": dtypes,
               "optimizer": type(self.optimizer).__name__, "look": j.look, "alpha_look": j.alpha,
               "found_at_step": s.found_at,
               "reference": "the same optimizer class and hyperparameters stepping fp64 copies "
@@ -312,6 +341,16 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def _per_element(key: str, v, k: int) -> bool:
+    """A sliced state entry with one value per sampled element (not Adam's step)."""
+    return torch.is_tensor(v) and key != "step" and v.dim() == 1 and v.numel() == k
+
+
+def _scalar(v):
+    """A scalar state entry as a hashable value (a 1-element tensor, a number, None)."""
+    return v.item() if torch.is_tensor(v) else v
+
+
 def _slice_state(key: str, v, n: int, idx):
     """An optimizer state entry for the shadow: a per-element tensor (exp_avg, ...) sliced to
     fp64, a scalar (Adam's step) copied as it is."""
@@ -325,10 +364,11 @@ def _slice_state(key: str, v, n: int, idx):
                           f"{n}: not element-wise, its update cannot be replayed on a sample")
 
 
-def watch_updates(optimizer, sentinel, *, every: int = 1, elements: int = 256,
+def watch_updates(optimizer, sentinel, *, every: int = 1, elements: int = 256, tensors: int | None = 8,
                   accumulation: bool | None = None, seed: int | None = None) -> UpdateWatch:
     """Check the weight updates of `elements` sampled elements per parameter against fp64
-    every `every` steps (see the module docstring). Refused up front: an optimizer that is
+    every `every` steps (see the module docstring). tensors: how many parameters a checked
+    step samples (drawn afresh each time; None: all of them). Refused up front: an optimizer that is
     not a torch.optim.Optimizer, or one not in ALLOWED (its update cannot be sliced).
     accumulation: None (on in a single-process run, off on several ranks, where DDP and
     FSDP replace p.grad with the reduced mean), True (refused on several ranks), False."""
@@ -363,7 +403,7 @@ def watch_updates(optimizer, sentinel, *, every: int = 1, elements: int = 256,
             "contribution, but DDP and FSDP replace p.grad with the reduced mean, so the fp64 "
             "sum would not be what p.grad should hold; pass accumulation=False (the weight "
             "updates are still watched)")
-    w = UpdateWatch(sentinel, inner, every=every, elements=elements,
+    w = UpdateWatch(sentinel, inner, every=every, elements=elements, tensors=tensors,
                     seed=sentinel.seed if seed is None else seed, accumulation=accumulation)
     sentinel.add_watch(w)
     return w

@@ -1,0 +1,58 @@
+"""trainprobes.watch.stream: a stream called biased at a look stays biased at every later
+look and at close (the sequential test's decision stands)."""
+import torch
+from trainprobes.watch import Sentinel
+from trainprobes.watch.stream import Streams, look_alpha
+from trainprobes.watch.updates import UpdateWatch
+
+# 8 errors whose t-test p (0.0019) is under look 1's level (0.0061, one stream) and over
+# look 2's (0.0015): called biased at look 1, not at look 2 on the same samples
+ERRORS = [(x + 0.05) * 1e-3 for x in (-1.0, -1.2, -0.8, -1.1, -0.9, -1.3, -0.7, 0.2)]
+
+
+def test_the_errors_sit_between_the_two_looks_levels():
+    from scipy import stats
+    p = stats.ttest_1samp(ERRORS, 0).pvalue
+    assert look_alpha(0.01, 2, 1) < p < look_alpha(0.01, 1, 1), p
+
+
+def test_a_biased_stream_stays_biased_at_later_looks_quick_or_full():
+    st = Streams(alpha=0.01, min_effect=2.0 ** -12, keep=100)
+    s = st.stream("b", 10)
+    for i, e in enumerate(ERRORS):
+        s.add(i, e)
+    (j1,) = st.look(10)
+    assert j1.biased and s.found_at == 10
+    (j2,) = st.look(20)  # the quick path would clear it at this level
+    (j3,) = st.look(30, full=True)
+    assert j2.biased and j3.biased and s.found_at == 10
+    assert j3.stats["p_value"] > j3.alpha  # this look alone would not have called it
+
+
+def test_the_sentinels_final_result_is_not_a_pass_after_a_finding(tmp_path):
+    """Before: the finding (fail at step 10) was written, then close() judged the same samples
+    at look 2's stricter level and wrote a final 'pass, noise' for the same bucket."""
+    s = Sentinel(rank=0)
+    stream = s.streams.stream("bucket0", 1000)
+    for i, e in enumerate(ERRORS):
+        stream.add(i, e)
+    found = []
+    for _ in range(10):
+        found += s.step()
+    assert [r.verdict for r in found] == ["fail"]
+    final = [r for r in s.close() if r.evidence.get("look") == 2]
+    assert [r.verdict for r in final] == ["fail"] and final[0].codes == ["TP-B1"], final[0].message
+    assert "biased since step 10" in final[0].message
+
+
+def test_the_update_watchs_final_result_is_not_a_pass_after_a_finding():
+    p = torch.nn.Parameter(torch.zeros(4))
+    s = Sentinel(rank=0)
+    w = UpdateWatch(s, torch.optim.SGD([p], lr=0.1), every=1, elements=4, seed=0)
+    st = w.streams.stream("all_groups", 4)
+    for i, e in enumerate(ERRORS):
+        st.add(i, e)
+    found = w.step(9)  # the look after step 9: look 1
+    assert [r.verdict for r in found] == ["fail"]
+    (final,) = w.close()
+    assert final.verdict == "fail" and "biased since step 10" in final.message, final.message
