@@ -204,12 +204,16 @@ class UpdateWatch:
             grad = p.grad.detach().reshape(-1)[idx].to(torch.float64)
             state = {key: _slice_state(key, v, n, idx)
                      for key, v in self.optimizer.state.get(p, {}).items()}
+            # stepped together only with the same state keys and the same scalars: SGD has no
+            # scalar state, so a parameter without a momentum_buffer yet (its first gradient
+            # came late) would otherwise share a shadow with one that has a buffer
             scalars = tuple(sorted((key, _scalar(v)) for key, v in state.items()
                                    if not _per_element(key, v, k)))
-            parts.setdefault((gi, scalars), []).append((p, idx, before, grad, state))
+            kinds = tuple(sorted(state))
+            parts.setdefault((gi, kinds, scalars), []).append((p, idx, before, grad, state))
             self.dtypes.setdefault(f"group{gi}", set()).add(str(p.dtype).replace("torch.", ""))
         groups, taken = [], []
-        for (gi, _), items in parts.items():
+        for (gi, _, _), items in parts.items():
             s = torch.cat([it[2] for it in items])
             s.grad = torch.cat([it[3] for it in items])
             first = items[0][4]
