@@ -322,7 +322,7 @@ class Sentinel:
         s = self.streams.streams[j.key]
         ev = {**self._evidence(), "errors": list(s.errors), "sample_steps": list(s.steps),
               "skipped_samples": s.skipped,
-              "found_at_step": s.found_at, "look": j.look, "alpha_look": j.alpha}
+              "found_at_step": s.found_at, "found": s.found, "biased_at_this_look": j.now, "look": j.look, "alpha_look": j.alpha}
         target = f"{self._target()}.{j.key}"
         if j.stats is None:
             return Result(probe=PROBE, target=target, verdict="error", seed=self.seed,
@@ -343,9 +343,13 @@ class Sentinel:
                 f"at look {j.look} (level {j.alpha:.2g})")
         if st["biased"]:
             verdict, codes = "fail", ["TP-B1"]
+            f = s.found  # the direction is the finding's, not the latest samples'
             msg = (head + f": biased since step {s.found_at}, "
-                   + ("too small" if st["bias"] < 0 else "too large")
-                   + " on average; this compounds over steps")
+                   + ("too small" if f["bias"] < 0 else "too large") + " on average")
+            msg += ("; this compounds over steps" if j.now is not False else
+                    f"; no longer seen in the latest samples (found at look {f['look']}: "
+                    f"{f['bias']:+.3g} over {f['trials']} reductions, p={f['p_value']:.2g} at "
+                    f"level {f['alpha']:.2g})")
         else:
             verdict, codes = ("warn" if s.nonfinite else "pass"), []
             msg = head + (": noise, no bias of at least " f"{self.streams.min_effect:.3g}")

@@ -291,7 +291,7 @@ class UpdateWatch:
               "elements_per_param": self.elements, "tensors_per_step": self.tensors,
               "param_dtypes": dtypes,
               "optimizer": type(self.optimizer).__name__, "look": j.look, "alpha_look": j.alpha,
-              "found_at_step": s.found_at,
+              "found_at_step": s.found_at, "found": s.found, "biased_at_this_look": j.now,
               "reference": "the same optimizer class and hyperparameters stepping fp64 copies "
                            "of the sampled elements, their gradients and state"}
         target = f"watch:updates[{type(self.optimizer).__name__}].{j.key}"
@@ -311,11 +311,16 @@ class UpdateWatch:
         if acc:
             ev["contributions"] = self.contributions
         if st["biased"]:
+            f = s.found  # the direction is the finding's, not the latest samples'
+            gone = "" if j.now is not False else (
+                f"; no longer seen in the latest samples (found at look {f['look']}: "
+                f"{f['bias']:+.3g} over {f['trials']} checked steps, p={f['p_value']:.2g} at "
+                f"level {f['alpha']:.2g})")
             return Result(probe=PROBE, target=target, verdict="fail", codes=["TP-B1"],
                           metrics={**st, **base}, evidence=ev, seed=self.seed,
                           message=head + f": biased since step {s.found_at}, "
                           + ("gradients" if acc else "updates") + " "
-                          + ("lost" if st["bias"] < 0 else "inflated") + " on average")
+                          + ("lost" if f["bias"] < 0 else "inflated") + " on average" + gone)
         return Result(probe=PROBE, target=target, verdict="pass", codes=[], metrics={**st, **base},
                       evidence=ev, seed=self.seed, message=head + ": noise, no bias of at least "
                       f"{self.streams.min_effect:.3g}")
