@@ -54,7 +54,7 @@ class SentinelLightning(Callback):
             raise InvalidArgument(f"packing={packing!r}: True (the batch Lightning hands over, "
                                   "the LightningModule called with its keys), False, or the "
                                   "nn.Module that receives the batch's keys")
-        self.packing, self._packing = packing, None
+        self.packing, self._packing, self._updates = packing, None, None
         self.gemms = gemm_options(gemms)  # None: not watched; else watch_gemms' arguments
         if not (self.ddp or routers or self.updates or self.gemms is not None
                 or packing is not False):
@@ -76,7 +76,10 @@ class SentinelLightning(Callback):
             if len(trainer.optimizers) != 1:
                 raise InvalidArgument(f"updates=True with {len(trainer.optimizers)} optimizers: "
                                       "the sentinel watches one; call watch_updates on each")
-            watch_updates(trainer.optimizers[0], self.sentinel)
+            # Lightning runs forward and backward in the closure it passes to optimizer.step,
+            # after torch's step pre-hooks: the replay is made in on_before_optimizer_step
+            self._updates = watch_updates(trainer.optimizers[0], self.sentinel)
+            self._updates.prepared_by_caller = True
         if self.gemms is not None:
             from trainprobes.watch.gemm import watch_gemms
             watch_gemms(pl_module, self.sentinel, **self.gemms)
@@ -107,6 +110,9 @@ class SentinelLightning(Callback):
             self._packing.observe(batch)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        # after the backward (and any unscaling), before the step's update: the gradients it uses
+        if self._updates is not None:
+            self._updates.before_step()
         if self._packing is not None:
             self._packing.check_pending()  # SentinelFinding (stop_on_finding) leaves from here
 

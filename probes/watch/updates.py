@@ -22,6 +22,12 @@ and register_step_post_hook:
    `interval` steps, alpha spent over looks and groups), and the stalled share: elements
    whose intended update was not zero and whose parameter did not move at all.
 
+A step given a closure (optimizer.step(closure), as Lightning calls it) runs its backward
+after the pre-hook, so the gradients it uses do not exist there yet: such a step is not
+checked (an error of the watch's own, saying so) unless the caller replays it after the
+backward (prepared_by_caller=True and before_step(): SentinelLightning does this from
+on_before_optimizer_step).
+
 Gradient accumulation (on by default in a single-process run): a tensor hook on each parameter
 (Tensor.register_hook, called with each backward's contribution before autograd adds it to
 p.grad) sums the sampled elements' contributions in fp64 from p.grad's value at the step's
@@ -77,6 +83,8 @@ class UpdateWatch:
         st = sentinel.streams
         self.streams = Streams(alpha=st.alpha, min_effect=st.min_effect, keep=st.keep)
         self._pending: list = []
+        # True: the caller calls before_step() after the backward (the step takes a closure)
+        self.prepared_by_caller = False
         self.checked_steps = 0
         self.stalled = {}  # group key -> [stalled elements, elements with an update]
         self.dtypes = {}
@@ -99,21 +107,44 @@ class UpdateWatch:
                 return
             if kwargs.get("grad_scale") is not None:  # a fused step unscales inside itself
                 self._acc.clear()
+                self._pending = []
                 self.sentinel._own_error("checking the update", InvalidArgument(
                     "the step was given grad_scale (a fused optimizer under GradScaler): p.grad "
                     "is still scaled, its update cannot be replayed; step not checked"))
                 return
-            if self._acc:
-                try:
-                    self._accumulated()
-                except Exception as e:
-                    self.sentinel._own_error("reading the accumulated gradients", e)
-            try:
-                self._pending = self._intended()
-            except Exception as e:
+            if self.prepared_by_caller:
+                return
+            # torch passes the step's own args, the optimizer first: step(closure) is args[1]
+            if kwargs.get("closure", args[1] if len(args) > 1 else None) is not None:
+                # step(closure) makes the gradients inside the step, after this hook: a replay
+                # here would use the previous step's (Lightning does this; its callback calls
+                # before_step() from on_before_optimizer_step, after the backward, instead)
+                self._acc.clear()
                 self._pending = []
-                self.sentinel._own_error("computing the fp64 update", e)
+                self.sentinel._own_error("checking the update", InvalidArgument(
+                    "the step was given a closure: its backward runs after the step's pre-hook, "
+                    "so the gradients the step uses cannot be read there; step not checked (set "
+                    "prepared_by_caller=True and call before_step() after the backward)"))
+                return
+            self.before_step()
         return hook
+
+    def before_step(self) -> None:
+        """Copy the sampled elements and replay the step in fp64 from the gradients as they are
+        now: from the step pre-hook, or, where the backward runs inside step(closure), from
+        the caller once the backward is done (SentinelLightning's on_before_optimizer_step)."""
+        if self.sentinel.steps % self.every:
+            return
+        if self._acc:
+            try:
+                self._accumulated()
+            except Exception as e:
+                self.sentinel._own_error("reading the accumulated gradients", e)
+        try:
+            self._pending = self._intended()
+        except Exception as e:
+            self._pending = []
+            self.sentinel._own_error("computing the fp64 update", e)
 
     def _grad_hook(self, p):
         # a closure over the parameter: called with each backward's gradient before autograd
