@@ -228,3 +228,41 @@ def test_lightning_update_watch_replays_the_steps_own_gradient(opt):
     assert len(errors) == 10 and s.errors == [], (errors, s.errors)
     assert max(abs(e) for e in errors) < 1e-5, errors
     assert not any(r.verdict == "fail" for r in s.results), [r.message for r in s.results]
+
+
+def test_lightning_steps_the_sentinel_once_per_optimizer_step():
+    """accumulate_grad_batches=4: the sentinel's step is the optimizer's, as under the Trainer
+    callback. Stepped per batch, each micro-batch was a step of its own: the accumulation
+    watch restarted its fp64 sum at every micro-batch (it reported 'up to 1 micro-batches'
+    and never judged an accumulation), and every= counted batches."""
+    L = pytest.importorskip("lightning.pytorch")
+    from test_watch_router import TinyMoe
+    from trainprobes.watch.lightning import SentinelLightning
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = TinyMoe()
+
+        def training_step(self, batch, i):
+            (ids,) = batch
+            out = self.net(ids)
+            return torch.nn.functional.cross_entropy(out[:, :-1].reshape(-1, 32), ids[:, 1:].reshape(-1))
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 32, (48, 12), generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
+    s = Sentinel(interval=3)
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False,
+                        accumulate_grad_batches=4, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[SentinelLightning(s, ddp=False, packing=False, updates=True)])
+    trainer.fit(Module(), loader)
+    (w,) = s.watches
+    assert s.steps == 3 and w.checked_steps == 3 and s.errors == []
+    assert w.contributions == 4
+    acc = w.streams.streams["accumulation.all_groups"]
+    assert len(acc.errors) == 3 and max(abs(e) for e in acc.errors) < 1e-5, list(acc.errors)

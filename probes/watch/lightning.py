@@ -24,8 +24,12 @@ on_train_batch_start (packing=True, the default): the batch Lightning hands over
     pre-hook reads the keyword arguments it receives instead (the HF model inside, when the
     module's forward does not take the batch's keys). A batch that is not a dict cannot be
     read: said once, and a final "cannot judge" Result (packing=False turns it off).
-on_train_batch_end: sentinel.step() (a step is a training batch); after a look its numbers go
-    to the module's log_dict, so every logger the Trainer has gets them.
+on_before_optimizer_step, updates: the update watch's fp64 replay, after the backward that
+    Lightning runs inside optimizer.step(closure) (torch's step pre-hook comes before it).
+on_train_batch_end: sentinel.step() when the batch ended with an optimizer step
+    (trainer.global_step moved: a step is an optimizer step, as under the Trainer callback;
+    micro-batches of accumulate_grad_batches share it); after a look its numbers go to the
+    module's log_dict, so every logger the Trainer has gets them.
 on_train_end: sentinel.close(); the Results in sentinel.results.
 """
 from __future__ import annotations
@@ -55,6 +59,7 @@ class SentinelLightning(Callback):
                                   "the LightningModule called with its keys), False, or the "
                                   "nn.Module that receives the batch's keys")
         self.packing, self._packing, self._updates = packing, None, None
+        self._stepped_at = None  # trainer.global_step when the sentinel last stepped
         self.gemms = gemm_options(gemms)  # None: not watched; else watch_gemms' arguments
         if not (self.ddp or routers or self.updates or self.gemms is not None
                 or packing is not False):
@@ -63,6 +68,7 @@ class SentinelLightning(Callback):
 
     def on_train_start(self, trainer, pl_module):
         from torch.nn.parallel import DistributedDataParallel
+        self._stepped_at = trainer.global_step  # a resumed fit starts past 0
         if self.packing is not False:
             from trainprobes.watch.packing_watch import watch_packing
             own = self.packing is True
@@ -117,6 +123,11 @@ class SentinelLightning(Callback):
             self._packing.check_pending()  # SentinelFinding (stop_on_finding) leaves from here
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        # the sentinel's step is the optimizer's (as under the Trainer callback): a batch that
+        # only accumulated (accumulate_grad_batches) made no step, and global_step says so
+        if trainer.global_step == self._stepped_at:
+            return
+        self._stepped_at = trainer.global_step
         looked = self.sentinel.streams.looks
         self.sentinel.step()  # SentinelFinding (stop_on_finding) leaves fit() from here
         if self.sentinel.streams.looks != looked:
