@@ -107,3 +107,20 @@ def test_the_findings_figures_survive_a_json_round_trip():
     (final,) = [r for r in s.close() if r.evidence.get("look") == 2]
     again = Result.from_json(final.to_json())
     assert again.evidence["found"] == final.evidence["found"]
+
+
+def test_a_bucket_relayout_after_a_finding_keeps_the_finding():
+    """DDP rebuilding its buckets starts a bucket's stream afresh (its samples were of another
+    layout); a finding already made on that bucket must not end as a final pass."""
+    s = Sentinel(rank=0)
+    for i, e in enumerate(ERRORS):
+        s._record("bucket0", 1000, i, torch.tensor([1.0 + e]), torch.tensor([1.0]))
+    found = []
+    for _ in range(10):
+        found += s.step()
+    assert [r.verdict for r in found if r.target.endswith("bucket0")] == ["fail"]
+    for i in range(20):  # re-laid out: another size, exact reductions
+        s._record("bucket0", 2000, 10 + i, torch.tensor([1.0]), torch.tensor([1.0]))
+    (final,) = [r for r in s.close() if r.target.endswith("bucket0") and r.evidence.get("look") == 2]
+    assert s.relayouts == 1
+    assert final.verdict == "fail" and "biased since step 10" in final.message, final.message

@@ -195,7 +195,11 @@ class Sentinel:
             if s is not None and s.numel != numel:  # DDP rebuilt its buckets
                 self.relayouts += 1
                 del self.streams.streams[key]
-            self.streams.stream(key, numel).add(step, err, zero_reference=zero, skipped=skipped)
+            new = self.streams.stream(key, numel)
+            if s is not None and s is not new and s.found_at is not None:
+                # the samples start afresh, the finding made on this bucket stands
+                new.found_at, new.found = s.found_at, s.found
+            new.add(step, err, zero_reference=zero, skipped=skipped)
             # every bucket's samples together: a reduction biased everywhere (a hook's own
             # arithmetic) is caught on the samples of all buckets, not each bucket's few
             self.streams.stream(POOLED, 0).add(step, err, zero_reference=zero, skipped=skipped)
