@@ -346,3 +346,51 @@ def test_a_sharded_model_is_refused_up_front():
     finally:
         if own:
             dist.destroy_process_group()
+
+
+def _flat_batch(lengths, seed=0):
+    from transformers import DataCollatorWithFlattening
+    g = torch.Generator().manual_seed(seed)
+    feats = [{"input_ids": torch.randint(0, 128, (n,), generator=g).tolist()} for n in lengths]
+    return DataCollatorWithFlattening(return_tensors="pt")(feats)
+
+
+def test_a_leaky_4d_mask_after_an_isolated_one_is_caught():
+    """Documents declared by seq_idx beside monotone position ids (no restart): a
+    block-diagonal 4-D mask at step 0, a full causal one at step 1 (same keys, dtypes,
+    ranks): the second is another convention, checked, and leaks."""
+    pytest.importorskip("transformers")
+    from trainprobes.isolation.hf import tiny_model
+    model = tiny_model("llama", "sdpa", seed=0)
+    model.config.use_cache = False
+    model.train()
+    L, lens = 12, [4, 5, 3]
+    seq = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])[None]
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    block = causal & (seq[0][:, None] == seq[0][None, :])
+    s = Sentinel()
+    w = watch_packing(model, s)
+    g = torch.Generator().manual_seed(0)
+    for m in (block, causal):
+        ids = torch.randint(0, 128, (1, L), generator=g)
+        model(input_ids=ids, attention_mask=m[None, None], position_ids=torch.arange(L)[None],
+              seq_idx=seq, labels=ids).loss.backward()
+        w.check_pending()
+        s.step()
+    assert [r.verdict for r in s.results] == ["pass", "fail"]
+    assert s.results[1].evidence["step"] == 1 and "4d-crosses" in s.results[1].message
+
+
+def test_position_ids_it_cannot_read_are_said_once_never_silent():
+    """position_ids as [3, B, L] (multimodal RoPE): whether the batch is packed cannot be
+    read; a final 'cannot judge' Result names it (not the silence of 'not packed')."""
+    s = Sentinel()
+    model = Noisy().train()
+    w = watch_packing(model, s)
+    for _ in range(2):
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long), position_ids=torch.arange(8).repeat(3, 1, 1))
+        s.step()
+    assert w.checks == 0
+    (final,) = [r for r in s.close() if r.target == "watch:packing"]
+    assert final.verdict == "error" and len(w.unjudged) == 1
+    assert "step 0" in final.message and "position_ids" in final.message

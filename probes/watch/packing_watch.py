@@ -106,6 +106,13 @@ class PackingWatch:
             if not c.packed:
                 if len(self.seen) < MAX_REMEMBERED:
                     self.seen[c] = step
+                if c.positions == "unread":  # packed or not is unknown: said, never a pass
+                    kind = dict(c.keys).get("position_ids")
+                    self.unjudged = (self.unjudged + [
+                        f"step {step}: position_ids is {kind}, not a [B, L] tensor: whether "
+                        "the batch is packed cannot be read"])[-20:]
+                    log.warning("trainprobes sentinel: %s", self.unjudged[-1])
+                    return
                 log.info("trainprobes sentinel: step %d, a batch convention not packed, nothing "
                          "to check: %s", step, c.text)
                 return
