@@ -355,6 +355,36 @@ def _flat_batch(lengths, seed=0):
     return DataCollatorWithFlattening(return_tensors="pt")(feats)
 
 
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_the_check_judges_the_cache_the_training_forward_had(checkpointing):
+    """config.use_cache=True (the default) and padding-free position ids: without a cache
+    transformers 5.25 reads the packed position ids into the mask. Under gradient
+    checkpointing the training forward turns the cache off (isolated); without it the
+    training forward builds a cache (leaky). The check, in eval mode under no_grad, must
+    judge the run's forward: isolated with checkpointing, leaky without."""
+    pytest.importorskip("transformers")
+    from trainprobes.isolation.hf import tiny_model
+    model = tiny_model("llama", "sdpa", seed=0)
+    assert model.config.use_cache is True
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+    b = _flat_batch([6, 6, 6])
+    ids = b["input_ids"]
+    other = ids.clone()
+    other[0, :6] = (other[0, :6] + 1) % 128
+    moved = (model(input_ids=ids, position_ids=b["position_ids"]).logits
+             - model(input_ids=other, position_ids=b["position_ids"]).logits)[0, 6:].abs().max()
+    assert (moved == 0) == checkpointing  # the run's own training forward, measured
+    s = Sentinel()
+    w = watch_packing(model, s)
+    model(**b).loss.backward()
+    w.check_pending()
+    (r,) = s.results
+    assert r.verdict == ("pass" if checkpointing else "fail"), r.message
+    assert model.training and model.config.use_cache is True
+
+
 def test_a_leaky_4d_mask_after_an_isolated_one_is_caught():
     """Documents declared by seq_idx beside monotone position ids (no restart): a
     block-diagonal 4-D mask at step 0, a full causal one at step 1 (same keys, dtypes,

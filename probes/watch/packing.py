@@ -7,7 +7,8 @@ one sequence per row under eager and sdpa attention (docs/isolation.md).
     check_batch(model, batch) -> Result (isolation.documents) or None (the batch is not packed)
 
 It changes nothing of the run: the forwards run under torch.no_grad() in eval mode (dropout
-off, so the check is deterministic; the model's mode is restored), inside keep_rng() (python's
+off, so the check is deterministic; the model's mode is restored; under gradient
+checkpointing without a cache, as the training forward had it: config.use_cache restored), inside keep_rng() (python's
 `random`, numpy's and torch's CPU and CUDA generators come back as they were), on the
 unwrapped model (no DDP collective is issued).
 """
@@ -76,13 +77,38 @@ def check_batch(model, batch: Mapping, *, seed: int = 0, target: str | None = No
         return out.logits if hasattr(out, "logits") else out[0]
 
     modes = [(m, m.training) for m in model.modules()]  # each submodule's own (a frozen part)
+    caches = _cache_off_in_training(model)
+    if caches and "use_cache" in rest:
+        rest["use_cache"] = False
     with keep_rng(), torch.no_grad():
         model.eval()
+        for c in caches:
+            c.use_cache = False
         try:
             r = documents(fn, ids, packing, fp64=False, causal=False, seed=seed, target=name)
         finally:
             for m, mode in modes:
                 m.training = mode
+            for c in caches:
+                c.use_cache = True
     r.evidence["batch_keys"] = sorted(batch)
+    if caches:
+        r.evidence["use_cache"] = ("False, as in the training forward: under gradient "
+                                   "checkpointing transformers turns the cache off")
     r.evidence["mode"] = "eval (dropout off), no_grad, the batch's own keys"
     return r
+
+
+def _cache_off_in_training(model) -> list:
+    """The configs whose use_cache=True a training forward ignores: under gradient
+    checkpointing (a module's `gradient_checkpointing` True) transformers 5.25 turns the
+    cache off when training with grad enabled (merge_with_config_defaults,
+    GradientCheckpointingLayer), and the check's eval, no_grad forwards would keep it; with
+    a cache, packed position ids are not read into the mask: a leak the run does not have."""
+    mods = list(model.modules())
+    if not any(getattr(m, "gradient_checkpointing", False) is True for m in mods):
+        return []
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in mods)
+               if getattr(c, "use_cache", None) is True}
+    return list(configs.values())
+
