@@ -424,3 +424,23 @@ def test_position_ids_it_cannot_read_are_said_once_never_silent():
     (final,) = [r for r in s.close() if r.target == "watch:packing"]
     assert final.verdict == "error" and len(w.unjudged) == 1
     assert "step 0" in final.message and "position_ids" in final.message
+
+
+def test_a_leak_on_a_rank_that_does_not_write_is_logged(tmp_path, caplog):
+    """Each rank checks its own batches; only write_rank writes the findings file, so a
+    leak found on another rank must at least reach that rank's log."""
+    pytest.importorskip("transformers")
+    import logging
+
+    from trainprobes.isolation.hf import tiny_model
+    model = tiny_model("llama", "sdpa", seed=0)
+    model.config.use_cache = False
+    model.train()
+    s = Sentinel(rank=1, findings=tmp_path / "f.jsonl")
+    w = watch_packing(model, s)
+    b = _flat_batch([5, 7])
+    with caplog.at_level(logging.WARNING, logger="trainprobes.watch"):
+        model(**b, attention_mask=torch.ones_like(b["input_ids"])).loss.backward()
+        w.check_pending()
+    assert s.results[0].verdict == "fail" and not (tmp_path / "f.jsonl").exists()
+    assert any("rank 1" in m and "leak" in m for m in caplog.messages), caplog.messages
