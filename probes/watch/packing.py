@@ -56,7 +56,10 @@ def packing_of(batch: Mapping) -> Packing | None:
     return None if starts is None else Packing.from_doc_ids(starts.long().cumsum(1))
 
 
-def check_batch(model, batch: Mapping, *, seed: int = 0, target: str | None = None):
+def check_batch(model, batch: Mapping, *, seed: int = 0, target: str | None = None,
+                max_documents: int | None = None):
+    """max_documents: a batch of more documents is refused (InvalidArgument) before any
+    forward: the check costs d + 2 forwards of the batch."""
     if not isinstance(batch, Mapping):
         raise InvalidType(f"batch is a {type(batch).__name__}; the packing check reads a dict of "
                           "tensors (input_ids, position_ids, ...) as a collator returns it")
@@ -67,6 +70,12 @@ def check_batch(model, batch: Mapping, *, seed: int = 0, target: str | None = No
     packing = packing_of(batch)
     if packing is None:
         return None
+    d = len(packing.documents)
+    if max_documents is not None and d > max_documents:
+        raise InvalidArgument(
+            f"the batch holds {d} documents: the check would take {d + 2} forwards of it, over "
+            f"max_documents={max_documents} (a stall on this rank that the other ranks wait out); "
+            "raise max_documents to check it")
     if not isinstance(model, torch.nn.Module):
         raise InvalidType(f"model is a {type(model).__name__}, not a torch.nn.Module")
     rest = {k: v for k, v in batch.items() if k not in SKIP}

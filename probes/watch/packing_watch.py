@@ -20,7 +20,8 @@ batch's packing convention changes (trainprobes.watch.convention).
    no_grad, in eval mode (dropout off; every submodule's mode restored), inside keep_rng(),
    on the model given (the unwrapped one: no DDP collective is issued).
 4. The same convention is never checked twice; at most `max_checks` conventions are checked
-   (each check is d + 2 forwards); one past the bound is counted, warned about once, and
+   (each check is d + 2 forwards; a batch of more than `max_documents` documents is not
+   checked: cannot judge, since the other ranks wait the check out); one past the bound is counted, warned about once, and
    named in a final "cannot judge" Result: never a silent pass.
 
 A leak is the probe's Result (isolation.documents, fail, TP-I1) with the step and the
@@ -54,10 +55,12 @@ class PackingWatch:
     """See the module docstring. Made by watch_packing; stepped by its Sentinel."""
 
     def __init__(self, sentinel, model: torch.nn.Module, *, max_checks: int, hook: bool,
-                 seed: int):
+                 seed: int, max_documents: int = 64):
         self.sentinel, self.model, self.seed = sentinel, model, seed
         self.max_checks = check_int(max_checks, "max_checks", min=1,
                                     hint="distinct packed conventions checked, e.g. 8")
+        self.max_documents = check_int(max_documents, "max_documents", min=2,
+                                       hint="documents in a checked batch, e.g. 64")
         self.seen: dict[Convention, int] = {}      # convention -> the step it first appeared at
         self.checked: dict[Convention, str] = {}   # packed convention -> its verdict
         self.over: dict[Convention, int] = {}      # packed, past the bound: never checked
@@ -166,7 +169,8 @@ class PackingWatch:
         t0 = time.perf_counter()
         self._busy = True
         try:
-            r = check_batch(self.model, batch, seed=self.seed + step)
+            r = check_batch(self.model, batch, seed=self.seed + step,
+                            max_documents=self.max_documents)
         except Exception as e:
             self.sentinel._own_error(f"checking the packing of step {step}'s batch", e)
             self._unjudged(c, f"step {step}: {type(e).__name__}: {e}")
@@ -235,11 +239,13 @@ class PackingWatch:
 
 
 def watch_packing(model: torch.nn.Module, sentinel, *, max_checks: int = 8, hook: bool = True,
-                  seed: int | None = None) -> PackingWatch:
+                  seed: int | None = None, max_documents: int = 64) -> PackingWatch:
     """Check packed-document isolation on the run's batches, once per packing convention
     (see the module docstring). model: the module that receives the batch's keys, unwrapped
     (not the DDP wrapper: the check must issue no collective). hook=False: no forward
-    pre-hook; batches come through PackingWatch.observe (Lightning's callback)."""
+    pre-hook; batches come through PackingWatch.observe (Lightning's callback).
+    max_documents: a batch of more documents is not checked (cannot judge): a check is
+    d + 2 forwards of the batch on one rank, which the other ranks wait out."""
     from trainprobes.watch.sentinel import Sentinel
     if not isinstance(sentinel, Sentinel):
         raise InvalidArgument(f"sentinel={sentinel!r} must be a trainprobes.watch.Sentinel")
@@ -258,7 +264,7 @@ def watch_packing(model: torch.nn.Module, sentinel, *, max_checks: int = 8, hook
             "packing=False, or check a batch by hand with trainprobes.watch.packing.check_batch "
             "on an unsharded copy")
     w = PackingWatch(sentinel, model, max_checks=max_checks, hook=hook,
-                     seed=sentinel.seed if seed is None else seed)
+                     seed=sentinel.seed if seed is None else seed, max_documents=max_documents)
     sentinel.add_watch(w)
     return w
 
