@@ -43,19 +43,20 @@ def _data(n=40):
 
 
 def _trainer_run(tmp_path, *, mask: bool, watch: bool, model_cls=None, steps=6, accumulation=1,
-                 **sentinel_kw):
+                 checkpointing=False, **sentinel_kw):
     from trainprobes.isolation.hf import tiny_model
     from trainprobes.watch import SentinelCallback
     from transformers import Trainer, TrainingArguments
     model = tiny_model("llama", "sdpa", seed=0, attention_dropout=0.1)  # the run draws
     if model_cls is not None:
         model.__class__ = model_cls
-    model.config.use_cache = False
+    model.config.use_cache = checkpointing  # Trainer sets it from TrainingArguments.use_cache
     model.train()
     args = TrainingArguments(output_dir=str(tmp_path / f"out{watch}"), use_cpu=True,
                              max_steps=steps, per_device_train_batch_size=4, logging_steps=1,
                              report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
-                             gradient_accumulation_steps=accumulation)
+                             gradient_accumulation_steps=accumulation,
+                             gradient_checkpointing=checkpointing, use_cache=checkpointing)
     trainer = Trainer(model=model, args=args, train_dataset=_data(),
                       data_collator=SwitchingCollator(SWITCH * accumulation, mask))
     s = Sentinel(**sentinel_kw)
@@ -466,3 +467,21 @@ def test_a_batch_of_too_many_documents_is_not_checked_and_said():
     (final,) = [r for r in s.close() if r.target == "watch:packing"]
     assert final.verdict == "error" and "5 documents" in final.message
     assert "max_documents=4" in final.message
+
+
+@pytest.mark.slow
+def test_under_gradient_checkpointing_an_isolated_run_is_isolated_and_unchanged(tmp_path):
+    """TrainingArguments(gradient_checkpointing=True, use_cache=True) (the Trainer copies
+    use_cache into the config; a plain or Lightning loop keeps the config's default True):
+    the training forward runs without a cache, so the flattened documents are
+    isolated; the check says so (no false finding stopping the run), restores the config,
+    and the run trains bit for bit as without the watch."""
+    s, trainer, losses, weights, error = _trainer_run(
+        tmp_path, mask=False, watch=True, checkpointing=True, stop_on_finding=True)
+    assert error is None and trainer.state.global_step == 6 and s.error_count == 0
+    (r,) = [r for r in s.results if r.probe == "isolation.documents"]
+    assert r.verdict == "pass" and r.evidence["step"] == SWITCH and "use_cache" in r.evidence
+    assert trainer.model.config.use_cache is True
+    _, _, without, w0, _ = _trainer_run(tmp_path, mask=False, watch=False, checkpointing=True)
+    assert len(losses) == 6 and losses == without
+    assert all(torch.equal(w0[k], weights[k]) for k in w0)
