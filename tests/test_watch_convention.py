@@ -167,3 +167,14 @@ def test_position_ids_that_cannot_be_read_are_not_called_absent(pos):
     never 'absent' (which would make a packed batch 'not packed': nothing checked, said nowhere)."""
     c = convention_of({"input_ids": torch.ones(1, 8, dtype=torch.long), "position_ids": pos})
     assert c.positions == "unread" and not c.packed
+
+
+def test_left_padding_is_not_a_document():
+    """transformers' position ids for a left-padded row (generate, and collators that pad on
+    the left): cumsum(mask) - 1 with padding filled by 1, so [1, 1, 0, 1, 2]. The drop to 0
+    at the first real token follows padding: no document boundary."""
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    b = {"input_ids": torch.ones(2, 5, dtype=torch.long), "attention_mask": mask, "position_ids": pos}
+    c = convention_of(b)
+    assert c.positions == "monotone" and not c.packed and document_starts(b) is None

@@ -187,7 +187,7 @@ def test_nondeterminism_is_cannot_judge_never_a_leak():
 def test_each_convention_is_checked_once_and_the_bound_is_said():
     """max_checks=1: a second packed convention is not checked, and the final Result says
     so (cannot judge); the same convention again is not checked again; eval-mode forwards
-    are not the run's batches."""
+    and no_grad ones are not the run's batches."""
     pytest.importorskip("transformers")
     from trainprobes.isolation.hf import tiny_model
     model = tiny_model("llama", "sdpa")
@@ -196,15 +196,16 @@ def test_each_convention_is_checked_once_and_the_bound_is_said():
     w = watch_packing(model, s, max_checks=1)
     pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, position_ids=pos)  # eval mode: not seen
+    model.train()
     with torch.no_grad():
-        model(input_ids=ids, position_ids=pos)  # eval mode: not seen
-        assert w.batches == 0
-        model.train()
-        for step in range(3):
-            model(input_ids=(ids + step) % 128, position_ids=pos)
-            s.step()
-        model(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids))
+        model(input_ids=ids, position_ids=pos)  # no autograd: not a training batch
+    assert w.batches == 0
+    for step in range(3):
+        model(input_ids=(ids + step) % 128, position_ids=pos)
         s.step()
+    model(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids))
+    s.step()
     assert w.checks == 1 and w.batches == 4 and s.results[0].verdict == "pass"
     (final,) = s.close()[1:]
     assert final.verdict == "error" and "max_checks=1" in final.message
@@ -485,3 +486,25 @@ def test_under_gradient_checkpointing_an_isolated_run_is_isolated_and_unchanged(
     _, _, without, w0, _ = _trainer_run(tmp_path, mask=False, watch=False, checkpointing=True)
     assert len(losses) == 6 and losses == without
     assert all(torch.equal(w0[k], weights[k]) for k in w0)
+
+
+def test_generation_in_training_mode_is_not_a_training_batch():
+    """RL trainers generate with the model still in training mode, under no_grad, with a
+    left-padded prompt and a cache object: those calls are not the batches the run trains
+    on (no autograd), so they are not read (and no cache object is called unjudgeable)."""
+    pytest.importorskip("transformers")
+    from trainprobes.isolation.hf import tiny_model
+    model = tiny_model("llama", "sdpa", seed=0)
+    model.generation_config.pad_token_id = 0
+    model.train()
+    s = Sentinel()
+    w = watch_packing(model, s)
+    ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=(ids != 0).long(), max_new_tokens=3,
+                       do_sample=False)
+    assert w.batches == 0
+    s.step()
+    assert [r for r in s.close() if r.target == "watch:packing"][0].message.startswith(
+        "cannot judge the packing of every batch: no training forward")
+    assert s.error_count == 0 and w.unjudged == []

@@ -19,7 +19,8 @@ kwargs cu_seq_lens_q/_k (int32 offsets) and max_length_q/_k (python ints)):
    convention declares: restarting position ids, seq_idx, cu_seq_lens; a [1, ...] mask is
    read against every row);
 3. position_ids: absent, monotone within each row, or restarting inside a row (a restart on
-   a padding token, attention_mask 0, does not count: HF fills padding positions with 1), or
+   a padding token, attention_mask 0, or just after one, does not count: HF fills padding
+   positions with 1, and a left-padded row's first real token is at 0), or
    unread (present, but not a [B, L] / [L] tensor: a list, multimodal RoPE's [3, B, L]);
 4. the attention implementation the model's config names (config._attn_implementation):
    flash and flex attention read packed position ids, eager and sdpa read the mask; and
@@ -73,7 +74,8 @@ def _kind(v) -> str:
 
 def _restarts(batch: Mapping) -> torch.Tensor | None:
     """[B, L - 1] bool, for positions 1 .. L - 1: a position id that does not grow by one
-    from the token before, on a token the 2-D mask keeps."""
+    from the token before, on a token the 2-D mask keeps, after one it keeps (HF's left
+    padding, [1, 1, 0, 1, 2], drops to 0 at the first real token: no boundary)."""
     pos = batch.get("position_ids")
     if not isinstance(pos, torch.Tensor) or pos.dim() not in (1, 2) or pos.shape[-1] < 1:
         return None
@@ -81,7 +83,8 @@ def _restarts(batch: Mapping) -> torch.Tensor | None:
     r = pos.diff(dim=1) != 1
     mask = batch.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape == pos.shape:
-        r &= mask[:, 1:].to(device=pos.device) != 0
+        keep = mask.to(device=pos.device) != 0
+        r &= keep[:, 1:] & keep[:, :-1]
     return r
 
 

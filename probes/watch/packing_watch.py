@@ -8,9 +8,10 @@ batch's packing convention changes (trainprobes.watch.convention).
     sentinel.step()                          # also checks what is pending
 
 1. A forward pre-hook (torch's register_forward_pre_hook, with_kwargs=True) reads, on each
-   training-mode call, the Convention of the keyword arguments the model receives: the batch
-   as the collator made it and the trainer passed it. Lightning's callback hands its batch
-   to observe() instead. Eval-mode calls (an evaluation loop, the check's own) are skipped.
+   training-mode call with autograd on, the Convention of the keyword arguments the model
+   receives: the batch as the collator made it and the trainer passed it. Lightning's
+   callback hands its batch to observe() instead. Eval-mode calls (an evaluation loop, the
+   check's own) and calls under no_grad (generation in training mode) are skipped.
 2. A convention not seen before is recorded with the step it first appeared at; if it is
    packed (restarting position ids, seq_idx, cu_seq_lens), the batch is copied (new
    tensors, never views; the copy must fit the sentinel's budget) for a check.
@@ -82,7 +83,9 @@ class PackingWatch:
     # --- seeing batches -----------------------------------------------------------------
 
     def _pre_hook(self, module, args, kwargs):
-        if self._busy or not module.training:
+        # a training batch is called with autograd on: generation in training mode (RL
+        # trainers, under no_grad, a cache object beside it) is not one
+        if self._busy or not module.training or not torch.is_grad_enabled():
             return None
         if args:  # a positional input_ids: keep its name as HF models have it
             kwargs = {"input_ids": args[0], **kwargs} if len(args) == 1 else None
