@@ -508,3 +508,39 @@ def test_generation_in_training_mode_is_not_a_training_batch():
     assert [r for r in s.close() if r.target == "watch:packing"][0].message.startswith(
         "cannot judge the packing of every batch: no training forward")
     assert s.error_count == 0 and w.unjudged == []
+
+
+class DictModel(torch.nn.Module):
+    """forward(batch): the batch dict passed positionally, as custom loops do."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 4)
+
+    def forward(self, batch):
+        return (self.emb(batch["input_ids"]),)
+
+
+def test_a_batch_dict_passed_positionally_is_never_taken_for_token_ids():
+    """model(batch) with packed position ids inside: the dict is not input_ids (whose
+    convention would say 'not packed' and check nothing, silently); its convention is read,
+    and a check that cannot call the model so says cannot judge."""
+    s = Sentinel()
+    model = DictModel().train()
+    w = watch_packing(model, s)
+    model({"input_ids": torch.zeros(1, 8, dtype=torch.long),
+           "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])})
+    s.step()
+    assert w.checks == 0 and len(w.seen) == 1 and next(iter(w.seen)).packed
+    (final,) = [r for r in s.close() if r.target == "watch:packing"]
+    assert final.verdict == "error" and "TypeError" in final.message
+
+
+def test_positional_arguments_that_are_not_token_ids_cannot_be_read():
+    s = Sentinel()
+    model = Noisy().train()
+    w = watch_packing(model, s)
+    with pytest.raises(TypeError):  # the model's own error; the pre-hook has read the call
+        model([[0, 1, 2]])  # a list where token ids were expected: not read, said
+    (final,) = [r for r in s.close() if r.target == "watch:packing"]
+    assert final.verdict == "error" and "not a dict" in final.message and not w.seen

@@ -87,8 +87,12 @@ class PackingWatch:
         # trainers, under no_grad, a cache object beside it) is not one
         if self._busy or not module.training or not torch.is_grad_enabled():
             return None
-        if args:  # a positional input_ids: keep its name as HF models have it
-            kwargs = {"input_ids": args[0], **kwargs} if len(args) == 1 else None
+        if len(args) == 1 and isinstance(args[0], torch.Tensor):
+            kwargs = {"input_ids": args[0], **kwargs}  # its name as HF models have it
+        elif len(args) == 1 and isinstance(args[0], Mapping) and not kwargs:
+            kwargs = args[0]  # model(batch): the batch itself
+        elif args:  # anything else positional: said unreadable, never taken for token ids
+            kwargs = None
         self.observe(kwargs if kwargs is not None else args)
         return None
 
