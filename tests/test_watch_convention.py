@@ -178,3 +178,15 @@ def test_left_padding_is_not_a_document():
     b = {"input_ids": torch.ones(2, 5, dtype=torch.long), "attention_mask": mask, "position_ids": pos}
     c = convention_of(b)
     assert c.positions == "monotone" and not c.packed and document_starts(b) is None
+
+
+def test_a_2d_mask_of_document_ids_declares_documents():
+    """axolotl's sample packing writes each token's document number into the 2-D
+    attention_mask ([1, 1, 1, 2, 2, 3, ...], 0 for padding): packed even without position
+    ids; transformers' sdpa and eager read any nonzero as 'attend', so it must be checked."""
+    mask = torch.tensor([[1, 1, 1, 2, 2, 3, 3, 0], [1, 1, 1, 1, 1, 1, 1, 1]])
+    b = {"input_ids": torch.ones(2, 8, dtype=torch.long), "attention_mask": mask}
+    c = convention_of(b)
+    assert c.mask == "2d-ids" and c.packed
+    assert packing_of(b).lengths == ((3, 2, 3), (8,))
+    assert convention_of({**b, "attention_mask": (mask != 0).long()}).mask == "2d-padded"

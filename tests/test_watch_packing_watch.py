@@ -544,3 +544,23 @@ def test_positional_arguments_that_are_not_token_ids_cannot_be_read():
         model([[0, 1, 2]])  # a list where token ids were expected: not read, said
     (final,) = [r for r in s.close() if r.target == "watch:packing"]
     assert final.verdict == "error" and "not a dict" in final.message and not w.seen
+
+
+def test_a_mask_of_document_numbers_under_sdpa_is_caught_leaky():
+    """axolotl-style packing (document numbers in the 2-D mask, no position ids) on a tiny
+    Llama under sdpa: transformers 5.25 reads the mask as 'attend', one sequence per row,
+    so the documents leak; before, the batch counted as not packed and nothing was said."""
+    pytest.importorskip("transformers")
+    from trainprobes.isolation.hf import tiny_model
+    model = tiny_model("llama", "sdpa", seed=0)
+    model.config.use_cache = False
+    model.train()
+    s = Sentinel()
+    w = watch_packing(model, s)
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[1, 1, 1, 2, 2, 2, 3, 3, 3]])
+    model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    w.check_pending()
+    (r,) = s.results
+    assert r.verdict == "fail" and r.metrics["n_documents"] == 3
+    assert r.evidence["convention_fields"]["mask"] == "2d-ids"

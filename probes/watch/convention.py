@@ -12,7 +12,8 @@ kwargs cu_seq_lens_q/_k (int32 offsets) and max_length_q/_k (python ints)):
 1. every key with its kind: a tensor's dtype and rank (never its shape), else the type name
    (max_length_q is an int whose value changes every batch);
 2. attention_mask: absent (or None), 2-D all ones (the collator trap beside restarting
-   position ids), 2-D with padding, or 4-D, where whether the mask lets the first token of
+   position ids), 2-D with padding, 2-D of document numbers (axolotl's packing: 1, 1, 2,
+   2, 2, 3, ..., 0 for padding; packed by itself), or 4-D, where whether the mask lets the first token of
    each document see an earlier token, or the last token before it a later one (crosses),
    or neither (blocks) is part of the convention: a block-diagonal mask and a full causal
    one are both "4-D" (only the rows at document boundaries are read, the boundaries every
@@ -44,7 +45,7 @@ BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")
 
 class Convention(NamedTuple):
     keys: tuple             # ((key, kind), ...) sorted by key
-    mask: str               # absent | 2d-ones | 2d-padded | 4d | 4d-blocks | 4d-crosses | 4d-mixed | <n>d
+    mask: str               # absent | 2d-ones | 2d-padded | 2d-ids | 4d | 4d-blocks | 4d-crosses | 4d-mixed | <n>d
     positions: str          # absent | monotone | restart | unread
     boundaries: tuple       # the BOUNDARY_KEYS present
     attention: str | None   # the model's config._attn_implementation, if it has one
@@ -54,7 +55,7 @@ class Convention(NamedTuple):
     @property
     def packed(self) -> bool:
         """The batch declares more than one document in a row somewhere."""
-        return self.positions == "restart" or bool(self.boundaries)
+        return self.positions == "restart" or bool(self.boundaries) or self.mask == "2d-ids"
 
     @property
     def text(self) -> str:
@@ -91,7 +92,7 @@ def _restarts(batch: Mapping) -> torch.Tensor | None:
 def _interior_starts(batch: Mapping, B: int, L: int, device, strict: bool = False) -> torch.Tensor:
     """[B, L] bool on `device`: where a document starts inside a row (column 0 False), by
     every convention the batch holds: restarting position ids, seq_idx changing,
-    cu_seq_lens_q offsets over the flattened batch. strict: position ids of another shape
+    cu_seq_lens_q offsets over the flattened batch, a 2-D mask's document number changing. strict: position ids of another shape
     raise (else they are not read here)."""
     starts = torch.zeros(B, L, dtype=torch.bool, device=device)
     r = _restarts(batch)
@@ -101,6 +102,10 @@ def _interior_starts(batch: Mapping, B: int, L: int, device, strict: bool = Fals
         elif strict:
             raise InvalidArgument(f"position_ids has {r.shape[0]} rows of {r.shape[1] + 1}, "
                                   f"input_ids {B} of {L}")
+    m = batch.get("attention_mask")
+    if isinstance(m, torch.Tensor) and m.dim() == 2 and tuple(m.shape) == (B, L):
+        m = m.to(device)  # document numbers (axolotl): a change between two kept tokens
+        starts[:, 1:] |= (m[:, 1:] != m[:, :-1]) & (m[:, 1:] != 0) & (m[:, :-1] != 0)
     seq = batch.get("seq_idx")
     if isinstance(seq, torch.Tensor) and seq.numel() == B * L:
         seq = seq.reshape(B, L).to(device)
@@ -138,6 +143,8 @@ def convention_of(batch: Mapping, model=None) -> Convention:
     B = _rows(batch)
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         flags.append((mask != 0).all())
+        if mask.dtype != torch.bool:  # document numbers in the mask (axolotl's packing)
+            flags.append((mask > 1).any())
     elif isinstance(mask, torch.Tensor) and mask.dim() == 4 and B is not None \
             and mask.shape[-1] == mask.shape[-2] and mask.shape[0] in (1, B):
         # at each document start s (by every convention the batch declares): may row s see a
@@ -163,7 +170,7 @@ def convention_of(batch: Mapping, model=None) -> Convention:
     if not isinstance(mask, torch.Tensor):
         kind = "absent" if mask is None else type(mask).__name__
     elif mask.dim() == 2:
-        kind = "2d-ones" if got[1] else "2d-padded"
+        kind = "2d-ids" if len(got) == 3 and got[2] else "2d-ones" if got[1] else "2d-padded"
     elif mask.dim() == 4 and len(got) == 4:
         blocks, crosses = got[2], got[3]
         kind = {(True, True): "4d-mixed", (True, False): "4d-blocks",
