@@ -142,9 +142,11 @@ def convention_of(batch: Mapping, model=None) -> Convention:
     flags.append(restarts.any() if restarts is not None else None)
     B = _rows(batch)
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        flags.append((mask != 0).all())
-        if mask.dtype != torch.bool:  # document numbers in the mask (axolotl's packing)
-            flags.append((mask > 1).any())
+        if mask.dtype == torch.bool:
+            flags.append(mask.all())
+        else:  # one pass: 0/1, or document numbers 1, 2, ... (axolotl's packing), 0 padding
+            lo, hi = torch.aminmax(mask)
+            flags += [lo > 0, hi > 1]
     elif isinstance(mask, torch.Tensor) and mask.dim() == 4 and B is not None \
             and mask.shape[-1] == mask.shape[-2] and mask.shape[0] in (1, B):
         # at each document start s (by every convention the batch declares): may row s see a
