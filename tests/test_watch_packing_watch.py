@@ -564,3 +564,16 @@ def test_a_mask_of_document_numbers_under_sdpa_is_caught_leaky():
     (r,) = s.results
     assert r.verdict == "fail" and r.metrics["n_documents"] == 3
     assert r.evidence["convention_fields"]["mask"] == "2d-ids"
+
+
+def test_copies_pending_together_stay_within_the_budget():
+    """Two new conventions in one optimizer step (gradient accumulation): both copies are
+    held until the check, so together they must fit the budget, not each alone."""
+    s = Sentinel(budget=4096, window=16)
+    model = Noisy().train()
+    w = watch_packing(model, s)
+    ids = torch.zeros(1, 160, dtype=torch.long)  # 1280 bytes of ids, 1280 of position ids
+    pos = (torch.arange(160) % 7)[None]
+    model(input_ids=ids, position_ids=pos)
+    model(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids))  # 3840 more
+    assert len(w._pending) == 1 and s.error_count == 1 and "budget=4096" in s.errors[0]

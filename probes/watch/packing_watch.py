@@ -14,7 +14,8 @@ batch's packing convention changes (trainprobes.watch.convention).
    check's own) and calls under no_grad (generation in training mode) are skipped.
 2. A convention not seen before is recorded with the step it first appeared at; if it is
    packed (restarting position ids, seq_idx, cu_seq_lens), the batch is copied (new
-   tensors, never views; the copy must fit the sentinel's budget) for a check.
+   tensors, never views; the copies pending together must fit the sentinel's budget) for
+   a check.
 3. The check runs at check_pending() (the callbacks call it after backward, before the
    optimizer step: a leak at step 0 is caught before the first update) or at sentinel.step():
    trainprobes.watch.packing.check_batch on the copy, with the model's own keys, under
@@ -153,10 +154,12 @@ class PackingWatch:
         if shared:  # a cache object the check's forwards would update under the run
             raise InvalidArgument(f"batch key {shared[0]} is neither a tensor nor a plain value: "
                                   "the check would call the model with the run's own object")
-        size = sum(v.numel() * v.element_size() for v in keep.values() if isinstance(v, torch.Tensor))
-        if size > self.sentinel.budget:
-            raise InvalidArgument(f"the batch's copy needs {size} bytes, over the sentinel's "
-                                  f"budget={self.sentinel.budget}: raise budget to check it")
+        size = _nbytes(keep)
+        held = sum(_nbytes(p[2]) for p in self._pending)  # copies waiting for their check
+        if size + held > self.sentinel.budget:
+            raise InvalidArgument(f"the batch's copy needs {size} bytes" + (
+                f" beside {held} held for checks pending" if held else "") + ", over the "
+                f"sentinel's budget={self.sentinel.budget}: raise budget to check it")
         return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in keep.items()}
 
     # --- checking -----------------------------------------------------------------------
@@ -243,6 +246,10 @@ class PackingWatch:
     def summary(self) -> dict:
         return {"sentinel/packing_conventions": len(self.seen),
                 "sentinel/packing_checks": self.checks, "sentinel/packing_leaks": self.leaks}
+
+
+def _nbytes(batch: Mapping) -> int:
+    return sum(v.numel() * v.element_size() for v in batch.values() if isinstance(v, torch.Tensor))
 
 
 def watch_packing(model: torch.nn.Module, sentinel, *, max_checks: int = 8, hook: bool = True,
