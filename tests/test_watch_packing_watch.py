@@ -577,3 +577,58 @@ def test_copies_pending_together_stay_within_the_budget():
     model(input_ids=ids, position_ids=pos)
     model(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids))  # 3840 more
     assert len(w._pending) == 1 and s.error_count == 1 and "budget=4096" in s.errors[0]
+
+
+class WideLeaky(torch.nn.Module):
+    """Logits over a 50000-token vocabulary from a running sum over the row: every token
+    sees the tokens before it, across documents (leaky)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 4)
+        self.head = torch.nn.Linear(4, 50000)
+
+    def forward(self, input_ids, position_ids=None):
+        return (self.head(self.emb(input_ids).cumsum(1)),)
+
+
+def test_a_wide_vocabulary_is_compared_at_a_few_columns_and_a_leak_still_shows():
+    s = Sentinel()
+    model = WideLeaky().train()
+    w = watch_packing(model, s)
+    model(input_ids=torch.arange(8)[None] % 16, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]))
+    w.check_pending()
+    (r,) = s.results
+    assert r.verdict == "fail" and r.metrics["n_leaks"] == 1  # document 0 -> 1
+    assert r.evidence["outputs_compared"].startswith("32 of 50000 output columns")
+
+
+@pytest.mark.slow
+def test_the_checks_memory_does_not_grow_with_the_vocabulary(tmp_path):
+    """A 32000-token vocabulary, 1 x 1024 tokens, 16 documents: the check's peak memory
+    (this process's max RSS, in a fresh process) grows by less than 200 MiB; comparing full
+    logits it grew by 14.6 GiB (d + 2 outputs and their float64 differences)."""
+    pytest.importorskip("transformers")
+    import subprocess
+    import sys
+    code = """
+import resource, torch
+from trainprobes.isolation.hf import tiny_model
+from trainprobes.watch import Sentinel
+from trainprobes.watch.packing_watch import watch_packing
+model = tiny_model("llama", "sdpa", seed=0, vocab_size=32000, max_position_embeddings=2048)
+model.config.use_cache = False
+model.train()
+pos = (torch.arange(1024) % 64)[None]
+ids = torch.randint(0, 32000, (1, 1024), generator=torch.Generator().manual_seed(0))
+model(input_ids=ids, position_ids=pos, labels=ids).loss.backward()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+s = Sentinel()
+w = watch_packing(model, s)
+model(input_ids=ids, position_ids=pos, labels=ids).loss.backward()
+w.check_pending()
+print(s.results[0].verdict, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    verdict, grew = out.stdout.split()[-2:]
+    assert verdict == "pass" and int(grew) < 200, out.stdout + out.stderr[-2000:]
