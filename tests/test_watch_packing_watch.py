@@ -632,3 +632,26 @@ print(s.results[0].verdict, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     verdict, grew = out.stdout.split()[-2:]
     assert verdict == "pass" and int(grew) < 200, out.stdout + out.stderr[-2000:]
+
+
+def test_checkpointing_only_some_layers_keeps_the_cache_the_run_has():
+    """Gradient checkpointing set on a decoder layer only (LlamaModel's own flag off): the
+    training forward still builds its mask with a cache (leaky); the check must not drop
+    the cache for it."""
+    pytest.importorskip("transformers")
+    from trainprobes.isolation.hf import tiny_model
+    model = tiny_model("llama", "sdpa", seed=0)
+    model.gradient_checkpointing_enable()
+    model.model.gradient_checkpointing = False
+    model.train()
+    b = _flat_batch([6, 6, 6])
+    other = b["input_ids"].clone()
+    other[0, :6] = (other[0, :6] + 1) % 128
+    moved = (model(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits
+             - model(input_ids=other, position_ids=b["position_ids"]).logits)[0, 6:].abs().max()
+    assert moved > 0  # the run's own training forward leaks
+    s = Sentinel()
+    w = watch_packing(model, s)
+    model(**b).loss.backward()
+    w.check_pending()
+    assert [r.verdict for r in s.results] == ["fail"]

@@ -131,10 +131,10 @@ def _cache_off_in_training(model) -> list:
     cache off when training with grad enabled (merge_with_config_defaults,
     GradientCheckpointingLayer), and the check's eval, no_grad forwards would keep it; with
     a cache, packed position ids are not read into the mask: a leak the run does not have."""
-    mods = list(model.modules())
-    if not any(getattr(m, "gradient_checkpointing", False) is True for m in mods):
-        return []
-    configs = {id(c): c for c in (getattr(m, "config", None) for m in mods)
+    # the module that decides (LlamaModel: its own `gradient_checkpointing` and config),
+    # not a checkpointed part elsewhere (a vision tower) beside an uncheckpointed text model
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()
+                                  if getattr(m, "gradient_checkpointing", False) is True)
                if getattr(c, "use_cache", None) is True}
     return list(configs.values())
 
