@@ -655,3 +655,22 @@ def test_checkpointing_only_some_layers_keeps_the_cache_the_run_has():
     model(**b).loss.backward()
     w.check_pending()
     assert [r.verdict for r in s.results] == ["fail"]
+
+
+def test_the_callbacks_pass_max_documents_on():
+    pytest.importorskip("transformers")
+    pytest.importorskip("lightning")
+    from trainprobes.errors import InvalidArgument
+    from trainprobes.watch import SentinelCallback
+    from trainprobes.watch.lightning import SentinelLightning
+
+    class Trainerish:
+        model_wrapped = model = Noisy()
+
+        def log(self, _):
+            pass
+    cb = SentinelCallback(Sentinel(), Trainerish(), ddp=False, packing_max_documents=500)
+    cb.on_train_begin(None, None, None)
+    assert cb._packing.max_documents == 500
+    with pytest.raises(InvalidArgument, match="packing_max_documents"):
+        SentinelLightning(Sentinel(), ddp=False, packing_max_documents=1)
