@@ -23,7 +23,8 @@ on_train_batch_start (packing=True, the default): the batch Lightning hands over
     LightningModule with the batch's keys. packing=<an nn.Module>: that module's forward
     pre-hook reads the keyword arguments it receives instead (the HF model inside, when the
     module's forward does not take the batch's keys). A batch that is not a dict cannot be
-    read: said once, and a final "cannot judge" Result (packing=False turns it off).
+    read: said once, and a final "cannot judge" Result (packing=False turns it off). A batch
+    of more than `packing_max_documents` documents is not checked (cannot judge).
 on_train_batch_end: sentinel.step() (a step is a training batch); after a look its numbers go
     to the module's log_dict, so every logger the Trainer has gets them.
 on_train_end: sentinel.close(); the Results in sentinel.results.
@@ -33,7 +34,7 @@ from __future__ import annotations
 import torch
 from lightning.pytorch.callbacks import Callback
 from trainprobes.errors import InvalidArgument
-from trainprobes.validation import check_bool
+from trainprobes.validation import check_bool, check_int
 from trainprobes.watch.ddp import attach_ddp
 from trainprobes.watch.fsdp import attach_fsdp2
 
@@ -41,7 +42,7 @@ from trainprobes.watch.fsdp import attach_fsdp2
 class SentinelLightning(Callback):
     def __init__(self, sentinel, hook=None, state=None, *, ddp: bool = True, routers=None,
                  updates: bool = False, router_every: int = 50, packing=True,
-                 reduce_scatter=None, gemms=False):
+                 reduce_scatter=None, gemms=False, packing_max_documents: int = 64):
         from trainprobes.watch.gemm import gemm_options
         from trainprobes.watch.sentinel import Sentinel
         if not isinstance(sentinel, Sentinel):
@@ -55,6 +56,7 @@ class SentinelLightning(Callback):
                                   "the LightningModule called with its keys), False, or the "
                                   "nn.Module that receives the batch's keys")
         self.packing, self._packing = packing, None
+        self.packing_max_documents = check_int(packing_max_documents, "packing_max_documents", min=2)
         self.gemms = gemm_options(gemms)  # None: not watched; else watch_gemms' arguments
         if not (self.ddp or routers or self.updates or self.gemms is not None
                 or packing is not False):
@@ -66,7 +68,8 @@ class SentinelLightning(Callback):
         if self.packing is not False:
             from trainprobes.watch.packing_watch import watch_packing
             own = self.packing is True
-            self._packing = watch_packing(pl_module if own else self.packing, self.sentinel, hook=not own)
+            self._packing = watch_packing(pl_module if own else self.packing, self.sentinel, hook=not own,
+                                          max_documents=self.packing_max_documents)
         if self.routers:
             from trainprobes.watch.router import watch_routers
             watch_routers(pl_module, self.sentinel, every=self.router_every,
