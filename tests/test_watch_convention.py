@@ -129,3 +129,64 @@ def test_switches_count_by_value_data_by_type():
     before = convention_of(b, model)
     model.config.use_cache = not model.config.use_cache
     assert convention_of(b, model) != before
+
+
+@pytest.mark.parametrize("key", ["seq_idx", "cu_seq_lens_q"])
+@pytest.mark.parametrize("positions", ["monotone", "absent"])
+def test_a_4d_mask_is_read_at_every_declared_boundary(key, positions):
+    """Documents declared by seq_idx or cu_seq_lens (position ids monotone across documents,
+    or absent): a block-diagonal 4-D mask and a full causal one are still two conventions,
+    else a leaky mask after an isolated one goes unchecked."""
+    L, lens = 12, [4, 5, 3]
+    seq = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])[None]
+    base = {"input_ids": torch.ones(1, L, dtype=torch.long),
+            key: seq if key == "seq_idx" else torch.tensor([0, 4, 9, 12], dtype=torch.int32)}
+    if positions == "monotone":
+        base["position_ids"] = torch.arange(L)[None]
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    block = causal & (seq[0][:, None] == seq[0][None, :])
+    b = convention_of({**base, "attention_mask": block[None, None]})
+    c = convention_of({**base, "attention_mask": causal[None, None]})
+    assert (b.mask, c.mask) == ("4d-blocks", "4d-crosses")
+
+
+def test_a_4d_mask_broadcast_over_the_batch_is_read():
+    """A [1, 1, L, L] mask beside B rows (broadcast by the attention) is read row by row."""
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 2, 0, 1, 0, 1, 2]])
+    base = {"input_ids": torch.ones(2, 8, dtype=torch.long), "position_ids": pos}
+    assert convention_of({**base, "attention_mask": _mask4d(pos[:1], True)}).mask == "4d-blocks"
+    assert convention_of({**base, "attention_mask": _mask4d(pos[:1], False)}).mask == "4d-crosses"
+
+
+@pytest.mark.parametrize("pos", [
+    torch.arange(8).repeat(3, 1, 1),          # multimodal RoPE: [3, B, L] (Qwen2-VL)
+    [[0, 1, 2, 0, 1, 2, 3, 4]],               # a python list
+], ids=["mrope-3d", "list"])
+def test_position_ids_that_cannot_be_read_are_not_called_absent(pos):
+    """position_ids present but not a [B, L] / [L] tensor: whether they restart is unknown,
+    never 'absent' (which would make a packed batch 'not packed': nothing checked, said nowhere)."""
+    c = convention_of({"input_ids": torch.ones(1, 8, dtype=torch.long), "position_ids": pos})
+    assert c.positions == "unread" and not c.packed
+
+
+def test_left_padding_is_not_a_document():
+    """transformers' position ids for a left-padded row (generate, and collators that pad on
+    the left): cumsum(mask) - 1 with padding filled by 1, so [1, 1, 0, 1, 2]. The drop to 0
+    at the first real token follows padding: no document boundary."""
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    b = {"input_ids": torch.ones(2, 5, dtype=torch.long), "attention_mask": mask, "position_ids": pos}
+    c = convention_of(b)
+    assert c.positions == "monotone" and not c.packed and document_starts(b) is None
+
+
+def test_a_2d_mask_of_document_ids_declares_documents():
+    """axolotl's sample packing writes each token's document number into the 2-D
+    attention_mask ([1, 1, 1, 2, 2, 3, ...], 0 for padding): packed even without position
+    ids; transformers' sdpa and eager read any nonzero as 'attend', so it must be checked."""
+    mask = torch.tensor([[1, 1, 1, 2, 2, 3, 3, 0], [1, 1, 1, 1, 1, 1, 1, 1]])
+    b = {"input_ids": torch.ones(2, 8, dtype=torch.long), "attention_mask": mask}
+    c = convention_of(b)
+    assert c.mask == "2d-ids" and c.packed
+    assert packing_of(b).lengths == ((3, 2, 3), (8,))
+    assert convention_of({**b, "attention_mask": (mask != 0).long()}).mask == "2d-padded"

@@ -23,7 +23,8 @@ on_train_batch_start (packing=True, the default): the batch Lightning hands over
     LightningModule with the batch's keys. packing=<an nn.Module>: that module's forward
     pre-hook reads the keyword arguments it receives instead (the HF model inside, when the
     module's forward does not take the batch's keys). A batch that is not a dict cannot be
-    read: said once, and a final "cannot judge" Result (packing=False turns it off).
+    read: said once, and a final "cannot judge" Result (packing=False turns it off). A batch
+    of more than `packing_max_documents` documents is not checked (cannot judge).
 on_before_optimizer_step, updates: the update watch's fp64 replay, after the backward that
     Lightning runs inside optimizer.step(closure) (torch's step pre-hook comes before it).
 on_train_batch_end: sentinel.step() when the batch ended with an optimizer step
@@ -37,7 +38,7 @@ from __future__ import annotations
 import torch
 from lightning.pytorch.callbacks import Callback
 from trainprobes.errors import InvalidArgument
-from trainprobes.validation import check_bool
+from trainprobes.validation import check_bool, check_int
 from trainprobes.watch.ddp import attach_ddp
 from trainprobes.watch.fsdp import attach_fsdp2
 
@@ -45,7 +46,7 @@ from trainprobes.watch.fsdp import attach_fsdp2
 class SentinelLightning(Callback):
     def __init__(self, sentinel, hook=None, state=None, *, ddp: bool = True, routers=None,
                  updates: bool = False, router_every: int = 50, packing=True,
-                 reduce_scatter=None, gemms=False):
+                 reduce_scatter=None, gemms=False, packing_max_documents: int = 64):
         from trainprobes.watch.gemm import gemm_options
         from trainprobes.watch.sentinel import Sentinel
         if not isinstance(sentinel, Sentinel):
@@ -60,6 +61,7 @@ class SentinelLightning(Callback):
                                   "nn.Module that receives the batch's keys")
         self.packing, self._packing, self._updates = packing, None, None
         self._stepped_at = None  # trainer.global_step when the sentinel last stepped
+        self.packing_max_documents = check_int(packing_max_documents, "packing_max_documents", min=2)
         self.gemms = gemm_options(gemms)  # None: not watched; else watch_gemms' arguments
         if not (self.ddp or routers or self.updates or self.gemms is not None
                 or packing is not False):
@@ -72,7 +74,8 @@ class SentinelLightning(Callback):
         if self.packing is not False:
             from trainprobes.watch.packing_watch import watch_packing
             own = self.packing is True
-            self._packing = watch_packing(pl_module if own else self.packing, self.sentinel, hook=not own)
+            self._packing = watch_packing(pl_module if own else self.packing, self.sentinel, hook=not own,
+                                          max_documents=self.packing_max_documents)
         if self.routers:
             from trainprobes.watch.router import watch_routers
             watch_routers(pl_module, self.sentinel, every=self.router_every,

@@ -8,19 +8,22 @@ batch's packing convention changes (trainprobes.watch.convention).
     sentinel.step()                          # also checks what is pending
 
 1. A forward pre-hook (torch's register_forward_pre_hook, with_kwargs=True) reads, on each
-   training-mode call, the Convention of the keyword arguments the model receives: the batch
-   as the collator made it and the trainer passed it. Lightning's callback hands its batch
-   to observe() instead. Eval-mode calls (an evaluation loop, the check's own) are skipped.
+   training-mode call with autograd on, the Convention of the keyword arguments the model
+   receives: the batch as the collator made it and the trainer passed it. Lightning's
+   callback hands its batch to observe() instead. Eval-mode calls (an evaluation loop, the
+   check's own) and calls under no_grad (generation in training mode) are skipped.
 2. A convention not seen before is recorded with the step it first appeared at; if it is
    packed (restarting position ids, seq_idx, cu_seq_lens), the batch is copied (new
-   tensors, never views; the copy must fit the sentinel's budget) for a check.
+   tensors, never views; the copies pending together must fit the sentinel's budget) for
+   a check.
 3. The check runs at check_pending() (the callbacks call it after backward, before the
    optimizer step: a leak at step 0 is caught before the first update) or at sentinel.step():
    trainprobes.watch.packing.check_batch on the copy, with the model's own keys, under
    no_grad, in eval mode (dropout off; every submodule's mode restored), inside keep_rng(),
    on the model given (the unwrapped one: no DDP collective is issued).
 4. The same convention is never checked twice; at most `max_checks` conventions are checked
-   (each check is d + 2 forwards); one past the bound is counted, warned about once, and
+   (each check is d + 2 forwards; a batch of more than `max_documents` documents is not
+   checked: cannot judge, since the other ranks wait the check out); one past the bound is counted, warned about once, and
    named in a final "cannot judge" Result: never a silent pass.
 
 A leak is the probe's Result (isolation.documents, fail, TP-I1) with the step and the
@@ -54,10 +57,12 @@ class PackingWatch:
     """See the module docstring. Made by watch_packing; stepped by its Sentinel."""
 
     def __init__(self, sentinel, model: torch.nn.Module, *, max_checks: int, hook: bool,
-                 seed: int):
+                 seed: int, max_documents: int = 64):
         self.sentinel, self.model, self.seed = sentinel, model, seed
         self.max_checks = check_int(max_checks, "max_checks", min=1,
                                     hint="distinct packed conventions checked, e.g. 8")
+        self.max_documents = check_int(max_documents, "max_documents", min=2,
+                                       hint="documents in a checked batch, e.g. 64")
         self.seen: dict[Convention, int] = {}      # convention -> the step it first appeared at
         self.checked: dict[Convention, str] = {}   # packed convention -> its verdict
         self.over: dict[Convention, int] = {}      # packed, past the bound: never checked
@@ -79,10 +84,16 @@ class PackingWatch:
     # --- seeing batches -----------------------------------------------------------------
 
     def _pre_hook(self, module, args, kwargs):
-        if self._busy or not module.training:
+        # a training batch is called with autograd on: generation in training mode (RL
+        # trainers, under no_grad, a cache object beside it) is not one
+        if self._busy or not module.training or not torch.is_grad_enabled():
             return None
-        if args:  # a positional input_ids: keep its name as HF models have it
-            kwargs = {"input_ids": args[0], **kwargs} if len(args) == 1 else None
+        if len(args) == 1 and isinstance(args[0], torch.Tensor):
+            kwargs = {"input_ids": args[0], **kwargs}  # its name as HF models have it
+        elif len(args) == 1 and isinstance(args[0], Mapping) and not kwargs:
+            kwargs = args[0]  # model(batch): the batch itself
+        elif args:  # anything else positional: said unreadable, never taken for token ids
+            kwargs = None
         self.observe(kwargs if kwargs is not None else args)
         return None
 
@@ -106,6 +117,13 @@ class PackingWatch:
             if not c.packed:
                 if len(self.seen) < MAX_REMEMBERED:
                     self.seen[c] = step
+                if c.positions == "unread":  # packed or not is unknown: said, never a pass
+                    kind = dict(c.keys).get("position_ids")
+                    self.unjudged = (self.unjudged + [
+                        f"step {step}: position_ids is {kind}, not a [B, L] tensor: whether "
+                        "the batch is packed cannot be read"])[-20:]
+                    log.warning("trainprobes sentinel: %s", self.unjudged[-1])
+                    return
                 log.info("trainprobes sentinel: step %d, a batch convention not packed, nothing "
                          "to check: %s", step, c.text)
                 return
@@ -136,10 +154,12 @@ class PackingWatch:
         if shared:  # a cache object the check's forwards would update under the run
             raise InvalidArgument(f"batch key {shared[0]} is neither a tensor nor a plain value: "
                                   "the check would call the model with the run's own object")
-        size = sum(v.numel() * v.element_size() for v in keep.values() if isinstance(v, torch.Tensor))
-        if size > self.sentinel.budget:
-            raise InvalidArgument(f"the batch's copy needs {size} bytes, over the sentinel's "
-                                  f"budget={self.sentinel.budget}: raise budget to check it")
+        size = _nbytes(keep)
+        held = sum(_nbytes(p[2]) for p in self._pending)  # copies waiting for their check
+        if size + held > self.sentinel.budget:
+            raise InvalidArgument(f"the batch's copy needs {size} bytes" + (
+                f" beside {held} held for checks pending" if held else "") + ", over the "
+                f"sentinel's budget={self.sentinel.budget}: raise budget to check it")
         return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in keep.items()}
 
     # --- checking -----------------------------------------------------------------------
@@ -159,7 +179,8 @@ class PackingWatch:
         t0 = time.perf_counter()
         self._busy = True
         try:
-            r = check_batch(self.model, batch, seed=self.seed + step)
+            r = check_batch(self.model, batch, seed=self.seed + step,
+                            max_documents=self.max_documents)
         except Exception as e:
             self.sentinel._own_error(f"checking the packing of step {step}'s batch", e)
             self._unjudged(c, f"step {step}: {type(e).__name__}: {e}")
@@ -227,12 +248,18 @@ class PackingWatch:
                 "sentinel/packing_checks": self.checks, "sentinel/packing_leaks": self.leaks}
 
 
+def _nbytes(batch: Mapping) -> int:
+    return sum(v.numel() * v.element_size() for v in batch.values() if isinstance(v, torch.Tensor))
+
+
 def watch_packing(model: torch.nn.Module, sentinel, *, max_checks: int = 8, hook: bool = True,
-                  seed: int | None = None) -> PackingWatch:
+                  seed: int | None = None, max_documents: int = 64) -> PackingWatch:
     """Check packed-document isolation on the run's batches, once per packing convention
     (see the module docstring). model: the module that receives the batch's keys, unwrapped
     (not the DDP wrapper: the check must issue no collective). hook=False: no forward
-    pre-hook; batches come through PackingWatch.observe (Lightning's callback)."""
+    pre-hook; batches come through PackingWatch.observe (Lightning's callback).
+    max_documents: a batch of more documents is not checked (cannot judge): a check is
+    d + 2 forwards of the batch on one rank, which the other ranks wait out."""
     from trainprobes.watch.sentinel import Sentinel
     if not isinstance(sentinel, Sentinel):
         raise InvalidArgument(f"sentinel={sentinel!r} must be a trainprobes.watch.Sentinel")
@@ -251,7 +278,7 @@ def watch_packing(model: torch.nn.Module, sentinel, *, max_checks: int = 8, hook
             "packing=False, or check a batch by hand with trainprobes.watch.packing.check_batch "
             "on an unsharded copy")
     w = PackingWatch(sentinel, model, max_checks=max_checks, hook=hook,
-                     seed=sentinel.seed if seed is None else seed)
+                     seed=sentinel.seed if seed is None else seed, max_documents=max_documents)
     sentinel.add_watch(w)
     return w
 

@@ -280,6 +280,13 @@ class Sentinel:
         self.results.append(result)
         self._write(result)
         self._reported_findings += result.verdict == "fail"
+        if result.verdict in ("fail", "error"):  # rank-local checks: the file is write_rank's only
+            rank = self.rank
+            log.warning("trainprobes sentinel: rank %d, %s %s%s: %s", rank, result.probe,
+                        "finding" if result.verdict == "fail" else "cannot judge",
+                        "" if self.findings is None or rank == self.write_rank else
+                        f" (not in {self.findings}: rank {self.write_rank} writes it)",
+                        result.message)
         if result.verdict == "fail" and self.stop_on_finding:
             raise SentinelFinding(self.close())
 

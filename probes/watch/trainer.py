@@ -8,7 +8,8 @@ on_train_begin, first (packing=True): watch_packing on the Trainer's unwrapped m
     the batch the model receives (TrainerCallback events are not handed the batches); the
     first batch, and each batch whose convention is new, is checked for packed-document
     isolation on_pre_optimizer_step (after its backward, before the update), at most 8
-    conventions. A leak is a finding (TP-I1) like any other; not packed: nothing to check.
+    conventions, batches of at most `packing_max_documents` documents (a check is d + 2
+    forwards). A leak is a finding (TP-I1) like any other; not packed: nothing to check.
     check_packing() checks, by hand, a batch a deep copy of the run's collator makes from
     the first `packing_examples` examples (python's, numpy's and torch's generators kept).
 on_train_begin: the Trainer has wrapped its model by then; `trainer.model_wrapped` (the
@@ -44,7 +45,8 @@ log = logging.getLogger("trainprobes.watch")
 class SentinelCallback(TrainerCallback):
     def __init__(self, sentinel, trainer, hook=None, state=None, packing: bool = True,
                  packing_examples: int = 4, ddp: bool = True, routers=None,
-                 updates: bool = False, router_every: int = 50, gemms=False):
+                 updates: bool = False, router_every: int = 50, gemms=False,
+                 packing_max_documents: int = 64):
         from trainprobes.watch.gemm import gemm_options
         from trainprobes.watch.sentinel import Sentinel
         if not isinstance(sentinel, Sentinel):
@@ -54,6 +56,7 @@ class SentinelCallback(TrainerCallback):
         self.sentinel, self.trainer, self.hook, self.state = sentinel, trainer, hook, state
         self.packing = check_bool(packing, "packing")
         self.packing_examples = check_int(packing_examples, "packing_examples", min=1)
+        self.packing_max_documents = check_int(packing_max_documents, "packing_max_documents", min=2)
         self.ddp, self.updates = check_bool(ddp, "ddp"), check_bool(updates, "updates")
         self.routers, self.router_every = routers, router_every
         self.gemms = gemm_options(gemms)  # None: not watched; else watch_gemms' arguments
@@ -90,7 +93,8 @@ class SentinelCallback(TrainerCallback):
         from torch.nn.parallel import DistributedDataParallel
         if self.packing:
             from trainprobes.watch.packing_watch import watch_packing
-            self._packing = watch_packing(self.trainer.model, self.sentinel)
+            self._packing = watch_packing(self.trainer.model, self.sentinel,
+                                          max_documents=self.packing_max_documents)
         if self.routers:  # True: found by class name; else a dict or list of modules
             from trainprobes.watch.router import watch_routers
             watch_routers(self.trainer.model, self.sentinel, every=self.router_every,
