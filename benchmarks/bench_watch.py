@@ -25,7 +25,9 @@ the sentinel checking every bucket at several `window`s, less the same run witho
 --watches: the router, update and GEMM watches at their defaults (routers every 50 steps, 256
 tokens; updates every step, 256 elements per parameter; one Linear call's wgrad every 50
 steps under fp8-tensor / h200-scaled-mm), each alone and all together (with the bucket
-sentinel), against no sentinel, under DDP on `world` gloo ranks, steps interleaved as above.
+sentinel), and the Trainer callback's defaults (the bucket sentinel and the packing watch's
+forward pre-hook, reading every batch), against no sentinel, under DDP on `world` gloo ranks,
+steps interleaved as above. --family llama: the Llama's rows alone.
 The update and GEMM watches run on the tiny Llama; the router watch on a tiny Mixtral of the
 same sizes (the Llama has no router: Mixtral is Llama's attention with MoE blocks, 4 experts,
 top-2). The steps are cut into blocks of `--block` steps (a multiple of the watches' 50, so
@@ -134,18 +136,25 @@ def _mixtral(seed: int):
 
 # model -> config -> the watches on (each at its defaults); "ddp" is attach_ddp's bucket sentinel
 WATCHES = {"llama": {"without": (), "updates": ("updates",), "gemms": ("gemms",),
+                     # SentinelCallback's defaults: the bucket sentinel and the packing watch's
+                     # forward pre-hook on the model inside DDP, reading every batch
+                     "trainer": ("ddp", "packing"),
                      "all": ("ddp", "updates", "gemms")},
            "mixtral": {"without": (), "routers": ("routers",),
                        "all": ("ddp", "routers", "updates", "gemms")}}
 
 
-def watches_rank(rank: int, world: int, blocks: int, block: int, seq: int, batch: int) -> dict:
+def watches_rank(rank: int, world: int, blocks: int, block: int, seq: int, batch: int,
+                 families: tuple = tuple(WATCHES)) -> dict:
     from torch.nn.parallel import DistributedDataParallel
     from trainprobes.watch import Sentinel, attach_ddp, watch_gemms, watch_routers, watch_updates
+    from trainprobes.watch.packing_watch import watch_packing
 
     torch.set_num_threads(1)
     out = {}
     for family, configs in WATCHES.items():
+        if family not in families:
+            continue
         runs, hook_s = {}, {n: 0.0 for n in configs}
         for name, on in configs.items():
             net = (_llama if family == "llama" else _mixtral)(0)
@@ -160,11 +169,15 @@ def watches_rank(rank: int, world: int, blocks: int, block: int, seq: int, batch
                 _bracket(opt, lambda: watch_updates(opt, sentinel), hook_s, name)
             if "gemms" in on:
                 watch_gemms(net, sentinel)
+            if "packing" in on:
+                watch_packing(net, sentinel)
             runs[name] = (ddp, opt, sentinel)
         g = torch.Generator().manual_seed(rank)
         times = {n: [] for n in runs}
         step_s = {n: 0.0 for n in runs}  # in sentinel.step(): the router and GEMM judges
         names = list(runs)
+        # the mask a causal-LM collator gives (padded rows): what the packing watch reads
+        mask = torch.ones(batch, seq, dtype=torch.long)
         for i in range(blocks * block):
             ids = torch.randint(0, 1024, (batch, seq), generator=g)
             k = i % len(names)
@@ -172,7 +185,7 @@ def watches_rank(rank: int, world: int, blocks: int, block: int, seq: int, batch
                 ddp, opt, sentinel = runs[n]
                 t0 = time.perf_counter()
                 opt.zero_grad()
-                ddp(input_ids=ids, labels=ids).loss.backward()
+                ddp(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
                 opt.step()
                 if sentinel is not None:
                     t1 = time.perf_counter()
@@ -183,8 +196,11 @@ def watches_rank(rank: int, world: int, blocks: int, block: int, seq: int, batch
         for n, (_, _, sentinel) in runs.items():
             if sentinel is not None:
                 res = sentinel.close()
+                # the packing watch's pre-hook (its checks run in sentinel.step(), counted there)
+                packing = sum(w.seconds["convention"] for w in sentinel.watches if hasattr(w, "seen"))
                 info[n] = {"own_errors": sentinel.error_count, "errors": sentinel.errors[-3:],
                            "ddp_seconds": sentinel.own_seconds,  # the bucket sentinel's hook
+                           "packing_seconds": packing,
                            "verdicts": sorted({f"{r.target.split('[')[0]}:{r.verdict}" for r in res}),
                            "summary": {k: v for k, v in sentinel.summary().items()
                                        if k.endswith(("_checks", "samples"))}}
@@ -217,10 +233,12 @@ def watches(a) -> None:
         raise SystemExit(f"--steps {a.steps} must be a multiple of --block {a.block}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank, in the ranks too
     blocks = a.steps // a.block
-    out = launch(watches_rank, a.world, args=(blocks, a.block, a.seq, a.batch), timeout=3600)
+    families = tuple(a.family) if a.family else tuple(WATCHES)
+    out = launch(watches_rank, a.world, args=(blocks, a.block, a.seq, a.batch, families),
+                 timeout=3600)
     print(f"DDP on {a.world} gloo ranks, batch {a.batch}x{a.seq} per rank, {a.steps} steps per "
           f"config in {blocks} blocks of {a.block}, interleaved (a shared machine: read ratios)")
-    for family in WATCHES:
+    for family in families:
         r0 = out[0][family]
         # a step ends when its slowest rank does
         t = {n: [max(o[family]["times"][n][i] for o in out) for i in range(a.steps)]
@@ -236,7 +254,8 @@ def watches(a) -> None:
             # its own time on rank 0: in sentinel.step() (the router and GEMM judges, looks)
             # and in the update watch's optimizer hooks, over the steps' time without it
             # and in the bucket sentinel's comm hook and check
-            own = r0["step_seconds"][n] + r0["hook_seconds"][n] + info.get("ddp_seconds", 0.0)
+            own = (r0["step_seconds"][n] + r0["hook_seconds"][n] + info.get("ddp_seconds", 0.0)
+                   + info.get("packing_seconds", 0.0))
             inside = own / sum(r0["times"]["without"])
             print(f"  {n:10s} {1e3 * statistics.fmean(t[n]):12.2f} {statistics.median(ratios):29.4f} "
                   f"[{ratios[0]:.4f}, {ratios[-1]:.4f}] {inside:16.2%}  "
@@ -349,6 +368,8 @@ def main():
     p.add_argument("--watches", action="store_true",
                    help="instead: the router, update and GEMM watches' cost at their defaults")
     p.add_argument("--block", type=int, default=100, help="--watches: steps per block")
+    p.add_argument("--family", action="append", choices=list(WATCHES),
+                   help="--watches: only this model's rows (repeatable; default: all)")
     a = p.parse_args()
     if a.watches:
         return watches(a)

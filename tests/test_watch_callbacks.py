@@ -186,3 +186,130 @@ def test_lightning_callback_watches_gemms_and_changes_no_bit():
     checked = [r for r in s.results if r.target.startswith("watch:gemm[") and "checks" in r.metrics]
     assert sum(r.metrics["checks"] for r in checked) == 2 * 3 and s.errors == []
     assert all(r.verdict == "pass" for r in checked), [r.message for r in checked]
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+def test_lightning_update_watch_replays_the_steps_own_gradient(opt):
+    """Lightning calls optimizer.step(closure) and runs forward and backward inside it, after
+    torch's step pre-hooks: a replay made in the pre-hook used the previous step's gradient
+    (fp32 AdamW off by -0.2 to -0.5, SGD by -1.0, called biased). The callback replays at
+    on_before_optimizer_step, after the closure's backward: fp32 is rounding noise at every
+    step, all 10 checked, none biased."""
+    L = pytest.importorskip("lightning.pytorch")
+    from test_watch_router import TinyMoe
+    from trainprobes.watch.lightning import SentinelLightning
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = TinyMoe()
+
+        def training_step(self, batch, i):
+            (ids,) = batch
+            out = self.net(ids)
+            return torch.nn.functional.cross_entropy(out[:, :-1].reshape(-1, 32), ids[:, 1:].reshape(-1))
+
+        def configure_optimizers(self):
+            return (torch.optim.AdamW(self.parameters(), lr=1e-3) if opt == "adamw"
+                    else torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9))
+
+    torch.manual_seed(0)
+    module = Module()
+    ids = torch.randint(0, 32, (40, 12), generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
+    s = Sentinel(interval=5)
+    trainer = L.Trainer(max_steps=10, accelerator="cpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False,
+                        callbacks=[SentinelLightning(s, ddp=False, packing=False, updates=True)])
+    trainer.fit(module, loader)
+    (w,) = s.watches
+    errors = list(w.streams.streams["all_groups"].errors)
+    assert len(errors) == 10 and s.errors == [], (errors, s.errors)
+    assert max(abs(e) for e in errors) < 1e-5, errors
+    assert not any(r.verdict == "fail" for r in s.results), [r.message for r in s.results]
+
+
+def test_lightning_steps_the_sentinel_once_per_optimizer_step():
+    """accumulate_grad_batches=4: the sentinel's step is the optimizer's, as under the Trainer
+    callback. Stepped per batch, each micro-batch was a step of its own: the accumulation
+    watch restarted its fp64 sum at every micro-batch (it reported 'up to 1 micro-batches'
+    and never judged an accumulation), and every= counted batches."""
+    L = pytest.importorskip("lightning.pytorch")
+    from test_watch_router import TinyMoe
+    from trainprobes.watch.lightning import SentinelLightning
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = TinyMoe()
+
+        def training_step(self, batch, i):
+            (ids,) = batch
+            out = self.net(ids)
+            return torch.nn.functional.cross_entropy(out[:, :-1].reshape(-1, 32), ids[:, 1:].reshape(-1))
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 32, (48, 12), generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
+    s = Sentinel(interval=3)
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False,
+                        accumulate_grad_batches=4, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[SentinelLightning(s, ddp=False, packing=False, updates=True)])
+    trainer.fit(Module(), loader)
+    (w,) = s.watches
+    assert s.steps == 3 and w.checked_steps == 3 and s.errors == []
+    assert w.contributions == 4
+    acc = w.streams.streams["accumulation.all_groups"]
+    assert len(acc.errors) == 3 and max(abs(e) for e in acc.errors) < 1e-5, list(acc.errors)
+
+
+@pytest.mark.slow
+def test_lightning_bf16_mixed_with_accumulation_changes_no_bit_with_gemms_and_updates():
+    """precision='bf16-mixed' on CPU (autocast), accumulate_grad_batches=2, the GEMM watch on
+    every step's three GEMMs and the update watch: weights and the global generator after 6
+    optimizer steps are those of the same fit without the callback."""
+    L = pytest.importorskip("lightning.pytorch")
+    from test_watch_router import TinyMoe
+    from trainprobes.watch.lightning import SentinelLightning
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = TinyMoe()
+
+        def training_step(self, batch, i):
+            (ids,) = batch
+            out = self.net(ids).float()
+            return torch.nn.functional.cross_entropy(out[:, :-1].reshape(-1, 32), ids[:, 1:].reshape(-1))
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def fit(on):
+        torch.manual_seed(0)
+        module = Module()
+        ids = torch.randint(0, 32, (48, 12), generator=torch.Generator().manual_seed(1))
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
+        s = Sentinel(interval=3)
+        cbs = [SentinelLightning(s, ddp=False, packing=False, updates=True, gemms={
+            "every": 1, "gemms": ("fprop", "dgrad", "wgrad"), "samples": 64})] if on else []
+        trainer = L.Trainer(max_steps=6, accelerator="cpu", devices=1, logger=False,
+                            precision="bf16-mixed", accumulate_grad_batches=2,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, callbacks=cbs)
+        trainer.fit(module, loader)
+        return s, {k: v.detach().clone() for k, v in module.state_dict().items()}, torch.get_rng_state()
+
+    _, plain, plain_rng = fit(False)
+    s, weights, rng = fit(True)
+    assert all(torch.equal(plain[k], weights[k]) for k in plain) and torch.equal(plain_rng, rng)
+    assert s.errors == [] and s.steps == 6
+    checks = [r for r in s.results if r.target.startswith("watch:gemm[") and "checks" in r.metrics]
+    assert sum(r.metrics["checks"] for r in checks) == 6 * 3
+    upd = [r for r in s.results if r.target.endswith("].all_groups")][-1]
+    assert upd.verdict == "pass", upd.message  # fp32 weights: noise

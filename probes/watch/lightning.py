@@ -25,8 +25,12 @@ on_train_batch_start (packing=True, the default): the batch Lightning hands over
     module's forward does not take the batch's keys). A batch that is not a dict cannot be
     read: said once, and a final "cannot judge" Result (packing=False turns it off). A batch
     of more than `packing_max_documents` documents is not checked (cannot judge).
-on_train_batch_end: sentinel.step() (a step is a training batch); after a look its numbers go
-    to the module's log_dict, so every logger the Trainer has gets them.
+on_before_optimizer_step, updates: the update watch's fp64 replay, after the backward that
+    Lightning runs inside optimizer.step(closure) (torch's step pre-hook comes before it).
+on_train_batch_end: sentinel.step() when the batch ended with an optimizer step
+    (trainer.global_step moved: a step is an optimizer step, as under the Trainer callback;
+    micro-batches of accumulate_grad_batches share it); after a look its numbers go to the
+    module's log_dict, so every logger the Trainer has gets them.
 on_train_end: sentinel.close(); the Results in sentinel.results.
 """
 from __future__ import annotations
@@ -55,7 +59,8 @@ class SentinelLightning(Callback):
             raise InvalidArgument(f"packing={packing!r}: True (the batch Lightning hands over, "
                                   "the LightningModule called with its keys), False, or the "
                                   "nn.Module that receives the batch's keys")
-        self.packing, self._packing = packing, None
+        self.packing, self._packing, self._updates = packing, None, None
+        self._stepped_at = None  # trainer.global_step when the sentinel last stepped
         self.packing_max_documents = check_int(packing_max_documents, "packing_max_documents", min=2)
         self.gemms = gemm_options(gemms)  # None: not watched; else watch_gemms' arguments
         if not (self.ddp or routers or self.updates or self.gemms is not None
@@ -65,6 +70,7 @@ class SentinelLightning(Callback):
 
     def on_train_start(self, trainer, pl_module):
         from torch.nn.parallel import DistributedDataParallel
+        self._stepped_at = trainer.global_step  # a resumed fit starts past 0
         if self.packing is not False:
             from trainprobes.watch.packing_watch import watch_packing
             own = self.packing is True
@@ -79,7 +85,10 @@ class SentinelLightning(Callback):
             if len(trainer.optimizers) != 1:
                 raise InvalidArgument(f"updates=True with {len(trainer.optimizers)} optimizers: "
                                       "the sentinel watches one; call watch_updates on each")
-            watch_updates(trainer.optimizers[0], self.sentinel)
+            # Lightning runs forward and backward in the closure it passes to optimizer.step,
+            # after torch's step pre-hooks: the replay is made in on_before_optimizer_step
+            self._updates = watch_updates(trainer.optimizers[0], self.sentinel)
+            self._updates.prepared_by_caller = True
         if self.gemms is not None:
             from trainprobes.watch.gemm import watch_gemms
             watch_gemms(pl_module, self.sentinel, **self.gemms)
@@ -110,10 +119,18 @@ class SentinelLightning(Callback):
             self._packing.observe(batch)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        # after the backward (and any unscaling), before the step's update: the gradients it uses
+        if self._updates is not None:
+            self._updates.before_step()
         if self._packing is not None:
             self._packing.check_pending()  # SentinelFinding (stop_on_finding) leaves from here
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        # the sentinel's step is the optimizer's (as under the Trainer callback): a batch that
+        # only accumulated (accumulate_grad_batches) made no step, and global_step says so
+        if trainer.global_step == self._stepped_at:
+            return
+        self._stepped_at = trainer.global_step
         looked = self.sentinel.streams.looks
         self.sentinel.step()  # SentinelFinding (stop_on_finding) leaves fit() from here
         if self.sentinel.streams.looks != looked:

@@ -195,7 +195,11 @@ class Sentinel:
             if s is not None and s.numel != numel:  # DDP rebuilt its buckets
                 self.relayouts += 1
                 del self.streams.streams[key]
-            self.streams.stream(key, numel).add(step, err, zero_reference=zero, skipped=skipped)
+            new = self.streams.stream(key, numel)
+            if s is not None and s is not new and s.found_at is not None:
+                # the samples start afresh, the finding made on this bucket stands
+                new.found_at, new.found = s.found_at, s.found
+            new.add(step, err, zero_reference=zero, skipped=skipped)
             # every bucket's samples together: a reduction biased everywhere (a hook's own
             # arithmetic) is caught on the samples of all buckets, not each bucket's few
             self.streams.stream(POOLED, 0).add(step, err, zero_reference=zero, skipped=skipped)
@@ -329,7 +333,7 @@ class Sentinel:
         s = self.streams.streams[j.key]
         ev = {**self._evidence(), "errors": list(s.errors), "sample_steps": list(s.steps),
               "skipped_samples": s.skipped,
-              "found_at_step": s.found_at, "look": j.look, "alpha_look": j.alpha}
+              "found_at_step": s.found_at, "found": s.found, "biased_at_this_look": j.now, "look": j.look, "alpha_look": j.alpha}
         target = f"{self._target()}.{j.key}"
         if j.stats is None:
             return Result(probe=PROBE, target=target, verdict="error", seed=self.seed,
@@ -350,9 +354,13 @@ class Sentinel:
                 f"at look {j.look} (level {j.alpha:.2g})")
         if st["biased"]:
             verdict, codes = "fail", ["TP-B1"]
+            f = s.found  # the direction is the finding's, not the latest samples'
             msg = (head + f": biased since step {s.found_at}, "
-                   + ("too small" if st["bias"] < 0 else "too large")
-                   + " on average; this compounds over steps")
+                   + ("too small" if f["bias"] < 0 else "too large") + " on average")
+            msg += ("; this compounds over steps" if j.now is not False else
+                    f"; no longer seen in the latest samples (found at look {f['look']}: "
+                    f"{f['bias']:+.3g} over {f['trials']} reductions, p={f['p_value']:.2g} at "
+                    f"level {f['alpha']:.2g})")
         else:
             verdict, codes = ("warn" if s.nonfinite else "pass"), []
             msg = head + (": noise, no bias of at least " f"{self.streams.min_effect:.3g}")

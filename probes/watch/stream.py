@@ -28,6 +28,7 @@ from trainprobes.numerics.bias import error_stats
 from trainprobes.validation import check_int, check_number
 
 MIN_SAMPLES = 3  # error_stats' own minimum
+FOUND = ("bias", "ci_low", "ci_high", "confidence", "p_value", "trials")  # kept from the finding
 
 
 def look_alpha(alpha: float, look: int, streams: int) -> float:
@@ -49,6 +50,7 @@ class Stream:
     zero_reference: int = 0
     skipped: int = 0  # samples some rank could not take: left out on every rank alike
     found_at: int | None = None  # first step of the look that called it biased
+    found: dict | None = None  # that look's figures: what the finding says, however it ends
 
     def __post_init__(self):
         self.errors = deque(maxlen=self.keep)
@@ -78,6 +80,9 @@ class Judgement:
     alpha: float
     stats: dict | None
     reason: str = ""
+    # this look's own test on the latest `keep` samples: a bias that went away reads False
+    # here while the finding (Stream.found) and stats["biased"] stand
+    now: bool | None = None
 
     @property
     def biased(self) -> bool | None:
@@ -121,17 +126,20 @@ class Streams:
                 # error_stats' biased is p_t < alpha and |mean| >= min_effect on the same t-test;
                 # the margin leaves rounding of p at the boundary to the full test
                 if quick["p_value"] > a * (1 + 1e-6) or abs(quick["bias"]) < self.min_effect:
-                    out.append(Judgement(s.key, k, step, a, {**quick, "biased": False}))
+                    out.append(Judgement(s.key, k, step, a, {**quick, "biased": False}, now=False))
                     continue
             st = error_stats(list(s.errors), alpha=a, min_effect=self.min_effect)
-            if st["biased"] and s.found_at is None:
+            now = bool(st["biased"])
+            if now and s.found_at is None:
                 s.found_at = step
+                s.found = {"step": step, "look": k, "alpha": a,
+                           **{n: st[n] for n in FOUND if n in st}}
             elif s.found_at is not None:
                 # called biased at an earlier look, at that look's level: the decision of a
                 # sequential test stands (alpha was spent on it); a later look's stricter level
                 # judging the same or more samples never turns it back into a pass
                 st["biased"] = True
-            out.append(Judgement(s.key, k, step, a, st))
+            out.append(Judgement(s.key, k, step, a, st, now=now))
         return out
 
 

@@ -22,6 +22,12 @@ and register_step_post_hook:
    `interval` steps, alpha spent over looks and groups), and the stalled share: elements
    whose intended update was not zero and whose parameter did not move at all.
 
+A step given a closure (optimizer.step(closure), as Lightning calls it) runs its backward
+after the pre-hook, so the gradients it uses do not exist there yet: such a step is not
+checked (an error of the watch's own, saying so) unless the caller replays it after the
+backward (prepared_by_caller=True and before_step(): SentinelLightning does this from
+on_before_optimizer_step).
+
 Gradient accumulation (on by default in a single-process run): a tensor hook on each parameter
 (Tensor.register_hook, called with each backward's contribution before autograd adds it to
 p.grad) sums the sampled elements' contributions in fp64 from p.grad's value at the step's
@@ -77,6 +83,8 @@ class UpdateWatch:
         st = sentinel.streams
         self.streams = Streams(alpha=st.alpha, min_effect=st.min_effect, keep=st.keep)
         self._pending: list = []
+        # True: the caller calls before_step() after the backward (the step takes a closure)
+        self.prepared_by_caller = False
         self.checked_steps = 0
         self.stalled = {}  # group key -> [stalled elements, elements with an update]
         self.dtypes = {}
@@ -99,21 +107,44 @@ class UpdateWatch:
                 return
             if kwargs.get("grad_scale") is not None:  # a fused step unscales inside itself
                 self._acc.clear()
+                self._pending = []
                 self.sentinel._own_error("checking the update", InvalidArgument(
                     "the step was given grad_scale (a fused optimizer under GradScaler): p.grad "
                     "is still scaled, its update cannot be replayed; step not checked"))
                 return
-            if self._acc:
-                try:
-                    self._accumulated()
-                except Exception as e:
-                    self.sentinel._own_error("reading the accumulated gradients", e)
-            try:
-                self._pending = self._intended()
-            except Exception as e:
+            if self.prepared_by_caller:
+                return
+            # torch passes the step's own args, the optimizer first: step(closure) is args[1]
+            if kwargs.get("closure", args[1] if len(args) > 1 else None) is not None:
+                # step(closure) makes the gradients inside the step, after this hook: a replay
+                # here would use the previous step's (Lightning does this; its callback calls
+                # before_step() from on_before_optimizer_step, after the backward, instead)
+                self._acc.clear()
                 self._pending = []
-                self.sentinel._own_error("computing the fp64 update", e)
+                self.sentinel._own_error("checking the update", InvalidArgument(
+                    "the step was given a closure: its backward runs after the step's pre-hook, "
+                    "so the gradients the step uses cannot be read there; step not checked (set "
+                    "prepared_by_caller=True and call before_step() after the backward)"))
+                return
+            self.before_step()
         return hook
+
+    def before_step(self) -> None:
+        """Copy the sampled elements and replay the step in fp64 from the gradients as they are
+        now: from the step pre-hook, or, where the backward runs inside step(closure), from
+        the caller once the backward is done (SentinelLightning's on_before_optimizer_step)."""
+        if self.sentinel.steps % self.every:
+            return
+        if self._acc:
+            try:
+                self._accumulated()
+            except Exception as e:
+                self.sentinel._own_error("reading the accumulated gradients", e)
+        try:
+            self._pending = self._intended()
+        except Exception as e:
+            self._pending = []
+            self.sentinel._own_error("computing the fp64 update", e)
 
     def _grad_hook(self, p):
         # a closure over the parameter: called with each backward's gradient before autograd
@@ -204,12 +235,16 @@ class UpdateWatch:
             grad = p.grad.detach().reshape(-1)[idx].to(torch.float64)
             state = {key: _slice_state(key, v, n, idx)
                      for key, v in self.optimizer.state.get(p, {}).items()}
+            # stepped together only with the same state keys and the same scalars: SGD has no
+            # scalar state, so a parameter without a momentum_buffer yet (its first gradient
+            # came late) would otherwise share a shadow with one that has a buffer
             scalars = tuple(sorted((key, _scalar(v)) for key, v in state.items()
                                    if not _per_element(key, v, k)))
-            parts.setdefault((gi, scalars), []).append((p, idx, before, grad, state))
+            kinds = tuple(sorted(state))
+            parts.setdefault((gi, kinds, scalars), []).append((p, idx, before, grad, state))
             self.dtypes.setdefault(f"group{gi}", set()).add(str(p.dtype).replace("torch.", ""))
         groups, taken = [], []
-        for (gi, _), items in parts.items():
+        for (gi, _, _), items in parts.items():
             s = torch.cat([it[2] for it in items])
             s.grad = torch.cat([it[3] for it in items])
             first = items[0][4]
@@ -287,7 +322,7 @@ class UpdateWatch:
               "elements_per_param": self.elements, "tensors_per_step": self.tensors,
               "param_dtypes": dtypes,
               "optimizer": type(self.optimizer).__name__, "look": j.look, "alpha_look": j.alpha,
-              "found_at_step": s.found_at,
+              "found_at_step": s.found_at, "found": s.found, "biased_at_this_look": j.now,
               "reference": "the same optimizer class and hyperparameters stepping fp64 copies "
                            "of the sampled elements, their gradients and state"}
         target = f"watch:updates[{type(self.optimizer).__name__}].{j.key}"
@@ -307,11 +342,16 @@ class UpdateWatch:
         if acc:
             ev["contributions"] = self.contributions
         if st["biased"]:
+            f = s.found  # the direction is the finding's, not the latest samples'
+            gone = "" if j.now is not False else (
+                f"; no longer seen in the latest samples (found at look {f['look']}: "
+                f"{f['bias']:+.3g} over {f['trials']} checked steps, p={f['p_value']:.2g} at "
+                f"level {f['alpha']:.2g})")
             return Result(probe=PROBE, target=target, verdict="fail", codes=["TP-B1"],
                           metrics={**st, **base}, evidence=ev, seed=self.seed,
                           message=head + f": biased since step {s.found_at}, "
                           + ("gradients" if acc else "updates") + " "
-                          + ("lost" if st["bias"] < 0 else "inflated") + " on average")
+                          + ("lost" if f["bias"] < 0 else "inflated") + " on average" + gone)
         return Result(probe=PROBE, target=target, verdict="pass", codes=[], metrics={**st, **base},
                       evidence=ev, seed=self.seed, message=head + ": noise, no bias of at least "
                       f"{self.streams.min_effect:.3g}")
