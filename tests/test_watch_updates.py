@@ -208,3 +208,21 @@ def test_a_step_given_a_closure_is_not_checked_and_says_why():
     assert len(s.errors) == 3 and "closure" in str(s.errors[0]), s.errors
     (r,) = w.close()
     assert r.verdict == "error"
+
+
+def test_accumulation_left_unwatched_on_several_ranks_is_said_as_a_warning(monkeypatch, caplog):
+    """On several ranks the default leaves accumulation unwatched (p.grad becomes the reduced
+    mean): that is a warning a user sees, not an INFO line, and accumulation=True is refused."""
+    import logging
+
+    import trainprobes.watch.updates as updates
+    monkeypatch.setattr(updates, "_world", lambda: 2)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="trainprobes.watch"):
+        w = watch_updates(opt, Sentinel())
+    assert not w.accumulation
+    assert any("accumulation not watched" in r.getMessage() and r.levelno == logging.WARNING
+               for r in caplog.records)
+    with pytest.raises(InvalidArgument, match="accumulation=True on 2 ranks"):
+        watch_updates(torch.optim.SGD(model.parameters(), lr=0.1), Sentinel(), accumulation=True)

@@ -93,6 +93,7 @@ class UpdateWatch:
         # gradient accumulation: per parameter, the sampled elements' contributions summed
         # in fp64 as backward hands them over, compared with p.grad before the step
         self._acc: dict = {}  # id(param) -> [cycle, idx, fp64 sum, contributions]
+        self.accumulation = accumulation
         self.contributions = 0
         if accumulation:
             for gi, group in enumerate(optimizer.param_groups):
@@ -436,7 +437,10 @@ def watch_updates(optimizer, sentinel, *, every: int = 1, elements: int = 256, t
     if accumulation is None:
         accumulation = ranks == 1
         if not accumulation:
-            log.info("trainprobes sentinel: %d ranks, gradient accumulation not watched", ranks)
+            # said, not silent: on several ranks only the updates are watched
+            log.warning("trainprobes sentinel: %d ranks, gradient accumulation not watched (DDP "
+                        "and FSDP replace p.grad with the reduced mean); weight updates are",
+                        ranks)
     elif check_bool(accumulation, "accumulation") and ranks > 1:
         raise InvalidArgument(
             f"accumulation=True on {ranks} ranks: a parameter's hook sees this rank's "
