@@ -2,6 +2,8 @@
 the first batch and whenever the packing convention changes, through the Trainer and
 Lightning callbacks (transformers 5.25, Lightning 2.6.6, torch 2.13 CPU; tiny Llama, sdpa,
 random init, no download)."""
+import re
+
 import pytest
 import torch
 from trainprobes.watch import Sentinel, SentinelFinding
@@ -83,7 +85,9 @@ def test_a_collator_switching_to_the_trap_is_caught_at_the_step_it_switches(tmp_
     assert len(leaks) == 1, [r.message for r in s.results]
     (r,) = leaks
     assert r.verdict == "fail" and r.codes == ["TP-I1"] and r.metrics["isolated"] is False
-    assert r.evidence["step"] == SWITCH and r.message.startswith(f"step {SWITCH}, ")
+    assert r.evidence["step"] == SWITCH  # the finding first, then where it was seen
+    assert re.match(r"\d+ of \d+ \(source, affected\) document pairs leak", r.message), r.message
+    assert r.message.endswith(")") and f"(step {SWITCH}, batch convention mask=2d-ones" in r.message
     assert r.evidence["convention_fields"]["mask"] == "2d-ones"
     assert r.evidence["convention_fields"]["positions"] == "restart"
     assert "mask=2d-ones positions=restart" in r.evidence["convention"]

@@ -205,7 +205,8 @@ class PackingWatch:
         self.checked[c] = r.verdict
         if r.verdict == "fail":
             self.leaks += 1
-            r.message = f"step {step}, batch convention {c.text}: {r.message}"
+            # the finding first, then where: the convention text is long
+            r.message = f"{r.message} (step {step}, batch convention {c.text})"
         return r
 
     def _unjudged(self, c: Convention, why: str) -> None:
