@@ -12,20 +12,27 @@ each library's own extension point, changing no bit of it.
     watch_updates     sampled weight updates and gradient accumulation against fp64
     watch_gemms       a sampled Linear call's wgrad (fprop, dgrad) under an FP8 recipe and
                       an accumulator preset, on the run's own operands
+    watch_packing     packed-document isolation on the run's own batches, once per packing
+                      convention (a forward pre-hook; checks at sentinel.step())
+    SentinelLightning lightning Callback: the same as SentinelCallback for a Lightning run
 """
 from trainprobes.watch.ddp import attach_ddp
 from trainprobes.watch.fsdp import attach_fsdp2
 from trainprobes.watch.gemm import watch_gemms
+from trainprobes.watch.packing_watch import watch_packing
 from trainprobes.watch.router import watch_routers
 from trainprobes.watch.sentinel import Sentinel, SentinelFinding
 from trainprobes.watch.updates import watch_updates
 
-__all__ = ["Sentinel", "SentinelFinding", "attach_ddp", "attach_fsdp2", "SentinelCallback", "watch_gemms",
-           "watch_routers", "watch_updates"]
+__all__ = ["Sentinel", "SentinelFinding", "attach_ddp", "attach_fsdp2", "SentinelCallback",
+           "SentinelLightning", "watch_gemms", "watch_packing", "watch_routers", "watch_updates"]
 
 
 def __getattr__(name):
     if name == "SentinelCallback":  # transformers is an optional dependency
         from trainprobes.watch.trainer import SentinelCallback
         return SentinelCallback
+    if name == "SentinelLightning":  # so is lightning
+        from trainprobes.watch.lightning import SentinelLightning
+        return SentinelLightning
     raise AttributeError(f"module 'trainprobes.watch' has no attribute {name!r}")
