@@ -118,5 +118,14 @@ def _stopped_quietly():
 if __name__ == "__main__":
     from trainprobes.exits import guarded
     from trainprobes.transforms.launch import finish_rank
-    sys.exit(finish_rank(int(os.environ.get("RANK", "0")), guarded("trainprobes.transforms.torchrun",
-                                                                    _stopped_quietly)))
+    code = finish_rank(int(os.environ.get("RANK", "0")), guarded("trainprobes.transforms.torchrun",
+                                                                  _stopped_quietly))
+    # The rank's work, output and record are done: leave without the interpreter's teardown,
+    # where gloo's C++ threads were at times destroyed still joinable ("terminate called
+    # without an active exception", SIGABRT: about 1 run in 18 on a loaded machine), which
+    # the launcher could only read as a crash (exit 3) after a finished probe
+    import logging
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
