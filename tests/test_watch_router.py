@@ -5,54 +5,11 @@ import torch
 from torch import nn
 from trainprobes.errors import InvalidArgument
 from trainprobes.watch import Sentinel
+from trainprobes.watch.demo_watches import D, E, SwitchableRouter
+from trainprobes.watch.demo_watches import MoeLM as TinyMoe  # the DDP test's model, top-1
 from trainprobes.watch.router import find_routers, first_integer, watch_routers
 
-D, E, K, T = 16, 4, 1, 12
-
-
-class SwitchableRouter(nn.Module):
-    """Token choice (each token its top-k experts) or expert choice (each expert its top-C
-    tokens of the sequence) on the SAME logits: only the decisions differ."""
-
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(D, E, bias=False)
-        self.expert_choice = False
-
-    def forward(self, x):  # [B, T, D]
-        logits = self.proj(x)
-        if self.expert_choice:
-            C = x.shape[1] * K // E
-            top = logits.topk(C, dim=1).indices  # [B, C, E]: tokens per expert
-            mask = torch.zeros_like(logits, dtype=torch.long).scatter_(1, top, 1)
-        else:
-            top = logits.topk(K, dim=-1).indices
-            mask = torch.zeros_like(logits, dtype=torch.long).scatter_(-1, top, 1)
-        return logits, mask
-
-
-class TinyMoeBlock(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.router = SwitchableRouter()
-        self.experts = nn.ModuleList(nn.Linear(D, D) for _ in range(E))
-
-    def forward(self, x):
-        logits, mask = self.router(x)
-        w = logits.softmax(-1) * mask
-        return x + sum(w[..., e:e + 1] * self.experts[e](x) for e in range(E))
-
-
-class TinyMoe(nn.Module):
-    def __init__(self, vocab=32):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, D)
-        self.drop = nn.Dropout(0.1)  # draws from the global generator every step
-        self.moe = TinyMoeBlock()
-        self.head = nn.Linear(D, vocab)
-
-    def forward(self, ids):
-        return self.head(self.moe(self.drop(self.emb(ids))))
+T = 12
 
 
 def train(steps, *, watch=None, switch_at=None, seed=0, every=5):
