@@ -55,7 +55,7 @@ def train_task(rank: int, world: int, hook: str = "none", steps: int = 20, watch
     these ranks (every rank calls this; ranks outside it return at once)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
-    from trainprobes.watch import Sentinel, SentinelFinding, attach_ddp
+    from trainprobes.watch import Sentinel, attach_ddp
 
     torch.set_num_threads(1)
     group = None
@@ -75,16 +75,37 @@ def train_task(rank: int, world: int, hook: str = "none", steps: int = 20, watch
         attach_ddp(ddp, sentinel, hook=hook_by_name(hook), state=state)
     elif hook != "none":
         ddp.register_comm_hook(state, hook_by_name(hook))
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    losses, times, stopped_at = regression_steps(ddp, sentinel, steps=steps, batch=batch,
+                                                 width=width, seed=seed, rank=rank)
+    results = [r.to_json() for r in sentinel.close()] if sentinel is not None else []
+    return {"losses": torch.stack(losses), "weights": {k: v.detach().clone() for k, v in
+                                                       net.state_dict().items()},
+            "rng": torch.random.get_rng_state(), "times": times, "results": results,
+            "stopped_at": stopped_at, "own_errors": sentinel.error_count if sentinel else 0,
+            "skipped": sentinel.summary().get("sentinel/skipped", 0) if sentinel else 0,
+            "sentinel_group": dist.get_process_group_ranks(sentinel._group)
+            if getattr(sentinel, "_group", None) is not None else []}
+
+
+def regression_steps(net, sentinel, *, steps: int, batch: int, width: int, seed: int, rank: int,
+                     before=None) -> tuple:
+    """`steps` SGD steps of `net` (DDP- or FSDP2-wrapped) on a regression of the first 8
+    inputs' sum, this rank's data from its own generator; sentinel.step() after each step
+    (None: no sentinel); before(i) runs before step i. (losses, step times, the step count
+    at which a SentinelFinding stopped the run, or None)."""
+    from trainprobes.watch.sentinel import SentinelFinding
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     data = torch.Generator().manual_seed(seed * 1000 + rank)
     torch.manual_seed(seed + 1)  # dropout's stream, alike with and without the sentinel
     losses, times, stopped_at = [], [], None
     for i in range(steps):
+        if before is not None:
+            before(i)
         x = torch.randn(batch, width, generator=data)
         y = x[:, :8].sum(1, keepdim=True)
         t0 = time.perf_counter()
         opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        loss = torch.nn.functional.mse_loss(net(x), y)
         loss.backward()
         opt.step()
         losses.append(loss.detach().clone())
@@ -95,14 +116,7 @@ def train_task(rank: int, world: int, hook: str = "none", steps: int = 20, watch
                 stopped_at = i + 1
                 break
         times.append(time.perf_counter() - t0)
-    results = [r.to_json() for r in sentinel.close()] if sentinel is not None else []
-    return {"losses": torch.stack(losses), "weights": {k: v.detach().clone() for k, v in
-                                                       net.state_dict().items()},
-            "rng": torch.random.get_rng_state(), "times": times, "results": results,
-            "stopped_at": stopped_at, "own_errors": sentinel.error_count if sentinel else 0,
-            "skipped": sentinel.summary().get("sentinel/skipped", 0) if sentinel else 0,
-            "sentinel_group": dist.get_process_group_ranks(sentinel._group)
-            if getattr(sentinel, "_group", None) is not None else []}
+    return losses, times, stopped_at
 
 
 def runs_task(rank: int, world: int, runs: list) -> list:

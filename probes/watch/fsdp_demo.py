@@ -13,8 +13,6 @@ reduce_dtype=bf16: gloo sums bf16 as a float add then a round to nearest), "forc
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
 REDUCES = ("fp32", "bf16", "force_sum", "divide_factor", "truncating", "rounding")
@@ -58,8 +56,8 @@ def fsdp_task(rank: int, world: int, reduce: str = "fp32", steps: int = 20, watc
     the sentinel's back."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from trainprobes.watch import Sentinel, SentinelFinding, attach_fsdp2
-    from trainprobes.watch.demo import model
+    from trainprobes.watch import Sentinel, attach_fsdp2
+    from trainprobes.watch.demo import model, regression_steps
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,))
@@ -85,31 +83,15 @@ def fsdp_task(rank: int, world: int, reduce: str = "fp32", steps: int = 20, watc
         for m in net.modules():
             if hasattr(m, "set_custom_reduce_scatter") and m._get_fsdp_state()._fsdp_param_groups:
                 m.set_custom_reduce_scatter(comm())
-    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    data = torch.Generator().manual_seed(seed * 1000 + rank)
-    torch.manual_seed(seed + 1)  # dropout's stream, alike with and without the sentinel
-    losses, times, stopped_at = [], [], None
-    for i in range(steps):
+    def replace(i):  # a truncating comm set by hand mid-run, after attach
         if i == replace_at:
             from trainprobes.watch.hooks import TruncatingReduceScatter
             for m in net.modules():
                 if hasattr(m, "set_custom_reduce_scatter") and m._get_fsdp_state()._fsdp_param_groups:
                     m.set_custom_reduce_scatter(TruncatingReduceScatter())
-        x = torch.randn(batch, width, generator=data)
-        y = x[:, :8].sum(1, keepdim=True)
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(net(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.detach().clone())
-        if sentinel is not None:
-            try:
-                sentinel.step()
-            except SentinelFinding:
-                stopped_at = i + 1
-                break
-        times.append(time.perf_counter() - t0)
+
+    losses, times, stopped_at = regression_steps(net, sentinel, steps=steps, batch=batch,
+                                                 width=width, seed=seed, rank=rank, before=replace)
     results = [r.to_json() for r in sentinel.close()] if sentinel is not None else []
     weights = {k: v.full_tensor().detach().clone() for k, v in net.state_dict().items()}
     return {"losses": torch.stack(losses), "weights": weights, "rng": torch.random.get_rng_state(),
