@@ -36,10 +36,10 @@ def test_trainer_callback_watches_routers_and_updates(tmp_path):
     assert (tmp_path / "f.jsonl").read_text().count("watch:router") == 1
 
 
-def test_lightning_callback_watches_routers_and_updates(tmp_path):
-    L = pytest.importorskip("lightning.pytorch")
+def _moe_module(L, optimizer, float_out=False):
+    """A LightningModule training test_watch_router's MoE LM (ids -> next-token loss) with
+    optimizer(params); float_out: the loss on fp32 logits (under autocast)."""
     from test_watch_router import TinyMoe
-    from trainprobes.watch.lightning import SentinelLightning
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -48,14 +48,22 @@ def test_lightning_callback_watches_routers_and_updates(tmp_path):
 
         def training_step(self, batch, i):
             (ids,) = batch
-            out = self.net(ids)
+            out = self.net(ids)  # dropout draws from the global generator
+            out = out.float() if float_out else out
             return torch.nn.functional.cross_entropy(out[:, :-1].reshape(-1, 32), ids[:, 1:].reshape(-1))
 
         def configure_optimizers(self):
-            return torch.optim.Adam(self.parameters(), lr=1e-5)
+            return optimizer(self.parameters())
+
+    return Module()
+
+
+def test_lightning_callback_watches_routers_and_updates(tmp_path):
+    L = pytest.importorskip("lightning.pytorch")
+    from trainprobes.watch.lightning import SentinelLightning
 
     torch.manual_seed(0)
-    module = Module().to(torch.bfloat16)
+    module = _moe_module(L, lambda params: torch.optim.Adam(params, lr=1e-5)).to(torch.bfloat16)
     ids = torch.randint(0, 32, (40, 12), generator=torch.Generator().manual_seed(1))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
     s = Sentinel(interval=5)
@@ -146,24 +154,10 @@ def test_a_bad_gemms_option_is_refused_naming_it(gemms, words):
 
 def _lightning_fit(gemms):
     L = pytest.importorskip("lightning.pytorch")
-    from test_watch_router import TinyMoe
     from trainprobes.watch.lightning import SentinelLightning
 
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = TinyMoe()
-
-        def training_step(self, batch, i):
-            (ids,) = batch
-            out = self.net(ids)  # dropout draws from the global generator
-            return torch.nn.functional.cross_entropy(out[:, :-1].reshape(-1, 32), ids[:, 1:].reshape(-1))
-
-        def configure_optimizers(self):
-            return torch.optim.Adam(self.parameters(), lr=1e-3)
-
     torch.manual_seed(0)
-    module = Module()
+    module = _moe_module(L, lambda params: torch.optim.Adam(params, lr=1e-3))
     ids = torch.randint(0, 32, (40, 12), generator=torch.Generator().manual_seed(1))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
     s = Sentinel(interval=5)
@@ -196,25 +190,11 @@ def test_lightning_update_watch_replays_the_steps_own_gradient(opt):
     on_before_optimizer_step, after the closure's backward: fp32 is rounding noise at every
     step, all 10 checked, none biased."""
     L = pytest.importorskip("lightning.pytorch")
-    from test_watch_router import TinyMoe
     from trainprobes.watch.lightning import SentinelLightning
 
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = TinyMoe()
-
-        def training_step(self, batch, i):
-            (ids,) = batch
-            out = self.net(ids)
-            return torch.nn.functional.cross_entropy(out[:, :-1].reshape(-1, 32), ids[:, 1:].reshape(-1))
-
-        def configure_optimizers(self):
-            return (torch.optim.AdamW(self.parameters(), lr=1e-3) if opt == "adamw"
-                    else torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9))
-
     torch.manual_seed(0)
-    module = Module()
+    module = _moe_module(L, lambda params: torch.optim.AdamW(params, lr=1e-3) if opt == "adamw"
+                           else torch.optim.SGD(params, lr=0.1, momentum=0.9))
     ids = torch.randint(0, 32, (40, 12), generator=torch.Generator().manual_seed(1))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
     s = Sentinel(interval=5)
@@ -236,21 +216,7 @@ def test_lightning_steps_the_sentinel_once_per_optimizer_step():
     watch restarted its fp64 sum at every micro-batch (it reported 'up to 1 micro-batches'
     and never judged an accumulation), and every= counted batches."""
     L = pytest.importorskip("lightning.pytorch")
-    from test_watch_router import TinyMoe
     from trainprobes.watch.lightning import SentinelLightning
-
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = TinyMoe()
-
-        def training_step(self, batch, i):
-            (ids,) = batch
-            out = self.net(ids)
-            return torch.nn.functional.cross_entropy(out[:, :-1].reshape(-1, 32), ids[:, 1:].reshape(-1))
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     torch.manual_seed(0)
     ids = torch.randint(0, 32, (48, 12), generator=torch.Generator().manual_seed(1))
@@ -260,7 +226,7 @@ def test_lightning_steps_the_sentinel_once_per_optimizer_step():
                         accumulate_grad_batches=4, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[SentinelLightning(s, ddp=False, packing=False, updates=True)])
-    trainer.fit(Module(), loader)
+    trainer.fit(_moe_module(L, lambda params: torch.optim.AdamW(params, lr=1e-3)), loader)
     (w,) = s.watches
     assert s.steps == 3 and w.checked_steps == 3 and s.errors == []
     assert w.contributions == 4
@@ -274,25 +240,11 @@ def test_lightning_bf16_mixed_with_accumulation_changes_no_bit_with_gemms_and_up
     every step's three GEMMs and the update watch: weights and the global generator after 6
     optimizer steps are those of the same fit without the callback."""
     L = pytest.importorskip("lightning.pytorch")
-    from test_watch_router import TinyMoe
     from trainprobes.watch.lightning import SentinelLightning
-
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = TinyMoe()
-
-        def training_step(self, batch, i):
-            (ids,) = batch
-            out = self.net(ids).float()
-            return torch.nn.functional.cross_entropy(out[:, :-1].reshape(-1, 32), ids[:, 1:].reshape(-1))
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     def fit(on):
         torch.manual_seed(0)
-        module = Module()
+        module = _moe_module(L, lambda params: torch.optim.AdamW(params, lr=1e-3), float_out=True)
         ids = torch.randint(0, 32, (48, 12), generator=torch.Generator().manual_seed(1))
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
         s = Sentinel(interval=3)
