@@ -3,6 +3,7 @@ on real gloo ranks (torch 2.13 CPU): no bit of the run changed, the verdicts rig
 would go unwatched refused."""
 import pytest
 import torch
+from test_watch import _same  # the DDP tests' bitwise comparison of two runs
 from trainprobes.distributed.launcher import launch
 from trainprobes.errors import InvalidArgument, InvalidType
 from trainprobes.result import Result
@@ -31,12 +32,6 @@ def test_bad_input_names_what_is_not_watched():
         attach_fsdp2([], Sentinel())
     with pytest.raises(InvalidType, match="sentinel=None must be"):
         attach_fsdp2(torch.nn.Linear(2, 2), None)
-
-
-def _same(a, b) -> bool:
-    return (torch.equal(a["losses"], b["losses"]) and torch.equal(a["rng"], b["rng"])
-            and a["weights"].keys() == b["weights"].keys()
-            and all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"]))
 
 
 @pytest.mark.slow
