@@ -66,17 +66,23 @@ def _fades(stream, n_after=60):
     return lambda: [stream.add(100 + i, (1.0 + 0.1 * (-1) ** i) * 1e-6) for i in range(n_after)]
 
 
-def test_a_finding_that_fades_is_reported_as_found_not_as_its_opposite():
-    """A bias that went away keeps its verdict (the sequential decision stands), but the Result
-    must say what was found (too small, at which look, with its figures) and that the latest
-    samples no longer show it: before, close() printed the latest samples' sign ('too large',
-    p=0) beside 'biased since step 10', the opposite of the finding."""
+def _faded_bucket_result():
+    """The final Result of a bucket stream called biased at look 1 whose bias then faded."""
     s = Sentinel(rank=0, keep=20)
     after = _fades(s.streams.stream("bucket0", 1000))
     for _ in range(10):
         s.step()
     after()
     (final,) = [r for r in s.close() if r.evidence.get("look") == 2]
+    return final
+
+
+def test_a_finding_that_fades_is_reported_as_found_not_as_its_opposite():
+    """A bias that went away keeps its verdict (the sequential decision stands), but the Result
+    must say what was found (too small, at which look, with its figures) and that the latest
+    samples no longer show it: before, close() printed the latest samples' sign ('too large',
+    p=0) beside 'biased since step 10', the opposite of the finding."""
+    final = _faded_bucket_result()
     assert final.verdict == "fail"
     assert "too small" in final.message and "too large" not in final.message, final.message
     assert final.evidence["found"]["bias"] < 0 and final.evidence["found"]["look"] == 1
@@ -99,12 +105,7 @@ def test_a_faded_update_finding_says_lost_not_inflated():
 
 def test_the_findings_figures_survive_a_json_round_trip():
     from trainprobes.result import Result
-    s = Sentinel(rank=0, keep=20)
-    after = _fades(s.streams.stream("bucket0", 1000))
-    for _ in range(10):
-        s.step()
-    after()
-    (final,) = [r for r in s.close() if r.evidence.get("look") == 2]
+    final = _faded_bucket_result()
     again = Result.from_json(final.to_json())
     assert again.evidence["found"] == final.evidence["found"]
 
