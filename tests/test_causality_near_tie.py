@@ -2,6 +2,7 @@
 leak too small to flip a choice at random inputs' margins shows (near_tie.py)."""
 import pytest
 import torch
+from trainprobes.causality import near_tie
 from trainprobes.causality.check import check
 from trainprobes.cli import main
 
@@ -87,21 +88,37 @@ def test_the_search_bisects_every_window_in_one_row_however_many_ties(B):
     """Windows that share no position are bisected in one row (copies of row 0 at different
     cuts): a bisection call is one row however many windows (it was one row per tie: 2.8x a
     per-cut loop at T=512, issue 31; then one row per window, 4 rows a step on a 4-row input).
-    Only the three calls of both ends give each window its own row (its own future). Windows
+    Only the calls of both ends give each window its own row (its own future). Windows
     that overlap (64 ties before 8 cuts of 64 positions) keep one row each: calls, not rows,
-    stay the same however many ties."""
+    stay the same however many ties. With one sequence the ties sit before the middle cut,
+    and the bisection runs on the prefix up to the last tie (brackets.py)."""
     x = X(0, B=B)
-    off = check(causal_route, x, near_ties=0).metrics["tokens_evaluated"]
+    T = x.shape[1]
+    seen = []
+
+    def route(v):
+        seen.append(tuple(v.shape[:2]))
+        return causal_route(v)
+
+    off = check(route, x, near_ties=0).metrics["tokens_evaluated"]
     for n, disjoint in ((16, True), (64, False)):
-        on = check(causal_route, x, near_ties=n)
+        seen.clear()
+        on = check(route, x, near_ties=n)
         ties = on.evidence["near_tie_search"]
         W = min(B, n)
         assert ties["windows"] == W and ties["reached"] > n // 2
         assert ties["one_row"] == (W > 1 and disjoint)
         assert ties["evaluations"] <= 30 and ties["held"] == 2 * ties["reached"]
-        bisection_rows = 1 if ties["one_row"] else W
-        assert on.metrics["tokens_evaluated"] - off == (
-            (ties["evaluations"] - 3) * bisection_rows + 3 * 2 * W) * 64
+        calls = seen[-ties["evaluations"]:]  # the search runs after the cuts
+        assert on.metrics["tokens_evaluated"] - off == sum(r * t for r, t in calls)
+        L = ties["length"]
+        # one sequence: the window ends before the middle, so its prefix is bisected
+        assert (L < T) == (B == 1 and disjoint), L
+        rows = 1 if ties["one_row"] else W
+        bisection = [c for c in calls if c == (rows, L)]
+        test = [c for c in calls if c == (2 * W, T)]
+        assert len(bisection) >= ties["evaluations"] - 4 and len(test) == 2  # unchanged, perturbed
+        assert ties["moved"] == 0 and ties["confirm_calls"] == 0 and not ties["rebracketed"]
 
 
 def test_one_sequence_spends_no_call_on_a_second_value_equal_to_the_tie_own():
@@ -191,3 +208,98 @@ def test_run_to_run_noise_at_a_tie_is_nondeterminism_not_a_leak_nor_a_pass():
         x = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(seed))
         res = check(noisy, x, mode="perturb", seed=seed)
         assert res.codes == ["TP-C2"] and res.metrics["causal"] is None, (seed, res.message)
+
+
+class AttentionRoute(torch.nn.Module):
+    """One causal attention head before a top-2 router: a tie's decision reads its whole
+    past, so brackets move with the other ties (the benchmark's single-sequence target)."""
+
+    def __init__(self, d=64, leak=0.0):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.qkv = torch.nn.Parameter(torch.randn(d, 3 * d, generator=g) / 8)
+        self.gate = torch.nn.Parameter(torch.randn(d, 8, generator=g) / 8)
+        self.leak = leak
+
+    def forward(self, x):
+        T = x.shape[1]
+        q, k, v = (x @ self.qkv).chunk(3, -1)
+        att = (q @ k.transpose(-1, -2)) / 8
+        h = x + att.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")).softmax(-1) @ v
+        logits = h @ self.gate
+        return (logits - self.leak * logits.mean(1, keepdim=True)).topk(2, -1).indices
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_one_sequence_brackets_its_prefix_and_keeps_only_ends_that_hold_at_full_length(seed, monkeypatch):
+    """With one sequence the window ends before the middle: brackets are sought on the prefix
+    up to the last tie (an attention row of half the length costs a fraction of a full one)
+    and confirmed in the rows the test runs at the inputs' length. This attention computes
+    the prefix's positions bit for bit at either length: the same ends hold as when the
+    brackets are sought at full length."""
+    x = X(seed, B=1, T=256)
+    monkeypatch.setattr(near_tie, "SHORT", 0.0)  # every bracket at the inputs' length
+    at_full = check(AttentionRoute(), x, seed=seed).evidence["near_tie_search"]
+    monkeypatch.undo()
+    calls = []
+
+    def route(v):
+        calls.append(tuple(v.shape[:2]))
+        return AttentionRoute()(v)
+
+    res = check(route, x, seed=seed)
+    ties = res.evidence["near_tie_search"]
+    assert res.verdict == "pass" and ties["flips"] == 0 and ties["reached"] > 16
+    L = ties["length"]
+    assert L < 256 * 0.75 and not ties["rebracketed"]
+    search = calls[-ties["evaluations"]:]
+    short = sum(1 for c in search if c[1] == L)
+    full = [c for c in search if c[1] == 256]
+    assert short >= 20 and len(full) + short == len(search)
+    assert 2 <= len(full) <= 2 + ties["confirm_calls"]  # unchanged and perturbed, and any moves
+    assert at_full["length"] == 256 and ties["moved"] == 0
+    # the other ties, sitting at their ends, move a few ends: the same ones either way
+    assert (ties["held"], ties["reached"], ties["width"]) == (at_full["held"], at_full["reached"], at_full["width"])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_leak_the_prefix_cannot_see_is_found_at_full_length(seed):
+    """The prefix lacks the future a leak reads, so its brackets do not hold at full length:
+    those ends are moved, or every tie is bracketed again at the inputs' length, and the
+    leak fails the check as it did with full-length brackets."""
+    x = X(seed, B=1, T=256)
+    res = check(AttentionRoute(leak=1e-3), x, seed=seed)
+    assert res.verdict == "fail" and "TP-C1" in res.codes
+    ties = res.evidence["near_tie_search"]
+    if res.metrics["n_leaks"] == 0:
+        assert res.metrics["n_near_tie_leaks"] > 0
+        assert ties["moved"] > 0 or ties["rebracketed"]
+
+
+def test_a_target_that_takes_its_own_length_only_is_bracketed_at_that_length():
+    def fixed(v):
+        if v.shape[1] != 128:
+            raise ValueError("compiled for T=128")
+        return causal_route(v)
+
+    res = check(fixed, X(0, B=1, T=128))
+    ties = res.evidence["near_tie_search"]
+    assert res.verdict == "pass" and ties["length"] == 128 and ties["reached"] > 16
+
+
+def test_rounding_that_follows_the_length_moves_ends_and_is_no_leak():
+    """Causal, but every input is shifted by a length-dependent ~1e-7 x T before routing (as
+    a kernel whose tiling follows T would round): brackets found on the prefix do not hold
+    at full length, their ends are found again there (or every tie is bracketed again),
+    and nothing is called a leak."""
+    def by_length(v):
+        return ((v + torch.linspace(0, 1, 64) * v.shape[1] * 1e-7) @ W).topk(2, -1).indices
+
+    moved = 0
+    for seed in range(3):
+        res = check(by_length, X(seed, B=1, T=256), seed=seed)
+        ties = res.evidence["near_tie_search"]
+        assert res.verdict == "pass" and res.metrics["n_near_tie_leaks"] == 0, res.message
+        assert ties["length"] < 256 and ties["held"] > ties["reached"]
+        moved += ties["moved"] + ties["rebracketed"]
+    assert moved > 0

@@ -46,12 +46,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from trainprobes.causality.brackets import bisect, confirm
 from trainprobes.causality.classify import Judge, Kind, Nondeterministic, Outputs, reduction_ulps
 from trainprobes.causality.target import Target, differs
+from trainprobes.errors import TargetError
 
 __all__ = ["NearTies", "search", "skipped"]
 
-STEPS = 20          # bisection steps: brackets of 2^-20 of the segment, or adjacent floats
+SHORT = 0.75        # brackets sought on the prefix up to the last tie if it is this short
 REACH_FACTOR = 1    # beyond reduction noise from the tie (as classify judges a score gap): a leak
 MAX_REACH = 20      # distances 2^1 .. 2^20 brackets from the tie
 
@@ -70,6 +72,11 @@ class NearTies:
     records: list = field(default_factory=list)  # the first flips: batch, position, reach, kind
     evaluations: int = 0
     one_row: bool = False          # the windows were bisected together in one copy of row 0
+    length: int | None = None      # the length of the bisection's calls (the prefix up to the
+                                   # last tie, or the inputs' length)
+    moved: int = 0                 # ends moved to hold at the inputs' length
+    confirm_calls: int = 0         # calls spent moving them
+    rebracketed: bool = False      # too many ends lost: bracketed again at the inputs' length
     reason: str | None = None      # why no bracket was sought or reached
 
     @property
@@ -86,15 +93,15 @@ def skipped(reason: str) -> NearTies:
 
 
 def search(judge: Judge, tgt: Target, R: torch.Tensor, cuts: list, *, points: int,
-           max_batch_tokens: int, max_records: int = 20) -> NearTies:
+           max_batch_tokens: int, max_records: int = 20, rows_per_call: int | None = None) -> NearTies:
     """Bracket up to `points` decisions in windows before the cuts and perturb what follows
     each window (see module)."""
     x = judge.x
     B, T = x.shape[:2]
     out = NearTies(noise_reach=reduction_ulps(T) * torch.finfo(x.dtype).eps)
-    calls = _Caller(tgt, max(1, max_batch_tokens // T), out)
+    calls = _Caller(tgt, rows_per_call or max(1, max_batch_tokens // T), out)
     # 1. windows: one copy of a row each, its ties on the positions up to a cut
-    src, ends, w, t = _windows(B, T, cuts, points)
+    src, ends_of, w, t = _windows(B, T, cuts, points)
     W = len(src)
     out.tried, out.windows = len(w), W
     # windows that share no position are bisected together in one copy of row 0: a
@@ -107,58 +114,79 @@ def search(judge: Judge, tgt: Target, R: torch.Tensor, cuts: list, *, points: in
     base = x[src]  # [W, T, ...] the copies step 3 starts from
     bb, bw = (base[:1], torch.zeros_like(w)) if one_row else (base, w)  # what bisection calls hold
     lo_v = base[w, t]
-    d_lo = judge.base.decision[src[w], t]
-    hi_v, d_hi, ok = _other_end(calls, x, bb, R, src, bw, t, d_lo, judge.atol)
+    # 2. brackets sought on the prefix up to the last tie where that is much cheaper,
+    # confirmed at the inputs' length below (brackets.py)
+    L = int(t.max()) + 1
+    short = bb[:, :L].contiguous() if L <= SHORT * T else None
+    d_lo = None
+    if short is not None:
+        try:
+            d_lo = calls(short)[bw, t]  # the ties' own decisions at that length
+        except TargetError:  # a target that takes its own length only
+            short = None
+    if short is None:
+        d_lo = judge.base.decision[src[w], t]
+    out.length = T if short is None else L
+    rows_b = bb if short is None else short
+    hi_v, d_hi, ok = _other_end(calls, x, rows_b, R, src, bw, t, d_lo, judge.atol)
     if not ok.any():
         out.reason = (f"no second input value changed any of {len(w)} decisions at the cuts "
                       f"(the decision may not depend on the token's own value)")
         return out
     w, t, lo_v, hi_v, d_lo, d_hi, bw = w[ok], t[ok], lo_v[ok], hi_v[ok], d_lo[ok], d_hi[ok], bw[ok]
     n = len(w)
-    # 2. bisection in float64 along each segment, every tie of every window in one call
-    a0, a1 = torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.float64)
     seg = (hi_v.double() - lo_v.double())
     at = lambda a: (lo_v.double() + a.view(-1, *[1] * (lo_v.dim() - 1)) * seg).to(x.dtype)
-    p0, p1 = at(a0), at(a1)  # the ends' values, kept as they move (one cast per step)
-    for _ in range(STEPS):
-        mid = (a0 + a1) / 2
-        pm = at(mid)
-        live = ~((pm == p0).flatten(1).all(1) | (pm == p1).flatten(1).all(1))
-        if not live.any():
-            break
-        # ties no longer bisected sit at their low end, as they will in the test below
-        dm = calls(_set(bb, bw, t, torch.where(_bcast(live, pm), pm, p0)))[bw, t]
-        same = ~differs(d_lo[:, None], dm[:, None], judge.atol)[:, 0]
-        up, down = _bcast(live & same, pm), _bcast(live & ~same, pm)
-        a0, p0 = torch.where(live & same, mid, a0), torch.where(up, pm, p0)
-        a1, p1 = torch.where(live & ~same, mid, a1), torch.where(down, pm, p1)
-        d_hi = torch.where(_bcast(live & ~same, dm), dm, d_hi)
+    ends = bisect(lambda v: calls(_set(rows_b, bw, t, v))[bw, t], at, n, d_lo, d_hi, judge.atol)
     out.reached = n
-    out.width = float((a1 - a0).max())
     # 3. the low ends together and the high ends together, unchanged and with what follows
     # each window replaced: base and perturbed copies in calls of the same layout, row for
     # row (rounding that depends on a row's place in the batch or its size is the same)
     trial = R[0].to(x.device)
-    if one_row:  # every window's row holds every tie at its end, as bisection held them
-        rows = torch.cat([_set(bb, bw, t, p).expand(W, *bb.shape[1:]) for p in (p0, p1)])
+
+    def make_rows(p0, p1):
+        if one_row:  # every window's row holds every tie at its end, as bisection held them
+            return torch.cat([_set(bb, bw, t, p).expand(W, *bb.shape[1:]) for p in (p0, p1)])
+        return torch.cat([_set(base, w, t, p0), _set(base, w, t, p1)])  # [2W, T, ...]
+
+    def run_ends(a0, a1, length=T):  # [2, n]: each low end in its window's row of low ends,
+        # row of high ends
+        got = calls(make_rows(at(a0), at(a1))[:, :length].contiguous())  # each high end in its
+        return torch.stack([got[w, t], got[W + w, t]])
+
+    if short is not None:  # the ends must hold at the inputs' length: moved there if not
+        ends, unchanged, spent, out.moved, lost = confirm(
+            run_ends, lambda a0, a1: run_ends(a0, a1, L), at, ends, judge.atol)
+        out.confirm_calls = spent
+        if lost:  # the length moved an end farther than a few brackets: bracket at T
+            out.rebracketed = True
+            full = lambda v: calls(_set(bb, bw, t, v))[bw, t]
+            d_lo, d_hi = judge.base.decision[src[w], t], full(at(torch.ones(n, dtype=torch.float64)))
+            out.reached = int(differs(d_lo, d_hi, judge.atol).sum())  # a tie at this length too
+            ends = bisect(full, at, n, d_lo, d_hi, judge.atol)
+            unchanged = None
     else:
-        rows = torch.cat([_set(base, w, t, p0), _set(base, w, t, p1)])  # [2W, T, ...]
-    rsrc, rend = src.repeat(2), ends.repeat(2)
-    dec = torch.cat([calls(rows), calls(_future(rows, rend, trial[rsrc]))])
-    # the unchanged ends once more: at a tie any nondeterminism flips a decision, and a
-    # flip that two identical calls disagree on is TP-C2, never a leak (nor a pass)
-    again = differs(dec[:2 * W], calls(rows), judge.atol)
-    if again.any():
-        where = again.nonzero()
-        raise Nondeterministic([[int(rsrc[i]), int(p)] for i, p in where[:10].tolist()],
-                               int(again.sum()))
+        unchanged = None
+    rows = make_rows(at(ends.a0), at(ends.a1))
+    out.width = float(ends.width.max())
+    rsrc, rend = src.repeat(2), ends_of.repeat(2)
     rw = torch.cat([w, W + w])  # the row of each (tie, end): low ends, then high ends
     tt = t.repeat(2)
-    want = torch.cat([d_lo, d_hi])
-    held = ~differs(want[:, None], dec[rw, tt][:, None], judge.atol)[:, 0]
+    before = (calls(rows)[rw, tt] if unchanged is None else unchanged.flatten(0, 1))
+    after = calls(_future(rows, rend, trial[rsrc]))[rw, tt]
+    want = torch.cat([ends.d_lo, ends.d_hi])
+    held = ~differs(want[:, None], before[:, None], judge.atol)[:, 0]
     out.held = int(held.sum())
-    moved = differs(dec[rw, tt][:, None], dec[2 * W + rw, tt][:, None], judge.atol)[:, 0] & held
-    alpha = torch.cat([a0, a1])
+    moved = differs(before[:, None], after[:, None], judge.atol)[:, 0] & held
+    if moved.any():
+        # the unchanged ends once more: at a tie any nondeterminism flips a decision, and a
+        # flip that two identical calls disagree on is TP-C2, never a leak (nor a pass)
+        again = differs(before[:, None], calls(rows)[rw, tt][:, None], judge.atol)[:, 0]
+        if again.any():
+            where = again.nonzero().flatten()
+            raise Nondeterministic([[int(rsrc[rw[i]]), int(tt[i])] for i in where[:10].tolist()],
+                                   int(again.sum()))
+    alpha = torch.cat([ends.a0, ends.a1])
     side = torch.cat([-torch.ones(n), torch.ones(n)]).double()
     j = moved.nonzero().flatten()
     out.flips = len(j)
@@ -166,7 +194,7 @@ def search(judge: Judge, tgt: Target, R: torch.Tensor, cuts: list, *, points: in
         return out
     # 4. how far from the tie each flip persists (k = 0 re-runs the flip itself), in its own
     # end's copy with only that tie moved
-    width = (a1 - a0).repeat(2)[j]
+    width = ends.width.reshape(-1)[j]
     dist = width[:, None] * (2.0 ** torch.arange(MAX_REACH + 1, dtype=torch.float64))[None]
     aj = (alpha[j][:, None] + side[j][:, None] * (dist - dist[:, :1])).clamp(0, 1)  # [f, K]
     K = aj.shape[1]
@@ -202,8 +230,7 @@ def search(judge: Judge, tgt: Target, R: torch.Tensor, cuts: list, *, points: in
         out.records.append({"batch": int(rsrc[rw[i]]), "position": int(tt[i]),
                             "cut": int(rend[rw[i]]), "width": float(width[r]),
                             "reach": float(reach[r]), "kind": Kind(int(kind[r])).label,
-                            "before": dec[int(rw[i]), int(tt[i])].tolist(),
-                            "after": dec[2 * W + int(rw[i]), int(tt[i])].tolist()})
+                            "before": before[i].tolist(), "after": after[i].tolist()})
     return out
 
 

@@ -264,7 +264,8 @@ def _tie_evidence(ties) -> dict | None:
             "noise_reach": ties.noise_reach, "reach_factor": REACH_FACTOR,
             "kinds": {Kind(k).label: n for k, n in enumerate(ties.kinds)}, "flips": ties.flips,
             "records": ties.records, "evaluations": ties.evaluations, "reason": ties.reason,
-            "one_row": ties.one_row,
+            "one_row": ties.one_row, "length": ties.length, "moved": ties.moved,
+            "confirm_calls": ties.confirm_calls, "rebracketed": ties.rebracketed,
             "assumption": "a tie moved by reordered reductions moves by max(32, T) ulps of the "
                           "input segment (scores of the order of their spread along it)",
             "covers": "ties in windows of consecutive positions ending at a cut (cuts spread "
