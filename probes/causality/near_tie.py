@@ -13,20 +13,25 @@ the margin small by construction:
      different decisions at t.
   2. Bisect the segment between them (every tie of every window in one call, one call per
      step) until the two ends are ~2^-20 apart, or adjacent floats: a bracket [lo, hi]
-     around the tie. A call is one row (one per window if they overlap), so the search is
-     ~STEPS + 2 calls of one row plus three calls of 2 rows per window, however many ties
-     it brackets. A tie's decision also depends on the ties before it (its past: its
-     window's and, in one row, the earlier windows'), which move while it is bisected: a
-     bracket that this moves out of is found in step 3 (its end no longer decides as
-     recorded) and that end is not used.
+     around the tie (brackets.py). A call is one row (one per window if they overlap), so
+     the search is ~22 calls of one row plus two calls of 2 rows per window, however many
+     ties it brackets. When the last tie sits in the first SHORT of the sequence (one
+     sequence: its window ends at the middle cut) the bisection runs on the prefix up to
+     the last tie, and the ends are confirmed at the inputs' length in the rows step 3
+     runs: ends the length moved are found again there, or every tie is bracketed again
+     at that length (brackets.confirm). A tie's decision also depends on the ties before it
+     (its past: its window's and, in one row, the earlier windows'), which move while it is
+     bisected: a bracket that this moves out of is found in step 3 (its end no longer
+     decides as recorded) and that end is not used.
   3. Run the low ends together and the high ends together (every window's row holding every
-     tie at that end, as bisection held them) with what follows each window
-     replaced, and unchanged (twice), in calls of the same layout (row for row: rounding
-     that depends on a row's place or the batch size is the same in each). Two unchanged
-     calls that disagree are nondeterminism (TP-C2): at a tie any run-to-run noise flips a
-     choice. A causal target cannot move any tie's decision; a leak that shifts a boundary
-     by more than the bracket moves one end. (The other ties of the window, between a tie
-     and its window's cut, are not replaced: the future tested is what follows the cut.)
+     tie at that end, as bisection held them) with what follows each window replaced, and
+     unchanged, in calls of the same layout (row for row: rounding that depends on a row's
+     place or the batch size is the same in each). A causal target cannot move any tie's
+     decision; a leak that shifts a boundary by more than the bracket moves one end. Where
+     something moved, the unchanged ends run once more: two unchanged calls that disagree
+     are nondeterminism (TP-C2), since at a tie any run-to-run noise flips a choice. (The
+     other ties of the window, between a tie and its window's cut, are not replaced: the
+     future tested is what follows the cut.)
   4. A flip is a leak (structural) if it persists farther from the tie than reordered
      reductions could reach, max(32, T) ulps of relative input distance (the bound classify
      uses for a score gap),
