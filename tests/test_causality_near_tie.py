@@ -117,7 +117,8 @@ def test_the_search_bisects_every_window_in_one_row_however_many_ties(B):
         rows = 1 if ties["one_row"] else W
         bisection = [c for c in calls if c == (rows, L)]
         test = [c for c in calls if c == (2 * W, T)]
-        assert len(bisection) >= ties["evaluations"] - 4 and len(test) == 2  # unchanged, perturbed
+        # unchanged, perturbed, unchanged again (noise at a tie is TP-C2, never a pass)
+        assert len(bisection) >= ties["evaluations"] - 5 and len(test) == 3
         assert ties["moved"] == 0 and ties["confirm_calls"] == 0 and not ties["rebracketed"]
 
 
@@ -256,7 +257,7 @@ def test_one_sequence_brackets_its_prefix_and_keeps_only_ends_that_hold_at_full_
     short = sum(1 for c in search if c[1] == L)
     full = [c for c in search if c[1] == 256]
     assert short >= 20 and len(full) + short == len(search)
-    assert 2 <= len(full) <= 2 + ties["confirm_calls"]  # unchanged and perturbed, and any moves
+    assert 3 <= len(full) <= 3 + ties["confirm_calls"]  # unchanged, perturbed, again, and any moves
     assert at_full["length"] == 256 and ties["moved"] == 0
     # the other ties, sitting at their ends, move a few ends: the same ones either way
     assert (ties["held"], ties["reached"], ties["width"]) == (at_full["held"], at_full["reached"], at_full["width"])

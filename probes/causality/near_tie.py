@@ -126,9 +126,17 @@ def search(judge: Judge, tgt: Target, R: torch.Tensor, cuts: list, *, points: in
     d_lo = None
     if short is not None:
         try:
-            d_lo = calls(short)[bw, t]  # the ties' own decisions at that length
+            got = calls(short)
         except TargetError:  # a target that takes its own length only
+            got = None
+        # the prefix stands in for the inputs only if it decides every position it holds as
+        # the inputs do: a decision whose shape or value follows the length (capacity from
+        # T, a [T, T] key mask, length-scaled positions) would drop or move ties there
+        full_dec = judge.base.decision[src[:len(bb)], :L]
+        if got is None or got.shape != full_dec.shape or differs(got, full_dec, judge.atol).any():
             short = None
+        else:
+            d_lo = got[bw, t]  # the ties' own decisions at that length
     if short is None:
         d_lo = judge.base.decision[src[w], t]
     out.length = T if short is None else L
@@ -167,7 +175,7 @@ def search(judge: Judge, tgt: Target, R: torch.Tensor, cuts: list, *, points: in
             out.rebracketed = True
             full = lambda v: calls(_set(bb, bw, t, v))[bw, t]
             d_lo, d_hi = judge.base.decision[src[w], t], full(at(torch.ones(n, dtype=torch.float64)))
-            out.reached = int(differs(d_lo, d_hi, judge.atol).sum())  # a tie at this length too
+            out.reached = int(differs(d_lo[:, None], d_hi[:, None], judge.atol).sum())  # ties here too
             ends = bisect(full, at, n, d_lo, d_hi, judge.atol)
             unchanged = None
     else:
@@ -183,14 +191,15 @@ def search(judge: Judge, tgt: Target, R: torch.Tensor, cuts: list, *, points: in
     held = ~differs(want[:, None], before[:, None], judge.atol)[:, 0]
     out.held = int(held.sum())
     moved = differs(before[:, None], after[:, None], judge.atol)[:, 0] & held
-    if moved.any():
-        # the unchanged ends once more: at a tie any nondeterminism flips a decision, and a
-        # flip that two identical calls disagree on is TP-C2, never a leak (nor a pass)
-        again = differs(before[:, None], calls(rows)[rw, tt][:, None], judge.atol)[:, 0]
-        if again.any():
-            where = again.nonzero().flatten()
-            raise Nondeterministic([[int(rsrc[rw[i]]), int(tt[i])] for i in where[:10].tolist()],
-                                   int(again.sum()))
+    # the unchanged ends once more, whether or not anything moved: at a tie any
+    # nondeterminism flips a decision, and a flip that two identical calls disagree on is
+    # TP-C2, never a leak (nor a pass: noise that happened not to move the perturbed call
+    # still shows here)
+    again = differs(before[:, None], calls(rows)[rw, tt][:, None], judge.atol)[:, 0]
+    if again.any():
+        where = again.nonzero().flatten()
+        raise Nondeterministic([[int(rsrc[rw[i]]), int(tt[i])] for i in where[:10].tolist()],
+                               int(again.sum()))
     alpha = torch.cat([ends.a0, ends.a1])
     side = torch.cat([-torch.ones(n), torch.ones(n)]).double()
     j = moved.nonzero().flatten()
