@@ -175,7 +175,8 @@ def search(judge: Judge, tgt: Target, R: torch.Tensor, cuts: list, *, points: in
             out.rebracketed = True
             full = lambda v: calls(_set(bb, bw, t, v))[bw, t]
             d_lo, d_hi = judge.base.decision[src[w], t], full(at(torch.ones(n, dtype=torch.float64)))
-            out.reached = int(differs(d_lo[:, None], d_hi[:, None], judge.atol).sum())  # ties here too
+            # a tie at this length too (a decision is a tie whichever of its top-k slots differ)
+            out.reached = int(differs(d_lo[:, None], d_hi[:, None], judge.atol).sum())
             ends = bisect(full, at, n, d_lo, d_hi, judge.atol)
             unchanged = None
     else:
