@@ -93,20 +93,22 @@ def rare_noise(x):
     return (logits * (1 + 1e-7 * torch.randn(logits.shape))).topk(2, -1).indices
 
 
-@pytest.mark.parametrize("seed", [7, 11, 13, 17])
+@pytest.mark.parametrize("seed", [7, 9, 11, 13, 17, 67])
 def test_rare_noise_at_a_tie_is_nondeterminism_even_when_no_end_moved(seed):
-    """Before: the unchanged ends ran again only if the perturbed call moved one; noise that
-    missed that call passed (these seeds: 9 of seeds 0-29 passed, 2 were called possible
-    leaks; the full-length search called all 30 TP-C2)."""
+    """Before: the unchanged ends ran again only if the perturbed call moved one, and an end
+    noise flipped at the inputs' length was taken for a length move and moved away from the
+    boundary. Of seeds 0-89, 29 passed and 6 were called possible leaks (these seeds passed);
+    the full-length search called 89 TP-C2. Now 3 pass and 1 warns."""
     torch.manual_seed(1000 + seed)
     res = check(rare_noise, X(seed), seed=seed)
     assert res.codes == ["TP-C2"], (res.verdict, res.message)
 
 
-@pytest.mark.xfail(strict=True, reason="with the re-run restored, 2 of seeds 0-29 still pass "
-                   "(6, 9) and 2 warn, where the full-length search called all 30 TP-C2: the "
-                   "prefix path's confirm call stands in for one of the three unchanged runs")
-@pytest.mark.parametrize("seed", [6, 9])
+@pytest.mark.xfail(strict=True, reason="3 of seeds 0-89 still pass (6, 36, 79) and 1 warns "
+                   "(31) where the full-length search passed 1 (83): brackets sought on the "
+                   "prefix meet less noise at the inputs' length (with near_tie.SHORT = 0 the "
+                   "search matches the full-length one seed for seed); cause not pinned down")
+@pytest.mark.parametrize("seed", [6, 36])
 def test_rare_noise_at_a_tie_is_never_a_pass(seed):
     torch.manual_seed(1000 + seed)
     res = check(rare_noise, X(seed), seed=seed)

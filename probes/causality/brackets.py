@@ -82,13 +82,14 @@ def _held(d, ends: Ends, atol: float) -> torch.Tensor:
 
 
 def confirm(run: Callable, run_short: Callable, at: Callable, ends: Ends, atol: float,
-            gallop: int = GALLOP):
+            gallop: int = GALLOP, noise: Callable | None = None):
     """Make the ends found on the prefix hold at the inputs' length (see the module).
     run(a0, a1) -> decisions [2, n, ...] of the low ends (each in its row of low ends) and the
     high ends, in one call of the rows the test runs; run_short: the same rows cut to the
     prefix's length. Returns (ends, decisions of the last unchanged call [2, n, ...], calls
     spent beyond the first, ends moved, ends lost: a length-moved end not found again, or
-    one that turned to a third decision; the caller then brackets at the inputs' length)."""
+    one that turned to a third decision; the caller then brackets at the inputs' length).
+    noise(mask [2, n]) is told of ends that two identical calls decided differently."""
     al = torch.stack([ends.a0, ends.a1])  # [2, n]
     d = run(al[0], al[1])
     held = _held(d, ends, atol)
@@ -100,6 +101,12 @@ def confirm(run: Callable, run_short: Callable, at: Callable, ends: Ends, atol: 
     by_length = _held(run_short(al[0], al[1]), ends, atol) & ~held
     if not by_length.any():
         return ends, d, 1, 0, 0
+    # at a tie run-to-run noise flips an end too, and would pass for a length move (and be
+    # moved away from the boundary, where noise shows less): the same rows once more first
+    again = run(al[0], al[1])
+    flipped = torch.stack([~_same(again[s], d[s], atol) for s in (0, 1)])
+    if flipped.any() and noise is not None:
+        noise(flipped)
     lo_side = torch.stack([_same(d[0], ends.d_lo, atol), _same(d[1], ends.d_lo, atol)])
     # a low end off the low side: the boundary lies below it; a high end on the low side:
     # above it. A high end turned to a third decision is neither, and so is a tie whose both
@@ -113,7 +120,7 @@ def confirm(run: Callable, run_short: Callable, at: Callable, ends: Ends, atol: 
     good_dec, bad_dec = torch.stack([ends.d_lo, ends.d_hi]), d.clone()
     found = torch.zeros_like(bad)
     open_ = bad.clone()
-    calls = 1
+    calls = 2
 
     def ok(dec):  # on its own side: low ends decide d_lo, high ends anything else
         e = torch.stack([_same(dec[0], ends.d_lo, atol), _same(dec[1], ends.d_lo, atol)])

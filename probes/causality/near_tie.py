@@ -168,8 +168,13 @@ def search(judge: Judge, tgt: Target, R: torch.Tensor, cuts: list, *, points: in
         return torch.stack([got[w, t], got[W + w, t]])
 
     if short is not None:  # the ends must hold at the inputs' length: moved there if not
+        def noise(flipped):  # [2, n]: ends two identical calls decided differently
+            e, i = flipped.nonzero().unbind(1)
+            raise Nondeterministic([[int(src[w[k]]), int(t[k])] for k in i[:10].tolist()],
+                                   len(e))
+
         ends, unchanged, spent, out.moved, lost = confirm(
-            run_ends, lambda a0, a1: run_ends(a0, a1, L), at, ends, judge.atol)
+            run_ends, lambda a0, a1: run_ends(a0, a1, L), at, ends, judge.atol, noise=noise)
         out.confirm_calls = spent
         if lost:  # the length moved an end farther than a few brackets: bracket at T
             out.rebracketed = True
