@@ -113,3 +113,12 @@ def test_rare_noise_at_a_tie_is_never_a_pass(seed):
     torch.manual_seed(1000 + seed)
     res = check(rare_noise, X(seed), seed=seed)
     assert res.codes == ["TP-C2"], (res.verdict, res.message)
+
+
+def test_near_tie_leaks_none_of_whose_first_records_is_structural_give_a_message():
+    """Before (on main too): 64 ties before one late cut, the 20 records kept (the first
+    flips) all unverified (no twin for a plain function) and a later flip structural: the
+    message's next() over the records raised StopIteration out of check()."""
+    res = check(seq_mean_top2, X(0, B=2), seed=0, near_ties=64, cuts=[254])
+    assert res.verdict == "fail" and "TP-C1" in res.codes
+    assert res.metrics["n_near_tie_leaks"] > 0 and "near-tie" in res.message

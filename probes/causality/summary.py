@@ -281,7 +281,8 @@ def _tie_message(found: Findings, metrics: dict) -> str:
     if ties is None:
         return ""
     if ties.leaks:
-        r = next(r for r in ties.records if r["kind"] == "structural") if ties.records else None
+        # the records keep the first flips only: a structural one may lie beyond them
+        r = next((r for r in ties.records if r["kind"] == "structural"), None)
         return (f"; {ties.leaks} of {ties.reached} decisions brought to a near-tie (bisection on "
                 f"the input at a cut, brackets within {ties.width:.2g} of the input segment) "
                 f"flipped when only later positions changed"
