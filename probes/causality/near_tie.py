@@ -14,10 +14,12 @@ the margin small by construction:
   2. Bisect the segment between them (every tie of every window in one call, one call per
      step) until the two ends are ~2^-20 apart, or adjacent floats: a bracket [lo, hi]
      around the tie (brackets.py). A call is one row (one per window if they overlap), so
-     the search is ~22 calls of one row plus two calls of 2 rows per window, however many
+     the search is ~22 calls of one row plus three calls of 2 rows per window, however many
      ties it brackets. When the last tie sits in the first SHORT of the sequence (one
-     sequence: its window ends at the middle cut) the bisection runs on the prefix up to
-     the last tie, and the ends are confirmed at the inputs' length in the rows step 3
+     sequence: its window ends at the middle cut) and the prefix up to the last tie decides
+     every position it holds as the inputs do (else a decision whose shape or value follows
+     the length, e.g. a capacity sized from T, would lose or move ties there), the
+     bisection runs on that prefix, and the ends are confirmed at the inputs' length in the rows step 3
      runs: ends the length moved are found again there, or every tie is bracketed again
      at that length (brackets.confirm). A tie's decision also depends on the ties before it
      (its past: its window's and, in one row, the earlier windows'), which move while it is
@@ -27,9 +29,10 @@ the margin small by construction:
      tie at that end, as bisection held them) with what follows each window replaced, and
      unchanged, in calls of the same layout (row for row: rounding that depends on a row's
      place or the batch size is the same in each). A causal target cannot move any tie's
-     decision; a leak that shifts a boundary by more than the bracket moves one end. Where
-     something moved, the unchanged ends run once more: two unchanged calls that disagree
-     are nondeterminism (TP-C2), since at a tie any run-to-run noise flips a choice. (The
+     decision; a leak that shifts a boundary by more than the bracket moves one end. The
+     unchanged ends run once more, whether or not anything moved: two unchanged calls that
+     disagree are nondeterminism (TP-C2), since at a tie any run-to-run noise flips a
+     choice (and noise that missed the perturbed call would otherwise pass). (The
      other ties of the window, between a tie and its window's cut, are not replaced: the
      future tested is what follows the cut.)
   4. A flip is a leak (structural) if it persists farther from the tie than reordered
