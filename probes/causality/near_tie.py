@@ -19,9 +19,9 @@ the margin small by construction:
      sequence: its window ends at the middle cut) and the prefix up to the last tie decides
      every position it holds as the inputs do (else a decision whose shape or value follows
      the length, e.g. a capacity sized from T, would lose or move ties there), the
-     bisection runs on that prefix, and the ends are confirmed at the inputs' length in the rows step 3
-     runs: ends the length moved are found again there, or every tie is bracketed again
-     at that length (brackets.confirm). A tie's decision also depends on the ties before it
+     bisection runs on that prefix, and the ends are confirmed at the inputs' length in the
+     rows step 3 runs: ends the length moved are found again there, or every tie is
+     bracketed again at that length (brackets.confirm). A tie's decision also depends on the ties before it
      (its past: its window's and, in one row, the earlier windows'), which move while it is
      bisected: a bracket that this moves out of is found in step 3 (its end no longer
      decides as recorded) and that end is not used.
@@ -84,7 +84,7 @@ class NearTies:
                                    # last tie, or the inputs' length)
     moved: int = 0                 # ends moved to hold at the inputs' length
     confirm_calls: int = 0         # calls spent moving them
-    rebracketed: bool = False      # too many ends lost: bracketed again at the inputs' length
+    rebracketed: bool = False      # an end lost at full length: all bracketed again there
     reason: str | None = None      # why no bracket was sought or reached
 
     @property
@@ -165,9 +165,10 @@ def search(judge: Judge, tgt: Target, R: torch.Tensor, cuts: list, *, points: in
             return torch.cat([_set(bb, bw, t, p).expand(W, *bb.shape[1:]) for p in (p0, p1)])
         return torch.cat([_set(base, w, t, p0), _set(base, w, t, p1)])  # [2W, T, ...]
 
-    def run_ends(a0, a1, length=T):  # [2, n]: each low end in its window's row of low ends,
-        # row of high ends
-        got = calls(make_rows(at(a0), at(a1))[:, :length].contiguous())  # each high end in its
+    def run_ends(a0, a1, length=T):
+        """[2, n]: each low end in its window's row of low ends, each high end in its row of
+        high ends (cut to `length`)."""
+        got = calls(make_rows(at(a0), at(a1))[:, :length].contiguous())
         return torch.stack([got[w, t], got[W + w, t]])
 
     if short is not None:  # the ends must hold at the inputs' length: moved there if not
