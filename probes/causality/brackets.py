@@ -2,21 +2,21 @@
 
 `bisect` halves every tie's bracket in one call per step, on whatever rows it is given: the
 inputs' rows, or their prefix up to the last tie when that is much cheaper (attention costs
-T x T: a row of half the length costs ~1/6 of a full one). A causal target decides a tie
-from its prefix alone (near_tie.py uses the prefix only where it decides every position it
-holds as the inputs do: a decision whose shape or value follows the length is bracketed at
-the inputs' length from the start), but the bracket must hold where the test runs: at the
-inputs' length, with each window's own future. `confirm` checks that in the rows the test
-runs (one call, the test's unchanged rows) and moves every end that decides otherwise at the
-inputs' length: a length-dependent rounding, or a leak reading the future the prefix lacked,
-shifts the boundary, and a leak moves exactly the ends that would show it. Such an end steps
-outward, 2^k brackets at a time, until it decides as an end of its side must, then is
-bisected back to its bracket's width from the last point that did not: it is again an end at
-the boundary, now at the inputs' length, and the test perturbs its future as before. An end
-that has not turned within 2^GALLOP brackets is lost, and then the caller brackets every tie
-again at the inputs' length: never a pass bought with a length change. Ends that do not hold
-at the prefix's length either (the other ties, sitting at their ends, moved them: as at the
-inputs' length) are left as they are: the test does not use them.
+T x T: a row of half the length costs 1/6 to 1/3 of a full one on a CPU). A causal target
+decides a tie from its prefix alone (near_tie.py uses the prefix only where it decides every
+position it holds as the inputs do: a decision whose shape or value follows the length is
+bracketed at the inputs' length from the start), but the bracket must hold where the test
+runs: at the inputs' length, with each window's own future. `confirm` checks that in the
+rows the test runs (one call, the test's unchanged rows) and moves every end that decides
+otherwise at the inputs' length: a length-dependent rounding, or a leak reading the future
+the prefix lacked, shifts the boundary, and a leak moves exactly the ends that would show
+it. Such an end steps outward, 2^k brackets at a time, until it decides as an end of its
+side must, then is bisected back to its bracket's width from the last point that did not: it
+is again an end at the boundary, now at the inputs' length, and the test perturbs its future
+as before. An end that has not turned within 2^GALLOP brackets is lost, and then the caller
+brackets every tie again at the inputs' length: never a pass bought with a length change.
+Ends that do not hold at the prefix's length either (the other ties, sitting at their ends,
+moved them: as at the inputs' length) are left as they are: the test does not use them.
 """
 from __future__ import annotations
 
