@@ -304,3 +304,25 @@ def test_rounding_that_follows_the_length_moves_ends_and_is_no_leak():
         assert ties["length"] < 256 and ties["held"] > ties["reached"]
         moved += ties["moved"] + ties["rebracketed"]
     assert moved > 0
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_where_bigger_calls_cost_more_per_row_the_search_keeps_to_the_inputs_rows(B):
+    """A target whose call costs grow much faster than its rows (attention's T x T falling
+    out of cache makes a packed call cost ~2x per row on a CPU; cubic here, so that timing
+    noise on a loaded machine cannot make packing look cheaper): the cuts' sizer settles on
+    calls alone, and the search's calls then hold no more rows than the inputs (they held
+    2 per window)."""
+    import time
+
+    shapes = []
+
+    def slow_when_packed(v):
+        shapes.append(v.shape[0])
+        time.sleep(0.004 * (v.shape[0] / B) ** 3)
+        return causal_route(v)
+
+    res = check(slow_when_packed, X(0, B=B, T=64), cuts="all")
+    ties = res.evidence["near_tie_search"]
+    assert res.verdict == "pass" and res.evidence["packing"]["state"] == "alone"
+    assert ties["reached"] > 16 and max(shapes[-ties["evaluations"]:]) <= B

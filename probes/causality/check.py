@@ -168,10 +168,11 @@ def _near_ties(judge: Judge, tgt: Target, R, cuts, iso: Isolation, run: Cuts, *,
         return skipped("copies share a call only for a batch-isolated target with a batch axis")
     # every bisection call is one row, however many ties it carries (near_tie.py): more
     # points cost no more calls, only longer windows before each cut. Where the cuts
-    # measured that packing costs more than calls alone, the search's rows run alone too
+    # measured that calls bigger than the inputs cost more per row than calls alone, the
+    # search's calls hold no more rows than the inputs do
     alone = run.sizer is not None and run.sizer.state == "alone"
     return near_tie_search(judge, tgt, R, cuts, points=points, max_batch_tokens=max_batch_tokens,
-                           rows_per_call=1 if alone else None)
+                           rows_per_call=judge.x.shape[0] if alone else None)
 
 
 def _deterministic(judge: Judge) -> None:
