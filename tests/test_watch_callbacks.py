@@ -58,21 +58,24 @@ def _moe_module(L, optimizer, float_out=False):
     return Module()
 
 
+def _fit(L, module, callbacks, *, rows=40, max_steps=10, **trainer):
+    """Fit module on `rows` fixed sequences of 12 token ids (batches of 4) with a quiet
+    CPU Trainer: no logger, checkpoints, progress bar or model summary."""
+    ids = torch.randint(0, 32, (rows, 12), generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
+    L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+              callbacks=callbacks, **trainer).fit(module, loader)
+
+
 def test_lightning_callback_watches_routers_and_updates(tmp_path):
     L = pytest.importorskip("lightning.pytorch")
     from trainprobes.watch.lightning import SentinelLightning
 
     torch.manual_seed(0)
     module = _moe_module(L, lambda params: torch.optim.Adam(params, lr=1e-5)).to(torch.bfloat16)
-    ids = torch.randint(0, 32, (40, 12), generator=torch.Generator().manual_seed(1))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
     s = Sentinel(interval=5)
-    trainer = L.Trainer(max_steps=10, accelerator="cpu", devices=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False,
-                        callbacks=[SentinelLightning(s, ddp=False, routers=True, updates=True,
-                                                     router_every=5)])
-    trainer.fit(module, loader)
+    _fit(L, module, [SentinelLightning(s, ddp=False, routers=True, updates=True, router_every=5)])
     by = {r.target: r for r in s.results}
     assert by["watch:router[net.moe.router]"].verdict == "pass"
     assert by["watch:router[net.moe.router]"].metrics["checks"] == 2
@@ -158,14 +161,8 @@ def _lightning_fit(gemms):
 
     torch.manual_seed(0)
     module = _moe_module(L, lambda params: torch.optim.Adam(params, lr=1e-3))
-    ids = torch.randint(0, 32, (40, 12), generator=torch.Generator().manual_seed(1))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
     s = Sentinel(interval=5)
-    callbacks = [SentinelLightning(s, ddp=False, packing=False, gemms=gemms)] if gemms is not None else []
-    trainer = L.Trainer(max_steps=10, accelerator="cpu", devices=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=callbacks)
-    trainer.fit(module, loader)
+    _fit(L, module, [SentinelLightning(s, ddp=False, packing=False, gemms=gemms)] if gemms is not None else [])
     return s, {k: v.detach().clone() for k, v in module.state_dict().items()}, torch.get_rng_state()
 
 
@@ -195,14 +192,8 @@ def test_lightning_update_watch_replays_the_steps_own_gradient(opt):
     torch.manual_seed(0)
     module = _moe_module(L, lambda params: torch.optim.AdamW(params, lr=1e-3) if opt == "adamw"
                            else torch.optim.SGD(params, lr=0.1, momentum=0.9))
-    ids = torch.randint(0, 32, (40, 12), generator=torch.Generator().manual_seed(1))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
     s = Sentinel(interval=5)
-    trainer = L.Trainer(max_steps=10, accelerator="cpu", devices=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False,
-                        callbacks=[SentinelLightning(s, ddp=False, packing=False, updates=True)])
-    trainer.fit(module, loader)
+    _fit(L, module, [SentinelLightning(s, ddp=False, packing=False, updates=True)])
     (w,) = s.watches
     errors = list(w.streams.streams["all_groups"].errors)
     assert len(errors) == 10 and s.errors == [], (errors, s.errors)
@@ -219,14 +210,10 @@ def test_lightning_steps_the_sentinel_once_per_optimizer_step():
     from trainprobes.watch.lightning import SentinelLightning
 
     torch.manual_seed(0)
-    ids = torch.randint(0, 32, (48, 12), generator=torch.Generator().manual_seed(1))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
     s = Sentinel(interval=3)
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False,
-                        accumulate_grad_batches=4, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[SentinelLightning(s, ddp=False, packing=False, updates=True)])
-    trainer.fit(_moe_module(L, lambda params: torch.optim.AdamW(params, lr=1e-3)), loader)
+    _fit(L, _moe_module(L, lambda params: torch.optim.AdamW(params, lr=1e-3)),
+         [SentinelLightning(s, ddp=False, packing=False, updates=True)], rows=48, max_steps=3,
+         accumulate_grad_batches=4)
     (w,) = s.watches
     assert s.steps == 3 and w.checked_steps == 3 and s.errors == []
     assert w.contributions == 4
@@ -245,16 +232,10 @@ def test_lightning_bf16_mixed_with_accumulation_changes_no_bit_with_gemms_and_up
     def fit(on):
         torch.manual_seed(0)
         module = _moe_module(L, lambda params: torch.optim.AdamW(params, lr=1e-3), float_out=True)
-        ids = torch.randint(0, 32, (48, 12), generator=torch.Generator().manual_seed(1))
-        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
         s = Sentinel(interval=3)
         cbs = [SentinelLightning(s, ddp=False, packing=False, updates=True, gemms={
             "every": 1, "gemms": ("fprop", "dgrad", "wgrad"), "samples": 64})] if on else []
-        trainer = L.Trainer(max_steps=6, accelerator="cpu", devices=1, logger=False,
-                            precision="bf16-mixed", accumulate_grad_batches=2,
-                            enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, callbacks=cbs)
-        trainer.fit(module, loader)
+        _fit(L, module, cbs, rows=48, max_steps=6, precision="bf16-mixed", accumulate_grad_batches=2)
         return s, {k: v.detach().clone() for k, v in module.state_dict().items()}, torch.get_rng_state()
 
     _, plain, plain_rng = fit(False)
