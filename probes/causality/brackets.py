@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from trainprobes.causality.target import differs
+from trainprobes.causality.target import differs_each
 
 __all__ = ["STEPS", "GALLOP", "Ends", "bisect", "confirm"]
 
@@ -45,7 +45,7 @@ class Ends:
 
 def _same(d: torch.Tensor, ref: torch.Tensor, atol: float) -> torch.Tensor:
     """[n] bool: d[i] decides as ref[i] (within atol)."""
-    return ~differs(ref[:, None], d[:, None], atol)[:, 0]
+    return ~differs_each(ref, d, atol)
 
 
 def _bcast(mask, like):

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 import torch
 from trainprobes.causality.brackets import bisect, confirm
 from trainprobes.causality.classify import Judge, Kind, Nondeterministic, Outputs, reduction_ulps
-from trainprobes.causality.target import Target, differs
+from trainprobes.causality.target import Target, differs, differs_each
 from trainprobes.errors import TargetError
 
 __all__ = ["NearTies", "search", "skipped"]
@@ -185,7 +185,7 @@ def search(judge: Judge, tgt: Target, R: torch.Tensor, cuts: list, *, points: in
             full = lambda v: calls(_set(bb, bw, t, v))[bw, t]
             d_lo, d_hi = judge.base.decision[src[w], t], full(at(torch.ones(n, dtype=torch.float64)))
             # a tie at this length too (a decision is a tie whichever of its top-k slots differ)
-            out.reached = int(differs(d_lo[:, None], d_hi[:, None], judge.atol).sum())
+            out.reached = int(differs_each(d_lo, d_hi, judge.atol).sum())
             ends = bisect(full, at, n, d_lo, d_hi, judge.atol)
             unchanged = None
     else:
@@ -198,14 +198,14 @@ def search(judge: Judge, tgt: Target, R: torch.Tensor, cuts: list, *, points: in
     before = (calls(rows)[rw, tt] if unchanged is None else unchanged.flatten(0, 1))
     after = calls(_future(rows, rend, trial[rsrc]))[rw, tt]
     want = torch.cat([ends.d_lo, ends.d_hi])
-    held = ~differs(want[:, None], before[:, None], judge.atol)[:, 0]
+    held = ~differs_each(want, before, judge.atol)
     out.held = int(held.sum())
-    moved = differs(before[:, None], after[:, None], judge.atol)[:, 0] & held
+    moved = differs_each(before, after, judge.atol) & held
     # the unchanged ends once more, whether or not anything moved: at a tie any
     # nondeterminism flips a decision, and a flip that two identical calls disagree on is
     # TP-C2, never a leak (nor a pass: noise that happened not to move the perturbed call
     # still shows here)
-    again = differs(before[:, None], calls(rows)[rw, tt][:, None], judge.atol)[:, 0]
+    again = differs_each(before, calls(rows)[rw, tt], judge.atol)
     if again.any():
         where = again.nonzero().flatten()
         raise Nondeterministic([[int(rsrc[rw[i]]), int(tt[i])] for i in where[:10].tolist()],
@@ -231,9 +231,8 @@ def search(judge: Judge, tgt: Target, R: torch.Tensor, cuts: list, *, points: in
     dec2 = torch.cat([calls(bx), calls(_future(bx, rend[rr], trial[rsj]))])
     m = len(rr)
     k_idx = torch.arange(m)
-    same_side = ~differs(want[j].repeat_interleave(K, 0)[:, None], dec2[k_idx, rt][:, None],
-                         judge.atol)[:, 0]
-    flipped = differs(dec2[k_idx, rt][:, None], dec2[m + k_idx, rt][:, None], judge.atol)[:, 0]
+    same_side = ~differs_each(want[j].repeat_interleave(K, 0), dec2[k_idx, rt], judge.atol)
+    flipped = differs_each(dec2[k_idx, rt], dec2[m + k_idx, rt], judge.atol)
     persists = (same_side & flipped).view(len(j), K)
     # the contiguous run from k = 0: how far the boundary moved, in relative input distance
     run = persists.long().cumprod(1)
@@ -266,7 +265,7 @@ def _twin(judge: Judge, base, t, end, trial) -> torch.Tensor:
     if None in got:
         return torch.full((len(t),), int(Kind.UNVERIFIED), dtype=torch.long)
     i = torch.arange(len(t))
-    moved = differs(got[0].decision[i, t][:, None], got[1].decision[i, t][:, None], judge.atol)[:, 0]
+    moved = differs_each(got[0].decision[i, t], got[1].decision[i, t], judge.atol)
     return torch.where(moved, int(Kind.STRUCTURAL), int(Kind.NUMERICAL))
 
 
@@ -317,10 +316,6 @@ def _future(xs, t, rep):
     return torch.where(late.view(*late.shape, *[1] * (xs.dim() - 2)), rep.to(xs.device), xs)
 
 
-def _bcast(mask, like):
-    return mask.view(-1, *[1] * (like.dim() - 1))
-
-
 def _other_end(calls, x, base, R, src, w, t, d_lo, atol):
     """A second value for each tie whose decision differs: a replacement value, or the value
     at another row or position, tried for every open tie of every window in one call each.
@@ -340,7 +335,7 @@ def _other_end(calls, x, base, R, src, w, t, d_lo, atol):
         if not need.any():
             continue
         d = calls(_set(base, w[need], t[need], src_v[need].to(x.dtype)))[w[need], t[need]]
-        new = differs(d_lo[need][:, None], d[:, None], atol)[:, 0]
+        new = differs_each(d_lo[need], d, atol)
         idx = need.nonzero().flatten()[new]
         val[idx] = src_v[need][new].to(x.dtype)
         dec[idx] = d[new]

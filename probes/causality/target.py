@@ -155,6 +155,12 @@ def differs(a: torch.Tensor, b: torch.Tensor, atol: float) -> torch.Tensor:
     return d.reshape(*d.shape[:2], -1).any(-1) if d.dim() > 2 else d
 
 
+def differs_each(a: torch.Tensor, b: torch.Tensor, atol: float) -> torch.Tensor:
+    """[n] bool: where decision i of a differs from decision i of b (each [n, ...]), as
+    `differs` judges one position."""
+    return differs(a[:, None], b[:, None], atol)[:, 0]
+
+
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether differs(a, b, atol) is False everywhere, for any atol, told in one pass without
     allocating (torch.equal: equal values, so a NaN anywhere says no and the caller looks
