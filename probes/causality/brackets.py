@@ -107,11 +107,15 @@ def confirm(run: Callable, run_short: Callable, at: Callable, ends: Ends, atol: 
     flipped = torch.stack([~_same(again[s], d[s], atol) for s in (0, 1)])
     if flipped.any() and noise is not None:
         noise(flipped)
-    lo_side = torch.stack([_same(d[0], ends.d_lo, atol), _same(d[1], ends.d_lo, atol)])
+
+    def ok(dec):  # on its own side: low ends decide d_lo, high ends anything else
+        e = torch.stack([_same(dec[0], ends.d_lo, atol), _same(dec[1], ends.d_lo, atol)])
+        return torch.stack([e[0], ~e[1]])
+
     # a low end off the low side: the boundary lies below it; a high end on the low side:
     # above it. A high end turned to a third decision is neither, and so is a tie whose both
     # ends moved (the boundary is not where either says): lost
-    bad = by_length & torch.stack([~lo_side[0], lo_side[1]])
+    bad = by_length & ~ok(d)
     bad &= ~bad.all(0, keepdim=True)
     third = int((by_length & ~bad).sum())
     side = torch.tensor([-1.0, 1.0], dtype=torch.float64)[:, None]
@@ -121,10 +125,6 @@ def confirm(run: Callable, run_short: Callable, at: Callable, ends: Ends, atol: 
     found = torch.zeros_like(bad)
     open_ = bad.clone()
     calls = 2
-
-    def ok(dec):  # on its own side: low ends decide d_lo, high ends anything else
-        e = torch.stack([_same(dec[0], ends.d_lo, atol), _same(dec[1], ends.d_lo, atol)])
-        return torch.stack([e[0], ~e[1]])
 
     for k in range(gallop + 1):
         q = (al + side * width * 2.0 ** k).clamp(0, 1)
