@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from trainprobes.drift import DriftAlarm, DriftMonitor, compare
 
@@ -16,6 +16,9 @@ def _step(g, B=8, T=32, noise=0.02, offset=0.0):
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2 ** 16), steps=st.integers(1, 6), offset=st.sampled_from([0.0, 0.01]),
        masked=st.booleans())
+# a value at -0.0499998 went to the coarse bin below the fine range and to the fine range's
+# first bin: every quantile in the fine range was one rank off (found by CI, 2026-12-06)
+@example(seed=303, steps=2, offset=0.0, masked=False)
 def test_summary_matches_compare_on_all_steps(seed, steps, offset, masked):
     g = torch.Generator().manual_seed(seed)
     mon = DriftMonitor()

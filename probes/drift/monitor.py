@@ -45,7 +45,7 @@ class DriftAlarm(TrainprobesError, RuntimeError):
         super().__init__(f"TP-D3 drift over threshold: {name} = {value:.4g} > {threshold:g} at step {step}")
 
 
-_SUMS = ("n", "n_low", "s1", "s2", "se", "see", "k3", "rev", "n_out", "tail_sq", "adp", "units", "u_s",
+_SUMS = ("n", "n_low", "n_below_fine", "s1", "s2", "se", "see", "k3", "rev", "n_out", "tail_sq", "adp", "units", "u_s",
          "u_s2", "u_sn", "u_n2", "v_s", "v_s2", "v_sn")
 
 
@@ -102,7 +102,8 @@ class DriftMonitor:
         S, k = t.row_sum[used], t.row_n[used].double()
         U = S - t.row_sq[used] / 2
         n = t.n
-        upd = dict(n=n, n_low=t.histograms[1].above, s1=t.s1, s2=t.s2, se=t.se, see=t.see, k3=t.k3, rev=t.rev,
+        # values below each range: a's above, since the histograms count a = -x
+        upd = dict(n=n, n_low=t.histograms[1].above, n_below_fine=t.histograms[0].above, s1=t.s1, s2=t.s2, se=t.se, see=t.see, k3=t.k3, rev=t.rev,
                    n_out=t.n_out, tail_sq=t.tail_sq, adp=t.adp, units=int(used.sum()),
                    u_s=S.sum().item(), u_s2=(S * S).sum().item(), u_sn=(S * k).sum().item(),
                    u_n2=(k * k).sum().item(), v_s=U.sum().item(), v_s2=(U * U).sum().item(),
@@ -146,8 +147,10 @@ class DriftMonitor:
         lo_f, hi_f, nb_f = FINE
         width_c, width_f = (hi_c - lo_c) / nb_c, (hi_f - lo_f) / nb_f
         cum_c = self.coarse.cumsum(0)
-        start_f = round((lo_f - lo_c) / width_c)  # coarse bin where the fine range starts
-        before_f = cum_c[start_f - 1].item()
+        # ranks below the fine range as the fine histogram itself counted them: a value on the
+        # range's edge can land in the coarse bin below it and in the fine range's first bin
+        # (float32 binning), and the coarse count put every later rank one off
+        before_f = self.sums["n_below_fine"] - self.sums["n_low"]
         cum_f = self.fine.cumsum(0) + before_f
         out = {}
         for q in QUANTILES:
